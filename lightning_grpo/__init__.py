@@ -1,0 +1,15 @@
+"""GRPO for language models as a PyTorch Lightning plugin."""
+
+from lightning_grpo.config import GRPOConfig
+from lightning_grpo.module import GRPOModule
+
+__all__ = ["GRPOConfig", "GRPOModule", "PromptDataModule"]
+__version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    if name == "PromptDataModule":
+        from lightning_grpo.data import PromptDataModule
+
+        return PromptDataModule
+    raise AttributeError(name)

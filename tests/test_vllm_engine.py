@@ -1,0 +1,210 @@
+"""VLLMRolloutEngine against Hugging Face transformers on the same weights (real vLLM, CPU build in CI).
+
+Equalities between two real paths:
+* the engine's sampler logprobs of the tokens it sampled == a teacher-forced HF forward of prompt + completion,
+  ``log_softmax(processed(logits / T))`` gathered at the sampled ids, where ``processed`` is transformers'
+  ``TopPLogitsWarper`` when ``top_p < 1`` (vLLM returns the logprobs of the distribution it sampled from, which
+  top-p renormalizes over the nucleus; both libraries keep the tokens whose ascending cumulative probability
+  exceeds ``1 - top_p``);
+* after an AdamW step on the HF model and ``sync_weights``, the engine's greedy completions == the HF rollout
+  engine's greedy completions on the new weights (tied embeddings included: a stale lm_head fails this).
+
+vLLM engines live in this process (several at once work); one per model, shared by the module and closed at
+its end. Each engine is paired with the HF model that holds the same weights, so test order does not matter.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("vllm")
+
+import torch  # noqa: E402
+from transformers import AutoModelForCausalLM, TopPLogitsWarper  # noqa: E402
+
+from lightning_grpo.rollout.base import SamplingConfig  # noqa: E402
+from lightning_grpo.rollout.hf import HFRolloutEngine  # noqa: E402
+from lightning_grpo.rollout.vllm import VLLMRolloutEngine  # noqa: E402
+from lightning_grpo.rollout.weights import checkpoint_name, hf_weights  # noqa: E402
+
+ATOL = 1e-4  # float32 engine vs float32 HF; observed differences are ~1e-6
+
+
+class Pair:
+    """A vLLM engine and an HF model holding the same weights."""
+
+    def __init__(self, path: str) -> None:
+        self.engine = VLLMRolloutEngine(path, kv_cache_space_gib=1, max_model_len=512, dtype="float32", seed=0)
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        self.tokenizer = self.engine.tokenizer
+
+
+def _pair(path: str):
+    pair = Pair(path)
+    yield pair
+    pair.engine.close()
+
+
+@pytest.fixture(scope="module")
+def untied(tiny_llama_path):
+    yield from _pair(tiny_llama_path)
+
+
+@pytest.fixture(scope="module")
+def tied(tiny_tied_llama_path):
+    yield from _pair(tiny_tied_llama_path)
+
+
+@pytest.fixture(scope="module")
+def smollm2(smollm2_path):
+    yield from _pair(smollm2_path)
+
+
+def _chat_prompts(tokenizer, questions: list[str]) -> list[list[int]]:
+    return [
+        list(tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, return_dict=False))
+        for q in questions
+    ]
+
+
+@torch.no_grad()
+def hf_logprobs(model, out, temperature: float, top_p: float) -> torch.Tensor:
+    """Teacher-forced ``(N, T)`` logprobs of ``out.completion_ids`` under processed(logits / T), 0 where masked."""
+    result = torch.zeros(out.completion_ids.shape, dtype=torch.float32)
+    warper = TopPLogitsWarper(top_p) if top_p < 1.0 else None
+    for row in range(out.completion_ids.shape[0]):
+        prompt = out.prompt_ids[row][out.prompt_mask[row].bool()]
+        length = int(out.completion_mask[row].sum())
+        completion = out.completion_ids[row, :length]
+        logits = model(torch.cat([prompt, completion])[None]).logits[0, len(prompt) - 1 : -1] / temperature
+        if warper is not None:
+            logits = warper(None, logits)
+        result[row, :length] = logits.log_softmax(-1).gather(-1, completion[:, None])[:, 0]
+    return result
+
+
+def _token_prompts(seed: int, count: int, length: int, vocab: int) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (length,), generator=generator).tolist() for _ in range(count)]
+
+
+@pytest.mark.parametrize("which", ["untied", "tied", "smollm2"])
+@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 0.9)])
+def test_sampler_logprobs_match_hf_recomputed(request, which, temperature, top_p):
+    pair = request.getfixturevalue(which)
+    prompts = _chat_prompts(pair.tokenizer, ["What is 7 times 6?", "Name a color."])
+    prompts.append(prompts[0][:5])  # a shorter prompt exercises the left padding
+    sampling = SamplingConfig(max_new_tokens=8, temperature=temperature, top_p=top_p)
+    out = pair.engine.generate(prompts, num_generations=3, sampling=sampling)
+
+    n, t = out.completion_ids.shape
+    assert n == 9 and t <= 8 and out.sampler_logprobs.dtype == torch.float32
+    # prompt-major order: rows 3i..3i+2 carry prompt i, left-padded
+    for row in range(n):
+        assert out.prompt_ids[row][out.prompt_mask[row].bool()].tolist() == prompts[row // 3]
+    assert out.prompt_mask[6, : out.prompt_ids.shape[1] - 5].sum() == 0
+
+    expected = hf_logprobs(pair.model, out, temperature, top_p)
+    mask = out.completion_mask.bool()
+    torch.testing.assert_close(out.sampler_logprobs, expected, atol=ATOL, rtol=0)
+    assert (out.sampler_logprobs[~mask] == 0).all()
+    assert (out.sampler_logprobs[mask] <= 0).all()
+    if top_p < 1.0:
+        # the renormalization over the nucleus is real: plain log_softmax(logits / T) is lower somewhere
+        plain = hf_logprobs(pair.model, out, temperature, 1.0)
+        assert (out.sampler_logprobs - plain)[mask].max() > 1e-2
+
+
+def test_greedy_matches_hf_engine_and_stops_at_eos(smollm2):
+    prompts = _chat_prompts(smollm2.tokenizer, ["What is 2+2?", "Say hello."])
+    sampling = SamplingConfig(max_new_tokens=24, greedy=True)
+    out = smollm2.engine.generate(prompts, num_generations=2, sampling=sampling)
+    reference = HFRolloutEngine(smollm2.model, smollm2.tokenizer).generate(prompts, 2, sampling)
+
+    assert out.completions == reference.completions
+    length = out.completion_mask.sum(1)
+    assert torch.equal(length, reference.completion_mask.sum(1))
+    for row in range(4):
+        k = int(length[row])
+        assert out.completion_ids[row, :k].tolist() == reference.completion_ids[row, :k].tolist()
+    assert torch.equal(out.truncated, reference.truncated)
+    # "What is 2+2?" is answered within 24 tokens: the row ends with EOS, included in the mask
+    assert not out.truncated[0]
+    assert out.completion_ids[0, int(length[0]) - 1].item() in smollm2.engine.eos_token_ids
+    assert "4" in out.completions[0]
+    # greedy logprobs are those of log_softmax(logits) (temperature 1)
+    torch.testing.assert_close(out.sampler_logprobs, hf_logprobs(smollm2.model, out, 1.0, 1.0), atol=ATOL, rtol=0)
+
+
+def _optimizer_step(model, batch: torch.Tensor) -> None:
+    """One AdamW step (lr 1e-2) on the language-modelling loss of ``batch``."""
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(batch, labels=batch).loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    model.eval()
+
+
+@pytest.mark.parametrize("which", ["untied", "tied"])
+def test_sync_weights_after_optimizer_step(request, which):
+    pair = request.getfixturevalue(which)
+    vocab = pair.model.config.vocab_size
+    # 150 tokens: more than one 128-token KV block, so the prefix cache holds this prompt between calls
+    prompts = _token_prompts(seed=1, count=2, length=150, vocab=vocab)
+    sampling = SamplingConfig(max_new_tokens=12, greedy=True)
+    hf_engine = HFRolloutEngine(pair.model, pair.tokenizer)
+
+    before = pair.engine.generate(prompts, num_generations=2, sampling=sampling)
+    assert torch.equal(before.completion_ids, hf_engine.generate(prompts, 2, sampling).completion_ids)
+
+    _optimizer_step(pair.model, torch.tensor(_token_prompts(seed=2, count=4, length=32, vocab=vocab)))
+    reference = hf_engine.generate(prompts, 2, sampling)
+    assert not torch.equal(reference.completion_ids, before.completion_ids), "the step must change greedy outputs"
+
+    pair.engine.sync_weights(pair.model)
+    after = pair.engine.generate(prompts, num_generations=2, sampling=sampling)
+    assert torch.equal(after.completion_ids, reference.completion_ids)
+    torch.testing.assert_close(after.sampler_logprobs, hf_logprobs(pair.model, after, 1.0, 1.0), atol=ATOL, rtol=0)
+
+
+def test_hf_weights_sends_lm_head_for_tied_embeddings(tied):
+    names = [name for name, _ in hf_weights(tied.model, tie_word_embeddings=True)]
+    assert names.count("lm_head.weight") == 1 and names.count("model.embed_tokens.weight") == 1
+    weights = dict(hf_weights(tied.model, tie_word_embeddings=True))
+    assert weights["lm_head.weight"] is weights["model.embed_tokens.weight"]
+
+
+def test_checkpoint_name_strips_wrappers():
+    wrapped = "module._orig_mod.model.layers.0._checkpoint_wrapped_module.mlp.up_proj.weight"
+    assert checkpoint_name(wrapped) == "model.layers.0.mlp.up_proj.weight"
+    assert checkpoint_name("lm_head.weight") == "lm_head.weight"
+
+
+def test_seeded_global_generator_reproduces_samples_and_sleep_is_noop_on_cpu(untied):
+    prompts = _token_prompts(seed=3, count=2, length=10, vocab=untied.model.config.vocab_size)
+    sampling = SamplingConfig(max_new_tokens=6, temperature=1.0)
+    torch.manual_seed(123)
+    first = untied.engine.generate(prompts, 4, sampling)
+    untied.engine.sleep()
+    untied.engine.wake_up()
+    torch.manual_seed(123)
+    second = untied.engine.generate(prompts, 4, sampling)
+    third = untied.engine.generate(prompts, 4, sampling)
+    assert torch.equal(first.completion_ids, second.completion_ids)
+    assert not torch.equal(second.completion_ids, third.completion_ids)
+
+
+def test_bad_inputs_name_the_field(untied, tmp_path):
+    with pytest.raises(ValueError, match="model_path"):
+        VLLMRolloutEngine(tmp_path)
+    with pytest.raises(ValueError, match="num_generations"):
+        untied.engine.generate([[5, 6]], 0, SamplingConfig(max_new_tokens=2))
+    with pytest.raises(ValueError, match=r"prompt_ids\[1\] is empty"):
+        untied.engine.generate([[5, 6], []], 1, SamplingConfig(max_new_tokens=2))
+    with pytest.raises(ValueError, match="max_model_len=512"):
+        untied.engine.generate([[5] * 510], 1, SamplingConfig(max_new_tokens=8))
+    with pytest.raises(ValueError, match="temperature"):
+        untied.engine.generate([[5, 6]], 1, SamplingConfig(max_new_tokens=2, temperature=0.0))
+    with pytest.raises(ValueError, match="top_p"):
+        untied.engine.generate([[5, 6]], 1, SamplingConfig(max_new_tokens=2, top_p=1.5))
