@@ -2,6 +2,7 @@
 
 from lightning_grpo.config import GRPOConfig
 from lightning_grpo.module import GRPOModule
+from lightning_grpo import strategies  # noqa: F401  (registers the "grpo_fsdp2" strategy names)
 
 __all__ = ["GRPOConfig", "GRPOModule", "PromptDataModule"]
 __version__ = "0.1.0"

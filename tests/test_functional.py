@@ -173,3 +173,91 @@ def test_token_logprobs_errors():
         F.token_logprobs(torch.zeros(1, 2, 3), torch.zeros(1, 2, dtype=torch.long), 0.0)
     with pytest.raises(ValueError, match="do not match"):
         F.token_logprobs(torch.zeros(1, 2, 3), torch.zeros(1, 3, dtype=torch.long))
+
+
+# ---------------------------------------------------------------- issue 3: advantages, normalizer, entropy grad
+def test_rloo_is_the_leave_one_out_baseline():
+    # r = [1, 0, 0, 0]: r_0 - mean(0, 0, 0) = 1; r_1 - mean(1, 0, 0) = -1/3
+    adv = F.group_advantages(torch.tensor([1.0, 0.0, 0.0, 0.0]), 4, "none", estimator="rloo")
+    torch.testing.assert_close(adv, torch.tensor([1.0, -1 / 3, -1 / 3, -1 / 3]))
+    # with the group std (0.5) it is the GRPO advantage times G / (G - 1) = 4/3: [2, -2/3, -2/3, -2/3]
+    adv = F.group_advantages(torch.tensor([1.0, 0.0, 0.0, 0.0]), 4, "group", eps=0.0, estimator="rloo")
+    torch.testing.assert_close(adv, torch.tensor([2.0, -2 / 3, -2 / 3, -2 / 3]))
+
+
+def test_std_floor_keeps_float_noise_from_becoming_a_unit_advantage():
+    # seven 0.35 and one 0.35 + 1 ulp (3e-8): without eps or floor float noise becomes a unit-size advantage
+    # (the exact value depends on the rounding of the mean; at most (G-1)/sqrt(G) = 2.47)
+    rewards = torch.tensor([0.35] * 7 + [0.0])
+    rewards[7] = torch.nextafter(torch.tensor(0.35), torch.tensor(1.0))
+    noisy = F.group_advantages(rewards, 8, eps=0.0)
+    assert 1.0 < noisy.abs().max().item() <= 7 / math.sqrt(8) + 1e-4
+    # with the floor 1e-3 the centered values (~1e-8) stay ~1e-5
+    floored = F.group_advantages(rewards, 8, eps=0.0, std_floor=1e-3)
+    assert 0 < floored.abs().max().item() < 1e-4
+    # a real spread is untouched by the floor: seven 0.35 and one 0.0 (std 0.1237) -> -2.475
+    real = F.group_advantages(torch.tensor([0.35] * 7 + [0.0]), 8, eps=0.0, std_floor=1e-3)
+    assert real[7].item() == pytest.approx(-0.30625 / 0.123744, rel=1e-4)
+
+
+def test_missing_rewards_are_left_out_of_the_group_statistics():
+    nan = float("nan")
+    rewards = torch.tensor([1.0, nan, 0.0, 0.0, 5.0, nan, nan, nan])
+    valid = ~torch.isnan(rewards)
+    adv = F.group_advantages(rewards, 4, eps=0.0, valid=valid)
+    # group 1: valid [1, 0, 0], mean 1/3, unbiased std sqrt(1/3); group 2: one valid reward -> all 0
+    std = math.sqrt(1 / 3)
+    expected = torch.tensor([(2 / 3) / std, 0.0, (-1 / 3) / std, (-1 / 3) / std, 0.0, 0.0, 0.0, 0.0])
+    torch.testing.assert_close(adv, expected)
+    assert torch.isfinite(adv).all()
+    rloo = F.group_advantages(rewards, 4, "none", valid=valid, estimator="rloo")  # k = 3 valid: 3/2 * centered
+    torch.testing.assert_close(rloo[:4], torch.tensor([1.0, 0.0, -0.5, -0.5]))
+
+
+def test_batch_std_can_come_from_all_processes():
+    rewards = torch.tensor([1.0, 0.0, 3.0, 3.0])
+    adv = F.group_advantages(rewards, 2, "batch", eps=0.0, batch_std=2.0)
+    torch.testing.assert_close(adv, torch.tensor([0.25, -0.25, 0.0, 0.0]))
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"estimator": "ppo"}, "estimator='ppo'"),
+        ({"std_floor": -1.0}, "std_floor=-1.0"),
+        ({"valid": torch.ones(2, dtype=torch.bool)}, "valid"),
+    ],
+)
+def test_group_advantages_new_argument_errors(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        F.group_advantages(torch.zeros(4), 2, **kwargs)
+
+
+def test_grpo_normalizer_counts_only_sequences_with_loss_tokens():
+    mask = torch.tensor([[1, 1, 0], [0, 0, 0], [1, 0, 0]])
+    assert F.loss_normalizer(mask, "grpo") == 2.0
+    assert F.loss_normalizer(mask, "bnpo") == 3.0
+    assert F.loss_normalizer(mask, "dr_grpo", max_new_tokens=3) == 9.0  # a constant: every sequence counts
+    x = torch.tensor([[1.0, 3.0, 7.0], [9.0, 9.0, 9.0], [4.0, 8.0, 8.0]])
+    assert F.aggregate_loss(x, mask, "grpo").item() == pytest.approx((2.0 + 4.0) / 2)
+
+
+def test_policy_loss_reports_the_ratio():
+    logp = torch.tensor([[math.log(2.0), 0.0]])
+    _, stats = F.policy_loss(logp, torch.zeros(1, 2), torch.tensor([1.0]))
+    torch.testing.assert_close(stats.ratio, torch.tensor([[2.0, 1.0]]))
+
+
+def test_token_logprobs_entropy_gradient_matches_autograd():
+    torch.manual_seed(2)
+    logits = torch.randn(2, 3, 7, requires_grad=True)
+    labels = torch.randint(0, 7, (2, 3))
+    _, entropy = F.token_logprobs(logits, labels, 0.8, chunk_size=4, with_entropy=True, entropy_grad=True)
+    entropy.sum().backward()
+    ours = logits.grad.clone()
+    logits.grad = None
+    logp = torch.log_softmax(logits / 0.8, -1)
+    (-(logp.exp() * logp).sum(-1)).sum().backward()
+    torch.testing.assert_close(ours, logits.grad)
+    _, no_grad = F.token_logprobs(logits, labels, 0.8, with_entropy=True)
+    assert not no_grad.requires_grad

@@ -92,17 +92,17 @@ def _token_prompts(seed: int, count: int, length: int, vocab: int) -> list[list[
 @pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 0.9)])
 def test_sampler_logprobs_match_hf_recomputed(request, which, temperature, top_p):
     pair = request.getfixturevalue(which)
-    prompts = _chat_prompts(pair.tokenizer, ["What is 7 times 6?", "Name a color."])
-    prompts.append(prompts[0][:5])  # a shorter prompt exercises the left padding
-    sampling = SamplingConfig(max_new_tokens=8, temperature=temperature, top_p=top_p)
-    out = pair.engine.generate(prompts, num_generations=3, sampling=sampling)
+    prompt = _chat_prompts(pair.tokenizer, ["What is 7 times 6?"])[0]
+    prompts = [prompt, prompt[:5]]  # the shorter prompt exercises the left padding
+    sampling = SamplingConfig(max_new_tokens=6, temperature=temperature, top_p=top_p)
+    out = pair.engine.generate(prompts, num_generations=2, sampling=sampling)
 
     n, t = out.completion_ids.shape
-    assert n == 9 and t <= 8 and out.sampler_logprobs.dtype == torch.float32
-    # prompt-major order: rows 3i..3i+2 carry prompt i, left-padded
+    assert n == 4 and t <= 6 and out.sampler_logprobs.dtype == torch.float32
+    # prompt-major order: rows 2i, 2i+1 carry prompt i, left-padded
     for row in range(n):
-        assert out.prompt_ids[row][out.prompt_mask[row].bool()].tolist() == prompts[row // 3]
-    assert out.prompt_mask[6, : out.prompt_ids.shape[1] - 5].sum() == 0
+        assert out.prompt_ids[row][out.prompt_mask[row].bool()].tolist() == prompts[row // 2]
+    assert out.prompt_mask[2:, : len(prompt) - 5].sum() == 0
 
     expected = hf_logprobs(pair.model, out, temperature, top_p)
     mask = out.completion_mask.bool()
@@ -117,18 +117,19 @@ def test_sampler_logprobs_match_hf_recomputed(request, which, temperature, top_p
 
 def test_greedy_matches_hf_engine_and_stops_at_eos(smollm2):
     prompts = _chat_prompts(smollm2.tokenizer, ["What is 2+2?", "Say hello."])
-    sampling = SamplingConfig(max_new_tokens=24, greedy=True)
+    sampling = SamplingConfig(max_new_tokens=16, greedy=True)
     out = smollm2.engine.generate(prompts, num_generations=2, sampling=sampling)
-    reference = HFRolloutEngine(smollm2.model, smollm2.tokenizer).generate(prompts, 2, sampling)
+    reference = HFRolloutEngine(smollm2.model, smollm2.tokenizer).generate(prompts, 1, sampling)
 
-    assert out.completions == reference.completions
+    # the G greedy completions of a prompt are copies of the single HF greedy completion
+    assert out.completions == [text for text in reference.completions for _ in range(2)]
     length = out.completion_mask.sum(1)
-    assert torch.equal(length, reference.completion_mask.sum(1))
+    assert torch.equal(length, reference.completion_mask.sum(1).repeat_interleave(2))
     for row in range(4):
         k = int(length[row])
-        assert out.completion_ids[row, :k].tolist() == reference.completion_ids[row, :k].tolist()
-    assert torch.equal(out.truncated, reference.truncated)
-    # "What is 2+2?" is answered within 24 tokens: the row ends with EOS, included in the mask
+        assert out.completion_ids[row, :k].tolist() == reference.completion_ids[row // 2, :k].tolist()
+    assert torch.equal(out.truncated, reference.truncated.repeat_interleave(2))
+    # "What is 2+2?" is answered within 16 tokens: the row ends with EOS, included in the mask
     assert not out.truncated[0]
     assert out.completion_ids[0, int(length[0]) - 1].item() in smollm2.engine.eos_token_ids
     assert "4" in out.completions[0]
@@ -155,15 +156,15 @@ def test_sync_weights_after_optimizer_step(request, which):
     sampling = SamplingConfig(max_new_tokens=12, greedy=True)
     hf_engine = HFRolloutEngine(pair.model, pair.tokenizer)
 
-    before = pair.engine.generate(prompts, num_generations=2, sampling=sampling)
-    assert torch.equal(before.completion_ids, hf_engine.generate(prompts, 2, sampling).completion_ids)
+    before = pair.engine.generate(prompts, num_generations=1, sampling=sampling)
+    assert torch.equal(before.completion_ids, hf_engine.generate(prompts, 1, sampling).completion_ids)
 
     _optimizer_step(pair.model, torch.tensor(_token_prompts(seed=2, count=4, length=32, vocab=vocab)))
-    reference = hf_engine.generate(prompts, 2, sampling)
+    reference = hf_engine.generate(prompts, 1, sampling)
     assert not torch.equal(reference.completion_ids, before.completion_ids), "the step must change greedy outputs"
 
     pair.engine.sync_weights(pair.model)
-    after = pair.engine.generate(prompts, num_generations=2, sampling=sampling)
+    after = pair.engine.generate(prompts, num_generations=1, sampling=sampling)
     assert torch.equal(after.completion_ids, reference.completion_ids)
     torch.testing.assert_close(after.sampler_logprobs, hf_logprobs(pair.model, after, 1.0, 1.0), atol=ATOL, rtol=0)
 

@@ -68,7 +68,7 @@ class HFRolloutEngine:
             temperature=None if sampling.greedy else sampling.temperature,
             top_p=None if sampling.greedy else sampling.top_p,
             top_k=None if sampling.greedy else sampling.top_k,
-            num_return_sequences=num_generations,
+            num_return_sequences=1 if sampling.greedy else num_generations,
             eos_token_id=self.eos_token_ids,
             pad_token_id=self.pad_token_id,
             use_cache=True,
@@ -79,6 +79,8 @@ class HFRolloutEngine:
             out = self.model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
         finally:
             self.model.train(was_training)
+        if sampling.greedy:  # every greedy completion of a prompt is the same: decode once, repeat
+            out = out.repeat_interleave(num_generations, dim=0)
         completion_ids = out[:, ids.shape[1] :]  # [N, T]
         if completion_ids.shape[1] == 0:
             completion_ids = torch.full((out.shape[0], 1), self.pad_token_id, dtype=torch.long, device=device)

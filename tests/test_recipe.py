@@ -1,0 +1,47 @@
+"""The GSM8K recipe, YAML through the CLI and the Python API, one step each on the real SmolLM2-135M-Instruct."""
+
+import csv
+import glob
+import importlib.util
+import os
+from pathlib import Path
+
+import pytest
+
+from lightning_grpo.cli import main as cli_main
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.slow
+
+
+def _rows(root):
+    (path,) = glob.glob(os.path.join(root, "**", "metrics.csv"), recursive=True)
+    with open(path) as f:
+        return list(csv.DictReader(f))
+
+
+def test_yaml_recipe_one_step_on_smollm2(tmp_path, smollm2_path):
+    cli_main([
+        "fit", "--config", str(ROOT / "recipes" / "gsm8k_grpo.yaml"),
+        "--trainer.max_steps", "1", "--trainer.accumulate_grad_batches", "1", "--trainer.val_check_interval", "1",
+        "--trainer.default_root_dir", str(tmp_path), "--trainer.logger.init_args.save_dir", str(tmp_path),
+        "--data.prompts_per_step", "1", "--data.val_size", "2", "--data.val_batch_size", "2",
+        "--model.config.num_generations", "2", "--model.config.max_new_tokens", "24",
+        "--model.config.eval_max_new_tokens", "24", "--model.export_dir", str(tmp_path / "hf"),
+    ])
+    rows = _rows(tmp_path)
+    (train,) = [r for r in rows if r["loss"]]
+    assert 0 <= float(train["reward"]) <= 1.2
+    assert 1 <= float(train["completions/mean_length"]) <= 24
+    assert [r["val/accuracy"] for r in rows if r["val/accuracy"]] and (tmp_path / "hf" / "model.safetensors").exists()
+    assert glob.glob(str(tmp_path / "**" / "checkpoints" / "*.ckpt"), recursive=True)
+
+
+def test_python_recipe_one_step_on_smollm2(tmp_path, smollm2_path):
+    spec = importlib.util.spec_from_file_location("gsm8k_grpo", ROOT / "recipes" / "gsm8k_grpo.py")
+    recipe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(recipe)
+    trainer = recipe.main(max_steps=1, prompts_per_step=1, num_generations=2, max_new_tokens=16, val_size=2, accumulate_grad_batches=1,
+                          root=str(tmp_path))
+    assert trainer.global_step == 1
+    assert [r for r in _rows(tmp_path) if r["val/accuracy"]]
