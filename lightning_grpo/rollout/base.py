@@ -7,7 +7,7 @@ implements :class:`RolloutEngine`. The trainer never depends on an engine's inte
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Protocol, Sequence, runtime_checkable
+from typing import Any, Optional, Protocol, Sequence, runtime_checkable
 
 import torch
 from torch import Tensor
@@ -98,3 +98,17 @@ def completion_mask_from_eos(completion_ids: Tensor, eos_token_ids: Sequence[int
     positions = torch.arange(t, device=completion_ids.device).expand(n, t)
     mask = (positions <= first.unsqueeze(1)).long()
     return mask, ~has_eos
+
+
+def eos_token_ids_from(generation_config: Any, tokenizer: Any) -> list[int]:
+    """Every id that ends a completion: ``generation_config.eos_token_id`` (an int or a list) plus the
+    tokenizer's ``eos_token_id``, sorted."""
+    ids: set[int] = set()
+    configured = getattr(generation_config, "eos_token_id", None)
+    if isinstance(configured, int):
+        ids.add(configured)
+    elif configured is not None:
+        ids.update(int(i) for i in configured)
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return sorted(ids)

@@ -45,7 +45,7 @@ from typing import Any, Optional, Sequence
 import torch
 from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase
 
-from lightning_grpo.rollout.base import RolloutOutput, SamplingConfig, completion_mask_from_eos
+from lightning_grpo.rollout.base import RolloutOutput, SamplingConfig, completion_mask_from_eos, eos_token_ids_from
 from lightning_grpo.rollout.hf import left_pad
 from lightning_grpo.rollout.weights import hf_weights
 
@@ -78,20 +78,6 @@ def vllm_on_cpu() -> bool:
     from vllm.platforms import current_platform
 
     return bool(current_platform.is_cpu())
-
-
-def eos_token_ids_from(generation_config: Optional[GenerationConfig], tokenizer: PreTrainedTokenizerBase) -> list[int]:
-    """Every id that ends a completion: ``generation_config.eos_token_id`` (an int or a list) plus the
-    tokenizer's ``eos_token_id``, sorted."""
-    ids: set[int] = set()
-    configured = getattr(generation_config, "eos_token_id", None)
-    if isinstance(configured, int):
-        ids.add(configured)
-    elif configured is not None:
-        ids.update(int(i) for i in configured)
-    if tokenizer.eos_token_id is not None:
-        ids.add(int(tokenizer.eos_token_id))
-    return sorted(ids)
 
 
 class VLLMRolloutEngine:
