@@ -1,6 +1,6 @@
 """GRPOConfig: every knob of the algorithm, validated on construction.
 
-Names follow TRL's ``GRPOConfig`` where they mean the same thing; the README maps each to verl.
+Names follow TRL's ``GRPOConfig`` where they mean the same thing; docs/algorithm.md maps each to TRL and verl.
 """
 
 from __future__ import annotations

