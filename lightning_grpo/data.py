@@ -36,6 +36,8 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader
 
+from lightning_grpo.rewards.gsm8k import gold_answer
+
 log = logging.getLogger(__name__)
 
 #: Environment variable naming the folder that holds the preset data (``<dir>/gsm8k/train.jsonl``, ...).
@@ -114,7 +116,7 @@ def gsm8k_final_answer(text: str) -> str:
     """
     if "####" not in text:
         raise ValueError(f"GSM8K answer has no '####' final-answer marker: {text!r}")
-    answer = text.rsplit("####", 1)[1].strip().replace(",", "")
+    answer = gold_answer(text).replace(",", "")
     if not answer:
         raise ValueError(f"GSM8K answer has nothing after '####': {text!r}")
     return answer
