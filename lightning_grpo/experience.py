@@ -10,6 +10,7 @@ import torch
 from torch import Tensor
 
 from lightning_grpo.functional import loss_normalizer
+from lightning_grpo.packing import sequence_token_counts, token_budget_partition
 
 
 @dataclass
@@ -34,6 +35,7 @@ class Experience:
         loss_scale: factor that undoes Lightning's division by ``accumulate_grad_batches`` and the data-parallel
             gradient averaging (``accumulate_grad_batches * world_size``), so the step's gradient is the gradient
             of (summed loss / loss_normalizer).
+        step_start: True on the first micro-batch of an optimizer step (the gradients are zeroed before it).
         step_end: True on the last micro-batch of an optimizer step (metrics are logged then).
         on_policy: True while the policy has not been updated since the rollout (the micro-batches of a rollout's
             first optimizer step): the detached current logprobs are then the old logprobs, so the ratio is
@@ -51,6 +53,7 @@ class Experience:
     sampler_logprobs: Optional[Tensor] = None
     loss_normalizer: Optional[float] = None
     loss_scale: float = 1.0
+    step_start: bool = True
     step_end: bool = True
     on_policy: bool = True
     metrics: dict[str, float] = field(default_factory=dict)
@@ -93,11 +96,15 @@ def micro_batches(
     world_size: int = 1,
     generator: Optional[torch.Generator] = None,
     all_reduce_sum: Callable[[Tensor], Tensor] = lambda t: t,
+    max_tokens_per_microbatch: Optional[int] = None,
 ) -> Iterator[Experience]:
     """Cut one rollout's experience into the micro-batches of ``num_iterations`` shuffled passes.
 
     Each pass shuffles the ``N`` sequences, cuts them into ``N / mini_batch_size`` mini-batches (one optimizer
-    step each) and each mini-batch into ``accumulate_grad_batches`` micro-batches (one ``training_step`` each).
+    step each) and each mini-batch into ``accumulate_grad_batches`` micro-batches (one ``training_step`` each), or,
+    with ``max_tokens_per_microbatch``, into as many micro-batches as the token budget needs
+    (:func:`lightning_grpo.packing.token_budget_partition` over real prompt + completion tokens). The loss
+    normalizer is the mini-batch's, so the step's loss and gradient do not depend on the split.
 
     Args:
         experience: the rollout's experience (``N`` rows on this process).
@@ -108,6 +115,8 @@ def micro_batches(
         world_size: data-parallel processes (for ``loss_scale``).
         generator: random generator of the shuffles.
         all_reduce_sum: sums a tensor over the data-parallel processes (identity on one process).
+        max_tokens_per_microbatch: token budget of a micro-batch (then ``accumulate_grad_batches`` must be 1);
+            None = fixed counts.
 
     Yields:
         micro-batch Experiences, with ``loss_normalizer``, ``loss_scale``, ``step_end`` and ``on_policy`` (True
@@ -128,7 +137,13 @@ def micro_batches(
             f"Trainer(accumulate_grad_batches={accumulate_grad_batches}) must divide "
             f"GRPOConfig.mini_batch_size={mini_batch_size} (micro-batches per optimizer step)"
         )
+    if max_tokens_per_microbatch is not None and accumulate_grad_batches != 1:
+        raise ValueError(
+            f"GRPOConfig.max_tokens_per_microbatch={max_tokens_per_microbatch} forms the micro-batches of a step by "
+            f"token budget: set Trainer(accumulate_grad_batches=1), not {accumulate_grad_batches}"
+        )
     micro_size = mini_batch_size // accumulate_grad_batches
+    counts = sequence_token_counts(experience.prompt_mask, experience.completion_mask).tolist()
     step = 0
     for _ in range(num_iterations):
         order = torch.randperm(n, generator=generator)
@@ -136,11 +151,16 @@ def micro_batches(
             mask = experience.completion_mask[mini]
             local = torch.tensor([loss_normalizer(mask, loss_type, max_new_tokens)], dtype=torch.float64)
             normalizer = float(all_reduce_sum(local.to(experience.completion_mask.device)).item())
-            parts = mini.split(micro_size)
+            if max_tokens_per_microbatch is None:
+                parts = list(mini.split(micro_size))
+            else:
+                bins = token_budget_partition([counts[i] for i in mini.tolist()], max_tokens_per_microbatch)
+                parts = [mini[torch.tensor(b, dtype=torch.long)] for b in bins]
             for i, micro in enumerate(parts):
                 batch = experience.select(micro)
                 batch.loss_normalizer = normalizer
                 batch.loss_scale = float(accumulate_grad_batches * world_size)
+                batch.step_start = i == 0
                 batch.step_end = i == len(parts) - 1
                 batch.on_policy = step == 0
                 if batch.step_end:

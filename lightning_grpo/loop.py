@@ -33,23 +33,38 @@ class ExperienceFetcher(_DataFetcher):
 
     Args:
         module: the GRPOModule (``make_experience`` and ``micro_batches`` are called on it).
-        micro_batches_per_rollout: training_step calls that one rollout yields.
+        micro_batches_per_rollout: training_step calls that one rollout yields; None when it varies (token-budget
+            micro-batches): the epoch's length is then unknown and ends when the prompts run out.
+
+    Attributes:
+        current: the micro-batch handed out last (its ``step_start``/``step_end`` place the optimizer steps when
+            the count varies, see :func:`install_step_boundaries`).
+        prompt_batches_drawn: prompt batches taken from the DataLoader in this epoch (saved in checkpoints).
     """
 
-    def __init__(self, module: "GRPOModule", micro_batches_per_rollout: int) -> None:
+    def __init__(self, module: "GRPOModule", micro_batches_per_rollout: Optional[int]) -> None:
         super().__init__()
         self.module = module
         self.micro_batches_per_rollout = micro_batches_per_rollout
         self._pending: Iterator[Experience] = iter(())
         self._index = 0
+        self.current: Optional[Experience] = None
+
+    @property
+    def prompt_batches_drawn(self) -> int:
+        return self._index
 
     def reset(self) -> None:
         super().reset()
         if self.length is not None:
-            self.length *= self.micro_batches_per_rollout
-            self.done = self.length == 0
+            if self.micro_batches_per_rollout is None:
+                self.length = None
+            else:
+                self.length *= self.micro_batches_per_rollout
+                self.done = self.length == 0
         self._pending = iter(())
         self._index = 0
+        self.current = None
 
     def __next__(self) -> Any:
         assert self.iterator is not None
@@ -74,6 +89,7 @@ class ExperienceFetcher(_DataFetcher):
         self.fetched += 1
         if self.length is not None:
             self.done = self.fetched >= self.length
+        self.current = micro
         return micro, self.fetched - 1, 0
 
     def _next_prompt_batch(self) -> Optional[Any]:
@@ -90,7 +106,16 @@ class ExperienceFetcher(_DataFetcher):
 
     def _skip_consumed_prompt_batches(self) -> None:
         """After a mid-epoch resume Lightning sets ``fetched`` to the batches already trained on: skip the
-        prompt batches they came from (a partly used rollout is dropped: training resumes at the next one)."""
+        prompt batches they came from (a partly used rollout is dropped: training resumes at the next one).
+        With a varying micro-batch count the checkpoint's ``prompt_batches_drawn`` says how many to skip."""
+        if self.micro_batches_per_rollout is None:
+            if self._index == 0 and self.fetched > 0:
+                used = self.module.resume_prompt_batches or 0
+                while self._index < used:
+                    next(self.iterator)
+                    self._index += 1
+            self._index += 1
+            return
         used_rollouts = -(-self.fetched // self.micro_batches_per_rollout)  # ceil
         while self._index < used_rollouts:
             next(self.iterator)
@@ -129,7 +154,17 @@ class GRPOFitLoop(_FitLoop):
         fetcher.setup(self._combined_loader)
         iter(fetcher)
         self._data_fetcher = fetcher
-        if self.max_batches != float("inf"):
+        if per_rollout is None:
+            install_step_boundaries(self, fetcher)
+            if self.max_batches != 0:
+                self.max_batches = float("inf")  # the micro-batches per rollout vary: the epoch ends with the data
+            if isinstance(val_check_interval, float) and val_check_interval != 1.0:
+                raise ValueError(
+                    f"Trainer(val_check_interval={val_check_interval}) is a fraction of an epoch, whose length in "
+                    "micro-batches is unknown with GRPOConfig.max_tokens_per_microbatch: give an int (micro-batches) "
+                    "or 1.0 (once per epoch)"
+                )
+        elif self.max_batches != float("inf"):
             self.max_batches = int(self.max_batches) * per_rollout
         if getattr(trainer, "_val_check_time_interval", None) is not None or self.max_batches == 0:
             return
@@ -137,6 +172,29 @@ class GRPOFitLoop(_FitLoop):
             trainer.val_check_batch = val_check_interval
         elif self.max_batches != float("inf"):
             trainer.val_check_batch = max(1, int(self.max_batches * val_check_interval))
+
+
+def install_step_boundaries(loop: GRPOFitLoop, fetcher: ExperienceFetcher) -> None:
+    """Let the micro-batches' ``step_start``/``step_end`` flags, not a count, decide where Lightning zeroes the
+    gradients and steps the optimizer (token-budget micro-batches: ``Trainer(accumulate_grad_batches=1)`` and a
+    varying number of micro-batches per step). Patches two private methods of Lightning 2.6's training epoch loop
+    on this instance only."""
+    epoch_loop = loop.epoch_loop
+    accumulation = epoch_loop.automatic_optimization
+    count_reached = type(epoch_loop)._accumulated_batches_reached.__get__(epoch_loop)
+    count_zero_grad = type(accumulation)._make_zero_grad_fn.__get__(accumulation)
+
+    def accumulated_batches_reached() -> bool:
+        current = fetcher.current
+        return count_reached() if current is None else current.step_end
+
+    def make_zero_grad_fn(batch_idx: int, optimizer: Any) -> Any:
+        zero_grad = count_zero_grad(batch_idx, optimizer)
+        current = fetcher.current
+        return zero_grad if current is None or current.step_start else None
+
+    epoch_loop._accumulated_batches_reached = accumulated_batches_reached  # type: ignore[method-assign]
+    accumulation._make_zero_grad_fn = make_zero_grad_fn  # type: ignore[method-assign]
 
 
 def install_loop(trainer: "L.Trainer") -> Optional[GRPOFitLoop]:

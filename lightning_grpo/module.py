@@ -27,6 +27,7 @@ from lightning_grpo.config import GRPOConfig
 from lightning_grpo.experience import Experience, micro_batches
 from lightning_grpo.loop import install_loop
 from lightning_grpo.models import resolve_model_path
+from lightning_grpo.packing import pack_sequences, sequence_token_counts, token_budget_partition
 from lightning_grpo.rewards import resolve_reward_function
 from lightning_grpo.rewards.scoring import reward_function_names, score_completions
 from lightning_grpo.rollout.base import RolloutEngine, RolloutOutput, SamplingConfig
@@ -35,6 +36,7 @@ from lightning_grpo.rollout.hf import HFRolloutEngine
 log = logging.getLogger(__name__)
 
 RewardSpec = Union[str, Callable[..., list]]
+_TIMING_KEYS = ("rollout_s", "scoring_s", "logprobs_s", "sync_s", "forward_s", "backward_s", "optimizer_s")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -148,6 +150,11 @@ class GRPOModule(L.LightningModule):
         self._step_maxima: dict[str, Tensor] = {}
         self._weights_version = 0
         self._engine_version = 0
+        self._timing: dict[str, float] = {}
+        self.resume_prompt_batches: Optional[int] = None  # prompt batches drawn in the epoch of a loaded checkpoint
+        self._step_start_time: Optional[float] = None
+        self._backward_start = 0.0
+        self._backward_end: Optional[float] = None
 
     # ------------------------------------------------------------------ setup
     @property
@@ -197,8 +204,20 @@ class GRPOModule(L.LightningModule):
         if self.ref_model is not None:
             self.ref_model.to(self.device)
 
-    def micro_batches_per_rollout(self) -> int:
-        """``training_step`` calls per rollout: num_iterations * mini-batches * accumulate_grad_batches.
+    def micro_batches_per_rollout(self) -> Optional[int]:
+        """``training_step`` calls per rollout: num_iterations * mini-batches * accumulate_grad_batches; None with
+        ``max_tokens_per_microbatch`` (the token budget decides, rollout by rollout).
+
+        Raises:
+            ValueError: the datamodule does not say how many prompts a rollout batch has (``prompts_per_step``).
+        """
+        if self.config.max_tokens_per_microbatch is not None:
+            self.steps_per_rollout()  # checks the datamodule
+            return None
+        return self.steps_per_rollout() * self.trainer.accumulate_grad_batches
+
+    def steps_per_rollout(self) -> int:
+        """Optimizer steps per rollout: num_iterations * (rollout batch / mini_batch_size).
 
         Raises:
             ValueError: the datamodule does not say how many prompts a rollout batch has (``prompts_per_step``).
@@ -211,7 +230,7 @@ class GRPOModule(L.LightningModule):
             )
         n = prompts * self.config.num_generations
         mini = self.config.mini_batch_size or n
-        return self.config.num_iterations * (n // mini) * self.trainer.accumulate_grad_batches
+        return self.config.num_iterations * (n // mini)
 
     # --------------------------------------------------------------- rollout
     def tokenize_prompts(self, prompts: Sequence[Any]) -> tuple[list[list[int]], int]:
@@ -244,6 +263,18 @@ class GRPOModule(L.LightningModule):
         if behind >= self.config.vllm_sync_every or (force and behind > 0) or self._engine_version < 0:
             self.rollout_engine.sync_weights(self.policy)
             self._engine_version = self._weights_version
+
+    def _wake_engine(self) -> None:
+        wake_up = getattr(self.rollout_engine, "wake_up", None)
+        if callable(wake_up):
+            wake_up()
+
+    def _sleep_engine(self) -> None:
+        """Free the rollout engine's accelerator memory before training (vLLM sleep mode with
+        ``vllm_enable_sleep_mode``, GPU only; engines without ``sleep`` keep nothing between rollouts)."""
+        sleep = getattr(self.rollout_engine, "sleep", None)
+        if callable(sleep):
+            sleep(1)
 
     def generate(self, prompts: Sequence[Any], num_generations: int, sampling: SamplingConfig) -> RolloutOutput:
         """Rollout with the current policy: prompts (message lists or strings) -> ``RolloutOutput``."""
@@ -283,7 +314,10 @@ class GRPOModule(L.LightningModule):
             raise KeyError(f"prompt batches need a 'prompt' column, got columns {sorted(batch)}")
         cfg = self.config
         g = cfg.num_generations
+        sync_start = time.perf_counter()
+        self._wake_engine()
         self._sync_engine()
+        self._add_timing("sync_s", time.perf_counter() - sync_start)
         sampler = DynamicSampler(len(batch["prompt"]), self.primary_reward_index, cfg.dynamic_sampling)
         totals = {"timing/rollout_s": 0.0, "timing/scoring_s": 0.0, "prompts/truncated": 0.0, "generated_tokens": 0.0}
         while True:
@@ -297,6 +331,7 @@ class GRPOModule(L.LightningModule):
                 break
             assert next_batch is not None
             batch = next_batch
+        self._sleep_engine()  # the engine's KV cache (and weights) leave the accelerator while training
         rollout, sampling_stats = sampler.batch()
 
         device = self.device
@@ -348,10 +383,13 @@ class GRPOModule(L.LightningModule):
         experience.metrics = self._rollout_metrics(rollout, scored, extra, totals, sampling_stats)
         experience.metrics.update(
             {
-                "timing/logprobs_s": logprob_s,
                 "tokens_per_s": totals["generated_tokens"] / max(totals["timing/rollout_s"], 1e-9),
             }
         )
+        self._add_timing("rollout_s", totals["timing/rollout_s"])
+        self._add_timing("scoring_s", totals["timing/scoring_s"])
+        self._add_timing("logprobs_s", logprob_s)
+        self._add_timing("generated_tokens", totals["generated_tokens"])
         self._rollout_end = time.perf_counter()
         return experience
 
@@ -466,8 +504,6 @@ class GRPOModule(L.LightningModule):
             metrics[key] = total if key in summed else total / max(number, 1.0)
         metrics["completions/max_length"] = float(lengths.max())
         metrics["completions/min_length"] = float(lengths.min())
-        metrics["timing/rollout_s"] = totals["timing/rollout_s"]
-        metrics["timing/scoring_s"] = totals["timing/scoring_s"]
         return metrics
 
     def _all_reduce_sum(self, tensor: Tensor) -> Tensor:
@@ -490,26 +526,31 @@ class GRPOModule(L.LightningModule):
             world_size=getattr(self.trainer.strategy, "data_parallel_size", self.trainer.world_size),
             generator=generator,
             all_reduce_sum=self._all_reduce_sum,
+            max_tokens_per_microbatch=self.config.max_tokens_per_microbatch,
         )
 
     def _batched_logprobs(self, model: nn.Module, experience: Experience) -> Tensor:
-        """Logprobs of the completions under ``model`` (no grad), in micro-batch-sized chunks."""
-        size = max(1, (self.config.mini_batch_size or len(experience)) // self.trainer.accumulate_grad_batches)
-        chunks = []
+        """Logprobs of the completions under ``model`` (no grad), in micro-batch-sized chunks (by token budget with
+        ``max_tokens_per_microbatch``)."""
+        budget = self.config.max_tokens_per_microbatch
+        if budget is not None:
+            counts = sequence_token_counts(experience.prompt_mask, experience.completion_mask).tolist()
+            parts = [torch.tensor(p, dtype=torch.long) for p in token_budget_partition(counts, budget)]
+        else:
+            size = max(1, (self.config.mini_batch_size or len(experience)) // self.trainer.accumulate_grad_batches)
+            parts = list(torch.arange(len(experience)).split(size))
+        result = torch.zeros(experience.completion_ids.shape, device=experience.completion_ids.device)
         was_training = model.training
         model.eval()
         try:
             with self.trainer.precision_plugin.forward_context():
-                for start in range(0, len(experience), size):
-                    index = torch.arange(start, min(start + size, len(experience)))
+                for index in parts:
                     part = experience.select(index)
                     logprobs, _ = self.completion_logprobs(model, part)
-                    padded = logprobs.new_zeros((len(index), experience.completion_ids.shape[1]))
-                    padded[:, : logprobs.shape[1]] = logprobs
-                    chunks.append(padded)
+                    result[index.to(result.device), : logprobs.shape[1]] = logprobs.float()
         finally:
             model.train(was_training)
-        return torch.cat(chunks)
+        return result
 
     def completion_logprobs(
         self, model: nn.Module, batch: Experience, with_entropy: bool = False, entropy_grad: bool = False
@@ -530,6 +571,14 @@ class GRPOModule(L.LightningModule):
                     f"{type(model).__name__}.completion_logprobs does not provide: set entropy_coef=0"
                 )
             return model.completion_logprobs(batch, self.config.temperature, with_entropy=with_entropy)
+        if self.config.padding_free:
+            return self._packed_logprobs(model, batch, with_entropy, entropy_grad)
+        return self._padded_logprobs(model, batch, with_entropy, entropy_grad)
+
+    def _padded_logprobs(
+        self, model: nn.Module, batch: Experience, with_entropy: bool, entropy_grad: bool
+    ) -> tuple[Tensor, Optional[Tensor]]:
+        """The padded path of :meth:`completion_logprobs`: ``(B, P + T)`` rows with an attention mask."""
         input_ids = torch.cat([batch.prompt_ids, batch.completion_ids], dim=1)  # [B, P+T]
         attention_mask = torch.cat([batch.prompt_mask, batch.completion_mask], dim=1)  # [B, P+T]
         position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)  # [B, P+T]
@@ -541,6 +590,43 @@ class GRPOModule(L.LightningModule):
             logits, batch.completion_ids, self.config.temperature, with_entropy=with_entropy, entropy_grad=entropy_grad
         )
 
+    def _packed_logprobs(
+        self, model: nn.Module, batch: Experience, with_entropy: bool, entropy_grad: bool
+    ) -> tuple[Tensor, Optional[Tensor]]:
+        """The padding-free path of :meth:`completion_logprobs`: the batch's real tokens packed into rows
+        (:func:`lightning_grpo.packing.pack_sequences`, rows of ``packed_row_tokens``), one forward pass per row,
+        logits only at the completion positions. Rows without loss tokens are not computed (their logprobs are 0)."""
+        mask = batch.completion_mask
+        shape = tuple(batch.completion_ids.shape)
+        has_loss = mask.any(dim=1).nonzero().flatten()
+        if has_loss.numel() == 0:
+            # no loss token in the batch: the padded forward keeps the graph (and the collectives) as on other ranks
+            return self._padded_logprobs(model, batch, with_entropy, entropy_grad)
+        counts = sequence_token_counts(batch.prompt_mask[has_loss], mask[has_loss]).tolist()
+        row_tokens = self.config.packed_row_tokens
+        if row_tokens is None:
+            from lightning_grpo.strategies import is_sharded
+
+            implementation = str(getattr(getattr(model, "config", None), "_attn_implementation", ""))
+            # varlen kernels, or FSDP (an all-gather per forward call): one row; else one sequence per row
+            row_tokens = sum(counts) if "flash" in implementation or is_sharded(model) else 1
+        logprobs = torch.zeros(shape, device=mask.device)
+        entropy = torch.zeros(shape, device=mask.device) if with_entropy else None
+        for part in token_budget_partition(counts, max(row_tokens, 1)):
+            rows = has_loss[torch.tensor(part, dtype=torch.long, device=has_loss.device)]
+            packed = pack_sequences(batch.prompt_ids[rows], batch.prompt_mask[rows], batch.completion_ids[rows], mask[rows])
+            out = model(input_ids=packed.input_ids, position_ids=packed.position_ids,
+                        logits_to_keep=packed.logit_index, use_cache=False)
+            row_logprobs, row_entropy = F.token_logprobs(
+                out.logits, packed.target_ids, self.config.temperature, with_entropy=with_entropy,
+                entropy_grad=entropy_grad,
+            )
+            index = (rows[packed.rows], packed.cols)
+            logprobs = logprobs.index_put(index, row_logprobs.reshape(-1))
+            if entropy is not None and row_entropy is not None:
+                entropy = entropy.index_put(index, row_entropy.reshape(-1))
+        return logprobs, entropy
+
     # -------------------------------------------------------------- training
     def training_step(self, batch: Experience, batch_idx: int) -> Tensor:
         """GRPO loss on one experience micro-batch (DeepSeekMath eq. 3 with the chosen variants; see
@@ -550,7 +636,10 @@ class GRPOModule(L.LightningModule):
         ``accumulate_grad_batches`` and data-parallel averaging the step's gradient is that of
         (summed loss / step normalizer).
         """
+        forward_start = time.perf_counter()
         output = self.compute_loss(batch)
+        self._add_timing("forward_s", time.perf_counter() - forward_start)
+        self._add_timing("train_tokens", float(self.forward_token_count(batch)))
         self._accumulate(output)
         if batch.step_end:
             self._log_step(batch.metrics)
@@ -668,7 +757,62 @@ class GRPOModule(L.LightningModule):
 
     def optimizer_step(self, *args: Any, **kwargs: Any) -> None:
         super().optimizer_step(*args, **kwargs)
+        if self._backward_end is not None:  # clipping, grad-norm and the optimizer's step, after the last backward
+            self._add_timing("optimizer_s", time.perf_counter() - self._backward_end)
         self._weights_version += 1
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        fetcher = getattr(getattr(self._trainer, "fit_loop", None), "_data_fetcher", None)
+        drawn = getattr(fetcher, "prompt_batches_drawn", None)
+        if drawn is not None:
+            checkpoint["lightning_grpo_prompt_batches_drawn"] = int(drawn)
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self.resume_prompt_batches = checkpoint.get("lightning_grpo_prompt_batches_drawn")
+
+    # ---------------------------------------------------------------- timing
+    def _add_timing(self, key: str, value: float) -> None:
+        self._timing[key] = self._timing.get(key, 0.0) + value
+
+    def forward_token_count(self, batch: Experience) -> int:
+        """Tokens the training forward pass of ``batch`` processes: the real prompt and completion tokens of the
+        rows with loss tokens (``padding_free``), else the padded ``B * (P + T)``."""
+        if self.config.padding_free and batch.completion_mask.any():
+            has_loss = batch.completion_mask.any(dim=1)
+            return int(batch.prompt_mask[has_loss].sum() + batch.completion_mask.sum())
+        return int(batch.prompt_ids.numel() + batch.completion_ids.numel())
+
+    def on_train_start(self) -> None:
+        self._step_start_time = time.perf_counter()
+        self._timing = {}
+
+    def on_before_backward(self, loss: Tensor) -> None:
+        self._backward_start = time.perf_counter()
+
+    def on_after_backward(self) -> None:
+        self._backward_end = time.perf_counter()
+        self._add_timing("backward_s", self._backward_end - self._backward_start)
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        """After an optimizer step, log where its wall time went (seconds): ``timing/rollout_s`` (generation),
+        ``scoring_s`` (reward functions), ``logprobs_s`` (old/reference logprob passes), ``sync_s`` (weights into
+        the rollout engine), ``forward_s`` (training forward + loss), ``backward_s``, ``optimizer_s`` (clipping,
+        grad norm, optimizer step), ``step_s`` (the whole step, from the end of the previous one) and ``other_s``
+        (the rest: Lightning, logging, callbacks such as checkpointing, validation run before the step). Also
+        ``generated_tokens`` and ``train_tokens`` (tokens through the training forward passes)."""
+        if not isinstance(batch, Experience) or not batch.step_end:
+            return
+        now = time.perf_counter()
+        timing, self._timing = self._timing, {}
+        start, self._step_start_time = self._step_start_time, now
+        self._backward_end = None
+        metrics = {f"timing/{k}": timing.get(k, 0.0) for k in _TIMING_KEYS}
+        if start is not None:
+            metrics["timing/step_s"] = now - start
+            metrics["timing/other_s"] = metrics["timing/step_s"] - sum(metrics[f"timing/{k}"] for k in _TIMING_KEYS)
+        metrics["generated_tokens"] = timing.get("generated_tokens", 0.0)
+        metrics["train_tokens"] = timing.get("train_tokens", 0.0)
+        self.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)
 
     def configure_optimizers(self) -> Any:
         params = [p for p in self.policy.parameters() if p.requires_grad]
@@ -682,10 +826,12 @@ class GRPOModule(L.LightningModule):
     # ------------------------------------------------------------ validation
     def validation_step(self, batch: dict[str, list], batch_idx: int) -> None:
         """Greedy accuracy (``val/accuracy``, a torchmetrics MeanMetric over all processes)."""
+        self._wake_engine()
         self._sync_engine(force=True)
         cfg = self.config
         sampling = SamplingConfig(max_new_tokens=cfg.eval_max_new_tokens or cfg.max_new_tokens, greedy=True)
         out = self.generate(batch["prompt"], 1, sampling)
+        self._sleep_engine()
         columns = {k: v for k, v in batch.items() if k != "prompt"}
         scores = self.accuracy_reward(batch["prompt"], out.completions, **columns)
         values = torch.tensor([float("nan") if s is None else float(s) for s in scores], device=self.device)

@@ -69,6 +69,9 @@ def reference_step(case: dict, model: str, tmp: Path) -> dict:
     return _REFERENCES[key]
 
 
+ADAM_LR, ADAM_EPS = 1e-3, 1e-8  # the workers' AdamW (GRPOModule(learning_rate=1e-3), torch's default eps)
+
+
 def assert_same_step(reference: dict, ranks: list[dict], atol: float = 1e-5) -> None:
     """The distributed run's loss, grad_norm, post-clip gradients, updated weights and reference logprobs equal the
     1-process run's, on every rank."""
@@ -81,7 +84,15 @@ def assert_same_step(reference: dict, ranks: list[dict], atol: float = 1e-5) -> 
             torch.testing.assert_close(result["grads"][name], grad, atol=atol, rtol=0, msg=f"gradient of {name}")
         assert set(result["weights"]) == set(reference["weights"])
         for name, weight in reference["weights"].items():
-            torch.testing.assert_close(result["weights"][name], weight, atol=atol, rtol=0, msg=f"weight {name}")
+            # AdamW's first step moves a weight by lr * g / (|g| + eps), whose derivative lr * eps / (|g| + eps)^2 is
+            # up to lr / eps = 1e5 where |g| is near eps: there the float32 summation-order difference of the two
+            # gradients (held to the gradient check above) may move the weights apart by that much, and no more.
+            grad, other = reference["grads"].get(name), result["grads"].get(name)
+            slack = 0.0
+            if grad is not None and other is not None:
+                slack = ADAM_LR * ADAM_EPS * (other - grad).abs() / (torch.minimum(grad.abs(), other.abs()) + ADAM_EPS) ** 2
+            excess = (result["weights"][name] - weight).abs() - (atol + 2 * slack)
+            assert excess.max() <= 0, f"weight {name}: off by {excess.max().item():.3g} more than allowed"
     rows = {}
     for result in ranks:
         rows.update(result["ref_logprobs"])

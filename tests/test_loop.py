@@ -51,13 +51,14 @@ class StepRecorder(Callback):
     """Records each optimizer step's experience micro-batches and the weights after each step."""
 
     def __init__(self):
-        self.batches, self.after_step, self.steps = [], [], 0
+        self.batches, self.after_step, self.grads, self.steps = [], [], [], 0
 
     def on_train_batch_start(self, trainer, module, batch, batch_idx):
         self.batches.append(batch)
 
     def on_before_optimizer_step(self, trainer, module, optimizer):
         self.steps += 1
+        self.grads.append({n: p.grad.detach().clone() for n, p in module.policy.named_parameters() if p.grad is not None})
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
         if batch.step_end:
@@ -174,3 +175,81 @@ def test_mini_batch_size_must_divide_the_rollout(tmp_path, tiny_llama_path):
     trainer = _trainer(tmp_path, 1, logger=False)
     with pytest.raises(ValueError, match="mini_batch_size=3"):
         trainer.fit(module, datamodule=PromptDataModule(prompts_per_step=2, val_size=0))
+
+
+def _first_step_weights_and_batches(tmp_path, tiny_llama_path, accumulate, **config):
+    recorder = StepRecorder()
+    L.seed_everything(0)
+    module = _module(tiny_llama_path, **config)
+    trainer = _trainer(tmp_path, 1, callbacks=[recorder], logger=CSVLogger(str(tmp_path), name="logs"),
+                       accumulate_grad_batches=accumulate)
+    trainer.fit(module, datamodule=PromptDataModule(prompts_per_step=2, val_size=0))
+    grad_norm = float(next(r["grad_norm"] for r in _read_csv(tmp_path) if r.get("grad_norm")))
+    return recorder, grad_norm
+
+
+def test_token_budget_step_equals_the_fixed_count_step(tmp_path, tiny_llama_path):
+    """One optimizer step on the same rollout: 2 fixed micro-batches vs micro-batches formed by a token budget
+    (a varying count, Trainer(accumulate_grad_batches=1)) give the same gradient (not the last micro-batch's
+    alone: the gradients are zeroed once per step)."""
+    fixed, fixed_norm = _first_step_weights_and_batches(tmp_path / "fixed", tiny_llama_path, 2)
+    first = fixed.batches[0]
+    per_sequence = int(first.prompt_mask.sum(dim=1).max()) + 8  # a budget of ~2.5 sequences of the rollout
+    budget, budget_norm = _first_step_weights_and_batches(
+        tmp_path / "budget", tiny_llama_path, 1, max_tokens_per_microbatch=int(per_sequence * 2.5)
+    )
+    assert len(fixed.batches) == 2
+    assert len(budget.batches) >= 3 and budget.steps == 1  # several micro-batches, one optimizer step
+    assert [b.step_end for b in budget.batches] == [False] * (len(budget.batches) - 1) + [True]
+    assert [b.step_start for b in budget.batches] == [True] + [False] * (len(budget.batches) - 1)
+    assert sum(len(b) for b in budget.batches) == 8
+    assert budget_norm == pytest.approx(fixed_norm, rel=1e-5)
+    assert set(budget.grads[0]) == set(fixed.grads[0])
+    for name, grad in fixed.grads[0].items():
+        torch.testing.assert_close(budget.grads[0][name], grad, atol=1e-7, rtol=1e-4, msg=name)
+
+
+def test_step_time_breakdown_is_logged(tmp_path, tiny_llama_path):
+    trainer = _trainer(tmp_path, 2, accumulate_grad_batches=2)
+    trainer.fit(_module(tiny_llama_path), datamodule=PromptDataModule(prompts_per_step=2, val_size=0))
+    rows = [r for r in _read_csv(tmp_path) if r.get("timing/step_s")]
+    assert len(rows) == 2
+    parts = ["rollout_s", "scoring_s", "logprobs_s", "sync_s", "forward_s", "backward_s", "optimizer_s"]
+    for row in rows:
+        values = {k: float(row[f"timing/{k}"]) for k in parts}
+        assert all(v >= 0 for v in values.values())
+        assert min(values["rollout_s"], values["forward_s"], values["backward_s"], values["optimizer_s"]) > 0
+        assert float(row["timing/other_s"]) >= 0
+        assert float(row["timing/step_s"]) == pytest.approx(sum(values.values()) + float(row["timing/other_s"]))
+        assert float(row["generated_tokens"]) == pytest.approx(8 * float(row["completions/mean_length"]))
+        assert float(row["train_tokens"]) > float(row["generated_tokens"])
+
+
+def test_token_budget_resume_skips_the_drawn_prompt_batches(tmp_path, tiny_llama_path):
+    checkpoint = ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), save_last=True, every_n_train_steps=1)
+    config = {"max_tokens_per_microbatch": 64}
+    trainer = _trainer(tmp_path, 2, callbacks=[checkpoint], logger=False)
+    trainer.fit(_module(tiny_llama_path, **config), datamodule=PromptDataModule(prompts_per_step=2, val_size=0))
+    assert trainer.global_step == 2
+    saved = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=False)
+    assert saved["lightning_grpo_prompt_batches_drawn"] == 2
+
+    class DrawnRecorder(StepRecorder):
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            self.drawn = trainer.fit_loop._data_fetcher.prompt_batches_drawn
+
+    recorder = DrawnRecorder()
+    resumed = _trainer(tmp_path, 4, callbacks=[recorder], logger=False)
+    module = _module(tiny_llama_path, **config)
+    resumed.fit(module, datamodule=PromptDataModule(prompts_per_step=2, val_size=0),
+                ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"))
+    assert resumed.global_step == 4 and recorder.steps == 2
+    assert module.resume_prompt_batches == 2
+    assert recorder.drawn == 4  # 2 skipped + 2 trained on
+
+
+def test_token_budget_needs_accumulate_grad_batches_1(tmp_path, tiny_llama_path):
+    trainer = _trainer(tmp_path, 1, logger=False, accumulate_grad_batches=2)
+    with pytest.raises(ValueError, match=r"max_tokens_per_microbatch=64 .*accumulate_grad_batches=1\), not 2"):
+        trainer.fit(_module(tiny_llama_path, max_tokens_per_microbatch=64),
+                    datamodule=PromptDataModule(prompts_per_step=2, val_size=0))

@@ -149,6 +149,7 @@ class VLLMRolloutEngine:
         else:
             kwargs["enable_sleep_mode"] = enable_sleep_mode
         self.sleep_enabled = enable_sleep_mode and not self.on_cpu
+        self.sleeping = False
         self.llm = vllm.LLM(**kwargs)
 
         self.tokenizer = AutoTokenizer.from_pretrained(str(path))
@@ -293,13 +294,15 @@ class VLLMRolloutEngine:
         :meth:`wake_up`). A no-op on CPU and when ``enable_sleep_mode`` was False."""
         if level not in (1, 2):
             raise ValueError(f"level must be 1 or 2, got {level}")
-        if self.sleep_enabled:
+        if self.sleep_enabled and not self.sleeping:
             self.llm.sleep(level=level)
+            self.sleeping = True
 
     def wake_up(self) -> None:
         """Undo :meth:`sleep`. A no-op on CPU and when ``enable_sleep_mode`` was False."""
-        if self.sleep_enabled:
+        if self.sleep_enabled and self.sleeping:
             self.llm.wake_up()
+            self.sleeping = False
 
     def close(self) -> None:
         """Shut the engine down and release its memory (KV cache, weights). The engine is unusable after.

@@ -20,6 +20,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Optional, Union
 
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy, StrategyRegistry
+import torch
 from torch import Tensor
 
 from lightning_grpo.strategies.fsdp1 import configure_fsdp1, is_fsdp1
@@ -93,6 +94,18 @@ def configure_sharding(module: "GRPOModule") -> None:
         configure_fsdp2(module, strategy)
     elif isinstance(strategy, FSDPStrategy):
         configure_fsdp1(module, strategy)
+
+
+def is_sharded(model: torch.nn.Module) -> bool:
+    """Whether ``model`` is sharded by FSDP2 (``fully_shard``) or wrapped by FSDP1: each forward call then
+    all-gathers the parameters, so callers should make few, large forward calls."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch < 2.6
+        FSDPModule = ()  # type: ignore[assignment,misc]
+    return isinstance(model, FullyShardedDataParallel) or (bool(FSDPModule) and isinstance(model, FSDPModule))
 
 
 def policy_grad_norm(module: "GRPOModule") -> Optional[Tensor]:
