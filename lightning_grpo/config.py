@@ -100,6 +100,10 @@ class GRPOConfig:
             row; otherwise one sequence per row, since sdpa/eager attention over
             a packed row is computed densely, across sequences (on the 2-core CPU one sequence per row was the
             fastest: fwd+bwd 14.4 s vs 23.6 s for one row and 17.4 s padded, 8 x (200 + 192) tokens, SmolLM2).
+        shared_prefix: in the padding-free forward, lay out each group of sequences that share a prompt (a GRPO
+            group) as one row, the prompt once and then every completion, with an attention mask that lets each
+            completion see the prompt and itself only: the prompt is computed once instead of G times. Exact (same
+            logprobs and gradients); needs sdpa or eager attention (custom 4-D masks), else ignored.
     Evaluation
         eval_max_new_tokens: max new tokens of the greedy validation rollouts (None = ``max_new_tokens``).
     vLLM engine (``rollout_engine="vllm"``)
@@ -152,6 +156,7 @@ class GRPOConfig:
     max_tokens_per_microbatch: Optional[int] = None
     padding_free: bool = True
     packed_row_tokens: Optional[int] = None
+    shared_prefix: bool = True
 
     eval_max_new_tokens: Optional[int] = None
 

@@ -27,7 +27,13 @@ from lightning_grpo.config import GRPOConfig
 from lightning_grpo.experience import Experience, micro_batches
 from lightning_grpo.loop import install_loop
 from lightning_grpo.models import resolve_model_path
-from lightning_grpo.packing import pack_sequences, sequence_token_counts, token_budget_partition
+from lightning_grpo.packing import (
+    merge_rows,
+    pack_sequences,
+    sequence_token_counts,
+    shared_prefix_rows,
+    token_budget_partition,
+)
 from lightning_grpo.rewards import resolve_reward_function
 from lightning_grpo.rewards.scoring import reward_function_names, score_completions
 from lightning_grpo.rollout.base import RolloutEngine, RolloutOutput, SamplingConfig
@@ -602,12 +608,14 @@ class GRPOModule(L.LightningModule):
         if has_loss.numel() == 0:
             # no loss token in the batch: the padded forward keeps the graph (and the collectives) as on other ranks
             return self._padded_logprobs(model, batch, with_entropy, entropy_grad)
+        implementation = str(getattr(getattr(model, "config", None), "_attn_implementation", ""))
+        if self.config.shared_prefix and implementation in ("sdpa", "eager"):
+            return self._shared_prefix_logprobs(model, batch, with_entropy, entropy_grad)
         counts = sequence_token_counts(batch.prompt_mask[has_loss], mask[has_loss]).tolist()
         row_tokens = self.config.packed_row_tokens
         if row_tokens is None:
             from lightning_grpo.strategies import is_sharded
 
-            implementation = str(getattr(getattr(model, "config", None), "_attn_implementation", ""))
             # varlen kernels, or FSDP (an all-gather per forward call): one row; else one sequence per row
             row_tokens = sum(counts) if "flash" in implementation or is_sharded(model) else 1
         logprobs = torch.zeros(shape, device=mask.device)
@@ -625,6 +633,38 @@ class GRPOModule(L.LightningModule):
             logprobs = logprobs.index_put(index, row_logprobs.reshape(-1))
             if entropy is not None and row_entropy is not None:
                 entropy = entropy.index_put(index, row_entropy.reshape(-1))
+        return logprobs, entropy
+
+    def _shared_prefix_logprobs(
+        self, model: nn.Module, batch: Experience, with_entropy: bool, entropy_grad: bool
+    ) -> tuple[Tensor, Optional[Tensor]]:
+        """The padding-free path with ``shared_prefix``: each group of sequences sharing a prompt is one row, the
+        prompt computed once (:func:`lightning_grpo.packing.shared_prefix_rows`, a custom 4-D attention mask); rows
+        are merged into forward passes of ``packed_row_tokens`` (automatic: one pass per group, or one pass in all
+        for an FSDP-sharded model, which all-gathers on every forward call)."""
+        shape = tuple(batch.completion_ids.shape)
+        dtype = next(model.parameters()).dtype
+        logprobs = torch.zeros(shape, device=batch.completion_ids.device)
+        entropy = torch.zeros(shape, device=batch.completion_ids.device) if with_entropy else None
+        groups = shared_prefix_rows(batch.prompt_ids, batch.prompt_mask, batch.completion_ids, batch.completion_mask,
+                                    dtype if dtype.is_floating_point else torch.float32)
+        sizes = [g.input_ids.shape[1] for g in groups]
+        row_tokens = self.config.packed_row_tokens
+        if row_tokens is None:
+            from lightning_grpo.strategies import is_sharded
+
+            row_tokens = sum(sizes) if is_sharded(model) else 1  # FSDP all-gathers per forward call: one call
+        for part in token_budget_partition(sizes, max(row_tokens, 1)):
+            row = merge_rows([groups[i] for i in part])
+            out = model(input_ids=row.input_ids, position_ids=row.position_ids, attention_mask=row.attention_mask,
+                        logits_to_keep=row.logit_index, use_cache=False)
+            row_logprobs, row_entropy = F.token_logprobs(
+                out.logits, row.target_ids, self.config.temperature, with_entropy=with_entropy,
+                entropy_grad=entropy_grad,
+            )
+            logprobs = logprobs.index_put((row.rows, row.cols), row_logprobs.reshape(-1))
+            if entropy is not None and row_entropy is not None:
+                entropy = entropy.index_put((row.rows, row.cols), row_entropy.reshape(-1))
         return logprobs, entropy
 
     # -------------------------------------------------------------- training

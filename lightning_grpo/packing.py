@@ -142,3 +142,118 @@ def token_budget_partition(token_counts: list[int], max_tokens: int) -> list[lis
     parts = lpt if fits else ffd
     parts = [sorted(p) for p in parts if p]
     return sorted(parts, key=lambda p: (-sum(token_counts[i] for i in p), p[0]))
+
+
+@dataclass
+class SharedPrefixRow:
+    """One group of sequences with the same prompt as one row: the prompt once, then each completion.
+
+    Attributes:
+        input_ids: ``(1, L)`` long, ``[prompt, completion_1, ..., completion_k]`` (real tokens only).
+        position_ids: ``(1, L)`` long, ``0 .. p-1`` for the prompt and ``p .. p + n_j - 1`` for each completion.
+        attention_mask: ``(1, 1, L, L)`` float additive mask (0 = attend, -inf = not): causal, and a completion
+            sees the prompt and its own earlier tokens, never another completion.
+        logit_index, target_ids, rows, cols: as in :class:`PackedBatch` (the last prompt position predicts every
+            completion's first token, so it may repeat).
+    """
+
+    input_ids: Tensor
+    position_ids: Tensor
+    attention_mask: Tensor
+    logit_index: Tensor
+    target_ids: Tensor
+    rows: Tensor
+    cols: Tensor
+
+
+def shared_prefix_rows(
+    prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor, completion_mask: Tensor, dtype: torch.dtype
+) -> list[SharedPrefixRow]:
+    """Group the rows with loss tokens by identical prompt (a GRPO group shares its prompt) and lay each group out
+    as one :class:`SharedPrefixRow`, so the prompt is computed once instead of once per completion. Exact: every
+    completion token sees the same context as in its own padded row.
+
+    Args:
+        prompt_ids, prompt_mask, completion_ids, completion_mask: as in :func:`pack_sequences`.
+        dtype: float dtype of the additive attention mask (the model's).
+
+    Raises:
+        ValueError: as :func:`pack_sequences`.
+    """
+    lengths = completion_mask.sum(dim=1)
+    if not torch.equal(completion_mask.cumprod(dim=1).sum(dim=1), lengths):
+        bad = (completion_mask.cumprod(dim=1).sum(dim=1) != lengths).nonzero().flatten().tolist()
+        raise ValueError(f"completion_mask rows {bad} are not prefix masks (1s then 0s): they cannot be packed")
+    device = completion_ids.device
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for i in range(completion_ids.shape[0]):
+        if int(lengths[i]) == 0:
+            continue
+        prompt = tuple(prompt_ids[i][prompt_mask[i].bool()].tolist())
+        if not prompt:
+            raise ValueError(f"row {i} has a completion but no prompt token (prompt_mask is all 0)")
+        groups.setdefault(prompt, []).append(i)
+    out = []
+    for prompt, members in groups.items():
+        p = len(prompt)
+        pieces = [torch.tensor(prompt, dtype=torch.long, device=device)]
+        positions = [torch.arange(p, device=device)]
+        segment = [torch.zeros(p, dtype=torch.long, device=device)]
+        logit_index, rows, cols = [], [], []
+        offset = p
+        for s, i in enumerate(members, start=1):
+            n = int(lengths[i])
+            pieces.append(completion_ids[i, :n])
+            positions.append(torch.arange(p, p + n, device=device))
+            segment.append(torch.full((n,), s, dtype=torch.long, device=device))
+            # token 0 is predicted by the last prompt position, token j > 0 by the completion's token j - 1
+            logit_index.append(torch.cat([torch.tensor([p - 1], device=device), torch.arange(offset, offset + n - 1, device=device)]))
+            rows.append(torch.full((n,), i, dtype=torch.long, device=device))
+            cols.append(torch.arange(n, device=device))
+            offset += n
+        seg = torch.cat(segment)
+        index = torch.arange(seg.numel(), device=device)
+        allowed = (index[None, :] <= index[:, None]) & ((seg[None, :] == seg[:, None]) | (seg[None, :] == 0))
+        mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)
+        row_index, col_index = torch.cat(rows), torch.cat(cols)
+        out.append(SharedPrefixRow(
+            input_ids=torch.cat(pieces)[None],
+            position_ids=torch.cat(positions)[None],
+            attention_mask=mask[None, None],
+            logit_index=torch.cat(logit_index),
+            target_ids=completion_ids[row_index, col_index][None],
+            rows=row_index,
+            cols=col_index,
+        ))
+    return out
+
+
+def merge_rows(rows: list[SharedPrefixRow]) -> SharedPrefixRow:
+    """Concatenate shared-prefix rows into one row (one forward pass): their masks go on the block diagonal, so no
+    token attends across rows.
+
+    Raises:
+        ValueError: ``rows`` is empty.
+    """
+    if not rows:
+        raise ValueError("merge_rows needs at least one row")
+    if len(rows) == 1:
+        return rows[0]
+    sizes = [r.input_ids.shape[1] for r in rows]
+    total = sum(sizes)
+    first = rows[0].attention_mask
+    mask = torch.full((total, total), torch.finfo(first.dtype).min, dtype=first.dtype, device=first.device)
+    offsets, offset = [], 0
+    for row, size in zip(rows, sizes):
+        mask[offset : offset + size, offset : offset + size] = row.attention_mask[0, 0]
+        offsets.append(offset)
+        offset += size
+    return SharedPrefixRow(
+        input_ids=torch.cat([r.input_ids for r in rows], dim=1),
+        position_ids=torch.cat([r.position_ids for r in rows], dim=1),
+        attention_mask=mask[None, None],
+        logit_index=torch.cat([r.logit_index + o for r, o in zip(rows, offsets)]),
+        target_ids=torch.cat([r.target_ids for r in rows], dim=1),
+        rows=torch.cat([r.rows for r in rows]),
+        cols=torch.cat([r.cols for r in rows]),
+    )

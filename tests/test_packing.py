@@ -8,7 +8,7 @@ import torch
 
 from lightning_grpo import GRPOConfig, GRPOModule
 from lightning_grpo.experience import Experience, micro_batches
-from lightning_grpo.packing import pack_sequences, sequence_token_counts, token_budget_partition
+from lightning_grpo.packing import pack_sequences, sequence_token_counts, shared_prefix_rows, token_budget_partition
 
 
 def test_pack_sequences_golden_layout():
@@ -27,6 +27,30 @@ def test_pack_sequences_golden_layout():
     unpacked = packed.unpack(torch.tensor([[0.1, 0.2, 0.3, 0.4]]), (3, 3))
     torch.testing.assert_close(unpacked, torch.tensor([[0.1, 0.2, 0.3], [0, 0, 0], [0.4, 0, 0]]))
     assert sequence_token_counts(prompt_mask, completion_mask).tolist() == [5, 3, 4]
+
+
+def test_shared_prefix_rows_golden_layout():
+    # rows 0 and 2 share the prompt [7, 8]; row 1 has its own prompt [9]
+    prompt_ids = torch.tensor([[0, 7, 8], [0, 0, 9], [0, 7, 8]])
+    prompt_mask = torch.tensor([[0, 1, 1], [0, 0, 1], [0, 1, 1]])
+    completion_ids = torch.tensor([[1, 2], [3, 0], [4, 5]])
+    completion_mask = torch.tensor([[1, 1], [1, 0], [1, 1]])
+    first, second = shared_prefix_rows(prompt_ids, prompt_mask, completion_ids, completion_mask, torch.float32)
+    assert first.input_ids.tolist() == [[7, 8, 1, 2, 4, 5]]
+    assert first.position_ids.tolist() == [[0, 1, 2, 3, 2, 3]]
+    assert first.logit_index.tolist() == [1, 2, 1, 4]  # the last prompt position predicts both first tokens
+    assert first.target_ids.tolist() == [[1, 2, 4, 5]]
+    assert first.rows.tolist() == [0, 0, 2, 2] and first.cols.tolist() == [0, 1, 0, 1]
+    attends = (first.attention_mask[0, 0] == 0).int().tolist()
+    assert attends == [
+        [1, 0, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0, 0],
+        [1, 1, 1, 0, 0, 0],
+        [1, 1, 1, 1, 0, 0],
+        [1, 1, 0, 0, 1, 0],  # the second completion sees the prompt and itself, not the first completion
+        [1, 1, 0, 0, 1, 1],
+    ]
+    assert second.input_ids.tolist() == [[9, 3]] and second.logit_index.tolist() == [0]
 
 
 def test_pack_sequences_rejects_a_non_prefix_mask():
@@ -52,12 +76,20 @@ def _random_experience(vocab_size, rows=5, prompt_len=7, completion_len=6, seed=
     )
 
 
-@pytest.mark.parametrize("packed_row_tokens", [None, 10**6, 20])  # one sequence per row, one row, a few rows
-def test_packed_logprobs_and_gradients_equal_the_padded_ones(tiny_llama_path, packed_row_tokens):
-    config = GRPOConfig(temperature=0.7, packed_row_tokens=packed_row_tokens)
+@pytest.mark.parametrize(
+    "shared_prefix, packed_row_tokens",
+    # prompt once per group (one group per pass, all groups in one pass); one sequence per row; one row; a few rows
+    [(True, None), (True, 10**6), (False, None), (False, 10**6), (False, 20)],
+)
+def test_packed_logprobs_and_gradients_equal_the_padded_ones(tiny_llama_path, shared_prefix, packed_row_tokens):
+    config = GRPOConfig(temperature=0.7, packed_row_tokens=packed_row_tokens, shared_prefix=shared_prefix)
     module = GRPOModule(tiny_llama_path, reward_funcs=["gsm8k_accuracy"], config=config)
     module.policy.eval()
-    batch = _random_experience(module.policy.config.vocab_size)
+    batch = _random_experience(module.policy.config.vocab_size, rows=6)
+    # two groups sharing a prompt (rows 0, 1, 3 and rows 4, 5; row 2 has no loss tokens), as in a GRPO rollout
+    for group in ([0, 1, 3], [4, 5]):
+        batch.prompt_ids[group] = batch.prompt_ids[group[0]].clone()
+        batch.prompt_mask[group] = batch.prompt_mask[group[0]].clone()
     weights = torch.randn(batch.completion_mask.shape, generator=torch.Generator().manual_seed(1))
     results = {}
     for padding_free in (False, True):
