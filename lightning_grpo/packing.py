@@ -1,11 +1,12 @@
-"""Padding-free packing and token-budget micro-batches.
+"""Padding-free layouts and token-budget micro-batches.
 
 :func:`pack_sequences` concatenates the real (unpadded) tokens of a batch of (prompt, completion) rows into one
 row with per-sequence position ids, the input of a padding-free forward pass: transformers derives a
 block-diagonal causal mask from position ids that restart at 0 (``masking_utils.find_packed_sequence_indices``
 for the sdpa/eager/flex paths; the varlen kernels for flash attention), so no compute is spent on padding.
-:func:`token_budget_partition` cuts a mini-batch into micro-batches by a token budget.
-"""
+:func:`shared_prefix_rows` lays out each group of rows sharing a prompt as one row (the prompt once, then every
+completion) with a 4-D mask, so a GRPO group's prompt is computed once; :func:`merge_rows` combines such rows into
+one forward pass. :func:`token_budget_partition` cuts a mini-batch into micro-batches by a token budget."""
 
 from __future__ import annotations
 
