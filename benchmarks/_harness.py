@@ -56,31 +56,10 @@ def build_tiny_model(dest: str, tokenizer_path: str) -> str:
     (about 1 in 49k per token), so its completions run to ``max_new_tokens``: step work is set by the
     settings, not by what the model happens to write.
     """
-    import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from lightning_grpo.models import save_tiny_llama
 
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        head_dim=64,
-        max_position_embeddings=2048,
-        tie_word_embeddings=True,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config).to(torch.float32)
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
-    model.save_pretrained(dest)
-    tokenizer.save_pretrained(dest)
-    return dest
+    return save_tiny_llama(dest, tokenizer_path, hidden_size=128, intermediate_size=256, num_attention_heads=2,
+                           num_key_value_heads=2, head_dim=64, tie_word_embeddings=True)
 
 
 def resolve_model(name: str, workdir: str) -> str:
@@ -174,6 +153,16 @@ def run_worker(spec: dict, workdir: str, label: str, verbose: bool = False, time
         result = json.load(handle)
     result["cpu_busy_before"] = busy
     return result
+
+
+def write_report(report: dict, path: Optional[str]) -> None:
+    """Write a benchmark report as JSON to ``path`` (parent folders created); nothing when ``path`` is empty."""
+    if not path:
+        return
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as handle:
+        json.dump(report, handle, indent=1)
+    print(f"\nwrote {path}")
 
 
 def cpu_busy_fraction(seconds: float = 1.0) -> Optional[float]:

@@ -23,7 +23,6 @@ Timings depend on the machine and its load; run it on a quiet machine. Nothing h
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
@@ -31,7 +30,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _harness import GIB, describe_run, median, resolve_model, run_worker  # noqa: E402
+from _harness import GIB, describe_run, median, resolve_model, run_worker, write_report  # noqa: E402
 
 
 def int_list(text: str) -> list[int]:
@@ -184,11 +183,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     report = {"settings": {k: v for k, v in vars(args).items() if k not in ("out", "workdir", "verbose")},
               "cpus": os.cpu_count(), "points": rows, "fit": fit,
               "versions": results[0][0].get("versions", {}), "runs": results}
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        with open(args.out, "w") as handle:
-            json.dump(report, handle, indent=1)
-        print(f"\nwrote {args.out}")
+    write_report(report, args.out)
     return report
 
 

@@ -47,7 +47,6 @@ machine and its load: run on a quiet machine; nothing here asserts on them.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import sys
@@ -56,7 +55,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _harness import BREAKDOWN_KEYS, GIB, STEP_KEY, describe_run, median, resolve_model, run_worker  # noqa: E402
+from _harness import BREAKDOWN_KEYS, GIB, STEP_KEY, describe_run, median, resolve_model, run_worker, write_report  # noqa: E402
 
 TRAINERS = {
     "trl": "A  TRL GRPOTrainer (HF generate)",
@@ -294,11 +293,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
         "ours_config": next((runs[0]["config"] for name, runs in results.items() if name != "trl"), None),
         "runs": results,
     }
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        with open(args.out, "w") as handle:
-            json.dump(report, handle, indent=1)
-        print(f"\nwrote {args.out}")
+    write_report(report, args.out)
     return report
 
 

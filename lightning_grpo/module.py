@@ -611,29 +611,13 @@ class GRPOModule(L.LightningModule):
         if self._shared_prefix(model):
             return self._shared_prefix_logprobs(model, batch, with_entropy, entropy_grad)
         counts = sequence_token_counts(batch.prompt_mask[has_loss], mask[has_loss]).tolist()
-        row_tokens = self.config.packed_row_tokens
-        if row_tokens is None:
-            from lightning_grpo.strategies import is_sharded
-
-            implementation = str(getattr(getattr(model, "config", None), "_attn_implementation", ""))
-            # varlen kernels, or FSDP (an all-gather per forward call): one row; else one sequence per row
-            row_tokens = sum(counts) if "flash" in implementation or is_sharded(model) else 1
-        logprobs = torch.zeros(shape, device=mask.device)
-        entropy = torch.zeros(shape, device=mask.device) if with_entropy else None
-        for part in token_budget_partition(counts, max(row_tokens, 1)):
+        passes = []
+        for part in token_budget_partition(counts, self._row_tokens(model, counts)):
             rows = has_loss[torch.tensor(part, dtype=torch.long, device=has_loss.device)]
             packed = pack_sequences(batch.prompt_ids[rows], batch.prompt_mask[rows], batch.completion_ids[rows], mask[rows])
-            out = model(input_ids=packed.input_ids, position_ids=packed.position_ids,
-                        logits_to_keep=packed.logit_index, use_cache=False)
-            row_logprobs, row_entropy = F.token_logprobs(
-                out.logits, packed.target_ids, self.config.temperature, with_entropy=with_entropy,
-                entropy_grad=entropy_grad,
-            )
-            index = (rows[packed.rows], packed.cols)
-            logprobs = logprobs.index_put(index, row_logprobs.reshape(-1))
-            if entropy is not None and row_entropy is not None:
-                entropy = entropy.index_put(index, row_entropy.reshape(-1))
-        return logprobs, entropy
+            inputs = dict(input_ids=packed.input_ids, position_ids=packed.position_ids, logits_to_keep=packed.logit_index)
+            passes.append((inputs, packed.target_ids, (rows[packed.rows], packed.cols)))
+        return self._forward_passes(model, passes, shape, with_entropy, entropy_grad)
 
     def _shared_prefix_logprobs(
         self, model: nn.Module, batch: Experience, with_entropy: bool, entropy_grad: bool
@@ -642,29 +626,45 @@ class GRPOModule(L.LightningModule):
         prompt computed once (:func:`lightning_grpo.packing.shared_prefix_rows`, a custom 4-D attention mask); rows
         are merged into forward passes of ``packed_row_tokens`` (automatic: one pass per group, or one pass in all
         for an FSDP-sharded model, which all-gathers on every forward call)."""
-        shape = tuple(batch.completion_ids.shape)
         dtype = next(model.parameters()).dtype
-        logprobs = torch.zeros(shape, device=batch.completion_ids.device)
-        entropy = torch.zeros(shape, device=batch.completion_ids.device) if with_entropy else None
         groups = shared_prefix_rows(batch.prompt_ids, batch.prompt_mask, batch.completion_ids, batch.completion_mask,
                                     dtype if dtype.is_floating_point else torch.float32)
         sizes = [g.input_ids.shape[1] for g in groups]
-        row_tokens = self.config.packed_row_tokens
-        if row_tokens is None:
-            from lightning_grpo.strategies import is_sharded
-
-            row_tokens = sum(sizes) if is_sharded(model) else 1  # FSDP all-gathers per forward call: one call
-        for part in token_budget_partition(sizes, max(row_tokens, 1)):
+        passes = []
+        for part in token_budget_partition(sizes, self._row_tokens(model, sizes)):
             row = merge_rows([groups[i] for i in part])
-            out = model(input_ids=row.input_ids, position_ids=row.position_ids, attention_mask=row.attention_mask,
-                        logits_to_keep=row.logit_index, use_cache=False)
+            inputs = dict(input_ids=row.input_ids, position_ids=row.position_ids, attention_mask=row.attention_mask,
+                          logits_to_keep=row.logit_index)
+            passes.append((inputs, row.target_ids, (row.rows, row.cols)))
+        return self._forward_passes(model, passes, tuple(batch.completion_ids.shape), with_entropy, entropy_grad)
+
+    def _row_tokens(self, model: nn.Module, sizes: list[int]) -> int:
+        """Tokens per forward pass of the padding-free paths: ``packed_row_tokens``, or automatically all rows in
+        one pass for varlen flash-attention kernels or an FSDP-sharded model (an all-gather per forward call), else
+        one row per pass (sdpa/eager compute a combined row's attention densely)."""
+        if self.config.packed_row_tokens is not None:
+            return self.config.packed_row_tokens
+        from lightning_grpo.strategies import is_sharded
+
+        implementation = str(getattr(getattr(model, "config", None), "_attn_implementation", ""))
+        return max(sum(sizes), 1) if "flash" in implementation or is_sharded(model) else 1
+
+    def _forward_passes(
+        self, model: nn.Module, passes: list, shape: tuple, with_entropy: bool, entropy_grad: bool
+    ) -> tuple[Tensor, Optional[Tensor]]:
+        """Run each ``(model inputs, target ids (1, K), (rows, cols) of the K targets)`` pass and scatter its
+        per-token logprobs (and entropy) into zero ``shape`` tensors of the padded completion layout."""
+        device = passes[0][1].device
+        logprobs = torch.zeros(shape, device=device)
+        entropy = torch.zeros(shape, device=device) if with_entropy else None
+        for inputs, target_ids, index in passes:
+            out = model(**inputs, use_cache=False)
             row_logprobs, row_entropy = F.token_logprobs(
-                out.logits, row.target_ids, self.config.temperature, with_entropy=with_entropy,
-                entropy_grad=entropy_grad,
+                out.logits, target_ids, self.config.temperature, with_entropy=with_entropy, entropy_grad=entropy_grad
             )
-            logprobs = logprobs.index_put((row.rows, row.cols), row_logprobs.reshape(-1))
+            logprobs = logprobs.index_put(index, row_logprobs.reshape(-1))
             if entropy is not None and row_entropy is not None:
-                entropy = entropy.index_put((row.rows, row.cols), row_entropy.reshape(-1))
+                entropy = entropy.index_put(index, row_entropy.reshape(-1))
         return logprobs, entropy
 
     # -------------------------------------------------------------- training

@@ -44,6 +44,20 @@ class PackedBatch:
         return out
 
 
+def completion_lengths(completion_mask: Tensor) -> Tensor:
+    """``(B,)`` long: the length of each row's prefix mask.
+
+    Raises:
+        ValueError: a row is not a prefix mask (1s then 0s): it cannot be packed.
+    """
+    lengths = completion_mask.sum(dim=1)
+    prefix = completion_mask.cumprod(dim=1).sum(dim=1)
+    if not torch.equal(prefix, lengths):
+        bad = (prefix != lengths).nonzero().flatten().tolist()
+        raise ValueError(f"completion_mask rows {bad} are not prefix masks (1s then 0s): they cannot be packed")
+    return lengths
+
+
 def pack_sequences(prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor, completion_mask: Tensor) -> PackedBatch:
     """Pack left-padded prompts and right-padded completions into one padding-free row.
 
@@ -57,10 +71,7 @@ def pack_sequences(prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tens
     Raises:
         ValueError: a completion_mask row is not a prefix mask, or a row with a completion has no prompt token.
     """
-    lengths = completion_mask.sum(dim=1)  # [B]
-    if not torch.equal(completion_mask.cumprod(dim=1).sum(dim=1), lengths):
-        bad = (completion_mask.cumprod(dim=1).sum(dim=1) != lengths).nonzero().flatten().tolist()
-        raise ValueError(f"completion_mask rows {bad} are not prefix masks (1s then 0s): they cannot be packed")
+    lengths = completion_lengths(completion_mask)  # [B]
     prompt_lengths = prompt_mask.sum(dim=1)
     device = completion_ids.device
     pieces, positions, logit_index, rows, cols = [], [], [], [], []
@@ -181,10 +192,7 @@ def shared_prefix_rows(
     Raises:
         ValueError: as :func:`pack_sequences`.
     """
-    lengths = completion_mask.sum(dim=1)
-    if not torch.equal(completion_mask.cumprod(dim=1).sum(dim=1), lengths):
-        bad = (completion_mask.cumprod(dim=1).sum(dim=1) != lengths).nonzero().flatten().tolist()
-        raise ValueError(f"completion_mask rows {bad} are not prefix masks (1s then 0s): they cannot be packed")
+    lengths = completion_lengths(completion_mask)
     device = completion_ids.device
     groups: dict[tuple[int, ...], list[int]] = {}
     for i in range(completion_ids.shape[0]):

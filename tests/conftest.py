@@ -29,30 +29,10 @@ def smollm2_path() -> str:
 
 
 def _save_tiny_llama(root: Path, smollm2_path: str, tie_word_embeddings: bool) -> str:
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from lightning_grpo.models import save_tiny_llama
 
-    tokenizer = AutoTokenizer.from_pretrained(smollm2_path)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        head_dim=32,
-        num_key_value_heads=1,
-        max_position_embeddings=2048,
-        tie_word_embeddings=tie_word_embeddings,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config).to(torch.float32)
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
-    model.save_pretrained(root)
-    tokenizer.save_pretrained(root)
-    return str(root)
+    return save_tiny_llama(root, smollm2_path, hidden_size=64, intermediate_size=128, num_attention_heads=2,
+                           num_key_value_heads=1, head_dim=32, tie_word_embeddings=tie_word_embeddings)
 
 
 @pytest.fixture(scope="session")
