@@ -15,7 +15,7 @@ logging, callbacks, checkpointing) is Lightning's own. ``GRPOModule.setup`` inst
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional, Protocol
 
 import lightning as L
 from lightning.pytorch.loops.fetchers import _DataFetcher
@@ -23,8 +23,26 @@ from lightning.pytorch.loops.fit_loop import _FitLoop
 
 from lightning_grpo.experience import Experience
 
-if TYPE_CHECKING:
-    from lightning_grpo.module import GRPOModule
+#: The checkpoint key of the prompt batches drawn in the current epoch (in the fit loop's own state dict).
+PROMPT_BATCHES_KEY = "prompt_batches_drawn"
+
+
+class ExperienceSource(Protocol):
+    """What the loop needs from the LightningModule (:class:`lightning_grpo.GRPOModule` implements it)."""
+
+    def make_experience(
+        self, batch: Any, next_prompt_batch: Optional[Callable[[], Optional[Any]]] = None
+    ) -> Experience:
+        """One rollout made from a prompt batch (and more batches with dynamic sampling)."""
+        ...
+
+    def micro_batches(self, experience: Experience) -> Iterator[Experience]:
+        """The rollout's micro-batches in training order."""
+        ...
+
+    def micro_batches_per_rollout(self) -> Optional[int]:
+        """``training_step`` calls per rollout, or None when it varies (token budgets)."""
+        ...
 
 
 class ExperienceFetcher(_DataFetcher):
@@ -32,9 +50,10 @@ class ExperienceFetcher(_DataFetcher):
     used up.
 
     Args:
-        module: the GRPOModule (``make_experience`` and ``micro_batches`` are called on it).
+        source: the module that makes experience (``make_experience`` and ``micro_batches`` are called on it).
         micro_batches_per_rollout: training_step calls that one rollout yields; None when it varies (token-budget
             micro-batches): the epoch's length is then unknown and ends when the prompts run out.
+        resume_prompt_batches: prompt batches drawn in the epoch of a loaded checkpoint (token budgets), or None.
 
     Attributes:
         current: the micro-batch handed out last (its ``step_start``/``step_end`` place the optimizer steps when
@@ -42,10 +61,12 @@ class ExperienceFetcher(_DataFetcher):
         prompt_batches_drawn: prompt batches taken from the DataLoader in this epoch (saved in checkpoints).
     """
 
-    def __init__(self, module: "GRPOModule", micro_batches_per_rollout: Optional[int]) -> None:
+    def __init__(self, source: ExperienceSource, micro_batches_per_rollout: Optional[int],
+                 resume_prompt_batches: Optional[int] = None) -> None:
         super().__init__()
-        self.module = module
+        self.source = source
         self.micro_batches_per_rollout = micro_batches_per_rollout
+        self.resume_prompt_batches = resume_prompt_batches
         self._pending: Iterator[Experience] = iter(())
         self._index = 0
         self.current: Optional[Experience] = None
@@ -81,8 +102,8 @@ class ExperienceFetcher(_DataFetcher):
                 except StopIteration:
                     self.done = True
                     raise
-                experience = self.module.make_experience(prompt_batch, next_prompt_batch=self._next_prompt_batch)
-                self._pending = self.module.micro_batches(experience)
+                experience = self.source.make_experience(prompt_batch, next_prompt_batch=self._next_prompt_batch)
+                self._pending = self.source.micro_batches(experience)
                 micro = next(self._pending)
         finally:
             self._stop_profiler()
@@ -110,7 +131,7 @@ class ExperienceFetcher(_DataFetcher):
         With a varying micro-batch count the checkpoint's ``prompt_batches_drawn`` says how many to skip."""
         if self.micro_batches_per_rollout is None:
             if self._index == 0 and self.fetched > 0:
-                used = self.module.resume_prompt_batches or 0
+                used = self.resume_prompt_batches or 0
                 while self._index < used:
                     next(self.iterator)
                     self._index += 1
@@ -136,6 +157,20 @@ class GRPOFitLoop(_FitLoop):
         super().__init__(trainer, min_epochs=source.min_epochs, max_epochs=source.max_epochs)
         self.epoch_loop = source.epoch_loop
         self._data_source = source._data_source  # the Trainer attached the user's datamodule/dataloaders to it
+        self.resume_prompt_batches: Optional[int] = None  # prompt batches drawn in the epoch of a loaded checkpoint
+
+    def on_save_checkpoint(self) -> dict:
+        """The base state plus the prompt batches drawn in this epoch (a token-budget resume skips them)."""
+        state_dict = super().on_save_checkpoint()
+        drawn = getattr(self._data_fetcher, "prompt_batches_drawn", None)
+        if drawn is not None:
+            state_dict[PROMPT_BATCHES_KEY] = int(drawn)
+        return state_dict
+
+    def on_load_checkpoint(self, state_dict: dict) -> None:
+        if PROMPT_BATCHES_KEY in state_dict:
+            self.resume_prompt_batches = int(state_dict[PROMPT_BATCHES_KEY])
+        super().on_load_checkpoint(state_dict)
 
     def setup_data(self) -> None:
         first = self._combined_loader is None or self._should_reload_train_dl
@@ -148,9 +183,9 @@ class GRPOFitLoop(_FitLoop):
             trainer.val_check_interval = val_check_interval
         if not first or self._combined_loader is None:
             return
-        module: GRPOModule = trainer.lightning_module  # type: ignore[assignment]
-        per_rollout = module.micro_batches_per_rollout()
-        fetcher = ExperienceFetcher(module, per_rollout)
+        source: ExperienceSource = trainer.lightning_module  # type: ignore[assignment]
+        per_rollout = source.micro_batches_per_rollout()
+        fetcher = ExperienceFetcher(source, per_rollout, self.resume_prompt_batches)
         fetcher.setup(self._combined_loader)
         iter(fetcher)
         self._data_fetcher = fetcher

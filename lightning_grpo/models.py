@@ -30,9 +30,13 @@ import sys
 import tempfile
 import zipfile
 from pathlib import Path
-from typing import Optional, Sequence, Union
+from typing import TYPE_CHECKING, Optional, Sequence, Union
 
 from filelock import FileLock
+
+if TYPE_CHECKING:
+    from torch import nn
+    from transformers import PreTrainedTokenizerBase
 
 log = logging.getLogger(__name__)
 
@@ -328,3 +332,64 @@ def save_tiny_llama(
     model.save_pretrained(str(dest))
     tokenizer.save_pretrained(str(dest))
     return str(dest)
+
+
+#: ``GRPOModule(dtype=...)`` names -> torch dtypes of the loaded weights.
+DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
+
+
+def load_policy(model: Union[str, nn.Module, None], tokenizer: Union[str, PreTrainedTokenizerBase, None],
+                dtype: str = "float32",
+                gradient_checkpointing: bool = False) -> tuple[nn.Module, PreTrainedTokenizerBase, Optional[str]]:
+    """The policy, its tokenizer and its folder (None for a module without one).
+
+    Args:
+        model: an HF model id, a local folder, a transformers causal LM module, or None / "embedded".
+        tokenizer: a tokenizer, its id/folder, or None (loaded from ``model``'s folder).
+        dtype: "float32", "bfloat16" or "float16" (weights loaded from a folder or id).
+        gradient_checkpointing: recompute activations in backward (``use_cache`` off).
+
+    Returns:
+        ``(policy, tokenizer, model_path)``; the policy in train mode, the tokenizer with a pad token (eos if none).
+
+    Raises:
+        ValueError: ``model`` is a module and ``tokenizer`` is None; ``dtype`` unknown.
+    """
+    import torch
+    from torch import nn
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype={dtype!r}: choose one of {sorted(DTYPES)}")
+    if isinstance(model, nn.Module):
+        if tokenizer is None:
+            raise ValueError("tokenizer is required when model is an nn.Module")
+        model_path: Optional[str] = getattr(getattr(model, "config", None), "_name_or_path", None) or None
+        policy = model
+    else:
+        model_path = resolve_model_path(model)
+        policy = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, DTYPES[dtype]))
+        policy.train()  # from_pretrained returns eval mode; Lightning expects train mode at fit start
+    if tokenizer is None or isinstance(tokenizer, str):
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer or model_path)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    if gradient_checkpointing:
+        policy.gradient_checkpointing_enable()
+        policy.config.use_cache = False
+    return policy, tokenizer, model_path
+
+
+class FrozenReference:
+    """Holds the frozen reference policy outside the LightningModule's module tree (not an ``nn.Module``, so it is
+    never checkpointed, optimized or moved by Lightning). ``model`` is None without a KL term (beta = 0)."""
+
+    def __init__(self, model: Optional[nn.Module] = None) -> None:
+        self.model = model
+
+    @classmethod
+    def copy_of(cls, policy: nn.Module) -> FrozenReference:
+        """A deep copy of ``policy`` in eval mode without gradients."""
+        import copy
+
+        return cls(copy.deepcopy(policy).eval().requires_grad_(False))

@@ -38,6 +38,15 @@ class FixedRolloutEngine:
         self.sampler_logprobs = sampler_logprobs
         self.calls = 0
 
+    def wake_up(self) -> None:
+        pass
+
+    def sleep(self, level: int = 1) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
     def sync_weights(self, model: torch.nn.Module) -> None:
         pass
 

@@ -112,7 +112,8 @@ class FixedExperienceModule(GradRecording, GRPOModule):
         rows = torch.cat([torch.arange(i * self.g, (i + 1) * self.g) for i in batch["index"]])
         exp = Experience(**{k: v[rows].to(self.device) for k, v in self.fixed.items()}).trimmed()
         if self.ref_model is not None:
-            exp.ref_logprobs = self._batched_logprobs(self.ref_model, exp)
+            size = max(1, (self.config.mini_batch_size or len(exp)) // self.trainer.accumulate_grad_batches)
+            exp.ref_logprobs = self.logprobs.batched(self.ref_model, exp, size, self.trainer.precision_plugin.forward_context)
             for j, row in enumerate(rows.tolist()):
                 self.seen[row] = exp.ref_logprobs[j, : int(exp.completion_mask[j].sum())].cpu()
         return exp

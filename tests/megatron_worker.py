@@ -63,6 +63,15 @@ class FixedRolloutEngine:
     def __init__(self, eos_token_id: int, pad_token_id: int, length: int = 6) -> None:
         self.eos_token_id, self.pad_token_id, self.length = eos_token_id, pad_token_id, length
 
+    def wake_up(self) -> None:
+        pass
+
+    def sleep(self, level: int = 1) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
     def sync_weights(self, model: torch.nn.Module) -> None:
         pass
 

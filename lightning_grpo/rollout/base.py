@@ -61,7 +61,7 @@ class RolloutOutput:
 
 @runtime_checkable
 class RolloutEngine(Protocol):
-    """What the training loop needs from a generator."""
+    """What the trainer needs from a generator: every method the rest of the package calls on an engine."""
 
     def generate(
         self, prompt_ids: Sequence[Sequence[int]], num_generations: int, sampling: SamplingConfig
@@ -71,6 +71,24 @@ class RolloutEngine(Protocol):
 
     def sync_weights(self, model: torch.nn.Module) -> None:
         """Make the engine generate with ``model``'s current weights (called after optimizer steps)."""
+        ...
+
+    @property
+    def pad_token_id(self) -> int:
+        """The id that pads prompts (left) and completions (right) in :class:`RolloutOutput`."""
+        ...
+
+    def wake_up(self) -> None:
+        """Bring the engine's weights and cache back onto the accelerator before a rollout (no-op if never slept)."""
+        ...
+
+    def sleep(self, level: int = 1) -> None:
+        """Free the engine's accelerator memory until the next :meth:`wake_up` (vLLM sleep mode; a no-op where the
+        engine keeps nothing between rollouts)."""
+        ...
+
+    def close(self) -> None:
+        """Release the engine (processes, memory); it is not used afterwards."""
         ...
 
 

@@ -47,6 +47,15 @@ class HFRolloutEngine:
     def sync_weights(self, model: torch.nn.Module) -> None:
         """Nothing to do: generation runs on the trained module."""
 
+    def wake_up(self) -> None:
+        """Nothing to do: the engine is the policy itself."""
+
+    def sleep(self, level: int = 1) -> None:
+        """Nothing to do: the engine holds no memory of its own between rollouts."""
+
+    def close(self) -> None:
+        """Nothing to release."""
+
     @torch.no_grad()
     def generate(
         self, prompt_ids: Sequence[Sequence[int]], num_generations: int, sampling: SamplingConfig

@@ -1,0 +1,243 @@
+"""The experience maker: one prompt batch -> one scored, shaped :class:`~lightning_grpo.experience.Experience`.
+
+generate -> score -> (dynamic sampling: more rounds) -> shape the rewards -> behaviour (old) and reference
+logprobs -> KL in the reward -> group advantages -> rollout metrics. It sees models, a rollout worker, a reward set
+and a :class:`Collectives` object, never a Trainer or a LightningModule: the seam an asynchronous rollout will use.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from typing import Callable, ContextManager, Iterator, Optional, Protocol
+
+import torch
+from torch import Tensor, nn
+
+from lightning_grpo import functional as F
+from lightning_grpo.algorithm import DynamicSampler, ScoredRollout
+from lightning_grpo.algorithm.shaping import overlong_penalty, sequence_kl, transform_rewards
+from lightning_grpo.config import GRPOConfig
+from lightning_grpo.experience import Experience
+from lightning_grpo.logprobs import CompletionLogprobs
+from lightning_grpo.metrics import StepTimer, rollout_metrics
+from lightning_grpo.rewards import RewardSet
+from lightning_grpo.rollout.base import SamplingConfig
+from lightning_grpo.rollout.worker import RolloutWorker
+
+log = logging.getLogger(__name__)
+
+PromptBatch = dict[str, list]
+
+
+class Collectives(Protocol):
+    """The data-parallel reductions the experience maker needs (every process must call them together)."""
+
+    def reduce_sum(self, tensor: Tensor) -> Tensor: ...
+
+    def any_process(self, flag: bool, device: torch.device) -> bool: ...
+
+
+class ExperienceMaker:
+    """Makes experience from prompt batches (see :meth:`make`).
+
+    Args:
+        config: the algorithm settings.
+        rollout: the rollout worker (engine, prompt encoding, weight sync).
+        rewards: the reward functions.
+        logprobs: the completion-logprob computer (old and reference passes).
+    """
+
+    def __init__(self, config: GRPOConfig, rollout: RolloutWorker, rewards: RewardSet,
+                 logprobs: CompletionLogprobs) -> None:
+        self.config = config
+        self.rollout = rollout
+        self.rewards = rewards
+        self.logprobs = logprobs
+
+    @torch.no_grad()
+    def make(
+        self,
+        batch: PromptBatch,
+        policy: nn.Module,
+        ref: Optional[nn.Module],
+        collectives: Collectives,
+        timer: StepTimer,
+        device: torch.device,
+        micro_batch_size: int,
+        next_prompt_batch: Optional[Callable[[], Optional[PromptBatch]]] = None,
+        forward_context: Callable[[], ContextManager] = contextlib.nullcontext,
+    ) -> Experience:
+        """One rollout batch: generate G completions per prompt, score them, shape the rewards, compute advantages
+        and (when needed) the old and reference logprobs. Runs on this process's prompts only.
+
+        Rewards become advantages in this order (docs/algorithm.md): weighted sum of the reward functions (a
+        completion that no function could score is "unscored": it gets no loss and is left out of its group's
+        statistics) -> + soft overlong penalty -> scale, bias, clip -> - beta * sequence KL (``kl_in_reward``) ->
+        :func:`lightning_grpo.functional.group_advantages`.
+
+        With ``dynamic_sampling``, groups whose primary reward is the same for all G completions are dropped and
+        ``next_prompt_batch`` is called for more prompts until ``len(batch["prompt"])`` informative groups are held
+        or ``max_num_gen_batches`` prompt batches were generated; the batch is then filled up with dropped groups
+        (:class:`lightning_grpo.algorithm.DynamicSampler`). Every process generates the same number of prompt
+        batches (decided together), so every process ends with ``len(batch["prompt"]) * G`` sequences.
+
+        Args:
+            batch: a prompt batch, a dict of equal-length lists with a "prompt" key (message lists or strings)
+                and the dataset's other columns (passed to the reward functions).
+            policy: the policy (old logprobs); ``ref``: the reference policy (beta > 0) or None.
+            collectives: the data-parallel reductions (a backend).
+            timer: the step timer (``rollout_s``, ``scoring_s``, ``logprobs_s``, ``sync_s``, ``generated_tokens``).
+            device: where the experience's tensors go.
+            micro_batch_size: sequences per no-grad logprob pass.
+            next_prompt_batch: returns the next prompt batch, or None when the data is used up (dynamic sampling).
+            forward_context: the trainer's precision context for the logprob passes.
+
+        Raises:
+            KeyError: a prompt batch has no "prompt" column.
+            ValueError, RuntimeError: a reward function misbehaves or raises (see
+                :func:`lightning_grpo.rewards.scoring.score_completions`).
+        """
+        if "prompt" not in batch:
+            raise KeyError(f"prompt batches need a 'prompt' column, got columns {sorted(batch)}")
+        cfg = self.config
+        sampler = DynamicSampler(len(batch["prompt"]), self.rewards.primary_index, cfg.dynamic_sampling)
+        totals = {"prompts/truncated": 0.0, "generated_tokens": 0.0}
+        with self.rollout.awake(policy, timer=timer):
+            while True:
+                sampler.add(self._generate_and_score(batch, totals, timer))
+                if not cfg.dynamic_sampling or sampler.gen_batches >= cfg.max_num_gen_batches:
+                    break
+                if not collectives.any_process(sampler.need_more, device):
+                    break
+                next_batch = next_prompt_batch() if next_prompt_batch is not None else None
+                if collectives.any_process(next_batch is None, device):
+                    break
+                assert next_batch is not None
+                batch = next_batch
+        rollout, sampling_stats = sampler.batch()
+
+        engine_mask = rollout.completion_mask.to(device)  # [N, T] through the first EOS
+        shaped = rollout.rewards.to(device)  # [N] weighted sum, NaN = unscored
+        scored = ~torch.isnan(shaped)  # [N]
+        extra: dict[str, tuple[Tensor, Tensor]] = {}  # metric -> (sum, count)
+        if cfg.overlong_buffer > 0:
+            penalty = overlong_penalty(engine_mask.sum(dim=1), cfg.max_new_tokens, cfg.overlong_buffer,
+                                       cfg.overlong_penalty_factor)
+            shaped = shaped + penalty
+            extra["rewards/overlong_penalty/mean"] = (penalty.sum(), torch.tensor(float(len(penalty))))
+        shaped = transform_rewards(shaped, cfg.reward_scale, cfg.reward_bias, cfg.reward_clip)
+        experience = Experience(
+            prompt_ids=rollout.prompt_ids.to(device),
+            prompt_mask=rollout.prompt_mask.to(device),
+            completion_ids=rollout.completion_ids.to(device),
+            completion_mask=engine_mask * scored.unsqueeze(1),
+            advantages=torch.zeros(len(rollout), device=device),
+            sampler_logprobs=None if rollout.sampler_logprobs is None else rollout.sampler_logprobs.to(device),
+        )
+        with timer.span("logprobs_s"):
+            shaped = self._behaviour_logprobs(experience, shaped, scored, extra, policy, ref, micro_batch_size,
+                                              forward_context)
+        if cfg.mask_truncated_completions:
+            experience.completion_mask = experience.completion_mask * (~rollout.truncated.to(device)).unsqueeze(1)
+        experience.advantages = F.group_advantages(
+            shaped, cfg.num_generations, cfg.scale_rewards, cfg.advantage_eps, estimator=cfg.advantage_estimator,
+            std_floor=cfg.advantage_std_floor, valid=scored, batch_std=self._batch_std(shaped, scored, collectives),
+        )
+        extra["reward_shaped"] = (shaped[scored].sum(), scored.sum().float())
+        experience.metrics = rollout_metrics(
+            rollout, self.rewards.names, extra, totals, sampling_stats if cfg.dynamic_sampling else None,
+            lambda tensor: collectives.reduce_sum(tensor.to(device)),
+        )
+        experience.metrics["tokens_per_s"] = totals["generated_tokens"] / max(totals.get("rollout_s", 0.0), 1e-9)
+        timer.add("generated_tokens", totals["generated_tokens"])
+        timer.rollout_end()
+        return experience
+
+    def _generate_and_score(self, batch: PromptBatch, totals: dict[str, float], timer: StepTimer) -> ScoredRollout:
+        """Generate G completions for each prompt of ``batch`` and score them (one generation round)."""
+        if "prompt" not in batch:
+            raise KeyError(f"prompt batches need a 'prompt' column, got columns {sorted(batch)}")
+        cfg = self.config
+        g = cfg.num_generations
+        engine = self.rollout.require_engine()
+        with timer.span("rollout_s"), _add_elapsed(totals, "rollout_s"):
+            prompt_ids, num_truncated = self.rollout.tokenize(batch["prompt"])
+            sampling = SamplingConfig(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
+                                      top_p=cfg.top_p, top_k=cfg.top_k)
+            out = engine.generate(prompt_ids, g, sampling)
+        with timer.span("scoring_s"):
+            prompts = [p for p in batch["prompt"] for _ in range(g)]
+            columns = {k: [v for v in values for _ in range(g)] for k, values in batch.items() if k != "prompt"}
+            scores = self.rewards.score(prompts, out.completions, columns)
+        unscored = torch.isnan(scores.rewards).nonzero().flatten().tolist()
+        if unscored:
+            log.warning("every reward function returned None for completions %s: they get no loss", unscored)
+        totals["prompts/truncated"] += num_truncated
+        totals["generated_tokens"] += float(out.completion_mask.sum())
+        return ScoredRollout(
+            prompt_ids=out.prompt_ids,
+            prompt_mask=out.prompt_mask,
+            completion_ids=out.completion_ids,
+            completion_mask=out.completion_mask,
+            truncated=out.truncated,
+            per_function=scores.per_function,
+            rewards=scores.rewards,
+            num_generations=g,
+            pad_token_id=int(engine.pad_token_id),
+            sampler_logprobs=out.sampler_logprobs,
+        )
+
+    def _behaviour_logprobs(
+        self,
+        experience: Experience,
+        shaped: Tensor,
+        scored: Tensor,
+        extra: dict[str, tuple[Tensor, Tensor]],
+        policy: nn.Module,
+        ref: Optional[nn.Module],
+        micro_batch_size: int,
+        forward_context: Callable[[], ContextManager],
+    ) -> Tensor:
+        """Old logprobs (needed when the rollout is reused or the KL goes in the reward) and reference logprobs
+        (beta > 0) into ``experience``; with ``kl_in_reward`` the shaped rewards minus beta * sequence KL."""
+        cfg = self.config
+        n = len(experience)
+        reused_later = cfg.num_iterations > 1 or (cfg.mini_batch_size or n) < n
+        if reused_later or cfg.kl_in_reward:
+            experience.old_logprobs = self.logprobs.batched(policy, experience, micro_batch_size, forward_context)
+        if ref is not None:
+            experience.ref_logprobs = self.logprobs.batched(ref, experience, micro_batch_size, forward_context)
+        if not cfg.kl_in_reward:
+            return shaped
+        assert experience.old_logprobs is not None and experience.ref_logprobs is not None
+        kl = sequence_kl(experience.old_logprobs, experience.ref_logprobs, experience.completion_mask,
+                         cfg.kl_estimator)
+        extra["kl"] = (kl.sum(), experience.completion_mask.sum().float())
+        extra["rewards/kl_penalty/mean"] = (-cfg.beta * kl[scored].sum(), scored.sum().float())
+        experience.ref_logprobs = None  # the KL is in the reward, not in the loss
+        if not reused_later:
+            experience.old_logprobs = None
+        return shaped - cfg.beta * kl
+
+    def _batch_std(self, rewards: Tensor, valid: Tensor, collectives: Collectives) -> Optional[float]:
+        """The unbiased std of the valid rewards over every process (``scale_rewards="batch"``), else None."""
+        if self.config.scale_rewards != "batch":
+            return None
+        values = rewards[valid].double()
+        moments = torch.stack([values.new_tensor(float(values.numel())), values.sum(), values.square().sum()])
+        count, total, squares = collectives.reduce_sum(moments.to(rewards.device)).tolist()
+        if count < 2:
+            return 0.0
+        return max(squares - total * total / count, 0.0) ** 0.5 / (count - 1) ** 0.5
+
+
+@contextlib.contextmanager
+def _add_elapsed(totals: dict[str, float], key: str) -> Iterator[None]:
+    """Add the ``with`` body's wall time to ``totals[key]`` (the rollout's own generation time, for tokens/s)."""
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        totals[key] = totals.get(key, 0.0) + time.perf_counter() - start

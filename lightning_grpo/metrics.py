@@ -1,0 +1,245 @@
+"""Step metrics, rollout metrics and the step's wall-time breakdown.
+
+* :class:`StepMetrics` adds up the token-weighted statistics of each micro-batch's
+  :class:`~lightning_grpo.algorithm.ObjectiveOutput` over one optimizer step and reduces them over processes with
+  one stacked sum (plus one max for the extrema), like torchmetrics' ``update``/``compute``/``reset``.
+* :func:`rollout_metrics` is a pure function of a scored rollout (verl's ``metric_utils`` style).
+* :class:`StepTimer` is where the step's wall time went (``timing/*``).
+
+Metric names follow TRL's where they mean the same thing (README "Metrics").
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Callable, Iterator, Optional
+
+import torch
+from torch import Tensor
+
+from lightning_grpo.algorithm import ObjectiveOutput, ScoredRollout
+
+#: ``reduce(tensor) -> tensor``: a sum (or max) over the data-parallel processes; the identity on one process.
+Reduce = Callable[[Tensor], Tensor]
+
+#: The ``timing/<key>`` parts of a step, in seconds (``step_s`` and ``other_s`` are derived from them).
+TIMING_KEYS = ("rollout_s", "scoring_s", "logprobs_s", "sync_s", "forward_s", "backward_s", "optimizer_s")
+
+
+class StepMetrics:
+    """Token-weighted sums and maxima of the micro-batches of one optimizer step.
+
+    Args:
+        clip_ratio_c: ``GRPOConfig.clip_ratio_c`` (dual clip: ``clip_ratio/dual_mean`` is logged when set).
+        importance_sampling_cap: ``GRPOConfig.importance_sampling_cap`` (``sampling/importance_sampling_ratio/*``
+            are logged when set; 1 exactly for engines without sampler logprobs).
+    """
+
+    def __init__(self, clip_ratio_c: Optional[float] = None, importance_sampling_cap: Optional[float] = None) -> None:
+        self.clip_ratio_c = clip_ratio_c
+        self.importance_sampling_cap = importance_sampling_cap
+        self._sums: dict[str, Tensor] = {}
+        self._maxima: dict[str, Tensor] = {}
+
+    def update(self, output: ObjectiveOutput) -> None:
+        """Add one micro-batch's statistics (sums over its loss tokens, 0-dim float32) and extrema."""
+        mask = output.mask  # [B, T] bool, the loss tokens
+
+        def masked_sum(values: Tensor) -> Tensor:
+            return torch.where(mask, values.float(), torch.zeros_like(values, dtype=torch.float32)).sum()
+
+        def masked_max(values: Tensor) -> Tensor:
+            if values.numel() == 0:
+                return values.new_tensor(-torch.inf, dtype=torch.float32)
+            return torch.where(mask, values.float(), -torch.inf).amax()
+
+        clip = output.clip
+        parts = {
+            "loss": output.loss.detach().float(),
+            "tokens": mask.sum().float(),
+            "clip_ratio/low_mean": masked_sum(clip.low),
+            "clip_ratio/high_mean": masked_sum(clip.high),
+            "clip_ratio/region_mean": masked_sum(clip.region),
+        }
+        maxima: dict[str, Tensor] = {}
+        if self.clip_ratio_c is not None:
+            parts["clip_ratio/dual_mean"] = masked_sum(clip.dual)
+        if clip.ratio is not None:
+            parts["policy_ratio/mean"] = masked_sum(clip.ratio)
+            maxima["policy_ratio/max"] = masked_max(clip.ratio)
+            maxima["policy_ratio/min"] = masked_max(-clip.ratio)  # stored negated: max(-x) = -min(x)
+        if output.entropy is not None:
+            parts["entropy"] = masked_sum(output.entropy)
+        if output.kl is not None:
+            parts["kl"] = masked_sum(output.kl)
+        if output.entropy_mask is not None:
+            parts["entropy/trained_token_frac"] = masked_sum(output.entropy_mask)
+        if self.importance_sampling_cap is not None:
+            weights = output.importance_weights
+            if weights is None:  # no sampler logprobs (HF engine): the weight is 1 exactly
+                weights = torch.ones_like(clip.low, dtype=torch.float32)
+            key = "sampling/importance_sampling_ratio"
+            parts[f"{key}/mean"] = masked_sum(weights)
+            maxima[f"{key}/max"] = masked_max(weights)
+            maxima[f"{key}/min"] = masked_max(-weights)
+        for key, value in parts.items():
+            self._sums[key] = self._sums.get(key, torch.zeros((), device=value.device)) + value
+        for key, value in maxima.items():
+            previous = self._maxima.get(key)
+            self._maxima[key] = value if previous is None else torch.maximum(previous, value)
+
+    def compute(self, reduce_sum: Reduce, reduce_max: Reduce) -> dict[str, float]:
+        """The step's metrics over every process, then :meth:`reset`: ``loss`` (summed: each micro-batch's loss
+        is already its share of the step loss), the token-weighted means, the extrema and ``num_tokens``."""
+        sums, maxima = self._sums, self._maxima
+        self.reset()
+        keys = sorted(sums)
+        reduced = reduce_sum(torch.stack([sums[k] for k in keys]))
+        totals = dict(zip(keys, reduced.tolist(), strict=True))
+        tokens = max(totals.pop("tokens"), 1.0)
+        metrics = {"loss": totals.pop("loss")}
+        metrics.update({k: v / tokens for k, v in totals.items()})
+        if maxima:
+            max_keys = sorted(maxima)
+            stacked = reduce_max(torch.stack([maxima[k] for k in max_keys]))
+            for key, value in zip(max_keys, stacked.tolist(), strict=True):
+                if value != -float("inf"):  # a step without loss tokens has no extrema
+                    metrics[key] = -value if key.endswith("/min") else value
+        metrics["num_tokens"] = tokens
+        return metrics
+
+    def reset(self) -> None:
+        self._sums, self._maxima = {}, {}
+
+
+def rollout_metrics(
+    rollout: ScoredRollout,
+    reward_names: list[str],
+    extra: dict[str, tuple[Tensor, Tensor]],
+    totals: dict[str, float],
+    sampling_stats: Optional[dict[str, float]],
+    reduce_sum: Reduce,
+) -> dict[str, float]:
+    """A rollout's metrics, averaged over every process with one stacked all-reduce.
+
+    Args:
+        rollout: the scored rollout (``rewards`` NaN where no reward function scored a completion).
+        reward_names: the reward functions' names (``rewards/<name>/mean``).
+        extra: more metrics as ``name -> (sum, count)`` (e.g. ``kl`` with ``kl_in_reward``).
+        totals: ``prompts/truncated`` (summed over processes and reported as a total).
+        sampling_stats: :meth:`DynamicSampler.batch` statistics, or None without dynamic sampling.
+        reduce_sum: the sum over processes.
+
+    Returns:
+        ``reward``, ``reward_std`` (mean of the per-group stds, as TRL), ``frac_reward_zero_std``,
+        ``frac_reward_unscored``, ``completions/{mean,min,max}_length``, ``completions/clipped_ratio``,
+        ``rewards/<name>/mean``, ``prompts/truncated``, ``dynamic_sampling/*`` and the ``extra`` keys.
+        ``completions/{min,max}_length`` are this process's.
+    """
+    g = rollout.num_generations
+    lengths = rollout.completion_mask.sum(dim=1).float().cpu()  # [N]
+    rewards = rollout.rewards.cpu()  # [N]
+    valid = ~torch.isnan(rewards).view(-1, g)  # [P, G]
+    grouped = torch.where(valid, rewards.view(-1, g), 0.0)  # [P, G]
+    count = valid.sum(dim=1)  # [P]
+    mean = grouped.sum(dim=1, keepdim=True) / count.clamp(min=1).unsqueeze(1)  # [P, 1]
+    group_std = (torch.where(valid, grouped - mean, 0.0).square().sum(dim=1) / (count - 1).clamp(min=1)).sqrt()
+    sums: dict[str, Tensor] = {
+        "reward": grouped.sum(),
+        "reward_std": group_std.sum(),
+        "frac_reward_zero_std": (group_std == 0).float().sum(),
+        "frac_reward_unscored": (~valid).float().sum(),
+        "completions/mean_length": lengths.sum(),
+        "completions/clipped_ratio": rollout.truncated.float().cpu().sum(),
+    }
+    counts = {"reward": valid.sum(), "reward_std": len(group_std), "frac_reward_zero_std": len(group_std),
+              "frac_reward_unscored": lengths.numel(), "completions/mean_length": lengths.numel(),
+              "completions/clipped_ratio": lengths.numel()}
+    for name, column in zip(reward_names, rollout.per_function.T, strict=True):
+        present = ~torch.isnan(column)
+        sums[f"rewards/{name}/mean"] = torch.where(present, column, torch.zeros_like(column)).sum()
+        counts[f"rewards/{name}/mean"] = present.sum()
+    for key, (total, number) in extra.items():
+        sums[key], counts[key] = total, number
+    # summed over processes, reported as totals (count 1 per process, so "mean" keys are per-process means)
+    summed = {"prompts/truncated": totals["prompts/truncated"]}
+    if sampling_stats is not None:
+        summed.update({f"dynamic_sampling/{k}": v for k, v in sampling_stats.items() if k != "gen_batches"})
+        sums["dynamic_sampling/gen_batches"] = torch.tensor(sampling_stats["gen_batches"])
+        counts["dynamic_sampling/gen_batches"] = 1
+    for key, value in summed.items():
+        sums[key], counts[key] = torch.tensor(float(value)), 0
+    keys = sorted(sums)
+    values = torch.stack([torch.as_tensor(sums[k], dtype=torch.float64).cpu() for k in keys])
+    numbers = torch.tensor([float(counts[k]) for k in keys], dtype=torch.float64)
+    reduced = reduce_sum(torch.cat([values, numbers])).cpu()
+    metrics = {}
+    for i, key in enumerate(keys):
+        total, number = float(reduced[i]), float(reduced[len(keys) + i])
+        metrics[key] = total if key in summed else total / max(number, 1.0)
+    metrics["completions/max_length"] = float(lengths.max())
+    metrics["completions/min_length"] = float(lengths.min())
+    return metrics
+
+
+class StepTimer:
+    """Where an optimizer step's wall time went, in seconds (``timing/*``), plus ``generated_tokens`` and
+    ``train_tokens``. The hooks of :class:`lightning_grpo.module.GRPOModule` call it; it owns every timestamp."""
+
+    def __init__(self) -> None:
+        self._parts: dict[str, float] = {}
+        self._step_start: Optional[float] = None
+        self._backward_start = 0.0
+        self._backward_end: Optional[float] = None
+        self._rollout_end: Optional[float] = None
+
+    def add(self, key: str, value: float) -> None:
+        self._parts[key] = self._parts.get(key, 0.0) + value
+
+    @contextlib.contextmanager
+    def span(self, key: str) -> Iterator[None]:
+        """Add the wall time of the ``with`` body to ``key``."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.add(key, time.perf_counter() - start)
+
+    def start(self) -> None:
+        """At the start of training: the first step counts from here."""
+        self._step_start = time.perf_counter()
+        self._parts = {}
+
+    def rollout_end(self) -> None:
+        self._rollout_end = time.perf_counter()
+
+    def before_backward(self) -> None:
+        self._backward_start = time.perf_counter()
+
+    def after_backward(self) -> None:
+        self._backward_end = time.perf_counter()
+        self.add("backward_s", self._backward_end - self._backward_start)
+
+    def after_optimizer_step(self) -> None:
+        """Clipping, grad norm and the optimizer's step: from the last backward's end to now."""
+        if self._backward_end is not None:
+            self.add("optimizer_s", time.perf_counter() - self._backward_end)
+
+    def step_end(self) -> dict[str, float]:
+        """The finished step's ``timing/*`` (``step_s`` from the end of the previous step, ``other_s`` the rest,
+        ``train_s`` from the end of the rollout or of the previous step), ``generated_tokens`` and ``train_tokens``;
+        then the next step starts."""
+        now = time.perf_counter()
+        parts, self._parts = self._parts, {}
+        start, self._step_start = self._step_start, now
+        self._backward_end = None
+        metrics = {f"timing/{k}": parts.get(k, 0.0) for k in TIMING_KEYS}
+        if start is not None:
+            metrics["timing/step_s"] = now - start
+            metrics["timing/other_s"] = metrics["timing/step_s"] - sum(metrics[f"timing/{k}"] for k in TIMING_KEYS)
+        metrics["timing/train_s"] = now - (self._rollout_end if self._rollout_end is not None else now)
+        self._rollout_end = now  # the next step of the same rollout counts from here
+        metrics["generated_tokens"] = parts.get("generated_tokens", 0.0)
+        metrics["train_tokens"] = parts.get("train_tokens", 0.0)
+        return metrics

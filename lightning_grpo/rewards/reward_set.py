@@ -1,0 +1,72 @@
+"""The reward set of a run: the functions, their names and weights, which may fail, which is primary."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence, Union
+
+from lightning_grpo.rewards.registry import resolve_reward_function
+from lightning_grpo.rewards.scoring import RewardScores, reward_function_names, score_completions
+
+#: A reward function, a registered name, or an import path ``"pkg.module:function"``.
+RewardSpec = Union[str, Callable[..., list]]
+
+
+@dataclass
+class RewardSet:
+    """Reward functions with their metric names (``rewards/<name>/mean``), weights and roles.
+
+    Attributes:
+        funcs: the reward functions ``fn(prompts, completions, **columns) -> list[float | None]``.
+        names: one unique name per function (:func:`reward_function_names`).
+        weights: one weight per function, or None (all 1): the reward is the weighted sum.
+        tolerant: names of functions whose exceptions become missing rewards instead of stopping the run.
+        primary_index: the function whose spread decides dynamic sampling (``GRPOConfig.primary_reward``).
+        accuracy: the function validation reports as ``val/accuracy``.
+    """
+
+    funcs: list[Callable]
+    names: list[str]
+    weights: Optional[list[float]]
+    tolerant: list[str]
+    primary_index: int
+    accuracy: Callable
+
+    @classmethod
+    def from_specs(
+        cls,
+        reward_funcs: Sequence[RewardSpec],
+        reward_weights: Optional[Sequence[float]] = None,
+        tolerant: Sequence[str] = (),
+        primary: Optional[str] = None,
+        accuracy: Optional[RewardSpec] = None,
+    ) -> "RewardSet":
+        """Resolve and check the reward arguments of :class:`lightning_grpo.GRPOModule`.
+
+        Raises:
+            ValueError: no reward function; a spec that does not resolve; ``reward_weights`` of the wrong length;
+                a ``tolerant`` or ``primary`` name that is not a reward function's (each message names the value).
+        """
+        if not reward_funcs:
+            raise ValueError("reward_funcs is empty: GRPO needs at least one reward function")
+        funcs = [resolve_reward_function(f) for f in reward_funcs]
+        names = reward_function_names(funcs)
+        if reward_weights is not None and len(reward_weights) != len(funcs):
+            raise ValueError(f"reward_weights has {len(reward_weights)} entries for {len(funcs)} reward_funcs")
+        unknown = sorted(set(tolerant) - set(names))
+        if unknown:
+            raise ValueError(f"tolerant_reward_funcs {unknown} are not reward functions; known: {names}")
+        if primary is not None and primary not in names:
+            raise ValueError(f"GRPOConfig.primary_reward={primary!r} is not a reward function; known: {names}")
+        return cls(
+            funcs=funcs,
+            names=names,
+            weights=list(reward_weights) if reward_weights is not None else None,
+            tolerant=list(tolerant),
+            primary_index=0 if primary is None else names.index(primary),
+            accuracy=resolve_reward_function(accuracy) if accuracy is not None else funcs[0],
+        )
+
+    def score(self, prompts: list, completions: list[str], columns: dict[str, list]) -> RewardScores:
+        """Score N completions (see :func:`lightning_grpo.rewards.scoring.score_completions`)."""
+        return score_completions(self.funcs, prompts, completions, columns, self.weights, tolerant=self.tolerant)

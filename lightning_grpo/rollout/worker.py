@@ -1,0 +1,133 @@
+"""The rollout worker: owns the rollout engine, the prompt encoding and the weight versions.
+
+The trainer's weights change at every optimizer step (:meth:`RolloutWorker.mark_stale`); the engine gets them at
+the next :meth:`RolloutWorker.awake` when ``vllm_sync_every`` steps have passed (always when forced, e.g. before
+validation). The HF engine generates with the policy itself, so its sync is a no-op.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from typing import Any, Iterator, Optional, Sequence
+
+from torch import nn
+from transformers import PreTrainedTokenizerBase
+
+from lightning_grpo.config import GRPOConfig
+from lightning_grpo.rollout.base import RolloutEngine, RolloutOutput, SamplingConfig
+from lightning_grpo.rollout.hf import HFRolloutEngine
+from lightning_grpo.rollout.vllm import VLLMRolloutEngine
+
+
+def make_engine(config: GRPOConfig, policy: nn.Module, tokenizer: PreTrainedTokenizerBase,
+                model_path: Optional[str]) -> RolloutEngine:
+    """The rollout engine ``config.rollout_engine`` names: ``"hf"`` (generates with ``policy``) or ``"vllm"`` (a
+    colocated engine loaded from ``model_path``; an ``nn.Module`` given without a folder is saved to a temporary
+    one first: its weights follow by ``sync_weights``)."""
+    if config.rollout_engine != "vllm":
+        return HFRolloutEngine(policy, tokenizer)
+    path = model_path
+    if path is None or not os.path.isdir(path):
+        path = tempfile.mkdtemp(prefix="lightning_grpo_vllm_")
+        policy.config.save_pretrained(path)
+        policy.save_pretrained(path)
+        tokenizer.save_pretrained(path)
+    dtype = next(policy.parameters()).dtype
+    return VLLMRolloutEngine(
+        path,
+        gpu_memory_utilization=config.vllm_gpu_memory_utilization,
+        kv_cache_space_gib=config.vllm_kv_cache_space_gib,
+        max_model_len=config.max_prompt_length + max(config.max_new_tokens, config.eval_max_new_tokens or 0),
+        enable_sleep_mode=config.vllm_enable_sleep_mode,
+        dtype=str(dtype).removeprefix("torch."),
+    )
+
+
+class RolloutWorker:
+    """The engine's lifecycle (make, wake, sync, sleep), prompt encoding and weight versions.
+
+    Args:
+        config: the algorithm settings (``rollout_engine``, ``max_prompt_length``, ``vllm_sync_every``, ...).
+        tokenizer: the policy's tokenizer (chat template for message-list prompts).
+
+    Attributes:
+        engine: the rollout engine, None before :meth:`start` (a backend may replace it with a wrapper).
+        weights_version: optimizer steps taken so far.
+        engine_version: the ``weights_version`` the engine generates with (-1: not yet synced).
+    """
+
+    def __init__(self, config: GRPOConfig, tokenizer: PreTrainedTokenizerBase) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.engine: Optional[RolloutEngine] = None
+        self.weights_version = 0
+        self.engine_version = 0
+
+    def start(self, policy: nn.Module, model_path: Optional[str]) -> None:
+        """Make the engine once (idempotent). A vLLM engine gets the policy's weights before its first rollout
+        (they may differ from ``model_path``'s, e.g. after a resume)."""
+        if self.engine is None:
+            self.engine = make_engine(self.config, policy, self.tokenizer, model_path)
+            if self.config.rollout_engine == "vllm":
+                self.engine_version = -1
+
+    def tokenize(self, prompts: Sequence[Any]) -> tuple[list[list[int]], int]:
+        """Chat-template (message lists) or tokenize (strings) prompts; left-truncate to ``max_prompt_length``.
+
+        Returns:
+            ``(ids, num_truncated)``.
+        """
+        ids: list[list[int]] = []
+        truncated = 0
+        for prompt in prompts:
+            if isinstance(prompt, str):
+                tokens = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+            else:
+                tokens = self.tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=True)
+                if isinstance(tokens, dict) or hasattr(tokens, "keys"):
+                    tokens = tokens["input_ids"]
+            tokens = list(tokens)
+            if len(tokens) > self.config.max_prompt_length:
+                tokens = tokens[-self.config.max_prompt_length :]
+                truncated += 1
+            ids.append(tokens)
+        return ids, truncated
+
+    def generate(self, prompts: Sequence[Any], num_generations: int, sampling: SamplingConfig) -> RolloutOutput:
+        """Rollout with the engine's current weights: prompts (message lists or strings) -> ``RolloutOutput``."""
+        ids, _ = self.tokenize(prompts)
+        return self.require_engine().generate(ids, num_generations, sampling)
+
+    def require_engine(self) -> RolloutEngine:
+        if self.engine is None:
+            raise RuntimeError("the rollout engine is not started: call RolloutWorker.start (GRPOModule.setup)")
+        return self.engine
+
+    def sync(self, policy: nn.Module, force: bool = False) -> None:
+        """Push ``policy``'s weights into the engine every ``vllm_sync_every`` optimizer steps (always when
+        ``force`` and they differ, and before the first rollout of a vLLM engine)."""
+        engine = self.require_engine()
+        behind = self.weights_version - self.engine_version
+        if behind >= self.config.vllm_sync_every or (force and behind > 0) or self.engine_version < 0:
+            engine.sync_weights(policy)
+            self.engine_version = self.weights_version
+
+    @contextlib.contextmanager
+    def awake(self, policy: nn.Module, force_sync: bool = False, timer: Any = None) -> Iterator[RolloutEngine]:
+        """Wake the engine and sync its weights when due (:meth:`sync`); put it to sleep on exit, so its
+        accelerator memory is free while training (vLLM sleep mode, GPU only). With a ``timer``
+        (:class:`lightning_grpo.metrics.StepTimer`) the wake-up and sync count as ``sync_s``."""
+        engine = self.require_engine()
+        with timer.span("sync_s") if timer is not None else contextlib.nullcontext():
+            engine.wake_up()
+            self.sync(policy, force_sync)
+        try:
+            yield engine
+        finally:
+            engine.sleep(1)
+
+    def mark_stale(self) -> None:
+        """The trainer took an optimizer step: the engine's weights are one version older."""
+        self.weights_version += 1
