@@ -5,8 +5,9 @@ The rule, precisely: after removing trailing whitespace and any trailing end-of-
 line of the completion must be ``####`` followed by one number and nothing else, where
 
 * the line may be indented, and spaces may separate ``####`` and the number;
-* the number is :data:`lightning_grpo.rewards.gsm8k.NUMBER_PATTERN`: optional ``-``, optional ``$``,
-  digits with optional thousands commas, optional decimal part (``1,000``, ``$18``, ``-3``, ``2.5``);
+* the number is one match of :data:`lightning_grpo.rewards.numbers.NUMBER_PATTERN`, the forms the GSM8K accuracy
+  reward reads (``1,000``, ``$18``, ``-3``, ``−3``, ``+5``, ``2.5``, ``.5``, ``3/4``, ``\\frac{3}{4}``, ...; not
+  ``1,5``);
 * one trailing ``.`` is allowed; words or units after the number (``#### 18 dollars``) are not.
 
 The line may also be the whole completion. The score does not depend on the prompt or on correctness.

@@ -10,48 +10,41 @@ from:
 4. if ``last_number_fallback``, the last number anywhere in the text.
 
 A pattern counts only when a number directly follows its marker (after ``$``, ``\\$``, ``*``, ``:`` and
-spaces); otherwise the next pattern is tried. Numbers are normalized: ``$`` and thousands commas
-(``1,000``, ``1{,}000``) are dropped, a trailing ``.`` and any words or units after the number are ignored,
-and the value is written in canonical decimal form (``5.0`` -> ``"5"``, ``-3.50`` -> ``"-3.5"``).
+spaces); otherwise the next pattern is tried. What a number is, and its exact value, comes from
+:mod:`lightning_grpo.rewards.numbers` (its table :data:`~lightning_grpo.rewards.numbers.NUMBER_FORMS` lists every
+accepted form): ``-3``/``−3`` (U+2212 and other Unicode minus signs), ``+5``, ``.5``, ``1,000``/``1 000``/
+``1{,}000``/``1_000``, ``$18``/``€5``, ``5.0``, ``3/4``, ``\\frac{3}{4}``/``\\dfrac``/``\\tfrac`` (value from
+math-verify), ``1e3``/``2\\times 10^{3}``. What follows the number is not part of it: a trailing ``.``, ``%``
+(``50%`` reads 50, as GSM8K writes the golds of percent questions), units and words. ``1,5`` (decimal comma or
+list?) and mixed numbers ``1 3/4`` are no number at all, so a marker followed by one falls through; a sign right
+after a digit or letter is a binary minus (``5-3`` holds 5 and 3). The extracted answer is written canonically
+(``5.0`` -> ``"5"``, ``-3.50`` -> ``"-3.5"``, ``\\frac{2}{6}`` -> ``"1/3"``).
 
-Comparison is **exact decimal equality** of the canonical values (no tolerance; :class:`decimal.Decimal`),
-so ``5.0 == 5`` but ``0.33 != 1/3``. Fractions (``\\frac{7}{2}``, ``7/2``) are not evaluated (GSM8K golds are
-plain decimals): ``\\boxed{\\frac{7}{2}}`` is not a numeric box, so the later patterns decide (the fallback
-would take ``2``). All 8,792 GSM8K train+test reference solutions extract to their own gold.
+Comparison is **exact** equality of values (:class:`fractions.Fraction`; no float tolerance), so ``5.0 == 5`` and
+``3/4 == 0.75`` but ``0.33 != 1/3`` and ``50% != 0.5``. Golds are read by the same rules: a gold is one number,
+optionally followed by ``%`` and a ``.`` (``"72"``, ``"1,000"``, ``".5"``, ``"−3"``, ``"3/4"``). All 8,792 GSM8K
+train+test reference solutions extract to their own gold.
 
-math-verify is not used here: the rules above are the GSM8K ``####`` convention and plain decimals need no
-symbolic algebra. Use :mod:`lightning_grpo.rewards.math` for LaTeX answers.
+math-verify's ``verify`` is not used (it rounds to 6 decimal places); :mod:`lightning_grpo.rewards.math` is the
+reward for LaTeX answers.
 """
 
 from __future__ import annotations
 
 import re
-from decimal import Decimal, InvalidOperation
+from fractions import Fraction
 from typing import Callable, Optional
 
-#: A number: optional minus (not when it is a binary minus, e.g. ``5-3``), optional ``$``, digits with
-#: optional thousands commas, optional decimal part. A lone trailing ``.`` is not part of the number.
-NUMBER_PATTERN = r"(?:(?<![\w)\]}])-)?(?:\\?\$\s?)?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?"
-_NUMBER = re.compile(NUMBER_PATTERN)
+from lightning_grpo.rewards.numbers import NUMBER, NUMBER_PATTERN, normalize_number
+
 # What may sit between a marker and its number.
 _LEAD = r"[\s:*$\\]*"
 _HASHES = re.compile(r"####" + _LEAD + "(" + NUMBER_PATTERN + ")")
 _ANSWER_IS = re.compile(r"the\s+(?:final\s+)?answer\s+is" + _LEAD + "(" + NUMBER_PATTERN + ")", re.IGNORECASE)
 _BOXED_OPEN = re.compile(r"\\boxed\s*\{")
 _BOXED_LEAD = re.compile(r"^(?:\s|\\\$|\$|\\text\{|\\mathrm\{|\\textbf\{)*(" + NUMBER_PATTERN + ")")
-
-
-def normalize_number(raw: str) -> Optional[str]:
-    """Canonical decimal string of a matched number: ``"$1,000.50"`` -> ``"1000.5"``; ``None`` if not a number."""
-    cleaned = re.sub(r"[\s$\\,]", "", raw.replace("{,}", ""))
-    try:
-        value = Decimal(cleaned)
-    except InvalidOperation:
-        return None
-    if not value.is_finite():
-        return None
-    text = format(value.normalize(), "f")
-    return "0" if text == "-0" else text
+# A gold: one number, then optionally a percent sign (a unit, dropped) and a full stop.
+_GOLD = re.compile(r"(" + NUMBER_PATTERN + r")\s*(?:\\?%)?\.?")
 
 
 def _boxed_contents(text: str) -> list[str]:
@@ -76,9 +69,9 @@ def extract_answer(text: str, last_number_fallback: bool = True) -> Optional[str
             return the last number in the text instead of ``None``.
 
     Returns:
-        The canonical decimal string (e.g. ``"1000"``, ``"-3"``, ``"2.5"``), or ``None`` if there is none.
+        The canonical value (:func:`lightning_grpo.rewards.numbers.canonical`: ``"1000"``, ``"-3"``, ``"2.5"``,
+        ``"1/3"``), or ``None`` if there is none or the number has no value (``3/0``).
     """
-    text = text.replace("{,}", ",")
     hashes = _HASHES.findall(text)
     if hashes:
         return normalize_number(hashes[-1])
@@ -91,7 +84,7 @@ def extract_answer(text: str, last_number_fallback: bool = True) -> Optional[str
     if answer_is:
         return normalize_number(answer_is[-1])
     if last_number_fallback:
-        numbers = _NUMBER.findall(text)
+        numbers = NUMBER.findall(text)
         if numbers:
             return normalize_number(numbers[-1])
     return None
@@ -105,12 +98,13 @@ def gold_answer(answer: str) -> str:
     return answer.rsplit("####", 1)[-1].strip()
 
 
-def _gold_value(answer: str, index: int) -> str:
-    stripped = gold_answer(answer)
-    gold = normalize_number(stripped) if re.fullmatch(NUMBER_PATTERN + r"\.?", stripped) else None
+def _gold_value(answer: str, index: int) -> Fraction:
+    """The exact value of gold ``answer[index]`` (see :func:`gold_answer`), read like a completion's number."""
+    match = _GOLD.fullmatch(gold_answer(answer))
+    gold = normalize_number(match.group(1)) if match else None
     if gold is None:
         raise ValueError(f"answer[{index}]={answer!r} has no numeric gold (expected e.g. '72' or '... #### 72')")
-    return gold
+    return Fraction(gold)
 
 
 def make_gsm8k_accuracy(last_number_fallback: bool = True) -> Callable[..., list[float]]:
@@ -122,7 +116,7 @@ def make_gsm8k_accuracy(last_number_fallback: bool = True) -> Callable[..., list
 
     Returns:
         ``fn(prompts, completions, answer, **kwargs) -> list[float]``: 1.0 where the completion's extracted
-        answer equals the gold exactly as a decimal, 0.0 otherwise (including when no number is found).
+        answer equals the gold exactly (as a rational number), 0.0 otherwise (including when no number is found).
         ``answer`` holds one gold per completion, either a number (``"1000"``) or a full GSM8K solution
         ending in ``#### 1,000``.
 
@@ -135,7 +129,7 @@ def make_gsm8k_accuracy(last_number_fallback: bool = True) -> Callable[..., list
             raise ValueError(f"answer has {len(answer)} entries but there are {len(completions)} completions")
         golds = [_gold_value(a, i) for i, a in enumerate(answer)]
         predictions = [extract_answer(c, last_number_fallback=last_number_fallback) for c in completions]
-        return [float(p is not None and Decimal(p) == Decimal(g)) for p, g in zip(predictions, golds)]
+        return [float(p is not None and Fraction(p) == g) for p, g in zip(predictions, golds, strict=True)]
 
     if not last_number_fallback:
         gsm8k_accuracy.__name__ = gsm8k_accuracy.__qualname__ = "gsm8k_accuracy_strict"
