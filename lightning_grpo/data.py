@@ -36,6 +36,7 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader
 
+from lightning_grpo.epoch_sampler import EpochShuffleSampler
 from lightning_grpo.rewards.gsm8k import gold_answer
 
 log = logging.getLogger(__name__)
@@ -445,8 +446,8 @@ class PromptDataModule(L.LightningDataModule):
         return DataLoader(
             self.train_dataset,
             batch_size=self.prompts_per_step,
-            shuffle=True,
-            generator=torch.Generator().manual_seed(self.seed),
+            sampler=EpochShuffleSampler(self.train_dataset, self.seed),  # order = f(seed, epoch): exact resumes
+            generator=torch.Generator().manual_seed(self.seed),  # workers' base seed; never the global RNG
             drop_last=True,
             collate_fn=collate_prompts,
             num_workers=self.num_workers,

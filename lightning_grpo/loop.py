@@ -15,20 +15,43 @@ logging, callbacks, checkpointing) is Lightning's own. ``GRPOModule.setup`` inst
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional, Protocol
 
 import lightning as L
+import torch
 from lightning.pytorch.loops.fetchers import _DataFetcher
 from lightning.pytorch.loops.fit_loop import _FitLoop
 
 from lightning_grpo.experience import Experience
+from lightning_grpo.resume import (
+    experience_from_state,
+    experience_state,
+    gather_per_process,
+    rng_states,
+    set_rng_states,
+    this_process,
+)
 
-#: The checkpoint key of the prompt batches drawn in the current epoch (in the fit loop's own state dict).
+#: Keys in the fit loop's own checkpoint state: prompt batches drawn in the current epoch, every process's RNG
+#: states, every process's partly used rollout (or None).
 PROMPT_BATCHES_KEY = "prompt_batches_drawn"
+RNG_KEY = "rng_states"
+PARTIAL_KEY = "partial_rollouts"
 
 
 class ExperienceSource(Protocol):
     """What the loop needs from the LightningModule (:class:`lightning_grpo.GRPOModule` implements it)."""
+
+    @property
+    def global_step(self) -> int:
+        """Optimizer steps taken so far."""
+        ...
+
+    @property
+    def device(self) -> torch.device:
+        """Where experience tensors live."""
+        ...
 
     def make_experience(
         self, batch: Any, next_prompt_batch: Optional[Callable[[], Optional[Any]]] = None
@@ -36,13 +59,30 @@ class ExperienceSource(Protocol):
         """One rollout made from a prompt batch (and more batches with dynamic sampling)."""
         ...
 
-    def micro_batches(self, experience: Experience) -> Iterator[Experience]:
-        """The rollout's micro-batches in training order."""
+    def micro_batches(self, experience: Experience, step: Optional[int] = None) -> Iterator[Experience]:
+        """The rollout's micro-batches in training order; ``step`` (the optimizer step the rollout was made at)
+        seeds their shuffle."""
         ...
 
     def micro_batches_per_rollout(self) -> Optional[int]:
         """``training_step`` calls per rollout, or None when it varies (token budgets)."""
         ...
+
+
+@dataclass
+class ResumeState:
+    """What a checkpoint says about the loop's position, for this process.
+
+    Attributes:
+        prompt_batches: prompt batches drawn in the checkpoint's epoch (None in checkpoints older than it).
+        rng: the RNG states (:func:`lightning_grpo.resume.rng_states`) the next rollout starts from, or None.
+        partial: a rollout whose micro-batches were not all trained on: ``experience``
+            (:func:`lightning_grpo.resume.experience_state`), ``step`` (seeds its shuffle) and ``consumed``.
+    """
+
+    prompt_batches: Optional[int] = None
+    rng: Optional[dict] = None
+    partial: Optional[dict] = None
 
 
 class ExperienceFetcher(_DataFetcher):
@@ -53,27 +93,39 @@ class ExperienceFetcher(_DataFetcher):
         source: the module that makes experience (``make_experience`` and ``micro_batches`` are called on it).
         micro_batches_per_rollout: training_step calls that one rollout yields; None when it varies (token-budget
             micro-batches): the epoch's length is then unknown and ends when the prompts run out.
-        resume_prompt_batches: prompt batches drawn in the epoch of a loaded checkpoint (token budgets), or None.
+        resume: the position of a loaded checkpoint, applied before the first micro-batch of the resumed run.
 
     Attributes:
         current: the micro-batch handed out last (its ``step_start``/``step_end`` place the optimizer steps when
             the count varies, see :func:`install_step_boundaries`).
         prompt_batches_drawn: prompt batches taken from the DataLoader in this epoch (saved in checkpoints).
+        rollout_rng: while a rollout is being made, the RNG states it started from (a checkpoint written then,
+            e.g. on SIGTERM, regenerates the same rollout on resume), else None.
     """
 
     def __init__(self, source: ExperienceSource, micro_batches_per_rollout: Optional[int],
-                 resume_prompt_batches: Optional[int] = None) -> None:
+                 resume: Optional[ResumeState] = None) -> None:
         super().__init__()
         self.source = source
         self.micro_batches_per_rollout = micro_batches_per_rollout
-        self.resume_prompt_batches = resume_prompt_batches
-        self._pending: Iterator[Experience] = iter(())
+        self.resume = resume
+        self.rollout_rng: Optional[dict] = None
+        self._rollout: list[Experience] = []  # the current rollout's micro-batches
+        self._position = 0  # how many of them were handed out
+        self._experience: Optional[Experience] = None
+        self._step = 0
         self._index = 0
         self.current: Optional[Experience] = None
 
     @property
     def prompt_batches_drawn(self) -> int:
         return self._index
+
+    def partial_rollout(self) -> Optional[dict]:
+        """The current rollout as plain data when some of its micro-batches are still to be trained on, else None."""
+        if self._experience is None or self._position >= len(self._rollout):
+            return None
+        return {"experience": experience_state(self._experience), "step": self._step, "consumed": self._position}
 
     def reset(self) -> None:
         super().reset()
@@ -83,7 +135,7 @@ class ExperienceFetcher(_DataFetcher):
             else:
                 self.length *= self.micro_batches_per_rollout
                 self.done = self.length == 0
-        self._pending = iter(())
+        self._rollout, self._position, self._experience = [], 0, None
         self._index = 0
         self.current = None
 
@@ -94,17 +146,13 @@ class ExperienceFetcher(_DataFetcher):
             raise StopIteration
         self._start_profiler()
         try:
-            micro = next(self._pending, None)
-            if micro is None:
-                self._skip_consumed_prompt_batches()
-                try:
-                    prompt_batch, _, _ = next(self.iterator)
-                except StopIteration:
-                    self.done = True
-                    raise
-                experience = self.source.make_experience(prompt_batch, next_prompt_batch=self._next_prompt_batch)
-                self._pending = self.source.micro_batches(experience)
-                micro = next(self._pending)
+            if self.resume is not None:
+                resume, self.resume = self.resume, None
+                self._apply(resume)
+            if self._position >= len(self._rollout):
+                self._new_rollout()
+            micro = self._rollout[self._position]
+            self._position += 1
         finally:
             self._stop_profiler()
         self.fetched += 1
@@ -113,36 +161,54 @@ class ExperienceFetcher(_DataFetcher):
         self.current = micro
         return micro, self.fetched - 1, 0
 
-    def _next_prompt_batch(self) -> Optional[Any]:
-        """Another prompt batch for the rollout being made (dynamic sampling), or None when the epoch's data is used
-        up. The rollout still yields ``micro_batches_per_rollout`` micro-batches, so the epoch simply ends after
-        fewer rollouts (and a mid-epoch resume skips one prompt batch per finished rollout, not the extra ones)."""
-        assert self.iterator is not None
+    def _new_rollout(self) -> None:
         try:
-            prompt_batch, _, _ = next(self.iterator)
+            prompt_batch = self._draw()
         except StopIteration:
-            return None
+            self.done = True
+            raise
+        self.rollout_rng = rng_states()
+        self._step = self.source.global_step
+        self._experience = self.source.make_experience(prompt_batch, next_prompt_batch=self._next_prompt_batch)
+        self.rollout_rng = None
+        self._rollout, self._position = list(self.source.micro_batches(self._experience, self._step)), 0
+
+    def _draw(self) -> Any:
+        assert self.iterator is not None
+        prompt_batch, _, _ = next(self.iterator)
         self._index += 1
         return prompt_batch
 
-    def _skip_consumed_prompt_batches(self) -> None:
-        """After a mid-epoch resume Lightning sets ``fetched`` to the batches already trained on: skip the
-        prompt batches they came from (a partly used rollout is dropped: training resumes at the next one).
-        With a varying micro-batch count the checkpoint's ``prompt_batches_drawn`` says how many to skip."""
-        if self.micro_batches_per_rollout is None:
-            if self._index == 0 and self.fetched > 0:
-                used = self.resume_prompt_batches or 0
-                while self._index < used:
-                    next(self.iterator)
-                    self._index += 1
-            self._index += 1
-            return
-        used_rollouts = -(-self.fetched // self.micro_batches_per_rollout)  # ceil
-        while self._index < used_rollouts:
-            next(self.iterator)
-            self._index += 1
-        self.fetched = used_rollouts * self.micro_batches_per_rollout
-        self._index += 1
+    def _next_prompt_batch(self) -> Optional[Any]:
+        """Another prompt batch for the rollout being made (dynamic sampling), or None when the epoch's data is used
+        up. The rollout still yields ``micro_batches_per_rollout`` micro-batches, so the epoch simply ends after
+        fewer rollouts."""
+        try:
+            return self._draw()
+        except StopIteration:
+            return None
+
+    def _apply(self, resume: ResumeState) -> None:
+        """Continue where the checkpoint stopped: restore the RNG states, skip the prompt batches drawn before it
+        (Lightning restored ``fetched``, the micro-batches already trained on) and hand out the rest of a partly
+        used rollout. Checkpoints older than the saved position fall back to whole rollouts (a partly used one is
+        dropped)."""
+        if resume.rng is not None:
+            set_rng_states(resume.rng)
+        if self.fetched == 0:
+            return  # the checkpoint ended an epoch: this one starts from its beginning
+        drawn = resume.prompt_batches
+        if drawn is None:  # an old checkpoint: one prompt batch per started rollout
+            per_rollout = self.micro_batches_per_rollout or 1
+            drawn = -(-self.fetched // per_rollout)  # ceil
+            self.fetched = drawn * per_rollout
+        while self._index < drawn:
+            self._draw()
+        if resume.partial is not None:
+            self._experience = experience_from_state(resume.partial["experience"], self.source.device)
+            self._step = int(resume.partial["step"])
+            self._rollout = list(self.source.micro_batches(self._experience, self._step))
+            self._position = int(resume.partial["consumed"])
 
 
 class GRPOFitLoop(_FitLoop):
@@ -157,19 +223,36 @@ class GRPOFitLoop(_FitLoop):
         super().__init__(trainer, min_epochs=source.min_epochs, max_epochs=source.max_epochs)
         self.epoch_loop = source.epoch_loop
         self._data_source = source._data_source  # the Trainer attached the user's datamodule/dataloaders to it
-        self.resume_prompt_batches: Optional[int] = None  # prompt batches drawn in the epoch of a loaded checkpoint
+        self.resume_state: Optional[ResumeState] = None  # the position of a loaded checkpoint
+
+    @property
+    def resume_prompt_batches(self) -> Optional[int]:
+        """Prompt batches drawn in the epoch of a loaded checkpoint, else None."""
+        return None if self.resume_state is None else self.resume_state.prompt_batches
+
+    @resume_prompt_batches.setter
+    def resume_prompt_batches(self, value: int) -> None:
+        self.resume_state = self.resume_state or ResumeState()
+        self.resume_state.prompt_batches = value
 
     def on_save_checkpoint(self) -> dict:
-        """The base state plus the prompt batches drawn in this epoch (a token-budget resume skips them)."""
+        """The base state plus the position inside the epoch: prompt batches drawn, every process's RNG states
+        (those the current rollout started from while one is being made) and a partly used rollout. A collective
+        under multi-process strategies (Lightning builds a checkpoint on every process)."""
         state_dict = super().on_save_checkpoint()
-        drawn = getattr(self._data_fetcher, "prompt_batches_drawn", None)
-        if drawn is not None:
-            state_dict[PROMPT_BATCHES_KEY] = int(drawn)
+        fetcher = self._data_fetcher
+        if isinstance(fetcher, ExperienceFetcher):
+            state_dict[PROMPT_BATCHES_KEY] = fetcher.prompt_batches_drawn
+            state_dict[RNG_KEY] = gather_per_process(fetcher.rollout_rng or rng_states())
+            state_dict[PARTIAL_KEY] = gather_per_process(fetcher.partial_rollout())
         return state_dict
 
     def on_load_checkpoint(self, state_dict: dict) -> None:
-        if PROMPT_BATCHES_KEY in state_dict:
-            self.resume_prompt_batches = int(state_dict[PROMPT_BATCHES_KEY])
+        self.resume_state = ResumeState(
+            prompt_batches=state_dict.get(PROMPT_BATCHES_KEY, self.resume_prompt_batches),  # old: module's hook
+            rng=this_process(state_dict.get(RNG_KEY), "RNG states"),
+            partial=this_process(state_dict.get(PARTIAL_KEY), "partly used rollouts"),
+        )
         super().on_load_checkpoint(state_dict)
 
     def setup_data(self) -> None:
@@ -185,7 +268,7 @@ class GRPOFitLoop(_FitLoop):
             return
         source: ExperienceSource = trainer.lightning_module  # type: ignore[assignment]
         per_rollout = source.micro_batches_per_rollout()
-        fetcher = ExperienceFetcher(source, per_rollout, self.resume_prompt_batches)
+        fetcher = ExperienceFetcher(source, per_rollout, self.resume_state)
         fetcher.setup(self._combined_loader)
         iter(fetcher)
         self._data_fetcher = fetcher

@@ -187,10 +187,12 @@ class GRPOModule(L.LightningModule):
         n = len(batch.get("prompt", ())) * self.config.num_generations
         return max(1, (self.config.mini_batch_size or n) // self.trainer.accumulate_grad_batches)
 
-    def micro_batches(self, experience: Experience) -> Iterator[Experience]:
+    def micro_batches(self, experience: Experience, step: Optional[int] = None) -> Iterator[Experience]:
         """The loop's view of one rollout: shuffled mini-batches cut into micro-batches (see
-        :func:`lightning_grpo.experience.micro_batches`)."""
-        generator = torch.Generator().manual_seed(self.config.shuffle_seed + self.global_step)
+        :func:`lightning_grpo.experience.micro_batches`), shuffled with ``shuffle_seed + step`` (default: the
+        current optimizer step)."""
+        step = self.global_step if step is None else step
+        generator = torch.Generator().manual_seed(self.config.shuffle_seed + step)
         return micro_batches(
             experience,
             mini_batch_size=self.config.mini_batch_size or len(experience),
