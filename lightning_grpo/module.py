@@ -23,7 +23,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenize
 from lightning_grpo import functional as F
 from lightning_grpo.algorithm import DynamicSampler, ObjectiveOutput, ScoredRollout, grpo_objective
 from lightning_grpo.algorithm.shaping import overlong_penalty, sequence_kl, transform_rewards
-from lightning_grpo.config import GRPOConfig
+from lightning_grpo.config import GRPOConfig, check_optimizer_arguments
 from lightning_grpo.experience import Experience, micro_batches
 from lightning_grpo.loop import install_loop
 from lightning_grpo.models import resolve_model_path
@@ -81,7 +81,7 @@ class GRPOModule(L.LightningModule):
         reward_funcs: Sequence[RewardSpec] = ("gsm8k_accuracy", "gsm8k_format"),
         reward_weights: Optional[Sequence[float]] = None,
         accuracy_reward: Optional[RewardSpec] = None,
-        config: Union[GRPOConfig, dict, None] = None,
+        config: GRPOConfig = GRPOConfig(),  # noqa: B008 - a dataclass default: --help lists every config field
         learning_rate: float = 1e-6,
         weight_decay: float = 0.0,
         adam_betas: tuple[float, float] = (0.9, 0.99),
@@ -99,12 +99,7 @@ class GRPOModule(L.LightningModule):
         self.save_hyperparameters(ignore=["model", "tokenizer", "reward_funcs", "accuracy_reward", "config"])
         self.hparams["config"] = dataclasses.asdict(self.config)
         self.hparams["model"] = model if isinstance(model, str) or model is None else type(model).__name__
-        if learning_rate <= 0:
-            raise ValueError(f"learning_rate={learning_rate} must be > 0")
-        if warmup_steps < 0:
-            raise ValueError(f"warmup_steps={warmup_steps} must be >= 0")
-        if dtype not in _DTYPES:
-            raise ValueError(f"dtype={dtype!r}: choose one of {sorted(_DTYPES)}")
+        check_optimizer_arguments(learning_rate, weight_decay, adam_betas, warmup_steps, dtype)
         if not reward_funcs:
             raise ValueError("reward_funcs is empty: GRPO needs at least one reward function")
         self.reward_funcs = [resolve_reward_function(f) for f in reward_funcs]
