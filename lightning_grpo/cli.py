@@ -3,14 +3,16 @@
     lightning-grpo fit --config recipes/gsm8k_grpo.yaml --model.config.num_generations 4 --trainer.max_steps 10
 
 Every field of the Trainer, the module (``--model.*``, ``--model.config.*``) and the data (``--data.*``) can be
-set in the YAML and overridden on the command line.
+set in the YAML and overridden on the command line. ``lightning-grpo fit --help`` shows each ``--model.config.*``
+field with the attribute docstring written below it in :class:`lightning_grpo.config.GRPOConfig`.
 """
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
-from lightning.pytorch.cli import LightningCLI
+from jsonargparse import set_parsing_settings
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 from lightning_grpo.config import GRPOConfig
 from lightning_grpo.data import PromptDataModule
@@ -36,6 +38,12 @@ def _max_prompt_length(config: object) -> int:
 
 class GRPOCLI(LightningCLI):
     """LightningCLI with the GRPO module and prompt data module as the defaults."""
+
+    def init_parser(self, **kwargs: Any) -> LightningArgumentParser:
+        # GRPOConfig documents each field by the string below it (as litgpt does); jsonargparse reads those only
+        # with attribute docstrings on, which must be set before the model's arguments are added to the parser.
+        set_parsing_settings(docstring_parse_attribute_docstrings=True)
+        return super().init_parser(**kwargs)
 
     def add_arguments_to_parser(self, parser) -> None:  # noqa: ANN001 - jsonargparse parser
         # the data module drops over-long prompts, measured with the policy's tokenizer and the same limit

@@ -6,8 +6,9 @@ Names follow TRL's ``GRPOConfig`` where they mean the same thing; docs/algorithm
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, fields
-from typing import Literal, Optional
+from typing import Literal, Optional, Sequence
 
 LossType = Literal["grpo", "bnpo", "token_mean", "dapo", "dr_grpo"]
 KLEstimator = Literal["k1", "k2", "k3"]
@@ -26,148 +27,151 @@ def _fail(name: str, value: object, requirement: str) -> None:
 class GRPOConfig:
     """Settings of the GRPO algorithm (DeepSeekMath, arXiv:2402.03300, sec. 4.1) and its variants.
 
-    Rollout
-        num_generations: G, completions sampled per prompt (a "group"); >= 2, group statistics need two.
-        max_prompt_length: prompts longer than this many tokens are left-truncated (counted in
-            ``prompts/truncated``).
-        max_new_tokens: most tokens generated per completion.
-        temperature: sampling temperature (> 0); the trainer divides logits by it too, so the logprobs
-            are those of the distribution that was sampled.
-        top_p: nucleus sampling mass in (0, 1].
-        top_k: top-k sampling, 0 = off.
-        rollout_engine: "hf" (transformers ``generate``) or "vllm".
-    Rewards and advantages (see :func:`lightning_grpo.functional.group_advantages`; order of the shaping steps:
-    weighted reward sum -> + overlong penalty -> scale/bias/clip -> - beta * KL (kl_in_reward) -> advantages)
-        advantage_estimator: "grpo" (baseline = group mean, DeepSeekMath eq. 3) or "rloo" (baseline = mean of the
-            other G - 1 completions, Ahmadian et al. 2024 eq. 6; verl ``adv_estimator=rloo`` is "rloo" with
-            ``scale_rewards="none"``).
-        scale_rewards: "group" divides by the group's std (DeepSeekMath eq. 3 outcome supervision),
-            "batch" by the std of the whole rollout batch (all processes), "none" does not divide (Dr. GRPO sec. 3.1).
-        advantage_eps: added to the std before dividing (TRL uses 1e-4).
-        advantage_std_floor: the std is raised to at least this before dividing (>= 0; 0 = off), so that groups
-            whose rewards differ only by float noise are not scaled up to unit advantages.
-        reward_scale, reward_bias, reward_clip: ``r <- clip(reward_scale * r + reward_bias, -reward_clip,
-            reward_clip)`` before advantages (reward_clip None = no clipping).
-        overlong_buffer: soft overlong punishment (DAPO eq. 13) over the last this many of the max_new_tokens
-            tokens; 0 = off.
-        overlong_penalty_factor: the punishment at max_new_tokens is ``-overlong_penalty_factor``.
-        mask_truncated_completions: completions without EOS (cut at max_new_tokens) get no loss (DAPO sec. 3.4
-            "overlong filtering"); they still count in the group statistics.
-    Dynamic sampling (DAPO eq. 11)
-        dynamic_sampling: drop groups whose primary reward is the same for all G completions and generate more
-            prompt batches until the rollout batch is full again.
-        max_num_gen_batches: most prompt batches generated per rollout batch (>= 1); when reached, the batch is
-            filled up with dropped groups (logged as ``dynamic_sampling/filled_groups``).
-        primary_reward: name of the reward function (as in ``rewards/<name>/mean``) whose raw value the dynamic
-            sampling filter reads; None = the first reward function.
-    Policy loss
-        epsilon_low, epsilon_high: ratio clipped to [1 - epsilon_low, 1 + epsilon_high]
-            (PPO eq. 7; the asymmetric "clip-higher" of DAPO eq. 10).
-        clip_ratio_c: dual-clip bound (> 1) for negative advantages (Ye et al. 2020, arXiv:1912.09729); None = off.
-        delta: upper cap on the unclipped ratio (INTELLECT-2, arXiv:2505.07291); None = off.
-        beta: KL coefficient; 0 disables the KL term and no reference model is loaded.
-        kl_estimator: "k1", "k2" or "k3" (Schulman 2020; DeepSeekMath eq. 4 is k3).
-        kl_in_reward: subtract ``beta * sum_t KL_t`` (the behaviour policy's KL to the reference, per sequence)
-            from the reward before advantages (verl ``use_kl_in_reward``) instead of adding ``beta * KL`` to the
-            loss (the default, DeepSeekMath eq. 3). Needs beta > 0.
-        loss_type: how per-token losses are averaged, see :func:`lightning_grpo.functional.loss_normalizer`.
-        entropy_coef: entropy bonus, ``loss -= entropy_coef * H`` (per token, aggregated like the loss; >= 0).
-        top_entropy_quantile: only the top this fraction of the micro-batch's tokens by entropy get the
-            policy-gradient loss (rho of arXiv:2506.01939, which uses 0.2); 1.0 = all tokens.
-        importance_sampling_cap: truncated importance sampling (TIS) cap C (>= 1) for engines that report sampler
-            logprobs (vLLM): the policy-gradient loss is weighted by ``min(pi_old / pi_sampler, C)``; None = off.
-            The HF engine reports none, so its weight is 1.
-        importance_sampling_level: "token" (a weight per token) or "sequence" (the product over the sequence).
-        importance_sampling_mode: "truncate" (``min(w, C)``) or "mask" (weight 0 where ``w > C``).
-    Updates
-        num_iterations: passes over each rollout batch (mu in DeepSeekMath Alg. 1).
-        mini_batch_size: sequences per optimizer step on each process; None = the whole rollout batch
-            (prompts_per_step * G). Each mini-batch is split into ``Trainer(accumulate_grad_batches)``
-            micro-batches, one ``training_step`` each.
-        shuffle_seed: seed of the mini-batch shuffling (combined with the step number).
-        max_tokens_per_microbatch: form each mini-batch's micro-batches by a token budget instead of a count:
-            sequences (real prompt + completion tokens) are packed into micro-batches of at most this many tokens,
-            balanced (:func:`lightning_grpo.packing.token_budget_partition`; a longer sequence gets a micro-batch of
-            its own). The number of micro-batches per optimizer step then varies: it needs
-            ``Trainer(accumulate_grad_batches=1)``. None = ``accumulate_grad_batches`` micro-batches per step.
-    Performance
-        padding_free: training and old/reference logprob passes compute only real tokens, and logits only at
-            completion positions. How sequences are laid out: with ``shared_prefix`` (sdpa/eager attention) each
-            group of sequences sharing a prompt is one row; otherwise sequences are packed into rows with position
-            ids restarting per sequence (:func:`lightning_grpo.packing.pack_sequences`; transformers derives the
-            block-diagonal causal mask from them). False keeps the padded ``(B, P + T)`` forward for models whose
-            attention cannot pack.
-        packed_row_tokens: most tokens per forward pass when rows are combined (rows formed like token-budget
-            micro-batches). None = automatic: one pass for the whole micro-batch with a flash-attention kernel
-            (varlen) or a model sharded by FSDP (which all-gathers on every forward call); otherwise one pass per
-            group row (``shared_prefix``) or per sequence, since sdpa/eager attention over a combined row is computed
-            densely, across sequences (2-core CPU, SmolLM2, 8 x (200 + 192) tokens, fwd+bwd: one sequence per pass
-            14.4 s, one pass for all 23.6 s, padded 17.4 s).
-        shared_prefix: with ``padding_free`` and sdpa/eager attention, lay out each group of sequences that share a
-            prompt (a GRPO group) as one row, the prompt once and then every completion, with a 4-D attention mask
-            that lets each completion see the prompt and itself only: the prompt is computed once instead of G
-            times. Exact (same logprobs and gradients). With flash attention (no custom masks) it is ignored.
-            A token-budget micro-batch may split a group, which then shares its prompt within each part only.
-    Evaluation
-        eval_max_new_tokens: max new tokens of the greedy validation rollouts (None = ``max_new_tokens``).
-    vLLM engine (``rollout_engine="vllm"``)
-        vllm_gpu_memory_utilization: fraction of GPU memory vLLM may take (GPU only).
-        vllm_kv_cache_space_gib: KV-cache size in GiB on CPU (``VLLM_CPU_KVCACHE_SPACE``).
-        vllm_sync_every: push trained weights into the engine every this many optimizer steps.
-        vllm_enable_sleep_mode: release vLLM's GPU memory while training (GPU only).
+    Each field is documented by the string below it (shown by ``lightning-grpo fit --help`` as the help of
+    ``--model.config.<field>``). Order of the reward shaping steps: weighted reward sum -> + overlong penalty ->
+    scale/bias/clip -> - beta * KL (kl_in_reward) -> advantages (:func:`lightning_grpo.functional.group_advantages`).
+
+    Raises:
+        ValueError: on construction, a field out of range or not finite (the field and value are named).
     """
 
+    # --- Rollout ---
     num_generations: int = 8
+    """G, completions sampled per prompt (a "group"); >= 2, group statistics need two."""
     max_prompt_length: int = 512
+    """Prompts longer than this many tokens are left-truncated (counted in ``prompts/truncated``)."""
     max_new_tokens: int = 256
+    """Most tokens generated per completion."""
     temperature: float = 1.0
+    """Sampling temperature (> 0); the trainer divides logits by it too, so the logprobs are those of the
+    distribution that was sampled."""
     top_p: float = 1.0
+    """Nucleus sampling mass in (0, 1]."""
     top_k: int = 0
+    """Top-k sampling, 0 = off."""
     rollout_engine: RolloutEngineName = "hf"
+    """Rollout engine: "hf" (transformers ``generate``) or "vllm"."""
 
+    # --- Rewards and advantages (see lightning_grpo.functional.group_advantages) ---
     advantage_estimator: AdvantageEstimator = "grpo"
+    """Baseline: "grpo" (the group mean, DeepSeekMath eq. 3) or "rloo" (the mean of the other G - 1 completions,
+    Ahmadian et al. 2024 eq. 6; verl ``adv_estimator=rloo`` is "rloo" with ``scale_rewards="none"``)."""
     scale_rewards: ScaleRewards = "group"
+    """Advantage scaling: "group" divides by the group's std (DeepSeekMath eq. 3 outcome supervision), "batch" by
+    the std of the whole rollout batch (all processes), "none" does not divide (Dr. GRPO sec. 3.1)."""
     advantage_eps: float = 1e-4
+    """Added to the std before dividing (TRL uses 1e-4)."""
     advantage_std_floor: float = 0.0
+    """The std is raised to at least this before dividing (>= 0; 0 = off), so that groups whose rewards differ only
+    by float noise are not scaled up to unit advantages."""
     reward_scale: float = 1.0
+    """Reward multiplier (> 0): ``r <- clip(reward_scale * r + reward_bias, -reward_clip, reward_clip)`` before
+    advantages."""
     reward_bias: float = 0.0
+    """Added to the scaled reward: ``r <- clip(reward_scale * r + reward_bias, -reward_clip, reward_clip)``."""
     reward_clip: Optional[float] = None
+    """Bound (> 0) of ``r <- clip(reward_scale * r + reward_bias, -reward_clip, reward_clip)``; None = no clipping."""
     overlong_buffer: int = 0
+    """Soft overlong punishment (DAPO eq. 13) over the last this many of the max_new_tokens tokens; 0 = off."""
     overlong_penalty_factor: float = 1.0
+    """The soft overlong punishment at max_new_tokens is ``-overlong_penalty_factor`` (>= 0)."""
     mask_truncated_completions: bool = False
+    """Completions without EOS (cut at max_new_tokens) get no loss (DAPO sec. 3.4 "overlong filtering"); they still
+    count in the group statistics."""
 
+    # --- Dynamic sampling (DAPO eq. 11) ---
     dynamic_sampling: bool = False
+    """Drop groups whose primary reward is the same for all G completions and generate more prompt batches until the
+    rollout batch is full again (DAPO eq. 11)."""
     max_num_gen_batches: int = 10
+    """Most prompt batches generated per rollout batch (>= 1); when reached, the batch is filled up with dropped
+    groups (logged as ``dynamic_sampling/filled_groups``)."""
     primary_reward: Optional[str] = None
+    """Name of the reward function (as in ``rewards/<name>/mean``) whose raw value the dynamic sampling filter reads;
+    None = the first reward function."""
 
+    # --- Policy loss ---
     epsilon_low: float = 0.2
+    """Lower clip range in [0, 1): the ratio is clipped to [1 - epsilon_low, 1 + epsilon_high] (PPO eq. 7)."""
     epsilon_high: float = 0.2
+    """Upper clip range (>= 0): the ratio is clipped to [1 - epsilon_low, 1 + epsilon_high] (PPO eq. 7; larger than
+    epsilon_low is the asymmetric "clip-higher" of DAPO eq. 10)."""
     clip_ratio_c: Optional[float] = None
+    """Dual-clip bound (> 1) for negative advantages (Ye et al. 2020, arXiv:1912.09729); None = off."""
     delta: Optional[float] = None
+    """Upper cap (> 1 + epsilon_high) on the unclipped ratio (INTELLECT-2, arXiv:2505.07291); None = off."""
     beta: float = 0.0
+    """KL coefficient (>= 0); 0 disables the KL term and no reference model is loaded."""
     kl_estimator: KLEstimator = "k3"
+    """KL estimator "k1", "k2" or "k3" (Schulman 2020; DeepSeekMath eq. 4 is k3)."""
     kl_in_reward: bool = False
+    """Subtract ``beta * sum_t KL_t`` (the behaviour policy's KL to the reference, per sequence) from the reward
+    before advantages (verl ``use_kl_in_reward``) instead of adding ``beta * KL`` to the loss (the default,
+    DeepSeekMath eq. 3). Needs beta > 0."""
     loss_type: LossType = "grpo"
+    """How per-token losses are averaged, see :func:`lightning_grpo.functional.loss_normalizer`."""
     entropy_coef: float = 0.0
+    """Entropy bonus, ``loss -= entropy_coef * H`` (per token, aggregated like the loss; >= 0)."""
     top_entropy_quantile: float = 1.0
+    """Only the top this fraction of the micro-batch's tokens by entropy get the policy-gradient loss (rho of
+    arXiv:2506.01939, which uses 0.2); 1.0 = all tokens."""
     importance_sampling_cap: Optional[float] = None
+    """Truncated importance sampling (TIS) cap C (>= 1) for engines that report sampler logprobs (vLLM): the
+    policy-gradient loss is weighted by ``min(pi_old / pi_sampler, C)``; None = off. The HF engine reports none, so
+    its weight is 1."""
     importance_sampling_level: ImportanceSamplingLevel = "token"
+    """Importance weight level: "token" (a weight per token) or "sequence" (the product over the sequence)."""
     importance_sampling_mode: ImportanceSamplingMode = "truncate"
+    """Importance weight cap mode: "truncate" (``min(w, C)``) or "mask" (weight 0 where ``w > C``)."""
 
+    # --- Updates ---
     num_iterations: int = 1
+    """Passes over each rollout batch (mu in DeepSeekMath Alg. 1)."""
     mini_batch_size: Optional[int] = None
+    """Sequences per optimizer step on each process; None = the whole rollout batch (prompts_per_step * G). Each
+    mini-batch is split into ``Trainer(accumulate_grad_batches)`` micro-batches, one ``training_step`` each."""
     shuffle_seed: int = 0
+    """Seed of the mini-batch shuffling (combined with the step number)."""
     max_tokens_per_microbatch: Optional[int] = None
+    """Form each mini-batch's micro-batches by a token budget instead of a count: sequences (real prompt +
+    completion tokens) are packed into micro-batches of at most this many tokens, balanced
+    (:func:`lightning_grpo.packing.token_budget_partition`; a longer sequence gets a micro-batch of its own). The
+    number of micro-batches per optimizer step then varies: it needs ``Trainer(accumulate_grad_batches=1)``.
+    None = ``accumulate_grad_batches`` micro-batches per step."""
+
+    # --- Performance ---
     padding_free: bool = True
+    """Training and old/reference logprob passes compute only real tokens, and logits only at completion positions.
+    How sequences are laid out: with ``shared_prefix`` (sdpa/eager attention) each group of sequences sharing a
+    prompt is one row; otherwise sequences are packed into rows with position ids restarting per sequence
+    (:func:`lightning_grpo.packing.pack_sequences`; transformers derives the block-diagonal causal mask from them).
+    False keeps the padded ``(B, P + T)`` forward for models whose attention cannot pack."""
     packed_row_tokens: Optional[int] = None
+    """Most tokens per forward pass when rows are combined (rows formed like token-budget micro-batches). None =
+    automatic: one pass for the whole micro-batch with a flash-attention kernel (varlen) or a model sharded by FSDP
+    (which all-gathers on every forward call); otherwise one pass per group row (``shared_prefix``) or per sequence,
+    since sdpa/eager attention over a combined row is computed densely, across sequences (2-core CPU, SmolLM2,
+    8 x (200 + 192) tokens, fwd+bwd: one sequence per pass 14.4 s, one pass for all 23.6 s, padded 17.4 s)."""
     shared_prefix: bool = True
+    """With ``padding_free`` and sdpa/eager attention, lay out each group of sequences that share a prompt (a GRPO
+    group) as one row, the prompt once and then every completion, with a 4-D attention mask that lets each
+    completion see the prompt and itself only: the prompt is computed once instead of G times. Exact (same logprobs
+    and gradients). With flash attention (no custom masks) it is ignored. A token-budget micro-batch may split a
+    group, which then shares its prompt within each part only."""
 
+    # --- Evaluation ---
     eval_max_new_tokens: Optional[int] = None
+    """Max new tokens of the greedy validation rollouts (None = ``max_new_tokens``)."""
 
+    # --- vLLM engine (rollout_engine="vllm") ---
     vllm_gpu_memory_utilization: float = 0.3
+    """Fraction of GPU memory vLLM may take, in (0, 1] (GPU only)."""
     vllm_kv_cache_space_gib: int = 2
+    """KV-cache size in GiB on CPU (``VLLM_CPU_KVCACHE_SPACE``)."""
     vllm_sync_every: int = 1
+    """Push trained weights into the engine every this many optimizer steps."""
     vllm_enable_sleep_mode: bool = False
+    """Release vLLM's GPU memory while training (GPU only)."""
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -245,3 +249,44 @@ class GRPOConfig:
 def _check_choice(config: GRPOConfig, name: str, choices: tuple[str, ...]) -> None:
     if getattr(config, name) not in choices:
         _fail(name, getattr(config, name), f"choose one of {', '.join(choices)}")
+
+
+#: Names of the dtypes :class:`lightning_grpo.GRPOModule` loads model weights in (``dtype=``).
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
+
+
+def check_optimizer_arguments(
+    learning_rate: float,
+    weight_decay: float,
+    adam_betas: Sequence[float],
+    warmup_steps: int,
+    dtype: str,
+) -> None:
+    """Validate the optimizer and weight arguments of :class:`lightning_grpo.GRPOModule` (AdamW, Loshchilov and
+    Hutter 2019, with a linear warmup).
+
+    Args:
+        learning_rate: AdamW peak learning rate: finite and > 0.
+        weight_decay: AdamW weight decay: finite and >= 0.
+        adam_betas: AdamW ``(beta1, beta2)``: two finite numbers, each in [0, 1).
+        warmup_steps: optimizer steps of linear warmup: an int >= 0.
+        dtype: one of :data:`DTYPE_NAMES`.
+
+    Raises:
+        ValueError: an argument out of range or not finite; the message names the argument and its value.
+    """
+    if not _is_number(learning_rate) or not math.isfinite(learning_rate) or learning_rate <= 0:
+        raise ValueError(f"learning_rate={learning_rate!r} is invalid: must be a finite number > 0")
+    if not _is_number(weight_decay) or not math.isfinite(weight_decay) or weight_decay < 0:
+        raise ValueError(f"weight_decay={weight_decay!r} is invalid: must be a finite number >= 0")
+    betas = tuple(adam_betas) if isinstance(adam_betas, (tuple, list)) else None
+    if betas is None or len(betas) != 2 or not all(_is_number(b) and math.isfinite(b) and 0 <= b < 1 for b in betas):
+        raise ValueError(f"adam_betas={adam_betas!r} is invalid: must be two finite numbers, each in [0, 1)")
+    if not isinstance(warmup_steps, numbers.Integral) or isinstance(warmup_steps, bool) or warmup_steps < 0:
+        raise ValueError(f"warmup_steps={warmup_steps!r} is invalid: must be an int >= 0")
+    if dtype not in DTYPE_NAMES:
+        raise ValueError(f"dtype={dtype!r} is invalid: choose one of {', '.join(DTYPE_NAMES)}")
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)

@@ -37,6 +37,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from lightning_grpo.epoch_sampler import EpochShuffleSampler
+from lightning_grpo.data_files import load_local_files, load_local_folder
 from lightning_grpo.rewards.gsm8k import gold_answer
 
 log = logging.getLogger(__name__)
@@ -219,7 +220,8 @@ class PromptDataModule(L.LightningDataModule):
         ValueError: ``prompts_per_step < 1``, ``val_size < 0``, ``val_batch_size < 1``, ``max_prompt_length < 1``,
             ``max_prompt_length`` without ``tokenizer``, ``num_workers < 0``, or an ``instruction`` without
             ``{question}``. At :meth:`setup`: an unknown ``dataset``, a missing split or column, an unparsable
-            answer, or fewer train prompts than ``prompts_per_step``.
+            answer, fewer train prompts than ``prompts_per_step``, or a local file with no rows or a malformed
+            JSON line (the file and line are named, :mod:`lightning_grpo.data_files`).
         FileNotFoundError: at :meth:`setup`, a local path or preset folder that does not exist (the paths tried
             are named).
     """
@@ -299,7 +301,7 @@ class PromptDataModule(L.LightningDataModule):
             tried.extend(str(path) for path in files.values())
             if all(path.is_file() for path in files.values()):
                 log.info("Reading %s from %s", self.dataset, root / preset.folder)
-                return datasets.load_dataset("json", data_files={k: str(v) for k, v in files.items()})
+                return load_local_files("json", files)
         if self.data_dir is not None:
             raise FileNotFoundError(f"dataset={self.dataset!r}: data_dir={self.data_dir!r} lacks {tried}")
         config = self.dataset_config or preset.hub_config
@@ -323,9 +325,9 @@ class PromptDataModule(L.LightningDataModule):
                 raise ValueError(
                     f"dataset={name!r}: unsupported file type {path.suffix!r}; use one of {sorted(LOCAL_BUILDERS)}"
                 )
-            return datasets.load_dataset(builder, data_files={"train": str(path.resolve())})
+            return load_local_files(builder, {"train": path.resolve()})
         if path.is_dir():
-            return datasets.load_dataset(str(path.resolve()))
+            return load_local_folder(path.resolve())
         looks_local = path.suffix.lower() in LOCAL_BUILDERS or name.startswith(("/", ".", "~"))
         if looks_local:
             raise FileNotFoundError(f"dataset={name!r}: no such file or folder (tried {str(path.resolve())!r})")

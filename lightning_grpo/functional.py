@@ -7,6 +7,7 @@ values at masked positions never influence any result (they may hold NaN or 1e9)
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -44,7 +45,8 @@ def group_advantages(
     A group whose valid rewards are all equal, or that has fewer than two valid rewards, gets exactly 0 (no
     float noise is ever divided by a near-zero std). ``std_floor`` bounds the denominator from below: a group whose
     rewards differ only by float32 rounding (std ~ 1e-8) then gets advantages of the size of that difference over
-    the floor instead of being promoted to +-1 (see docs/algorithm.md).
+    the floor instead of being promoted to +-1 (see docs/algorithm.md). Means and stds are computed in float64, so
+    float32 rewards of any finite size are normalized (in float32 a spread of ~2e19 overflows the squared deviations).
 
     Args:
         rewards: ``(num_prompts * G,)`` float rewards in prompt-major order.
@@ -64,7 +66,9 @@ def group_advantages(
 
     Raises:
         ValueError: if ``rewards`` is not 1-D, its length is not a multiple of G, G < 2, a valid reward is NaN/inf,
-            ``valid`` has another shape, ``std_floor < 0``, or ``scale_rewards`` / ``estimator`` is unknown.
+            ``valid`` has another shape, ``std_floor < 0``, or ``scale_rewards`` / ``estimator`` is unknown; or
+            rewards too large to normalize (a std, mean or advantage that is not finite in float64 / float32, e.g.
+            float64 rewards of 1e200; the group and its rewards are named).
     """
     if rewards.dim() != 1:
         raise ValueError(f"rewards must be 1-D (num_prompts * G,), got shape {tuple(rewards.shape)}")
@@ -85,9 +89,11 @@ def group_advantages(
     valid = valid.bool()
     if not torch.isfinite(rewards[valid]).all():
         raise ValueError(f"rewards must be finite where valid, got {rewards.tolist()}")
-    grouped = torch.where(valid, rewards.float(), 0.0).view(-1, num_generations)  # [P, G]
+    # float64 statistics: in float32 the squared deviations overflow from a reward spread of ~2e19 on (3.4e38 is
+    # the largest float32), the std becomes inf and every advantage of the group a silent 0
+    grouped = torch.where(valid, rewards.double(), 0.0).view(-1, num_generations)  # [P, G] float64
     member = valid.view(-1, num_generations)  # [P, G]
-    count = member.sum(dim=1, keepdim=True).float()  # [P, 1]
+    count = member.sum(dim=1, keepdim=True).double()  # [P, 1]
     mean = grouped.sum(dim=1, keepdim=True) / count.clamp(min=1)  # [P, 1]
     centered = torch.where(member, grouped - mean, 0.0)  # [P, G]
     std = (centered.square().sum(dim=1, keepdim=True) / (count - 1).clamp(min=1)).sqrt()  # [P, 1] unbiased
@@ -97,15 +103,30 @@ def group_advantages(
     if estimator == "rloo":
         centered = centered * count / (count - 1).clamp(min=1)
     if scale_rewards == "group":
+        _check_normalizable(rewards, num_generations, ~constant & ~torch.isfinite(std), "group std")
         advantages = centered / (std.clamp(min=std_floor) + eps)
     elif scale_rewards == "batch":
         if batch_std is None:
-            batch_std = float(rewards[valid].float().std()) if int(valid.sum()) > 1 else 0.0
+            batch_std = float(rewards[valid].double().std()) if int(valid.sum()) > 1 else 0.0
+        if not math.isfinite(batch_std):
+            raise ValueError(f"rewards are too large to normalize: the batch std is {batch_std}")
         advantages = centered / (max(batch_std, std_floor) + eps)
     else:
         advantages = centered
-    advantages = torch.where(constant | ~member, torch.zeros_like(advantages), advantages)
+    advantages = torch.where(constant | ~member, torch.zeros_like(advantages), advantages).float()  # [P, G] float32
+    _check_normalizable(rewards, num_generations, ~torch.isfinite(advantages).all(dim=1, keepdim=True), "advantage")
     return advantages.reshape(-1)  # [N]
+
+
+def _check_normalizable(rewards: Tensor, num_generations: int, overflow: Tensor, what: str) -> None:
+    """Raise ValueError naming the first group (``overflow``: ``(P, 1)`` bool) whose ``what`` is not finite."""
+    if bool(overflow.any()):
+        group = int(overflow.reshape(-1).nonzero()[0])
+        values = rewards[group * num_generations:(group + 1) * num_generations].tolist()
+        raise ValueError(
+            f"rewards of group {group} are too large to normalize: {values} (the {what} is not finite in "
+            f"float64 / float32)"
+        )
 
 
 @dataclass

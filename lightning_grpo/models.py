@@ -264,10 +264,40 @@ def default_model_path(cache_dir: Union[str, os.PathLike, None] = None) -> str:
 
 
 def resolve_model_path(name_or_path: Optional[str]) -> str:
-    """Map ``None`` or ``"embedded"`` to :func:`default_model_path`; return anything else (hub id or path) as is."""
+    """Map ``None`` or ``"embedded"`` to :func:`default_model_path`; return an existing folder or a hub id as is.
+
+    Raises:
+        ValueError: ``name_or_path`` is neither an existing folder nor a valid hub id (``name`` or ``owner/name``,
+            as ``huggingface_hub.utils.validate_repo_id`` checks), e.g. a folder that does not exist.
+        FileNotFoundError: offline (``HF_HUB_OFFLINE`` or ``TRANSFORMERS_OFFLINE`` set) and the hub id has no
+            ``config.json`` in the Hugging Face cache.
+    """
     if name_or_path is None or name_or_path == EMBEDDED:
         return default_model_path()
+    if os.path.isdir(os.path.expanduser(name_or_path)):
+        return name_or_path
+    from huggingface_hub import try_to_load_from_cache
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(name_or_path)
+    except HFValidationError:
+        raise ValueError(
+            f"model {name_or_path!r} is neither an existing folder nor a hub id ('name' or 'owner/name' of letters, "
+            "digits, '-', '_', '.')"
+        ) from None
+    if _hub_offline() and not isinstance(try_to_load_from_cache(name_or_path, "config.json"), str):
+        raise FileNotFoundError(
+            f"model {name_or_path!r} is not an existing folder, and as a hub id it is not in the Hugging Face cache "
+            "while offline (HF_HUB_OFFLINE / TRANSFORMERS_OFFLINE is set): give a local folder, or download it first"
+        )
     return name_or_path
+
+
+def _hub_offline() -> bool:
+    """Whether ``HF_HUB_OFFLINE`` or ``TRANSFORMERS_OFFLINE`` is set to a true value (read at call time)."""
+    values = (os.environ.get("HF_HUB_OFFLINE", ""), os.environ.get("TRANSFORMERS_OFFLINE", ""))
+    return any(value.strip().lower() in ("1", "true", "yes", "on") for value in values)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:

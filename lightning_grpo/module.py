@@ -21,7 +21,7 @@ from torchmetrics import MeanMetric
 from transformers import PreTrainedTokenizerBase
 
 from lightning_grpo.algorithm import ObjectiveOutput, grpo_objective
-from lightning_grpo.config import GRPOConfig
+from lightning_grpo.config import GRPOConfig, check_optimizer_arguments
 from lightning_grpo.experience import Experience, micro_batches
 from lightning_grpo.experience_maker import ExperienceMaker
 from lightning_grpo.logprobs import CompletionLogprobs
@@ -71,7 +71,7 @@ class GRPOModule(L.LightningModule):
         reward_funcs: Sequence[RewardSpec] = ("gsm8k_accuracy", "gsm8k_format"),
         reward_weights: Optional[Sequence[float]] = None,
         accuracy_reward: Optional[RewardSpec] = None,
-        config: Union[GRPOConfig, dict, None] = None,
+        config: GRPOConfig = GRPOConfig(),  # noqa: B008 - a dataclass default: --help lists every config field
         learning_rate: float = 1e-6,
         weight_decay: float = 0.0,
         adam_betas: tuple[float, float] = (0.9, 0.99),
@@ -82,17 +82,13 @@ class GRPOModule(L.LightningModule):
         tolerant_reward_funcs: Sequence[str] = (),
     ) -> None:
         super().__init__()
-        if isinstance(config, dict):
-            config = GRPOConfig(**config)
-        self.config = config if config is not None else GRPOConfig()
+        # a copy: the shared default instance (and a caller's config) must not change with this module's
+        self.config = GRPOConfig(**config) if isinstance(config, dict) else dataclasses.replace(config or GRPOConfig())
         # hyperparameters are stored as plain data so checkpoints load with torch.load(weights_only=True)
         self.save_hyperparameters(ignore=["model", "tokenizer", "reward_funcs", "accuracy_reward", "config"])
         self.hparams["config"] = dataclasses.asdict(self.config)
         self.hparams["model"] = model if isinstance(model, str) or model is None else type(model).__name__
-        if learning_rate <= 0:
-            raise ValueError(f"learning_rate={learning_rate} must be > 0")
-        if warmup_steps < 0:
-            raise ValueError(f"warmup_steps={warmup_steps} must be >= 0")
+        check_optimizer_arguments(learning_rate, weight_decay, adam_betas, warmup_steps, dtype)
         self.rewards = RewardSet.from_specs(reward_funcs, reward_weights, tolerant_reward_funcs,
                                             primary=self.config.primary_reward, accuracy=accuracy_reward)
         self.policy, self.tokenizer, self.model_path = load_policy(model, tokenizer, dtype, gradient_checkpointing)

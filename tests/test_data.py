@@ -2,6 +2,7 @@
 
 import json
 import logging
+import re
 from pathlib import Path
 
 import pytest
@@ -92,7 +93,7 @@ def test_gsm8k_batch_matches_raw_rows(gsm8k, gsm8k_rows):
     batch = next(iter(gsm8k.train_dataloader()))
     assert set(batch) == {"prompt", "answer", "question", "solution"}
     assert all(len(values) == 4 for values in batch.values())
-    for question, answer, solution in zip(batch["question"], batch["answer"], batch["solution"]):
+    for question, answer, solution in zip(batch["question"], batch["answer"], batch["solution"], strict=True):
         expected = raw[question].split("####")[-1].strip().replace(",", "")
         assert answer == expected
         assert solution == raw[question]
@@ -103,7 +104,7 @@ def test_gsm8k_commas_removed(gsm8k, gsm8k_rows):
     with_commas = [i for i, row in enumerate(gsm8k_rows[0]) if "," in row["answer"].split("####")[-1]]
     assert len(with_commas) == 79
     rows = gsm8k.train_dataset.select(with_commas[:5])
-    for i, answer in zip(with_commas[:5], rows["answer"]):
+    for i, answer in zip(with_commas[:5], rows["answer"], strict=True):
         assert answer == gsm8k_rows[0][i]["answer"].split("####")[-1].strip().replace(",", "")
         assert "," not in answer and int(answer) >= 1000
 
@@ -339,3 +340,47 @@ def test_lightning_fit_consumes_batches(gsm8k):
     trainer.fit(module, datamodule=dm)
     expected = _questions(gsm8k.train_dataloader(), 2)
     assert [q for batch in module.seen for q in batch] == expected
+
+
+# ----------------------------------------------------------------------------------------- unreadable local files
+@pytest.mark.parametrize("content", ["", "\n  \n"])
+def test_empty_jsonl_names_the_file(tmp_path, content):
+    path = tmp_path / "empty.jsonl"
+    path.write_text(content)
+    with pytest.raises(ValueError, match=f"^dataset {re.escape(str(path))} has no rows$"):
+        PromptDataModule(str(path), prompts_per_step=1).setup("fit")
+
+
+def test_empty_preset_file_names_the_file(tmp_path):
+    (tmp_path / "math500").mkdir()
+    (tmp_path / "math500" / "test.jsonl").write_text("")
+    with pytest.raises(ValueError, match=f"^dataset {re.escape(str(tmp_path / 'math500' / 'test.jsonl'))} has no"):
+        PromptDataModule("math500", data_dir=str(tmp_path)).setup("fit")
+
+
+def test_malformed_jsonl_line_names_the_file_and_line(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    lines = ['{"question": "a", "answer": "1"}', "", '{"question": "b", "answer": 2',
+             '{"question": "c", "answer": "3"}']
+    path.write_text("\n".join(lines) + "\n")  # line 3 lacks its closing brace
+    message = (f"dataset {re.escape(str(path))} line 3 is not valid JSON "
+               r"\(Expecting ',' delimiter, column 30\): '\{\"question\": \"b\", \"answer\": 2'")
+    with pytest.raises(ValueError, match=message):
+        PromptDataModule(str(path), prompts_per_step=1).setup("fit")
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    _write_jsonl(folder / "train.jsonl", [{"question": "q", "answer": "1"}])
+    (folder / "test.jsonl").write_text('{"question": "q", "answer": "1"}\n[1, 2]\n')
+    with pytest.raises(ValueError, match=f"dataset {re.escape(str(folder / 'test.jsonl'))} line 2 is not a JSON obj"):
+        PromptDataModule(str(folder), prompts_per_step=1).setup("fit")
+
+
+def test_malformed_json_document_names_the_line(tmp_path):
+    path = tmp_path / "doc.json"
+    path.write_text('[{"question": "a", "answer": "1"},\n {"question": "b" "answer": "2"}]\n')
+    with pytest.raises(ValueError, match=r"doc.json is not valid JSON \(Expecting ',' delimiter, line 2 column 19\)"):
+        PromptDataModule(str(path), prompts_per_step=1).setup("fit")
+    path.write_text('[{"question": "a", "answer": "1"},\n {"question": "b", "answer": "2"}]\n')  # a valid document
+    dm = PromptDataModule(str(path), prompts_per_step=1, val_size=0)
+    dm.setup("fit")
+    assert dm.train_dataset["answer"] == ["1", "2"]

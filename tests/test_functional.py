@@ -261,3 +261,38 @@ def test_token_logprobs_entropy_gradient_matches_autograd():
     torch.testing.assert_close(ours, logits.grad)
     _, no_grad = F.token_logprobs(logits, labels, 0.8, with_entropy=True)
     assert not no_grad.requires_grad
+
+
+# ---------------------------------------------------------------- issue 13: rewards too large for float32 statistics
+def test_group_statistics_do_not_overflow_for_huge_rewards():
+    # [0, 3e19]: mean 1.5e19, centered +-1.5e19, unbiased std sqrt(2 * 1.5e19^2 / 1) = 1.5e19 * sqrt(2), so
+    # A = +-1.5e19 / (1.5e19 * sqrt(2) + 1e-4) = +-1/sqrt(2) = +-0.70711 (in float32 the squares sum to 4.5e38 > 3.4e38:
+    # std inf and both advantages were 0)
+    adv = F.group_advantages(torch.tensor([0.0, 3e19, 1.0, 0.0]), 2)
+    assert adv.dtype == torch.float32
+    torch.testing.assert_close(adv[:2], torch.tensor([-1 / math.sqrt(2), 1 / math.sqrt(2)]), atol=1e-6, rtol=0)
+    assert adv[2].item() == pytest.approx(0.5 / (math.sqrt(0.5) + 1e-4), abs=1e-6)  # a small group is unchanged
+    # the largest float32 rewards: [-3e38, 3e38] -> +-0.70711 too
+    big = F.group_advantages(torch.tensor([-3e38, 3e38]), 2)
+    torch.testing.assert_close(big, torch.tensor([-1 / math.sqrt(2), 1 / math.sqrt(2)]), atol=1e-6, rtol=0)
+    # batch std of [0, 3e19, 0, 3e19]: mean 1.5e19, sum of squares 4 * 2.25e38, / 3 -> std 1.5e19 * sqrt(4/3);
+    # A = +-1 / sqrt(4/3) = +-sqrt(3)/2 = +-0.86603
+    batch = F.group_advantages(torch.tensor([0.0, 3e19, 0.0, 3e19]), 2, "batch", eps=0.0)
+    half_sqrt3 = math.sqrt(3) / 2
+    torch.testing.assert_close(batch, torch.tensor([-half_sqrt3, half_sqrt3] * 2), atol=1e-6, rtol=0)
+    # RLOO with the group std: the GRPO advantage times G / (G - 1) = 2: +-1.41421
+    rloo = F.group_advantages(torch.tensor([0.0, 3e19]), 2, estimator="rloo")
+    torch.testing.assert_close(rloo, torch.tensor([-math.sqrt(2), math.sqrt(2)]), atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize(
+    "rewards, scale, match",
+    [
+        ([1.0, 2.0, 0.0, 1e200], "group", r"group 1 are too large to normalize: \[0.0, 1e\+200\].*group std"),
+        ([1.0, 2.0, 0.0, 1e200], "batch", r"too large to normalize: the batch std is inf"),
+        ([-1e39, 1e39], "none", r"group 0 are too large to normalize: \[-1e\+39, 1e\+39\].*advantage"),
+    ],
+)
+def test_rewards_too_large_for_float64_raise_naming_them(rewards, scale, match):
+    with pytest.raises(ValueError, match=match):
+        F.group_advantages(torch.tensor(rewards, dtype=torch.float64), 2, scale)

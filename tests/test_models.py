@@ -1,8 +1,10 @@
 """The embedded default model: structure, tokenizer, exact equality with the GGUF it came from, a known answer."""
 
 import json
+import re
 from pathlib import Path
 
+import huggingface_hub.constants
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -90,8 +92,32 @@ def test_env_cache_dir_and_resolve(smollm2_path, monkeypatch):
     assert default_model_path() == smollm2_path
     assert resolve_model_path(None) == smollm2_path
     assert resolve_model_path("embedded") == smollm2_path
-    assert resolve_model_path("HuggingFaceTB/SmolLM2-135M-Instruct") == "HuggingFaceTB/SmolLM2-135M-Instruct"
-    assert resolve_model_path("/some/local/folder") == "/some/local/folder"
+    assert resolve_model_path(smollm2_path) == smollm2_path  # an existing folder, as is
+
+
+@pytest.mark.parametrize("name", ["/some/local/folder", "./no/such/folder", "a/b/c", "bad name", "owner/x--y"])
+def test_resolve_rejects_what_is_neither_a_folder_nor_a_hub_id(name):
+    with pytest.raises(ValueError, match=f"model '{re.escape(name)}' is neither an existing folder nor a hub id"):
+        resolve_model_path(name)
+
+
+def test_resolve_hub_ids_online_and_offline(tmp_path, monkeypatch):
+    hub_id = "HuggingFaceTB/SmolLM2-135M-Instruct"
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
+    assert resolve_model_path(hub_id) == hub_id  # online: left to from_pretrained
+    assert resolve_model_path("gpt2") == "gpt2"  # a hub id without an owner
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
+    with pytest.raises(FileNotFoundError, match=f"model '{hub_id}' is not an existing folder.*not in the Hugging Face"):
+        resolve_model_path(hub_id)
+    # the same id once its config.json is in the hub cache (models--<owner>--<name>/snapshots/<commit>/)
+    snapshot = tmp_path / "models--HuggingFaceTB--SmolLM2-135M-Instruct" / "snapshots" / ("0" * 40)
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text("{}")
+    (snapshot.parents[1] / "refs").mkdir()
+    (snapshot.parents[1] / "refs" / "main").write_text("0" * 40)
+    assert resolve_model_path(hub_id) == hub_id
 
 
 def test_cli_prints_path(smollm2_path, capsys):

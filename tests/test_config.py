@@ -1,0 +1,71 @@
+"""Non-finite and out-of-range hyperparameters fail at construction with the field (argument) and value named."""
+
+import dataclasses
+import math
+import re
+
+import pytest
+
+from lightning_grpo.config import DTYPE_NAMES, GRPOConfig, check_optimizer_arguments
+from lightning_grpo.module import GRPOModule
+
+FLOAT_FIELDS = [f.name for f in dataclasses.fields(GRPOConfig) if "float" in str(f.type)]
+
+
+def test_the_float_fields_are_found():
+    assert {"temperature", "top_p", "advantage_eps", "reward_clip", "beta", "delta"} <= set(FLOAT_FIELDS)
+
+
+@pytest.mark.parametrize("name", FLOAT_FIELDS)
+@pytest.mark.parametrize("value", [math.inf, -math.inf, math.nan])
+def test_non_finite_float_fields_raise_naming_the_field(name, value):
+    with pytest.raises(ValueError, match=f"^GRPOConfig.{name}={value!r} is invalid: must be finite$"):
+        GRPOConfig(**{name: value})
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"learning_rate": math.inf}, "learning_rate=inf is invalid: must be a finite number > 0"),
+        ({"learning_rate": math.nan}, "learning_rate=nan is invalid"),
+        ({"learning_rate": 0.0}, "learning_rate=0.0 is invalid"),
+        ({"learning_rate": -1e-6}, "learning_rate=-1e-06 is invalid"),
+        ({"weight_decay": math.inf}, "weight_decay=inf is invalid: must be a finite number >= 0"),
+        ({"weight_decay": math.nan}, "weight_decay=nan is invalid"),
+        ({"weight_decay": -0.1}, "weight_decay=-0.1 is invalid"),
+        ({"adam_betas": (0.9, math.inf)}, "adam_betas=(0.9, inf) is invalid: must be two finite numbers, each in"),
+        ({"adam_betas": (math.nan, 0.99)}, "adam_betas=(nan, 0.99) is invalid"),
+        ({"adam_betas": (1.0, 0.99)}, "adam_betas=(1.0, 0.99) is invalid"),
+        ({"adam_betas": (-0.1, 0.99)}, "adam_betas=(-0.1, 0.99) is invalid"),
+        ({"adam_betas": (0.9,)}, "adam_betas=(0.9,) is invalid"),
+        ({"adam_betas": 0.9}, "adam_betas=0.9 is invalid"),
+        ({"warmup_steps": -1}, "warmup_steps=-1 is invalid: must be an int >= 0"),
+        ({"warmup_steps": 1.5}, "warmup_steps=1.5 is invalid"),
+        ({"dtype": "float8"}, "dtype='float8' is invalid: choose one of float32, bfloat16, float16"),
+    ],
+)
+def test_bad_optimizer_arguments_raise_naming_the_argument(kwargs, message):
+    arguments = {"learning_rate": 1e-6, "weight_decay": 0.0, "adam_betas": (0.9, 0.99), "warmup_steps": 0,
+                 "dtype": "float32", **kwargs}
+    with pytest.raises(ValueError, match="^" + re.escape(message)):
+        check_optimizer_arguments(**arguments)
+
+
+@pytest.mark.parametrize("dtype", DTYPE_NAMES)
+def test_good_optimizer_arguments_pass(dtype):
+    assert check_optimizer_arguments(3e-4, 0.1, [0.0, 0.999], 10, dtype) is None
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"learning_rate": math.inf}, "learning_rate=inf is invalid"),
+        ({"weight_decay": math.nan}, "weight_decay=nan is invalid"),
+        ({"adam_betas": (0.9, math.inf)}, "adam_betas=(0.9, inf) is invalid"),
+        ({"warmup_steps": -2}, "warmup_steps=-2 is invalid"),
+        ({"dtype": "int8"}, "dtype='int8' is invalid"),
+    ],
+)
+def test_grpo_module_checks_its_optimizer_arguments(tiny_llama_path, kwargs, message):
+    with pytest.raises(ValueError, match="^" + re.escape(message)):
+        GRPOModule(tiny_llama_path, reward_funcs=["gsm8k_accuracy"], **kwargs)
