@@ -7,14 +7,17 @@ from __future__ import annotations
 
 import math
 import numbers
+import warnings
 from dataclasses import dataclass, fields
 from typing import Literal, Optional, Sequence
 
-LossType = Literal["grpo", "bnpo", "token_mean", "dapo", "dr_grpo"]
+LossType = Literal["grpo", "bnpo", "token_mean", "dapo", "dr_grpo", "cispo"]
 KLEstimator = Literal["k1", "k2", "k3"]
 ScaleRewards = Literal["group", "batch", "none"]
 AdvantageEstimator = Literal["grpo", "rloo"]
-ImportanceSamplingLevel = Literal["token", "sequence"]
+ImportanceSamplingLevel = Literal["token", "sequence", "sequence_token"]
+RolloutImportanceSamplingLevel = Literal["token", "sequence"]
+PolicyLossMode = Literal["vanilla", "clip_cov", "kl_cov"]
 ImportanceSamplingMode = Literal["truncate", "mask"]
 RolloutEngineName = Literal["hf", "vllm"]
 
@@ -92,7 +95,8 @@ class GRPOConfig:
 
     # --- Policy loss ---
     epsilon_low: float = 0.2
-    """Lower clip range in [0, 1): the ratio is clipped to [1 - epsilon_low, 1 + epsilon_high] (PPO eq. 7)."""
+    """Lower clip range in [0, 1] (1 = no lower bound): the ratio is clipped to [1 - epsilon_low, 1 + epsilon_high]
+    (PPO eq. 7). The same bounds clip GSPO's sequence ratio (the paper uses 3e-4 / 4e-4) and CISPO's weight."""
     epsilon_high: float = 0.2
     """Upper clip range (>= 0): the ratio is clipped to [1 - epsilon_low, 1 + epsilon_high] (PPO eq. 7; larger than
     epsilon_low is the asymmetric "clip-higher" of DAPO eq. 10)."""
@@ -109,7 +113,8 @@ class GRPOConfig:
     before advantages (verl ``use_kl_in_reward``) instead of adding ``beta * KL`` to the loss (the default,
     DeepSeekMath eq. 3). Needs beta > 0."""
     loss_type: LossType = "grpo"
-    """How per-token losses are averaged, see :func:`lightning_grpo.functional.loss_normalizer`."""
+    """How per-token losses are averaged, see :func:`lightning_grpo.functional.loss_normalizer`; "cispo" is the CISPO
+    loss (MiniMax-M1 eq. 4) averaged like "dapo" (TRL's ``loss_type="cispo"``)."""
     entropy_coef: float = 0.0
     """Entropy bonus, ``loss -= entropy_coef * H`` (per token, aggregated like the loss; >= 0)."""
     top_entropy_quantile: float = 1.0
@@ -120,9 +125,33 @@ class GRPOConfig:
     policy-gradient loss is weighted by ``min(pi_old / pi_sampler, C)``; None = off. The HF engine reports none, so
     its weight is 1."""
     importance_sampling_level: ImportanceSamplingLevel = "token"
-    """Importance weight level: "token" (a weight per token) or "sequence" (the product over the sequence)."""
+    """Level of the policy importance ratio pi / pi_old (TRL ``importance_sampling_level``): "token" (GRPO, one ratio
+    per token), "sequence" (GSPO, arXiv:2507.18071 eq. 5-7: ``s_i = exp(mean_t log(pi / pi_old))`` clipped once per
+    sequence with epsilon_low / epsilon_high; use ``loss_type="grpo"`` for the paper's per-sequence mean) or
+    "sequence_token" (GSPO-token, sec. 4.3: value ``s_i`` on every token, gradient per token). It used to set the level
+    of the TIS weight, which is now ``rollout_importance_sampling_level`` (CHANGELOG)."""
+    rollout_importance_sampling_level: RolloutImportanceSamplingLevel = "token"
+    """Level of the truncated importance sampling weight pi_old / pi_sampler (``importance_sampling_cap``): "token"
+    (a weight per token) or "sequence" (the product over the sequence); verl ``algorithm.rollout_is_level``."""
     importance_sampling_mode: ImportanceSamplingMode = "truncate"
     """Importance weight cap mode: "truncate" (``min(w, C)``) or "mask" (weight 0 where ``w > C``)."""
+    policy_loss_mode: PolicyLossMode = "vanilla"
+    """Policy loss (verl ``actor.policy_loss.loss_mode``): "vanilla" (the clipped surrogate), "clip_cov" (Clip-Cov) or
+    "kl_cov" (KL-Cov), both from Cui et al. 2025, arXiv:2505.22617 sec. 4; token level only. KL-Cov's surrogate is
+    unclipped (as in verl). CISPO is ``loss_type="cispo"`` (TRL's name)."""
+    clip_cov_ratio: float = 2e-4
+    """Clip-Cov: fraction (0, 1] of a micro-batch's loss tokens whose loss is dropped (at least one token);
+    verl ``policy_loss.clip_cov_ratio``."""
+    clip_cov_lb: float = 1.0
+    """Clip-Cov: lower bound (exclusive) of the covariance of the tokens that may be dropped; verl ``clip_cov_lb``."""
+    clip_cov_ub: float = 5.0
+    """Clip-Cov: upper bound (exclusive, > clip_cov_lb) of that covariance; verl ``clip_cov_ub``."""
+    kl_cov_ratio: float = 2e-3
+    """KL-Cov: fraction (0, 1] of the loss tokens, those of the largest covariance, that get the KL penalty (at least
+    one token); verl ``policy_loss.kl_cov_ratio`` (its default 2e-4; the paper's Qwen2.5-7B recipe uses 2e-3)."""
+    ppo_kl_coef: float = 1.0
+    """KL-Cov: coefficient (>= 0) of the penalty ``|log pi - log pi_old|``; verl ``policy_loss.ppo_kl_coef`` (its
+    default 0.1; the paper's recipes use 1)."""
 
     # --- Updates ---
     num_iterations: int = 1
@@ -189,8 +218,8 @@ class GRPOConfig:
             _fail("top_p", self.top_p, "must be in (0, 1]")
         if self.top_k < 0:
             _fail("top_k", self.top_k, "must be >= 0 (0 disables top-k)")
-        if self.epsilon_low < 0 or self.epsilon_low >= 1:
-            _fail("epsilon_low", self.epsilon_low, "must be in [0, 1)")
+        if not 0 <= self.epsilon_low <= 1:
+            _fail("epsilon_low", self.epsilon_low, "must be in [0, 1] (1 = no lower bound)")
         if self.epsilon_high < 0:
             _fail("epsilon_high", self.epsilon_high, "must be >= 0")
         if self.clip_ratio_c is not None and self.clip_ratio_c <= 1:
@@ -226,10 +255,13 @@ class GRPOConfig:
         if self.importance_sampling_cap is not None and self.importance_sampling_cap < 1:
             _fail("importance_sampling_cap", self.importance_sampling_cap, "must be >= 1 or None (off)")
         _check_choice(self, "advantage_estimator", ("grpo", "rloo"))
-        _check_choice(self, "importance_sampling_level", ("token", "sequence"))
+        _check_choice(self, "importance_sampling_level", ("token", "sequence", "sequence_token"))
+        _check_choice(self, "rollout_importance_sampling_level", ("token", "sequence"))
+        _check_choice(self, "policy_loss_mode", ("vanilla", "clip_cov", "kl_cov"))
         _check_choice(self, "importance_sampling_mode", ("truncate", "mask"))
         _check_choice(self, "kl_estimator", ("k1", "k2", "k3"))
-        _check_choice(self, "loss_type", ("grpo", "bnpo", "token_mean", "dapo", "dr_grpo"))
+        _check_choice(self, "loss_type", ("grpo", "bnpo", "token_mean", "dapo", "dr_grpo", "cispo"))
+        self._check_policy_loss()
         _check_choice(self, "scale_rewards", ("group", "batch", "none"))
         _check_choice(self, "rollout_engine", ("hf", "vllm"))
         if self.mini_batch_size is not None and self.mini_batch_size < 1:
@@ -244,6 +276,49 @@ class GRPOConfig:
             _fail("vllm_gpu_memory_utilization", self.vllm_gpu_memory_utilization, "must be in (0, 1]")
         if self.vllm_kv_cache_space_gib < 1:
             _fail("vllm_kv_cache_space_gib", self.vllm_kv_cache_space_gib, "must be >= 1")
+
+
+    def _check_policy_loss(self) -> None:
+        """Knobs of the policy objectives (GSPO, CISPO, Clip-Cov, KL-Cov) and their combinations."""
+        for name in ("clip_cov_ratio", "kl_cov_ratio"):
+            if not 0 < getattr(self, name) <= 1:
+                _fail(name, getattr(self, name), "must be in (0, 1] (a fraction of the loss tokens)")
+        if self.clip_cov_lb >= self.clip_cov_ub:
+            _fail("clip_cov_lb", self.clip_cov_lb, f"must be < clip_cov_ub={self.clip_cov_ub}")
+        if self.ppo_kl_coef < 0:
+            _fail("ppo_kl_coef", self.ppo_kl_coef, "must be >= 0")
+        unused = [n for n in ("clip_ratio_c", "delta") if getattr(self, n) is not None]
+        if self.loss_type == "cispo" and unused:
+            _fail("loss_type", self.loss_type, f"CISPO clips the importance weight only; {' and '.join(unused)} "
+                  "would be ignored: set them to None")
+        if self.policy_loss_mode != "vanilla":
+            if self.loss_type == "cispo":
+                _fail("policy_loss_mode", self.policy_loss_mode, "replaces the policy loss as loss_type='cispo' "
+                      "does: choose one")
+            if self.importance_sampling_level != "token":
+                _fail("policy_loss_mode", self.policy_loss_mode, "selects tokens: it needs "
+                      f"importance_sampling_level='token', not {self.importance_sampling_level!r}")
+        if self.policy_loss_mode == "kl_cov" and unused:
+            _fail("policy_loss_mode", self.policy_loss_mode, f"KL-Cov's surrogate is unclipped; {' and '.join(unused)} "
+                  "would be ignored: set them to None")
+        if (self.importance_sampling_level != "token" and self.importance_sampling_cap is not None
+                and self.rollout_importance_sampling_level == "token"):
+            warnings.warn(
+                f"GRPOConfig.importance_sampling_level={self.importance_sampling_level!r} now sets the level of the "
+                "policy ratio pi / pi_old (GSPO, TRL's meaning), no longer that of the truncated importance sampling "
+                "weight of importance_sampling_cap, which is rollout_importance_sampling_level (here 'token'). For "
+                "the former sequence-level TIS set rollout_importance_sampling_level='sequence' and "
+                "importance_sampling_level='token'.",
+                FutureWarning,
+                stacklevel=4,
+            )
+        if self.importance_sampling_level == "sequence" and self.loss_type != "grpo":
+            warnings.warn(
+                f"importance_sampling_level='sequence' with loss_type={self.loss_type!r} weights each sequence's loss "
+                "by its number of tokens; GSPO (arXiv:2507.18071 eq. 5) averages over sequences: loss_type='grpo'.",
+                UserWarning,
+                stacklevel=4,
+            )
 
 
 def _check_choice(config: GRPOConfig, name: str, choices: tuple[str, ...]) -> None:

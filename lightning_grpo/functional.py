@@ -239,7 +239,8 @@ def loss_normalizer(mask: Tensor, loss_type: str, max_new_tokens: Optional[int] 
     "grpo": number of sequences with at least one loss token (each contributes its token mean; DeepSeekMath
     eq. 3). A completion whose mask is all zero (a truncated completion under ``mask_truncated_completions``, or one
     no reward function could score) is left out of the mean; TRL keeps it in the denominator as a zero.
-    "bnpo" / "token_mean" / "dapo": number of unmasked tokens (DAPO eq. 12). Here all three normalize by the
+    "bnpo" / "token_mean" / "dapo" / "cispo": number of unmasked tokens (DAPO eq. 12; MiniMax-M1 eq. 4 for
+    "cispo", whose policy term is computed by :mod:`lightning_grpo.algorithm.cispo`). Here they all normalize by the
     tokens of the whole optimizer step (every micro-batch and process), so they coincide; TRL's "bnpo" normalizes
     per local micro-batch instead.
     "dr_grpo": sequences * max_new_tokens, a constant (Dr. GRPO sec. 3.1); every sequence counts, masked or not.
@@ -252,13 +253,13 @@ def loss_normalizer(mask: Tensor, loss_type: str, max_new_tokens: Optional[int] 
     """
     if loss_type == "grpo":
         return float(mask.bool().any(dim=1).sum().item())
-    if loss_type in ("bnpo", "token_mean", "dapo"):
+    if loss_type in ("bnpo", "token_mean", "dapo", "cispo"):
         return float(mask.sum().item())
     if loss_type == "dr_grpo":
         if max_new_tokens is None:
             raise ValueError("loss_type='dr_grpo' needs max_new_tokens")
         return float(mask.shape[0] * max_new_tokens)
-    raise ValueError(f"loss_type={loss_type!r}: choose grpo, bnpo, token_mean, dapo or dr_grpo")
+    raise ValueError(f"loss_type={loss_type!r}: choose grpo, bnpo, token_mean, dapo, dr_grpo or cispo")
 
 
 def aggregate_loss(
@@ -271,7 +272,7 @@ def aggregate_loss(
     """Reduce per-token values ``(N, T)`` to a scalar as ``loss_type`` prescribes.
 
     "grpo": mean over each sequence's tokens, then mean over sequences (DeepSeekMath eq. 3).
-    "bnpo" / "token_mean" / "dapo": sum over all tokens / number of tokens (DAPO eq. 12).
+    "bnpo" / "token_mean" / "dapo" / "cispo": sum over all tokens / number of tokens (DAPO eq. 12).
     "dr_grpo": sum over all tokens / (sequences * max_new_tokens) (Dr. GRPO sec. 3.1).
 
     Args:

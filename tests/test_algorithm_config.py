@@ -1,5 +1,7 @@
 """GRPOConfig rejects bad algorithm settings at construction, naming the field and the value."""
 
+import warnings
+
 import pytest
 
 from lightning_grpo.config import GRPOConfig
@@ -25,6 +27,19 @@ from lightning_grpo.config import GRPOConfig
         ({"importance_sampling_mode": "clip"}, r"importance_sampling_mode='clip'"),
         ({"loss_type": "ppo"}, r"loss_type='ppo'"),
         ({"clip_ratio_c": 1.0}, r"clip_ratio_c=1.0"),
+        ({"epsilon_low": 1.5}, r"epsilon_low=1.5 .*\[0, 1\]"),
+        ({"rollout_importance_sampling_level": "word"}, r"rollout_importance_sampling_level='word'"),
+        ({"policy_loss_mode": "gspo"}, r"policy_loss_mode='gspo'"),
+        ({"clip_cov_ratio": 0.0}, r"clip_cov_ratio=0.0 .*\(0, 1\]"),
+        ({"kl_cov_ratio": 1.5}, r"kl_cov_ratio=1.5 .*\(0, 1\]"),
+        ({"clip_cov_lb": 5.0}, r"clip_cov_lb=5.0 .*clip_cov_ub=5.0"),
+        ({"ppo_kl_coef": -1.0}, r"ppo_kl_coef=-1.0"),
+        ({"loss_type": "cispo", "delta": 2.0}, r"loss_type='cispo' .*delta"),
+        ({"loss_type": "cispo", "clip_ratio_c": 3.0}, r"loss_type='cispo' .*clip_ratio_c"),
+        ({"policy_loss_mode": "clip_cov", "loss_type": "cispo"}, r"policy_loss_mode='clip_cov' .*cispo"),
+        ({"policy_loss_mode": "kl_cov", "importance_sampling_level": "sequence_token"},
+         r"policy_loss_mode='kl_cov' .*importance_sampling_level='token'"),
+        ({"policy_loss_mode": "kl_cov", "clip_ratio_c": 3.0}, r"policy_loss_mode='kl_cov' .*clip_ratio_c"),
     ],
 )
 def test_bad_settings_raise_naming_the_field(kwargs, match):
@@ -39,3 +54,28 @@ def test_good_settings_construct():
         top_entropy_quantile=0.0, importance_sampling_cap=1.0, reward_clip=1.0,
     )
     assert config.overlong_buffer == 4 and config.kl_in_reward
+
+
+def test_objective_settings_construct():
+    config = GRPOConfig(
+        num_generations=2, loss_type="cispo", epsilon_low=1.0, epsilon_high=4.0,
+        importance_sampling_level="sequence_token",
+    )
+    assert config.loss_type == "cispo" and config.epsilon_low == 1.0
+    config = GRPOConfig(num_generations=2, policy_loss_mode="clip_cov", clip_cov_ratio=1.0, clip_ratio_c=3.0)
+    assert (config.clip_cov_ratio, config.clip_cov_lb, config.clip_cov_ub) == (1.0, 1.0, 5.0)
+    config = GRPOConfig(num_generations=2, policy_loss_mode="kl_cov")
+    assert (config.kl_cov_ratio, config.ppo_kl_coef) == (2e-3, 1.0)
+
+
+def test_the_old_meaning_of_importance_sampling_level_warns():
+    # importance_sampling_level used to set the TIS level; with a TIS cap and the rollout level left at "token",
+    # a sequence-level setting most likely meant the old knob: warn, naming the new one
+    with pytest.warns(FutureWarning, match="rollout_importance_sampling_level"):
+        config = GRPOConfig(num_generations=2, importance_sampling_level="sequence", importance_sampling_cap=2.0)
+    assert config.importance_sampling_level == "sequence" and config.rollout_importance_sampling_level == "token"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        GRPOConfig(num_generations=2, rollout_importance_sampling_level="sequence", importance_sampling_cap=2.0)
+        GRPOConfig(num_generations=2, importance_sampling_level="sequence", importance_sampling_cap=2.0,
+                   rollout_importance_sampling_level="sequence")

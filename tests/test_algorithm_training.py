@@ -1,16 +1,15 @@
 """The GRPO variants through a real ``L.Trainer`` on a tiny random Llama: gradient invariance of one optimizer
-step under gradient accumulation, the ratio over several passes, and short runs of every loss type and of
-dynamic sampling."""
+step under gradient accumulation, the ratio over several passes, and short runs of every loss type, of the GSPO,
+CISPO, Clip-Cov and KL-Cov objectives and of dynamic sampling."""
 
 import math
 
 import pytest
 import torch
+from _algorithm_support import FixedRolloutEngine, Recorder, fixed_completions, quiet_trainer, write_prompts
 
 from lightning_grpo import GRPOConfig, GRPOModule
 from lightning_grpo.data import PromptDataModule
-
-from _algorithm_support import FixedRolloutEngine, Recorder, fixed_completions, quiet_trainer, write_prompts
 
 
 def by_position(prompts, completions, **kwargs):
@@ -135,3 +134,44 @@ def test_three_steps_of_dapo_with_dynamic_sampling(tiny_llama_path, tmp_path, pr
         assert m["rewards/parity/mean"] == pytest.approx(0.5 * (2 - filled) / 2)
         generated += gen
     assert generated > 3  # some rollouts needed more than one prompt batch (8 of the 16 answers are odd)
+
+
+OBJECTIVES = {
+    "cispo": dict(loss_type="cispo", epsilon_low=1.0, epsilon_high=4.0),
+    "gspo": dict(loss_type="grpo", importance_sampling_level="sequence", epsilon_low=3e-4, epsilon_high=4e-4),
+    "gspo_token": dict(loss_type="grpo", importance_sampling_level="sequence_token", epsilon_low=3e-4,
+                       epsilon_high=4e-4),
+    "kl_cov": dict(loss_type="dapo", policy_loss_mode="kl_cov", kl_cov_ratio=0.2),
+}
+
+
+@pytest.mark.parametrize("name", sorted(OBJECTIVES))
+def test_one_step_gradient_of_the_objectives_does_not_depend_on_accumulation(tiny_llama_path, tmp_path,
+                                                                              prompt_file, name):
+    """GSPO, GSPO-token, CISPO and (on-policy, where |log r| = 0 adds no gradient) KL-Cov: 1 micro-batch vs 4."""
+    config = {**OBJECTIVES[name], "mask_truncated_completions": True}
+    (g1,) = _fixed_run(tiny_llama_path, tmp_path / "one", prompt_file, 1, **config).grads
+    (g4,) = _fixed_run(tiny_llama_path, tmp_path / "four", prompt_file, 4, **config).grads
+    assert g1.keys() == g4.keys() and max(g.abs().max().item() for g in g1.values()) > 1e-4
+    for key in g1:
+        torch.testing.assert_close(g4[key], g1[key], atol=1e-5, rtol=0, msg=key)
+
+
+@pytest.mark.parametrize("name", sorted(OBJECTIVES) + ["clip_cov"])
+def test_two_passes_per_objective(tiny_llama_path, tmp_path, prompt_file, name):
+    settings = OBJECTIVES.get(name, dict(policy_loss_mode="clip_cov", clip_cov_ratio=0.2, clip_cov_lb=-1e9))
+    recorder = Recorder()
+    module = GRPOModule(
+        tiny_llama_path, reward_funcs=[by_position], learning_rate=1e-2, export_dir="",
+        config=GRPOConfig(num_generations=4, max_new_tokens=8, num_iterations=2, **settings),
+    )
+    before = {k: v.clone() for k, v in module.policy.state_dict().items()}
+    trainer = quiet_trainer(tmp_path, 2, callbacks=[recorder])
+    trainer.fit(module, datamodule=PromptDataModule(dataset=prompt_file, prompts_per_step=2, val_size=0))
+    first, second = recorder.metrics
+    assert all(math.isfinite(m["loss"]) and math.isfinite(m["grad_norm"]) for m in recorder.metrics)
+    assert any(not torch.equal(before[k], v) for k, v in module.policy.state_dict().items())
+    assert first["policy_ratio/min"] == first["policy_ratio/max"] == 1.0
+    assert second["policy_ratio/max"] - second["policy_ratio/min"] > 1e-4  # the second pass is off-policy
+    if name.startswith("gspo"):  # sequence ratios leave [1 - 3e-4, 1 + 4e-4] after one update at lr 1e-2
+        assert second["clip_ratio/region_mean"] > 0

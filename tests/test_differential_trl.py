@@ -392,7 +392,7 @@ def test_importance_sampling_matches_trl(make_trainer, level, mode):
     assert not changed[mask.bool()].all()  # the cap is reached somewhere
 
     config = GRPOConfig(loss_type="dapo", max_new_tokens=T, importance_sampling_cap=cap,
-                        importance_sampling_level=level, importance_sampling_mode=mode)
+                        rollout_importance_sampling_level=level, importance_sampling_mode=mode)
     logps = old + 0.3 * torch.randn(N, T, generator=torch.Generator().manual_seed(0))
     adv = batch["advantages"]
     ours_loss = _value_and_grads(lambda lp: grpo_objective(lp, mask, adv, config, old_logprobs=old,

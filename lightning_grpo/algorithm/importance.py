@@ -6,6 +6,8 @@ Yao, Liu et al. 2025, "Your Efficient RL Framework Secretly Brings You Off-Polic
 ``min(pi_old(y_t) / pi_sampler(y_t), C)`` (their eq. 3). ``pi_old`` is always the *trainer's* logprob of the
 behaviour policy (recomputed, or the detached current logprobs on the first step of a rollout), never the
 sampler's: the PPO ratio corrects the policy change, TIS corrects the engine mismatch (as TRL and verl do).
+Its level is ``GRPOConfig.rollout_importance_sampling_level``, independent of the policy ratio's level
+(``importance_sampling_level``, GSPO).
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ def rollout_importance_weights(
         sampler_logprobs: ``(N, T)`` float logprobs reported by the rollout engine for the same tokens.
         mask: ``(N, T)`` 0/1 loss mask; masked positions may hold anything (NaN included).
         cap: the truncation threshold C (>= 1).
-        level: "token" or "sequence".
+        level: "token" or "sequence" (``GRPOConfig.rollout_importance_sampling_level``).
         mode: "truncate" or "mask".
 
     Returns:
@@ -49,7 +51,7 @@ def rollout_importance_weights(
     [1.5, 0.3679, 1.0]; token/mask -> [0, 0.3679, 1.0]; sequence -> exp(-0.5) = 0.6065 on every token.
     """
     if level not in ("token", "sequence"):
-        raise ValueError(f"importance_sampling_level={level!r}: choose token or sequence")
+        raise ValueError(f"rollout_importance_sampling_level={level!r}: choose token or sequence")
     if mode not in ("truncate", "mask"):
         raise ValueError(f"importance_sampling_mode={mode!r}: choose truncate or mask")
     if cap < 1:

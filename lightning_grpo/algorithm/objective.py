@@ -1,6 +1,6 @@
-"""The GRPO objective of one micro-batch: per-token clipped surrogate, importance correction, high-entropy
-selection, entropy bonus and KL, aggregated by ``loss_type``. Pure torch; the module only runs the forward pass
-and logs."""
+"""The GRPO objective of one micro-batch: per-token policy loss (PPO-clip at the token or sequence level, CISPO,
+Clip-Cov or KL-Cov), rollout importance correction, high-entropy selection, entropy bonus and KL, aggregated by
+``loss_type``. Pure torch; the module only runs the forward pass and logs."""
 
 from __future__ import annotations
 
@@ -11,8 +11,11 @@ import torch
 from torch import Tensor
 
 from lightning_grpo import functional as F
+from lightning_grpo.algorithm.cispo import cispo_loss
+from lightning_grpo.algorithm.covariance import CovarianceStats, clip_cov_loss, kl_cov_loss
 from lightning_grpo.algorithm.entropy import high_entropy_mask
 from lightning_grpo.algorithm.importance import rollout_importance_weights
+from lightning_grpo.algorithm.sequence import policy_log_ratio
 
 if TYPE_CHECKING:
     from lightning_grpo.config import GRPOConfig
@@ -25,11 +28,13 @@ class ObjectiveOutput:
     Attributes:
         loss: 0-dim float, the micro-batch's share of the step loss (``sum / normalizer``).
         mask: ``(N, T)`` bool loss mask.
-        clip: the :class:`lightning_grpo.functional.ClipStats` (with the per-token ratio).
+        clip: the :class:`lightning_grpo.functional.ClipStats` (with the per-token ratio; at the sequence level
+            every token of a sequence carries the sequence's ratio and clip flags).
         kl: ``(N, T)`` per-token KL to the reference (KL in the loss), else None.
         entropy: ``(N, T)`` per-token entropy, else None.
         importance_weights: ``(N, T)`` rollout importance weights (TIS), else None.
         entropy_mask: ``(N, T)`` bool high-entropy tokens that got the policy-gradient loss, else None.
+        covariance_mask: ``(N, T)`` bool tokens whose loss Clip-Cov dropped or that KL-Cov penalized, else None.
     """
 
     loss: Tensor
@@ -39,6 +44,50 @@ class ObjectiveOutput:
     entropy: Optional[Tensor] = None
     importance_weights: Optional[Tensor] = None
     entropy_mask: Optional[Tensor] = None
+    covariance_mask: Optional[Tensor] = None
+
+
+def _expand(clip: F.ClipStats, shape: torch.Size) -> F.ClipStats:
+    ratio = None if clip.ratio is None else clip.ratio.expand(shape)
+    return F.ClipStats(clip.low.expand(shape), clip.high.expand(shape), clip.dual.expand(shape), ratio)
+
+
+def _policy_term(
+    current: Tensor,
+    old: Tensor,
+    mask: Tensor,
+    advantages: Tensor,
+    config: "GRPOConfig",
+    generator: Optional[torch.Generator],
+    covariance_stats: Optional[CovarianceStats],
+) -> tuple[Tensor, F.ClipStats, Optional[Tensor]]:
+    """``(N, T)`` per-token policy loss, its clip statistics and the covariance selection (or None)."""
+    per_token_advantages = torch.where(mask, advantages.unsqueeze(1), 0.0)  # [N, T]
+    eps_low, eps_high = config.epsilon_low, config.epsilon_high
+    if config.policy_loss_mode == "clip_cov":
+        if generator is None:
+            generator = torch.Generator().manual_seed(config.shuffle_seed)
+        return clip_cov_loss(
+            current, old, per_token_advantages, mask, epsilon_low=eps_low, epsilon_high=eps_high,
+            clip_ratio_c=config.clip_ratio_c, delta=config.delta, ratio=config.clip_cov_ratio,
+            lower=config.clip_cov_lb, upper=config.clip_cov_ub, generator=generator, stats=covariance_stats,
+        )
+    if config.policy_loss_mode == "kl_cov":
+        return kl_cov_loss(
+            current, old, per_token_advantages, mask, ratio=config.kl_cov_ratio, coef=config.ppo_kl_coef,
+            stats=covariance_stats,
+        )
+    log_ratio = policy_log_ratio(current, old, mask, config.importance_sampling_level)  # [N, T] or [N, 1]
+    if config.loss_type == "cispo":
+        per_token, clip = cispo_loss(torch.where(mask, current, 0.0), log_ratio, per_token_advantages, eps_low,
+                                     eps_high)
+        return per_token, clip, None
+    sequence_level = config.importance_sampling_level == "sequence"
+    pg_advantages = advantages.unsqueeze(1) if sequence_level else per_token_advantages  # [N, 1] or [N, T]
+    per_token, clip = F.policy_loss(
+        log_ratio, torch.zeros_like(log_ratio), pg_advantages, eps_low, eps_high, config.clip_ratio_c, config.delta
+    )
+    return per_token.expand(mask.shape), _expand(clip, mask.shape), None
 
 
 def grpo_objective(
@@ -52,13 +101,25 @@ def grpo_objective(
     sampler_logprobs: Optional[Tensor] = None,
     entropy: Optional[Tensor] = None,
     normalizer: Optional[float] = None,
+    generator: Optional[torch.Generator] = None,
+    covariance_stats: Optional[CovarianceStats] = None,
 ) -> ObjectiveOutput:
     """GRPO loss of a micro-batch (DeepSeekMath eq. 3 with the variants of ``config``).
 
-    Per token: ``l = PPO-clip(ratio, A)`` (clip-higher, dual clip, delta; :func:`~lightning_grpo.functional.
-    policy_loss`), times the TIS weight ``min(pi_old / pi_sampler, C)`` when ``sampler_logprobs`` are given and
-    ``config.importance_sampling_cap`` is set, times the high-entropy mask when ``config.top_entropy_quantile < 1``;
-    then ``- entropy_coef * H`` and ``+ beta * KL(pi || pi_ref)`` (when ``ref_logprobs`` are given); then
+    Per token: the policy loss ``l``, chosen by ``config`` (docs/algorithm.md maps each to its paper):
+
+    * PPO-clip (clip-higher, dual clip, delta; :func:`~lightning_grpo.functional.policy_loss`) of the ratio at
+      ``config.importance_sampling_level``: per token (GRPO), per sequence (GSPO eq. 5/7, the sequence's loss on each
+      of its tokens) or GSPO-token (:func:`~lightning_grpo.algorithm.sequence.policy_log_ratio`);
+    * ``loss_type="cispo"``: :func:`~lightning_grpo.algorithm.cispo.cispo_loss` (MiniMax-M1 eq. 4), with the weight
+      at the same level;
+    * ``policy_loss_mode="clip_cov"`` / ``"kl_cov"``: :mod:`lightning_grpo.algorithm.covariance` (arXiv:2505.22617
+      sec. 4; token level only).
+
+    Then ``l`` times the TIS weight ``min(pi_old / pi_sampler, C)`` when ``sampler_logprobs`` are given and
+    ``config.importance_sampling_cap`` is set (:func:`~lightning_grpo.algorithm.importance.rollout_importance_weights`
+    at ``config.rollout_importance_sampling_level``), times the high-entropy mask when ``config.top_entropy_quantile
+    < 1``; then ``- entropy_coef * H`` and ``+ beta * KL(pi || pi_ref)`` (when ``ref_logprobs`` are given); then
     :func:`~lightning_grpo.functional.aggregate_loss` with ``config.loss_type`` and ``normalizer``.
 
     Values at masked positions (logprobs, old/ref/sampler logprobs, entropy) never reach the loss or its
@@ -78,6 +139,12 @@ def grpo_objective(
             ``entropy_coef > 0`` or ``top_entropy_quantile < 1``.
         normalizer: the optimizer step's loss denominator (see :func:`~lightning_grpo.functional.loss_normalizer`);
             None = this micro-batch's own.
+        generator: the random stream of Clip-Cov's draw (e.g. ``clip_cov_generator(config.shuffle_seed, step)``);
+            None = a generator seeded with ``config.shuffle_seed`` alone (the same stream at every call). The global
+            RNG is never used.
+        covariance_stats: Clip-Cov / KL-Cov centers (and KL-Cov threshold) precomputed over the optimizer step; None =
+            computed from this micro-batch's loss tokens (as verl does per micro-batch), so then the selection
+            depends on how the step is split into micro-batches.
 
     Returns:
         :class:`ObjectiveOutput`.
@@ -99,15 +166,15 @@ def grpo_objective(
     detached = logprobs.detach()
     current = torch.where(mask, logprobs, detached)  # the gradient never flows through masked positions
     old = detached if old_logprobs is None else torch.where(mask, old_logprobs.float(), detached)
-    per_token_advantages = torch.where(mask, advantages.float().unsqueeze(1), 0.0)  # [N, T]
-    per_token, clip = F.policy_loss(
-        current, old, per_token_advantages, config.epsilon_low, config.epsilon_high, config.clip_ratio_c, config.delta
+    row_advantages = torch.where(has_tokens, advantages.float(), 0.0)  # [N]
+    per_token, clip, covariance_mask = _policy_term(
+        current, old, mask, row_advantages, config, generator, covariance_stats
     )
     weights = None
     if sampler_logprobs is not None and config.importance_sampling_cap is not None:
         weights = rollout_importance_weights(
             old, sampler_logprobs, mask, config.importance_sampling_cap,
-            config.importance_sampling_level, config.importance_sampling_mode,
+            config.rollout_importance_sampling_level, config.importance_sampling_mode,
         )
         per_token = per_token * weights
     needs_entropy = config.entropy_coef > 0 or config.top_entropy_quantile < 1
@@ -135,4 +202,5 @@ def grpo_objective(
         entropy=None if entropy is None else entropy.detach(),
         importance_weights=weights,
         entropy_mask=entropy_mask,
+        covariance_mask=covariance_mask,
     )
