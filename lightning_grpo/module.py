@@ -38,6 +38,9 @@ from lightning_grpo.rewards import resolve_reward_function
 from lightning_grpo.rewards.scoring import reward_function_names, score_completions
 from lightning_grpo.rollout.base import RolloutEngine, RolloutOutput, SamplingConfig
 from lightning_grpo.rollout.hf import HFRolloutEngine
+from lightning_grpo.strategies import backend_for
+from lightning_grpo.strategies.base import GRPOModels, ParallelBackend
+from lightning_grpo.strategies.local import LocalBackend
 
 log = logging.getLogger(__name__)
 
@@ -151,6 +154,7 @@ class GRPOModule(L.LightningModule):
             ref = copy.deepcopy(self.policy).eval().requires_grad_(False)
             self._ref.append(ref)
         self.rollout_engine: Optional[RolloutEngine] = None
+        self.backend: ParallelBackend = LocalBackend()  # the trainer strategy's, from configure_model on
         self.val_accuracy = MeanMetric()
         self._step_sums: dict[str, Tensor] = {}
         self._step_maxima: dict[str, Tensor] = {}
@@ -200,11 +204,19 @@ class GRPOModule(L.LightningModule):
         return HFRolloutEngine(self.policy, self.tokenizer)
 
     def configure_model(self) -> None:
-        """Hook of Lightning's model-parallel strategies: shards the policy (and the reference policy) when the
-        strategy is FSDP2 (``ModelParallelStrategy``); a no-op otherwise. See :mod:`lightning_grpo.strategies`."""
-        from lightning_grpo.strategies import configure_sharding
+        """Takes the trainer strategy's backend (:func:`lightning_grpo.strategies.backend_for`), which shards
+        (FSDP1/FSDP2) or converts (Megatron) the policy and the reference policy and wraps the rollout engine."""
+        self.backend = backend_for(self.trainer.strategy)
+        self._set_models(self.backend.configure(GRPOModels(self.policy, self.ref_model, self.rollout_engine)))
 
-        configure_sharding(self)
+    def teardown(self, stage: str) -> None:
+        """Takes back plain HF models from the backend (Megatron) and drops it (the trainer is done)."""
+        self._set_models(self.backend.restore(GRPOModels(self.policy, self.ref_model, self.rollout_engine)))
+        self.backend = LocalBackend()
+
+    def _set_models(self, models: GRPOModels) -> None:
+        self.policy, self.rollout_engine = models.policy, models.engine
+        self._ref[:] = [] if models.ref is None else [models.ref]
 
     def on_fit_start(self) -> None:
         if self.ref_model is not None:
@@ -445,7 +457,7 @@ class GRPOModule(L.LightningModule):
 
     def _any_process(self, flag: bool) -> bool:
         """Whether ``flag`` is True on any data-parallel process (a collective: every process must call it)."""
-        return bool(self._all_reduce_sum(torch.tensor([float(flag)], device=self.device)).item() > 0)
+        return self.backend.any_process(flag, self.device)
 
     def _batch_std(self, rewards: Tensor, valid: Tensor) -> Optional[float]:
         """The unbiased std of the valid rewards over every process (``scale_rewards="batch"``), else None."""
@@ -513,9 +525,7 @@ class GRPOModule(L.LightningModule):
         return metrics
 
     def _all_reduce_sum(self, tensor: Tensor) -> Tensor:
-        if self.trainer.world_size <= 1:
-            return tensor
-        return self.trainer.strategy.reduce(tensor, reduce_op="sum")
+        return self.backend.reduce_sum(tensor)
 
     def micro_batches(self, experience: Experience) -> Iterator[Experience]:
         """The loop's view of one rollout: shuffled mini-batches cut into micro-batches (see
@@ -529,7 +539,7 @@ class GRPOModule(L.LightningModule):
             loss_type=self.config.loss_type,
             max_new_tokens=self.config.max_new_tokens,
             # processes that hold different data (tensor-parallel ranks share theirs: MegatronStrategy)
-            world_size=getattr(self.trainer.strategy, "data_parallel_size", self.trainer.world_size),
+            world_size=self.backend.data_parallel_size,
             generator=generator,
             all_reduce_sum=self._all_reduce_sum,
             max_tokens_per_microbatch=self.config.max_tokens_per_microbatch,
@@ -644,10 +654,8 @@ class GRPOModule(L.LightningModule):
         one row per pass (sdpa/eager compute a combined row's attention densely)."""
         if self.config.packed_row_tokens is not None:
             return self.config.packed_row_tokens
-        from lightning_grpo.strategies import is_sharded
-
         implementation = str(getattr(getattr(model, "config", None), "_attn_implementation", ""))
-        return max(sum(sizes), 1) if "flash" in implementation or is_sharded(model) else 1
+        return max(sum(sizes), 1) if "flash" in implementation or self.backend.is_sharded(model) else 1
 
     def _forward_passes(
         self, model: nn.Module, passes: list, shape: tuple, with_entropy: bool, entropy_grad: bool
@@ -769,8 +777,7 @@ class GRPOModule(L.LightningModule):
         if maxima:
             max_keys = sorted(maxima)
             stacked = torch.stack([maxima[k] for k in max_keys])
-            if self.trainer.world_size > 1:
-                stacked = self.trainer.strategy.reduce(stacked, reduce_op="max")
+            stacked = self.backend.reduce_max(stacked)
             for key, value in zip(max_keys, stacked.tolist()):
                 if value != -float("inf"):  # a step without loss tokens has no extrema
                     metrics[key] = -value if key.endswith("/min") else value
@@ -781,18 +788,16 @@ class GRPOModule(L.LightningModule):
         self.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        from lightning_grpo.strategies import policy_grad_norm
-
-        norm = policy_grad_norm(self)  # of the full gradient, also under FSDP1/FSDP2 (a collective there)
+        norm = self.backend.grad_norm(self.policy)  # of the full gradient, also when sharded (a collective there)
         if norm is not None:
             self.log("grad_norm", norm, on_step=True, on_epoch=False, batch_size=1)
 
     def configure_gradient_clipping(self, optimizer: torch.optim.Optimizer, gradient_clip_val: Optional[Union[int, float]] = None, gradient_clip_algorithm: Optional[str] = None) -> None:
-        """``Trainer(gradient_clip_val=...)``; by norm also under FSDP1/FSDP2 (the norm of the full gradient), see
-        :func:`lightning_grpo.strategies.clip_gradients`."""
-        from lightning_grpo.strategies import clip_gradients
-
-        clip_gradients(self, optimizer, gradient_clip_val, gradient_clip_algorithm)
+        """``Trainer(gradient_clip_val=...)``; by norm also when sharded (the norm of the full gradient), see
+        :meth:`lightning_grpo.strategies.base.ParallelBackend.clip_gradients`."""
+        self.backend.clip_gradients(
+            self.policy, optimizer, gradient_clip_val, gradient_clip_algorithm, fallback=self.clip_gradients
+        )
 
     def optimizer_step(self, *args: Any, **kwargs: Any) -> None:
         super().optimizer_step(*args, **kwargs)
@@ -896,9 +901,7 @@ class GRPOModule(L.LightningModule):
         path = self.export_path()
         if not path:
             return
-        from lightning_grpo.strategies import policy_state_dict_for_export
-
-        state_dict = policy_state_dict_for_export(self)  # under FSDP a collective: every rank gathers
+        state_dict = self.backend.export_state_dict(self.policy)  # under FSDP a collective: every rank gathers
         if self.trainer.is_global_zero:
             os.makedirs(path, exist_ok=True)
             self.policy.save_pretrained(path, state_dict=state_dict)
