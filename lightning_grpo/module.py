@@ -31,7 +31,9 @@ from lightning_grpo.models import FrozenReference, load_policy
 from lightning_grpo.rewards import RewardSet, RewardSpec
 from lightning_grpo.rollout.base import RolloutEngine, RolloutOutput, SamplingConfig
 from lightning_grpo.rollout.worker import RolloutWorker
-from lightning_grpo.strategies.base import GRPOModels, LocalBackend, backend_for
+from lightning_grpo.strategies import backend_for
+from lightning_grpo.strategies.base import GRPOModels, ParallelBackend
+from lightning_grpo.strategies.local import LocalBackend
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +96,7 @@ class GRPOModule(L.LightningModule):
         self.policy, self.tokenizer, self.model_path = load_policy(model, tokenizer, dtype, gradient_checkpointing)
         # the reference policy is kept out of the module tree: frozen, never checkpointed or optimized
         self._reference = FrozenReference.copy_of(self.policy) if self.config.beta > 0 else FrozenReference()
-        self.backend: Any = LocalBackend()  # the trainer's backend from configure_model on
+        self.backend: ParallelBackend = LocalBackend()  # the trainer's backend from configure_model on
         self.rollout = RolloutWorker(self.config, self.tokenizer)
         self.logprobs = CompletionLogprobs(self.config, is_sharded=lambda m: self.backend.is_sharded(m))
         self.experience_maker = ExperienceMaker(self.config, self.rollout, self.rewards, self.logprobs)
@@ -133,7 +135,9 @@ class GRPOModule(L.LightningModule):
         self.policy, self.rollout.engine, self._reference.model = models.policy, models.engine, models.ref
 
     def teardown(self, stage: str) -> None:
+        """Plain HF models again (Megatron converts back); a finished module holds no trainer's backend."""
         self._set_models(self.backend.restore(GRPOModels(self.policy, self.ref_model, self.rollout.engine)))
+        self.backend = LocalBackend()
 
     def on_fit_start(self) -> None:
         if self.ref_model is not None:

@@ -142,14 +142,14 @@ class LossRecorder:
 
             def on_before_optimizer_step(self, trainer: Any, module: Any, optimizer: Any) -> None:
                 # before clipping; MegatronStrategy's own norm is that of the full (unsharded) gradient
-                own = getattr(trainer.strategy, "policy_grad_norm", None)
+                own = getattr(trainer.strategy, "grad_norm", None)
                 if callable(own):
-                    self.grad_norms.append(float(own(module)))
+                    self.grad_norms.append(float(own(module.policy)))
 
             def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
                 if batch.step_end:
                     self.losses.append(float(trainer.callback_metrics["loss"]))
-                    if not callable(getattr(trainer.strategy, "policy_grad_norm", None)):
+                    if not callable(getattr(trainer.strategy, "grad_norm", None)):
                         self.grad_norms.append(float(trainer.callback_metrics["grad_norm"]))
 
         return _Recorder()

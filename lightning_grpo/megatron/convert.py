@@ -23,7 +23,7 @@ layer live inside the following linear (``linear_qkv.layer_norm_weight``, ``line
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator, Mapping, Optional, Sequence
+from typing import Any, Iterator, Mapping, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -156,7 +156,7 @@ def mcore_to_hf(
     embeddings ``lm_head.weight`` is included (the embedding tensor), as in ``LlamaForCausalLM.state_dict()``."""
     out: dict[str, Tensor] = {}
     for pm in param_maps(arch, transformer_engine):
-        out.update(zip(pm.hf, unshard(pm, [state[pm.mcore] for state in rank_states], arch)))
+        out.update(zip(pm.hf, unshard(pm, [state[pm.mcore] for state in rank_states], arch), strict=True))
     if arch.tie_word_embeddings:
         out["lm_head.weight"] = out["model.embed_tokens.weight"]
     return out
@@ -193,8 +193,8 @@ def load_hf_state_dict(
     maps = param_maps(arch, transformer_engine=_uses_te(params))
     expected = {pm.mcore for pm in maps}
     if set(params) != expected:
-        raise KeyError(f"megatron-core parameters differ from the conversion's: missing {sorted(expected - set(params))}, "
-                       f"unexpected {sorted(set(params) - expected)}")
+        raise KeyError(f"megatron-core parameters differ from the conversion's: missing "
+                       f"{sorted(expected - set(params))}, unexpected {sorted(set(params) - expected)}")
     for pm in maps:
         missing = [name for name in pm.hf if name not in hf_state]
         if missing:
@@ -232,13 +232,106 @@ def iter_hf_weights(model: torch.nn.Module, arch: Architecture) -> Iterator[tupl
     params = _mcore_parameters(model)
     embedding = None
     for pm in param_maps(arch, transformer_engine=_uses_te(params)):
-        for name, tensor in zip(pm.hf, gather_hf_tensors(pm, params[pm.mcore], arch, group)):
+        for name, tensor in zip(pm.hf, gather_hf_tensors(pm, params[pm.mcore], arch, group), strict=True):
             if name == "model.embed_tokens.weight":
                 embedding = tensor
             yield name, tensor
     if arch.tie_word_embeddings:
         assert embedding is not None
         yield "lm_head.weight", embedding
+
+
+OPTIMIZER_FORMAT = "megatron-hf"
+
+
+def optimizer_state_to_hf(
+    raw: Mapping[str, Any],
+    params: Sequence[Tensor],
+    names: Sequence[str],
+    maps: Mapping[str, ParamMap],
+    arch: Optional[Architecture],
+    group: Any,
+) -> dict[str, Any]:
+    """An optimizer ``state_dict()`` with the per-parameter tensors of megatron-core parameters gathered into HF
+    names: ``{"state": {name: {...}}, "param_groups": [{..., "params": [name, ...]}], "format": "megatron-hf"}``.
+    A collective over the TP group ``group``.
+
+    Args:
+        raw: ``optimizer.state_dict()`` (states by index, numbered across param groups).
+        params: the optimizer's parameters in that numbering.
+        names: their names; a name in ``maps`` is a megatron-core parameter, any other is kept as it is.
+        maps: :class:`ParamMap` by parameter name.
+        arch: the architecture (used for the names in ``maps``).
+        group: the tensor-parallel process group.
+    """
+    state: dict[str, dict[str, Any]] = {}
+    for index, values in sorted(raw["state"].items()):
+        name, param = names[index], params[index]
+        pm = maps.get(name)
+        hf_names = pm.hf if pm is not None else (name,)
+        per_name: dict[str, dict[str, Any]] = {h: {} for h in hf_names}
+        for key, value in values.items():
+            if pm is not None and torch.is_tensor(value) and value.shape == param.shape and value.dim() > 0:
+                assert arch is not None
+                for h, full in zip(hf_names, gather_hf_tensors(pm, value, arch, group), strict=True):
+                    per_name[h][key] = full.cpu().clone()
+            else:
+                for h in hf_names:
+                    per_name[h][key] = value
+        state.update(per_name)
+    groups = []
+    for g in raw["param_groups"]:
+        group_names: list[str] = []
+        for index in g["params"]:
+            pm = maps.get(names[index])
+            group_names.extend(pm.hf if pm is not None else (names[index],))
+        groups.append({**g, "params": group_names})
+    return {"state": state, "param_groups": groups, "format": OPTIMIZER_FORMAT}
+
+
+def optimizer_state_from_hf(
+    saved: Mapping[str, Any],
+    current: Mapping[str, Any],
+    params: Sequence[Tensor],
+    names: Sequence[str],
+    maps: Mapping[str, ParamMap],
+    arch: Optional[Architecture],
+    tp_rank: int,
+    tp_size: int,
+) -> dict[str, Any]:
+    """The ``state_dict`` to load into an optimizer from one saved by :func:`optimizer_state_to_hf`, with this
+    rank's shards (on each parameter's device).
+
+    Args:
+        saved: the saved optimizer state (``"format": "megatron-hf"``).
+        current: the optimizer's own ``state_dict()`` (its param-group numbering is kept).
+        params, names, maps, arch: as for :func:`optimizer_state_to_hf`.
+        tp_rank, tp_size: this rank's tensor-parallel rank and the TP size.
+
+    Raises:
+        ValueError: an optimizer state in another format (e.g. from a plain, non-Megatron run).
+    """
+    if saved.get("format") != OPTIMIZER_FORMAT:
+        raise ValueError("the checkpoint's optimizer state was not saved by MegatronStrategy (no 'format': "
+                         "'megatron-hf'); resume it with the strategy that saved it or load weights only")
+    state: dict[int, dict[str, Any]] = {}
+    for index, name in enumerate(names):
+        pm = maps.get(name)
+        hf_names = pm.hf if pm is not None else (name,)
+        if hf_names[0] not in saved["state"]:
+            continue
+        entry: dict[str, Any] = {}
+        for key, value in saved["state"][hf_names[0]].items():
+            if pm is not None and torch.is_tensor(value) and value.dim() > 0:
+                assert arch is not None
+                parts = [saved["state"][h][key] for h in hf_names]
+                entry[key] = shard(pm, parts, arch, tp_rank, tp_size).to(params[index].device).clone()
+            else:
+                entry[key] = value
+        state[index] = entry
+    groups = [{**saved_group, "params": group["params"]}
+              for saved_group, group in zip(saved["param_groups"], current["param_groups"], strict=False)]
+    return {"state": state, "param_groups": groups}
 
 
 def _uses_te(params: Mapping[str, Tensor]) -> bool:

@@ -17,12 +17,13 @@ from typing import Any, Sequence
 import torch
 
 from lightning_grpo.megatron.policy import MegatronPolicy
-from lightning_grpo.rollout.base import RolloutEngine, RolloutOutput, SamplingConfig
+from lightning_grpo.rollout.base import EngineWrapper, RolloutEngine, RolloutOutput, SamplingConfig
 from lightning_grpo.rollout.hf import HFRolloutEngine
 
 
-class TensorParallelRolloutEngine:
-    """Wraps a rollout engine for a :class:`MegatronPolicy` (see the module docstring).
+class TensorParallelRolloutEngine(EngineWrapper):
+    """Wraps a rollout engine for a :class:`MegatronPolicy` (see the module docstring). ``wake_up``, ``sleep``,
+    ``close`` and ``pad_token_id`` are the wrapped engine's (:class:`~lightning_grpo.rollout.base.EngineWrapper`).
 
     Args:
         engine: the HF-format engine (its model is ``policy.hf_model`` for the HF engine).
@@ -30,13 +31,8 @@ class TensorParallelRolloutEngine:
     """
 
     def __init__(self, engine: RolloutEngine, policy: MegatronPolicy) -> None:
-        self.engine = engine
+        super().__init__(engine)
         self.policy = policy
-
-    def __getattr__(self, name: str) -> Any:  # eos_token_ids, pad_token_id, ... of the wrapped engine
-        if name in ("engine", "policy"):
-            raise AttributeError(name)
-        return getattr(self.engine, name)
 
     def sync_weights(self, model: torch.nn.Module) -> None:
         """Gather the trained weights into the HF copy (a TP collective) and push them into the wrapped engine
@@ -46,7 +42,9 @@ class TensorParallelRolloutEngine:
             assert self.policy.hf_model is not None
             self.engine.sync_weights(self.policy.hf_model)
 
-    def generate(self, prompt_ids: Sequence[Sequence[int]], num_generations: int, sampling: SamplingConfig) -> RolloutOutput:
+    def generate(
+        self, prompt_ids: Sequence[Sequence[int]], num_generations: int, sampling: SamplingConfig
+    ) -> RolloutOutput:
         """Generate on TP rank 0 (after refreshing the HF copy if the weights changed, for the HF engine) and
         broadcast the result over the TP group. A TP collective: every TP rank calls it with the same prompts."""
         if isinstance(self.engine, HFRolloutEngine) and self._any_stale():

@@ -130,3 +130,43 @@ def eos_token_ids_from(generation_config: Any, tokenizer: Any) -> list[int]:
     if tokenizer.eos_token_id is not None:
         ids.add(int(tokenizer.eos_token_id))
     return sorted(ids)
+
+
+class EngineWrapper:
+    """Base of engines that wrap another engine (FSDP's gathered generation, Megatron's tensor-parallel
+    broadcast): forwards each :class:`RolloutEngine` member to ``self.engine`` explicitly; subclasses override
+    what they change.
+
+    Args:
+        engine: the wrapped engine.
+    """
+
+    def __init__(self, engine: RolloutEngine) -> None:
+        self.engine = engine
+
+    def generate(
+        self, prompt_ids: Sequence[Sequence[int]], num_generations: int, sampling: SamplingConfig
+    ) -> RolloutOutput:
+        """``engine.generate``."""
+        return self.engine.generate(prompt_ids, num_generations, sampling)
+
+    def sync_weights(self, model: torch.nn.Module) -> None:
+        """``engine.sync_weights``."""
+        self.engine.sync_weights(model)
+
+    def wake_up(self) -> None:
+        """``engine.wake_up()``."""
+        self.engine.wake_up()
+
+    def sleep(self, level: int = 1) -> None:
+        """``engine.sleep(level)``."""
+        self.engine.sleep(level)
+
+    def close(self) -> None:
+        """``engine.close()``."""
+        self.engine.close()
+
+    @property
+    def pad_token_id(self) -> int:
+        """``engine.pad_token_id``."""
+        return self.engine.pad_token_id

@@ -1,63 +1,106 @@
-"""INTERIM (replaced by the backend branch): GRPOModels and a LocalBackend for single-process runs."""
+"""The one seam between ``GRPOModule`` and a parallel backend (single device/DDP, FSDP2, FSDP1, Megatron).
+
+The module hands its models to the backend as a :class:`GRPOModels` record and takes back the record the
+backend returns (sharded, converted or wrapped models); a backend never sees the LightningModule. Everything
+else the module needs from the backend (gradient norm and clipping, the full weights for export, the
+data-parallel reductions of metrics and loss normalizers) is one method of :class:`ParallelBackend`.
+:func:`lightning_grpo.strategies.backend_for` picks the backend of a Lightning strategy.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Protocol, Union, runtime_checkable
 
 import torch
 from torch import Tensor, nn
+from torch.optim import Optimizer
+
+from lightning_grpo.rollout.base import RolloutEngine
+
+#: ``LightningModule.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)``: Lightning's own
+#: clipping through the precision plugin, for what a backend does not clip itself.
+ClipFallback = Callable[[Optimizer, Optional[Union[int, float]], Optional[str]], None]
 
 
 @dataclass
 class GRPOModels:
+    """The models a backend shards, converts or wraps.
+
+    Attributes:
+        policy: the trained policy (an HF causal LM before :meth:`ParallelBackend.configure`).
+        ref: the frozen reference policy (``beta > 0``), else None.
+        engine: the rollout engine, else None (before ``GRPOModule.setup`` makes one).
+    """
+
     policy: nn.Module
-    ref: Optional[nn.Module]
-    engine: Any
+    ref: Optional[nn.Module] = None
+    engine: Optional[RolloutEngine] = None
 
 
-class LocalBackend:
-    def __init__(self, strategy: Any = None) -> None:
-        self.strategy = strategy
+@runtime_checkable
+class ParallelBackend(Protocol):
+    """What ``GRPOModule`` needs from a parallel backend. Methods marked "a collective" must be called by every
+    process, in the same order."""
 
-    def _world(self) -> int:
-        return 1 if self.strategy is None else int(getattr(self.strategy, "world_size", 1))
+    def configure(self, models: GRPOModels) -> GRPOModels:
+        """Shard / convert the models and wrap the engine (from ``GRPOModule.configure_model``). Idempotent:
+        models configured already come back unchanged."""
+        ...
+
+    def restore(self, models: GRPOModels) -> GRPOModels:
+        """Hand back plain HF models after a run (Megatron); the identity elsewhere."""
+        ...
+
+    def is_sharded(self, model: nn.Module) -> bool:
+        """Whether each forward of ``model`` all-gathers its parameters (FSDP): callers then make few, large
+        forward calls."""
+        ...
+
+    def grad_norm(self, policy: nn.Module) -> Optional[Tensor]:
+        """The 2-norm of the policy's full gradient (0-dim float32), or None before any gradient exists. A
+        collective when the gradient is sharded."""
+        ...
+
+    def clip_gradients(
+        self,
+        policy: nn.Module,
+        optimizer: Optimizer,
+        gradient_clip_val: Optional[Union[int, float]],
+        gradient_clip_algorithm: Optional[str],
+        fallback: ClipFallback,
+    ) -> Optional[Tensor]:
+        """Clip by the norm of the full gradient where Lightning's clipping cannot (sharded gradients), else call
+        ``fallback`` (Lightning's own clipping). Returns the total norm before clipping when the backend clipped
+        by norm itself, else None."""
+        ...
+
+    def export_state_dict(self, policy: nn.Module) -> Optional[dict[str, Any]]:
+        """The policy's full state dict for ``save_pretrained(state_dict=...)`` on rank 0 (on CPU; ``{}`` on the
+        other ranks), or None when ``policy.save_pretrained`` saves its full weights itself. A collective under
+        FSDP."""
+        ...
+
+    def reduce_sum(self, tensor: Tensor) -> Tensor:
+        """``tensor`` summed over the data-parallel processes (the identity in one process). A collective."""
+        ...
+
+    def reduce_max(self, tensor: Tensor) -> Tensor:
+        """``tensor``'s elementwise maximum over the data-parallel processes. A collective."""
+        ...
+
+    def any_process(self, flag: bool, device: torch.device) -> bool:
+        """Whether ``flag`` is True on any data-parallel process (one float on ``device``). A collective."""
+        ...
 
     @property
     def data_parallel_size(self) -> int:
-        return self._world()
-
-    def configure(self, models: GRPOModels) -> GRPOModels:
-        return models
-
-    def restore(self, models: GRPOModels) -> GRPOModels:
-        return models
-
-    def is_sharded(self, model: nn.Module) -> bool:
-        return False
-
-    def grad_norm(self, policy: nn.Module) -> Optional[Tensor]:
-        grads = [p.grad for p in policy.parameters() if p.grad is not None]
-        if not grads:
-            return None
-        return torch.nn.utils.get_total_norm(grads).float()
-
-    def clip_gradients(self, policy, optimizer, gradient_clip_val, gradient_clip_algorithm, fallback: Callable):
-        fallback(optimizer, gradient_clip_val, gradient_clip_algorithm)
-        return None
-
-    def export_state_dict(self, policy: nn.Module) -> Optional[dict]:
-        return None
-
-    def reduce_sum(self, tensor: Tensor) -> Tensor:
-        return tensor if self._world() <= 1 else self.strategy.reduce(tensor, reduce_op="sum")
-
-    def reduce_max(self, tensor: Tensor) -> Tensor:
-        return tensor if self._world() <= 1 else self.strategy.reduce(tensor, reduce_op="max")
-
-    def any_process(self, flag: bool, device: torch.device) -> bool:
-        return bool(self.reduce_sum(torch.tensor([float(flag)], device=device)).item() > 0)
+        """Processes that hold different data (tensor-parallel ranks share theirs)."""
+        ...
 
 
-def backend_for(strategy: Any) -> LocalBackend:
-    return LocalBackend(strategy)
+def clips_by_norm(gradient_clip_val: Optional[Union[int, float]], gradient_clip_algorithm: Any) -> bool:
+    """Whether Lightning's clipping settings ask for clipping by norm: a non-zero ``gradient_clip_val`` and the
+    algorithm "norm" or None (Lightning's default; a ``GradClipAlgorithmType`` or a string)."""
+    algorithm = str(getattr(gradient_clip_algorithm, "value", gradient_clip_algorithm) or "norm").lower()
+    return bool(gradient_clip_val) and algorithm == "norm"

@@ -7,7 +7,7 @@ strategy with the FSDP2 settings as fields (mixed precision, activation checkpoi
 ``Trainer(strategy="grpo_fsdp2")`` (and ``"grpo_fsdp2_cpu_offload"``); it runs on GPUs (NCCL) and on CPUs
 (gloo), unlike Lightning's FSDP1 ``strategy="fsdp"``, which needs CUDA.
 
-What :func:`configure_fsdp2` does to a :class:`~lightning_grpo.module.GRPOModule`:
+What :class:`FSDP2Backend` (the backend of any ``ModelParallelStrategy``) does to ``GRPOModule``'s models:
 
 * ``fully_shard`` on every decoder layer (the classes in the HF model's ``_no_split_modules``), then on the
   root (the rest: embeddings, final norm, LM head, which must stay in one group when embeddings are tied), for
@@ -18,12 +18,14 @@ What :func:`configure_fsdp2` does to a :class:`~lightning_grpo.module.GRPOModule
   batches; the G completions of a prompt are sampled on the rank that holds the prompt, so groups are never
   split). With FSDP2 every forward of a sharded layer all-gathers it, so ``generate`` would all-gather every
   layer for every new token, and ranks whose completions stop early would leave the others waiting inside the
-  collective. :func:`gathered_parameters` instead all-gathers each group once (``FSDPModule.unshard``), keeps
-  the full parameters for the whole rollout (``set_reshard_after_forward(False)``), and frees them after
-  (``FSDPModule.reshard``): one all-gather per group per rollout, and no collective inside ``generate``.
-  :class:`GatheredGenerationEngine` wraps the HF engine with it.
+  collective. :func:`~lightning_grpo.strategies._gather.gathered_parameters` instead all-gathers each group
+  once (``FSDPModule.unshard``), keeps the full parameters for the whole rollout
+  (``set_reshard_after_forward(False)``), and frees them after (``FSDPModule.reshard``): one all-gather per
+  group per rollout, and no collective inside ``generate``.
+  :class:`~lightning_grpo.strategies._gather.GatheredGenerationEngine` wraps the HF engine with it.
 * The vLLM engine gets full weights from :func:`lightning_grpo.rollout.weights.hf_weights` (one
-  ``DTensor.full_tensor()`` per parameter, so never the whole model at once); :func:`full_state_dict` gathers
+  ``DTensor.full_tensor()`` per parameter, so never the whole model at once);
+  :func:`~lightning_grpo.strategies._gather.full_state_dict` gathers
   the whole state dict (HF export).
 
 Gradients under FSDP2 are reduce-scattered and averaged over the data-parallel ranks, like DDP; the GRPO loss
@@ -33,26 +35,30 @@ already multiplies by ``world_size`` and divides by the step's all-reduced norma
 
 from __future__ import annotations
 
-import contextlib
-import logging
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Iterable, Iterator, Literal, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Literal, Optional, Union
 
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import Tensor, nn
+from torch.optim import Optimizer
+
+from lightning_grpo.rollout.hf import HFRolloutEngine
+from lightning_grpo.strategies._gather import (
+    RESHARD_ATTR,
+    GatheredGenerationEngine,
+    full_state_dict,
+    is_fsdp2,
+    is_sharded,
+)
+from lightning_grpo.strategies.base import ClipFallback, GRPOModels, clips_by_norm
+from lightning_grpo.strategies.local import LocalBackend, clip_grad_norm_
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    from lightning_grpo.module import GRPOModule
-
-log = logging.getLogger(__name__)
-
-#: Attribute set on every module this file shards: its ``reshard_after_forward`` (restored after a rollout).
-_RESHARD_ATTR = "_lightning_grpo_reshard_after_forward"
 _DTYPES = {
     "bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
     "fp32": torch.float32, "float32": torch.float32,
@@ -85,7 +91,7 @@ def mixed_precision_policy(spec: MixedPrecisionSpec) -> "MixedPrecisionPolicy":
 
 class FSDP2Strategy(ModelParallelStrategy):
     """Lightning's ``ModelParallelStrategy`` as pure FSDP2 for GRPO: one data-parallel mesh dimension over all
-    processes, sharded with ``fully_shard`` by :class:`~lightning_grpo.module.GRPOModule.configure_model`.
+    processes; ``GRPOModule.configure_model`` shards with ``fully_shard`` through :class:`FSDP2Backend`.
 
     Use ``Trainer(strategy=FSDP2Strategy(...))`` or ``Trainer(strategy="grpo_fsdp2")`` (after
     ``import lightning_grpo.strategies``); devices/accelerator as usual (``accelerator="cpu"`` uses gloo).
@@ -155,13 +161,6 @@ class FSDP2Strategy(ModelParallelStrategy):
 
 
 # --------------------------------------------------------------------------------------------------- sharding
-def is_fsdp2(model: nn.Module) -> bool:
-    """Whether ``model`` (or one of its submodules) was sharded with ``fully_shard``."""
-    from torch.distributed.fsdp import FSDPModule
-
-    return any(isinstance(m, FSDPModule) for m in model.modules())
-
-
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
     """The modules FSDP2 shards one by one: instances of the classes named in the HF model's
     ``_no_split_modules`` (e.g. ``LlamaDecoderLayer``); for other models, the items of every ``nn.ModuleList``.
@@ -206,203 +205,78 @@ def shard_model(
     )
     for layer in decoder_layers(model):
         fully_shard(layer, reshard_after_forward=reshard_after_forward, **kwargs)
-        setattr(layer, _RESHARD_ATTR, reshard_after_forward)
+        setattr(layer, RESHARD_ATTR, reshard_after_forward)
     fully_shard(model, reshard_after_forward=root_reshard_after_forward, **kwargs)
-    setattr(model, _RESHARD_ATTR, root_reshard_after_forward)
+    setattr(model, RESHARD_ATTR, root_reshard_after_forward)
     return model
 
 
-def configure_fsdp2(module: "GRPOModule", strategy: ModelParallelStrategy) -> None:
-    """Shard ``module.policy`` and ``module.ref_model`` with FSDP2 over the strategy's data-parallel mesh and make
-    the HF rollout engine gather the policy once per rollout. Idempotent (``configure_model`` may run again).
-
-    Settings come from the strategy when it is an :class:`FSDP2Strategy`, else FSDP2's defaults.
-
-    Raises:
-        ValueError: a plain ``ModelParallelStrategy`` with a tensor-parallel mesh dimension larger than 1 (its
-            default on one node): the prompts would not be split over those ranks.
-    """
-    from lightning_grpo.rollout.hf import HFRolloutEngine
-
-    mesh = strategy.device_mesh
-    if mesh.ndim > 1 and "tensor_parallel" in (mesh.mesh_dim_names or ()) and mesh["tensor_parallel"].size() > 1:
-        raise ValueError(
-            f"ModelParallelStrategy with tensor_parallel_size={mesh['tensor_parallel'].size()}: GRPOModule shards "
-            "with FSDP2 over the data-parallel dimension only; use strategy='grpo_fsdp2' (lightning_grpo.strategies."
-            "FSDP2Strategy) or ModelParallelStrategy(data_parallel_size=<world size>, tensor_parallel_size=1)"
-        )
-    dp_mesh = mesh["data_parallel"] if mesh.mesh_dim_names and "data_parallel" in mesh.mesh_dim_names else mesh
-    settings = strategy if isinstance(strategy, FSDP2Strategy) else FSDP2Strategy()
-    kwargs = dict(mp_policy=settings.mp_policy, offload_policy=settings.offload_policy())
-    if not is_fsdp2(module.policy):
-        if settings.activation_checkpointing:
-            if not getattr(module.policy, "supports_gradient_checkpointing", False):
-                raise ValueError(
-                    f"activation_checkpointing=True but {type(module.policy).__name__} does not support "
-                    "gradient checkpointing (transformers' supports_gradient_checkpointing)"
-                )
-            module.policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        shard_model(module.policy, dp_mesh, reshard_after_forward=settings.reshard_after_forward, **kwargs)
-    ref = module.ref_model
-    if ref is not None and not is_fsdp2(ref):
-        shard_model(ref, dp_mesh, reshard_after_forward=True, root_reshard_after_forward=True, **kwargs)
-    engine = module.rollout_engine
-    if isinstance(engine, HFRolloutEngine):
-        module.rollout_engine = GatheredGenerationEngine(engine, module.policy)
-
-
-# --------------------------------------------------------------------------------------------------- rollouts
-@contextlib.contextmanager
-def gathered_parameters(model: nn.Module) -> Iterator[nn.Module]:
-    """Hold the full (unsharded) parameters of a sharded ``model`` for the duration of the block.
-
-    FSDP2: each ``fully_shard`` group of ``model`` is all-gathered once on entry (``FSDPModule.unshard``, in the
-    ``MixedPrecisionPolicy``'s ``param_dtype``) and kept through every forward inside the block
-    (``set_reshard_after_forward(False)``); on exit every group is resharded (``FSDPModule.reshard``, freeing the
-    full parameters) and its ``reshard_after_forward`` restored. Inside, forwards run no collective, so ranks may
-    run different numbers of forwards (different completion lengths).
-    FSDP1: ``summon_full_params(writeback=False)`` (:func:`lightning_grpo.strategies.fsdp1.summoned_parameters`).
-    Otherwise a no-op.
-
-    A collective: every rank must enter the block. Memory: the full parameters of ``model`` on every rank while
-    inside. Meant for no-grad use (generation, weight export).
-
-    Yields:
-        ``model``.
-    """
-    from torch.distributed.fsdp import FSDPModule
-
-    from lightning_grpo.strategies.fsdp1 import is_fsdp1, summoned_parameters
-
-    groups = [m for m in model.modules() if isinstance(m, FSDPModule)]
-    if not groups:
-        if is_fsdp1(model):
-            with summoned_parameters(model):
-                yield model
-        else:
-            yield model
-        return
-    for group in groups:
-        group.set_reshard_after_forward(False, recurse=False)
-    try:
-        handles = [group.unshard(async_op=True) for group in groups]
-        for handle in handles:
-            if handle is not None:
-                handle.wait()
-        yield model
-    finally:
-        for group in groups:
-            group.reshard()
-            group.set_reshard_after_forward(bool(getattr(group, _RESHARD_ATTR, True)), recurse=False)
-
-
-class GatheredGenerationEngine:
-    """A rollout engine that runs another engine's ``generate`` inside :func:`gathered_parameters` of the
-    sharded policy (FSDP2: one all-gather per group per rollout instead of one per generated token).
+# ---------------------------------------------------------------------------------------------------- backend
+class FSDP2Backend(LocalBackend):
+    """:class:`~lightning_grpo.strategies.base.ParallelBackend` of a ``ModelParallelStrategy`` (and of
+    :class:`FSDP2Strategy`): FSDP2 over its data-parallel mesh (see the module docstring). Reductions are
+    :class:`~lightning_grpo.strategies.local.LocalBackend`'s (``strategy.reduce`` over every process).
 
     Args:
-        engine: the wrapped engine (:class:`~lightning_grpo.rollout.hf.HFRolloutEngine`, which generates with the
-            unwrapped policy module itself, or an engine with its own weights such as vLLM's).
-        model: the sharded policy.
-        gather_for_sync: also run ``engine.sync_weights`` inside :func:`gathered_parameters` (FSDP1, whose
-            parameters outside it are flat local shards; FSDP2 ``DTensor`` parameters gather themselves).
-
-    Other attributes are those of ``engine``.
+        strategy: the ``ModelParallelStrategy``; its FSDP2 settings when it is an :class:`FSDP2Strategy`, else
+            FSDP2's defaults.
     """
 
-    def __init__(self, engine: Any, model: nn.Module, gather_for_sync: bool = False) -> None:
-        self.engine = engine
-        self.model = model
-        self.gather_for_sync = gather_for_sync
+    def configure(self, models: GRPOModels) -> GRPOModels:
+        """Shard the policy and the reference policy with FSDP2 over the strategy's data-parallel mesh and make the
+        HF rollout engine gather the policy once per rollout. Idempotent (``configure_model`` may run again).
 
-    def generate(self, prompt_ids: Sequence[Sequence[int]], num_generations: int, sampling: Any) -> Any:
-        """``engine.generate`` with the policy's full parameters gathered once (a collective: every rank calls)."""
-        from lightning_grpo.rollout.hf import HFRolloutEngine
+        Raises:
+            ValueError: a plain ``ModelParallelStrategy`` with a tensor-parallel mesh dimension larger than 1 (its
+                default on one node): the prompts would not be split over those ranks; activation checkpointing
+                for a model that does not support it.
+        """
+        mesh = self.strategy.device_mesh
+        if mesh.ndim > 1 and "tensor_parallel" in (mesh.mesh_dim_names or ()) and mesh["tensor_parallel"].size() > 1:
+            raise ValueError(
+                f"ModelParallelStrategy with tensor_parallel_size={mesh['tensor_parallel'].size()}: GRPOModule "
+                "shards with FSDP2 over the data-parallel dimension only; use strategy='grpo_fsdp2' (lightning_grpo."
+                "strategies.FSDP2Strategy) or ModelParallelStrategy(data_parallel_size=<world size>, "
+                "tensor_parallel_size=1)"
+            )
+        dp_mesh = mesh["data_parallel"] if mesh.mesh_dim_names and "data_parallel" in mesh.mesh_dim_names else mesh
+        settings = self.strategy if isinstance(self.strategy, FSDP2Strategy) else FSDP2Strategy()
+        kwargs = dict(mp_policy=settings.mp_policy, offload_policy=settings.offload_policy())
+        policy, ref, engine = models.policy, models.ref, models.engine
+        if not is_fsdp2(policy):
+            if settings.activation_checkpointing:
+                if not getattr(policy, "supports_gradient_checkpointing", False):
+                    raise ValueError(
+                        f"activation_checkpointing=True but {type(policy).__name__} does not support "
+                        "gradient checkpointing (transformers' supports_gradient_checkpointing)"
+                    )
+                policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            shard_model(policy, dp_mesh, reshard_after_forward=settings.reshard_after_forward, **kwargs)
+        if ref is not None and not is_fsdp2(ref):
+            shard_model(ref, dp_mesh, reshard_after_forward=True, root_reshard_after_forward=True, **kwargs)
+        if isinstance(engine, HFRolloutEngine):
+            engine = GatheredGenerationEngine(engine, policy)
+        return GRPOModels(policy, ref, engine)
 
-        if not isinstance(self.engine, HFRolloutEngine):  # the engine holds its own full weights
-            return self.engine.generate(prompt_ids, num_generations, sampling)
-        with gathered_parameters(self.model):
-            return self.engine.generate(prompt_ids, num_generations, sampling)
+    def is_sharded(self, model: nn.Module) -> bool:
+        return is_sharded(model)
 
-    def sync_weights(self, model: nn.Module) -> None:
-        """``engine.sync_weights(model)`` (inside :func:`gathered_parameters` when ``gather_for_sync``)."""
-        if not self.gather_for_sync:
-            self.engine.sync_weights(model)
-            return
-        with gathered_parameters(model):
-            self.engine.sync_weights(model)
+    def clip_gradients(
+        self,
+        policy: nn.Module,
+        optimizer: Optimizer,
+        gradient_clip_val: Optional[Union[int, float]],
+        gradient_clip_algorithm: Optional[str],
+        fallback: ClipFallback,
+    ) -> Optional[Tensor]:
+        """By norm: :func:`~lightning_grpo.strategies.local.clip_grad_norm_` over the optimizer's ``DTensor``
+        parameters (the norm of the full gradient, a collective); by value: Lightning's ``fallback``."""
+        if not clips_by_norm(gradient_clip_val, gradient_clip_algorithm):
+            fallback(optimizer, gradient_clip_val, gradient_clip_algorithm)
+            return None
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        return clip_grad_norm_(params, float(gradient_clip_val))
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.__dict__["engine"], name)
-
-
-# ------------------------------------------------------------------------------------------------- state dicts
-def full_state_dict(model: nn.Module, rank0_only: bool = False) -> dict[str, Tensor]:
-    """The full (unsharded) state dict of ``model``, with the module's own names, on CPU.
-
-    For an FSDP2 model every ``DTensor`` is all-gathered, for an FSDP1 root its flat shards
-    (``torch.distributed.checkpoint.state_dict.get_model_state_dict`` with ``full_state_dict=True``; wrapper name
-    parts such as ``_fsdp_wrapped_module`` are dropped): a collective, every rank must call it. A plain model
-    returns ``model.state_dict()`` (detached, on its device).
-
-    Args:
-        model: the model (FSDP2-sharded or not).
-        rank0_only: FSDP only: gather onto rank 0 only (the other ranks get ``{}``), offloaded to CPU as each
-            tensor arrives, so peak memory is one model on rank 0 and one parameter elsewhere.
-
-    Returns:
-        ``{name: tensor}``.
-    """
-    from lightning_grpo.strategies.fsdp1 import is_fsdp1
-
-    if not is_fsdp2(model) and not is_fsdp1(model):
-        return {k: v.detach() for k, v in model.state_dict().items()}
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    options = StateDictOptions(full_state_dict=True, cpu_offload=rank0_only)
-    state = get_model_state_dict(model, options=options)
-    if rank0_only:
-        return state
-    return {k: v.detach().cpu() for k, v in state.items()}
-
-
-# ------------------------------------------------------------------------------------------------ grad norms
-def _to_local_total(norm: Tensor) -> Tensor:
-    full = getattr(norm, "full_tensor", None)
-    return full() if callable(full) else norm
-
-
-def grad_norm(parameters: Iterable[Tensor], norm_type: float = 2.0) -> Optional[Tensor]:
-    """The ``norm_type``-norm of all gradients of ``parameters`` as one vector (0-dim float32 tensor), or None
-    when none has a gradient.
-
-    For FSDP2 ``DTensor`` gradients it is the norm of the *full* gradient: each rank takes the norm of its
-    shard and the partial norms are all-reduced (a collective: every rank must call it), never gathering a
-    gradient in full.
-    """
-    grads = [p.grad for p in parameters if p.grad is not None]
-    if not grads:
-        return None
-    total = torch.nn.utils.get_total_norm(grads, norm_type=norm_type)
-    return _to_local_total(total).float()
-
-
-def clip_grad_norm_(parameters: Iterable[Tensor], max_norm: float, norm_type: float = 2.0) -> Optional[Tensor]:
-    """Scale the gradients of ``parameters`` in place so their total norm is at most ``max_norm``
-    (``torch.nn.utils.clip_grad_norm_`` semantics: factor ``min(1, max_norm / (norm + 1e-6))``), with the total
-    norm of the full gradient also for FSDP2 ``DTensor`` gradients (see :func:`grad_norm`).
-
-    Returns:
-        the total norm before clipping (0-dim float32 tensor), or None when no parameter has a gradient.
-
-    Raises:
-        ValueError: ``max_norm <= 0``.
-    """
-    if max_norm <= 0:
-        raise ValueError(f"gradient_clip_val={max_norm} must be > 0 to clip by norm")
-    parameters = [p for p in parameters if p.grad is not None]
-    total = grad_norm(parameters, norm_type)
-    if total is None:
-        return None
-    torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total)
-    return total
+    def export_state_dict(self, policy: nn.Module) -> Optional[dict[str, Any]]:
+        """The full state dict gathered onto rank 0 (on CPU; ``{}`` elsewhere). A collective."""
+        return full_state_dict(policy, rank0_only=True) if is_fsdp2(policy) else None

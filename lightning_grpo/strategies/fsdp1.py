@@ -2,9 +2,10 @@
 in Lightning, although torch's FSDP1 itself also runs on CPU with gloo).
 
 Lightning wraps the whole LightningModule in one FSDP unit unless the module wraps submodules itself in
-``configure_model``. :func:`configure_fsdp1` does the latter, with the strategy's own settings (precision,
-CPU offload, sharding strategy, ``auto_wrap_policy``, ``use_orig_params``, device mesh): the policy and the
-frozen reference policy each become their own FSDP root, so that
+``configure_model``. :class:`FSDP1Backend` (called from ``GRPOModule.configure_model``) does the latter, with
+the strategy's own settings (precision, CPU offload, sharding strategy, ``auto_wrap_policy``,
+``use_orig_params``, device mesh): the policy and the frozen reference policy each become their own FSDP root,
+so that
 
 * the reference policy is sharded too (it lives outside the module tree, so Lightning would not shard it);
 * both can be called outside ``training_step`` (rollouts, old/reference logprobs): an FSDP root all-gathers its
@@ -14,29 +15,26 @@ frozen reference policy each become their own FSDP root, so that
   unit, Lightning's default) generation runs no collective at all. With nested FSDP units their forwards still
   all-gather per generated token (FSDP1 offers no way around it; FSDP2 does, see
   :mod:`lightning_grpo.strategies.fsdp`), so the HF engine is run with synchronized generation.
+
+Gradient norm and clipping by norm use the root's ``clip_grad_norm_`` (the norm over all shards; Lightning's
+FSDP1 precision plugin refuses ``gradient_clip_algorithm="norm"``).
 """
 
 from __future__ import annotations
 
-import contextlib
-from typing import TYPE_CHECKING, Iterator
+from typing import Any, Optional, Union
 
-from torch import nn
+from lightning.pytorch.strategies import FSDPStrategy
+from torch import Tensor, nn
+from torch.optim import Optimizer
 
-if TYPE_CHECKING:
-    from lightning.pytorch.strategies import FSDPStrategy
-
-    from lightning_grpo.module import GRPOModule
-
-
-def is_fsdp1(model: nn.Module) -> bool:
-    """Whether ``model`` is (or contains) a ``torch.distributed.fsdp.FullyShardedDataParallel`` module."""
-    from torch.distributed.fsdp import FullyShardedDataParallel
-
-    return any(isinstance(m, FullyShardedDataParallel) for m in model.modules())
+from lightning_grpo.rollout.hf import HFRolloutEngine
+from lightning_grpo.strategies._gather import GatheredGenerationEngine, full_state_dict, is_fsdp1, is_sharded
+from lightning_grpo.strategies.base import ClipFallback, GRPOModels, clips_by_norm
+from lightning_grpo.strategies.local import LocalBackend
 
 
-def _wrap(model: nn.Module, strategy: "FSDPStrategy", auto_wrap_policy: object) -> nn.Module:
+def _wrap(model: nn.Module, strategy: FSDPStrategy, auto_wrap_policy: object) -> nn.Module:
     from torch.distributed.fsdp import FullyShardedDataParallel
 
     kwargs = {k: v for k, v in strategy.kwargs.items() if k != "auto_wrap_policy"}
@@ -51,36 +49,74 @@ def _wrap(model: nn.Module, strategy: "FSDPStrategy", auto_wrap_policy: object) 
     )
 
 
-def configure_fsdp1(module: "GRPOModule", strategy: "FSDPStrategy") -> None:
-    """Wrap ``module.policy`` and ``module.ref_model`` as FSDP1 roots with the strategy's settings (see the
-    module docstring); make the rollout engine gather the policy with ``summon_full_params``. Idempotent.
-
-    The strategy's ``auto_wrap_policy`` is consumed here (Lightning would otherwise warn that it is ignored).
-    """
-    from lightning_grpo.rollout.hf import HFRolloutEngine
-    from lightning_grpo.strategies.fsdp import GatheredGenerationEngine
-
-    if is_fsdp1(module.policy):
-        return
-    auto_wrap_policy = strategy.kwargs.pop("auto_wrap_policy", None)
-    module.policy = _wrap(module.policy, strategy, auto_wrap_policy)
-    if module.ref_model is not None:
-        module._ref[0] = _wrap(module.ref_model, strategy, auto_wrap_policy)
-    engine = module.rollout_engine
-    if engine is not None and not isinstance(engine, GatheredGenerationEngine):
-        if isinstance(engine, HFRolloutEngine) and auto_wrap_policy is not None:
-            # nested units all-gather in every forward: every rank must run as many forwards as the longest
-            # rank (transformers' synced_gpus, switched on by this attribute, like for FSDP2 modules)
-            engine.model._is_fsdp_managed_module = True
-        module.rollout_engine = GatheredGenerationEngine(engine, module.policy, gather_for_sync=True)
-
-
-@contextlib.contextmanager
-def summoned_parameters(model: nn.Module) -> Iterator[nn.Module]:
-    """The full parameters of an FSDP1 ``model`` for the block (``summon_full_params``, ``writeback=False``,
-    ``recurse=True``: changes inside are discarded). A collective: every rank must enter. Memory: the full
-    model on every rank while inside."""
+def _root(model: Any) -> Optional[nn.Module]:
+    """``model`` when it is an FSDP1 root (``FullyShardedDataParallel``), else None."""
     from torch.distributed.fsdp import FullyShardedDataParallel
 
-    with FullyShardedDataParallel.summon_full_params(model, writeback=False, recurse=True):
-        yield model
+    return model if isinstance(model, FullyShardedDataParallel) else None
+
+
+class FSDP1Backend(LocalBackend):
+    """:class:`~lightning_grpo.strategies.base.ParallelBackend` of Lightning's ``FSDPStrategy`` (see the module
+    docstring). Reductions are :class:`~lightning_grpo.strategies.local.LocalBackend`'s.
+
+    Args:
+        strategy: the ``FSDPStrategy`` (its precision, CPU offload, sharding strategy, ``auto_wrap_policy``, ...).
+    """
+
+    def configure(self, models: GRPOModels) -> GRPOModels:
+        """Wrap the policy and the reference policy as FSDP1 roots with the strategy's settings; make the rollout
+        engine gather the policy with ``summon_full_params``. Idempotent.
+
+        The strategy's ``auto_wrap_policy`` is consumed here (Lightning would otherwise warn that it is ignored).
+        """
+        if is_fsdp1(models.policy):
+            return models
+        auto_wrap_policy = self.strategy.kwargs.pop("auto_wrap_policy", None)
+        policy = _wrap(models.policy, self.strategy, auto_wrap_policy)
+        ref = _wrap(models.ref, self.strategy, auto_wrap_policy) if models.ref is not None else None
+        engine = models.engine
+        if engine is not None and not isinstance(engine, GatheredGenerationEngine):
+            if isinstance(engine, HFRolloutEngine) and auto_wrap_policy is not None:
+                # nested units all-gather in every forward: every rank must run as many forwards as the longest
+                # rank (transformers' synced_gpus, switched on by this attribute, like for FSDP2 modules)
+                engine.model._is_fsdp_managed_module = True
+            engine = GatheredGenerationEngine(engine, policy, gather_for_sync=True)
+        return GRPOModels(policy, ref, engine)
+
+    def is_sharded(self, model: nn.Module) -> bool:
+        return is_sharded(model)
+
+    def grad_norm(self, policy: nn.Module) -> Optional[Tensor]:
+        """The root's ``clip_grad_norm_(inf)`` (the norm over all shards, scales nothing; a collective), or None
+        before any gradient exists."""
+        root = _root(policy)
+        if root is None:
+            return super().grad_norm(policy)
+        if all(p.grad is None for p in root.parameters()):
+            return None
+        return root.clip_grad_norm_(float("inf")).float()
+
+    def clip_gradients(
+        self,
+        policy: nn.Module,
+        optimizer: Optimizer,
+        gradient_clip_val: Optional[Union[int, float]],
+        gradient_clip_algorithm: Optional[str],
+        fallback: ClipFallback,
+    ) -> Optional[Tensor]:
+        """By norm: the root ``FullyShardedDataParallel.clip_grad_norm_`` (the policy after :meth:`configure`, else
+        the strategy's wrapped module); by value: Lightning's ``fallback``."""
+        if clips_by_norm(gradient_clip_val, gradient_clip_algorithm):
+            for root in (_root(policy), _root(self.strategy.model)):
+                if root is not None:
+                    return root.clip_grad_norm_(float(gradient_clip_val))
+        fallback(optimizer, gradient_clip_val, gradient_clip_algorithm)
+        return None
+
+    def export_state_dict(self, policy: nn.Module) -> Optional[dict[str, Any]]:
+        """The full state dict (on CPU) for rank 0. A collective. torch's FSDP1 rank-0-only gather with CPU offload
+        crashes (segfault) when the parameters are on CPU already: there every rank gathers."""
+        if not is_fsdp1(policy):
+            return None
+        return full_state_dict(policy, rank0_only=self.strategy.root_device.type != "cpu")

@@ -7,11 +7,12 @@ split over TP ranks; the ``world_size / TP`` groups of TP ranks are data-paralle
 - process groups: Lightning's DDP setup (NCCL on GPU, gloo on CPU), then
   ``parallel_state.initialize_model_parallel(TP, PP=1)`` (rank order tp-dp: ranks ``[k TP, (k+1) TP)`` form a
   TP group). On CPU the :mod:`lightning_grpo.megatron.cpu_shims` are applied for the run.
-- the policy (and the reference policy when ``beta > 0``) becomes a
-  :class:`~lightning_grpo.megatron.policy.MegatronPolicy`; ``GRPOModule.completion_logprobs`` dispatches to its
-  vocab-parallel logprobs. The HF model is kept as the rollout copy: before each rollout after a weight
-  update, the shards are gathered into it in HF format (as a vLLM weight sync would), TP rank 0 of each DP
-  group generates and broadcasts the completions to its TP group
+- the strategy is the module's :class:`~lightning_grpo.strategies.base.ParallelBackend`: from
+  ``GRPOModule.configure_model`` its :meth:`~MegatronStrategy.configure` turns the policy (and the reference
+  policy when ``beta > 0``) into a :class:`~lightning_grpo.megatron.policy.MegatronPolicy`, whose vocab-parallel
+  logprobs ``GRPOModule.completion_logprobs`` uses. The HF model is kept as the rollout copy: before each
+  rollout after a weight update, the shards are gathered into it in HF format (as a vLLM weight sync would),
+  TP rank 0 of each DP group generates and broadcasts the completions to its TP group
   (:class:`~lightning_grpo.megatron.rollout.TensorParallelRolloutEngine`).
 - data: each DP group gets its own prompts (the ``DistributedSampler`` is keyed by DP rank; TP ranks of a group
   see the same ones). ``reduce`` (hence ``GRPOModule``'s metric and loss-normalizer sums) runs over the DP group.
@@ -20,9 +21,10 @@ split over TP ranks; the ``world_size / TP`` groups of TP ranks are data-paralle
 - checkpoints: the policy weights and the optimizer state are gathered into HF names (``policy.model.
   embed_tokens.weight``, ...), so a checkpoint does not depend on the TP size and its ``state_dict`` loads into a
   plain ``GRPOModule``; on resume each rank takes its shard.
-- teardown: the trained weights are put back into the HF policy (``module.policy`` is the HF model again, so
-  ``GRPOModule.on_fit_end`` exports it as usual); megatron-core's model-parallel state and the process groups
-  it created are destroyed (the default group stays, as with ``DDPStrategy``).
+- end of fit: the trained weights are gathered into the HF copy (``on_train_end``), which
+  ``MegatronPolicy.save_pretrained`` exports; :meth:`MegatronStrategy.restore` (from ``GRPOModule.teardown``)
+  hands the HF models back. Teardown destroys megatron-core's model-parallel state and the process groups it
+  created (the default group stays, as with ``DDPStrategy``).
 
 Limits (raise or are documented): pipeline parallelism (PP > 1) is rejected; the optimizer is the module's own
 (torch AdamW) over this rank's shards, not megatron-core's distributed optimizer; the gathered checkpoint and
@@ -32,15 +34,21 @@ regime); the vLLM engine is not set up per TP group yet.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Optional, Sequence, Union
 
 import torch
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
 from torch.optim import Optimizer
+
+from lightning_grpo.megatron import convert, cpu_shims
+from lightning_grpo.megatron.policy import MegatronPolicy
+from lightning_grpo.megatron.rollout import TensorParallelRolloutEngine
+from lightning_grpo.strategies.base import ClipFallback, GRPOModels, clips_by_norm
 
 if TYPE_CHECKING:
     import lightning as L
@@ -52,7 +60,8 @@ _POLICY_PREFIX = "policy."
 
 class MegatronStrategy(DDPStrategy):
     """Lightning strategy that trains ``GRPOModule.policy`` as a megatron-core model with tensor and data
-    parallelism (see the module docstring).
+    parallelism (see the module docstring); also the module's
+    :class:`~lightning_grpo.strategies.base.ParallelBackend`.
 
     Args:
         tensor_model_parallel_size: TP size; must divide the number of processes, the vocabulary, the key/value
@@ -68,7 +77,8 @@ class MegatronStrategy(DDPStrategy):
 
     Raises:
         ValueError: ``pipeline_model_parallel_size != 1`` or ``tensor_model_parallel_size < 1`` (at construction);
-            a world size that TP does not divide, or a policy that cannot be converted (at setup).
+            a world size that TP does not divide (at setup), or a policy that cannot be converted (at
+            ``configure_model``).
     """
 
     def __init__(
@@ -96,7 +106,6 @@ class MegatronStrategy(DDPStrategy):
         self.seed = seed
         self._shims_applied = False
         self._model_parallel_groups: list[Any] = []
-        self._hf_ref: Optional[nn.Module] = None
 
     # ------------------------------------------------------------------ environment
     @property
@@ -124,8 +133,6 @@ class MegatronStrategy(DDPStrategy):
                 f"number of processes (world size {self.world_size})"
             )
         if self.root_device.type == "cpu" and not self._shims_applied:
-            from lightning_grpo.megatron import cpu_shims
-
             cpu_shims.apply()
             self._shims_applied = True
         super().setup_environment()  # accelerator device setup + process group (DDPStrategy.setup_distributed)
@@ -153,41 +160,98 @@ class MegatronStrategy(DDPStrategy):
         :meth:`reduce_gradients` over the DP group only (TP ranks hold different shards)."""
 
     def setup(self, trainer: "L.Trainer") -> None:
-        self._convert_module()
-        self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm  # type: ignore[method-assign]
+        if self._megatron_policy() is None:
+            raise ValueError(
+                f"MegatronStrategy trains a GRPOModule's `policy`, converted by MegatronStrategy.configure from the "
+                f"module's configure_model; {type(self.lightning_module).__name__}.policy is not a MegatronPolicy"
+            )
         super().setup(trainer)
 
-    def _convert_module(self) -> None:
-        """Replace the module's HF policy (and reference policy) with megatron-core ones; wrap its rollout engine."""
-        from lightning_grpo.megatron.policy import MegatronPolicy
-        from lightning_grpo.megatron.rollout import TensorParallelRolloutEngine
+    # --------------------------------------------------------- ParallelBackend
+    def configure(self, models: GRPOModels) -> GRPOModels:
+        """Convert the HF policy (and reference policy) into megatron-core ones, this rank's TP shard; wrap the
+        rollout engine (:class:`~lightning_grpo.megatron.rollout.TensorParallelRolloutEngine`). Idempotent.
+        Runs in ``configure_model``, after the process groups exist and before a checkpoint is restored.
 
-        module = self.lightning_module
-        assert module is not None
-        policy = getattr(module, "policy", None)
-        if policy is None:
-            raise ValueError(f"MegatronStrategy trains a GRPOModule's `policy`; {type(module).__name__} has none")
-        if isinstance(policy, MegatronPolicy):
-            return
-        dtype = self.params_dtype
-        policy_mp = MegatronPolicy.from_hf(policy, self.tensor_model_parallel_size, dtype, self.use_transformer_engine)
-        policy_mp.model.train(policy.training)
-        module.policy = policy_mp
-        refs = getattr(module, "_ref", None)
-        if refs:
-            self._hf_ref = refs[0]
-            ref = MegatronPolicy.from_hf(refs[0], self.tensor_model_parallel_size, dtype, self.use_transformer_engine)
-            refs[0] = ref.eval().requires_grad_(False)
-        engine = getattr(module, "rollout_engine", None)
+        Raises:
+            ValueError: a policy that cannot be converted (see :meth:`MegatronPolicy.from_hf`).
+        """
+        if isinstance(models.policy, MegatronPolicy):
+            return models
+        args = (self.tensor_model_parallel_size, self.params_dtype, self.use_transformer_engine)
+        with _default_tensor_init():
+            policy = MegatronPolicy.from_hf(models.policy, *args)
+            policy.model.train(models.policy.training)
+            ref = None if models.ref is None else MegatronPolicy.from_hf(models.ref, *args).eval().requires_grad_(False)
+        engine = models.engine
         if engine is not None and not isinstance(engine, TensorParallelRolloutEngine):
-            module.rollout_engine = TensorParallelRolloutEngine(engine, policy_mp)
-        assert policy_mp.hf_model is not None
-        policy_mp.hf_model.to(self.root_device)
+            engine = TensorParallelRolloutEngine(engine, policy)
+        assert policy.hf_model is not None
+        policy.hf_model.to(self.root_device)
         log.info("MegatronStrategy: converted the policy to megatron-core (TP=%d)", self.tensor_model_parallel_size)
+        return GRPOModels(policy, ref, engine)
 
-    def _megatron_policy(self) -> Optional[Any]:
-        from lightning_grpo.megatron.policy import MegatronPolicy
+    def restore(self, models: GRPOModels) -> GRPOModels:
+        """The HF models back (each ``MegatronPolicy``'s ``hf_model``, the unwrapped engine) when the HF policy
+        holds the trained weights (``on_train_end`` gathered them); else ``models`` unchanged."""
+        policy = models.policy
+        if not (isinstance(policy, MegatronPolicy) and policy.hf_model_is_current() and policy._hf_loaded):
+            return models
+        ref, engine = models.ref, models.engine
+        return GRPOModels(policy.hf_model, ref.hf_model if isinstance(ref, MegatronPolicy) else ref,
+                          engine.engine if isinstance(engine, TensorParallelRolloutEngine) else engine)
 
+    def is_sharded(self, model: nn.Module) -> bool:
+        """False: a tensor-parallel forward gathers no parameters."""
+        return False
+
+    def grad_norm(self, policy: nn.Module) -> Optional[Tensor]:
+        """The norm of the policy's full gradient (:meth:`full_grad_norm`), or None before any gradient."""
+        params = list(policy.parameters())
+        if all(p.grad is None for p in params):
+            return None
+        return self.full_grad_norm(params)
+
+    def clip_gradients(
+        self,
+        policy: nn.Module,
+        optimizer: Optimizer,
+        gradient_clip_val: Optional[Union[int, float]],
+        gradient_clip_algorithm: Optional[str],
+        fallback: ClipFallback,
+    ) -> Optional[Tensor]:
+        """By norm: scale the optimizer's gradients by ``min(1, clip / (norm + 1e-6))`` with the norm of the full
+        gradient (:meth:`full_grad_norm`, a TP collective) and return that norm; by value: Lightning's
+        ``fallback``."""
+        if not clips_by_norm(gradient_clip_val, gradient_clip_algorithm):
+            fallback(optimizer, gradient_clip_val, gradient_clip_algorithm)
+            return None
+        params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        if not params:
+            return None
+        with torch.no_grad():
+            total_norm = self.full_grad_norm(params)
+            coefficient = (float(gradient_clip_val) / (total_norm + 1e-6)).clamp(max=1.0)
+            for p in params:
+                p.grad.mul_(coefficient.to(p.grad.dtype))
+        return total_norm
+
+    def export_state_dict(self, policy: nn.Module) -> Optional[dict[str, Any]]:
+        """None: ``MegatronPolicy.save_pretrained`` saves its HF copy (gathered in :meth:`on_train_end`)."""
+        return None
+
+    def reduce_sum(self, tensor: Tensor) -> Tensor:
+        """Summed over the data-parallel group (:meth:`reduce`)."""
+        return tensor if self.world_size <= 1 else self.reduce(tensor, reduce_op="sum")
+
+    def reduce_max(self, tensor: Tensor) -> Tensor:
+        """Maximum over the data-parallel group (:meth:`reduce`)."""
+        return tensor if self.world_size <= 1 else self.reduce(tensor, reduce_op="max")
+
+    def any_process(self, flag: bool, device: torch.device) -> bool:
+        return bool(self.reduce_sum(torch.tensor([float(flag)], device=device)).item() > 0)
+
+    def _megatron_policy(self) -> Optional[MegatronPolicy]:
         policy = getattr(self.lightning_module, "policy", None)
         return policy if isinstance(policy, MegatronPolicy) else None
 
@@ -237,7 +301,7 @@ class MegatronStrategy(DDPStrategy):
         torch.distributed.all_reduce(flat, group=parallel_state.get_data_parallel_group())
         flat /= self.data_parallel_size
         offset = 0
-        for p, g in zip(params, grads):
+        for p, g in zip(params, grads, strict=True):
             n = g.numel()
             p.grad = flat[offset : offset + n].view_as(g).clone()
             offset += n
@@ -259,25 +323,6 @@ class MegatronStrategy(DDPStrategy):
             torch.distributed.all_reduce(sharded, group=parallel_state.get_tensor_model_parallel_group())
         return (sharded[0] + squares[1]).sqrt()
 
-    def policy_grad_norm(self, module: Any) -> Optional[Tensor]:
-        """The norm of the policy's full gradient (for the ``grad_norm`` metric), or None before any gradient."""
-        params = list(module.policy.parameters())
-        if all(p.grad is None for p in params):
-            return None
-        return self.full_grad_norm(params)
-
-    @torch.no_grad()
-    def _clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
-        """``clip_grad_norm_`` with the norm of the full gradient (:meth:`full_grad_norm`); installed as the
-        precision plugin's ``clip_grad_by_norm``, which ``LightningModule.clip_gradients`` calls."""
-        params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        if not params:
-            return
-        total_norm = self.full_grad_norm(params)
-        coefficient = (float(clip_val) / (total_norm + 1e-6)).clamp(max=1.0)
-        for p in params:
-            p.grad.mul_(coefficient.to(p.grad.dtype))
-
     # ------------------------------------------------------------------ checkpoints
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """The module's state with the policy gathered into HF names (``policy.<hf name>``). A collective: every
@@ -294,125 +339,57 @@ class MegatronStrategy(DDPStrategy):
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         """Load a state dict with the policy in HF names (a Megatron or a plain GRPOModule checkpoint)."""
-        from lightning_grpo.megatron.convert import load_hf_state_dict
-
         module = self.lightning_module
         assert module is not None
         policy = self._megatron_policy()
-        if policy is None:  # restored before setup: the policy is still the HF model
+        if policy is None:  # not converted (a module without configure_model): the policy is the HF model
             module.load_state_dict(checkpoint["state_dict"], strict=strict)
             return
-        hf_state = {k[len(_POLICY_PREFIX):]: v for k, v in checkpoint["state_dict"].items() if k.startswith(_POLICY_PREFIX)}
-        load_hf_state_dict(policy.model, hf_state, policy.arch)
+        prefix = len(_POLICY_PREFIX)
+        hf_state = {k[prefix:]: v for k, v in checkpoint["state_dict"].items() if k.startswith(_POLICY_PREFIX)}
+        convert.load_hf_state_dict(policy.model, hf_state, policy.arch)
         rest = {k: v for k, v in checkpoint["state_dict"].items() if not k.startswith(_POLICY_PREFIX)}
         own = {k: v for k, v in module.state_dict().items() if k.startswith(_POLICY_PREFIX)}
         module.load_state_dict({**own, **rest}, strict=strict)
 
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        """The optimizer state with the policy's per-parameter tensors gathered into HF names:
-        ``{"state": {name: {...}}, "param_groups": [{..., "params": [name, ...]}], "format": "megatron-hf"}``.
-        A collective over the TP group."""
-        from lightning_grpo.megatron.convert import gather_hf_tensors
+        """The optimizer state with the policy's per-parameter tensors gathered into HF names
+        (:func:`~lightning_grpo.megatron.convert.optimizer_state_to_hf`). A collective over the TP group."""
+        from megatron.core import parallel_state
 
         optimizer = getattr(optimizer, "_optimizer", optimizer)
-        raw = optimizer.state_dict()
-        names = self._optimizer_param_names(optimizer)
-        maps = self._param_maps()
-        group = self._tp_group()
-        state: dict[str, dict[str, Any]] = {}
-        for index, values in sorted(raw["state"].items()):
-            name = names[index]
-            pm = maps.get(name)
-            param = self._param_by_index(optimizer, index)
-            hf_names = pm.hf if pm is not None else (name,)
-            per_name: dict[str, dict[str, Any]] = {h: {} for h in hf_names}
-            for key, value in values.items():
-                if pm is not None and torch.is_tensor(value) and value.shape == param.shape and value.dim() > 0:
-                    for h, full in zip(hf_names, gather_hf_tensors(pm, value, self._arch(), group)):
-                        per_name[h][key] = full.cpu().clone()
-                else:
-                    for h in hf_names:
-                        per_name[h][key] = value
-            state.update(per_name)
-        groups = []
-        for g in raw["param_groups"]:
-            params = []
-            for index in g["params"]:
-                pm = maps.get(names[index])
-                params.extend(pm.hf if pm is not None else (names[index],))
-            groups.append({**g, "params": params})
-        return {"state": state, "param_groups": groups, "format": "megatron-hf"}
+        return convert.optimizer_state_to_hf(optimizer.state_dict(), *self._optimizer_params(optimizer),
+                                     parallel_state.get_tensor_model_parallel_group())
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        """Load optimizer states saved by :meth:`optimizer_state`, taking this rank's shards.
+        """Load optimizer states saved by :meth:`optimizer_state`, taking this rank's shards
+        (:func:`~lightning_grpo.megatron.convert.optimizer_state_from_hf`).
 
         Raises:
             ValueError: an optimizer state in another format (e.g. from a plain, non-Megatron run).
         """
-        from lightning_grpo.megatron.convert import shard
-
         from megatron.core import parallel_state
 
-        tp_rank = parallel_state.get_tensor_model_parallel_rank()
-        tp_size = parallel_state.get_tensor_model_parallel_world_size()
-        maps = self._param_maps()
-        for optimizer, saved in zip(self.optimizers, checkpoint["optimizer_states"]):
+        tp = (parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size())
+        for optimizer, saved in zip(self.optimizers, checkpoint["optimizer_states"], strict=False):
             optimizer = getattr(optimizer, "_optimizer", optimizer)
-            if saved.get("format") != "megatron-hf":
-                raise ValueError("the checkpoint's optimizer state was not saved by MegatronStrategy (no 'format': "
-                                 "'megatron-hf'); resume it with the strategy that saved it or load weights only")
-            names = self._optimizer_param_names(optimizer)
             current = optimizer.state_dict()
-            state: dict[int, dict[str, Any]] = {}
-            for index in range(len(names)):
-                pm = maps.get(names[index])
-                hf_names = pm.hf if pm is not None else (names[index],)
-                if hf_names[0] not in saved["state"]:
-                    continue
-                first = saved["state"][hf_names[0]]
-                param = self._param_by_index(optimizer, index)
-                entry: dict[str, Any] = {}
-                for key, value in first.items():
-                    if pm is not None and torch.is_tensor(value) and value.dim() > 0:
-                        parts = [saved["state"][h][key] for h in hf_names]
-                        entry[key] = shard(pm, parts, self._arch(), tp_rank, tp_size).to(param.device).clone()
-                    else:
-                        entry[key] = value
-                state[index] = entry
-            groups = [{**saved_group, "params": group["params"]}
-                      for saved_group, group in zip(saved["param_groups"], current["param_groups"])]
-            optimizer.load_state_dict({"state": state, "param_groups": groups})
+            own = self._optimizer_params(optimizer)
+            optimizer.load_state_dict(convert.optimizer_state_from_hf(saved, current, *own, *tp))
 
-    def _param_maps(self) -> dict[str, Any]:
-        """ParamMaps by the module's parameter name (``policy.model.<mcore name>``)."""
-        from lightning_grpo.megatron.convert import param_maps
-
+    def _optimizer_params(self, optimizer: Optimizer) -> tuple[list[Tensor], list[str], dict[str, Any], Any]:
+        """The optimizer's parameters (torch numbers them across param groups), their module names, the
+        ParamMaps by module name (``policy.model.<mcore name>``) and the architecture (None without a
+        ``MegatronPolicy``)."""
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        by_id = {id(p): n for n, p in self.lightning_module.named_parameters()}
+        names = [by_id.get(id(p), f"<unnamed {i}>") for i, p in enumerate(params)]
         policy = self._megatron_policy()
         if policy is None:
-            return {}
+            return params, names, {}, None
         te = any(n.endswith("layer_norm_weight") for n, _ in policy.model.named_parameters())
-        return {_POLICY_PREFIX + "model." + pm.mcore: pm for pm in param_maps(policy.arch, te)}
-
-    def _optimizer_param_names(self, optimizer: Optimizer) -> list[str]:
-        """The module's parameter name of each optimizer index (torch numbers them across param groups)."""
-        by_id = {id(p): n for n, p in self.lightning_module.named_parameters()}
-        return [by_id.get(id(p), f"<unnamed {i}>")
-                for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])]
-
-    @staticmethod
-    def _param_by_index(optimizer: Optimizer, index: int) -> Tensor:
-        return [p for g in optimizer.param_groups for p in g["params"]][index]
-
-    def _arch(self) -> Any:
-        policy = self._megatron_policy()
-        assert policy is not None
-        return policy.arch
-
-    @staticmethod
-    def _tp_group() -> Any:
-        from megatron.core import parallel_state
-
-        return parallel_state.get_tensor_model_parallel_group()
+        maps = {_POLICY_PREFIX + "model." + pm.mcore: pm for pm in convert.param_maps(policy.arch, te)}
+        return params, names, maps, policy.arch
 
     # -------------------------------------------------------------------- lifecycle
     def on_train_end(self) -> None:
@@ -423,22 +400,14 @@ class MegatronStrategy(DDPStrategy):
             policy.sync_hf_model(load=True)
 
     def teardown(self) -> None:
-        """Put the HF policy back (when it holds the trained weights), destroy megatron-core's model-parallel
-        state and the process groups it created, remove the CPU shims. The default process group is Lightning's
-        and lives as long as the process (as with ``DDPStrategy``), so a later ``fit`` can reuse it."""
-        module = self.lightning_module
+        """Move the HF copy to CPU with the module (when it holds the trained weights: ``GRPOModule.teardown``
+        then takes it back through :meth:`restore`), destroy megatron-core's model-parallel state and the process
+        groups it created, remove the CPU shims. The default process group is Lightning's and lives as long as the
+        process (as with ``DDPStrategy``), so a later ``fit`` can reuse it."""
         policy = self._megatron_policy()
-        if module is not None and policy is not None:
-            from lightning_grpo.megatron.rollout import TensorParallelRolloutEngine
-
+        if policy is not None and policy.hf_model is not None:
             if policy.hf_model_is_current() and policy._hf_loaded:
-                module.policy = policy.hf_model
-                engine = getattr(module, "rollout_engine", None)
-                if isinstance(engine, TensorParallelRolloutEngine):
-                    module.rollout_engine = engine.engine
-                refs = getattr(module, "_ref", None)
-                if refs and self._hf_ref is not None:
-                    refs[0] = self._hf_ref
+                policy.hf_model.cpu()
                 self.optimizers = []  # they hold the megatron-core parameters
             else:
                 log.warning("MegatronStrategy.teardown: the run did not finish; module.policy stays a MegatronPolicy")
@@ -453,11 +422,21 @@ class MegatronStrategy(DDPStrategy):
                     torch.distributed.destroy_process_group(group)
         self._model_parallel_groups = []
         if self._shims_applied:
-            from lightning_grpo.megatron import cpu_shims
-
             cpu_shims.remove()
             self._shims_applied = False
 
+
+@contextlib.contextmanager
+def _default_tensor_init() -> Iterator[None]:
+    """CPU and float32 as the default device and dtype of new tensors: Lightning runs ``configure_model`` under the
+    root device and the precision plugin's dtype, and the conversion builds on CPU, as it did in ``setup``."""
+    dtype = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float32)
+    try:
+        with torch.device("cpu"):
+            yield
+    finally:
+        torch.set_default_dtype(dtype)
 
 
 def _process_groups() -> list[Any]:
