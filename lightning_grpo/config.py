@@ -123,6 +123,11 @@ class GRPOConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
+    """Min-p sampling (Nguyen et al. 2024, arXiv:2407.01082; TRL ``min_p``): keep the tokens whose probability is
+    at least ``min_p`` times the most likely token's, in [0, 1]; 0 = off. Applied after temperature and before
+    top-k and top-p (vLLM's order) by both engines; the trainer's logprobs, entropy and KL are those of the same
+    truncated distribution (docs/algorithm.md, "Behaviour policy")."""
     rollout_engine: RolloutEngineName = "hf"
 
     advantage_estimator: AdvantageEstimator = "grpo"
@@ -185,6 +190,8 @@ class GRPOConfig:
             _fail("top_p", self.top_p, "must be in (0, 1]")
         if self.top_k < 0:
             _fail("top_k", self.top_k, "must be >= 0 (0 disables top-k)")
+        if not 0 <= self.min_p <= 1:
+            _fail("min_p", self.min_p, "must be in [0, 1] (0 disables min-p)")
         if self.epsilon_low < 0 or self.epsilon_low >= 1:
             _fail("epsilon_low", self.epsilon_low, "must be in [0, 1)")
         if self.epsilon_high < 0:

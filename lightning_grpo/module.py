@@ -38,6 +38,7 @@ from lightning_grpo.rewards import resolve_reward_function
 from lightning_grpo.rewards.scoring import reward_function_names, score_completions
 from lightning_grpo.rollout.base import RolloutEngine, RolloutOutput, SamplingConfig
 from lightning_grpo.rollout.hf import HFRolloutEngine
+from lightning_grpo.rollout.prompts import encode_prompts
 
 log = logging.getLogger(__name__)
 
@@ -245,21 +246,7 @@ class GRPOModule(L.LightningModule):
         Returns:
             ``(ids, num_truncated)``.
         """
-        ids: list[list[int]] = []
-        truncated = 0
-        for prompt in prompts:
-            if isinstance(prompt, str):
-                tokens = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
-            else:
-                tokens = self.tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=True)
-                if isinstance(tokens, dict) or hasattr(tokens, "keys"):
-                    tokens = tokens["input_ids"]
-            tokens = list(tokens)
-            if len(tokens) > self.config.max_prompt_length:
-                tokens = tokens[-self.config.max_prompt_length :]
-                truncated += 1
-            ids.append(tokens)
-        return ids, truncated
+        return encode_prompts(self.tokenizer, prompts, self.config.max_prompt_length)
 
     def _sync_engine(self, force: bool = False) -> None:
         """Push the trained weights into the rollout engine every ``vllm_sync_every`` optimizer steps (always when
@@ -412,7 +399,8 @@ class GRPOModule(L.LightningModule):
             prompt_ids,
             g,
             SamplingConfig(
-                max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k
+                max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
+                min_p=cfg.min_p,
             ),
         )
         score_start = time.perf_counter()
@@ -568,7 +556,8 @@ class GRPOModule(L.LightningModule):
         (the Megatron policy does, vocab-parallel: :class:`lightning_grpo.megatron.policy.MegatronPolicy`).
 
         Raises:
-            ValueError: ``entropy_grad`` with a model that computes its own logprobs (no entropy gradient there).
+            ValueError: ``entropy_grad`` or top-k / top-p / min-p truncation with a model that computes its own
+                logprobs (no entropy gradient and no truncation there).
         """
         if callable(getattr(model, "completion_logprobs", None)):
             if entropy_grad:
@@ -576,6 +565,11 @@ class GRPOModule(L.LightningModule):
                     f"GRPOConfig.entropy_coef={self.config.entropy_coef} needs the entropy's gradient, which "
                     f"{type(model).__name__}.completion_logprobs does not provide: set entropy_coef=0"
                 )
+            cfg = self.config
+            if cfg.top_k > 0 or cfg.top_p < 1 or cfg.min_p > 0:  # its vocab-parallel logprobs do not truncate
+                raise ValueError(f"GRPOConfig top_k={cfg.top_k}, top_p={cfg.top_p}, min_p={cfg.min_p}: "
+                                 f"{type(model).__name__} scores the untruncated distribution: "
+                                 "set top_k=0, top_p=1.0, min_p=0")
             return model.completion_logprobs(batch, self.config.temperature, with_entropy=with_entropy)
         if self.config.padding_free:
             return self._packed_logprobs(model, batch, with_entropy, entropy_grad)
@@ -593,7 +587,8 @@ class GRPOModule(L.LightningModule):
                     logits_to_keep=t + 1, use_cache=False)
         logits = out.logits[:, :-1]  # [B, T, V]: position j predicts completion token j
         return F.token_logprobs(
-            logits, batch.completion_ids, self.config.temperature, with_entropy=with_entropy, entropy_grad=entropy_grad
+            logits, batch.completion_ids, self.config.temperature, with_entropy=with_entropy, entropy_grad=entropy_grad,
+            top_k=self.config.top_k, top_p=self.config.top_p, min_p=self.config.min_p,
         )
 
     def _packed_logprobs(
@@ -660,7 +655,8 @@ class GRPOModule(L.LightningModule):
         for inputs, target_ids, index in passes:
             out = model(**inputs, use_cache=False)
             row_logprobs, row_entropy = F.token_logprobs(
-                out.logits, target_ids, self.config.temperature, with_entropy=with_entropy, entropy_grad=entropy_grad
+                out.logits, target_ids, self.config.temperature, with_entropy=with_entropy, entropy_grad=entropy_grad,
+                top_k=self.config.top_k, top_p=self.config.top_p, min_p=self.config.min_p,
             )
             logprobs = logprobs.index_put(index, row_logprobs.reshape(-1))
             if entropy is not None and row_entropy is not None:
