@@ -52,6 +52,11 @@ class GRPOConfig:
     """Nucleus sampling mass in (0, 1]."""
     top_k: int = 0
     """Top-k sampling, 0 = off."""
+    min_p: float = 0.0
+    """Min-p sampling (Nguyen et al. 2024, arXiv:2407.01082; TRL ``min_p``): keep the tokens whose probability is
+    at least ``min_p`` times the most likely token's, in [0, 1]; 0 = off. Applied after temperature and before
+    top-k and top-p (vLLM's order) by both engines; the trainer's logprobs, entropy and KL are those of the same
+    truncated distribution (docs/algorithm.md, "Behaviour policy")."""
     rollout_engine: RolloutEngineName = "hf"
     """Rollout engine: "hf" (transformers ``generate``) or "vllm"."""
 
@@ -220,6 +225,8 @@ class GRPOConfig:
             _fail("top_k", self.top_k, "must be >= 0 (0 disables top-k)")
         if not 0 <= self.epsilon_low <= 1:
             _fail("epsilon_low", self.epsilon_low, "must be in [0, 1] (1 = no lower bound)")
+        if not 0 <= self.min_p <= 1:
+            _fail("min_p", self.min_p, "must be in [0, 1] (0 disables min-p)")
         if self.epsilon_high < 0:
             _fail("epsilon_high", self.epsilon_high, "must be >= 0")
         if self.clip_ratio_c is not None and self.clip_ratio_c <= 1:

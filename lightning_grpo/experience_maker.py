@@ -165,7 +165,7 @@ class ExperienceMaker:
         with timer.span("rollout_s"), _add_elapsed(totals, "rollout_s"):
             prompt_ids, num_truncated = self.rollout.tokenize(batch["prompt"])
             sampling = SamplingConfig(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
-                                      top_p=cfg.top_p, top_k=cfg.top_k)
+                                      top_p=cfg.top_p, top_k=cfg.top_k, min_p=cfg.min_p)
             out = engine.generate(prompt_ids, g, sampling)
         with timer.span("scoring_s"):
             prompts = [p for p in batch["prompt"] for _ in range(g)]

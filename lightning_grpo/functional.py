@@ -307,6 +307,81 @@ def masked_mean(values: Tensor, mask: Tensor) -> Tensor:
     return torch.where(mask, values, torch.zeros_like(values)).sum() / mask.sum().clamp(min=1)
 
 
+def _check_truncation(top_k: int, top_p: float, min_p: float) -> None:
+    if top_k < 0:
+        raise ValueError(f"top_k={top_k} must be >= 0 (0 disables top-k)")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p={top_p} must be in (0, 1]")
+    if not 0 <= min_p <= 1:
+        raise ValueError(f"min_p={min_p} must be in [0, 1]")
+
+
+def sampling_removed(logits: Tensor, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0) -> Optional[Tensor]:
+    """Which tokens the rollout engines' truncation removes, given tempered logits (``logits / temperature``).
+
+    Applied in vLLM's order (``vllm/v1/sample/sampler.py``: temperature, then min-p, then top-k, then top-p, each on
+    what the previous one kept; transformers' warpers define each step the same way, ties at the k-th logit kept):
+
+    * min-p (Nguyen et al. 2024, arXiv:2407.01082): remove ``p_i < min_p * max_j p_j``;
+    * top-k: remove ``z_i <`` the k-th largest logit;
+    * top-p (Holtzman et al. 2020, nucleus sampling): sort the kept probabilities ascending, remove the tokens whose
+      cumulative probability is ``<= 1 - top_p``; the most likely token is always kept.
+
+    Args:
+        logits: ``(..., V)`` float tempered logits (no gradient is taken through the mask).
+        top_k: keep the k most likely tokens; 0 (or >= V) disables it.
+        top_p: nucleus mass in (0, 1]; 1 disables it.
+        min_p: in [0, 1]; 0 disables it.
+
+    Returns:
+        ``(..., V)`` bool, True where the token is removed; None when nothing truncates (every setting disabled).
+    """
+    vocab = logits.shape[-1]
+    if not (0 < top_k < vocab or top_p < 1.0 or min_p > 0.0):
+        return None
+    with torch.no_grad():
+        z = logits.detach().float()
+        removed = torch.zeros_like(z, dtype=torch.bool)
+        if min_p > 0.0:
+            probs = torch.softmax(z, dim=-1)
+            removed |= probs < probs.amax(dim=-1, keepdim=True) * min_p
+        if 0 < top_k < vocab:
+            masked = z.masked_fill(removed, float("-inf"))
+            removed |= masked < masked.topk(top_k, dim=-1).values[..., -1:]
+        if top_p < 1.0:
+            ascending, order = z.masked_fill(removed, float("-inf")).sort(dim=-1)
+            drop = torch.softmax(ascending, dim=-1).cumsum(dim=-1) <= 1.0 - top_p
+            drop[..., -1] = False  # the most likely token always stays
+            removed |= torch.zeros_like(removed).scatter(-1, order, drop)
+    return removed
+
+
+def sampling_logits(
+    logits: Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0
+) -> Tensor:
+    """The logits of the distribution the rollout engines sample from: ``logits / temperature`` in float32 with the
+    tokens that min-p / top-k / top-p remove (:func:`sampling_removed`) set to ``-inf``; ``softmax`` of the result is
+    that distribution, renormalized over the kept tokens. The HF engine samples from exactly this.
+
+    Args:
+        logits: ``(..., V)`` float logits (any float dtype).
+        temperature: > 0.
+        top_k, top_p, min_p: see :func:`sampling_removed`.
+
+    Returns:
+        ``(..., V)`` float32.
+
+    Raises:
+        ValueError: temperature <= 0, top_k < 0, top_p not in (0, 1] or min_p not in [0, 1].
+    """
+    if temperature <= 0:
+        raise ValueError(f"temperature={temperature} must be > 0")
+    _check_truncation(top_k, top_p, min_p)
+    z = logits.float() / temperature
+    removed = sampling_removed(z, top_k, top_p, min_p)
+    return z if removed is None else z.masked_fill(removed, float("-inf"))
+
+
 def token_logprobs(
     logits: Tensor,
     labels: Tensor,
@@ -314,43 +389,65 @@ def token_logprobs(
     chunk_size: int = 1024,
     with_entropy: bool = False,
     entropy_grad: bool = False,
+    *,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    min_p: float = 0.0,
 ) -> tuple[Tensor, Optional[Tensor]]:
-    """Log-probabilities of ``labels`` under ``softmax(logits / temperature)``, chunked over tokens.
+    """Log-probabilities of ``labels`` under the sampling distribution, chunked over tokens.
+
+    The distribution is ``softmax(logits / temperature)`` renormalized over the tokens that min-p / top-k / top-p
+    keep (:func:`sampling_logits`; with the defaults nothing is removed): the distribution the rollout engines
+    sample from (docs/algorithm.md, "Behaviour policy"). The label itself is always kept, so its logprob is finite
+    even when this model's own truncation would remove it (a policy that moved after the rollout, or the reference
+    model); for a token sampled from these logits it changes nothing.
 
     At most ``chunk_size`` rows of the vocabulary are converted to float32 at a time, so the peak extra memory
-    is ``chunk_size * V * 4`` bytes instead of ``N * T * V * 4``.
+    is ``chunk_size * V * 4`` bytes instead of ``N * T * V * 4``. With top-p the vocabulary is also sorted; chunks
+    are then 8 times smaller (peak about ``chunk_size * V * 3.5`` bytes).
 
     Args:
         logits: ``(N, T, V)`` float (any float dtype) next-token logits aligned with ``labels``.
         labels: ``(N, T)`` long token ids.
         temperature: the sampling temperature (> 0); the sampler drew from softmax(logits / T).
         chunk_size: tokens per chunk.
-        with_entropy: also return the per-token entropy (nats) of the tempered distribution.
+        with_entropy: also return the per-token entropy (nats) of that distribution.
         entropy_grad: the entropy keeps its graph (for an entropy bonus in the loss); default: computed without
             grad (for logging only).
+        top_k, top_p, min_p: the sampling truncation (see :func:`sampling_removed`); pass the rollout's values
+            (``GRPOConfig.top_k``, ``top_p``, ``min_p``) for every logprob of the policy, old policy and reference.
 
     Returns:
-        ``(logprobs, entropy)``: ``(N, T)`` float32 logprobs (differentiable), and ``(N, T)`` float32 entropy
-        (differentiable when ``entropy_grad``) or None.
+        ``(logprobs, entropy)``: ``(N, T)`` float32 logprobs (differentiable), and ``(N, T)`` float32 entropy of
+        the (truncated) distribution (differentiable when ``entropy_grad``) or None.
 
     Raises:
-        ValueError: on shape mismatch or temperature <= 0.
+        ValueError: on shape mismatch, temperature <= 0, top_k < 0, top_p not in (0, 1] or min_p not in [0, 1].
     """
     if logits.shape[:-1] != labels.shape:
         raise ValueError(f"logits {tuple(logits.shape)} do not match labels {tuple(labels.shape)}")
     if temperature <= 0:
         raise ValueError(f"temperature={temperature} must be > 0")
+    _check_truncation(top_k, top_p, min_p)
     flat_logits = logits.reshape(-1, logits.shape[-1])  # [N*T, V]
     flat_labels = labels.reshape(-1)  # [N*T]
+    if top_p < 1.0:
+        chunk_size = max(1, chunk_size // 8)
     logprob_chunks, entropy_chunks = [], []
     for start in range(0, flat_labels.numel(), chunk_size):
         z = flat_logits[start : start + chunk_size].float() / temperature  # [C, V]
+        chunk_labels = flat_labels[start : start + chunk_size, None]  # [C, 1]
+        removed = sampling_removed(z, top_k, top_p, min_p)  # [C, V] bool or None
+        if removed is not None:
+            removed.scatter_(1, chunk_labels, False)  # the label stays in the support
+            z = z.masked_fill(removed, float("-inf"))
         lse = torch.logsumexp(z, dim=-1)  # [C]
-        picked = z.gather(1, flat_labels[start : start + chunk_size, None]).squeeze(1)  # [C]
+        picked = z.gather(1, chunk_labels).squeeze(1)  # [C]
         logprob_chunks.append(picked - lse)
         if with_entropy:
             with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-                entropy_chunks.append(lse - (torch.softmax(z, dim=-1) * z).sum(-1))
+                finite = z if removed is None else z.masked_fill(removed, 0.0)  # p = 0 there: no 0 * -inf
+                entropy_chunks.append(lse - (torch.softmax(z, dim=-1) * finite).sum(-1))
     logprobs = torch.cat(logprob_chunks).view(labels.shape) if logprob_chunks else flat_logits.new_zeros(labels.shape)
     entropy = None
     if with_entropy:

@@ -50,12 +50,13 @@ class CompletionLogprobs:
     def __call__(
         self, model: nn.Module, batch: Experience, with_entropy: bool = False, entropy_grad: bool = False
     ) -> tuple[Tensor, Optional[Tensor]]:
-        """Per-token logprobs ``(B, T)`` float32 of ``batch.completion_ids`` under ``model`` at the sampling
-        temperature, and optionally the per-token entropy ``(B, T)`` (with grad when ``entropy_grad``). Positions
+        """Per-token logprobs ``(B, T)`` float32 of ``batch.completion_ids`` under ``model``'s sampling distribution
+        (temperature, min-p / top-k / top-p truncation renormalized), and optionally the per-token entropy ``(B, T)`` (with grad when ``entropy_grad``). Positions
         of rows without loss tokens are 0 on the padding-free paths.
 
         Raises:
-            ValueError: ``entropy_grad`` with a model that computes its own logprobs (no entropy gradient there).
+            ValueError: ``entropy_grad`` or truncation with a model that computes its own logprobs (no entropy
+                gradient and no truncation there).
         """
         if callable(getattr(model, "completion_logprobs", None)):
             if entropy_grad:
@@ -63,6 +64,11 @@ class CompletionLogprobs:
                     f"GRPOConfig.entropy_coef={self.config.entropy_coef} needs the entropy's gradient, which "
                     f"{type(model).__name__}.completion_logprobs does not provide: set entropy_coef=0"
                 )
+            cfg = self.config
+            if cfg.top_k > 0 or cfg.top_p < 1 or cfg.min_p > 0:  # its vocab-parallel logprobs do not truncate
+                raise ValueError(f"GRPOConfig top_k={cfg.top_k}, top_p={cfg.top_p}, min_p={cfg.min_p}: "
+                                 f"{type(model).__name__} scores the untruncated distribution: "
+                                 "set top_k=0, top_p=1.0, min_p=0")
             return model.completion_logprobs(batch, self.config.temperature, with_entropy=with_entropy)
         if self.config.padding_free:
             return self._packed(model, batch, with_entropy, entropy_grad)
@@ -126,9 +132,7 @@ class CompletionLogprobs:
         out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                     logits_to_keep=t + 1, use_cache=False)
         logits = out.logits[:, :-1]  # [B, T, V]: position j predicts completion token j
-        return F.token_logprobs(
-            logits, batch.completion_ids, self.config.temperature, with_entropy=with_entropy, entropy_grad=entropy_grad
-        )
+        return self._token_logprobs(logits, batch.completion_ids, with_entropy, entropy_grad)
 
     def _packed(
         self, model: nn.Module, batch: Experience, with_entropy: bool, entropy_grad: bool
@@ -166,6 +170,15 @@ class CompletionLogprobs:
             passes.append((inputs, row.target_ids, (row.rows, row.cols)))
         return self._run(model, passes, tuple(batch.completion_ids.shape), with_entropy, entropy_grad)
 
+    def _token_logprobs(
+        self, logits: Tensor, targets: Tensor, with_entropy: bool, entropy_grad: bool
+    ) -> tuple[Tensor, Optional[Tensor]]:
+        """Logprobs (and entropy) of the sampling distribution: temperature, then min-p / top-k / top-p truncation
+        renormalized, the behaviour policy both engines sample from (docs/algorithm.md)."""
+        cfg = self.config
+        return F.token_logprobs(logits, targets, cfg.temperature, with_entropy=with_entropy, entropy_grad=entropy_grad,
+                                top_k=cfg.top_k, top_p=cfg.top_p, min_p=cfg.min_p)
+
     def _row_tokens(self, model: nn.Module, sizes: list[int]) -> int:
         """Tokens per forward pass of the padding-free paths: ``packed_row_tokens``, or automatically all rows in
         one pass for varlen flash-attention kernels or a sharded model (an all-gather per forward call), else one
@@ -184,9 +197,7 @@ class CompletionLogprobs:
         entropy = torch.zeros(shape, device=device) if with_entropy else None
         for inputs, target_ids, index in passes:
             out = model(**inputs, use_cache=False)
-            row_logprobs, row_entropy = F.token_logprobs(
-                out.logits, target_ids, self.config.temperature, with_entropy=with_entropy, entropy_grad=entropy_grad
-            )
+            row_logprobs, row_entropy = self._token_logprobs(out.logits, target_ids, with_entropy, entropy_grad)
             logprobs = logprobs.index_put(index, row_logprobs.reshape(-1))
             if entropy is not None and row_entropy is not None:
                 entropy = entropy.index_put(index, row_entropy.reshape(-1))

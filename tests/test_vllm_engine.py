@@ -7,7 +7,14 @@ Equalities between two real paths:
   top-p renormalizes over the nucleus; both libraries keep the tokens whose ascending cumulative probability
   exceeds ``1 - top_p``);
 * after an AdamW step on the HF model and ``sync_weights``, the engine's greedy completions == the HF rollout
-  engine's greedy completions on the new weights (tied embeddings included: a stale lm_head fails this).
+  engine's greedy completions on the new weights (tied embeddings included: a stale lm_head fails this);
+* with temperature != 1, top-k, top-p and min-p, the sampler logprobs == the trainer's
+  ``functional.token_logprobs`` with the same settings (the truncated, renormalized distribution on both sides),
+  so the truncated-importance-sampling ratio through ``GRPOModule.completion_logprobs`` (padded, packed and
+  shared-prefix paths) is 1 within 1e-3 with top_p=0.9, where the untruncated trainer logprobs give the kept mass,
+  ~0.9, on every token;
+* an engine on a checkpoint whose ``generation_config.json`` sets a repetition penalty and its own temperature /
+  top-k / top-p / min-p samples the same completions and logprobs as the clean one (same weights, same seed).
 
 vLLM engines live in this process (several at once work); one per model, shared by the module and closed at
 its end. Each engine is paired with the HF model that holds the same weights, so test order does not matter.
@@ -20,8 +27,13 @@ import pytest
 pytest.importorskip("vllm")
 
 import torch  # noqa: E402
+from _checkpoint_generation import SAMPLING_FIELDS, copy_with_generation_config  # noqa: E402
 from transformers import AutoModelForCausalLM, TopPLogitsWarper  # noqa: E402
 
+from lightning_grpo import GRPOConfig, GRPOModule  # noqa: E402
+from lightning_grpo import functional as F  # noqa: E402
+from lightning_grpo.algorithm.importance import rollout_importance_weights  # noqa: E402
+from lightning_grpo.experience import Experience  # noqa: E402
 from lightning_grpo.rollout.base import SamplingConfig  # noqa: E402
 from lightning_grpo.rollout.hf import HFRolloutEngine  # noqa: E402
 from lightning_grpo.rollout.vllm import VLLMRolloutEngine  # noqa: E402
@@ -62,7 +74,8 @@ def smollm2(smollm2_path):
 
 def _chat_prompts(tokenizer, questions: list[str]) -> list[list[int]]:
     return [
-        list(tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, return_dict=False))
+        list(tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                           return_dict=False))
         for q in questions
     ]
 
@@ -209,3 +222,119 @@ def test_bad_inputs_name_the_field(untied, tmp_path):
         untied.engine.generate([[5, 6]], 1, SamplingConfig(max_new_tokens=2, temperature=0.0))
     with pytest.raises(ValueError, match="top_p"):
         untied.engine.generate([[5, 6]], 1, SamplingConfig(max_new_tokens=2, top_p=1.5))
+
+
+@torch.no_grad()
+def trainer_logprobs(model, out, temperature: float, **truncation) -> torch.Tensor:
+    """``(N, T)`` :func:`functional.token_logprobs` of ``out.completion_ids`` on a teacher-forced HF forward of
+    each row (no padding), 0 where masked."""
+    result = torch.zeros(out.completion_ids.shape, dtype=torch.float32)
+    for row in range(out.completion_ids.shape[0]):
+        prompt = out.prompt_ids[row][out.prompt_mask[row].bool()]
+        length = int(out.completion_mask[row].sum())
+        completion = out.completion_ids[row, :length]
+        logits = model(torch.cat([prompt, completion])[None]).logits[:, len(prompt) - 1 : -1]
+        result[row, :length] = F.token_logprobs(logits, completion[None], temperature, **truncation)[0][0]
+    return result
+
+
+TRUNCATIONS = [
+    dict(temperature=0.6),
+    dict(temperature=1.0, top_p=0.9),
+    dict(temperature=0.7, top_p=0.8),
+    dict(temperature=1.0, top_k=20),
+    dict(temperature=1.3, min_p=0.5),
+    dict(temperature=0.8, top_k=50, top_p=0.95, min_p=0.3),
+]
+
+
+@pytest.mark.parametrize("which", ["untied", "smollm2"])
+@pytest.mark.parametrize("settings", TRUNCATIONS, ids=lambda d: "-".join(f"{k}{v}" for k, v in d.items()))
+def test_sampler_logprobs_equal_trainer_token_logprobs(request, which, settings):
+    pair = request.getfixturevalue(which)
+    prompt = _chat_prompts(pair.tokenizer, ["What is 7 times 6?"])[0]
+    sampling = SamplingConfig(max_new_tokens=6, **settings)
+    out = pair.engine.generate([prompt, prompt[:5]], num_generations=2, sampling=sampling)
+    truncation = {k: v for k, v in settings.items() if k != "temperature"}
+    expected = trainer_logprobs(pair.model, out, sampling.temperature, **truncation)
+    mask = out.completion_mask.bool()
+    torch.testing.assert_close(out.sampler_logprobs, expected, atol=ATOL, rtol=0)
+    if truncation:  # the untruncated logprobs (today's trainer) are lower on every token that had a removed rival
+        plain = trainer_logprobs(pair.model, out, sampling.temperature)
+        assert (out.sampler_logprobs - plain)[mask].max() > 1e-2
+        assert (out.sampler_logprobs - plain)[mask].min() >= -ATOL
+
+
+def _experience(out) -> Experience:
+    return Experience(prompt_ids=out.prompt_ids, prompt_mask=out.prompt_mask, completion_ids=out.completion_ids,
+                      completion_mask=out.completion_mask, advantages=torch.zeros(out.completion_ids.shape[0]))
+
+
+@pytest.mark.parametrize("layout", [dict(padding_free=False), dict(shared_prefix=False), dict(shared_prefix=True)],
+                         ids=["padded", "packed", "shared_prefix"])
+def test_importance_ratio_is_one_under_top_p(untied, layout):
+    # The issue's case: rollout_engine="vllm", temperature=1.0, top_p=0.9, no optimizer step between rollout and
+    # scoring. The weight pi_old / pi_sampler must be 1 (same weights), not the kept mass 0.9.
+    vocab = untied.model.config.vocab_size
+    prompts = _token_prompts(seed=4, count=2, length=12, vocab=vocab)
+    sampling = SamplingConfig(max_new_tokens=8, temperature=1.0, top_p=0.9)
+    out = untied.engine.generate(prompts, num_generations=3, sampling=sampling)
+    mask = out.completion_mask
+    ratios = {}
+    for top_p in (0.9, 1.0):  # 1.0: the trainer scores the untruncated distribution (the bug)
+        config = GRPOConfig(num_generations=3, temperature=1.0, top_p=top_p, importance_sampling_cap=2.0, **layout)
+        module = GRPOModule(untied.model, tokenizer=untied.tokenizer, config=config)
+        with torch.no_grad():
+            old, _ = module.completion_logprobs(untied.model, _experience(out))
+        weights = rollout_importance_weights(old, out.sampler_logprobs, mask, cap=2.0)
+        ratios[top_p] = weights[mask.bool()]
+    torch.testing.assert_close(ratios[0.9], torch.ones_like(ratios[0.9]), atol=1e-3, rtol=0)
+    assert ((ratios[1.0] > 0.89) & (ratios[1.0] < 0.93)).all()  # the kept mass of a flat distribution, ~0.9
+
+
+@pytest.fixture(scope="module")
+def polluted(tiny_llama_path, tmp_path_factory):
+    """An engine on a copy of the tiny Llama whose generation_config.json sets a repetition penalty and its own
+    sampling defaults (temperature 0.3, top-k 5, top-p 0.5, min-p 0.2, max_new_tokens 3)."""
+    path = copy_with_generation_config(tiny_llama_path, tmp_path_factory.mktemp("polluted") / "model",
+                                       repetition_penalty=1.3, **SAMPLING_FIELDS)
+    engine = VLLMRolloutEngine(path, kv_cache_space_gib=1, max_model_len=512, dtype="float32", seed=0)
+    yield engine
+    engine.close()
+
+
+def test_checkpoint_generation_config_never_changes_vllm_rollouts(untied, polluted):
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    # vLLM reads the polluted file, but the engine's defaults stay vLLM's neutral ones (generation_config="vllm")
+    read = polluted.llm.llm_engine.model_config.try_get_generation_config()
+    assert read["repetition_penalty"] == 1.3 and read["top_k"] == 5
+    defaults = polluted.llm.get_default_sampling_params()
+    assert (defaults.repetition_penalty, defaults.temperature, defaults.top_p, defaults.min_p) == (1.0, 1.0, 1.0, 0.0)
+    assert defaults.top_k in (0, -1) and defaults.max_tokens in (None, 16)
+
+    polluted.sync_weights(untied.model)  # the same weights as the clean engine, whichever test ran before
+    chat = _chat_prompts(untied.tokenizer, ["What is 7 times 6?"])[0]
+    greedy = SamplingConfig(max_new_tokens=12, greedy=True)
+    first = untied.engine.generate([chat], 1, greedy).completion_ids[0, 0].item()
+    prompt = [first] + chat  # the first greedy token is already in the prompt: a repetition penalty bites
+    clean = untied.engine.generate([prompt], 1, greedy)
+    result = untied.engine.llm.generate([TokensPrompt(prompt_token_ids=prompt)],
+                                        SamplingParams(temperature=0.0, max_tokens=12, repetition_penalty=1.3),
+                                        use_tqdm=False)
+    penalized = list(result[0].outputs[0].token_ids)
+    assert penalized != clean.completion_ids[0].tolist(), "a repetition penalty of 1.3 changes this greedy output"
+    out = polluted.generate([prompt], 1, greedy)
+    assert torch.equal(out.completion_ids, clean.completion_ids)
+
+    sampling = SamplingConfig(max_new_tokens=8, temperature=0.9)
+    runs = []
+    for engine in (untied.engine, polluted):
+        torch.manual_seed(11)
+        runs.append(engine.generate([prompt, chat], 3, sampling))
+    assert torch.equal(runs[0].completion_ids, runs[1].completion_ids)
+    assert runs[1].completion_ids.shape[1] == 8  # not the checkpoint's max_new_tokens=3
+    torch.testing.assert_close(runs[1].sampler_logprobs, runs[0].sampler_logprobs, atol=ATOL, rtol=0)
+    torch.testing.assert_close(runs[1].sampler_logprobs, trainer_logprobs(untied.model, runs[1], 0.9), atol=ATOL,
+                               rtol=0)

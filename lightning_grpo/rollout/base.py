@@ -15,22 +15,46 @@ from torch import Tensor
 
 @dataclass(frozen=True)
 class SamplingConfig:
-    """How completions are sampled. The trainer's logprobs use the same ``temperature``.
+    """How completions are sampled: the *only* settings that shape the sampled distribution. A checkpoint's
+    ``generation_config.json`` (repetition penalty, no-repeat n-grams, bad words, its own temperature / top-k /
+    top-p / min-p, ...) never changes a rollout; repetition, frequency and presence penalties are not supported.
+
+    Unless ``greedy``, every engine samples from :func:`lightning_grpo.functional.sampling_logits` of the policy's
+    logits: ``logits / temperature``, then min-p, top-k and top-p (vLLM's order), renormalized over the kept
+    tokens. The trainer's logprobs (:func:`lightning_grpo.functional.token_logprobs` with the same four values)
+    score exactly that distribution.
 
     Attributes:
         max_new_tokens: most tokens generated per completion (>= 1).
         temperature: softmax temperature (> 0); ignored when ``greedy``.
         top_p: nucleus mass in (0, 1]; 1.0 disables it.
-        top_k: keep the k most likely tokens; 0 disables it (the default, so that the sampled
-            distribution is exactly softmax(logits / temperature) when top_p == 1).
-        greedy: argmax decoding (evaluation).
+        top_k: keep the k most likely tokens (>= 0); 0 disables it.
+        min_p: keep the tokens whose probability is at least ``min_p`` times the largest one, in [0, 1]; 0
+            disables it.
+        greedy: argmax decoding (evaluation); sampler logprobs are then those of ``log_softmax(logits)``.
+
+    Raises:
+        ValueError: a field out of range (named in the message).
     """
 
     max_new_tokens: int
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
     greedy: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"sampling.max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if not self.greedy and not self.temperature > 0.0:
+            raise ValueError(f"sampling.temperature must be > 0 when greedy is False, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"sampling.top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"sampling.top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"sampling.min_p must be in [0, 1] (0 disables it), got {self.min_p}")
 
 
 @dataclass
@@ -45,9 +69,9 @@ class RolloutOutput:
         completion_mask: ``(N, T)`` long, 1 up to and including the first EOS (any id in ``eos_token_ids``).
         truncated: ``(N,)`` bool, True when no EOS was generated within ``max_new_tokens``.
         completions: ``N`` decoded completion texts (special tokens skipped).
-        sampler_logprobs: ``(N, T)`` float32 logprobs of the generated tokens under the sampler's
-            distribution (after temperature), 0 at masked positions; ``None`` when the engine does not
-            report them (HF engine).
+        sampler_logprobs: ``(N, T)`` float32 logprobs of the generated tokens under the distribution the
+            engine sampled them from (after temperature and truncation, see :class:`SamplingConfig`), 0 at
+            masked positions; ``None`` when the engine does not report them (HF engine by default).
     """
 
     prompt_ids: Tensor

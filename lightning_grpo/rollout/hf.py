@@ -1,12 +1,32 @@
-"""Rollouts with transformers' ``generate`` on the policy itself (sampling, left padding, KV cache)."""
+"""Rollouts with transformers' ``generate`` on the policy itself (sampling, left padding, KV cache).
+
+What is sampled is :func:`lightning_grpo.functional.sampling_logits` of the policy's logits and nothing else:
+
+* ``generate`` fills every field a ``GenerationConfig`` leaves unset (None) from ``model.generation_config``, the
+  checkpoint's ``generation_config.json``, and turns many of them into logits processors (repetition penalty,
+  no-repeat n-grams, bad words, suppressed tokens, min length, its own temperature / top-k / top-p / min-p /
+  typical-p, ...). The engine therefore swaps ``model.generation_config`` for :func:`neutral_generation_config`
+  (the checkpoint's special-token ids only) for the duration of the call, and passes a config whose every
+  logits-processing field is neutral: only transformers' neutral global defaults remain.
+* Temperature, min-p, top-k and top-p are applied by one logits processor of ours, :class:`SamplingProcessor`
+  (the same function as the trainer's logprobs), not by transformers' warpers, whose order (top-p before min-p)
+  differs from vLLM's.
+"""
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Optional, Sequence
 
 import torch
-from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (
+    GenerationConfig,
+    LogitsProcessor,
+    LogitsProcessorList,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
 
+from lightning_grpo.functional import sampling_logits
 from lightning_grpo.rollout.base import RolloutOutput, SamplingConfig, completion_mask_from_eos, eos_token_ids_from
 
 
@@ -16,7 +36,9 @@ def eos_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) ->
     return eos_token_ids_from(getattr(model, "generation_config", None), tokenizer)
 
 
-def left_pad(sequences: Sequence[Sequence[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def left_pad(
+    sequences: Sequence[Sequence[int]], pad_id: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Left-pad token-id lists into ``(B, L)`` long ids and a ``(B, L)`` long attention mask."""
     length = max(len(s) for s in sequences)
     ids = torch.full((len(sequences), length), pad_id, dtype=torch.long)
@@ -28,18 +50,79 @@ def left_pad(sequences: Sequence[Sequence[int]], pad_id: int, device: torch.devi
     return ids.to(device), mask.to(device)
 
 
+def neutral_generation_config(model_config: Optional[GenerationConfig], **fields: Any) -> GenerationConfig:
+    """A ``GenerationConfig`` that keeps only the special-token ids of ``model_config`` (bos/eos/pad/decoder start),
+    with every other field unset, updated with ``fields``. Unset fields then take transformers' global defaults,
+    none of which processes logits except ``top_k=50``, which callers set explicitly."""
+    keep = ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id")
+    kept = {name: getattr(model_config, name, None) for name in keep}
+    return GenerationConfig(**{**{name: value for name, value in kept.items() if value is not None}, **fields})
+
+
+class SamplingProcessor(LogitsProcessor):
+    """Replaces the scores by :func:`lightning_grpo.functional.sampling_logits` (temperature, min-p, top-k, top-p;
+    greedy: the raw logits). It is the last processor of the list, so with ``record=True`` the log-softmax of its
+    output is the log-probability of the distribution ``generate`` samples (or takes the argmax) from: the
+    logprob of each token is read at the next call, when the token has been appended to ``input_ids``.
+
+    Args:
+        sampling: the settings.
+        record: keep the sampled tokens' logprobs (one ``(N, V)`` row of the last step is held).
+    """
+
+    def __init__(self, sampling: SamplingConfig, record: bool = False) -> None:
+        self.sampling = sampling
+        self.record = record
+        self.logprobs: list[torch.Tensor] = []  # [N] float32 per generated token (all but the last)
+        self.last: Optional[torch.Tensor] = None  # [N, V] log-softmax of the latest step
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        s = self.sampling
+        if s.greedy:
+            out = scores.float()
+        else:
+            out = sampling_logits(scores, s.temperature, s.top_k, s.top_p, s.min_p)
+        if self.record:
+            if self.last is not None:
+                self.logprobs.append(self.last.gather(1, input_ids[:, -1:]).squeeze(1))
+            self.last = torch.log_softmax(out, dim=-1)
+        return out
+
+    def token_logprobs(self, completion_ids: torch.Tensor) -> torch.Tensor:
+        """``(N, T)`` float32 logprobs of ``completion_ids`` (the generated ids, ``T`` >= 1 steps recorded)."""
+        t = completion_ids.shape[1]
+        if t == 0:
+            return completion_ids.new_zeros(completion_ids.shape, dtype=torch.float32)
+        steps = self.logprobs[:t]
+        if len(steps) < t:
+            assert self.last is not None and len(steps) == t - 1
+            steps = steps + [self.last.gather(1, completion_ids[:, -1:]).squeeze(1)]
+        return torch.stack(steps, dim=1)
+
+
 class HFRolloutEngine:
     """Generates with the policy module itself, so it always uses the current weights (``sync_weights`` is a
     no-op). The model is put in eval mode for the rollout and restored afterwards; no gradients are kept.
 
-    Sampling draws from ``softmax(logits / temperature)`` with top-p/top-k as configured and no other logits
-    processing (repetition penalties etc. of the model's own generation_config are not applied), so the trainer's
-    logprobs describe exactly the sampled distribution when top_p == 1 and top_k == 0.
+    Sampling draws from :func:`lightning_grpo.functional.sampling_logits` (``softmax(logits / temperature)``
+    renormalized over what min-p / top-k / top-p keep) and nothing else: the checkpoint's generation config is
+    neutralized (see the module docstring), so the trainer's logprobs with the same settings describe exactly the
+    sampled distribution.
+
+    Args:
+        model: the causal LM being trained.
+        tokenizer: its tokenizer (pad id; decoding).
+        report_logprobs: also return ``sampler_logprobs``, the logprobs of the generated tokens under the
+            distribution ``generate`` actually sampled from (read after every logits processor). Off by default:
+            on the trained weights they equal the trainer's own logprobs up to kernel differences.
     """
 
-    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> None:
+    def __init__(
+        self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, report_logprobs: bool = False
+    ) -> None:
         self.model = model
         self.tokenizer = tokenizer
+        self.report_logprobs = report_logprobs
         self.eos_token_ids = eos_token_ids(model, tokenizer)
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_token_ids[0]
         self.pad_token_id = int(pad)
@@ -56,36 +139,68 @@ class HFRolloutEngine:
     def close(self) -> None:
         """Nothing to release."""
 
-    @torch.no_grad()
-    def generate(
-        self, prompt_ids: Sequence[Sequence[int]], num_generations: int, sampling: SamplingConfig
-    ) -> RolloutOutput:
-        """See :class:`lightning_grpo.rollout.base.RolloutEngine`."""
-        device = next(self.model.parameters()).device
-        ids, mask = left_pad(prompt_ids, self.pad_token_id, device)
-        config = GenerationConfig(
+    def generation_config(self, sampling: SamplingConfig, num_generations: int) -> GenerationConfig:
+        """The ``GenerationConfig`` passed to ``generate``: every logits-processing field neutral (temperature,
+        top-k, top-p and min-p are applied by :class:`SamplingProcessor`), the engine's EOS and pad ids."""
+        # transformers applies the sampling warpers only when do_sample; greedy leaves them unset (no warning)
+        warpers = dict(temperature=1.0, top_k=0, top_p=1.0, typical_p=1.0, epsilon_cutoff=0.0, eta_cutoff=0.0)
+        return neutral_generation_config(
+            getattr(self.model, "generation_config", None),
             max_new_tokens=sampling.max_new_tokens,
+            min_new_tokens=0,
             do_sample=not sampling.greedy,
-            temperature=None if sampling.greedy else sampling.temperature,
-            top_p=None if sampling.greedy else sampling.top_p,
-            top_k=None if sampling.greedy else sampling.top_k,
+            **({} if sampling.greedy else warpers),
+            repetition_penalty=1.0,
+            encoder_repetition_penalty=1.0,
+            no_repeat_ngram_size=0,
+            encoder_no_repeat_ngram_size=0,
+            renormalize_logits=False,
+            remove_invalid_values=False,
+            guidance_scale=1.0,
+            num_beams=1,
             num_return_sequences=1 if sampling.greedy else num_generations,
             eos_token_id=self.eos_token_ids,
             pad_token_id=self.pad_token_id,
             use_cache=True,
         )
+
+    @torch.no_grad()
+    def generate(
+        self, prompt_ids: Sequence[Sequence[int]], num_generations: int, sampling: SamplingConfig
+    ) -> RolloutOutput:
+        """See :class:`lightning_grpo.rollout.base.RolloutEngine`. ``sampler_logprobs`` are reported when the
+        engine was built with ``report_logprobs``."""
+        if num_generations < 1:
+            raise ValueError(f"num_generations must be >= 1, got {num_generations}")
+        device = next(self.model.parameters()).device
+        ids, mask = left_pad(prompt_ids, self.pad_token_id, device)
+        config = self.generation_config(sampling, num_generations)
+        processor = SamplingProcessor(sampling, record=self.report_logprobs)
         was_training = self.model.training
+        checkpoint_config = getattr(self.model, "generation_config", None)
         self.model.eval()
+        # generate() fills every unset field from model.generation_config: hand it one with nothing to fill from
+        self.model.generation_config = neutral_generation_config(checkpoint_config)
         try:
-            out = self.model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
+            out = self.model.generate(
+                input_ids=ids, attention_mask=mask, generation_config=config,
+                logits_processor=LogitsProcessorList([processor]),
+            )
         finally:
+            self.model.generation_config = checkpoint_config
             self.model.train(was_training)
-        if sampling.greedy:  # every greedy completion of a prompt is the same: decode once, repeat
-            out = out.repeat_interleave(num_generations, dim=0)
-        completion_ids = out[:, ids.shape[1] :]  # [N, T]
-        if completion_ids.shape[1] == 0:
+        completion_ids = out[:, ids.shape[1] :]  # [N or B, T]
+        sampler_logprobs = processor.token_logprobs(completion_ids) if self.report_logprobs else None
+        if completion_ids.shape[1] == 0:  # nothing generated: one pad column, masked below
             completion_ids = torch.full((out.shape[0], 1), self.pad_token_id, dtype=torch.long, device=device)
+            sampler_logprobs = None if sampler_logprobs is None else completion_ids.new_zeros(completion_ids.shape)
+        if sampling.greedy:  # every greedy completion of a prompt is the same: decode once, repeat
+            completion_ids = completion_ids.repeat_interleave(num_generations, dim=0)
+            if sampler_logprobs is not None:
+                sampler_logprobs = sampler_logprobs.repeat_interleave(num_generations, dim=0)
         completion_mask, truncated = completion_mask_from_eos(completion_ids, self.eos_token_ids)
+        if sampler_logprobs is not None:  # finished rows continue with pad ids, whose logprob may be -inf
+            sampler_logprobs = torch.where(completion_mask.bool(), sampler_logprobs.float(), 0.0)
         texts = self.tokenizer.batch_decode(
             (completion_ids * completion_mask + self.pad_token_id * (1 - completion_mask)).tolist(),
             skip_special_tokens=True,
@@ -97,4 +212,5 @@ class HFRolloutEngine:
             completion_mask=completion_mask,
             truncated=truncated,
             completions=texts,
+            sampler_logprobs=sampler_logprobs,
         )

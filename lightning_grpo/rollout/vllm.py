@@ -10,15 +10,19 @@ How it relates to the trainer:
   :meth:`VLLMRolloutEngine.sync_weights` hands tensors to vLLM's loader by reference, without a copy
   through a socket.
 * ``sampler_logprobs`` are vLLM's *processed* logprobs (``logprobs_mode="processed_logprobs"``): the
-  log-softmax of the logits after temperature, top-k and top-p, i.e. ``log_softmax(logits / T)`` when
-  ``top_p == 1`` and ``top_k == 0`` -- the same quantity as the trainer's ``logprobs`` of the old policy
-  (the ratio of GRPO, Shao et al. 2024, "DeepSeekMath", eq. 3). With top-p / top-k they are
-  renormalized over the kept tokens (the distribution actually sampled from; vLLM's top-p keeps the
-  smallest set of most likely tokens whose mass reaches ``top_p``, as transformers' ``TopPLogitsWarper``).
-  For greedy decoding they are ``log_softmax(logits)`` (temperature 1).
-* The checkpoint's ``generation_config.json`` sampling defaults (repetition penalty, temperature, ...) are
-  ignored (``generation_config="vllm"``): only :class:`~lightning_grpo.rollout.base.SamplingConfig`
-  shapes the distribution. Its EOS ids are used to stop.
+  log-softmax of the logits after temperature, min-p, top-k and top-p (``vllm/v1/sample/sampler.py``), i.e. of
+  the truncated distribution renormalized over the kept tokens, the one actually sampled from. That is
+  :func:`lightning_grpo.functional.sampling_logits`, so they equal the trainer's
+  :func:`~lightning_grpo.functional.token_logprobs` with the same ``temperature``, ``top_k``, ``top_p`` and
+  ``min_p`` on the same weights (the old policy of GRPO's ratio, Shao et al. 2024, "DeepSeekMath", eq. 3; see
+  docs/algorithm.md, "Behaviour policy"). ``raw_logprobs`` would be ``log_softmax(logits)`` before temperature
+  (wrong for T != 1) and no mode returns the untruncated tempered logprobs. For greedy decoding they are
+  ``log_softmax(logits)`` (temperature 1). On CUDA, vLLM's Triton top-k/top-p kernel defines the same sets; ties
+  at the boundary may fall differently.
+* Only :class:`~lightning_grpo.rollout.base.SamplingConfig` shapes the distribution: every request passes explicit
+  ``SamplingParams`` (vLLM's neutral defaults for all else: no repetition / presence / frequency penalty, no
+  min-tokens, no bad words), and the engine is built with ``generation_config="vllm"`` so that the checkpoint's
+  ``generation_config.json`` sampling defaults are not even the engine's defaults. Its EOS ids are used to stop.
 
 Reproducibility: the engine is seeded once, at construction (``seed``): vLLM then re-seeds Python's,
 NumPy's and torch's *global* generators of this process. A per-request ``SamplingParams.seed`` is not
@@ -43,12 +47,11 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 import torch
-from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase
+from transformers import AutoTokenizer, GenerationConfig
 
 from lightning_grpo.rollout.base import RolloutOutput, SamplingConfig, completion_mask_from_eos, eos_token_ids_from
 from lightning_grpo.rollout.hf import left_pad
 from lightning_grpo.rollout.weights import hf_weights
-
 
 #: torch's own ``set_num_threads``: vLLM's CPU worker replaces it with a no-op for the life of the process
 #: (its OpenMP threads are bound); :meth:`VLLMRolloutEngine.close` puts it back.
@@ -158,7 +161,9 @@ class VLLMRolloutEngine:
             generation_config = GenerationConfig.from_pretrained(str(path))
         self.eos_token_ids = eos_token_ids_from(generation_config, self.tokenizer)
         if not self.eos_token_ids:
-            raise ValueError(f"model_path={str(model_path)!r}: neither the tokenizer nor generation_config defines an EOS token")
+            raise ValueError(
+                f"model_path={str(model_path)!r}: neither the tokenizer nor generation_config defines an EOS token"
+            )
         pad = self.tokenizer.pad_token_id
         self.pad_token_id = int(pad if pad is not None else self.eos_token_ids[0])
         model_config = self.llm.llm_engine.model_config
@@ -169,8 +174,6 @@ class VLLMRolloutEngine:
     def _sampling_params(self, sampling: SamplingConfig, num_generations: int) -> Any:
         from vllm import SamplingParams
 
-        if sampling.max_new_tokens < 1:
-            raise ValueError(f"sampling.max_new_tokens must be >= 1, got {sampling.max_new_tokens}")
         common = dict(
             max_tokens=sampling.max_new_tokens,
             logprobs=0,  # the sampled token's logprob only
@@ -180,17 +183,13 @@ class VLLMRolloutEngine:
         if sampling.greedy:
             # vLLM requires n == 1 for greedy; the G identical completions are copies.
             return SamplingParams(n=1, temperature=0.0, **common)
-        if not sampling.temperature > 0.0:
-            raise ValueError(f"sampling.temperature must be > 0 when greedy is False, got {sampling.temperature}")
-        if not 0.0 < sampling.top_p <= 1.0:
-            raise ValueError(f"sampling.top_p must be in (0, 1], got {sampling.top_p}")
-        if sampling.top_k < 0:
-            raise ValueError(f"sampling.top_k must be >= 0 (0 disables it), got {sampling.top_k}")
+        # SamplingConfig has checked the ranges; vLLM applies temperature, min_p, top_k, top_p in this order
         return SamplingParams(
             n=num_generations,
             temperature=sampling.temperature,
             top_p=sampling.top_p,
             top_k=sampling.top_k,  # 0 disables top-k in vLLM too
+            min_p=sampling.min_p,
             **common,
         )
 
@@ -202,7 +201,7 @@ class VLLMRolloutEngine:
         Args:
             prompt_ids: ``B`` prompts as token-id lists (no padding), each non-empty.
             num_generations: G >= 1 completions per prompt.
-            sampling: temperature / top-p / top-k / max_new_tokens / greedy.
+            sampling: temperature / top-p / top-k / min-p / max_new_tokens / greedy.
 
         Returns:
             A :class:`RolloutOutput` with ``N = B * G`` rows in prompt-major order; ``completion_ids``
@@ -211,8 +210,8 @@ class VLLMRolloutEngine:
             module docstring), 0 where ``completion_mask`` is 0. Tensors are on CPU.
 
         Raises:
-            ValueError: for an empty batch or prompt, ``num_generations < 1``, a prompt that leaves no room
-                for ``max_new_tokens`` within ``max_model_len``, or an out-of-range sampling field.
+            ValueError: for an empty batch or prompt, ``num_generations < 1``, or a prompt that leaves no room
+                for ``max_new_tokens`` within ``max_model_len`` (:class:`SamplingConfig` checks its own fields).
         """
         from vllm.inputs import TokensPrompt
 

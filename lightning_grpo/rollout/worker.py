@@ -18,6 +18,7 @@ from transformers import PreTrainedTokenizerBase
 from lightning_grpo.config import GRPOConfig
 from lightning_grpo.rollout.base import RolloutEngine, RolloutOutput, SamplingConfig
 from lightning_grpo.rollout.hf import HFRolloutEngine
+from lightning_grpo.rollout.prompts import encode_prompts
 from lightning_grpo.rollout.vllm import VLLMRolloutEngine
 
 
@@ -74,26 +75,13 @@ class RolloutWorker:
                 self.engine_version = -1
 
     def tokenize(self, prompts: Sequence[Any]) -> tuple[list[list[int]], int]:
-        """Chat-template (message lists) or tokenize (strings) prompts; left-truncate to ``max_prompt_length``.
+        """Encode prompts (:func:`lightning_grpo.rollout.prompts.encode_prompts`: chat template for message lists,
+        exactly one BOS where the tokenizer uses one, left truncation to ``max_prompt_length``).
 
         Returns:
             ``(ids, num_truncated)``.
         """
-        ids: list[list[int]] = []
-        truncated = 0
-        for prompt in prompts:
-            if isinstance(prompt, str):
-                tokens = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
-            else:
-                tokens = self.tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=True)
-                if isinstance(tokens, dict) or hasattr(tokens, "keys"):
-                    tokens = tokens["input_ids"]
-            tokens = list(tokens)
-            if len(tokens) > self.config.max_prompt_length:
-                tokens = tokens[-self.config.max_prompt_length :]
-                truncated += 1
-            ids.append(tokens)
-        return ids, truncated
+        return encode_prompts(self.tokenizer, prompts, self.config.max_prompt_length)
 
     def generate(self, prompts: Sequence[Any], num_generations: int, sampling: SamplingConfig) -> RolloutOutput:
         """Rollout with the engine's current weights: prompts (message lists or strings) -> ``RolloutOutput``."""
