@@ -16,6 +16,7 @@ AdvantageEstimator = Literal["grpo", "rloo"]
 ImportanceSamplingLevel = Literal["token", "sequence"]
 ImportanceSamplingMode = Literal["truncate", "mask"]
 RolloutEngineName = Literal["hf", "vllm"]
+OnNonFinite = Literal["error", "skip"]
 
 
 def _fail(name: str, value: object, requirement: str) -> None:
@@ -169,6 +170,12 @@ class GRPOConfig:
     vllm_sync_every: int = 1
     vllm_enable_sleep_mode: bool = False
 
+    on_nonfinite: OnNonFinite = "error"
+    """What a NaN or infinite loss or gradient norm, found before an optimizer step, does: "error" stops the run
+    with an error naming the step and the quantity (the step is not taken); "skip" drops the step's gradients, so
+    the weights and the optimizer state stay unchanged, logs ``nonfinite_steps`` (steps skipped so far) and goes on.
+    Either way a policy with non-finite weights is never sampled from or saved (an error)."""
+
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
@@ -228,6 +235,7 @@ class GRPOConfig:
         _check_choice(self, "loss_type", ("grpo", "bnpo", "token_mean", "dapo", "dr_grpo"))
         _check_choice(self, "scale_rewards", ("group", "batch", "none"))
         _check_choice(self, "rollout_engine", ("hf", "vllm"))
+        _check_choice(self, "on_nonfinite", ("error", "skip"))
         if self.mini_batch_size is not None and self.mini_batch_size < 1:
             _fail("mini_batch_size", self.mini_batch_size, "must be >= 1 or None")
         if self.max_tokens_per_microbatch is not None and self.max_tokens_per_microbatch < 1:

@@ -69,11 +69,14 @@ class ExperienceFetcher(_DataFetcher):
         self.resume_prompt_batches = resume_prompt_batches
         self._pending: Iterator[Experience] = iter(())
         self._index = 0
+        self._drawn_before_rollout: Optional[int] = None
         self.current: Optional[Experience] = None
 
     @property
     def prompt_batches_drawn(self) -> int:
-        return self._index
+        """Prompt batches of this epoch's finished rollouts (a rollout in progress, e.g. when a signal handler saves a
+        checkpoint in its middle, does not count: the resumed run regenerates it)."""
+        return self._index if self._drawn_before_rollout is None else self._drawn_before_rollout
 
     def reset(self) -> None:
         super().reset()
@@ -102,7 +105,14 @@ class ExperienceFetcher(_DataFetcher):
                 except StopIteration:
                     self.done = True
                     raise
-                experience = self.source.make_experience(prompt_batch, next_prompt_batch=self._next_prompt_batch)
+                self._drawn_before_rollout = self._index - 1
+                try:
+                    experience = self.source.make_experience(prompt_batch, next_prompt_batch=self._next_prompt_batch)
+                except BaseException:  # e.g. a rollout stopped by SIGTERM: a checkpoint saved now regenerates it
+                    self._index = self._drawn_before_rollout
+                    raise
+                finally:
+                    self._drawn_before_rollout = None
                 self._pending = self.source.micro_batches(experience)
                 micro = next(self._pending)
         finally:

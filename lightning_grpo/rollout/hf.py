@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
-from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase, StoppingCriteria
 
-from lightning_grpo.rollout.base import RolloutOutput, SamplingConfig, completion_mask_from_eos, eos_token_ids_from
+from lightning_grpo.rollout.base import (
+    RolloutInterrupted,
+    RolloutOutput,
+    SamplingConfig,
+    StopFlag,
+    completion_mask_from_eos,
+    eos_token_ids_from,
+)
 
 
 def eos_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> list[int]:
@@ -37,9 +44,11 @@ class HFRolloutEngine:
     logprobs describe exactly the sampled distribution when top_p == 1 and top_k == 0.
     """
 
-    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> None:
+    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
+                 stop: Optional[StopFlag] = None) -> None:
         self.model = model
         self.tokenizer = tokenizer
+        self.stop = stop if stop is not None else StopFlag()  # polled at every generated token
         self.eos_token_ids = eos_token_ids(model, tokenizer)
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_token_ids[0]
         self.pad_token_id = int(pad)
@@ -60,7 +69,12 @@ class HFRolloutEngine:
     def generate(
         self, prompt_ids: Sequence[Sequence[int]], num_generations: int, sampling: SamplingConfig
     ) -> RolloutOutput:
-        """See :class:`lightning_grpo.rollout.base.RolloutEngine`."""
+        """See :class:`lightning_grpo.rollout.base.RolloutEngine`.
+
+        Raises:
+            RolloutInterrupted: :attr:`stop` was set before or during generation (polled at every token).
+        """
+        self.stop.check()
         device = next(self.model.parameters()).device
         ids, mask = left_pad(prompt_ids, self.pad_token_id, device)
         config = GenerationConfig(
@@ -76,10 +90,14 @@ class HFRolloutEngine:
         )
         was_training = self.model.training
         self.model.eval()
+        stop = _StopCriterion(self.stop)
         try:
-            out = self.model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
+            out = self.model.generate(input_ids=ids, attention_mask=mask, generation_config=config,
+                                      stopping_criteria=[stop])
         finally:
             self.model.train(was_training)
+        if stop.fired:
+            raise RolloutInterrupted("the HF rollout was stopped by a stop request (e.g. SIGTERM) before it finished")
         if sampling.greedy:  # every greedy completion of a prompt is the same: decode once, repeat
             out = out.repeat_interleave(num_generations, dim=0)
         completion_ids = out[:, ids.shape[1] :]  # [N, T]
@@ -98,3 +116,17 @@ class HFRolloutEngine:
             truncated=truncated,
             completions=texts,
         )
+
+
+class _StopCriterion(StoppingCriteria):
+    """Ends ``generate`` for every row once ``flag`` is set (checked at every token). It stops rather than raises,
+    so that with ``synced_gpus`` (FSDP1) this rank keeps taking part in the other ranks' forward passes until they
+    stop too; :meth:`HFRolloutEngine.generate` then raises."""
+
+    def __init__(self, flag: StopFlag) -> None:
+        self.flag = flag
+        self.fired = False
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs: object) -> torch.Tensor:
+        self.fired = self.fired or self.flag.is_set()
+        return torch.full((input_ids.shape[0],), self.fired, dtype=torch.bool, device=input_ids.device)
