@@ -20,6 +20,7 @@ RolloutImportanceSamplingLevel = Literal["token", "sequence"]
 PolicyLossMode = Literal["vanilla", "clip_cov", "kl_cov"]
 ImportanceSamplingMode = Literal["truncate", "mask"]
 RolloutEngineName = Literal["hf", "vllm"]
+OnNonFinite = Literal["error", "skip"]
 
 
 def _fail(name: str, value: object, requirement: str) -> None:
@@ -207,6 +208,12 @@ class GRPOConfig:
     vllm_enable_sleep_mode: bool = False
     """Release vLLM's GPU memory while training (GPU only)."""
 
+    on_nonfinite: OnNonFinite = "error"
+    """What a NaN or infinite loss or gradient norm, found before an optimizer step, does: "error" stops the run
+    with an error naming the step and the quantity (the step is not taken); "skip" drops the step's gradients, so
+    the weights and the optimizer state stay unchanged, logs ``nonfinite_steps`` (steps skipped so far) and goes on.
+    Either way a policy with non-finite weights is never sampled from or saved (an error)."""
+
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
@@ -271,6 +278,7 @@ class GRPOConfig:
         self._check_policy_loss()
         _check_choice(self, "scale_rewards", ("group", "batch", "none"))
         _check_choice(self, "rollout_engine", ("hf", "vllm"))
+        _check_choice(self, "on_nonfinite", ("error", "skip"))
         if self.mini_batch_size is not None and self.mini_batch_size < 1:
             _fail("mini_batch_size", self.mini_batch_size, "must be >= 1 or None")
         if self.max_tokens_per_microbatch is not None and self.max_tokens_per_microbatch < 1:

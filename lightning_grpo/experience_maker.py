@@ -23,7 +23,7 @@ from lightning_grpo.experience import Experience
 from lightning_grpo.logprobs import CompletionLogprobs
 from lightning_grpo.metrics import StepTimer, rollout_metrics
 from lightning_grpo.rewards import RewardSet
-from lightning_grpo.rollout.base import SamplingConfig
+from lightning_grpo.rollout.base import RolloutInterrupted, SamplingConfig
 from lightning_grpo.rollout.worker import RolloutWorker
 
 log = logging.getLogger(__name__)
@@ -98,15 +98,23 @@ class ExperienceMaker:
             KeyError: a prompt batch has no "prompt" column.
             ValueError, RuntimeError: a reward function misbehaves or raises (see
                 :func:`lightning_grpo.rewards.scoring.score_completions`).
+            RolloutInterrupted: the rollout worker's stop flag was set (e.g. SIGTERM) on any process: during
+                generation (the engine stops within a token), scoring (after the reward function in progress) or
+                the logprob passes; the partial rollout is discarded, on every process together.
+            NonFiniteError: the policy has NaN or infinite weights (checked before sampling).
         """
         if "prompt" not in batch:
             raise KeyError(f"prompt batches need a 'prompt' column, got columns {sorted(batch)}")
         cfg = self.config
         sampler = DynamicSampler(len(batch["prompt"]), self.rewards.primary_index, cfg.dynamic_sampling)
         totals = {"prompts/truncated": 0.0, "generated_tokens": 0.0}
-        with self.rollout.awake(policy, timer=timer):
+
+        def any_process(flag: bool) -> bool:
+            return collectives.any_process(flag, device)
+
+        with self.rollout.awake(policy, timer=timer, any_process=any_process):
             while True:
-                sampler.add(self._generate_and_score(batch, totals, timer))
+                sampler.add(self._generate_and_score(batch, totals, timer, any_process))
                 if not cfg.dynamic_sampling or sampler.gen_batches >= cfg.max_num_gen_batches:
                     break
                 if not collectives.any_process(sampler.need_more, device):
@@ -151,12 +159,17 @@ class ExperienceMaker:
             lambda tensor: collectives.reduce_sum(tensor.to(device)),
         )
         experience.metrics["tokens_per_s"] = totals["generated_tokens"] / max(totals.get("rollout_s", 0.0), 1e-9)
+        if any_process(self.rollout.stop.is_set()):  # stopped during the logprob passes: still discarded
+            raise RolloutInterrupted("the rollout was stopped by a stop request (e.g. SIGTERM) before it finished")
         timer.add("generated_tokens", totals["generated_tokens"])
         timer.rollout_end()
         return experience
 
-    def _generate_and_score(self, batch: PromptBatch, totals: dict[str, float], timer: StepTimer) -> ScoredRollout:
-        """Generate G completions for each prompt of ``batch`` and score them (one generation round)."""
+    def _generate_and_score(self, batch: PromptBatch, totals: dict[str, float], timer: StepTimer,
+                            any_process: Callable[[bool], bool]) -> ScoredRollout:
+        """Generate G completions for each prompt of ``batch`` and score them (one generation round). A stopped
+        round raises :class:`RolloutInterrupted` on every process together (``any_process``, so that no process
+        is left waiting in a collective)."""
         if "prompt" not in batch:
             raise KeyError(f"prompt batches need a 'prompt' column, got columns {sorted(batch)}")
         cfg = self.config
@@ -166,11 +179,18 @@ class ExperienceMaker:
             prompt_ids, num_truncated = self.rollout.tokenize(batch["prompt"])
             sampling = SamplingConfig(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
                                       top_p=cfg.top_p, top_k=cfg.top_k, min_p=cfg.min_p, seed=self._request_seed())
-            out = engine.generate(prompt_ids, g, sampling)
-        with timer.span("scoring_s"):
-            prompts = [p for p in batch["prompt"] for _ in range(g)]
-            columns = {k: [v for v in values for _ in range(g)] for k, values in batch.items() if k != "prompt"}
-            scores = self.rewards.score(prompts, out.completions, columns)
+            try:
+                out = engine.generate(prompt_ids, g, sampling)
+            except RolloutInterrupted:
+                out = None
+        if out is not None and not self.rollout.stop.is_set():
+            with timer.span("scoring_s"):
+                prompts = [p for p in batch["prompt"] for _ in range(g)]
+                columns = {k: [v for v in values for _ in range(g)] for k, values in batch.items() if k != "prompt"}
+                scores = self.rewards.score(prompts, out.completions, columns)
+        if any_process(out is None or self.rollout.stop.is_set()):
+            raise RolloutInterrupted("the rollout was stopped by a stop request (e.g. SIGTERM) before it finished")
+        assert out is not None
         unscored = torch.isnan(scores.rewards).nonzero().flatten().tolist()
         if unscored:
             log.warning("every reward function returned None for completions %s: they get no loss", unscored)

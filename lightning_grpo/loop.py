@@ -115,11 +115,14 @@ class ExperienceFetcher(_DataFetcher):
         self._experience: Optional[Experience] = None
         self._step = 0
         self._index = 0
+        self._drawn_before_rollout: Optional[int] = None
         self.current: Optional[Experience] = None
 
     @property
     def prompt_batches_drawn(self) -> int:
-        return self._index
+        """Prompt batches of this epoch's finished rollouts (a rollout in progress, e.g. when a signal handler saves a
+        checkpoint in its middle, does not count: the resumed run regenerates it)."""
+        return self._index if self._drawn_before_rollout is None else self._drawn_before_rollout
 
     def partial_rollout(self) -> Optional[dict]:
         """The current rollout as plain data when some of its micro-batches are still to be trained on, else None."""
@@ -162,16 +165,24 @@ class ExperienceFetcher(_DataFetcher):
         return micro, self.fetched - 1, 0
 
     def _new_rollout(self) -> None:
+        drawn_before = self._index
         try:
             prompt_batch = self._draw()
         except StopIteration:
             self.done = True
             raise
-        self.rollout_rng = rng_states()
+        self.rollout_rng, self._drawn_before_rollout = rng_states(), drawn_before
         self._step = self.source.global_step
-        self._experience = self.source.make_experience(prompt_batch, next_prompt_batch=self._next_prompt_batch)
-        self.rollout_rng = None
-        self._rollout, self._position = list(self.source.micro_batches(self._experience, self._step)), 0
+        self._experience, self._rollout, self._position = None, [], 0
+        try:
+            experience = self.source.make_experience(prompt_batch, next_prompt_batch=self._next_prompt_batch)
+        except BaseException:  # e.g. a rollout stopped by SIGTERM: a checkpoint saved now regenerates it
+            self._index = drawn_before
+            raise
+        finally:
+            self.rollout_rng, self._drawn_before_rollout = None, None
+        self._experience = experience
+        self._rollout = list(self.source.micro_batches(experience, self._step))
 
     def _draw(self) -> Any:
         assert self.iterator is not None

@@ -12,6 +12,8 @@ Metric names follow TRL's where they mean the same thing (README "Metrics").
 from __future__ import annotations
 
 import contextlib
+import logging
+import math
 import time
 from typing import Callable, Iterator, Optional
 
@@ -19,6 +21,8 @@ import torch
 from torch import Tensor
 
 from lightning_grpo.algorithm import ObjectiveOutput, ScoredRollout
+
+log = logging.getLogger(__name__)
 
 #: ``reduce(tensor) -> tensor``: a sum (or max) over the data-parallel processes; the identity on one process.
 Reduce = Callable[[Tensor], Tensor]
@@ -91,15 +95,20 @@ class StepMetrics:
 
     def compute(self, reduce_sum: Reduce, reduce_max: Reduce) -> dict[str, float]:
         """The step's metrics over every process, then :meth:`reset`: ``loss`` (summed: each micro-batch's loss
-        is already its share of the step loss), the token-weighted means, the extrema and ``num_tokens``."""
+        is already its share of the step loss), the token-weighted means, the extrema and ``num_tokens`` (the loss
+        tokens). A step without loss tokens (e.g. no completion was scored) trains nothing: its means are NaN,
+        ``num_tokens`` is 0 and a warning is logged."""
         sums, maxima = self._sums, self._maxima
         self.reset()
         keys = sorted(sums)
         reduced = reduce_sum(torch.stack([sums[k] for k in keys]))
         totals = dict(zip(keys, reduced.tolist(), strict=True))
-        tokens = max(totals.pop("tokens"), 1.0)
+        tokens = totals.pop("tokens")
+        if tokens == 0:
+            log.warning("this optimizer step has no loss tokens on any process (no completion was scored, or every "
+                        "one was masked): it trains on nothing; its token means are NaN")
         metrics = {"loss": totals.pop("loss")}
-        metrics.update({k: v / tokens for k, v in totals.items()})
+        metrics.update({k: v / tokens if tokens > 0 else math.nan for k, v in totals.items()})
         if maxima:
             max_keys = sorted(maxima)
             stacked = reduce_max(torch.stack([maxima[k] for k in max_keys]))
@@ -132,10 +141,12 @@ def rollout_metrics(
         reduce_sum: the sum over processes.
 
     Returns:
-        ``reward``, ``reward_std`` (mean of the per-group stds, as TRL), ``frac_reward_zero_std``,
+        ``reward``, ``reward_std`` (mean of the per-group stds, as TRL, over the groups with a scored completion),
+        ``frac_reward_zero_std``,
         ``frac_reward_unscored``, ``completions/{mean,min,max}_length``, ``completions/clipped_ratio``,
         ``rewards/<name>/mean``, ``prompts/truncated``, ``dynamic_sampling/*`` and the ``extra`` keys.
-        ``completions/{min,max}_length`` are this process's.
+        ``completions/{min,max}_length`` are this process's. A mean over nothing (e.g. ``reward`` when no
+        completion of the rollout was scored on any process) is NaN, and that case logs a warning.
     """
     g = rollout.num_generations
     lengths = rollout.completion_mask.sum(dim=1).float().cpu()  # [N]
@@ -145,15 +156,16 @@ def rollout_metrics(
     count = valid.sum(dim=1)  # [P]
     mean = grouped.sum(dim=1, keepdim=True) / count.clamp(min=1).unsqueeze(1)  # [P, 1]
     group_std = (torch.where(valid, grouped - mean, 0.0).square().sum(dim=1) / (count - 1).clamp(min=1)).sqrt()
+    scored_group = count > 0  # [P] groups with at least one scored completion
     sums: dict[str, Tensor] = {
         "reward": grouped.sum(),
-        "reward_std": group_std.sum(),
-        "frac_reward_zero_std": (group_std == 0).float().sum(),
+        "reward_std": group_std[scored_group].sum(),
+        "frac_reward_zero_std": (group_std[scored_group] == 0).float().sum(),
         "frac_reward_unscored": (~valid).float().sum(),
         "completions/mean_length": lengths.sum(),
         "completions/clipped_ratio": rollout.truncated.float().cpu().sum(),
     }
-    counts = {"reward": valid.sum(), "reward_std": len(group_std), "frac_reward_zero_std": len(group_std),
+    counts = {"reward": valid.sum(), "reward_std": scored_group.sum(), "frac_reward_zero_std": scored_group.sum(),
               "frac_reward_unscored": lengths.numel(), "completions/mean_length": lengths.numel(),
               "completions/clipped_ratio": lengths.numel()}
     for name, column in zip(reward_names, rollout.per_function.T, strict=True):
@@ -177,7 +189,10 @@ def rollout_metrics(
     metrics = {}
     for i, key in enumerate(keys):
         total, number = float(reduced[i]), float(reduced[len(keys) + i])
-        metrics[key] = total if key in summed else total / max(number, 1.0)
+        metrics[key] = total if key in summed else (total / number if number > 0 else math.nan)
+    if math.isnan(metrics["reward"]):
+        log.warning("no completion of this rollout was scored on any process (every reward function returned None "
+                    "for all of them): it trains nothing; its reward metrics are NaN")
     metrics["completions/max_length"] = float(lengths.max())
     metrics["completions/min_length"] = float(lengths.min())
     return metrics

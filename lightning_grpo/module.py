@@ -21,13 +21,16 @@ from torchmetrics import MeanMetric
 from transformers import PreTrainedTokenizerBase
 
 from lightning_grpo.algorithm import ObjectiveOutput, grpo_objective
+from lightning_grpo.checkpointing import use_atomic_checkpoint_io
 from lightning_grpo.config import GRPOConfig, check_optimizer_arguments
 from lightning_grpo.experience import Experience, micro_batches
 from lightning_grpo.experience_maker import ExperienceMaker
+from lightning_grpo.fault_tolerance import Preemption
 from lightning_grpo.logprobs import CompletionLogprobs
 from lightning_grpo.loop import install_loop
 from lightning_grpo.metrics import StepMetrics, StepTimer
 from lightning_grpo.models import FrozenReference, load_policy
+from lightning_grpo.nonfinite import NonFiniteGuard, check_finite_checkpoint
 from lightning_grpo.rewards import RewardSet, RewardSpec
 from lightning_grpo.rollout.base import RolloutEngine, RolloutOutput, SamplingConfig
 from lightning_grpo.rollout.worker import RolloutWorker
@@ -102,6 +105,8 @@ class GRPOModule(L.LightningModule):
         self.experience_maker = ExperienceMaker(self.config, self.rollout, self.rewards, self.logprobs)
         self.step_metrics = StepMetrics(self.config.clip_ratio_c, self.config.importance_sampling_cap)
         self.timer = StepTimer()
+        self.nonfinite = NonFiniteGuard(self.config.on_nonfinite)
+        self.preemption = Preemption(self.rollout.stop)
         self.val_accuracy = MeanMetric()
 
     # ------------------------------------------------------------------ models and engine
@@ -123,6 +128,8 @@ class GRPOModule(L.LightningModule):
         if stage == "fit":
             install_loop(self.trainer)
         self.rollout.start(self.policy, self.model_path)
+        self.preemption.attach(self.trainer)
+        use_atomic_checkpoint_io(self.trainer.strategy)
 
     def configure_model(self) -> None:
         """Hook of Lightning's model-parallel strategies: the backend shards or converts the policy, the reference
@@ -176,12 +183,14 @@ class GRPOModule(L.LightningModule):
         self, batch: dict[str, list], next_prompt_batch: Optional[Callable[[], Optional[dict[str, list]]]] = None
     ) -> Experience:
         """One rollout batch -> experience (:meth:`lightning_grpo.experience_maker.ExperienceMaker.make`, which
-        documents the steps and errors). Called by the loop; runs on this process's prompts only."""
-        return self.experience_maker.make(
-            batch, self.policy, self.ref_model, self.backend, self.timer, self.device,
-            micro_batch_size=self._logprob_micro_batch_size(batch), next_prompt_batch=next_prompt_batch,
-            forward_context=self.trainer.precision_plugin.forward_context,
-        )
+        documents the steps and errors). Called by the loop; runs on this process's prompts only. On SIGTERM the
+        rollout stops and Lightning's ``SIGTERMException`` is raised (:mod:`lightning_grpo.fault_tolerance`)."""
+        with self.preemption.exit_on_stop():
+            return self.experience_maker.make(
+                batch, self.policy, self.ref_model, self.backend, self.timer, self.device,
+                micro_batch_size=self._logprob_micro_batch_size(batch), next_prompt_batch=next_prompt_batch,
+                forward_context=self.trainer.precision_plugin.forward_context,
+            )
 
     def _logprob_micro_batch_size(self, batch: dict[str, list]) -> int:
         n = len(batch.get("prompt", ())) * self.config.num_generations
@@ -237,6 +246,7 @@ class GRPOModule(L.LightningModule):
         self.step_metrics.update(output)
         if batch.step_end:
             metrics = self.step_metrics.compute(self.backend.reduce_sum, self.backend.reduce_max) | batch.metrics
+            self.nonfinite.observe_loss(metrics.get("loss"))
             shown = {k: metrics.pop(k) for k in ("loss", "reward") if k in metrics}
             self.log_dict(shown, prog_bar=True, on_step=True, on_epoch=False, batch_size=1)
             self.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)
@@ -268,9 +278,14 @@ class GRPOModule(L.LightningModule):
         )
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Log ``grad_norm``; a non-finite loss or gradient norm stops the run or skips the step
+        (``GRPOConfig.on_nonfinite``, :class:`lightning_grpo.nonfinite.NonFiniteGuard`)."""
         norm = self.backend.grad_norm(self.policy)  # of the full gradient, also when sharded (a collective there)
         if norm is not None:
             self.log("grad_norm", norm, on_step=True, on_epoch=False, batch_size=1)
+        scaler = getattr(self.trainer.precision_plugin, "scaler", None)  # float16 AMP skips inf gradients itself
+        counts = self.nonfinite.before_optimizer_step(self.global_step, norm, optimizer, check_grad_norm=scaler is None)
+        self.log_dict(counts, on_step=True, on_epoch=False, batch_size=1)
 
     def configure_gradient_clipping(
         self,
@@ -288,8 +303,16 @@ class GRPOModule(L.LightningModule):
         self.timer.after_optimizer_step()
         self.rollout.mark_stale()
 
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Refuse to save non-finite weights or optimizer states (``NonFiniteError``, from
+        :func:`lightning_grpo.nonfinite.check_finite_checkpoint`); store the skipped-step count."""
+        check_finite_checkpoint(checkpoint, lambda flag: self.backend.any_process(flag, self.device))
+        checkpoint["lightning_grpo_nonfinite"] = self.nonfinite.state_dict()
+
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """Checkpoints from before the loop kept its own state stored the prompt-batch counter at the top level."""
+        """The skipped-step count; checkpoints from before the loop kept its own state stored the prompt-batch counter
+        at the top level."""
+        self.nonfinite.load_state_dict(checkpoint.get("lightning_grpo_nonfinite"))
         old = checkpoint.get("lightning_grpo_prompt_batches_drawn")
         if old is not None and self._trainer is not None:
             self.trainer.fit_loop.resume_prompt_batches = int(old)
@@ -310,6 +333,8 @@ class GRPOModule(L.LightningModule):
         ``generated_tokens``, ``train_tokens``."""
         if isinstance(batch, Experience) and batch.step_end:
             self.log_dict(self.timer.step_end(), on_step=True, on_epoch=False, batch_size=1)
+        if isinstance(batch, Experience):
+            self.preemption.on_micro_batch_end(batch.step_end)  # SIGTERM inside a step waits for its end
 
     def configure_optimizers(self) -> Any:
         params = [p for p in self.policy.parameters() if p.requires_grad]
@@ -327,7 +352,9 @@ class GRPOModule(L.LightningModule):
         """Greedy accuracy (``val/accuracy``, a torchmetrics MeanMetric over all processes)."""
         cfg = self.config
         sampling = SamplingConfig(max_new_tokens=cfg.eval_max_new_tokens or cfg.max_new_tokens, greedy=True)
-        with self.rollout.awake(self.policy, force_sync=True):
+        with self.preemption.exit_on_stop(), self.rollout.awake(
+            self.policy, force_sync=True, any_process=lambda flag: self.backend.any_process(flag, self.device)
+        ):
             out = self.generate(batch["prompt"], 1, sampling)
         columns = {k: v for k, v in batch.items() if k != "prompt"}
         scores = self.rewards.accuracy(batch["prompt"], out.completions, **columns)

@@ -35,7 +35,8 @@ def main(max_steps: int = 5, prompts_per_step: int = 4, num_generations: int = 8
         check_val_every_n_epoch=None,
         num_sanity_val_steps=0,
         logger=CSVLogger(root),
-        callbacks=[ModelCheckpoint(save_last=True, every_n_train_steps=max_steps), LearningRateMonitor("step")],
+        callbacks=[ModelCheckpoint(save_last="link", every_n_train_steps=max_steps, save_on_exception=True),
+                   LearningRateMonitor("step")],
         default_root_dir=root,
     )
     trainer.fit(module, datamodule=data)

@@ -7,7 +7,7 @@ implements :class:`RolloutEngine`. The trainer never depends on an engine's inte
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional, Protocol, Sequence, runtime_checkable
+from typing import Any, Callable, Optional, Protocol, Sequence, runtime_checkable
 
 import torch
 from torch import Tensor
@@ -85,6 +85,42 @@ class RolloutOutput:
     truncated: Tensor
     completions: list[str]
     sampler_logprobs: Optional[Tensor] = None
+
+
+class RolloutInterrupted(RuntimeError):
+    """A rollout was stopped by its :class:`StopFlag` (e.g. on SIGTERM) before it finished; nothing of it is
+    returned, and the caller discards it."""
+
+
+class StopFlag:
+    """A request to stop the rollout in progress, polled by the engines while they generate (the HF engine at
+    every generated token, vLLM between engine steps); a stopped ``generate`` raises :class:`RolloutInterrupted`.
+
+    The flag is set by :meth:`set` or whenever the ``watch``-ed predicate (e.g. ``lambda: trainer.received_sigterm``)
+    returns True. Polling it neither consumes nor reseeds any random number generator.
+    """
+
+    def __init__(self) -> None:
+        self._set = False
+        self._predicate: Optional[Callable[[], bool]] = None
+
+    def set(self) -> None:
+        self._set = True
+
+    def clear(self) -> None:
+        self._set = False
+
+    def watch(self, predicate: Optional[Callable[[], bool]]) -> None:
+        """Also count as set while ``predicate()`` is True (None: stop watching)."""
+        self._predicate = predicate
+
+    def is_set(self) -> bool:
+        return self._set or (self._predicate is not None and bool(self._predicate()))
+
+    def check(self, what: str = "the rollout") -> None:
+        """Raise :class:`RolloutInterrupted` if the flag is set."""
+        if self.is_set():
+            raise RolloutInterrupted(f"{what} was stopped by a stop request (e.g. SIGTERM) before it finished")
 
 
 @runtime_checkable

@@ -24,10 +24,18 @@ from transformers import (
     LogitsProcessorList,
     PreTrainedModel,
     PreTrainedTokenizerBase,
+    StoppingCriteria,
 )
 
 from lightning_grpo.functional import sampling_logits
-from lightning_grpo.rollout.base import RolloutOutput, SamplingConfig, completion_mask_from_eos, eos_token_ids_from
+from lightning_grpo.rollout.base import (
+    RolloutInterrupted,
+    RolloutOutput,
+    SamplingConfig,
+    StopFlag,
+    completion_mask_from_eos,
+    eos_token_ids_from,
+)
 
 
 def eos_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> list[int]:
@@ -118,11 +126,13 @@ class HFRolloutEngine:
     """
 
     def __init__(
-        self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, report_logprobs: bool = False
+        self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, report_logprobs: bool = False,
+        stop: Optional[StopFlag] = None,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.report_logprobs = report_logprobs
+        self.stop = stop if stop is not None else StopFlag()  # polled at every generated token
         self.eos_token_ids = eos_token_ids(model, tokenizer)
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_token_ids[0]
         self.pad_token_id = int(pad)
@@ -169,7 +179,12 @@ class HFRolloutEngine:
         self, prompt_ids: Sequence[Sequence[int]], num_generations: int, sampling: SamplingConfig
     ) -> RolloutOutput:
         """See :class:`lightning_grpo.rollout.base.RolloutEngine`. ``sampler_logprobs`` are reported when the
-        engine was built with ``report_logprobs``."""
+        engine was built with ``report_logprobs``.
+
+        Raises:
+            RolloutInterrupted: :attr:`stop` was set before or during generation (polled at every token).
+        """
+        self.stop.check()
         if num_generations < 1:
             raise ValueError(f"num_generations must be >= 1, got {num_generations}")
         device = next(self.model.parameters()).device
@@ -181,14 +196,17 @@ class HFRolloutEngine:
         self.model.eval()
         # generate() fills every unset field from model.generation_config: hand it one with nothing to fill from
         self.model.generation_config = neutral_generation_config(checkpoint_config)
+        stop = _StopCriterion(self.stop)
         try:
             out = self.model.generate(
                 input_ids=ids, attention_mask=mask, generation_config=config,
-                logits_processor=LogitsProcessorList([processor]),
+                logits_processor=LogitsProcessorList([processor]), stopping_criteria=[stop],
             )
         finally:
             self.model.generation_config = checkpoint_config
             self.model.train(was_training)
+        if stop.fired:
+            raise RolloutInterrupted("the HF rollout was stopped by a stop request (e.g. SIGTERM) before it finished")
         completion_ids = out[:, ids.shape[1] :]  # [N or B, T]
         sampler_logprobs = processor.token_logprobs(completion_ids) if self.report_logprobs else None
         if completion_ids.shape[1] == 0:  # nothing generated: one pad column, masked below
@@ -214,3 +232,17 @@ class HFRolloutEngine:
             completions=texts,
             sampler_logprobs=sampler_logprobs,
         )
+
+
+class _StopCriterion(StoppingCriteria):
+    """Ends ``generate`` for every row once ``flag`` is set (checked at every token). It stops rather than raises,
+    so that with ``synced_gpus`` (FSDP1) this rank keeps taking part in the other ranks' forward passes until they
+    stop too; :meth:`HFRolloutEngine.generate` then raises."""
+
+    def __init__(self, flag: StopFlag) -> None:
+        self.flag = flag
+        self.fired = False
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs: object) -> torch.Tensor:
+        self.fired = self.fired or self.flag.is_set()
+        return torch.full((input_ids.shape[0],), self.fired, dtype=torch.bool, device=input_ids.device)

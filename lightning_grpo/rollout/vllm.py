@@ -51,7 +51,14 @@ from typing import Any, Optional, Sequence
 import torch
 from transformers import AutoTokenizer, GenerationConfig
 
-from lightning_grpo.rollout.base import RolloutOutput, SamplingConfig, completion_mask_from_eos, eos_token_ids_from
+from lightning_grpo.rollout.base import (
+    RolloutInterrupted,
+    RolloutOutput,
+    SamplingConfig,
+    StopFlag,
+    completion_mask_from_eos,
+    eos_token_ids_from,
+)
 from lightning_grpo.rollout.hf import left_pad
 from lightning_grpo.rollout.weights import hf_weights
 
@@ -104,6 +111,8 @@ class VLLMRolloutEngine:
             ``"auto"`` on GPU.
         enforce_eager: skip torch.compile / CUDA graphs. ``None``: True on CPU (fast start), False on GPU.
         enable_prefix_caching: reuse the KV cache of shared prompt prefixes (cleared on every sync).
+        stop: polled before every engine step (one token for every running request); once set, ``generate``
+            aborts its requests and raises :class:`~lightning_grpo.rollout.base.RolloutInterrupted`.
 
     Raises:
         ValueError: if ``model_path`` has no ``config.json`` or an option is out of range.
@@ -122,6 +131,7 @@ class VLLMRolloutEngine:
         dtype: Optional[str] = None,
         enforce_eager: Optional[bool] = None,
         enable_prefix_caching: bool = True,
+        stop: Optional[StopFlag] = None,
     ) -> None:
         path = Path(model_path)
         if not (path / "config.json").is_file():
@@ -156,6 +166,8 @@ class VLLMRolloutEngine:
         self.sleep_enabled = enable_sleep_mode and not self.on_cpu
         self.sleeping = False
         self.llm = vllm.LLM(**kwargs)
+        self.stop = stop if stop is not None else StopFlag()
+        _abort_between_steps(self.llm.llm_engine, self.stop)
 
         self.tokenizer = AutoTokenizer.from_pretrained(str(path))
         generation_config = None
@@ -322,3 +334,18 @@ class VLLMRolloutEngine:
             gc.collect()
             if self.on_cpu:
                 torch.set_num_threads = _TORCH_SET_NUM_THREADS
+
+
+def _abort_between_steps(engine: Any, stop: StopFlag) -> None:
+    """Make ``engine.step`` (vLLM's ``LLMEngine``: one scheduler step, a token for every running request) abort
+    every unfinished request and raise :class:`RolloutInterrupted` once ``stop`` is set, so ``LLM.generate``
+    returns within one engine step of the request (``LLM.generate`` calls ``llm_engine.step`` in a loop)."""
+    step = engine.step
+
+    def step_or_abort() -> Any:
+        if stop.is_set():
+            engine.abort_request(list(engine.output_processor.request_states), internal=True)
+            raise RolloutInterrupted("the vLLM rollout was stopped by a stop request (e.g. SIGTERM) before it finished")
+        return step()
+
+    engine.step = step_or_abort

@@ -3,6 +3,10 @@
 The trainer's weights change at every optimizer step (:meth:`RolloutWorker.mark_stale`); the engine gets them at
 the next :meth:`RolloutWorker.awake` when ``vllm_sync_every`` steps have passed (always when forced, e.g. before
 validation). The HF engine generates with the policy itself, so its sync is a no-op.
+
+The worker's :class:`~lightning_grpo.rollout.base.StopFlag` (``stop``) is polled by its engine while it generates
+(preemption: ``GRPOModule`` sets it to watch ``trainer.received_sigterm``), and the policy's weights are checked for
+NaN/inf before every rollout (:func:`lightning_grpo.nonfinite.check_finite_parameters`).
 """
 
 from __future__ import annotations
@@ -16,19 +20,20 @@ from torch import nn
 from transformers import PreTrainedTokenizerBase
 
 from lightning_grpo.config import GRPOConfig
-from lightning_grpo.rollout.base import RolloutEngine, RolloutOutput, SamplingConfig
+from lightning_grpo.nonfinite import AnyProcess, check_finite_parameters
+from lightning_grpo.rollout.base import RolloutEngine, RolloutOutput, SamplingConfig, StopFlag
 from lightning_grpo.rollout.hf import HFRolloutEngine
 from lightning_grpo.rollout.prompts import encode_prompts
 from lightning_grpo.rollout.vllm import VLLMRolloutEngine
 
 
 def make_engine(config: GRPOConfig, policy: nn.Module, tokenizer: PreTrainedTokenizerBase,
-                model_path: Optional[str]) -> RolloutEngine:
+                model_path: Optional[str], stop: Optional[StopFlag] = None) -> RolloutEngine:
     """The rollout engine ``config.rollout_engine`` names: ``"hf"`` (generates with ``policy``) or ``"vllm"`` (a
     colocated engine loaded from ``model_path``; an ``nn.Module`` given without a folder is saved to a temporary
-    one first: its weights follow by ``sync_weights``)."""
+    one first: its weights follow by ``sync_weights``). ``stop``: the flag the engine polls while it generates."""
     if config.rollout_engine != "vllm":
-        return HFRolloutEngine(policy, tokenizer)
+        return HFRolloutEngine(policy, tokenizer, stop=stop)
     path = model_path
     if path is None or not os.path.isdir(path):
         path = tempfile.mkdtemp(prefix="lightning_grpo_vllm_")
@@ -43,6 +48,7 @@ def make_engine(config: GRPOConfig, policy: nn.Module, tokenizer: PreTrainedToke
         max_model_len=config.max_prompt_length + max(config.max_new_tokens, config.eval_max_new_tokens or 0),
         enable_sleep_mode=config.vllm_enable_sleep_mode,
         dtype=str(dtype).removeprefix("torch."),
+        stop=stop,
     )
 
 
@@ -57,6 +63,8 @@ class RolloutWorker:
         engine: the rollout engine, None before :meth:`start` (a backend may replace it with a wrapper).
         weights_version: optimizer steps taken so far.
         engine_version: the ``weights_version`` the engine generates with (-1: not yet synced).
+        stop: the stop request the engine polls while generating (a stopped rollout raises
+            :class:`~lightning_grpo.rollout.base.RolloutInterrupted`).
     """
 
     def __init__(self, config: GRPOConfig, tokenizer: PreTrainedTokenizerBase) -> None:
@@ -65,12 +73,13 @@ class RolloutWorker:
         self.engine: Optional[RolloutEngine] = None
         self.weights_version = 0
         self.engine_version = 0
+        self.stop = StopFlag()
 
     def start(self, policy: nn.Module, model_path: Optional[str]) -> None:
         """Make the engine once (idempotent). A vLLM engine gets the policy's weights before its first rollout
         (they may differ from ``model_path``'s, e.g. after a resume)."""
         if self.engine is None:
-            self.engine = make_engine(self.config, policy, self.tokenizer, model_path)
+            self.engine = make_engine(self.config, policy, self.tokenizer, model_path, stop=self.stop)
             if self.config.rollout_engine == "vllm":
                 self.engine_version = -1
 
@@ -103,11 +112,18 @@ class RolloutWorker:
             self.engine_version = self.weights_version
 
     @contextlib.contextmanager
-    def awake(self, policy: nn.Module, force_sync: bool = False, timer: Any = None) -> Iterator[RolloutEngine]:
+    def awake(self, policy: nn.Module, force_sync: bool = False, timer: Any = None,
+              any_process: Optional[AnyProcess] = None) -> Iterator[RolloutEngine]:
         """Wake the engine and sync its weights when due (:meth:`sync`); put it to sleep on exit, so its
         accelerator memory is free while training (vLLM sleep mode, GPU only). With a ``timer``
-        (:class:`lightning_grpo.metrics.StepTimer`) the wake-up and sync count as ``sync_s``."""
+        (:class:`lightning_grpo.metrics.StepTimer`) the wake-up and sync count as ``sync_s``.
+
+        Raises:
+            NonFiniteError: ``policy`` has a NaN or infinite weight (on any process, with ``any_process``, the
+                data-parallel agreement): nothing is sampled from it.
+        """
         engine = self.require_engine()
+        check_finite_parameters(policy, "sampling a rollout", any_process)
         with timer.span("sync_s") if timer is not None else contextlib.nullcontext():
             engine.wake_up()
             self.sync(policy, force_sync)
