@@ -27,83 +27,34 @@ from __future__ import annotations
 import logging
 import os
 import re
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Optional
 
 import datasets
 import lightning as L
 import torch
 from torch.utils.data import DataLoader
 
-from lightning_grpo.epoch_sampler import EpochShuffleSampler
 from lightning_grpo.data_files import load_local_files, load_local_folder
+from lightning_grpo.data_presets import (  # noqa: F401  (re-exported: the presets are part of this module's API)
+    DEFAULT_SYSTEM_PROMPT,
+    GSM8K_INSTRUCTION,
+    MATH_INSTRUCTION,
+    PRESETS,
+    QUESTION_PLACEHOLDER,
+    AnswerFormat,
+    Preset,
+)
+from lightning_grpo.epoch_sampler import EpochShuffleSampler
 from lightning_grpo.rewards.gsm8k import gold_answer
 
 log = logging.getLogger(__name__)
 
 #: Environment variable naming the folder that holds the preset data (``<dir>/gsm8k/train.jsonl``, ...).
 DATA_DIR_ENV = "LIGHTNING_GRPO_DATA_DIR"
-#: Default system message of every prompt.
-DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant that solves math problems carefully."
-#: Placeholder replaced by the question in ``instruction``.
-QUESTION_PLACEHOLDER = "{question}"
-GSM8K_INSTRUCTION = (
-    "{question}\n\nSolve the problem step by step. "
-    "Then write the final answer as a number on the last line, in the form:\n#### <number>"
-)
-MATH_INSTRUCTION = "{question}\n\nSolve the problem step by step, and put the final answer in \\boxed{}."
 #: File extensions read as local data files, with the ``datasets`` builder that reads them.
 LOCAL_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 
-AnswerFormat = Literal["gsm8k", "raw"]
-
-
-@dataclass(frozen=True)
-class Preset:
-    """Where a named dataset lives (offline folder and hub fallback) and how its rows are read."""
-
-    folder: str
-    files: dict[str, str]
-    hub_id: str
-    hub_config: Optional[str]
-    train_split: str
-    val_split: str
-    question_field: str
-    answer_field: str
-    solution_field: str
-    answer_format: AnswerFormat
-    instruction: str
-
-
-PRESETS: dict[str, Preset] = {
-    "gsm8k": Preset(
-        folder="gsm8k",
-        files={"train": "train.jsonl", "test": "test.jsonl"},
-        hub_id="openai/gsm8k",
-        hub_config="main",
-        train_split="train",
-        val_split="test",
-        question_field="question",
-        answer_field="answer",
-        solution_field="answer",
-        answer_format="gsm8k",
-        instruction=GSM8K_INSTRUCTION,
-    ),
-    "math500": Preset(
-        folder="math500",
-        files={"test": "test.jsonl"},
-        hub_id="HuggingFaceH4/MATH-500",
-        hub_config=None,
-        train_split="test",
-        val_split="test",
-        question_field="problem",
-        answer_field="answer",
-        solution_field="solution",
-        answer_format="raw",
-        instruction=MATH_INSTRUCTION,
-    ),
-}
 _PRESETS_BY_HUB_ID = {preset.hub_id: preset for preset in PRESETS.values()}
 _HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")
 

@@ -209,6 +209,21 @@ class ExperienceMaker:
             sampler_logprobs=out.sampler_logprobs,
         )
 
+    @torch.no_grad()
+    def evaluate(self, batch: PromptBatch, policy: nn.Module, collectives: Collectives,
+                 device: torch.device) -> tuple[Tensor, Tensor]:
+        """Greedy completions of a validation batch scored by the accuracy reward: ``(scores (B,) float32, NaN where
+        unscored; completion lengths (B,) long)``, on ``device``. The engine gets the current weights first."""
+        cfg = self.config
+        sampling = SamplingConfig(max_new_tokens=cfg.eval_max_new_tokens or cfg.max_new_tokens, greedy=True)
+        with self.rollout.awake(policy, force_sync=True,
+                                any_process=lambda flag: collectives.any_process(flag, device)):
+            out = self.rollout.generate(batch["prompt"], 1, sampling)
+        columns = {k: v for k, v in batch.items() if k != "prompt"}
+        scores = self.rewards.accuracy(batch["prompt"], out.completions, **columns)
+        values = torch.tensor([float("nan") if s is None else float(s) for s in scores], device=device)
+        return values, out.completion_mask.sum(dim=1).to(device)
+
     def _request_seed(self) -> Optional[int]:
         """A base for per-request seeds (vLLM), drawn from torch's global generator (restored on resume); None for
         the HF engine, which samples from that generator itself."""

@@ -423,3 +423,12 @@ class FrozenReference:
         import copy
 
         return cls(copy.deepcopy(policy).eval().requires_grad_(False))
+
+
+def save_policy(policy: nn.Module, tokenizer: PreTrainedTokenizerBase, path: str,
+                state_dict: Optional[dict] = None) -> None:
+    """``save_pretrained`` the policy (with ``state_dict``, the full weights of a sharded one) and its tokenizer."""
+    os.makedirs(path, exist_ok=True)
+    policy.save_pretrained(path, state_dict=state_dict)
+    tokenizer.save_pretrained(path)
+    log.info("saved the trained policy to %s", path)

@@ -1,10 +1,8 @@
 """GRPOModule: the LightningModule whose ``training_step`` is the GRPO loss on one experience micro-batch.
 
-This file is Lightning wiring: each hook calls a component that owns one concern (docs/architecture.md).
-Rollouts (``make_experience``, :class:`lightning_grpo.experience_maker.ExperienceMaker`) are driven by
-:mod:`lightning_grpo.loop`; Lightning does backward, the optimizer step, gradient clipping, accumulation,
-precision, logging and checkpointing; the parallel backend (:mod:`lightning_grpo.strategies`) shards, reduces,
-clips and exports.
+Lightning wiring only: each hook calls a component that owns one concern (docs/architecture.md). The loop
+(:mod:`lightning_grpo.loop`) drives the rollouts; the parallel backend (:mod:`lightning_grpo.strategies`) shards,
+reduces, clips and exports.
 """
 
 from __future__ import annotations
@@ -29,8 +27,9 @@ from lightning_grpo.fault_tolerance import Preemption
 from lightning_grpo.logprobs import CompletionLogprobs
 from lightning_grpo.loop import install_loop
 from lightning_grpo.metrics import StepMetrics, StepTimer
-from lightning_grpo.models import FrozenReference, load_policy
+from lightning_grpo.models import FrozenReference, load_policy, save_policy
 from lightning_grpo.nonfinite import NonFiniteGuard, check_finite_checkpoint
+from lightning_grpo.optim import adamw_with_warmup
 from lightning_grpo.rewards import RewardSet, RewardSpec
 from lightning_grpo.rollout.base import RolloutEngine, RolloutOutput, SamplingConfig
 from lightning_grpo.rollout.worker import RolloutWorker
@@ -158,10 +157,8 @@ class GRPOModule(L.LightningModule):
         Raises:
             ValueError: the datamodule does not say how many prompts a rollout batch has (``prompts_per_step``).
         """
-        if self.config.max_tokens_per_microbatch is not None:
-            self.steps_per_rollout()  # checks the datamodule
-            return None
-        return self.steps_per_rollout() * self.trainer.accumulate_grad_batches
+        steps = self.steps_per_rollout()  # checks the datamodule
+        return None if self.config.max_tokens_per_microbatch else steps * self.trainer.accumulate_grad_batches
 
     def steps_per_rollout(self) -> int:
         """Optimizer steps per rollout: num_iterations * (rollout batch / mini_batch_size).
@@ -176,8 +173,7 @@ class GRPOModule(L.LightningModule):
                 "lightning_grpo.data.PromptDataModule or a LightningDataModule with that attribute"
             )
         n = prompts * self.config.num_generations
-        mini = self.config.mini_batch_size or n
-        return self.config.num_iterations * (n // mini)
+        return self.config.num_iterations * (n // (self.config.mini_batch_size or n))
 
     def make_experience(
         self, batch: dict[str, list], next_prompt_batch: Optional[Callable[[], Optional[dict[str, list]]]] = None
@@ -200,19 +196,14 @@ class GRPOModule(L.LightningModule):
         """The loop's view of one rollout: shuffled mini-batches cut into micro-batches (see
         :func:`lightning_grpo.experience.micro_batches`), shuffled with ``shuffle_seed + step`` (default: the
         current optimizer step)."""
-        step = self.global_step if step is None else step
-        generator = torch.Generator().manual_seed(self.config.shuffle_seed + step)
+        cfg, step = self.config, self.global_step if step is None else step
         return micro_batches(
-            experience,
-            mini_batch_size=self.config.mini_batch_size or len(experience),
-            accumulate_grad_batches=self.trainer.accumulate_grad_batches,
-            num_iterations=self.config.num_iterations,
-            loss_type=self.config.loss_type,
-            max_new_tokens=self.config.max_new_tokens,
+            experience, mini_batch_size=cfg.mini_batch_size or len(experience),
+            accumulate_grad_batches=self.trainer.accumulate_grad_batches, num_iterations=cfg.num_iterations,
+            loss_type=cfg.loss_type, max_new_tokens=cfg.max_new_tokens,
             world_size=self.backend.data_parallel_size,  # processes that hold different data
-            generator=generator,
-            all_reduce_sum=self.backend.reduce_sum,
-            max_tokens_per_microbatch=self.config.max_tokens_per_microbatch,
+            generator=torch.Generator().manual_seed(cfg.shuffle_seed + step), all_reduce_sum=self.backend.reduce_sum,
+            max_tokens_per_microbatch=cfg.max_tokens_per_microbatch,
         )
 
     # ------------------------------------------------------------------ rollout helpers (public API)
@@ -237,9 +228,8 @@ class GRPOModule(L.LightningModule):
         :func:`lightning_grpo.algorithm.grpo_objective`).
 
         Returns the micro-batch's share of the step loss, scaled so that after Lightning's division by
-        ``accumulate_grad_batches`` and data-parallel averaging the step's gradient is that of
-        (summed loss / step normalizer).
-        """
+        ``accumulate_grad_batches`` and data-parallel averaging the step's gradient is that of (summed loss / step
+        normalizer)."""
         with self.timer.span("forward_s"):
             output = self.compute_loss(batch)
         self.timer.add("train_tokens", float(self.logprobs.forward_tokens(self.policy, batch)))
@@ -262,19 +252,12 @@ class GRPOModule(L.LightningModule):
         cfg = self.config
         if not batch.on_policy and batch.old_logprobs is None:
             raise ValueError("an experience micro-batch after the rollout's first optimizer step needs old_logprobs")
-        logprobs, entropy = self.completion_logprobs(
-            self.policy, batch, with_entropy=True, entropy_grad=cfg.entropy_coef > 0
-        )
+        logprobs, entropy = self.completion_logprobs(self.policy, batch, True, entropy_grad=cfg.entropy_coef > 0)
         return grpo_objective(
-            logprobs,
-            batch.completion_mask,
-            batch.advantages,
-            cfg,
+            logprobs, batch.completion_mask, batch.advantages, cfg,
             old_logprobs=None if batch.on_policy else batch.old_logprobs,
-            ref_logprobs=None if cfg.kl_in_reward else batch.ref_logprobs,
-            sampler_logprobs=batch.sampler_logprobs,
-            entropy=entropy,
-            normalizer=batch.loss_normalizer,
+            ref_logprobs=None if cfg.kl_in_reward else batch.ref_logprobs, sampler_logprobs=batch.sampler_logprobs,
+            entropy=entropy, normalizer=batch.loss_normalizer,
         )
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
@@ -331,58 +314,37 @@ class GRPOModule(L.LightningModule):
         """After an optimizer step, log where its wall time went (:meth:`lightning_grpo.metrics.StepTimer.step_end`:
         ``timing/{rollout,scoring,logprobs,sync,forward,backward,optimizer,step,other,train}_s``, seconds) and
         ``generated_tokens``, ``train_tokens``."""
-        if isinstance(batch, Experience) and batch.step_end:
-            self.log_dict(self.timer.step_end(), on_step=True, on_epoch=False, batch_size=1)
         if isinstance(batch, Experience):
+            if batch.step_end:
+                self.log_dict(self.timer.step_end(), on_step=True, on_epoch=False, batch_size=1)
             self.preemption.on_micro_batch_end(batch.step_end)  # SIGTERM inside a step waits for its end
 
     def configure_optimizers(self) -> Any:
-        params = [p for p in self.policy.parameters() if p.requires_grad]
         hp = self.hparams
-        optimizer = torch.optim.AdamW(params, lr=hp.learning_rate, weight_decay=hp.weight_decay,
-                                      betas=tuple(hp.adam_betas))
-        warmup = hp.warmup_steps
-        scheduler = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, lambda step: min(1.0, (step + 1) / (warmup + 1)) if warmup else 1.0
-        )
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+        return adamw_with_warmup((p for p in self.policy.parameters() if p.requires_grad), hp.learning_rate,
+                                 hp.weight_decay, hp.adam_betas, hp.warmup_steps)
 
     # ------------------------------------------------------------------ validation
     def validation_step(self, batch: dict[str, list], batch_idx: int) -> None:
         """Greedy accuracy (``val/accuracy``, a torchmetrics MeanMetric over all processes)."""
-        cfg = self.config
-        sampling = SamplingConfig(max_new_tokens=cfg.eval_max_new_tokens or cfg.max_new_tokens, greedy=True)
-        with self.preemption.exit_on_stop(), self.rollout.awake(
-            self.policy, force_sync=True, any_process=lambda flag: self.backend.any_process(flag, self.device)
-        ):
-            out = self.generate(batch["prompt"], 1, sampling)
-        columns = {k: v for k, v in batch.items() if k != "prompt"}
-        scores = self.rewards.accuracy(batch["prompt"], out.completions, **columns)
-        values = torch.tensor([float("nan") if s is None else float(s) for s in scores], device=self.device)
-        self.val_accuracy.update(values[~torch.isnan(values)])
+        with self.preemption.exit_on_stop():
+            scores, lengths = self.experience_maker.evaluate(batch, self.policy, self.backend, self.device)
+        self.val_accuracy.update(scores[~torch.isnan(scores)])
         size = len(scores)
         self.log("val/accuracy", self.val_accuracy, on_step=False, on_epoch=True, prog_bar=True, batch_size=size)
-        self.log("val/mean_length", out.completion_mask.sum(dim=1).float().mean(), on_epoch=True, batch_size=size,
-                 sync_dist=True)
+        self.log("val/mean_length", lengths.float().mean(), on_epoch=True, batch_size=size, sync_dist=True)
 
     # ------------------------------------------------------------------ export
     def on_fit_end(self) -> None:
         path = self.export_path()
-        if not path:
-            return
-        state_dict = self.backend.export_state_dict(self.policy)  # when sharded a collective: every rank gathers
-        if self.trainer.is_global_zero:
-            os.makedirs(path, exist_ok=True)
-            self.policy.save_pretrained(path, state_dict=state_dict)
-            self.tokenizer.save_pretrained(path)
-            log.info("saved the trained policy to %s", path)
+        if path:
+            state_dict = self.backend.export_state_dict(self.policy)  # when sharded a collective: every rank gathers
+            if self.trainer.is_global_zero:
+                save_policy(self.policy, self.tokenizer, path, state_dict)
 
     def export_path(self) -> Optional[str]:
         """The HF export folder (see ``export_dir``), or None when disabled."""
         export_dir = self.hparams.export_dir
-        if export_dir == "":
-            return None
         if export_dir is not None:
-            return export_dir
-        root = self.trainer.log_dir or self.trainer.default_root_dir
-        return os.path.join(root, "hf_model")
+            return export_dir or None
+        return os.path.join(self.trainer.log_dir or self.trainer.default_root_dir, "hf_model")

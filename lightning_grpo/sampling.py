@@ -1,0 +1,84 @@
+"""The sampling distribution of a rollout as logits: temperature, then min-p, top-k and top-p truncation (vLLM's
+order), the behaviour policy that both engines sample from and the trainer scores (docs/algorithm.md)."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+
+def _check_truncation(top_k: int, top_p: float, min_p: float) -> None:
+    if top_k < 0:
+        raise ValueError(f"top_k={top_k} must be >= 0 (0 disables top-k)")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p={top_p} must be in (0, 1]")
+    if not 0 <= min_p <= 1:
+        raise ValueError(f"min_p={min_p} must be in [0, 1]")
+
+
+def sampling_removed(logits: Tensor, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0) -> Optional[Tensor]:
+    """Which tokens the rollout engines' truncation removes, given tempered logits (``logits / temperature``).
+
+    Applied in vLLM's order (``vllm/v1/sample/sampler.py``: temperature, then min-p, then top-k, then top-p, each on
+    what the previous one kept; transformers' warpers define each step the same way, ties at the k-th logit kept):
+
+    * min-p (Nguyen et al. 2024, arXiv:2407.01082): remove ``p_i < min_p * max_j p_j``;
+    * top-k: remove ``z_i <`` the k-th largest logit;
+    * top-p (Holtzman et al. 2020, nucleus sampling): sort the kept probabilities ascending, remove the tokens whose
+      cumulative probability is ``<= 1 - top_p``; the most likely token is always kept.
+
+    Args:
+        logits: ``(..., V)`` float tempered logits (no gradient is taken through the mask).
+        top_k: keep the k most likely tokens; 0 (or >= V) disables it.
+        top_p: nucleus mass in (0, 1]; 1 disables it.
+        min_p: in [0, 1]; 0 disables it.
+
+    Returns:
+        ``(..., V)`` bool, True where the token is removed; None when nothing truncates (every setting disabled).
+    """
+    vocab = logits.shape[-1]
+    if not (0 < top_k < vocab or top_p < 1.0 or min_p > 0.0):
+        return None
+    with torch.no_grad():
+        z = logits.detach().float()
+        removed = torch.zeros_like(z, dtype=torch.bool)
+        if min_p > 0.0:
+            probs = torch.softmax(z, dim=-1)
+            removed |= probs < probs.amax(dim=-1, keepdim=True) * min_p
+        if 0 < top_k < vocab:
+            masked = z.masked_fill(removed, float("-inf"))
+            removed |= masked < masked.topk(top_k, dim=-1).values[..., -1:]
+        if top_p < 1.0:
+            ascending, order = z.masked_fill(removed, float("-inf")).sort(dim=-1)
+            drop = torch.softmax(ascending, dim=-1).cumsum(dim=-1) <= 1.0 - top_p
+            drop[..., -1] = False  # the most likely token always stays
+            removed |= torch.zeros_like(removed).scatter(-1, order, drop)
+    return removed
+
+
+def sampling_logits(
+    logits: Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0
+) -> Tensor:
+    """The logits of the distribution the rollout engines sample from: ``logits / temperature`` in float32 with the
+    tokens that min-p / top-k / top-p remove (:func:`sampling_removed`) set to ``-inf``; ``softmax`` of the result is
+    that distribution, renormalized over the kept tokens. The HF engine samples from exactly this.
+
+    Args:
+        logits: ``(..., V)`` float logits (any float dtype).
+        temperature: > 0.
+        top_k, top_p, min_p: see :func:`sampling_removed`.
+
+    Returns:
+        ``(..., V)`` float32.
+
+    Raises:
+        ValueError: temperature <= 0, top_k < 0, top_p not in (0, 1] or min_p not in [0, 1].
+    """
+    if temperature <= 0:
+        raise ValueError(f"temperature={temperature} must be > 0")
+    _check_truncation(top_k, top_p, min_p)
+    z = logits.float() / temperature
+    removed = sampling_removed(z, top_k, top_p, min_p)
+    return z if removed is None else z.masked_fill(removed, float("-inf"))
