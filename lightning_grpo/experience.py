@@ -41,6 +41,8 @@ class Experience:
             first optimizer step): the detached current logprobs are then the old logprobs, so the ratio is
             exactly 1 and ``old_logprobs`` are not read.
         metrics: rollout metrics (reward, lengths, timings), attached to step-end micro-batches.
+        rows: ``(N,)`` long, the rows of the rollout's experience this micro-batch holds (a canonical order for
+            step-level random choices), else None.
     """
 
     prompt_ids: Tensor
@@ -57,6 +59,7 @@ class Experience:
     step_end: bool = True
     on_policy: bool = True
     metrics: dict[str, float] = field(default_factory=dict)
+    rows: Optional[Tensor] = None
 
     def __len__(self) -> int:
         return self.completion_ids.shape[0]
@@ -77,7 +80,8 @@ class Experience:
         start = int(prompt_keep[0]) if prompt_keep.numel() else self.prompt_mask.shape[1]
         completion_keep = self.completion_mask.any(dim=0).nonzero()
         end = int(completion_keep[-1]) + 1 if completion_keep.numel() else 1
-        updates: dict[str, Tensor] = {"prompt_ids": self.prompt_ids[:, start:], "prompt_mask": self.prompt_mask[:, start:]}
+        updates: dict[str, Tensor] = {"prompt_ids": self.prompt_ids[:, start:],
+                                      "prompt_mask": self.prompt_mask[:, start:]}
         for name in ("completion_ids", "completion_mask", "old_logprobs", "ref_logprobs", "sampler_logprobs"):
             value = getattr(self, name)
             if value is not None:
@@ -156,8 +160,10 @@ def micro_batches(
             else:
                 bins = token_budget_partition([counts[i] for i in mini.tolist()], max_tokens_per_microbatch)
                 parts = [mini[torch.tensor(b, dtype=torch.long)] for b in bins]
+            batches = []
             for i, micro in enumerate(parts):
                 batch = experience.select(micro)
+                batch.rows = micro
                 batch.loss_normalizer = normalizer
                 batch.loss_scale = float(accumulate_grad_batches * world_size)
                 batch.step_start = i == 0
@@ -165,5 +171,6 @@ def micro_batches(
                 batch.on_policy = step == 0
                 if batch.step_end:
                     batch.metrics = dict(experience.metrics)
-                yield batch
+                batches.append(batch)
+            yield from batches
             step += 1

@@ -124,6 +124,13 @@ class ExperienceFetcher(_DataFetcher):
         checkpoint in its middle, does not count: the resumed run regenerates it)."""
         return self._index if self._drawn_before_rollout is None else self._drawn_before_rollout
 
+    def current_step(self) -> list[Experience]:
+        """The micro-batches of the optimizer step whose first micro-batch was handed out last, in order."""
+        start = end = self._position - 1
+        while end + 1 < len(self._rollout) and not self._rollout[end].step_end:
+            end += 1
+        return self._rollout[start : end + 1]
+
     def partial_rollout(self) -> Optional[dict]:
         """The current rollout as plain data when some of its micro-batches are still to be trained on, else None."""
         if self._experience is None or self._position >= len(self._rollout):
@@ -245,6 +252,11 @@ class GRPOFitLoop(_FitLoop):
     def resume_prompt_batches(self, value: int) -> None:
         self.resume_state = self.resume_state or ResumeState()
         self.resume_state.prompt_batches = value
+
+    def current_step(self) -> list[Experience]:
+        """The micro-batches of the optimizer step being trained (call it at the step's first micro-batch)."""
+        fetcher = self._data_fetcher
+        return fetcher.current_step() if isinstance(fetcher, ExperienceFetcher) else []
 
     def on_save_checkpoint(self) -> dict:
         """The base state plus the position inside the epoch: prompt batches drawn, every process's RNG states

@@ -33,6 +33,7 @@ from lightning_grpo.optim import adamw_with_warmup
 from lightning_grpo.rewards import RewardSet, RewardSpec
 from lightning_grpo.rollout.base import RolloutEngine, RolloutOutput, SamplingConfig
 from lightning_grpo.rollout.worker import RolloutWorker
+from lightning_grpo.step_statistics import StepStatistics
 from lightning_grpo.strategies import backend_for
 from lightning_grpo.strategies.base import GRPOModels, ParallelBackend
 from lightning_grpo.strategies.local import LocalBackend
@@ -102,6 +103,7 @@ class GRPOModule(L.LightningModule):
         self.rollout = RolloutWorker(self.config, self.tokenizer)
         self.logprobs = CompletionLogprobs(self.config, is_sharded=lambda m: self.backend.is_sharded(m))
         self.experience_maker = ExperienceMaker(self.config, self.rollout, self.rewards, self.logprobs)
+        self.step_statistics = StepStatistics(self.config, self.logprobs)
         self.step_metrics = StepMetrics(self.config.clip_ratio_c, self.config.importance_sampling_cap)
         self.timer = StepTimer()
         self.nonfinite = NonFiniteGuard(self.config.on_nonfinite)
@@ -131,8 +133,7 @@ class GRPOModule(L.LightningModule):
         use_atomic_checkpoint_io(self.trainer.strategy)
 
     def configure_model(self) -> None:
-        """Hook of Lightning's model-parallel strategies: the backend shards or converts the policy, the reference
-        policy and the engine (:func:`lightning_grpo.strategies.backend_for`); a no-op for single device and DDP."""
+        """The trainer's backend shards or converts the policy, reference and engine (``strategies.backend_for``)."""
         self.backend = backend_for(self.trainer.strategy)
         models = self.backend.configure(GRPOModels(self.policy, self.ref_model, self.rollout.engine))
         self._set_models(models)
@@ -231,6 +232,9 @@ class GRPOModule(L.LightningModule):
         ``accumulate_grad_batches`` and data-parallel averaging the step's gradient is that of (summed loss / step
         normalizer)."""
         with self.timer.span("forward_s"):
+            if batch.step_start:  # the whole step's token statistics: accumulation does not change the gradient
+                self.step_statistics.prepare(self.policy, self.trainer.fit_loop.current_step() or [batch],
+                                             self.backend.reduce_sum, self.global_step)
             output = self.compute_loss(batch)
         self.timer.add("train_tokens", float(self.logprobs.forward_tokens(self.policy, batch)))
         self.step_metrics.update(output)
@@ -257,7 +261,7 @@ class GRPOModule(L.LightningModule):
             logprobs, batch.completion_mask, batch.advantages, cfg,
             old_logprobs=None if batch.on_policy else batch.old_logprobs,
             ref_logprobs=None if cfg.kl_in_reward else batch.ref_logprobs, sampler_logprobs=batch.sampler_logprobs,
-            entropy=entropy, normalizer=batch.loss_normalizer,
+            entropy=entropy, normalizer=batch.loss_normalizer, **self.step_statistics.objective_kwargs(),
         )
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
@@ -293,14 +297,12 @@ class GRPOModule(L.LightningModule):
         checkpoint["lightning_grpo_nonfinite"] = self.nonfinite.state_dict()
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """The skipped-step count; checkpoints from before the loop kept its own state stored the prompt-batch counter
-        at the top level."""
+        """The skipped-step count; the prompt-batch counter of checkpoints older than the loop's own state."""
         self.nonfinite.load_state_dict(checkpoint.get("lightning_grpo_nonfinite"))
         old = checkpoint.get("lightning_grpo_prompt_batches_drawn")
         if old is not None and self._trainer is not None:
             self.trainer.fit_loop.resume_prompt_batches = int(old)
 
-    # ------------------------------------------------------------------ timing (metrics.StepTimer)
     def on_train_start(self) -> None:
         self.timer.start()
 
@@ -324,7 +326,6 @@ class GRPOModule(L.LightningModule):
         return adamw_with_warmup((p for p in self.policy.parameters() if p.requires_grad), hp.learning_rate,
                                  hp.weight_decay, hp.adam_betas, hp.warmup_steps)
 
-    # ------------------------------------------------------------------ validation
     def validation_step(self, batch: dict[str, list], batch_idx: int) -> None:
         """Greedy accuracy (``val/accuracy``, a torchmetrics MeanMetric over all processes)."""
         with self.preemption.exit_on_stop():

@@ -200,6 +200,7 @@ def clip_cov_loss(
     upper: float,
     generator: torch.Generator,
     stats: Optional[CovarianceStats] = None,
+    selected: Optional[Tensor] = None,
 ) -> tuple[Tensor, ClipStats, Tensor]:
     """Per-token Clip-Cov loss: the PPO loss of :func:`~lightning_grpo.functional.policy_loss`, set to 0 (no value,
     no gradient) on the tokens of :func:`clip_cov_mask` (arXiv:2505.22617 sec. 4.2; verl ``clip_cov``).
@@ -214,6 +215,8 @@ def clip_cov_loss(
         ratio, lower, upper: ``clip_cov_ratio``, ``clip_cov_lb``, ``clip_cov_ub``.
         generator: the random stream of the draw.
         stats: precomputed centers, or None.
+        selected: ``(N, T)`` bool tokens chosen over the whole optimizer step (precomputed with the same rule), or
+            None: drawn here from this call's tokens.
 
     Returns:
         ``(loss, clip_stats, selected)``: ``(N, T)`` float loss, the PPO :class:`ClipStats`, ``(N, T)`` bool tokens
@@ -221,9 +224,11 @@ def clip_cov_loss(
     """
     mask = mask.bool()
     loss, clip = policy_loss(logprobs, old_logprobs, advantages, epsilon_low, epsilon_high, clip_ratio_c, delta)
-    covariance = _covariance(logprobs, advantages, mask, stats)
-    count = selection_count(int(mask.sum()), ratio)
-    selected = clip_cov_mask(covariance, mask, lower, upper, count, generator, exclude=clip.region | clip.dual)
+    if selected is None:
+        covariance = _covariance(logprobs, advantages, mask, stats)
+        count = selection_count(int(mask.sum()), ratio)
+        selected = clip_cov_mask(covariance, mask, lower, upper, count, generator, exclude=clip.region | clip.dual)
+    selected = selected & mask
     return torch.where(selected, 0.0, loss), clip, selected
 
 

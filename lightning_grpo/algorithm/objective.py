@@ -60,6 +60,7 @@ def _policy_term(
     config: "GRPOConfig",
     generator: Optional[torch.Generator],
     covariance_stats: Optional[CovarianceStats],
+    clip_cov_selected: Optional[Tensor] = None,
 ) -> tuple[Tensor, F.ClipStats, Optional[Tensor]]:
     """``(N, T)`` per-token policy loss, its clip statistics and the covariance selection (or None)."""
     per_token_advantages = torch.where(mask, advantages.unsqueeze(1), 0.0)  # [N, T]
@@ -71,6 +72,7 @@ def _policy_term(
             current, old, per_token_advantages, mask, epsilon_low=eps_low, epsilon_high=eps_high,
             clip_ratio_c=config.clip_ratio_c, delta=config.delta, ratio=config.clip_cov_ratio,
             lower=config.clip_cov_lb, upper=config.clip_cov_ub, generator=generator, stats=covariance_stats,
+            selected=clip_cov_selected,
         )
     if config.policy_loss_mode == "kl_cov":
         return kl_cov_loss(
@@ -103,6 +105,8 @@ def grpo_objective(
     normalizer: Optional[float] = None,
     generator: Optional[torch.Generator] = None,
     covariance_stats: Optional[CovarianceStats] = None,
+    entropy_threshold: Optional[float] = None,
+    clip_cov_selected: Optional[Tensor] = None,
 ) -> ObjectiveOutput:
     """GRPO loss of a micro-batch (DeepSeekMath eq. 3 with the variants of ``config``).
 
@@ -145,6 +149,11 @@ def grpo_objective(
         covariance_stats: Clip-Cov / KL-Cov centers (and KL-Cov threshold) precomputed over the optimizer step; None =
             computed from this micro-batch's loss tokens (as verl does per micro-batch), so then the selection
             depends on how the step is split into micro-batches.
+        entropy_threshold: the high-entropy cut precomputed over the optimizer step's tokens on every process
+            (:func:`~lightning_grpo.algorithm.entropy.entropy_threshold`); None = this micro-batch's own quantile.
+        clip_cov_selected: ``(N, T)`` bool, Clip-Cov's tokens drawn over the whole optimizer step; None = drawn
+            from this micro-batch. :mod:`lightning_grpo.step_statistics` computes all three per step, so that the
+            step's gradient does not depend on the micro-batch split.
 
     Returns:
         :class:`ObjectiveOutput`.
@@ -168,7 +177,7 @@ def grpo_objective(
     old = detached if old_logprobs is None else torch.where(mask, old_logprobs.float(), detached)
     row_advantages = torch.where(has_tokens, advantages.float(), 0.0)  # [N]
     per_token, clip, covariance_mask = _policy_term(
-        current, old, mask, row_advantages, config, generator, covariance_stats
+        current, old, mask, row_advantages, config, generator, covariance_stats, clip_cov_selected
     )
     weights = None
     if sampler_logprobs is not None and config.importance_sampling_cap is not None:
@@ -183,7 +192,7 @@ def grpo_objective(
     entropy_mask = None
     if config.top_entropy_quantile < 1:
         assert entropy is not None
-        entropy_mask = high_entropy_mask(entropy, mask, config.top_entropy_quantile)
+        entropy_mask = high_entropy_mask(entropy, mask, config.top_entropy_quantile, entropy_threshold)
         per_token = torch.where(entropy_mask, per_token, 0.0)
     if config.entropy_coef > 0:
         assert entropy is not None

@@ -1,0 +1,114 @@
+"""Accumulation changes memory, not the gradient, for every GRPOConfig knob that changes the loss (issue 12 item 3).
+
+The same fixed rollout (8 sequences of uneven lengths, some truncated) is trained for two optimizer steps
+(``num_iterations=2``: the second step is off-policy, so clipping, dual clip, delta and the KL act) with
+``accumulate_grad_batches=1`` and ``=4``; both steps' gradients must agree to 1e-5. The sampler logprobs differ
+from the trainer's by fixed offsets, so the truncated importance weights are not 1.
+
+Knobs that change the loss or which tokens get it, each listed below: ``loss_type`` (all six), ``scale_rewards``,
+``advantage_estimator``, ``advantage_std_floor``, ``reward_scale``/``reward_bias``/``reward_clip``,
+``overlong_buffer``/``overlong_penalty_factor``, ``mask_truncated_completions``, ``epsilon_low``/``epsilon_high``,
+``clip_ratio_c``, ``delta``, ``beta`` with each ``kl_estimator``, ``kl_in_reward``, ``entropy_coef``,
+``top_entropy_quantile``, ``importance_sampling_cap`` with each ``rollout_importance_sampling_level`` and
+``importance_sampling_mode``, ``importance_sampling_level`` (GSPO, GSPO-token), ``policy_loss_mode`` (Clip-Cov,
+KL-Cov), ``temperature``, ``top_k``/``top_p``/``min_p`` (the trainer scores the truncated distribution),
+``padding_free``/``shared_prefix`` (the forward layout).
+"""
+
+import pytest
+import torch
+from _algorithm_support import FixedRolloutEngine, Recorder, fixed_completions, quiet_trainer, write_prompts
+
+from lightning_grpo import GRPOConfig, GRPOModule
+from lightning_grpo.data import PromptDataModule
+from lightning_grpo.experience import Experience
+
+KNOBS = {
+    "grpo": dict(loss_type="grpo"),
+    "bnpo": dict(loss_type="bnpo"),
+    "token_mean": dict(loss_type="token_mean"),
+    "dapo": dict(loss_type="dapo"),
+    "dr_grpo": dict(loss_type="dr_grpo"),
+    "cispo": dict(loss_type="cispo", epsilon_low=1.0, epsilon_high=0.02),
+    "scale_rewards_batch": dict(scale_rewards="batch"),
+    "scale_rewards_none": dict(scale_rewards="none"),
+    "rloo": dict(advantage_estimator="rloo"),
+    "std_floor": dict(advantage_std_floor=0.4),
+    "reward_transform": dict(reward_scale=2.0, reward_bias=-0.5, reward_clip=0.8),
+    "overlong": dict(overlong_buffer=4, overlong_penalty_factor=1.0),
+    "clip_higher": dict(epsilon_low=0.005, epsilon_high=0.02),
+    "dual_clip": dict(epsilon_low=0.005, epsilon_high=0.005, clip_ratio_c=1.01),
+    "delta": dict(epsilon_low=0.005, epsilon_high=0.005, delta=1.01),
+    "kl_k1": dict(beta=0.5, kl_estimator="k1"),
+    "kl_k2": dict(beta=0.5, kl_estimator="k2"),
+    "kl_k3": dict(beta=0.5, kl_estimator="k3"),
+    "kl_in_reward": dict(beta=0.5, kl_in_reward=True),
+    "entropy_bonus": dict(entropy_coef=0.1),
+    "top_entropy_quantile": dict(top_entropy_quantile=0.5),
+    "top_entropy_quantile_dapo": dict(top_entropy_quantile=0.3, loss_type="dapo"),
+    "tis_token_truncate": dict(importance_sampling_cap=1.02),
+    "tis_sequence_mask": dict(importance_sampling_cap=1.1, rollout_importance_sampling_level="sequence",
+                              importance_sampling_mode="mask"),
+    "gspo": dict(importance_sampling_level="sequence", epsilon_low=3e-4, epsilon_high=4e-4),
+    "gspo_token": dict(importance_sampling_level="sequence_token", epsilon_low=3e-4, epsilon_high=4e-4),
+    "clip_cov": dict(policy_loss_mode="clip_cov", clip_cov_ratio=0.2, clip_cov_lb=-1e9, clip_cov_ub=1e9),
+    "kl_cov": dict(policy_loss_mode="kl_cov", kl_cov_ratio=0.2, loss_type="dapo"),
+    "temperature": dict(temperature=0.7),
+    "truncated_sampling": dict(top_k=50, top_p=0.9, min_p=0.01),
+    "padded_forward": dict(padding_free=False),
+    "packed_forward": dict(shared_prefix=False),
+}
+
+
+class OffsetSampler(FixedRolloutEngine):
+    """Fixed completions whose sampler logprobs are the policy's own plus fixed offsets (an engine whose numerics
+    differ from the trainer's), so the truncated importance weights are near 1 but not 1."""
+
+    def __init__(self, module, completion_ids, eos_id, offsets):
+        super().__init__(completion_ids, eos_id)
+        self.module, self.offsets = module, offsets
+
+    def generate(self, prompt_ids, num_generations, sampling):
+        out = super().generate(prompt_ids, num_generations, sampling)
+        batch = Experience(prompt_ids=out.prompt_ids, prompt_mask=out.prompt_mask, completion_ids=out.completion_ids,
+                           completion_mask=out.completion_mask, advantages=torch.zeros(len(out.completion_ids)))
+        with torch.no_grad():
+            logprobs, _ = self.module.completion_logprobs(self.module.policy, batch)
+        offsets = self.offsets[: logprobs.shape[0], : logprobs.shape[1]]
+        out.sampler_logprobs = torch.where(out.completion_mask.bool(), logprobs + offsets, 0.0)
+        return out
+
+
+def by_position(prompts, completions, **kwargs):
+    return [[1.0, 0.0, 0.5, 0.25][i % 4] for i in range(len(completions))]
+
+
+@pytest.fixture(scope="module")
+def prompt_file(tmp_path_factory):
+    return write_prompts(tmp_path_factory.mktemp("prompts") / "prompts.jsonl")
+
+
+def _two_steps(path, root, prompt_file, accumulate, knobs):
+    config = GRPOConfig(num_generations=4, max_new_tokens=8, num_iterations=2, mask_truncated_completions=True,
+                        **knobs)
+    module = GRPOModule(path, reward_funcs=[by_position], config=config, learning_rate=1e-4, export_dir="")
+    eos = module.tokenizer.eos_token_id
+    lengths = [9, 3, 5, 1, 9, 2, 8, 4]  # 9 > 8: truncated (no EOS)
+    offsets = 0.05 * torch.randn(8, 8, generator=torch.Generator().manual_seed(1))
+    module.rollout_engine = OffsetSampler(module, fixed_completions(lengths, 8, eos), eos, offsets)
+    recorder = Recorder(grads=True)
+    trainer = quiet_trainer(root, 2, accumulate_grad_batches=accumulate, callbacks=[recorder])
+    trainer.fit(module, datamodule=PromptDataModule(dataset=prompt_file, prompts_per_step=2, val_size=0))
+    return recorder
+
+
+@pytest.mark.parametrize("name", sorted(KNOBS))
+def test_gradient_does_not_depend_on_accumulation(tiny_llama_path, tmp_path, prompt_file, name):
+    whole = _two_steps(tiny_llama_path, tmp_path / "one", prompt_file, 1, KNOBS[name])
+    split = _two_steps(tiny_llama_path, tmp_path / "four", prompt_file, 4, KNOBS[name])
+    assert [len(b) for b in whole.batches] == [8, 8] and [len(b) for b in split.batches] == [2] * 8
+    assert len(whole.grads) == len(split.grads) == 2
+    for step, (g1, g4) in enumerate(zip(whole.grads, split.grads, strict=True)):
+        assert g1.keys() == g4.keys() and max(g.abs().max().item() for g in g1.values()) > 1e-5, step
+        for key in g1:
+            torch.testing.assert_close(g4[key], g1[key], atol=1e-5, rtol=0, msg=f"step {step}: {key}")
