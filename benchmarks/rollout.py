@@ -60,7 +60,9 @@ def prompt_ids(tokenizer, questions: Sequence[str]) -> list[list[int]]:
     ]
 
 
-def measure(name: str, engine: RolloutEngine, prompts: list[list[int]], num_generations: int, sampling: SamplingConfig) -> float:
+def measure(
+    name: str, engine: RolloutEngine, prompts: list[list[int]], num_generations: int, sampling: SamplingConfig
+) -> float:
     """Time one rollout after a warm-up; print and return generated tokens per second."""
     engine.generate(prompts[:1], 1, SamplingConfig(max_new_tokens=2, temperature=sampling.temperature))
     start = time.perf_counter()

@@ -130,10 +130,10 @@ def linear_fit(points: list[dict]) -> Optional[dict]:
         return None
     mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
     sxx = sum((x - mx) ** 2 for x in xs)
-    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx
     a = my - b * mx
     ss_tot = sum((y - my) ** 2 for y in ys)
-    ss_res = sum((y - a - b * x) ** 2 for x, y in zip(xs, ys))
+    ss_res = sum((y - a - b * x) ** 2 for x, y in zip(xs, ys, strict=True))
     return {"intercept_s": a, "s_per_1k_generated": 1000.0 * b, "r2": 1.0 - ss_res / ss_tot if ss_tot else 1.0}
 
 
@@ -175,7 +175,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
             result["spec_micro_batch_size"] = spec["micro_batch_size"]
             print(f"  {describe_run(result)}", flush=True)
             results[i].append(result)
-    rows = [summarize_point(point, runs) for point, runs in zip(points, results)]
+    rows = [summarize_point(point, runs) for point, runs in zip(points, results, strict=True)]
     fit = linear_fit(rows)
     print(f"\nmodel {args.model}, engine {args.engine}, {args.steps} steps per run (first = warm-up), "
           f"medians over {args.rounds} round(s)")

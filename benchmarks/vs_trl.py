@@ -35,7 +35,8 @@ breakdown of our step from the ``timing/*`` metrics GRPOModule logs.
 Run::
 
     # quick look: tiny random model, a few minutes
-    python benchmarks/vs_trl.py --model tiny --engines trl,hf --prompts-per-step 2 --num-generations 4 --max-new-tokens 64
+    python benchmarks/vs_trl.py --model tiny --engines trl,hf --prompts-per-step 2 --num-generations 4 \
+        --max-new-tokens 64
     # the README's measurement: SmolLM2-135M-Instruct
     python benchmarks/vs_trl.py --prompts-per-step 2 --num-generations 8 --max-new-tokens 128 --steps 3 --rounds 2 \
         --out benchmarks/results/vs_trl_smollm2.json
@@ -241,7 +242,8 @@ def check_prompts(results: dict[str, list[dict]]) -> Optional[str]:
         return None
     for result in results["trl"]:
         seen, expected = result.get("trl_prompt_tokens", []), result.get("prompt_tokens", [])
-        if any(s is None or abs(s - e) > 0.5 for s, e in zip(seen, expected)) or len(seen) != len(expected):
+        differ = len(seen) != len(expected)
+        if differ or any(s is None or abs(s - e) > 0.5 for s, e in zip(seen, expected, strict=True)):
             return f"WARNING: TRL's prompt tokens per step {seen} differ from ours {expected}: prompts not identical?"
     return "prompt check: TRL's prompt-token counts per step equal ours (same chat-templated prompts)"
 
@@ -256,7 +258,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
         "model": args.model, "P": args.prompts_per_step, "G": args.num_generations,
         "max_new_tokens": args.max_new_tokens, "micro_batch": args.micro_batch_size,
         "grad_accum": n // args.micro_batch_size if args.max_tokens_per_microbatch is None
-        else f"TRL {n // args.micro_batch_size}, ours 1 (token budget)", "temperature": args.temperature, "lr": args.learning_rate,
+        else f"TRL {n // args.micro_batch_size}, ours 1 (token budget)",
+        "temperature": args.temperature, "lr": args.learning_rate,
         "loss_type": args.loss_type, "beta": args.beta, "seed": args.seed, "steps": args.steps,
         "rounds": args.rounds, "threads": args.threads, "padding_free": args.padding_free,
         "max_tokens_per_microbatch": args.max_tokens_per_microbatch,

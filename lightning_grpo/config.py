@@ -214,7 +214,7 @@ class GRPOConfig:
     the weights and the optimizer state stay unchanged, logs ``nonfinite_steps`` (steps skipped so far) and goes on.
     Either way a policy with non-finite weights is never sampled from or saved (an error)."""
 
-    def __post_init__(self) -> None:
+    def __post_init__(self) -> None:  # noqa: C901 - one flat list of field checks
         for f in fields(self):
             value = getattr(self, f.name)
             if isinstance(value, float) and not math.isfinite(value):
@@ -293,7 +293,7 @@ class GRPOConfig:
             _fail("vllm_kv_cache_space_gib", self.vllm_kv_cache_space_gib, "must be >= 1")
 
 
-    def _check_policy_loss(self) -> None:
+    def _check_policy_loss(self) -> None:  # noqa: C901 - one flat list of field checks
         """Knobs of the policy objectives (GSPO, CISPO, Clip-Cov, KL-Cov) and their combinations."""
         for name in ("clip_cov_ratio", "kl_cov_ratio"):
             if not 0 < getattr(self, name) <= 1:

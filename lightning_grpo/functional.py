@@ -20,7 +20,7 @@ LOG_RATIO_CLAMP = 20.0
 """Log-ratios are clamped to +-20 before any ``exp``: exp(20) = 4.9e8 is finite in float32 and bfloat16."""
 
 
-def group_advantages(
+def group_advantages(  # noqa: C901 - argument checks, then one formula per estimator
     rewards: Tensor,
     num_generations: int,
     scale_rewards: str = "group",

@@ -51,8 +51,8 @@ class CompletionLogprobs:
         self, model: nn.Module, batch: Experience, with_entropy: bool = False, entropy_grad: bool = False
     ) -> tuple[Tensor, Optional[Tensor]]:
         """Per-token logprobs ``(B, T)`` float32 of ``batch.completion_ids`` under ``model``'s sampling distribution
-        (temperature, min-p / top-k / top-p truncation renormalized), and optionally the per-token entropy ``(B, T)`` (with grad when ``entropy_grad``). Positions
-        of rows without loss tokens are 0 on the padding-free paths.
+        (temperature, min-p / top-k / top-p truncation renormalized), and optionally the per-token entropy ``(B, T)``
+        (with grad when ``entropy_grad``). Positions of rows without loss tokens are 0 on the padding-free paths.
 
         Raises:
             ValueError: ``entropy_grad`` or truncation with a model that computes its own logprobs (no entropy

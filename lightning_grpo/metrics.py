@@ -46,7 +46,7 @@ class StepMetrics:
         self._sums: dict[str, Tensor] = {}
         self._maxima: dict[str, Tensor] = {}
 
-    def update(self, output: ObjectiveOutput) -> None:
+    def update(self, output: ObjectiveOutput) -> None:  # noqa: C901 - one optional metric per branch
         """Add one micro-batch's statistics (sums over its loss tokens, 0-dim float32) and extrema."""
         mask = output.mask  # [B, T] bool, the loss tokens
 

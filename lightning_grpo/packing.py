@@ -58,7 +58,9 @@ def completion_lengths(completion_mask: Tensor) -> Tensor:
     return lengths
 
 
-def pack_sequences(prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor, completion_mask: Tensor) -> PackedBatch:
+def pack_sequences(
+    prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor, completion_mask: Tensor
+) -> PackedBatch:
     """Pack left-padded prompts and right-padded completions into one padding-free row.
 
     Rows whose completion mask is all 0 (no loss: masked or unscored) are left out; their values unpack to 0.
@@ -93,7 +95,7 @@ def pack_sequences(prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tens
     if not pieces:
         empty = torch.zeros(0, dtype=torch.long, device=device)
         return PackedBatch(empty[None], empty[None], empty, empty[None], empty, empty)
-    targets = torch.cat([completion_ids[r, c] for r, c in zip(rows, cols)])
+    targets = torch.cat([completion_ids[r, c] for r, c in zip(rows, cols, strict=True)])
     return PackedBatch(
         input_ids=torch.cat(pieces)[None],
         position_ids=torch.cat(positions)[None],
@@ -150,7 +152,7 @@ def token_budget_partition(token_counts: list[int], max_tokens: int) -> list[lis
         b = min(range(k), key=lambda j: (lpt_loads[j], j))
         lpt[b].append(i)
         lpt_loads[b] += token_counts[i]
-    fits = all(load <= max_tokens or len(part) == 1 for part, load in zip(lpt, lpt_loads))
+    fits = all(load <= max_tokens or len(part) == 1 for part, load in zip(lpt, lpt_loads, strict=True))
     parts = lpt if fits else ffd
     parts = [sorted(p) for p in parts if p]
     return sorted(parts, key=lambda p: (-sum(token_counts[i] for i in p), p[0]))
@@ -216,7 +218,9 @@ def shared_prefix_rows(
             positions.append(torch.arange(p, p + n, device=device))
             segment.append(torch.full((n,), s, dtype=torch.long, device=device))
             # token 0 is predicted by the last prompt position, token j > 0 by the completion's token j - 1
-            logit_index.append(torch.cat([torch.tensor([p - 1], device=device), torch.arange(offset, offset + n - 1, device=device)]))
+            logit_index.append(
+                torch.cat([torch.tensor([p - 1], device=device), torch.arange(offset, offset + n - 1, device=device)])
+            )
             rows.append(torch.full((n,), i, dtype=torch.long, device=device))
             cols.append(torch.arange(n, device=device))
             offset += n
@@ -253,7 +257,7 @@ def merge_rows(rows: list[SharedPrefixRow]) -> SharedPrefixRow:
     first = rows[0].attention_mask
     mask = torch.full((total, total), torch.finfo(first.dtype).min, dtype=first.dtype, device=first.device)
     offsets, offset = [], 0
-    for row, size in zip(rows, sizes):
+    for row, size in zip(rows, sizes, strict=True):
         mask[offset : offset + size, offset : offset + size] = row.attention_mask[0, 0]
         offsets.append(offset)
         offset += size
@@ -261,7 +265,7 @@ def merge_rows(rows: list[SharedPrefixRow]) -> SharedPrefixRow:
         input_ids=torch.cat([r.input_ids for r in rows], dim=1),
         position_ids=torch.cat([r.position_ids for r in rows], dim=1),
         attention_mask=mask[None, None],
-        logit_index=torch.cat([r.logit_index + o for r, o in zip(rows, offsets)]),
+        logit_index=torch.cat([r.logit_index + o for r, o in zip(rows, offsets, strict=True)]),
         target_ids=torch.cat([r.target_ids for r in rows], dim=1),
         rows=torch.cat([r.rows for r in rows]),
         cols=torch.cat([r.cols for r in rows]),

@@ -100,7 +100,8 @@ class Recorder(Callback):
 
     def on_before_optimizer_step(self, trainer, module, optimizer):
         if self.record_grads:
-            self.grads.append({n: p.grad.detach().clone() for n, p in module.policy.named_parameters() if p.grad is not None})
+            params = module.policy.named_parameters()
+            self.grads.append({n: p.grad.detach().clone() for n, p in params if p.grad is not None})
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
         if batch.step_end:

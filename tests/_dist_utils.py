@@ -90,7 +90,8 @@ def assert_same_step(reference: dict, ranks: list[dict], atol: float = 1e-5) -> 
             grad, other = reference["grads"].get(name), result["grads"].get(name)
             slack = 0.0
             if grad is not None and other is not None:
-                slack = ADAM_LR * ADAM_EPS * (other - grad).abs() / (torch.minimum(grad.abs(), other.abs()) + ADAM_EPS) ** 2
+                smaller = torch.minimum(grad.abs(), other.abs())
+                slack = ADAM_LR * ADAM_EPS * (other - grad).abs() / (smaller + ADAM_EPS) ** 2
             excess = (result["weights"][name] - weight).abs() - (atol + 2 * slack)
             assert excess.max() <= 0, f"weight {name}: off by {excess.max().item():.3g} more than allowed"
     rows = {}

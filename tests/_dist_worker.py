@@ -113,7 +113,8 @@ class FixedExperienceModule(GradRecording, GRPOModule):
         exp = Experience(**{k: v[rows].to(self.device) for k, v in self.fixed.items()}).trimmed()
         if self.ref_model is not None:
             size = max(1, (self.config.mini_batch_size or len(exp)) // self.trainer.accumulate_grad_batches)
-            exp.ref_logprobs = self.logprobs.batched(self.ref_model, exp, size, self.trainer.precision_plugin.forward_context)
+            context = self.trainer.precision_plugin.forward_context
+            exp.ref_logprobs = self.logprobs.batched(self.ref_model, exp, size, context)
             for j, row in enumerate(rows.tolist()):
                 self.seen[row] = exp.ref_logprobs[j, : int(exp.completion_mask[j].sum())].cpu()
         return exp

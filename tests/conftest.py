@@ -13,7 +13,6 @@ os.environ["HF_DATASETS_OFFLINE"] = "1"
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
-import torch  # noqa: E402
 
 
 @pytest.fixture(scope="session")

@@ -35,7 +35,8 @@ def save_tiny_model(root: str, tokenizer_path: str, tied: bool, model_type: str 
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
-    config_cls, model_cls = (Qwen2Config, Qwen2ForCausalLM) if model_type == "qwen2" else (LlamaConfig, LlamaForCausalLM)
+    qwen = model_type == "qwen2"
+    config_cls, model_cls = (Qwen2Config, Qwen2ForCausalLM) if qwen else (LlamaConfig, LlamaForCausalLM)
     config = config_cls(
         vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
@@ -92,9 +93,11 @@ class FixedRolloutEngine:
         completion_ids = torch.stack(rows)
         mask, truncated = completion_mask_from_eos(completion_ids, [self.eos_token_id])
         ids, prompt_mask = left_pad(prompt_ids, self.pad_token_id, torch.device("cpu"))
-        texts = [" ".join(str(int(t)) for t, m in zip(r, mr) if m) for r, mr in zip(completion_ids, mask)]
+        rows = zip(completion_ids, mask, strict=True)
+        texts = [" ".join(str(int(t)) for t, m in zip(r, mr, strict=True) if m) for r, mr in rows]
         return RolloutOutput(
-            prompt_ids=ids.repeat_interleave(num_generations, 0), prompt_mask=prompt_mask.repeat_interleave(num_generations, 0),
+            prompt_ids=ids.repeat_interleave(num_generations, 0),
+            prompt_mask=prompt_mask.repeat_interleave(num_generations, 0),
             completion_ids=completion_ids, completion_mask=mask, truncated=truncated, completions=texts,
         )
 
@@ -108,7 +111,8 @@ def write_prompts(path: str, n: int = 4) -> str:
     """A jsonl prompt dataset of ``n`` questions of different lengths."""
     with open(path, "w") as f:
         for i in range(n):
-            f.write(json.dumps({"question": f"What is {i} + {i * 7} plus " + "one " * i + "?", "answer": str(8 * i)}) + "\n")
+            question = f"What is {i} + {i * 7} plus " + "one " * i + "?"
+            f.write(json.dumps({"question": question, "answer": str(8 * i)}) + "\n")
     return path
 
 
@@ -119,9 +123,11 @@ def one_step_module(model_path: str, **config: Any) -> Any:
 
     class SGDGRPOModule(GRPOModule):
         def configure_optimizers(self) -> Any:
-            return torch.optim.SGD([p for p in self.policy.parameters() if p.requires_grad], lr=self.hparams.learning_rate)
+            params = [p for p in self.policy.parameters() if p.requires_grad]
+            return torch.optim.SGD(params, lr=self.hparams.learning_rate)
 
-    config = {"num_generations": 4, "max_new_tokens": 6, "beta": 0.04, "temperature": 0.8, "loss_type": "bnpo", **config}
+    config = {"num_generations": 4, "max_new_tokens": 6, "beta": 0.04, "temperature": 0.8, "loss_type": "bnpo",
+              **config}
     module = SGDGRPOModule(model_path, reward_funcs=[char_sum_reward], config=GRPOConfig(**config),
                            learning_rate=5.0, export_dir="")
     module.rollout_engine = FixedRolloutEngine(module.tokenizer.eos_token_id, module.tokenizer.pad_token_id)
@@ -168,7 +174,8 @@ def run_one_step(model_path: str, data_path: str, strategy: Any, devices: int, p
     recorder = LossRecorder.make()
     trainer = L.Trainer(
         max_steps=1, accelerator="cpu", devices=devices, strategy=strategy, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, callbacks=[recorder], gradient_clip_val=gradient_clip_val,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=[recorder],
+        gradient_clip_val=gradient_clip_val,
     )
     trainer.fit(module, datamodule=PromptDataModule(dataset=data_path, prompts_per_step=prompts_per_step, val_size=0))
     (loss,) = recorder.losses
@@ -300,7 +307,8 @@ def scenario_step(out: Path, model_path: str, data_path: str, tp: int, clip: flo
     name = f"step_tp{tp}"
     if int(os.environ["RANK"]) == 0:
         torch.save(module.policy.state_dict(), out / f"{name}_weights.pt")
-    return {"loss": loss, "grad_norm": grad_norm, "policy_type": type(module.policy).__name__, **_parallel_state_left(groups_before)}
+    return {"loss": loss, "grad_norm": grad_norm, "policy_type": type(module.policy).__name__,
+            **_parallel_state_left(groups_before)}
 
 
 def scenario_train(out: Path, model_path: str, data_path: str) -> dict:

@@ -9,12 +9,11 @@ import math
 
 import pytest
 import torch
+from _algorithm_support import FixedRolloutEngine, fixed_completions, quiet_trainer
 
 from lightning_grpo import GRPOConfig, GRPOModule
 from lightning_grpo import functional as F
 from lightning_grpo.algorithm import sequence_kl
-
-from _algorithm_support import FixedRolloutEngine, fixed_completions, quiet_trainer
 
 PROMPTS = {"prompt": ["first prompt", "second prompt"], "answer": ["1", "2"]}
 
@@ -124,7 +123,8 @@ def test_dynamic_sampling_generates_more_batches_and_fills_when_the_limit_is_hit
 
     module = _module(tiny_llama_path, tmp_path, lengths=[3] * 8, reward_funcs=[primary, length],
                      dynamic_sampling=True, max_num_gen_batches=3)
-    batches = iter([{"prompt": ["c", "d"], "answer": ["odd", "even"]}, {"prompt": ["e", "f"], "answer": ["even", "odd"]}])
+    batches = iter([{"prompt": ["c", "d"], "answer": ["odd", "even"]},
+                    {"prompt": ["e", "f"], "answer": ["even", "odd"]}])
     calls = []
 
     def next_prompt_batch():
@@ -201,5 +201,5 @@ def test_padding_never_changes_the_loss_through_the_module(tiny_llama_path, tmp_
     dirty_loss, dirty_grads = loss_and_grads(dirty)
     assert torch.isfinite(clean_loss) and clean_loss != 0
     torch.testing.assert_close(dirty_loss, clean_loss, atol=1e-6, rtol=0)
-    for a, b in zip(clean_grads, dirty_grads):
+    for a, b in zip(clean_grads, dirty_grads, strict=True):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=0)

@@ -180,7 +180,7 @@ def test_objective_ignores_every_value_at_masked_positions(garbage):
     dirty_values = {k: torch.where(mask.bool(), v, garbage) for k, v in base.items()}
     dirty, dirty_grads = run(dirty_values, torch.tensor([1.0, -2.0, garbage]), garbage)
     assert torch.isfinite(clean) and dirty.item() == clean.item()
-    for a, b in zip(clean_grads, dirty_grads):
+    for a, b in zip(clean_grads, dirty_grads, strict=True):
         assert torch.equal(a, b)
 
 

@@ -41,7 +41,8 @@ def imports_of(path: Path, name: str = "") -> set[str]:
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
-                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+                parts = package.split(".")
+                base = ".".join(parts[: len(parts) - node.level + 1] + ([base] if base else []))
             if base.split(".")[0] != "lightning_grpo":
                 continue
             for alias in node.names:

@@ -5,7 +5,6 @@ references run in this process.
 """
 
 import pytest
-
 from _dist_utils import assert_same_step, load, reference_step, run_worker
 
 CASES = [

@@ -10,9 +10,9 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
+from _dist_utils import assert_same_step, load, reference_step, run_worker
 from transformers import AutoModelForCausalLM
 
-from _dist_utils import assert_same_step, load, reference_step, run_worker
 from lightning_grpo.strategies import FSDP2Strategy, clip_grad_norm_, grad_norm, mixed_precision_policy
 
 FIXED_CASES = [

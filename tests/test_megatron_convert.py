@@ -66,7 +66,7 @@ def test_hf_to_mcore_to_hf_is_bit_exact(cls, config_cls, tied, tp):
     torch.manual_seed(0)
     model = cls(_config(config_cls, tied))
     with torch.no_grad():
-        for name, param in model.named_parameters():
+        for _name, param in model.named_parameters():
             param.normal_()  # biases and norms are not their constant init
     hf_state = model.state_dict()
     arch = Architecture.from_hf_config(model.config)

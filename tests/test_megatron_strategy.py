@@ -24,7 +24,8 @@ CLIP = 0.05  # gradient_clip_val of the one-step runs: well below the gradient n
 @pytest.fixture(scope="module")
 def files(tmp_path_factory, smollm2_path):
     root = tmp_path_factory.mktemp("megatron_strategy")
-    models = {name: megatron_worker.save_tiny_model(str(root / name), smollm2_path, tied=name == "tied", model_type=kind)
+    save = megatron_worker.save_tiny_model
+    models = {name: save(str(root / name), smollm2_path, tied=name == "tied", model_type=kind)
               for name, kind in (("tied", "llama"), ("untied", "llama"), ("qwen2", "qwen2"))}
     return {"models": models, "prompts": megatron_worker.write_prompts(str(root / "prompts.jsonl"))}
 
@@ -56,7 +57,8 @@ def two_processes(tmp_path_factory, files):
 def restore_distributed_env():
     """In-process strategy runs leave Lightning's default process group (as DDP does) and MASTER_* variables:
     remove them after the test."""
-    saved = {k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK")}
+    names = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK")
+    saved = {k: os.environ.get(k) for k in names}
     yield
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
@@ -164,5 +166,6 @@ def test_pipeline_parallel_is_rejected():
 
 
 def test_tensor_parallel_size_must_divide_the_processes(files, restore_distributed_env):
-    with pytest.raises(ValueError, match=r"tensor_model_parallel_size=2\) must divide the number of processes \(world size 1\)"):
+    message = r"tensor_model_parallel_size=2\) must divide the number of processes \(world size 1\)"
+    with pytest.raises(ValueError, match=message):
         megatron_worker.run_one_step(files["models"]["tied"], files["prompts"], MegatronStrategy(2), 1, 4, None)

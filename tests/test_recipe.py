@@ -41,7 +41,7 @@ def test_python_recipe_one_step_on_smollm2(tmp_path, smollm2_path):
     spec = importlib.util.spec_from_file_location("gsm8k_grpo", ROOT / "recipes" / "gsm8k_grpo.py")
     recipe = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(recipe)
-    trainer = recipe.main(max_steps=1, prompts_per_step=1, num_generations=2, max_new_tokens=16, val_size=2, accumulate_grad_batches=1,
-                          root=str(tmp_path))
+    trainer = recipe.main(max_steps=1, prompts_per_step=1, num_generations=2, max_new_tokens=16, val_size=2,
+                          accumulate_grad_batches=1, root=str(tmp_path))
     assert trainer.global_step == 1
     assert [r for r in _rows(tmp_path) if r["val/accuracy"]]

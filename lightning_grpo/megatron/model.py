@@ -81,9 +81,13 @@ class Architecture:
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         legacy_scaling = getattr(config, "rope_scaling", None)
         if rope_type != "default" or (legacy_scaling and legacy_scaling.get("rope_type", "default") != "default"):
-            raise ValueError(f"config.rope_parameters={rope or legacy_scaling!r}: only unscaled RoPE ('default') is supported")
+            raise ValueError(
+                f"config.rope_parameters={rope or legacy_scaling!r}: only unscaled RoPE ('default') is supported"
+            )
         if rope_theta is None:
-            raise ValueError("config has no rope_theta (neither config.rope_parameters['rope_theta'] nor config.rope_theta)")
+            raise ValueError(
+                "config has no rope_theta (neither config.rope_parameters['rope_theta'] nor config.rope_theta)"
+            )
         if model_type == "llama":
             for field in ("attention_bias", "mlp_bias"):
                 if getattr(config, field, False):

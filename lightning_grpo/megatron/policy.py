@@ -211,7 +211,9 @@ class MegatronPolicy(nn.Module):
                 rank after the last weight update. ``MegatronStrategy.on_train_end`` calls it.
         """
         if not (self.hf_model_is_current() and self._hf_loaded):
-            raise RuntimeError("MegatronPolicy.hf_model is stale: call sync_hf_model() on every rank before save_pretrained")
+            raise RuntimeError(
+                "MegatronPolicy.hf_model is stale: call sync_hf_model() on every rank before save_pretrained"
+            )
         assert self.hf_model is not None
         self.hf_model.save_pretrained(path, **kwargs)
 

@@ -75,7 +75,7 @@ def make_math_accuracy(timeout_seconds: Optional[int] = 5) -> Callable[..., list
         if len(answer) != len(completions):
             raise ValueError(f"answer has {len(answer)} entries but there are {len(completions)} completions")
         scores = []
-        for i, (completion, gold_text) in enumerate(zip(completions, answer)):
+        for i, (completion, gold_text) in enumerate(zip(completions, answer, strict=True)):
             gold = parse_gold(gold_text, timeout_seconds)
             if not gold:
                 raise ValueError(f"answer[{i}]={gold_text!r} cannot be parsed by math-verify")

@@ -103,7 +103,7 @@ def _to_floats(values, name: str, n: int) -> list[float]:
     return floats
 
 
-def score_completions(
+def score_completions(  # noqa: C901 - input checks, then one loop
     reward_funcs: Sequence[Callable],
     prompts: list,
     completions: list[str],
@@ -151,7 +151,7 @@ def score_completions(
         raise ValueError(f"tolerant names {unknown} are not reward functions; known: {names}")
 
     per_function = torch.full((n, len(names)), math.nan, dtype=torch.float32)
-    for j, (fn, name) in enumerate(zip(reward_funcs, names)):
+    for j, (fn, name) in enumerate(zip(reward_funcs, names, strict=True)):
         try:
             values = _call(fn, name, prompts, completions, columns)
         except RuntimeError as err:

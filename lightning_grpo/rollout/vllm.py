@@ -207,7 +207,7 @@ class VLLMRolloutEngine:
             **common,
         )
 
-    def generate(
+    def generate(  # noqa: C901 - input checks, then one request
         self, prompt_ids: Sequence[Sequence[int]], num_generations: int, sampling: SamplingConfig
     ) -> RolloutOutput:
         """Sample ``num_generations`` completions for each prompt.
