@@ -86,7 +86,7 @@ class Experience:
             value = getattr(self, name)
             if value is not None:
                 updates[name] = value[:, :end]
-        return replace(self, **updates)
+        return replace(self, **updates)  # type: ignore[arg-type]  # only tensor fields are updated
 
 
 def micro_batches(

@@ -11,7 +11,8 @@ def adamw_with_warmup(params: Iterable[torch.nn.Parameter], learning_rate: float
                       betas: tuple[float, float], warmup_steps: int) -> dict[str, Any]:
     """AdamW (Loshchilov & Hutter 2019) whose learning rate rises linearly from ``lr / (warmup_steps + 1)`` to
     ``lr`` over ``warmup_steps`` optimizer steps and then stays constant; a per-step scheduler."""
-    optimizer = torch.optim.AdamW(list(params), lr=learning_rate, weight_decay=weight_decay, betas=tuple(betas))
+    beta1, beta2 = betas
+    optimizer = torch.optim.AdamW(list(params), lr=learning_rate, weight_decay=weight_decay, betas=(beta1, beta2))
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: min(1.0, (step + 1) / (warmup_steps + 1)) if warmup_steps else 1.0
     )

@@ -5,6 +5,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 [ "${LIGHTNING_GRPO_SKIP_SETUP:-0}" = "1" ] || bash scripts/setup.sh
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1
-# lint and import order first (seconds): the configuration is pyproject.toml's [tool.ruff]
-[ "$#" -gt 0 ] || .venv/bin/ruff check .
+# lint, import order and the pure layer's types first (seconds): pyproject.toml's [tool.ruff] and [tool.mypy]
+if [ "$#" -eq 0 ]; then
+  .venv/bin/ruff check .
+  .venv/bin/mypy
+fi
 .venv/bin/python -m pytest -q -p no:cacheprovider "$@"

@@ -61,7 +61,7 @@ class ScoredRollout:
             value = getattr(self, f.name)
             if isinstance(value, Tensor):
                 updates[f.name] = value[rows.to(value.device)]
-        return replace(self, **updates)
+        return replace(self, **updates)  # type: ignore[arg-type]  # only tensor fields are updated
 
     @staticmethod
     def cat(parts: list["ScoredRollout"]) -> "ScoredRollout":

@@ -36,6 +36,7 @@ def gsm8k_format(prompts: list, completions: list[str], **kwargs) -> list[float]
     """
     scores = []
     for completion in completions:
-        body = completion[: _TRAILER.search(completion).start()]
+        trailer = _TRAILER.search(completion)
+        body = completion if trailer is None else completion[: trailer.start()]
         scores.append(1.0 if _FINAL_LINE.search(body) else 0.0)
     return scores

@@ -214,8 +214,9 @@ def number_value(token: str) -> Optional[Fraction]:
     if latex:  # sign and currency before the fraction are ours; the fraction is math-verify's
         value = _latex_fraction(text[latex.start() :])
         return -value if value is not None and "-" in text[: latex.start()] else value
-    parts = [_decimal(part) for part in _DROPPED.sub("", text).split("/")]
-    if any(part is None for part in parts) or (len(parts) == 2 and parts[1] == 0):
+    parsed = [_decimal(part) for part in _DROPPED.sub("", text).split("/")]
+    parts = [part for part in parsed if part is not None]
+    if len(parts) != len(parsed) or (len(parts) == 2 and parts[1] == 0):
         return None
     return parts[0] if len(parts) == 1 else parts[0] / parts[1]
 

@@ -145,7 +145,7 @@ def score_completions(  # noqa: C901 - input checks, then one loop
             raise ValueError(f"column {key!r} has {len(values)} entries but there are {n} completions")
     weights = [1.0] * len(names) if reward_weights is None else [float(w) for w in reward_weights]
     if len(weights) != len(names) or not all(math.isfinite(w) for w in weights):
-        raise ValueError(f"reward_weights={list(reward_weights)} must be {len(names)} finite numbers, one per function")
+        raise ValueError(f"reward_weights={list(weights)} must be {len(names)} finite numbers, one per function")
     unknown = sorted(set(tolerant) - set(names))
     if unknown:
         raise ValueError(f"tolerant names {unknown} are not reward functions; known: {names}")
