@@ -415,3 +415,24 @@ def test_log_ratio_clamp_is_ours_only(make_trainer):
     torch.testing.assert_close(ours[0, 0], theirs_first * math.exp(-5), rtol=1e-6, atol=0)
     torch.testing.assert_close(ours[0, 1], theirs_second, atol=ATOL, rtol=0)
     assert theirs_first > 1e10
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
+def test_gspo_sequence_ratio_matches_trl(make_trainer, loss_type):
+    """GSPO (``importance_sampling_level="sequence"``, arXiv:2507.18071 eq. 5-7) against TRL 1.16's own sequence-level
+    ratio, off-policy with GSPO's tight clip range (3e-4 / 4e-4), so some sequences are clipped: loss and gradient
+    equal to 1e-6 (TRL puts the sequence's loss on each of its tokens and aggregates by ``loss_type``, as ours)."""
+    d = _data(seed=29)
+    eps_low, eps_high = 3e-4, 4e-4
+    old = d["logps"].detach() + 1e-3 * torch.randn(d["logps"].shape, generator=torch.Generator().manual_seed(5))
+    config = GRPOConfig(loss_type=loss_type, max_new_tokens=T, importance_sampling_level="sequence",
+                        epsilon_low=eps_low, epsilon_high=eps_high)
+    trainer = make_trainer(loss_type=loss_type, importance_sampling_level="sequence", epsilon=eps_low,
+                           epsilon_high=eps_high)
+    ours = _value_and_grads(lambda lp: grpo_objective(lp, d["mask"], d["advantages"], config,
+                                                      old_logprobs=old).loss, d["logps"])
+    theirs = _value_and_grads(lambda lp: _trl_loss(trainer, lp, d["mask"], d["advantages"], old=old), d["logps"])
+    _assert_same(ours, theirs)
+    out = grpo_objective(d["logps"], d["mask"], d["advantages"], config, old_logprobs=old)
+    clipped = (out.clip.low | out.clip.high) & out.mask
+    assert clipped.any() and not clipped.all()  # some sequences clipped, some not
