@@ -1,4 +1,4 @@
-"""Shared parts of ``benchmarks/vs_trl.py`` and ``benchmarks/scaling.py``: models, prompts, the trainer workers.
+"""Shared parts of ``benchmarks/vs_trl.py``, ``scaling.py`` and ``lora.py``: models, prompts, the trainer workers.
 
 Every measured training run happens in a fresh subprocess (:func:`run_worker`), so its peak RSS
 (``resource.getrusage(RUSAGE_SELF).ru_maxrss``) is that of one trainer alone, and no run inherits another's
@@ -317,6 +317,7 @@ def run_ours(spec: dict) -> dict:
         learning_rate=spec["learning_rate"],
         dtype="float32",
         export_dir="",
+        lora=spec.get("lora"),  # benchmarks/lora.py: peft.LoraConfig fields, or None (full fine-tuning)
     )
     batches = prompt_batches(spec["steps"], spec["prompts_per_step"], spec["seed"], spec.get("data_dir"))
     prompt_tokens = [spec["num_generations"] * sum(prompt_lengths(module.tokenizer, b["prompt"])) for b in batches]
@@ -351,6 +352,7 @@ def run_ours(spec: dict) -> dict:
     inner = [m.get(STEP_KEY) for m in step_metrics]
     return {
         "steps": _step_rows(clock.ends, generated, prompt_tokens, step_metrics, inner),
+        "trainable_params": sum(p.numel() for p in module.policy.parameters() if p.requires_grad),
         "accumulate_grad_batches": accumulate,
         "config": dataclasses.asdict(config),
         "ignored_options": ignored,

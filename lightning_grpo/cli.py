@@ -9,6 +9,7 @@ field with the attribute docstring written below it in :class:`lightning_grpo.co
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Optional, Sequence
 
 from jsonargparse import set_parsing_settings
@@ -43,6 +44,8 @@ class GRPOCLI(LightningCLI):
         # GRPOConfig documents each field by the string below it (as litgpt does); jsonargparse reads those only
         # with attribute docstrings on, which must be set before the model's arguments are added to the parser.
         set_parsing_settings(docstring_parse_attribute_docstrings=True)
+        # the parser builds model.lora's default LoftQConfig, which peft.LoraConfig then warns that it ignores
+        warnings.filterwarnings("ignore", message="`loftq_config` specified but will be ignored", category=UserWarning)
         return super().init_parser(**kwargs)
 
     def add_arguments_to_parser(self, parser) -> None:  # noqa: ANN001 - jsonargparse parser

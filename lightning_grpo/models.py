@@ -369,8 +369,8 @@ DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 
 
 def load_policy(model: Union[str, nn.Module, None], tokenizer: Union[str, PreTrainedTokenizerBase, None],
-                dtype: str = "float32",
-                gradient_checkpointing: bool = False) -> tuple[nn.Module, PreTrainedTokenizerBase, Optional[str]]:
+                dtype: str = "float32", gradient_checkpointing: bool = False,
+                quantization_config: object = None) -> tuple[nn.Module, PreTrainedTokenizerBase, Optional[str]]:
     """The policy, its tokenizer and its folder (None for a module without one).
 
     Args:
@@ -378,12 +378,14 @@ def load_policy(model: Union[str, nn.Module, None], tokenizer: Union[str, PreTra
         tokenizer: a tokenizer, its id/folder, or None (loaded from ``model``'s folder).
         dtype: "float32", "bfloat16" or "float16" (weights loaded from a folder or id).
         gradient_checkpointing: recompute activations in backward (``use_cache`` off).
+        quantization_config: ``from_pretrained``'s (a ``transformers.BitsAndBytesConfig``), for a folder or id only.
 
     Returns:
         ``(policy, tokenizer, model_path)``; the policy in train mode, the tokenizer with a pad token (eos if none).
 
     Raises:
-        ValueError: ``model`` is a module and ``tokenizer`` is None; ``dtype`` unknown.
+        ValueError: ``model`` is a module and ``tokenizer`` is None or ``quantization_config`` is set; ``dtype``
+            unknown.
     """
     import torch
     from torch import nn
@@ -394,11 +396,14 @@ def load_policy(model: Union[str, nn.Module, None], tokenizer: Union[str, PreTra
     if isinstance(model, nn.Module):
         if tokenizer is None:
             raise ValueError("tokenizer is required when model is an nn.Module")
+        if quantization_config is not None:
+            raise ValueError("quantization is applied when loading from a folder or hub id, not to an nn.Module model")
         model_path: Optional[str] = getattr(getattr(model, "config", None), "_name_or_path", None) or None
         policy = model
     else:
         model_path = resolve_model_path(model)
-        policy = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, DTYPES[dtype]))
+        policy = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, DTYPES[dtype]),
+                                                      quantization_config=quantization_config)
         policy.train()  # from_pretrained returns eval mode; Lightning expects train mode at fit start
     if tokenizer is None or isinstance(tokenizer, str):
         tokenizer = AutoTokenizer.from_pretrained(tokenizer or model_path)

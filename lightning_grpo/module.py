@@ -10,10 +10,11 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from typing import Any, Callable, Iterator, Optional, Sequence, Union
+from typing import Any, Callable, Iterator, Literal, Optional, Sequence, Union
 
 import lightning as L
 import torch
+from peft import LoraConfig
 from torch import Tensor, nn
 from torchmetrics import MeanMetric
 from transformers import PreTrainedTokenizerBase
@@ -26,8 +27,8 @@ from lightning_grpo.experience_maker import ExperienceMaker
 from lightning_grpo.fault_tolerance import Preemption
 from lightning_grpo.logprobs import CompletionLogprobs
 from lightning_grpo.loop import install_loop
+from lightning_grpo.lora import export_policy, load_lora_policy, lora_settings, reference_for, trim_frozen_weights
 from lightning_grpo.metrics import StepMetrics, StepTimer
-from lightning_grpo.models import FrozenReference, load_policy, save_policy
 from lightning_grpo.nonfinite import NonFiniteGuard, check_finite_checkpoint
 from lightning_grpo.optim import adamw_with_warmup
 from lightning_grpo.rewards import RewardSet, RewardSpec
@@ -64,6 +65,10 @@ class GRPOModule(L.LightningModule):
         tolerant_reward_funcs: names (as in ``rewards/<name>/mean``) of reward functions whose exceptions become
             missing rewards (logged as a warning) instead of stopping the run; any other reward function that
             raises stops the run with its name and the index of the failing sample.
+        lora: train LoRA adapters on the frozen base: a ``peft.LoraConfig`` or a dict of its fields
+            (:mod:`lightning_grpo.lora`); the KL reference is the base (adapters off); checkpoints hold the adapters.
+        quantization: "4bit" or "8bit": a bitsandbytes-quantized frozen base for ``lora`` (CUDA only).
+        export_merged: with ``lora``, also export the merged model to ``<export_dir>/merged``.
 
     Raises:
         ValueError: a bad argument (named in the message).
@@ -85,20 +90,24 @@ class GRPOModule(L.LightningModule):
         gradient_checkpointing: bool = False,
         export_dir: Optional[str] = None,
         tolerant_reward_funcs: Sequence[str] = (),
+        lora: Optional[LoraConfig] = None,
+        quantization: Optional[Literal["4bit", "8bit"]] = None,
+        export_merged: bool = False,
     ) -> None:
         super().__init__()
-        # a copy: the shared default instance (and a caller's config) must not change with this module's
         self.config = GRPOConfig(**config) if isinstance(config, dict) else dataclasses.replace(config or GRPOConfig())
         # hyperparameters are stored as plain data so checkpoints load with torch.load(weights_only=True)
-        self.save_hyperparameters(ignore=["model", "tokenizer", "reward_funcs", "accuracy_reward", "config"])
-        self.hparams["config"] = dataclasses.asdict(self.config)
+        self.save_hyperparameters(ignore=["model", "tokenizer", "reward_funcs", "accuracy_reward", "config", "lora"])
+        settings = lora_settings(lora, quantization, dtype, export_merged, self.config.rollout_engine)
+        self.hparams.update(config=dataclasses.asdict(self.config), lora=settings.hparams)
         self.hparams["model"] = model if isinstance(model, str) or model is None else type(model).__name__
         check_optimizer_arguments(learning_rate, weight_decay, adam_betas, warmup_steps, dtype)
         self.rewards = RewardSet.from_specs(reward_funcs, reward_weights, tolerant_reward_funcs,
                                             primary=self.config.primary_reward, accuracy=accuracy_reward)
-        self.policy, self.tokenizer, self.model_path = load_policy(model, tokenizer, dtype, gradient_checkpointing)
-        # the reference policy is kept out of the module tree: frozen, never checkpointed or optimized
-        self._reference = FrozenReference.copy_of(self.policy) if self.config.beta > 0 else FrozenReference()
+        self.policy, self.tokenizer, self.model_path = load_lora_policy(model, tokenizer, dtype,
+                                                                        gradient_checkpointing, settings)
+        self._reference = reference_for(self.policy, self.config.beta)  # outside the module tree; LoRA: adapters off
+        trim_frozen_weights(self)  # LoRA: checkpoints hold the adapters only
         self.backend: ParallelBackend = LocalBackend()  # the trainer's backend from configure_model on
         self.rollout = RolloutWorker(self.config, self.tokenizer)
         self.logprobs = CompletionLogprobs(self.config, is_sharded=lambda m: self.backend.is_sharded(m))
@@ -153,11 +162,7 @@ class GRPOModule(L.LightningModule):
     # ------------------------------------------------------------------ what the loop calls (loop.ExperienceSource)
     def micro_batches_per_rollout(self) -> Optional[int]:
         """``training_step`` calls per rollout: num_iterations * mini-batches * accumulate_grad_batches; None with
-        ``max_tokens_per_microbatch`` (the token budget decides, rollout by rollout).
-
-        Raises:
-            ValueError: the datamodule does not say how many prompts a rollout batch has (``prompts_per_step``).
-        """
+        ``max_tokens_per_microbatch`` (the token budget decides). Raises as :meth:`steps_per_rollout`."""
         steps = self.steps_per_rollout()  # checks the datamodule
         return None if self.config.max_tokens_per_microbatch else steps * self.trainer.accumulate_grad_batches
 
@@ -169,10 +174,8 @@ class GRPOModule(L.LightningModule):
         """
         prompts = getattr(getattr(self.trainer, "datamodule", None), "prompts_per_step", None)
         if prompts is None:
-            raise ValueError(
-                "GRPO needs the datamodule's prompts_per_step (prompts per rollout batch): pass a "
-                "lightning_grpo.data.PromptDataModule or a LightningDataModule with that attribute"
-            )
+            raise ValueError("GRPO needs the datamodule's prompts_per_step (prompts per rollout batch): pass a "
+                             "lightning_grpo.data.PromptDataModule or a LightningDataModule with that attribute")
         n = prompts * self.config.num_generations
         return self.config.num_iterations * (n // (self.config.mini_batch_size or n))
 
@@ -219,8 +222,7 @@ class GRPOModule(L.LightningModule):
     def completion_logprobs(
         self, model: nn.Module, batch: Experience, with_entropy: bool = False, entropy_grad: bool = False
     ) -> tuple[Tensor, Optional[Tensor]]:
-        """Per-token logprobs ``(B, T)`` float32 (and entropy) of ``batch``'s completions under ``model``
-        (:class:`lightning_grpo.logprobs.CompletionLogprobs`)."""
+        """Per-token logprobs ``(B, T)`` float32 (and entropy) of ``batch``'s completions under ``model`` (logprobs)."""
         return self.logprobs(model, batch, with_entropy=with_entropy, entropy_grad=entropy_grad)
 
     # ------------------------------------------------------------------ training
@@ -274,12 +276,9 @@ class GRPOModule(L.LightningModule):
         counts = self.nonfinite.before_optimizer_step(self.global_step, norm, optimizer, check_grad_norm=scaler is None)
         self.log_dict(counts, on_step=True, on_epoch=False, batch_size=1)
 
-    def configure_gradient_clipping(
-        self,
-        optimizer: torch.optim.Optimizer,
-        gradient_clip_val: Optional[Union[int, float]] = None,
-        gradient_clip_algorithm: Optional[str] = None,
-    ) -> None:
+    def configure_gradient_clipping(self, optimizer: torch.optim.Optimizer,
+                                    gradient_clip_val: Optional[Union[int, float]] = None,
+                                    gradient_clip_algorithm: Optional[str] = None) -> None:
         """``Trainer(gradient_clip_val=...)``; by the norm of the full gradient also under FSDP and Megatron
         (the backend's ``clip_gradients``)."""
         self.backend.clip_gradients(self.policy, optimizer, gradient_clip_val, gradient_clip_algorithm,
@@ -341,7 +340,7 @@ class GRPOModule(L.LightningModule):
         if path:
             state_dict = self.backend.export_state_dict(self.policy)  # when sharded a collective: every rank gathers
             if self.trainer.is_global_zero:
-                save_policy(self.policy, self.tokenizer, path, state_dict)
+                export_policy(self.policy, self.tokenizer, path, state_dict, merged=self.hparams.export_merged)
 
     def export_path(self) -> Optional[str]:
         """The HF export folder (see ``export_dir``), or None when disabled."""

@@ -156,7 +156,13 @@ def fixed_step(cfg: dict) -> None:
         model = case.get("model", cfg["model"])
         fixed = fixed_experience(num_prompts, g, AutoConfig.from_pretrained(model).vocab_size)
         module = FixedExperienceModule(model, reward_funcs=[lambda p, c, **k: [0.0] * len(c)], config=config,
-                                       learning_rate=1e-3, fixed=fixed, num_generations=g, export_dir="")
+                                       learning_rate=1e-3, fixed=fixed, num_generations=g, export_dir="",
+                                       lora=case.get("lora"))
+        if case.get("lora"):  # LoRA's B starts at 0 (no gradient for A): a random B makes every adapter move
+            with torch.no_grad():
+                for name, param in module.policy.named_parameters():
+                    if "lora_B" in name:
+                        param.normal_(0.0, 0.1)
         recorder = StepRecorder()
         trainer = L.Trainer(
             accelerator="cpu", devices=cfg["devices"], strategy=make_strategy(case["strategy"]), max_steps=1,
@@ -238,7 +244,7 @@ def grpo_run(cfg: dict) -> None:
 
     def module(export_dir):
         return ProfiledModule(cfg["model"], reward_funcs=[index_reward], config=config, learning_rate=1e-3,
-                              export_dir=export_dir)
+                              export_dir=export_dir, lora=cfg.get("lora"), export_merged=bool(cfg.get("lora")))
 
     def datamodule():
         return PromptDataModule(dataset=data, prompts_per_step=2, val_split="train", val_size=4, val_batch_size=2)

@@ -2,8 +2,9 @@
 
 Usage: ``python tests/_resume_worker.py '<json spec>'``. Spec keys: ``model``, ``data``, ``out`` (folder: steps.jsonl
 gets one line per optimizer step, final.pt the final weights), ``ckpt`` (checkpoint folder), ``max_steps``,
-``accumulate``, ``config`` (GRPOConfig fields), ``kill`` (``{"at": "rollout" | "micro_batch" | "save" |
-"second_update", "step": k}`` or null) and ``resume`` (fit with ``ckpt_path="last"``).
+``accumulate``, ``config`` (GRPOConfig fields), ``lora`` (``peft.LoraConfig`` fields, optional), ``kill``
+(``{"at": "rollout" | "micro_batch" | "save" | "second_update", "step": k}`` or null) and ``resume`` (fit with
+``ckpt_path="last"``).
 """
 
 import json
@@ -76,7 +77,8 @@ def main(spec: dict) -> None:
     STATE["kill"] = None if spec.get("resume") else spec.get("kill")
     L.seed_everything(0, verbose=False)
     config = GRPOConfig(**{"num_generations": 4, "max_new_tokens": 8, "temperature": 1.0, **spec["config"]})
-    module = GRPOModule(spec["model"], reward_funcs=[length_reward], config=config, learning_rate=1e-3, export_dir="")
+    module = GRPOModule(spec["model"], reward_funcs=[length_reward], config=config, learning_rate=1e-3, export_dir="",
+                        lora=spec.get("lora"))
     data = PromptDataModule(dataset=spec["data"], prompts_per_step=2, val_size=0, answer_format="raw",
                             system_prompt=None, seed=3)
     checkpoint = ModelCheckpoint(dirpath=spec["ckpt"], every_n_train_steps=1, save_last=True)

@@ -10,6 +10,9 @@ from _dist_utils import assert_same_step, load, reference_step, run_worker
 CASES = [
     {"name": "ddp_grpo", "strategy": {"name": "ddp"}, "loss_type": "grpo", "beta": 0.04, "gradient_clip_val": 0.05},
     {"name": "ddp_dapo", "strategy": {"name": "ddp"}, "loss_type": "dapo"},
+    # LoRA adapters (random B) on the frozen base; the KL reference is the same module with its adapters off
+    {"name": "ddp_lora", "strategy": {"name": "ddp"}, "loss_type": "grpo", "beta": 0.04, "gradient_clip_val": 0.05,
+     "lora": {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj", "up_proj"]}},
 ]
 
 
@@ -29,3 +32,6 @@ def test_ddp_two_ranks_match_one_process_on_fixed_experience(ddp_runs, name):
     assert reference["metrics"]["loss"] != 0.0  # fixed advantages are not group-centred: a real loss
     assert not any(r["sharded"] for r in ranks)
     assert_same_step(reference, ranks)
+    if "lora" in name:  # only the adapters have gradients (and so moved)
+        with_grad = {n for n, g in reference["grads"].items() if g is not None}
+        assert with_grad and with_grad == {n for n in reference["grads"] if "lora_" in n}

@@ -22,6 +22,9 @@ FIXED_CASES = [
     # token-level loss, activation checkpointing, layers kept unsharded until backward, tied embeddings
     {"name": "fsdp2_dapo", "loss_type": "dapo", "tied": True,
      "strategy": {"name": "grpo_fsdp2", "activation_checkpointing": True, "reshard_after_forward": False}},
+    # LoRA adapters (random B) on the frozen sharded base; the KL reference is the policy with its adapters off
+    {"name": "fsdp2_lora", "strategy": {"name": "grpo_fsdp2"}, "loss_type": "grpo", "beta": 0.04,
+     "gradient_clip_val": 0.05, "lora": {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj", "up_proj"]}},
     # Lightning's FSDP1 strategy (run on CPU through a subclass that only lifts Lightning's CUDA-only guard)
     {"name": "fsdp1_grpo", "strategy": {"name": "fsdp1_cpu"}, "loss_type": "grpo", "beta": 0.04,
      "gradient_clip_val": 0.05},
@@ -140,6 +143,45 @@ def test_fsdp2_grpo_run_with_vllm_engine(tmp_path, tiny_llama_path):
     for step, row in enumerate(rows):
         step_indices = ranks[0]["rollouts"][step]["index"] + ranks[1]["rollouts"][step]["index"]
         assert float(row["reward"]) == pytest.approx(sum(step_indices) / 4 + 0.5)
+
+
+LORA = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj", "up_proj"]}
+
+
+def test_fsdp2_lora_run_checkpoints_adapters_resumes_and_exports(tmp_path, tiny_llama_path):
+    """The 2-rank FSDP2 GRPO run with LoRA (export_merged): rollouts gather the policy once, the reference pass (the
+    policy, adapters off) once more; the distributed checkpoint holds the adapters only and resumes to the same
+    weights and optimizer step; the frozen base never moves; the exports load with PEFT and transformers."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from torch.distributed.checkpoint import FileSystemReader
+
+    run_worker({"scenario": "grpo_run", "model": tiny_llama_path, "strategy": {"name": "grpo_fsdp2"}, "lora": LORA},
+               tmp_path, timeout=600)
+    ranks = load(tmp_path, "grpo_run", 2)
+    fresh = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_llama_path), LoraConfig(**LORA)).state_dict()
+    for r in ranks:
+        assert r["global_step"] == 3 and r["policy_groups"] == 3 and r["ref_groups"] == 3  # the same 3 groups
+        assert [rollout["all_gathers"] for rollout in r["rollouts"]] == [3 + 3] * 3
+        resume = r["resume"]
+        assert resume["start_global_step"] == 3 and resume["start_adam_steps"] == [3.0]
+        assert resume["end_global_step"] == 4 and resume["optimizer_steps"] == 1
+        for name, value in r["final_weights"].items():
+            torch.testing.assert_close(resume["start_weights"][name], value, rtol=0, atol=0)
+            if "lora_" not in name:
+                assert torch.equal(value, fresh[name]), f"base weight {name} moved"
+        assert any(not torch.equal(v, fresh[n]) for n, v in r["final_weights"].items() if "lora_B" in n)
+    saved = FileSystemReader(ranks[0]["last_ckpt"]).read_metadata().state_dict_metadata
+    weights = [key for key in saved if key.startswith("state_dict.")]
+    assert len(weights) == 12 and all("lora_" in key for key in weights)  # 2 layers x 3 targets x (A, B)
+    export, final = Path(ranks[0]["export_dir"]), ranks[0]["final_weights"]
+    adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_llama_path), str(export))
+    for name, value in adapted.state_dict().items():
+        torch.testing.assert_close(value, final[name.replace(".lora_A.weight", ".lora_A.default.weight")
+                                               .replace(".lora_B.weight", ".lora_B.default.weight")], rtol=0, atol=0)
+    merged = AutoModelForCausalLM.from_pretrained(str(export / "merged")).eval()
+    ids = torch.arange(100, 116).reshape(2, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(merged(ids).logits, adapted.eval()(input_ids=ids).logits, atol=1e-5, rtol=0)
 
 
 # ------------------------------------------------------------------------------------ single-process units

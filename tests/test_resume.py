@@ -79,6 +79,11 @@ CASES = {
                          [{"at": "micro_batch", "step": 1}, {"at": "rollout", "step": 2}]),
     "token_budget": (dict(max_steps=6, config={"max_tokens_per_microbatch": 96}),
                      [{"at": "micro_batch", "step": 2}, {"at": "rollout", "step": 5}]),
+    # adapters-only checkpoints (the base is rebuilt from the model folder), KL to the adapters-off reference
+    "lora": (dict(max_steps=6, accumulate=2, config={"beta": 0.1},
+                  lora={"r": 4, "lora_alpha": 8, "lora_dropout": 0.1, "target_modules": ["q_proj", "v_proj", "up_proj"],
+                        "modules_to_save": ["lm_head"]}),
+             [{"at": "micro_batch", "step": 1}, {"at": "save", "step": 3}, {"at": "rollout", "step": 4}]),
 }
 
 
@@ -92,6 +97,9 @@ def test_killed_and_resumed_runs_match_the_uninterrupted_run(case, tmp_path, tin
     assert max(r["epoch"] for r in ref_steps.values()) >= (1 if case != "dynamic_sampling" else 0)
     for i, kill in enumerate(kills):
         _assert_same_run(reference, _train(tmp_path, f"killed_{i}", tiny_llama_path, data_file, kill=kill, **settings))
+    if "lora" in settings:  # what was resumed from: adapters only (the base is rebuilt from the model folder)
+        state = torch.load(tmp_path / "reference" / "ckpt" / "last.ckpt", weights_only=True)["state_dict"]
+        assert len(state) == 13 and all("lora_" in key or "modules_to_save" in key for key in state)
 
 
 @pytest.mark.slow

@@ -338,3 +338,43 @@ def test_checkpoint_generation_config_never_changes_vllm_rollouts(untied, pollut
     torch.testing.assert_close(runs[1].sampler_logprobs, runs[0].sampler_logprobs, atol=ATOL, rtol=0)
     torch.testing.assert_close(runs[1].sampler_logprobs, trainer_logprobs(untied.model, runs[1], 0.9), atol=ATOL,
                                rtol=0)
+
+
+@pytest.mark.parametrize("which", ["untied", "tied"])
+def test_sync_weights_of_a_lora_policy_sends_merged_weights(request, which):
+    """A PEFT LoRA policy (random B, so the adapters matter; ``modules_to_save`` on the untied head) is synced merged
+    (W0 + scaling * B A from the tensors): the engine's greedy completions are the adapted model's, and its sampler
+    logprobs are the adapted model's to 1e-4. The trained module is not changed by the sync (its base weights stay
+    bitwise W0)."""
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+
+    pair = request.getfixturevalue(which)
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "gate_proj", "down_proj"],
+                      modules_to_save=None if which == "tied" else ["lm_head"])
+    policy = get_peft_model(copy.deepcopy(pair.model), lora).eval()
+    with torch.no_grad():
+        generator = torch.Generator().manual_seed(5)
+        for name, param in policy.named_parameters():
+            if "lora_B" in name or "modules_to_save" in name:
+                param.add_(torch.randn(param.shape, generator=generator) * 0.5)
+    base = {n: p.detach().clone() for n, p in policy.named_parameters() if "base_layer" in n}
+    prompts = _token_prompts(seed=6, count=2, length=20, vocab=pair.model.config.vocab_size)
+    sampling = SamplingConfig(max_new_tokens=8, greedy=True)
+    try:
+        pair.engine.sync_weights(policy)
+        out = pair.engine.generate(prompts, num_generations=1, sampling=sampling)
+        reference = HFRolloutEngine(policy.get_base_model(), pair.tokenizer).generate(prompts, 1, sampling)
+        assert torch.equal(out.completion_ids, reference.completion_ids)
+        before = HFRolloutEngine(pair.model, pair.tokenizer).generate(prompts, 1, sampling)
+        assert not torch.equal(before.completion_ids, reference.completion_ids), "the adapters must change outputs"
+        torch.testing.assert_close(out.sampler_logprobs, hf_logprobs(policy, out, 1.0, 1.0), atol=ATOL, rtol=0)
+        sampled = pair.engine.generate(prompts, num_generations=2, sampling=SamplingConfig(8, temperature=0.8))
+        expected = trainer_logprobs(policy, sampled, 0.8)
+        torch.testing.assert_close(sampled.sampler_logprobs, expected, atol=ATOL, rtol=0)
+        for name, param in policy.named_parameters():
+            if "base_layer" in name:
+                assert torch.equal(param, base[name])
+    finally:
+        pair.engine.sync_weights(pair.model)  # the engine again holds its pair's weights, for the other tests

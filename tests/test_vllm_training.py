@@ -58,3 +58,43 @@ def test_three_steps_with_vllm_rollouts(tmp_path, tiny_tied_llama_path, top_p):
     torch.testing.assert_close(
         module.policy.lm_head.weight, module.policy.model.embed_tokens.weight, rtol=0, atol=0
     )
+
+
+class OnPolicyLogprobs(Callback):
+    """At the first micro-batch of each rollout (before any update from it): the sampler's logprobs and the trainer's
+    recomputation on the current weights, over the completion tokens."""
+
+    def __init__(self):
+        self.pairs = []
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx):
+        if batch.on_policy and batch.step_start and batch.sampler_logprobs is not None:
+            trainer_logprobs = module.logprobs.batched(module.policy, batch, micro_batch_size=len(batch))
+            base_logprobs = module.logprobs.batched(module.ref_model, batch, micro_batch_size=len(batch))
+            mask = batch.completion_mask.bool()
+            self.pairs.append((batch.sampler_logprobs[mask], trainer_logprobs[mask], base_logprobs[mask]))
+
+
+def test_lora_with_vllm_rollouts_samples_from_the_merged_adapted_policy(tmp_path, tiny_tied_llama_path):
+    """LoRA + vLLM: after each step the engine gets W0 + scaling * B A; the sampler logprobs of every rollout equal
+    the trainer's logprobs of the adapted policy to 1e-4, while the adapters move and the base weights stay."""
+    from peft import LoraConfig
+
+    config = GRPOConfig(num_generations=4, max_new_tokens=8, rollout_engine="vllm", vllm_kv_cache_space_gib=1,
+                        max_prompt_length=256, beta=0.05)
+    lora = LoraConfig(r=4, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "up_proj"])
+    module = GRPOModule(tiny_tied_llama_path, reward_funcs=[_alternating], config=config, learning_rate=5e-2,
+                        lora=lora, export_dir="")
+    base = {n: p.detach().clone() for n, p in module.policy.named_parameters() if not p.requires_grad}
+    probe = OnPolicyLogprobs()
+    trainer = L.Trainer(max_steps=3, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, callbacks=[probe], default_root_dir=str(tmp_path))
+    trainer.fit(module, datamodule=PromptDataModule(prompts_per_step=2, val_size=0))
+    assert trainer.global_step == 3 and len(probe.pairs) == 3
+    for step, (sampler, recomputed, base_model) in enumerate(probe.pairs):
+        torch.testing.assert_close(sampler, recomputed, atol=1e-4, rtol=0)
+        if step > 0:  # B started at 0: from the second rollout on the adapters change the logprobs, so a stale
+            assert (recomputed - base_model).abs().max() > 1e-3  # engine (base weights) would fail the line above
+    for name, param in module.policy.named_parameters():
+        if name in base:
+            assert torch.equal(param, base[name]), name

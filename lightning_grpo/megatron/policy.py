@@ -17,6 +17,7 @@ from torch import Tensor, nn
 from lightning_grpo.megatron.convert import iter_hf_weights, load_hf_state_dict, param_maps
 from lightning_grpo.megatron.logprobs import vocab_parallel_logprobs
 from lightning_grpo.megatron.model import Architecture, build_gpt_model
+from lightning_grpo.rollout.weights import lora_layers
 
 
 def causal_mask(length: int, device: torch.device) -> Tensor:
@@ -95,8 +96,13 @@ class MegatronPolicy(nn.Module):
 
         Raises:
             ValueError: unsupported architecture or TP size (see
-                :meth:`lightning_grpo.megatron.model.Architecture.from_hf_config`).
+                :meth:`lightning_grpo.megatron.model.Architecture.from_hf_config`); a PEFT LoRA model
+                (``GRPOModule(lora=...)`` under ``MegatronStrategy``).
         """
+        if lora_layers(hf_model):
+            raise ValueError("GRPOModule(lora=...) is not supported with MegatronStrategy: the policy is converted to "
+                             "megatron-core layers, which carry no PEFT adapters; use strategy='grpo_fsdp2', 'ddp' "
+                             "or a single device")
         arch = Architecture.from_hf_config(hf_model.config)
         dtype = params_dtype or next(hf_model.parameters()).dtype
         model = build_gpt_model(arch, tensor_model_parallel_size, dtype, use_transformer_engine, **config_overrides)

@@ -25,20 +25,23 @@ from lightning_grpo.rollout.base import RolloutEngine, RolloutOutput, SamplingCo
 from lightning_grpo.rollout.hf import HFRolloutEngine
 from lightning_grpo.rollout.prompts import encode_prompts
 from lightning_grpo.rollout.vllm import VLLMRolloutEngine
+from lightning_grpo.rollout.weights import merged_state_dict
 
 
 def make_engine(config: GRPOConfig, policy: nn.Module, tokenizer: PreTrainedTokenizerBase,
                 model_path: Optional[str], stop: Optional[StopFlag] = None) -> RolloutEngine:
-    """The rollout engine ``config.rollout_engine`` names: ``"hf"`` (generates with ``policy``) or ``"vllm"`` (a
-    colocated engine loaded from ``model_path``; an ``nn.Module`` given without a folder is saved to a temporary
-    one first: its weights follow by ``sync_weights``). ``stop``: the flag the engine polls while it generates."""
+    """The rollout engine ``config.rollout_engine`` names: ``"hf"`` (generates with ``policy``; with a PEFT policy,
+    with its transformers model, whose layers carry the adapters) or ``"vllm"`` (a colocated engine loaded from
+    ``model_path``; an ``nn.Module`` given without a folder is saved to a temporary one first, LoRA merged: its
+    weights follow by ``sync_weights``). ``stop``: the flag the engine polls while it generates."""
+    model = policy.get_base_model() if callable(getattr(policy, "get_base_model", None)) else policy
     if config.rollout_engine != "vllm":
-        return HFRolloutEngine(policy, tokenizer, stop=stop)
+        return HFRolloutEngine(model, tokenizer, stop=stop)
     path = model_path
     if path is None or not os.path.isdir(path):
         path = tempfile.mkdtemp(prefix="lightning_grpo_vllm_")
-        policy.config.save_pretrained(path)
-        policy.save_pretrained(path)
+        model.config.save_pretrained(path)
+        model.save_pretrained(path, state_dict=merged_state_dict(policy) if model is not policy else None)
         tokenizer.save_pretrained(path)
     dtype = next(policy.parameters()).dtype
     return VLLMRolloutEngine(

@@ -38,11 +38,12 @@ def is_fsdp1(model: nn.Module) -> bool:
 
 
 def is_sharded(model: nn.Module) -> bool:
-    """Whether ``model`` is sharded by FSDP2 (``fully_shard``) or wrapped by FSDP1: each forward call then
-    all-gathers the parameters, so callers should make few, large forward calls."""
+    """Whether ``model`` is sharded by FSDP2 (``fully_shard``) or wrapped by FSDP1, itself or inside a wrapper (a
+    PEFT model, the LoRA reference policy): each forward call then all-gathers the parameters, so callers should
+    make few, large forward calls."""
     from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 
-    return isinstance(model, (FullyShardedDataParallel, FSDPModule))
+    return any(isinstance(m, (FullyShardedDataParallel, FSDPModule)) for m in model.modules())
 
 
 @contextlib.contextmanager

@@ -11,9 +11,10 @@ What :class:`FSDP2Backend` (the backend of any ``ModelParallelStrategy``) does t
 
 * ``fully_shard`` on every decoder layer (the classes in the HF model's ``_no_split_modules``), then on the
   root (the rest: embeddings, final norm, LM head, which must stay in one group when embeddings are tied), for
-  the policy and for the frozen reference policy (``beta > 0``). Every parameter becomes a ``DTensor`` shard
-  (``Shard(0)`` on the data-parallel mesh); the reference policy is never held in full on any rank outside a
-  forward.
+  the policy and for the frozen reference policy (``beta > 0``); of a LoRA policy (:mod:`lightning_grpo.lora`),
+  its transformers model is the root, and its reference policy is the same module (nothing more to shard). Every
+  parameter becomes a ``DTensor`` shard (``Shard(0)`` on the data-parallel mesh); the reference policy is never
+  held in full on any rank outside a forward.
 * Rollouts: each rank generates for its own prompts (Lightning's ``DistributedSampler`` splits the prompt
   batches; the G completions of a prompt are sampled on the rank that holds the prompt, so groups are never
   split). With FSDP2 every forward of a sharded layer all-gathers it, so ``generate`` would all-gather every
@@ -44,6 +45,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from lightning_grpo.lora import is_lora
 from lightning_grpo.rollout.hf import HFRolloutEngine
 from lightning_grpo.strategies._gather import (
     RESHARD_ATTR,
@@ -251,7 +253,9 @@ class FSDP2Backend(LocalBackend):
                         "gradient checkpointing (transformers' supports_gradient_checkpointing)"
                     )
                 policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-            shard_model(policy, dp_mesh, reshard_after_forward=settings.reshard_after_forward, **kwargs)
+            # a PEFT (LoRA) policy: its transformers model is the root, which the HF engine generates with
+            root = policy.get_base_model() if is_lora(policy) else policy
+            shard_model(root, dp_mesh, reshard_after_forward=settings.reshard_after_forward, **kwargs)
         if ref is not None and not is_fsdp2(ref):
             shard_model(ref, dp_mesh, reshard_after_forward=True, root_reshard_after_forward=True, **kwargs)
         if isinstance(engine, HFRolloutEngine):

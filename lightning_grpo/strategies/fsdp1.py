@@ -28,6 +28,7 @@ from lightning.pytorch.strategies import FSDPStrategy
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from lightning_grpo.lora import is_lora
 from lightning_grpo.rollout.hf import HFRolloutEngine
 from lightning_grpo.strategies._gather import GatheredGenerationEngine, full_state_dict, is_fsdp1, is_sharded
 from lightning_grpo.strategies.base import ClipFallback, GRPOModels, clips_by_norm
@@ -69,9 +70,15 @@ class FSDP1Backend(LocalBackend):
         engine gather the policy with ``summon_full_params``. Idempotent.
 
         The strategy's ``auto_wrap_policy`` is consumed here (Lightning would otherwise warn that it is ignored).
+
+        Raises:
+            ValueError: a LoRA policy (``GRPOModule(lora=...)``): use FSDP2.
         """
         if is_fsdp1(models.policy):
             return models
+        if is_lora(models.policy):
+            raise ValueError("GRPOModule(lora=...) is not supported with Lightning's FSDP1 strategy (FSDPStrategy): "
+                             "use strategy='grpo_fsdp2' (FSDP2), 'ddp' or a single device")
         auto_wrap_policy = self.strategy.kwargs.pop("auto_wrap_policy", None)
         policy = _wrap(models.policy, self.strategy, auto_wrap_policy)
         ref = _wrap(models.ref, self.strategy, auto_wrap_policy) if models.ref is not None else None
