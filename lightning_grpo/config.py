@@ -197,6 +197,15 @@ class GRPOConfig:
     # --- Evaluation ---
     eval_max_new_tokens: Optional[int] = None
     """Max new tokens of the greedy validation rollouts (None = ``max_new_tokens``)."""
+    eval_num_samples: int = 0
+    """Sampled completions per validation prompt (besides the greedy one) for ``val/pass@1`` (unbiased, from them),
+    ``val/pass@k``, ``val/maj@k`` and ``val/mean@k`` (:mod:`lightning_grpo.evaluation`); 0: greedy only, and
+    ``val/pass@1`` is the greedy accuracy."""
+    eval_k: Optional[int] = None
+    """k of ``val/pass@k`` and ``val/maj@k`` (maj@k votes with the first k samples), 1 <= k <= ``eval_num_samples``;
+    None = ``eval_num_samples``."""
+    eval_temperature: float = 1.0
+    """Sampling temperature of the validation samples (> 0); seeded, so every validation draws alike."""
 
     # --- vLLM engine (rollout_engine="vllm") ---
     vllm_gpu_memory_utilization: float = 0.3
@@ -287,6 +296,12 @@ class GRPOConfig:
             _fail("packed_row_tokens", self.packed_row_tokens, "must be >= 1 or None (automatic)")
         if self.eval_max_new_tokens is not None and self.eval_max_new_tokens < 1:
             _fail("eval_max_new_tokens", self.eval_max_new_tokens, "must be >= 1 or None")
+        if self.eval_num_samples < 0:
+            _fail("eval_num_samples", self.eval_num_samples, "must be >= 0")
+        if self.eval_k is not None and not 1 <= self.eval_k <= self.eval_num_samples:
+            _fail("eval_k", self.eval_k, f"must be in [1, eval_num_samples={self.eval_num_samples}] or None")
+        if self.eval_temperature <= 0:
+            _fail("eval_temperature", self.eval_temperature, "must be > 0")
         if not 0 < self.vllm_gpu_memory_utilization <= 1:
             _fail("vllm_gpu_memory_utilization", self.vllm_gpu_memory_utilization, "must be in (0, 1]")
         if self.vllm_kv_cache_space_gib < 1:

@@ -1,0 +1,94 @@
+"""A seeded synthetic arithmetic task: questions generated on the fly, train and test disjoint.
+
+Each row is ``{"question": "What is 47 + 38?", "answer": "85"}``. The (a, op, b) triples are drawn without
+replacement from one shuffled pool (:class:`random.Random` seeded with ``seed``): the first ``test_size`` form the
+test split, the next ``train_size`` the train split, so no test question is ever trained on (same text, same
+numbers), and the same seed gives the same splits on every machine (Python's Mersenne Twister is specified).
+
+Operations and operand ranges (``level``):
+
+* ``level=1``: ``a + b`` and ``a - b`` with 10 <= a, b <= 99 (a >= b for subtraction);
+* ``level=2``: level 1 plus ``a * b`` with 2 <= a <= 9 and 10 <= b <= 99;
+* ``level=3``: ``a + b`` with 100 <= a, b <= 999 and ``a * b`` with 10 <= a, b <= 99.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from typing import Iterator
+
+#: Dataset names of the task: ``arithmetic`` (level 1) and ``arithmetic-<level>``.
+SYNTHETIC_NAME = re.compile(r"arithmetic(?:-([123]))?")
+#: Held-out questions of :func:`arithmetic_splits`.
+TEST_SIZE = 500
+
+#: The instruction the arithmetic prompts get (``{question}`` is filled in by the data module).
+ARITHMETIC_INSTRUCTION = "{question}\n\nGive the final answer on the last line in the form:\n#### <number>"
+
+
+def _triples(level: int) -> Iterator[tuple[int, str, int]]:
+    if level in (1, 2):
+        for a in range(10, 100):
+            for b in range(10, 100):
+                yield a, "+", b
+                if a >= b:
+                    yield a, "-", b
+    if level == 2:
+        for a in range(2, 10):
+            for b in range(10, 100):
+                yield a, "*", b
+    if level == 3:
+        for a in range(100, 1000, 7):
+            for b in range(100, 1000, 11):
+                yield a, "+", b
+        for a in range(10, 100):
+            for b in range(10, 100):
+                yield a, "*", b
+
+
+def arithmetic_rows(train_size: int, test_size: int, seed: int = 0, level: int = 1) -> dict[str, list[dict]]:
+    """The train and test splits of the arithmetic task (see the module docstring).
+
+    Args:
+        train_size: training questions (>= 1).
+        test_size: held-out questions (>= 0), never in the train split.
+        seed: the generator's seed.
+        level: 1, 2 or 3.
+
+    Returns:
+        ``{"train": [...], "test": [...]}``, rows ``{"question": str, "answer": str}``.
+
+    Raises:
+        ValueError: a bad ``level`` or size, or more questions asked for than the level has (the count is named).
+    """
+    if level not in (1, 2, 3):
+        raise ValueError(f"level must be 1, 2 or 3, got {level}")
+    if train_size < 1 or test_size < 0:
+        raise ValueError(f"train_size must be >= 1 and test_size >= 0, got {train_size} and {test_size}")
+    pool = list(_triples(level))
+    if train_size + test_size > len(pool):
+        raise ValueError(f"level {level} has {len(pool)} distinct questions, asked for {train_size + test_size}")
+    random.Random(seed).shuffle(pool)
+
+    def row(a: int, op: str, b: int) -> dict:
+        value = a + b if op == "+" else a - b if op == "-" else a * b
+        return {"question": f"What is {a} {op} {b}?", "answer": str(value)}
+
+    return {"test": [row(*t) for t in pool[:test_size]],
+            "train": [row(*t) for t in pool[test_size:test_size + train_size]]}
+
+
+def arithmetic_splits(name: str, seed: int) -> dict[str, list[dict]]:
+    """The splits a data module reads for the dataset ``name`` (:data:`SYNTHETIC_NAME`): :data:`TEST_SIZE` test
+    questions and every other question of the level for training.
+
+    Raises:
+        ValueError: ``name`` is not an arithmetic dataset name.
+    """
+    match = SYNTHETIC_NAME.fullmatch(name)
+    if match is None:
+        raise ValueError(f"dataset={name!r} is not 'arithmetic' or 'arithmetic-<level 1-3>'")
+    level = int(match.group(1) or 1)
+    pool = sum(1 for _ in _triples(level))
+    return arithmetic_rows(pool - TEST_SIZE, TEST_SIZE, seed=seed, level=level)
