@@ -123,6 +123,7 @@ def _format_example(
     except ValueError as err:
         raise ValueError(f"Row {index} (answer_format='gsm8k'): {err}") from err
     prompt = [] if system_prompt is None else [{"role": "system", "content": system_prompt}]
+    prompt += row.get("fewshot") or []  # worked examples (messages) of the row, e.g. the arithmetic task's
     prompt.append({"role": "user", "content": instruction.replace(QUESTION_PLACEHOLDER, question)})
     return {"prompt": prompt, "answer": answer, "question": question, "solution": str(row[solution_field])}
 
@@ -429,10 +430,9 @@ class PromptDataModule(L.LightningDataModule):
         """The first ``val_size`` val prompts in order, ``val_batch_size`` per batch; ``[]`` when there are none
         (Lightning then skips validation); with ``eval_datasets`` a list, one loader per dataset."""
         if self.eval_datasets:
-            kwargs = dict(data_dir=self.data_dir, val_size=self.val_size, val_batch_size=self.val_batch_size,
-                          system_prompt=self.system_prompt, tokenizer=self.tokenizer, seed=self.seed,
-                          max_prompt_length=self.max_prompt_length)
-            others = [PromptDataModule(name, **kwargs)._val_loader() for name in self.eval_datasets]
+            keys = ("data_dir", "val_size", "val_batch_size", "seed", "system_prompt", "tokenizer", "max_prompt_length")
+            others = [PromptDataModule(name, **{k: getattr(self, k) for k in keys})._val_loader()
+                      for name in self.eval_datasets]
             return [self._val_loader(), *others]
         return self._val_loader()
 

@@ -1,15 +1,17 @@
 """A seeded synthetic arithmetic task: questions generated on the fly, train and test disjoint.
 
-Each row is ``{"question": "What is 47 + 38?", "answer": "85"}``. The (a, op, b) triples are drawn without
+Each row is ``{"question": "What is 47 + 38?", "answer": "85", "fewshot": FEWSHOT}``: the data module puts the
+``fewshot`` messages (one worked example, ``12 + 7``, which is in no split) between the system prompt and the
+question, a one-shot chat prompt. The (a, op, b) triples are drawn without
 replacement from one shuffled pool (:class:`random.Random` seeded with ``seed``): the first ``test_size`` form the
 test split, the next ``train_size`` the train split, so no test question is ever trained on (same text, same
 numbers), and the same seed gives the same splits on every machine (Python's Mersenne Twister is specified).
 
 Operations and operand ranges (``level``):
 
-* ``level=1``: ``a + b`` and ``a - b`` with 10 <= a, b <= 99 (a >= b for subtraction);
-* ``level=2``: level 1 plus ``a * b`` with 2 <= a <= 9 and 10 <= b <= 99;
-* ``level=3``: ``a + b`` with 100 <= a, b <= 999 and ``a * b`` with 10 <= a, b <= 99.
+* ``level=1``: ``a + b`` and ``a - b`` with 0 <= a, b <= 50 (a >= b for subtraction): 3,927 questions;
+* ``level=2``: ``a + b`` and ``a - b`` with 10 <= a, b <= 99, and ``a * b`` with 2 <= a <= 9 and 10 <= b <= 99;
+* ``level=3``: ``a + b`` with a, b in 100, 107, ..., 996 and 100, 111, ..., 991, and ``a * b`` with 10 <= a, b <= 99.
 """
 
 from __future__ import annotations
@@ -24,13 +26,17 @@ SYNTHETIC_NAME = re.compile(r"arithmetic(?:-([123]))?")
 TEST_SIZE = 500
 
 #: The instruction the arithmetic prompts get (``{question}`` is filled in by the data module).
-ARITHMETIC_INSTRUCTION = "{question}\n\nGive the final answer on the last line in the form:\n#### <number>"
+ARITHMETIC_INSTRUCTION = "{question} Give the final answer on the last line as #### <number>."
+#: The worked example before every question (a user turn and the assistant's answer).
+FEWSHOT = [{"role": "user", "content": ARITHMETIC_INSTRUCTION.format(question="What is 12 + 7?")},
+           {"role": "assistant", "content": "12 + 7 = 19\n#### 19"}]
 
 
 def _triples(level: int) -> Iterator[tuple[int, str, int]]:
+    low, high = (0, 50) if level == 1 else (10, 99)
     if level in (1, 2):
-        for a in range(10, 100):
-            for b in range(10, 100):
+        for a in range(low, high + 1):
+            for b in range(low, high + 1):
                 yield a, "+", b
                 if a >= b:
                     yield a, "-", b
@@ -66,14 +72,14 @@ def arithmetic_rows(train_size: int, test_size: int, seed: int = 0, level: int =
         raise ValueError(f"level must be 1, 2 or 3, got {level}")
     if train_size < 1 or test_size < 0:
         raise ValueError(f"train_size must be >= 1 and test_size >= 0, got {train_size} and {test_size}")
-    pool = list(_triples(level))
+    pool = [t for t in _triples(level) if t != (12, "+", 7)]  # the worked example is in no split
     if train_size + test_size > len(pool):
         raise ValueError(f"level {level} has {len(pool)} distinct questions, asked for {train_size + test_size}")
     random.Random(seed).shuffle(pool)
 
     def row(a: int, op: str, b: int) -> dict:
         value = a + b if op == "+" else a - b if op == "-" else a * b
-        return {"question": f"What is {a} {op} {b}?", "answer": str(value)}
+        return {"question": f"What is {a} {op} {b}?", "answer": str(value), "fewshot": FEWSHOT}
 
     return {"test": [row(*t) for t in pool[:test_size]],
             "train": [row(*t) for t in pool[test_size:test_size + train_size]]}
@@ -90,5 +96,5 @@ def arithmetic_splits(name: str, seed: int) -> dict[str, list[dict]]:
     if match is None:
         raise ValueError(f"dataset={name!r} is not 'arithmetic' or 'arithmetic-<level 1-3>'")
     level = int(match.group(1) or 1)
-    pool = sum(1 for _ in _triples(level))
+    pool = sum(1 for t in _triples(level) if t != (12, "+", 7))
     return arithmetic_rows(pool - TEST_SIZE, TEST_SIZE, seed=seed, level=level)

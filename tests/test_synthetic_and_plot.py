@@ -13,6 +13,7 @@ from lightning_grpo.synthetic import TEST_SIZE, arithmetic_rows, arithmetic_spli
 @pytest.mark.parametrize("level", [1, 2, 3])
 def test_arithmetic_splits_are_disjoint_reproducible_and_right(level):
     rows = arithmetic_rows(2000, 300, seed=3, level=level)
+    assert all(r["fewshot"][1]["content"] == "12 + 7 = 19\n#### 19" for r in rows["train"][:3])
     assert rows == arithmetic_rows(2000, 300, seed=3, level=level)
     assert rows != arithmetic_rows(2000, 300, seed=4, level=level)
     train = {r["question"] for r in rows["train"]}
@@ -33,7 +34,12 @@ def test_arithmetic_data_module_holds_out_the_test_split():
     assert len(data.train_dataset) == len(splits["train"]) and len(data.val_dataset) == 50
     assert not set(data.train_dataset["question"]) & set(splits["test"][i]["question"] for i in range(TEST_SIZE))
     assert data.val_dataset[0]["answer"] == splits["test"][0]["answer"]
-    assert data.train_dataset[0]["prompt"][-1]["content"].endswith("#### <number>")
+    prompt = data.train_dataset[0]["prompt"]  # system, the worked example (user, assistant), the question
+    assert [m["role"] for m in prompt] == ["system", "user", "assistant", "user"]
+    assert prompt[2]["content"] == "12 + 7 = 19\n#### 19"
+    instruction = " Give the final answer on the last line as #### <number>."
+    assert prompt[3]["content"] == data.train_dataset[0]["question"] + instruction
+    assert "What is 12 + 7?" not in set(data.train_dataset["question"]) | {r["question"] for r in splits["test"]}
     with pytest.raises(ValueError, match="arithmetic-<level"):
         arithmetic_splits("arithmetic-7", 0)
 
