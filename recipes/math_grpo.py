@@ -53,7 +53,7 @@ def split_math500(root: Path, val_size: int, seed: int) -> Path:
 
 
 def main(max_steps: int = 5, prompts_per_step: int = 2, num_generations: int = 4, max_new_tokens: int = 256,
-         val_size: int = 50, learning_rate: float = 1e-6, engine: str = "hf", dataset: Optional[str] = None,
+         val_size: int = 50, learning_rate: float = 1e-6, engine: str = "auto", dataset: Optional[str] = None,
          root: str = "outputs/math_grpo", seed: int = 42) -> L.Trainer:
     L.seed_everything(seed)
     folder = dataset or str(split_math500(Path(root) / "data", val_size, seed))
@@ -83,6 +83,6 @@ def main(max_steps: int = 5, prompts_per_step: int = 2, num_generations: int = 4
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--max-steps", type=int, default=5)
-    parser.add_argument("--engine", default="hf", choices=["hf", "vllm"])
+    parser.add_argument("--engine", default="auto", choices=["auto", "hf", "vllm"])
     parser.add_argument("--dataset", default=None, help="a folder with train.jsonl/test.jsonl instead of MATH-500")
     main(**{k.replace("-", "_"): v for k, v in vars(parser.parse_args()).items()})

@@ -50,3 +50,23 @@ def test_test_stage_evaluates_an_hf_folder(tmp_path, tiny_llama_path):
                         enable_progress_bar=False, enable_model_summary=False)
     (results,) = trainer.test(module, datamodule=PromptDataModule(val_size=4, val_batch_size=4))
     assert results["test/accuracy"] == pytest.approx(0.5) and results["test/pass@1"] == pytest.approx(0.5)
+
+
+def test_cli_test_subcommand_evaluates_gsm8k_and_math500_from_the_eval_recipe(tmp_path, tiny_llama_path):
+    from pathlib import Path
+
+    from lightning_grpo.cli import GRPOCLI
+    from lightning_grpo.data import PromptDataModule as Data
+
+    recipe = Path(__file__).resolve().parents[1] / "recipes" / "eval.yaml"
+    cli = GRPOCLI(GRPOModule, Data, args=["--config", str(recipe), "--model.model", tiny_llama_path,
+                                           "--model.config.rollout_engine", "hf", "--model.config.max_new_tokens", "4",
+                                           "--data.val_size", "2", "--data.val_batch_size", "2",
+                                           "--trainer.default_root_dir", str(tmp_path),
+                                           "--trainer.logger.init_args.save_dir", str(tmp_path),
+                                           "--trainer.enable_progress_bar", "false"], run=False)
+    assert cli.datamodule.eval_names == ["gsm8k", "math500"]
+    gsm8k, math500 = cli.trainer.test(cli.model, datamodule=cli.datamodule)  # one dict per dataset
+    assert {"test/accuracy", "test/pass@1", "test/mean_length"} <= set(gsm8k)
+    assert {"test/math500/accuracy", "test/math500/pass@1"} <= set(math500)
+    assert math500["test/math500/accuracy"] == 0.0  # a random tiny model solves no MATH problem
