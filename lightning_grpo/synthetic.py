@@ -9,9 +9,12 @@ numbers), and the same seed gives the same splits on every machine (Python's Mer
 
 Operations and operand ranges (``level``):
 
-* ``level=1``: ``a + b`` and ``a - b`` with 0 <= a, b <= 50 (a >= b for subtraction): 3,927 questions;
-* ``level=2``: ``a + b`` and ``a - b`` with 10 <= a, b <= 99, and ``a * b`` with 2 <= a <= 9 and 10 <= b <= 99;
-* ``level=3``: ``a + b`` with a, b in 100, 107, ..., 996 and 100, 111, ..., 991, and ``a * b`` with 10 <= a, b <= 99.
+* ``level=1``: ``a + b`` and ``a - b`` with 0 <= a, b <= 15 (a >= b for subtraction): 391 questions;
+* ``level=2``: the same with 0 <= a, b <= 30: 1,456 questions;
+* ``level=3``: ``a + b`` and ``a - b`` with 10 <= a, b <= 99, and ``a * b`` with 2 <= a <= 9 and 10 <= b <= 99;
+* ``level=4``: ``a + b`` with a, b in 100, 107, ..., 996 and 100, 111, ..., 991, and ``a * b`` with 10 <= a, b <= 99.
+
+(The worked example ``12 + 7`` is left out of every level.)
 """
 
 from __future__ import annotations
@@ -21,8 +24,8 @@ import re
 from typing import Iterator
 
 #: Dataset names of the task: ``arithmetic`` (level 1) and ``arithmetic-<level>``.
-SYNTHETIC_NAME = re.compile(r"arithmetic(?:-([123]))?")
-#: Held-out questions of :func:`arithmetic_splits`.
+SYNTHETIC_NAME = re.compile(r"arithmetic(?:-([1-4]))?")
+#: Most held-out questions of :func:`arithmetic_splits` (a third of the level's questions where that is fewer).
 TEST_SIZE = 500
 
 #: The instruction the arithmetic prompts get (``{question}`` is filled in by the data module).
@@ -33,18 +36,18 @@ FEWSHOT = [{"role": "user", "content": ARITHMETIC_INSTRUCTION.format(question="W
 
 
 def _triples(level: int) -> Iterator[tuple[int, str, int]]:
-    low, high = (0, 50) if level == 1 else (10, 99)
-    if level in (1, 2):
+    low, high = {1: (0, 15), 2: (0, 30)}.get(level, (10, 99))
+    if level in (1, 2, 3):
         for a in range(low, high + 1):
             for b in range(low, high + 1):
                 yield a, "+", b
                 if a >= b:
                     yield a, "-", b
-    if level == 2:
+    if level == 3:
         for a in range(2, 10):
             for b in range(10, 100):
                 yield a, "*", b
-    if level == 3:
+    if level == 4:
         for a in range(100, 1000, 7):
             for b in range(100, 1000, 11):
                 yield a, "+", b
@@ -60,7 +63,7 @@ def arithmetic_rows(train_size: int, test_size: int, seed: int = 0, level: int =
         train_size: training questions (>= 1).
         test_size: held-out questions (>= 0), never in the train split.
         seed: the generator's seed.
-        level: 1, 2 or 3.
+        level: 1, 2, 3 or 4.
 
     Returns:
         ``{"train": [...], "test": [...]}``, rows ``{"question": str, "answer": str}``.
@@ -68,8 +71,8 @@ def arithmetic_rows(train_size: int, test_size: int, seed: int = 0, level: int =
     Raises:
         ValueError: a bad ``level`` or size, or more questions asked for than the level has (the count is named).
     """
-    if level not in (1, 2, 3):
-        raise ValueError(f"level must be 1, 2 or 3, got {level}")
+    if level not in (1, 2, 3, 4):
+        raise ValueError(f"level must be 1, 2, 3 or 4, got {level}")
     if train_size < 1 or test_size < 0:
         raise ValueError(f"train_size must be >= 1 and test_size >= 0, got {train_size} and {test_size}")
     pool = [t for t in _triples(level) if t != (12, "+", 7)]  # the worked example is in no split
@@ -86,15 +89,16 @@ def arithmetic_rows(train_size: int, test_size: int, seed: int = 0, level: int =
 
 
 def arithmetic_splits(name: str, seed: int) -> dict[str, list[dict]]:
-    """The splits a data module reads for the dataset ``name`` (:data:`SYNTHETIC_NAME`): :data:`TEST_SIZE` test
-    questions and every other question of the level for training.
+    """The splits a data module reads for the dataset ``name`` (:data:`SYNTHETIC_NAME`): ``min(TEST_SIZE, questions //
+    3)`` test questions and every other question of the level for training.
 
     Raises:
         ValueError: ``name`` is not an arithmetic dataset name.
     """
     match = SYNTHETIC_NAME.fullmatch(name)
     if match is None:
-        raise ValueError(f"dataset={name!r} is not 'arithmetic' or 'arithmetic-<level 1-3>'")
+        raise ValueError(f"dataset={name!r} is not 'arithmetic' or 'arithmetic-<level 1-4>'")
     level = int(match.group(1) or 1)
     pool = sum(1 for t in _triples(level) if t != (12, "+", 7))
-    return arithmetic_rows(pool - TEST_SIZE, TEST_SIZE, seed=seed, level=level)
+    test = min(TEST_SIZE, pool // 3)
+    return arithmetic_rows(pool - test, test, seed=seed, level=level)

@@ -5,7 +5,7 @@
 
 The task (:mod:`lightning_grpo.synthetic`, ``dataset="arithmetic"``): "What is 47 + 38?" with the answer on a last
 line ``#### <number>``; 500 held-out questions are never trained on. The reward is strict accuracy (the number on
-the ``####`` line is right) plus a small format reward; the held-out score is greedy strict accuracy on the first
+the ``####`` line is right; the format is logged, not rewarded); the held-out score is greedy strict accuracy on the first
 ``val_size`` held-out questions, measured by the same validation before training (``trainer.validate``) and after
 it (the fit's last validation). The run ends by printing a before/after table and the paths of the plot
 (``lightning-grpo plot``) and the completion table (:class:`lightning_grpo.callbacks.CompletionTable`).
@@ -35,9 +35,10 @@ from lightning_grpo.callbacks import CompletionTable, GRPOProgressBar  # noqa: E
 from lightning_grpo.data import PromptDataModule  # noqa: E402
 from lightning_grpo.plot import plot_metrics  # noqa: E402
 
-#: The reward functions (accuracy first: it is the validation's check) and their weights: reward in [0, 1].
+#: The reward functions (accuracy first: it is the validation's check) and their weights: the reward is the strict
+#: accuracy, in {0, 1}; the format (a last line ``#### <number>``, which strict accuracy already needs) is logged only.
 REWARDS = ["gsm8k_accuracy_strict", "gsm8k_format"]
-WEIGHTS = [0.8, 0.2]
+WEIGHTS = [1.0, 0.0]
 
 
 def _mean(values: list[float]) -> float:

@@ -10,15 +10,15 @@ from lightning_grpo.plot import find_metrics_csv, plot_metrics, read_curves
 from lightning_grpo.synthetic import TEST_SIZE, arithmetic_rows, arithmetic_splits
 
 
-@pytest.mark.parametrize("level", [1, 2, 3])
+@pytest.mark.parametrize("level", [1, 2, 3, 4])
 def test_arithmetic_splits_are_disjoint_reproducible_and_right(level):
-    rows = arithmetic_rows(2000, 300, seed=3, level=level)
+    rows = arithmetic_rows(250, 100, seed=3, level=level)
     assert all(r["fewshot"][1]["content"] == "12 + 7 = 19\n#### 19" for r in rows["train"][:3])
-    assert rows == arithmetic_rows(2000, 300, seed=3, level=level)
-    assert rows != arithmetic_rows(2000, 300, seed=4, level=level)
+    assert rows == arithmetic_rows(250, 100, seed=3, level=level)
+    assert rows != arithmetic_rows(250, 100, seed=4, level=level)
     train = {r["question"] for r in rows["train"]}
     test = {r["question"] for r in rows["test"]}
-    assert len(train) == 2000 and len(test) == 300 and not train & test
+    assert len(train) == 250 and len(test) == 100 and not train & test
     for row in rows["train"][:200] + rows["test"]:
         a, op, b = row["question"].removeprefix("What is ").removesuffix("?").split()
         assert int(row["answer"]) == eval(f"{int(a)} {op} {int(b)}")  # noqa: S307 - our own digits
@@ -30,9 +30,10 @@ def test_arithmetic_data_module_holds_out_the_test_split():
     data = PromptDataModule("arithmetic", prompts_per_step=4, val_size=50)
     data.setup("fit")
     splits = arithmetic_splits("arithmetic", 42)
-    assert len(splits["test"]) == TEST_SIZE
+    assert len(splits["test"]) == 391 // 3 and len(splits["train"]) == 391 - 391 // 3  # 16 * 16 + 136 - 1 questions
+    assert len(arithmetic_splits("arithmetic-3", 42)["test"]) == TEST_SIZE
     assert len(data.train_dataset) == len(splits["train"]) and len(data.val_dataset) == 50
-    assert not set(data.train_dataset["question"]) & set(splits["test"][i]["question"] for i in range(TEST_SIZE))
+    assert not set(data.train_dataset["question"]) & {r["question"] for r in splits["test"]}
     assert data.val_dataset[0]["answer"] == splits["test"][0]["answer"]
     prompt = data.train_dataset[0]["prompt"]  # system, the worked example (user, assistant), the question
     assert [m["role"] for m in prompt] == ["system", "user", "assistant", "user"]
@@ -42,6 +43,8 @@ def test_arithmetic_data_module_holds_out_the_test_split():
     assert "What is 12 + 7?" not in set(data.train_dataset["question"]) | {r["question"] for r in splits["test"]}
     with pytest.raises(ValueError, match="arithmetic-<level"):
         arithmetic_splits("arithmetic-7", 0)
+    with pytest.raises(ValueError, match="level must be 1, 2, 3 or 4"):
+        arithmetic_rows(1, 1, level=0)
 
 
 def _write_metrics(path):
