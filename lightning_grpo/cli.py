@@ -1,6 +1,8 @@
 """``lightning-grpo``: LightningCLI over GRPOModule and PromptDataModule.
 
     lightning-grpo fit --config recipes/gsm8k_grpo.yaml --model.config.num_generations 4 --trainer.max_steps 10
+    lightning-grpo test --config recipes/eval.yaml --model.model outputs/.../hf_model     # or --ckpt_path x.ckpt
+    lightning-grpo plot outputs/gsm8k_grpo                # PNG of the newest metrics.csv under the folder
 
 Every field of the Trainer, the module (``--model.*``, ``--model.config.*``) and the data (``--data.*``) can be
 set in the YAML and overridden on the command line. ``lightning-grpo fit --help`` shows each ``--model.config.*``
@@ -9,6 +11,8 @@ field with the attribute docstring written below it in :class:`lightning_grpo.co
 
 from __future__ import annotations
 
+import argparse
+import sys
 import warnings
 from typing import Any, Optional, Sequence
 
@@ -19,6 +23,7 @@ from lightning_grpo.config import GRPOConfig
 from lightning_grpo.data import PromptDataModule
 from lightning_grpo.models import resolve_model_path
 from lightning_grpo.module import GRPOModule
+from lightning_grpo.plot import plot_metrics
 
 
 def _tokenizer_source(model: object, tokenizer: object) -> Optional[str]:
@@ -54,7 +59,21 @@ class GRPOCLI(LightningCLI):
         parser.link_arguments(("model.model", "model.tokenizer"), "data.tokenizer", compute_fn=_tokenizer_source)
 
 
+def plot_main(args: Sequence[str]) -> None:
+    """``lightning-grpo plot <metrics.csv or log dir> [--out PNG] [--title T]``: prints the PNG's path."""
+    parser = argparse.ArgumentParser(prog="lightning-grpo plot", description=plot_metrics.__doc__)
+    parser.add_argument("path", help="a metrics.csv, or a folder (the newest metrics.csv under it)")
+    parser.add_argument("--out", default=None, help="the PNG (default: metrics.png next to the CSV)")
+    parser.add_argument("--title", default=None)
+    parsed = parser.parse_args(list(args))
+    print(plot_metrics(parsed.path, parsed.out, parsed.title))
+
+
 def main(args: Optional[Sequence[str]] = None) -> None:
+    argv = list(sys.argv[1:] if args is None else args)
+    if argv[:1] == ["plot"]:
+        plot_main(argv[1:])
+        return
     GRPOCLI(
         GRPOModule,
         PromptDataModule,

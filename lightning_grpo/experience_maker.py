@@ -19,6 +19,8 @@ from lightning_grpo import functional as F
 from lightning_grpo.algorithm import DynamicSampler, ScoredRollout
 from lightning_grpo.algorithm.shaping import overlong_penalty, sequence_kl, transform_rewards
 from lightning_grpo.config import GRPOConfig
+from lightning_grpo.evaluation import EvalBatch, answer_key
+from lightning_grpo.events import ON_EXPERIENCE, ON_ROLLOUT_END, EventSink, ExperienceReady, RolloutEnd
 from lightning_grpo.experience import Experience
 from lightning_grpo.logprobs import CompletionLogprobs
 from lightning_grpo.metrics import StepTimer, rollout_metrics
@@ -47,17 +49,21 @@ class ExperienceMaker:
         rollout: the rollout worker (engine, prompt encoding, weight sync).
         rewards: the reward functions.
         logprobs: the completion-logprob computer (old and reference passes).
+        events: called as ``events(name, payload)`` with ``on_rollout_end`` (:class:`~lightning_grpo.events.RolloutEnd`)
+            and ``on_experience`` (:class:`~lightning_grpo.events.ExperienceReady`), see :mod:`lightning_grpo.events`.
     """
 
     def __init__(self, config: GRPOConfig, rollout: RolloutWorker, rewards: RewardSet,
-                 logprobs: CompletionLogprobs) -> None:
+                 logprobs: CompletionLogprobs, events: Optional[EventSink] = None) -> None:
         self.config = config
         self.rollout = rollout
         self.rewards = rewards
         self.logprobs = logprobs
+        self.events = events
+        self._texts: list[tuple] = []  # (prompt, completion, columns) of every row generated for this rollout
 
     @torch.no_grad()
-    def make(
+    def make(  # noqa: C901 - the numbered steps of one rollout, read top to bottom
         self,
         batch: PromptBatch,
         policy: nn.Module,
@@ -107,6 +113,7 @@ class ExperienceMaker:
             raise KeyError(f"prompt batches need a 'prompt' column, got columns {sorted(batch)}")
         cfg = self.config
         sampler = DynamicSampler(len(batch["prompt"]), self.rewards.primary_index, cfg.dynamic_sampling)
+        self._texts = []
         totals = {"prompts/truncated": 0.0, "generated_tokens": 0.0}
 
         def any_process(flag: bool) -> bool:
@@ -125,6 +132,9 @@ class ExperienceMaker:
                 assert next_batch is not None
                 batch = next_batch
         rollout, sampling_stats = sampler.batch()
+        scored_rollout = self._rollout_end(rollout)
+        if self.events is not None:
+            self.events(ON_ROLLOUT_END, scored_rollout)
 
         engine_mask = rollout.completion_mask.to(device)  # [N, T] through the first EOS
         shaped = rollout.rewards.to(device)  # [N] weighted sum, NaN = unscored
@@ -163,7 +173,20 @@ class ExperienceMaker:
             raise RolloutInterrupted("the rollout was stopped by a stop request (e.g. SIGTERM) before it finished")
         timer.add("generated_tokens", totals["generated_tokens"])
         timer.rollout_end()
+        if self.events is not None:
+            self.events(ON_EXPERIENCE, ExperienceReady(experience, scored_rollout, shaped))
         return experience
+
+    def _rollout_end(self, rollout: ScoredRollout) -> RolloutEnd:
+        """The texts and scores of the rollout to be trained on (rows found by ``row_index``)."""
+        rows = [self._texts[i] for i in rollout.row_index.tolist()] if rollout.row_index is not None else []
+        names = sorted({k for _, _, columns in rows for k in columns})
+        return RolloutEnd(
+            prompts=[r[0] for r in rows], completions=[r[1] for r in rows], rewards=rollout.rewards,
+            per_function=rollout.per_function, reward_names=list(self.rewards.names),
+            lengths=rollout.completion_mask.sum(dim=1), truncated=rollout.truncated,
+            columns={k: [r[2].get(k) for r in rows] for k in names}, num_generations=rollout.num_generations,
+        )
 
     def _generate_and_score(self, batch: PromptBatch, totals: dict[str, float], timer: StepTimer,
                             any_process: Callable[[bool], bool]) -> ScoredRollout:
@@ -196,6 +219,9 @@ class ExperienceMaker:
             log.warning("every reward function returned None for completions %s: they get no loss", unscored)
         totals["prompts/truncated"] += num_truncated
         totals["generated_tokens"] += float(out.completion_mask.sum())
+        offset = len(self._texts)
+        self._texts.extend((p, c, {k: v[i] for k, v in columns.items()})
+                           for i, (p, c) in enumerate(zip(prompts, out.completions, strict=True)))
         return ScoredRollout(
             prompt_ids=out.prompt_ids,
             prompt_mask=out.prompt_mask,
@@ -207,22 +233,40 @@ class ExperienceMaker:
             num_generations=g,
             pad_token_id=int(engine.pad_token_id),
             sampler_logprobs=out.sampler_logprobs,
+            row_index=torch.arange(offset, len(self._texts)),
         )
 
     @torch.no_grad()
-    def evaluate(self, batch: PromptBatch, policy: nn.Module, collectives: Collectives,
-                 device: torch.device) -> tuple[Tensor, Tensor]:
-        """Greedy completions of a validation batch scored by the accuracy reward: ``(scores (B,) float32, NaN where
-        unscored; completion lengths (B,) long)``, on ``device``. The engine gets the current weights first."""
-        cfg = self.config
-        sampling = SamplingConfig(max_new_tokens=cfg.eval_max_new_tokens or cfg.max_new_tokens, greedy=True)
+    def evaluate(self, batch: PromptBatch, policy: nn.Module, collectives: Collectives, device: torch.device,
+                 accuracy: Optional[Callable[..., list]] = None) -> EvalBatch:
+        """Greedy completions of a validation batch and, with ``eval_num_samples`` = n, n sampled ones per prompt
+        (temperature ``eval_temperature``, torch's generator forked and seeded with ``shuffle_seed``, so every
+        evaluation draws alike and training's random stream is untouched), scored by ``accuracy`` (default: the
+        reward set's accuracy function). The engine gets the current weights first. Tensors on ``device``."""
+        cfg, accuracy = self.config, accuracy or self.rewards.accuracy
+        columns = {k: v for k, v in batch.items() if k != "prompt"}
+
+        def score(prompts: list, completions: list[str], repeat: int) -> Tensor:
+            cols = {k: [x for x in v for _ in range(repeat)] for k, v in columns.items()}
+            values = accuracy(prompts, completions, **cols)
+            return torch.tensor([float("nan") if s is None else float(s) for s in values], device=device)
+
+        max_new = cfg.eval_max_new_tokens or cfg.max_new_tokens
         with self.rollout.awake(policy, force_sync=True,
                                 any_process=lambda flag: collectives.any_process(flag, device)):
-            out = self.rollout.generate(batch["prompt"], 1, sampling)
-        columns = {k: v for k, v in batch.items() if k != "prompt"}
-        scores = self.rewards.accuracy(batch["prompt"], out.completions, **columns)
-        values = torch.tensor([float("nan") if s is None else float(s) for s in scores], device=device)
-        return values, out.completion_mask.sum(dim=1).to(device)
+            out = self.rollout.generate(batch["prompt"], 1, SamplingConfig(max_new_tokens=max_new, greedy=True))
+            result = EvalBatch(score(batch["prompt"], out.completions, 1), out.completion_mask.sum(dim=1).to(device))
+            n = cfg.eval_num_samples
+            if n:
+                with torch.random.fork_rng(devices=[]):
+                    torch.manual_seed(cfg.shuffle_seed)
+                    sampling = SamplingConfig(max_new_tokens=max_new, temperature=cfg.eval_temperature)
+                    sampled = self.rollout.generate(batch["prompt"], n, sampling)
+                prompts = [p for p in batch["prompt"] for _ in range(n)]
+                result.samples = score(prompts, sampled.completions, n).view(-1, n)
+                keys = [answer_key(c) for c in sampled.completions]
+                result.answers = [keys[i:i + n] for i in range(0, len(keys), n)]
+        return result
 
     def _request_seed(self) -> Optional[int]:
         """A base for per-request seeds (vLLM), drawn from torch's global generator (restored on resume); None for

@@ -1,9 +1,5 @@
-"""GRPOModule: the LightningModule whose ``training_step`` is the GRPO loss on one experience micro-batch.
-
-Lightning wiring only: each hook calls a component that owns one concern (docs/architecture.md). The loop
-(:mod:`lightning_grpo.loop`) drives the rollouts; the parallel backend (:mod:`lightning_grpo.strategies`) shards,
-reduces, clips and exports.
-"""
+"""GRPOModule: the LightningModule whose ``training_step`` is the GRPO loss on one experience micro-batch. Lightning
+wiring only: each hook calls a component that owns one concern (docs/architecture.md)."""
 
 from __future__ import annotations
 
@@ -16,12 +12,13 @@ import lightning as L
 import torch
 from peft import LoraConfig
 from torch import Tensor, nn
-from torchmetrics import MeanMetric
 from transformers import PreTrainedTokenizerBase
 
 from lightning_grpo.algorithm import ObjectiveOutput, grpo_objective
+from lightning_grpo.callbacks.hooks import forward_event
 from lightning_grpo.checkpointing import use_atomic_checkpoint_io
 from lightning_grpo.config import GRPOConfig, check_optimizer_arguments
+from lightning_grpo.evaluation import Evaluator
 from lightning_grpo.experience import Experience, micro_batches
 from lightning_grpo.experience_maker import ExperienceMaker
 from lightning_grpo.fault_tolerance import Preemption
@@ -109,17 +106,20 @@ class GRPOModule(L.LightningModule):
         self._reference = reference_for(self.policy, self.config.beta)  # outside the module tree; LoRA: adapters off
         trim_frozen_weights(self)  # LoRA: checkpoints hold the adapters only
         self.backend: ParallelBackend = LocalBackend()  # the trainer's backend from configure_model on
-        self.rollout = RolloutWorker(self.config, self.tokenizer)
+        self.rollout = RolloutWorker(self.config, self.tokenizer, events=self._emit)
         self.logprobs = CompletionLogprobs(self.config, is_sharded=lambda m: self.backend.is_sharded(m))
-        self.experience_maker = ExperienceMaker(self.config, self.rollout, self.rewards, self.logprobs)
+        self.experience_maker = ExperienceMaker(self.config, self.rollout, self.rewards, self.logprobs, self._emit)
         self.step_statistics = StepStatistics(self.config, self.logprobs)
         self.step_metrics = StepMetrics(self.config.clip_ratio_c, self.config.importance_sampling_cap)
         self.timer = StepTimer()
         self.nonfinite = NonFiniteGuard(self.config.on_nonfinite)
         self.preemption = Preemption(self.rollout.stop)
-        self.val_accuracy = MeanMetric()
+        self.evaluator = Evaluator(self.config.eval_k)
 
-    # ------------------------------------------------------------------ models and engine
+    def _emit(self, name: str, payload: Any) -> None:
+        """Rollout events (:mod:`lightning_grpo.events`) to the trainer's callbacks that define ``name``."""
+        forward_event(self._trainer, self, name, payload)
+
     @property
     def ref_model(self) -> Optional[nn.Module]:
         """The frozen reference policy (beta > 0), else None."""
@@ -159,7 +159,6 @@ class GRPOModule(L.LightningModule):
         if self.ref_model is not None:
             self.ref_model.to(self.device)
 
-    # ------------------------------------------------------------------ what the loop calls (loop.ExperienceSource)
     def micro_batches_per_rollout(self) -> Optional[int]:
         """``training_step`` calls per rollout: num_iterations * mini-batches * accumulate_grad_batches; None with
         ``max_tokens_per_microbatch`` (the token budget decides). Raises as :meth:`steps_per_rollout`."""
@@ -197,9 +196,8 @@ class GRPOModule(L.LightningModule):
         return max(1, (self.config.mini_batch_size or n) // self.trainer.accumulate_grad_batches)
 
     def micro_batches(self, experience: Experience, step: Optional[int] = None) -> Iterator[Experience]:
-        """The loop's view of one rollout: shuffled mini-batches cut into micro-batches (see
-        :func:`lightning_grpo.experience.micro_batches`), shuffled with ``shuffle_seed + step`` (default: the
-        current optimizer step)."""
+        """The loop's view of one rollout (:func:`lightning_grpo.experience.micro_batches`), shuffled with
+        ``shuffle_seed + step`` (default: the current optimizer step)."""
         cfg, step = self.config, self.global_step if step is None else step
         return micro_batches(
             experience, mini_batch_size=cfg.mini_batch_size or len(experience),
@@ -210,13 +208,8 @@ class GRPOModule(L.LightningModule):
             max_tokens_per_microbatch=cfg.max_tokens_per_microbatch,
         )
 
-    # ------------------------------------------------------------------ rollout helpers (public API)
-    def tokenize_prompts(self, prompts: Sequence[Any]) -> tuple[list[list[int]], int]:
-        """Encode prompts (:meth:`lightning_grpo.rollout.worker.RolloutWorker.tokenize`): ``(ids, num_truncated)``."""
-        return self.rollout.tokenize(prompts)
-
     def generate(self, prompts: Sequence[Any], num_generations: int, sampling: SamplingConfig) -> RolloutOutput:
-        """Rollout with the engine's current weights: prompts (message lists or strings) -> ``RolloutOutput``."""
+        """Rollout with the engine's current weights (:meth:`lightning_grpo.rollout.worker.RolloutWorker.generate`)."""
         return self.rollout.generate(prompts, num_generations, sampling)
 
     def completion_logprobs(
@@ -225,7 +218,6 @@ class GRPOModule(L.LightningModule):
         """Per-token logprobs ``(B, T)`` float32 (and entropy) of ``batch``'s completions under ``model`` (logprobs)."""
         return self.logprobs(model, batch, with_entropy=with_entropy, entropy_grad=entropy_grad)
 
-    # ------------------------------------------------------------------ training
     def training_step(self, batch: Experience, batch_idx: int) -> Tensor:
         """GRPO loss on one experience micro-batch (DeepSeekMath eq. 3 with the chosen variants; see
         :func:`lightning_grpo.algorithm.grpo_objective`).
@@ -290,8 +282,7 @@ class GRPOModule(L.LightningModule):
         self.rollout.mark_stale()
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """Refuse to save non-finite weights or optimizer states (``NonFiniteError``, from
-        :func:`lightning_grpo.nonfinite.check_finite_checkpoint`); store the skipped-step count."""
+        """Refuse non-finite weights or optimizer states (nonfinite.check_finite_checkpoint); keep the skip count."""
         check_finite_checkpoint(checkpoint, lambda flag: self.backend.any_process(flag, self.device))
         checkpoint["lightning_grpo_nonfinite"] = self.nonfinite.state_dict()
 
@@ -325,16 +316,25 @@ class GRPOModule(L.LightningModule):
         return adamw_with_warmup((p for p in self.policy.parameters() if p.requires_grad), hp.learning_rate,
                                  hp.weight_decay, hp.adam_betas, hp.warmup_steps)
 
-    def validation_step(self, batch: dict[str, list], batch_idx: int) -> None:
-        """Greedy accuracy (``val/accuracy``, a torchmetrics MeanMetric over all processes)."""
-        with self.preemption.exit_on_stop():
-            scores, lengths = self.experience_maker.evaluate(batch, self.policy, self.backend, self.device)
-        self.val_accuracy.update(scores[~torch.isnan(scores)])
-        size = len(scores)
-        self.log("val/accuracy", self.val_accuracy, on_step=False, on_epoch=True, prog_bar=True, batch_size=size)
-        self.log("val/mean_length", lengths.float().mean(), on_epoch=True, batch_size=size, sync_dist=True)
+    def validation_step(self, batch: dict[str, list], batch_idx: int, dataloader_idx: int = 0) -> None:
+        """Greedy accuracy, and pass@k / maj@k / mean@k with ``eval_num_samples``, per dataset (torchmetrics
+        over all processes; names in :class:`lightning_grpo.evaluation.Evaluator`)."""
+        self._evaluate(batch, dataloader_idx, "val")
 
-    # ------------------------------------------------------------------ export
+    def test_step(self, batch: dict[str, list], batch_idx: int, dataloader_idx: int = 0) -> None:
+        """As :meth:`validation_step`, logged as ``test/...``."""
+        self._evaluate(batch, dataloader_idx, "test")
+
+    def _evaluate(self, batch: dict[str, list], dataloader_idx: int, stage: str) -> None:
+        names = getattr(getattr(self.trainer, "datamodule", None), "eval_names", None) or [None]
+        dataset = names[dataloader_idx] if 0 < dataloader_idx < len(names) else None
+        with self.preemption.exit_on_stop():
+            out = self.experience_maker.evaluate(batch, self.policy, self.backend, self.device,
+                                                 accuracy=self.rewards.accuracy_for(dataset))
+        for key, (metric, size, attribute) in self.evaluator.update(stage, dataset, out).items():
+            self.log(key, metric, on_step=False, on_epoch=True, prog_bar=key.endswith("/accuracy"), batch_size=size,
+                     add_dataloader_idx=False, metric_attribute=f"evaluator.{attribute}")
+
     def on_fit_end(self) -> None:
         path = self.export_path()
         if path:

@@ -69,3 +69,11 @@ def test_good_optimizer_arguments_pass(dtype):
 def test_grpo_module_checks_its_optimizer_arguments(tiny_llama_path, kwargs, message):
     with pytest.raises(ValueError, match="^" + re.escape(message)):
         GRPOModule(tiny_llama_path, reward_funcs=["gsm8k_accuracy"], **kwargs)
+
+
+def test_auto_rollout_engine_is_vllm_where_installed():
+    import importlib.util
+
+    expected = "vllm" if importlib.util.find_spec("vllm") is not None else "hf"
+    assert GRPOConfig(rollout_engine="auto").rollout_engine == expected
+    assert GRPOConfig(rollout_engine="hf").rollout_engine == "hf"

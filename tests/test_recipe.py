@@ -45,3 +45,20 @@ def test_python_recipe_one_step_on_smollm2(tmp_path, smollm2_path):
                           accumulate_grad_batches=1, root=str(tmp_path))
     assert trainer.global_step == 1
     assert [r for r in _rows(tmp_path) if r["val/accuracy"]]
+
+
+def test_arithmetic_recipe_validates_trains_validates_and_reports(tmp_path, smollm2_path, capsys):
+    spec = importlib.util.spec_from_file_location("arithmetic_grpo", ROOT / "recipes" / "arithmetic_grpo.py")
+    recipe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(recipe)
+    summary = recipe.main(max_steps=2, prompts_per_step=2, num_generations=2, max_new_tokens=16, val_size=4,
+                          eval_samples=2, engine="hf", root=str(tmp_path))
+    rows = _rows(tmp_path)
+    validations = [r for r in rows if r["val/accuracy"]]
+    assert [int(r["step"]) for r in validations] == [0, 2]  # before training (step 0) and after the last step
+    assert summary["heldout_accuracy"] == {"before": float(validations[0]["val/accuracy"]),
+                                           "after": float(validations[1]["val/accuracy"])}
+    assert summary["curve"]["step"] == [0, 1]
+    assert os.path.exists(summary["plot"]) and os.path.exists(summary["completions"])
+    out = capsys.readouterr().out
+    assert "held-out accuracy (greedy)" in out and f"plot: {summary['plot']}" in out

@@ -30,6 +30,7 @@ class ScoredRollout:
         per_function: ``(N, F)`` float32 raw reward of each function, NaN = missing.
         rewards: ``(N,)`` float32 weighted sum, NaN where every function is missing.
         sampler_logprobs: ``(N, T)`` float32 engine logprobs, or None.
+        row_index: ``(N,)`` long, each row's position among all generated rows (to find its text), or None.
         num_generations: G.
         pad_token_id: id used to pad ``prompt_ids`` / ``completion_ids``.
     """
@@ -44,6 +45,7 @@ class ScoredRollout:
     num_generations: int
     pad_token_id: int
     sampler_logprobs: Optional[Tensor] = None
+    row_index: Optional[Tensor] = None
 
     def __len__(self) -> int:
         return self.completion_ids.shape[0]
@@ -104,6 +106,8 @@ class ScoredRollout:
             sampler_logprobs=None
             if first.sampler_logprobs is None
             else torch.cat([pad(x.sampler_logprobs, t, 0.0, False) for x in parts]),  # type: ignore[arg-type]
+            row_index=None if any(x.row_index is None for x in parts)
+            else torch.cat([x.row_index for x in parts]),  # type: ignore[misc]  # none is None here
         )
 
 

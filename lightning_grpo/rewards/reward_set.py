@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence, Union
 
+from lightning_grpo.data_presets import PRESETS
 from lightning_grpo.rewards.registry import resolve_reward_function
 from lightning_grpo.rewards.scoring import RewardScores, reward_function_names, score_completions
 
@@ -66,6 +67,12 @@ class RewardSet:
             primary_index=0 if primary is None else names.index(primary),
             accuracy=resolve_reward_function(accuracy) if accuracy is not None else funcs[0],
         )
+
+    def accuracy_for(self, dataset: Optional[str]) -> Callable:
+        """The correctness check of an evaluation dataset: ``accuracy`` for the training dataset (None), the
+        preset's own for another preset (``math500``: ``math_accuracy``), else ``accuracy``."""
+        preset = PRESETS.get(dataset) if dataset is not None else None
+        return resolve_reward_function(preset.accuracy_reward) if preset is not None else self.accuracy
 
     def score(self, prompts: list, completions: list[str], columns: dict[str, list]) -> RewardScores:
         """Score N completions (see :func:`lightning_grpo.rewards.scoring.score_completions`)."""

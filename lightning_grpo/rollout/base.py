@@ -97,12 +97,19 @@ class StopFlag:
     every generated token, vLLM between engine steps); a stopped ``generate`` raises :class:`RolloutInterrupted`.
 
     The flag is set by :meth:`set` or whenever the ``watch``-ed predicate (e.g. ``lambda: trainer.received_sigterm``)
-    returns True. Polling it neither consumes nor reseeds any random number generator.
+    returns True. Polling it neither consumes nor reseeds any random number generator. The engines also count the
+    tokens they are generating on it (:meth:`tick`, ``ticks``: an estimate, one per running sequence per decoding
+    step), which a progress bar can read while a rollout runs.
     """
 
     def __init__(self) -> None:
         self._set = False
         self._predicate: Optional[Callable[[], bool]] = None
+        self.ticks = 0
+
+    def tick(self, tokens: int) -> None:
+        """Count ``tokens`` more tokens generated (progress only; never reset, read differences)."""
+        self.ticks += tokens
 
     def set(self) -> None:
         self._set = True

@@ -245,4 +245,5 @@ class _StopCriterion(StoppingCriteria):
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs: object) -> torch.Tensor:
         self.fired = self.fired or self.flag.is_set()
+        self.flag.tick(int(input_ids.shape[0]))
         return torch.full((input_ids.shape[0],), self.fired, dtype=torch.bool, device=input_ids.device)

@@ -346,6 +346,7 @@ def _abort_between_steps(engine: Any, stop: StopFlag) -> None:
         if stop.is_set():
             engine.abort_request(list(engine.output_processor.request_states), internal=True)
             raise RolloutInterrupted("the vLLM rollout was stopped by a stop request (e.g. SIGTERM) before it finished")
+        stop.tick(len(engine.output_processor.request_states))  # about one token per running request per step
         return step()
 
     engine.step = step_or_abort

@@ -20,6 +20,7 @@ from torch import nn
 from transformers import PreTrainedTokenizerBase
 
 from lightning_grpo.config import GRPOConfig
+from lightning_grpo.events import ON_WEIGHTS_SYNCED, EventSink
 from lightning_grpo.nonfinite import AnyProcess, check_finite_parameters
 from lightning_grpo.rollout.base import RolloutEngine, RolloutOutput, SamplingConfig, StopFlag
 from lightning_grpo.rollout.hf import HFRolloutEngine
@@ -61,6 +62,8 @@ class RolloutWorker:
     Args:
         config: the algorithm settings (``rollout_engine``, ``max_prompt_length``, ``vllm_sync_every``, ...).
         tokenizer: the policy's tokenizer (chat template for message-list prompts).
+        events: called as ``events("on_weights_synced", weights_version)`` after each sync
+            (:mod:`lightning_grpo.events`).
 
     Attributes:
         engine: the rollout engine, None before :meth:`start` (a backend may replace it with a wrapper).
@@ -70,8 +73,10 @@ class RolloutWorker:
             :class:`~lightning_grpo.rollout.base.RolloutInterrupted`).
     """
 
-    def __init__(self, config: GRPOConfig, tokenizer: PreTrainedTokenizerBase) -> None:
+    def __init__(self, config: GRPOConfig, tokenizer: PreTrainedTokenizerBase,
+                 events: Optional[EventSink] = None) -> None:
         self.config = config
+        self.events = events
         self.tokenizer = tokenizer
         self.engine: Optional[RolloutEngine] = None
         self.weights_version = 0
@@ -113,6 +118,8 @@ class RolloutWorker:
         if behind >= self.config.vllm_sync_every or (force and behind > 0) or self.engine_version < 0:
             engine.sync_weights(policy)
             self.engine_version = self.weights_version
+            if self.events is not None:
+                self.events(ON_WEIGHTS_SYNCED, self.engine_version)
 
     @contextlib.contextmanager
     def awake(self, policy: nn.Module, force_sync: bool = False, timer: Any = None,

@@ -1,0 +1,144 @@
+"""The completion table: prompt, completion, each reward function's value, reward, advantage and length, every N
+optimizer steps, through whatever loggers the trainer has.
+
+Where the rows go (history kept: each logged step adds rows, nothing is overwritten):
+
+* always: ``<trainer.log_dir>/completions.jsonl`` and ``completions.csv`` (next to CSVLogger's ``metrics.csv``),
+  appended;
+* ``TensorBoardLogger``: a markdown table as text under the tag ``completions`` at the step (TensorBoard's text
+  tab keeps every step);
+* ``WandbLogger``: a ``wandb.Table`` logged as ``completions`` at the step;
+* ``MLFlowLogger``: an artifact ``completions/step_<step>.jsonl``;
+* with ``print_every_n_steps``: a few rows as a rich table on the console.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+from typing import Any, Optional
+
+import lightning as L
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.loggers import CSVLogger, MLFlowLogger, TensorBoardLogger, WandbLogger
+from rich.console import Console
+from rich.table import Table
+
+from lightning_grpo.events import ExperienceReady
+
+#: Table columns before the reward functions' own.
+LEADING = ("step", "group", "prompt", "completion")
+#: Table columns after them.
+TRAILING = ("reward", "advantage", "length")
+
+
+def prompt_text(prompt: Any) -> str:
+    """The text of a prompt: a string as is, a message list's last user message (else its last message)."""
+    if isinstance(prompt, str):
+        return prompt
+    users = [m for m in prompt if m.get("role") == "user"] or list(prompt)
+    return str(users[-1].get("content", "")) if users else ""
+
+
+def _number(value: float) -> Optional[float]:
+    return None if value != value else round(float(value), 4)  # NaN -> None (null in JSON, empty in CSV)
+
+
+class CompletionTable(Callback):
+    """Logs a table of completions every ``every_n_steps`` optimizer steps (see the module docstring).
+
+    Args:
+        every_n_steps: log the rollout trained on at optimizer steps 0, N, 2N, ... (>= 1).
+        max_rows: rows per logged step (the first groups' completions), None for all.
+        print_every_n_steps: also print ``print_rows`` rows on the console (rich) every this many steps; 0: never.
+        print_rows: rows printed.
+        filename: the base name of the JSONL and CSV files in ``trainer.log_dir``.
+
+    Raises:
+        ValueError: ``every_n_steps < 1``, ``max_rows < 1``, ``print_every_n_steps < 0``.
+    """
+
+    def __init__(self, every_n_steps: int = 1, max_rows: Optional[int] = None, print_every_n_steps: int = 0,
+                 print_rows: int = 2, filename: str = "completions") -> None:
+        if every_n_steps < 1 or (max_rows is not None and max_rows < 1) or print_every_n_steps < 0:
+            raise ValueError(f"CompletionTable needs every_n_steps >= 1, max_rows >= 1 or None and "
+                             f"print_every_n_steps >= 0, got {every_n_steps}, {max_rows}, {print_every_n_steps}")
+        self.every_n_steps, self.max_rows = every_n_steps, max_rows
+        self.print_every_n_steps, self.print_rows = print_every_n_steps, print_rows
+        self.filename = filename
+
+    def rows(self, step: int, event: ExperienceReady) -> tuple[list[str], list[list]]:
+        """``(columns, rows)`` of one rollout: ``step, group, prompt, completion, <reward fns>..., reward,
+        advantage, length``."""
+        rollout = event.rollout
+        columns = list(LEADING) + list(rollout.reward_names) + list(TRAILING)
+        per_function, rewards = rollout.per_function.tolist(), rollout.rewards.tolist()
+        advantages, lengths = event.advantages.tolist(), rollout.lengths.tolist()
+        n = len(rollout.completions) if self.max_rows is None else min(self.max_rows, len(rollout.completions))
+        rows = [
+            [step, i // rollout.num_generations, prompt_text(rollout.prompts[i]), rollout.completions[i]]
+            + [_number(v) for v in per_function[i]] + [_number(rewards[i]), _number(advantages[i]), int(lengths[i])]
+            for i in range(n)
+        ]
+        return columns, rows
+
+    def on_experience(self, trainer: "L.Trainer", pl_module: "L.LightningModule", event: ExperienceReady) -> None:
+        step = trainer.global_step
+        log_now = step % self.every_n_steps == 0
+        print_now = self.print_every_n_steps and step % self.print_every_n_steps == 0
+        if not trainer.is_global_zero or not (log_now or print_now):
+            return
+        columns, rows = self.rows(step, event)
+        if log_now:
+            self._write_files(trainer, columns, rows)
+            for logger in trainer.loggers:
+                _log_table(logger, step, columns, rows)
+        if print_now:
+            _print_rows(step, columns, rows[: self.print_rows])
+
+    def _write_files(self, trainer: "L.Trainer", columns: list[str], rows: list[list]) -> None:
+        folder = trainer.log_dir or trainer.default_root_dir
+        os.makedirs(folder, exist_ok=True)
+        with open(os.path.join(folder, f"{self.filename}.jsonl"), "a", encoding="utf-8") as f:
+            for row in rows:
+                f.write(json.dumps(dict(zip(columns, row, strict=True)), ensure_ascii=False) + "\n")
+        path = os.path.join(folder, f"{self.filename}.csv")
+        new = not os.path.exists(path)
+        with open(path, "a", encoding="utf-8", newline="") as f:
+            writer = csv.writer(f)
+            if new:
+                writer.writerow(columns)
+            writer.writerows(rows)
+
+
+def markdown_table(columns: list[str], rows: list[list]) -> str:
+    """A markdown table (TensorBoard renders it); ``|`` and newlines in cells are escaped."""
+
+    def cell(value: Any) -> str:
+        return "" if value is None else str(value).replace("|", "\\|").replace("\n", "<br>")
+
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def _log_table(logger: Any, step: int, columns: list[str], rows: list[list]) -> None:
+    if isinstance(logger, TensorBoardLogger):
+        logger.experiment.add_text("completions", markdown_table(columns, rows), global_step=step)
+    elif isinstance(logger, WandbLogger):
+        logger.log_table(key="completions", columns=columns, data=rows, step=step)
+    elif isinstance(logger, MLFlowLogger):
+        text = "".join(json.dumps(dict(zip(columns, r, strict=True)), ensure_ascii=False) + "\n" for r in rows)
+        logger.experiment.log_text(logger.run_id, text, f"completions/step_{step:06d}.jsonl")
+    elif not isinstance(logger, CSVLogger):
+        return  # CSV: the files next to metrics.csv are the table
+
+
+def _print_rows(step: int, columns: list[str], rows: list[list]) -> None:
+    table = Table(title=f"completions at step {step}", show_lines=True)
+    for column in columns:
+        table.add_column(column, overflow="fold")
+    for row in rows:
+        table.add_row(*("" if v is None else str(v) for v in row))
+    Console().print(table)

@@ -1,0 +1,132 @@
+"""A progress bar that counts what GRPO counts: optimizer steps against ``max_steps`` (or prompt batches against
+the epoch), the current phase with its elapsed time, tokens generated so far during a rollout, and reward and
+accuracy on the bar.
+
+Lightning's bar counts training "batches", which for GRPO are experience micro-batches (several per optimizer
+step), prints a total of ``-1`` epochs for a step-limited run, shows a meaningless ``v_num`` and does not move while
+a rollout generates. This one is a :class:`~lightning.pytorch.callbacks.TQDMProgressBar` whose main bar advances
+once per optimizer step; a background thread refreshes its description every ``refresh_s`` seconds with the phase
+(``rollout``, ``scoring`` (rewards, old/ref logprobs, advantages), ``training``, ``validation``), its elapsed
+seconds and, during a rollout, ``~N tok`` (the engine's count, :attr:`lightning_grpo.rollout.base.StopFlag.ticks`).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, Optional, Union
+
+import lightning as L
+from lightning.pytorch.callbacks import TQDMProgressBar
+
+#: Metrics shown on the bar, in this order, when logged.
+SHOWN = ("reward", "val/accuracy", "val/pass@1", "loss")
+
+
+class GRPOProgressBar(TQDMProgressBar):
+    """See the module docstring.
+
+    Args:
+        refresh_s: seconds between the background refreshes of the phase line (> 0).
+        leave: keep the finished bar on screen.
+    """
+
+    def __init__(self, refresh_s: float = 1.0, leave: bool = True) -> None:
+        super().__init__(refresh_rate=1, leave=leave)
+        if refresh_s <= 0:
+            raise ValueError(f"refresh_s must be > 0, got {refresh_s}")
+        self.refresh_s = refresh_s
+        self.phase, self._phase_start, self._ticks_start = "setup", time.monotonic(), 0
+        self._module: Optional[L.LightningModule] = None
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+
+    # ------------------------------------------------------------------ what the bar counts
+    @property
+    def total_train_batches(self) -> Union[int, float]:
+        """Optimizer steps to go in this fit (``max_steps``), else prompt batches per epoch."""
+        trainer = self.trainer
+        if trainer.max_steps and trainer.max_steps > 0:
+            return trainer.max_steps
+        loader = getattr(trainer.fit_loop, "_combined_loader", None)
+        try:
+            return len(loader) if loader is not None else float("inf")
+        except TypeError:
+            return float("inf")
+
+    def get_metrics(self, trainer: "L.Trainer", pl_module: "L.LightningModule") -> dict[str, Any]:
+        metrics = super().get_metrics(trainer, pl_module)
+        metrics.pop("v_num", None)
+        return {k: metrics[k] for k in SHOWN if k in metrics}
+
+    def set_phase(self, phase: str) -> None:
+        """Start a new phase (its elapsed time and token count start at 0)."""
+        self.phase, self._phase_start = phase, time.monotonic()
+        self._ticks_start = self._ticks()
+
+    def description(self) -> str:
+        """``<phase> <elapsed>s`` and, during a rollout, ``~<tokens> tok``."""
+        text = f"{self.phase} {time.monotonic() - self._phase_start:.0f}s"
+        if self.phase == "rollout":
+            text += f" ~{self._ticks() - self._ticks_start} tok"
+        return text
+
+    def _ticks(self) -> int:
+        rollout = getattr(self._module, "rollout", None)
+        stop = getattr(rollout, "stop", None)
+        return int(getattr(stop, "ticks", 0))
+
+    # ------------------------------------------------------------------ Lightning hooks
+    def on_train_start(self, trainer: "L.Trainer", pl_module: "L.LightningModule") -> None:
+        super().on_train_start(trainer, pl_module)
+        self._module = pl_module
+        self.train_progress_bar.reset(total=self.total_train_batches)
+        self.train_progress_bar.initial = 0
+        self.train_progress_bar.n = trainer.global_step
+        self.set_phase("rollout")
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._refresh_loop, name="grpo-progress", daemon=True)
+        self._thread.start()
+
+    def on_train_epoch_start(self, trainer: "L.Trainer", *_: Any) -> None:
+        self.train_progress_bar.set_description(f"Epoch {trainer.current_epoch}")
+
+    def on_train_batch_end(self, trainer: "L.Trainer", pl_module: "L.LightningModule", outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        bar = self.train_progress_bar
+        if getattr(batch, "step_end", True):
+            bar.n = trainer.global_step
+            self.set_phase("rollout")
+        bar.set_postfix(self.get_metrics(trainer, pl_module), refresh=False)
+        bar.refresh()
+
+    def on_rollout_end(self, trainer: "L.Trainer", pl_module: "L.LightningModule", rollout: Any) -> None:
+        self.set_phase("scoring")
+
+    def on_experience(self, trainer: "L.Trainer", pl_module: "L.LightningModule", event: Any) -> None:
+        self.set_phase("training")
+
+    def on_validation_start(self, trainer: "L.Trainer", pl_module: "L.LightningModule") -> None:
+        super().on_validation_start(trainer, pl_module)
+        self._previous_phase = self.phase
+        self.set_phase("validation")
+
+    def on_validation_end(self, trainer: "L.Trainer", pl_module: "L.LightningModule") -> None:
+        super().on_validation_end(trainer, pl_module)
+        if trainer.state.fn == "fit":
+            self.set_phase("rollout")
+            self.train_progress_bar.set_postfix(self.get_metrics(trainer, pl_module))
+
+    def on_train_end(self, trainer: "L.Trainer", pl_module: "L.LightningModule") -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5 * self.refresh_s)
+        self.train_progress_bar.n = trainer.global_step
+        self.train_progress_bar.set_description(f"done {trainer.global_step} steps")
+        super().on_train_end(trainer, pl_module)
+
+    def _refresh_loop(self) -> None:
+        while not self._stop.wait(self.refresh_s):
+            bar = self._train_progress_bar
+            if bar is not None and not bar.disable:
+                bar.set_description(self.description(), refresh=True)

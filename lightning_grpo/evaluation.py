@@ -1,0 +1,228 @@
+"""Sampled evaluation as torchmetrics: unbiased pass@k, maj@k and mean@k, with any reward function as the check.
+
+For one prompt with ``n`` sampled completions of which ``c`` are correct (a reward function's value > 0.5):
+
+* pass@k (Chen et al. 2021, "Evaluating Large Language Models Trained on Code", eq. 1): the probability that at
+  least one of ``k`` completions drawn without replacement from the ``n`` is correct,
+  ``1 - C(n - c, k) / C(n, k)``, an unbiased estimator for ``n >= k``; computed as the stable product
+  ``1 - prod_{i = n - c + 1}^{n} (1 - k / i)`` (the paper's numpy form).
+* maj@k (majority voting, "self-consistency", Wang et al. 2023): the ``k`` (= ``n``) completions vote with their
+  extracted final answers (:func:`answer_key`; a completion without one abstains); the most frequent answer wins
+  and the prompt scores that answer's correctness (the mean reward of the completions that gave it). A tie
+  scores the mean over the tied answers, i.e. the expected score of a uniformly random tie-break; no vote at all
+  scores 0.
+* mean@k: the mean reward of the ``n`` completions (the mean of the raw values, not thresholded).
+
+Each metric's state is a sum and a count (``dist_reduce_fx="sum"``), so under DDP it is the mean over all
+processes' prompts.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import torch
+from torch import Tensor, nn
+from torchmetrics import MeanMetric, Metric
+
+from lightning_grpo.rewards.gsm8k import extract_answer
+
+#: Rewards above this count as correct for pass@k and maj@k.
+CORRECT_THRESHOLD = 0.5
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from ``n`` samples with ``c`` correct (Chen et al. 2021, eq. 1): ``1 - C(n-c, k) / C(n, k)``.
+
+    Raises:
+        ValueError: ``k < 1``, ``n < k`` or ``c`` outside ``[0, n]`` (the values are named).
+    """
+    if k < 1 or n < k or not 0 <= c <= n:
+        raise ValueError(f"pass@k needs 1 <= k <= n and 0 <= c <= n, got n={n}, c={c}, k={k}")
+    if n - c < k:
+        return 1.0
+    result = 1.0
+    for i in range(n - c + 1, n + 1):
+        result *= 1.0 - k / i
+    return 1.0 - result
+
+
+def majority_score(answers: Sequence[Optional[str]], rewards: Sequence[float]) -> float:
+    """maj@k of one prompt: the winning answer's mean reward, ties averaged (see the module docstring).
+
+    Args:
+        answers: the ``k`` completions' extracted answers (None: abstains).
+        rewards: their ``k`` reward values.
+
+    Raises:
+        ValueError: ``answers`` and ``rewards`` differ in length.
+    """
+    if len(answers) != len(rewards):
+        raise ValueError(f"maj@k got {len(answers)} answers for {len(rewards)} rewards")
+    votes = Counter(a for a in answers if a is not None)
+    if not votes:
+        return 0.0
+    top = max(votes.values())
+    winners = [a for a, count in votes.items() if count == top]
+    scores = []
+    for winner in winners:
+        values = [float(r) for a, r in zip(answers, rewards, strict=True) if a == winner]
+        scores.append(sum(values) / len(values))
+    return sum(scores) / len(scores)
+
+
+def answer_key(completion: str) -> Optional[str]:
+    """The final answer a completion votes with: the GSM8K extraction (``#### N``, ``\\boxed{N}``, "the answer is
+    N", the last number; canonical number form), else the last ``\\boxed{...}``'s text without spaces, else None."""
+    answer = extract_answer(completion)
+    if answer is not None:
+        return answer
+    start = completion.rfind("\\boxed{")
+    if start < 0:
+        return None
+    depth, end = 1, start + len("\\boxed{")
+    while end < len(completion) and depth:
+        depth += {"{": 1, "}": -1}.get(completion[end], 0)
+        end += 1
+    return "".join(completion[start + len("\\boxed{"): end - 1 if depth == 0 else end].split()) or None
+
+
+class _MeanOverPrompts(Metric):
+    """A sum of per-prompt scores and a prompt count; ``compute`` is their ratio (NaN when empty)."""
+
+    full_state_update = False
+    higher_is_better = True
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.add_state("total", default=torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
+        self.add_state("count", default=torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
+
+    def _add(self, scores: list[float]) -> None:
+        self.total += sum(scores)
+        self.count += len(scores)
+
+    def compute(self) -> Tensor:
+        return (self.total / self.count).float() if self.count > 0 else torch.tensor(float("nan"))
+
+
+def _check_rewards(rewards: Tensor, k: int) -> Tensor:
+    if rewards.dim() != 2 or rewards.shape[1] < k:
+        raise ValueError(f"rewards must be (prompts, n) with n >= k={k}, got shape {tuple(rewards.shape)}")
+    return rewards.detach().double().cpu()
+
+
+class PassAtK(_MeanOverPrompts):
+    """Mean unbiased pass@k over prompts (:func:`pass_at_k`). ``update(rewards)``: ``rewards`` (prompts, n) float,
+    ``n >= k``; NaN (unscored) counts as wrong.
+
+    Raises:
+        ValueError: ``k < 1``; at ``update``, a shape with ``n < k``.
+    """
+
+    def __init__(self, k: int, **kwargs) -> None:
+        super().__init__(**kwargs)
+        if k < 1:
+            raise ValueError(f"pass@k needs k >= 1, got k={k}")
+        self.k = k
+
+    def update(self, rewards: Tensor) -> None:
+        values = _check_rewards(rewards, self.k)
+        correct = (values > CORRECT_THRESHOLD).sum(dim=1).tolist()
+        self._add([pass_at_k(values.shape[1], int(c), self.k) for c in correct])
+
+
+class MajAtK(_MeanOverPrompts):
+    """Mean maj@k over prompts (:func:`majority_score`). ``update(rewards, answers)``: ``rewards`` (prompts, k)
+    float (NaN counts 0), ``answers`` one list of ``k`` extracted answers (or None) per prompt.
+
+    Raises:
+        ValueError: a shape that does not match ``answers``.
+    """
+
+    def update(self, rewards: Tensor, answers: Sequence[Sequence[Optional[str]]]) -> None:
+        values = _check_rewards(rewards, 1).nan_to_num(0.0)
+        if len(answers) != values.shape[0]:
+            raise ValueError(f"maj@k got answers for {len(answers)} prompts and rewards for {values.shape[0]}")
+        self._add([majority_score(a, r) for a, r in zip(answers, values.tolist(), strict=True)])
+
+
+class MeanAtK(_MeanOverPrompts):
+    """Mean reward over prompts and their ``n`` samples. ``update(rewards)``: ``rewards`` (prompts, n) float; NaN
+    (unscored) counts 0."""
+
+    def update(self, rewards: Tensor) -> None:
+        values = _check_rewards(rewards, 1).nan_to_num(0.0)
+        self._add(values.mean(dim=1).tolist())
+
+
+@dataclass
+class EvalBatch:
+    """One validation batch's results.
+
+    Attributes:
+        greedy: ``(B,)`` float32 greedy completions' scores, NaN where unscored.
+        lengths: ``(B,)`` long greedy completion lengths in tokens.
+        samples: ``(B, n)`` float32 sampled completions' scores (NaN unscored), or None without samples.
+        answers: the samples' extracted answers (:func:`answer_key`), ``B`` lists of ``n``.
+    """
+
+    greedy: Tensor
+    lengths: Tensor
+    samples: Optional[Tensor] = None
+    answers: list[list[Optional[str]]] = field(default_factory=list)
+
+
+class Evaluator(nn.Module):
+    """The validation/test metrics of every dataset (dataloader), as torchmetrics the module logs.
+
+    Names: ``<stage>/<metric>`` for the first dataset and ``<stage>/<dataset>/<metric>`` for the others, metric in
+    ``accuracy`` (greedy), ``pass@1`` (greedy accuracy without samples, else unbiased from the samples),
+    ``pass@<k>``, ``maj@<k>``, ``mean@<k>`` (with samples) and ``mean_length`` (greedy, tokens).
+
+    Args:
+        k: k of pass@k and maj@k (maj@k votes with the first k samples).
+    """
+
+    def __init__(self, k: Optional[int]) -> None:
+        super().__init__()
+        self.k = k
+        self.metrics = nn.ModuleDict()
+
+    def _metric(self, key: str, make: type, device: torch.device, *args) -> Metric:
+        if key not in self.metrics:
+            self.metrics[key] = make(*args).to(device)
+        return self.metrics[key]
+
+    def update(self, stage: str, dataset: Optional[str], out: EvalBatch) -> dict[str, tuple[Metric, int, str]]:
+        """Update the metrics of ``stage`` ("val" or "test") and ``dataset`` (None: the first) with ``out``;
+        returns ``{name: (metric, batch size, its attribute path under this module)}`` to log."""
+        prefix = stage if dataset is None else f"{stage}/{dataset}"
+        device, size = out.greedy.device, len(out.greedy)
+        logged: dict[str, tuple[Metric, int, str]] = {}
+
+        def add(name: str, make: type, *args) -> Metric:
+            key = _key(f"{prefix}/{name}")
+            metric = self._metric(key, make, device, *args)
+            logged[f"{prefix}/{name}"] = (metric, size, f"metrics.{key}")
+            return metric
+
+        greedy = out.greedy[~torch.isnan(out.greedy)]
+        add("accuracy", MeanMetric).update(greedy)
+        add("mean_length", MeanMetric).update(out.lengths.float())
+        if out.samples is None:
+            add("pass@1", MeanMetric).update(greedy)
+            return logged
+        k = self.k or out.samples.shape[1]
+        add("pass@1", PassAtK, 1).update(out.samples)
+        add(f"pass@{k}", PassAtK, k).update(out.samples)
+        add(f"maj@{k}", MajAtK).update(out.samples[:, :k], [a[:k] for a in out.answers])
+        add(f"mean@{k}", MeanAtK).update(out.samples[:, :k])
+        return logged
+
+
+def _key(name: str) -> str:
+    """A metric name as a valid ``nn.ModuleDict`` key."""
+    return name.replace("/", "|").replace("@", "_at_").replace(".", "_")
