@@ -194,7 +194,13 @@ class Evaluator(nn.Module):
     def _metric(self, key: str, make: type, device: torch.device, *args) -> Metric:
         if key not in self.metrics:
             self.metrics[key] = make(*args).to(device)
-        return self.metrics[key]
+        metric = self.metrics[key]
+        if not torch.is_inference_mode_enabled():  # states made under inference mode (a trainer.validate before
+            for name in metric._defaults:  # fit): clone them, or the in-place update outside it fails
+                state = getattr(metric, name)
+                if isinstance(state, Tensor) and state.is_inference():
+                    setattr(metric, name, state.clone())
+        return metric
 
     def update(self, stage: str, dataset: Optional[str], out: EvalBatch) -> dict[str, tuple[Metric, int, str]]:
         """Update the metrics of ``stage`` ("val" or "test") and ``dataset`` (None: the first) with ``out``;

@@ -166,11 +166,8 @@ class GRPOModule(L.LightningModule):
         return None if self.config.max_tokens_per_microbatch else steps * self.trainer.accumulate_grad_batches
 
     def steps_per_rollout(self) -> int:
-        """Optimizer steps per rollout: num_iterations * (rollout batch / mini_batch_size).
-
-        Raises:
-            ValueError: the datamodule does not say how many prompts a rollout batch has (``prompts_per_step``).
-        """
+        """Optimizer steps per rollout: num_iterations * (rollout batch / mini_batch_size). Raises ValueError when the
+        datamodule does not say how many prompts a rollout batch has (``prompts_per_step``)."""
         prompts = getattr(getattr(self.trainer, "datamodule", None), "prompts_per_step", None)
         if prompts is None:
             raise ValueError("GRPO needs the datamodule's prompts_per_step (prompts per rollout batch): pass a "
@@ -185,11 +182,9 @@ class GRPOModule(L.LightningModule):
         documents the steps and errors). Called by the loop; runs on this process's prompts only. On SIGTERM the
         rollout stops and Lightning's ``SIGTERMException`` is raised (:mod:`lightning_grpo.fault_tolerance`)."""
         with self.preemption.exit_on_stop():
-            return self.experience_maker.make(
-                batch, self.policy, self.ref_model, self.backend, self.timer, self.device,
-                micro_batch_size=self._logprob_micro_batch_size(batch), next_prompt_batch=next_prompt_batch,
-                forward_context=self.trainer.precision_plugin.forward_context,
-            )
+            return self.experience_maker.make(batch, self.policy, self.ref_model, self.backend, self.timer, self.device,
+                                              self._logprob_micro_batch_size(batch), next_prompt_batch,
+                                              self.trainer.precision_plugin.forward_context)
 
     def _logprob_micro_batch_size(self, batch: dict[str, list]) -> int:
         n = len(batch.get("prompt", ())) * self.config.num_generations
@@ -207,6 +202,10 @@ class GRPOModule(L.LightningModule):
             generator=torch.Generator().manual_seed(cfg.shuffle_seed + step), all_reduce_sum=self.backend.reduce_sum,
             max_tokens_per_microbatch=cfg.max_tokens_per_microbatch,
         )
+
+    def tokenize_prompts(self, prompts: Sequence[Any]) -> tuple[list[list[int]], int]:
+        """Encode prompts (:meth:`lightning_grpo.rollout.worker.RolloutWorker.tokenize`): ``(ids, num_truncated)``."""
+        return self.rollout.tokenize(prompts)
 
     def generate(self, prompts: Sequence[Any], num_generations: int, sampling: SamplingConfig) -> RolloutOutput:
         """Rollout with the engine's current weights (:meth:`lightning_grpo.rollout.worker.RolloutWorker.generate`)."""

@@ -1,13 +1,14 @@
-"""GRPO that visibly learns on a 2-core CPU: the embedded SmolLM2-135M-Instruct on the seeded arithmetic task.
+"""GRPO on the seeded arithmetic task with the embedded SmolLM2-135M-Instruct, sized for a 2-core CPU.
 
-    python recipes/arithmetic_grpo.py                  # the main job (scripts/train.sh)
+    python recipes/arithmetic_grpo.py                  # validate, train 30 steps, validate, report
     python recipes/arithmetic_grpo.py --max-steps 40   # longer
 
-The task (:mod:`lightning_grpo.synthetic`, ``dataset="arithmetic"``): "What is 47 + 38?" with the answer on a last
-line ``#### <number>``; 500 held-out questions are never trained on. The reward is strict accuracy (the number on
-the ``####`` line is right; the format is logged, not rewarded); the held-out score is greedy strict accuracy on the
-first ``val_size`` held-out questions, measured by the same validation before training (``trainer.validate``) and after
-it (the fit's last validation). The run ends by printing a before/after table and the paths of the plot
+The task (:mod:`lightning_grpo.synthetic`, ``dataset="arithmetic"``, level 1): "What is 13 - 6?" (numbers 0-15)
+after one worked example, the answer on a last line ``#### <number>``; 130 held-out questions are never trained on.
+The reward is strict accuracy (the number on the ``####`` line is right; the format is logged, not rewarded). The
+held-out scores, greedy accuracy and the unbiased pass@1 of ``eval_samples`` samples at the training temperature
+(seeded), are measured by the same validation before training (``trainer.validate``) and after it (the fit's last
+validation). The run ends by printing a before/after table and the paths of the plot
 (``lightning-grpo plot``) and the completion table (:class:`lightning_grpo.callbacks.CompletionTable`).
 """
 
@@ -84,7 +85,7 @@ def table(summary: dict[str, Any], first: int = 5) -> str:
 
 
 def main(max_steps: int = 30, prompts_per_step: int = 8, num_generations: int = 8, max_new_tokens: int = 64,
-         learning_rate: float = 1e-5, val_size: int = 200, level: int = 1, temperature: float = 1.0,
+         learning_rate: float = 1e-5, val_size: int = 130, level: int = 1, temperature: float = 1.2,
          eval_samples: int = 4, loss_type: str = "grpo", engine: Optional[str] = None,
          root: str = "outputs/arithmetic_grpo", seed: int = 42) -> dict[str, Any]:
     """Validate, train ``max_steps`` GRPO steps, validate again; print the table and paths; return the summary

@@ -70,3 +70,17 @@ def test_cli_test_subcommand_evaluates_gsm8k_and_math500_from_the_eval_recipe(tm
     assert {"test/accuracy", "test/pass@1", "test/mean_length"} <= set(gsm8k)
     assert {"test/math500/accuracy", "test/math500/pass@1"} <= set(math500)
     assert math500["test/math500/accuracy"] == 0.0  # a random tiny model solves no MATH problem
+
+
+def test_validate_before_fit_then_validate_after(tmp_path, tiny_llama_path):
+    # trainer.validate makes the metric states under inference mode; the fit's validation updates them without it
+    config = GRPOConfig(num_generations=2, max_new_tokens=4, max_prompt_length=400, eval_num_samples=2)
+    module = GRPOModule(tiny_llama_path, reward_funcs=[_alternating], config=config)
+    trainer = L.Trainer(max_steps=1, accelerator="cpu", devices=1, logger=CSVLogger(str(tmp_path), name="logs"),
+                        enable_progress_bar=False, enable_model_summary=False, val_check_interval=1,
+                        check_val_every_n_epoch=None, num_sanity_val_steps=0)
+    data = PromptDataModule(prompts_per_step=2, val_size=4, val_batch_size=2)
+    trainer.validate(module, datamodule=data)
+    trainer.fit(module, datamodule=data)
+    rows = [r for r in _rows(tmp_path) if r.get("val/pass@1")]
+    assert len(rows) == 2 and all(float(r["val/pass@1"]) == pytest.approx(0.5) for r in rows)

@@ -42,7 +42,8 @@ def test_python_recipe_one_step_on_smollm2(tmp_path, smollm2_path):
     recipe = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(recipe)
     trainer = recipe.main(max_steps=1, prompts_per_step=1, num_generations=2, max_new_tokens=16, val_size=2,
-                          accumulate_grad_batches=1, root=str(tmp_path))
+                          accumulate_grad_batches=1,
+                          root=str(tmp_path))
     assert trainer.global_step == 1
     assert [r for r in _rows(tmp_path) if r["val/accuracy"]]
 
@@ -55,7 +56,7 @@ def test_arithmetic_recipe_validates_trains_validates_and_reports(tmp_path, smol
                           eval_samples=2, engine="hf", root=str(tmp_path))
     rows = _rows(tmp_path)
     validations = [r for r in rows if r["val/accuracy"]]
-    assert [int(r["step"]) for r in validations] == [0, 2]  # before training (step 0) and after the last step
+    assert [int(r["step"]) for r in validations] == [0, 1]  # before training; after the last step (logged at step 1)
     assert summary["heldout_accuracy"] == {"before": float(validations[0]["val/accuracy"]),
                                            "after": float(validations[1]["val/accuracy"])}
     assert summary["curve"]["step"] == [0, 1]
