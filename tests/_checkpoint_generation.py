@@ -1,12 +1,16 @@
 """A copy of a checkpoint whose ``generation_config.json`` sets every logits-processing field transformers and vLLM
-read, for tests that a checkpoint's generation settings never change a rollout."""
+read, for tests that a checkpoint's generation settings never change a rollout; and the trainer's logprobs of a
+rollout on a teacher-forced forward, to compare with an engine's sampler logprobs."""
 
 from __future__ import annotations
 
 import shutil
 from pathlib import Path
 
+import torch
 from transformers import GenerationConfig
+
+from lightning_grpo import functional as F
 
 #: Fields that change sampling only (do_sample=True): transformers' warpers and vLLM's default sampling params.
 SAMPLING_FIELDS = dict(
@@ -37,3 +41,17 @@ def copy_with_generation_config(src: str, dest: Path, **fields) -> str:
     config.update(**fields)
     config.save_pretrained(str(dest))
     return str(dest)
+
+
+@torch.no_grad()
+def trainer_logprobs(model, out, temperature: float, **truncation) -> torch.Tensor:
+    """``(N, T)`` :func:`functional.token_logprobs` of ``out.completion_ids`` on a teacher-forced HF forward of
+    each row (no padding), 0 where masked."""
+    result = torch.zeros(out.completion_ids.shape, dtype=torch.float32)
+    for row in range(out.completion_ids.shape[0]):
+        prompt = out.prompt_ids[row][out.prompt_mask[row].bool()]
+        length = int(out.completion_mask[row].sum())
+        completion = out.completion_ids[row, :length]
+        logits = model(torch.cat([prompt, completion])[None]).logits[:, len(prompt) - 1 : -1]
+        result[row, :length] = F.token_logprobs(logits, completion[None], temperature, **truncation)[0][0]
+    return result

@@ -14,11 +14,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _checkpoint_generation import SAMPLING_FIELDS, copy_with_generation_config, greedy_fields
+from _checkpoint_generation import SAMPLING_FIELDS, copy_with_generation_config, greedy_fields, trainer_logprobs
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lightning_grpo import GRPOConfig
-from lightning_grpo import functional as F
 from lightning_grpo.rollout.base import SamplingConfig
 from lightning_grpo.rollout.hf import HFRolloutEngine
 
@@ -97,20 +96,6 @@ def test_checkpoint_generation_config_never_changes_a_rollout(clean, case):
     assert polluted.generation_config is checkpoint_config  # restored after every call
 
 
-@torch.no_grad()
-def _trainer_logprobs(model, out, sampling: SamplingConfig, **truncation) -> torch.Tensor:
-    """``(N, T)`` token_logprobs of each row's completion on a teacher-forced forward (no padding), 0 where masked."""
-    result = torch.zeros(out.completion_ids.shape)
-    temperature = 1.0 if sampling.greedy else sampling.temperature
-    for row in range(out.completion_ids.shape[0]):
-        prompt = out.prompt_ids[row][out.prompt_mask[row].bool()]
-        length = int(out.completion_mask[row].sum())
-        completion = out.completion_ids[row, :length]
-        logits = model(torch.cat([prompt, completion])[None]).logits[:, len(prompt) - 1 : -1]
-        result[row, :length] = F.token_logprobs(logits, completion[None], temperature, **truncation)[0][0]
-    return result
-
-
 SETTINGS = [
     SamplingConfig(8, greedy=True),
     SamplingConfig(8, temperature=0.7),
@@ -132,9 +117,10 @@ def test_sampled_distribution_is_the_one_the_trainer_scores(case, sampling):
     assert out.sampler_logprobs is not None and out.sampler_logprobs.shape == out.completion_ids.shape
     assert (out.sampler_logprobs[~mask] == 0).all()
     truncation = {} if sampling.greedy else dict(top_k=sampling.top_k, top_p=sampling.top_p, min_p=sampling.min_p)
-    expected = _trainer_logprobs(polluted, out, sampling, **truncation)
+    temperature = 1.0 if sampling.greedy else sampling.temperature
+    expected = trainer_logprobs(polluted, out, temperature, **truncation)
     torch.testing.assert_close(out.sampler_logprobs, expected, atol=ATOL, rtol=0)
-    plain = _trainer_logprobs(polluted, out, sampling)  # today's trainer: no truncation
+    plain = trainer_logprobs(polluted, out, temperature)  # today's trainer: no truncation
     if sampling.greedy or not (sampling.top_k or sampling.top_p < 1 or sampling.min_p):
         torch.testing.assert_close(plain, expected, atol=0, rtol=0)
     else:  # the truncation is real: renormalizing over the kept tokens raises every logprob

@@ -27,11 +27,10 @@ import pytest
 pytest.importorskip("vllm")
 
 import torch  # noqa: E402
-from _checkpoint_generation import SAMPLING_FIELDS, copy_with_generation_config  # noqa: E402
+from _checkpoint_generation import SAMPLING_FIELDS, copy_with_generation_config, trainer_logprobs  # noqa: E402
 from transformers import AutoModelForCausalLM, TopPLogitsWarper  # noqa: E402
 
 from lightning_grpo import GRPOConfig, GRPOModule  # noqa: E402
-from lightning_grpo import functional as F  # noqa: E402
 from lightning_grpo.algorithm.importance import rollout_importance_weights  # noqa: E402
 from lightning_grpo.experience import Experience  # noqa: E402
 from lightning_grpo.rollout.base import SamplingConfig  # noqa: E402
@@ -222,20 +221,6 @@ def test_bad_inputs_name_the_field(untied, tmp_path):
         untied.engine.generate([[5, 6]], 1, SamplingConfig(max_new_tokens=2, temperature=0.0))
     with pytest.raises(ValueError, match="top_p"):
         untied.engine.generate([[5, 6]], 1, SamplingConfig(max_new_tokens=2, top_p=1.5))
-
-
-@torch.no_grad()
-def trainer_logprobs(model, out, temperature: float, **truncation) -> torch.Tensor:
-    """``(N, T)`` :func:`functional.token_logprobs` of ``out.completion_ids`` on a teacher-forced HF forward of
-    each row (no padding), 0 where masked."""
-    result = torch.zeros(out.completion_ids.shape, dtype=torch.float32)
-    for row in range(out.completion_ids.shape[0]):
-        prompt = out.prompt_ids[row][out.prompt_mask[row].bool()]
-        length = int(out.completion_mask[row].sum())
-        completion = out.completion_ids[row, :length]
-        logits = model(torch.cat([prompt, completion])[None]).logits[:, len(prompt) - 1 : -1]
-        result[row, :length] = F.token_logprobs(logits, completion[None], temperature, **truncation)[0][0]
-    return result
 
 
 TRUNCATIONS = [
