@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import time
-from typing import Callable, ContextManager, Iterator, Optional, Protocol
+from typing import Callable, ContextManager, Optional, Protocol
 
 import torch
 from torch import Tensor, nn
@@ -115,6 +114,7 @@ class ExperienceMaker:
         sampler = DynamicSampler(len(batch["prompt"]), self.rewards.primary_index, cfg.dynamic_sampling)
         self._texts = []
         totals = {"prompts/truncated": 0.0, "generated_tokens": 0.0}
+        rollout_s_before = timer.get("rollout_s")
 
         def any_process(flag: bool) -> bool:
             return collectives.any_process(flag, device)
@@ -168,7 +168,8 @@ class ExperienceMaker:
             rollout, self.rewards.names, extra, totals, sampling_stats if cfg.dynamic_sampling else None,
             lambda tensor: collectives.reduce_sum(tensor.to(device)),
         )
-        experience.metrics["tokens_per_s"] = totals["generated_tokens"] / max(totals.get("rollout_s", 0.0), 1e-9)
+        generation_s = timer.get("rollout_s") - rollout_s_before  # this rollout's generation time, all rounds
+        experience.metrics["tokens_per_s"] = totals["generated_tokens"] / max(generation_s, 1e-9)
         if any_process(self.rollout.stop.is_set()):  # stopped during the logprob passes: still discarded
             raise RolloutInterrupted("the rollout was stopped by a stop request (e.g. SIGTERM) before it finished")
         timer.add("generated_tokens", totals["generated_tokens"])
@@ -198,7 +199,7 @@ class ExperienceMaker:
         cfg = self.config
         g = cfg.num_generations
         engine = self.rollout.require_engine()
-        with timer.span("rollout_s"), _add_elapsed(totals, "rollout_s"):
+        with timer.span("rollout_s"):
             prompt_ids, num_truncated = self.rollout.tokenize(batch["prompt"])
             sampling = SamplingConfig(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
                                       top_p=cfg.top_p, top_k=cfg.top_k, min_p=cfg.min_p, seed=self._request_seed())
@@ -317,13 +318,3 @@ class ExperienceMaker:
         if count < 2:
             return 0.0
         return max(squares - total * total / count, 0.0) ** 0.5 / (count - 1) ** 0.5
-
-
-@contextlib.contextmanager
-def _add_elapsed(totals: dict[str, float], key: str) -> Iterator[None]:
-    """Add the ``with`` body's wall time to ``totals[key]`` (the rollout's own generation time, for tokens/s)."""
-    start = time.perf_counter()
-    try:
-        yield
-    finally:
-        totals[key] = totals.get(key, 0.0) + time.perf_counter() - start

@@ -212,6 +212,10 @@ class StepTimer:
     def add(self, key: str, value: float) -> None:
         self._parts[key] = self._parts.get(key, 0.0) + value
 
+    def get(self, key: str) -> float:
+        """Seconds (or count) added to ``key`` since the last step ended."""
+        return self._parts.get(key, 0.0)
+
     @contextlib.contextmanager
     def span(self, key: str) -> Iterator[None]:
         """Add the wall time of the ``with`` body to ``key``."""
