@@ -4,6 +4,10 @@
     lightning-grpo test --config recipes/eval.yaml --model.model outputs/.../hf_model     # or --ckpt_path x.ckpt
     lightning-grpo plot outputs/gsm8k_grpo                # PNG of the newest metrics.csv under the folder
 
+``fit --validate_before_fit true`` validates once before training (the held-out "before"); every ``fit`` ends by
+printing the before/after table of :mod:`lightning_grpo.report` and the paths of the plot, the completion table and
+the checkpoint (global rank 0, with a ``CSVLogger``).
+
 Every field of the Trainer, the module (``--model.*``, ``--model.config.*``) and the data (``--data.*``) can be
 set in the YAML and overridden on the command line. ``lightning-grpo fit --help`` shows each ``--model.config.*``
 field with the attribute docstring written below it in :class:`lightning_grpo.config.GRPOConfig`.
@@ -24,6 +28,7 @@ from lightning_grpo.data import PromptDataModule
 from lightning_grpo.models import resolve_model_path
 from lightning_grpo.module import GRPOModule
 from lightning_grpo.plot import plot_metrics
+from lightning_grpo.report import fit_report
 
 
 def _tokenizer_source(model: object, tokenizer: object) -> Optional[str]:
@@ -57,6 +62,17 @@ class GRPOCLI(LightningCLI):
         # the data module drops over-long prompts, measured with the policy's tokenizer and the same limit
         parser.link_arguments("model.config", "data.max_prompt_length", compute_fn=_max_prompt_length)
         parser.link_arguments(("model.model", "model.tokenizer"), "data.tokenizer", compute_fn=_tokenizer_source)
+        parser.add_argument("--validate_before_fit", type=bool, default=False,
+                            help="fit: run the validation once before training (the held-out 'before' score)")
+
+    def before_fit(self) -> None:
+        if self.config.get(self.subcommand, {}).get("validate_before_fit"):
+            self.trainer.validate(self.model, datamodule=self.datamodule)
+
+    def after_fit(self) -> None:
+        report = fit_report(self.trainer)
+        if report:
+            print(report)
 
 
 def plot_main(args: Sequence[str]) -> None:

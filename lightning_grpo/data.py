@@ -46,6 +46,7 @@ from lightning_grpo.data_presets import (  # noqa: F401  (re-exported: the prese
     Preset,
 )
 from lightning_grpo.epoch_sampler import EpochShuffleSampler
+from lightning_grpo.fewshot import fewshot_messages
 from lightning_grpo.rewards.gsm8k import gold_answer
 from lightning_grpo.synthetic import ARITHMETIC_INSTRUCTION, SYNTHETIC_NAME, arithmetic_splits
 
@@ -110,6 +111,7 @@ def _format_example(
     answer_format: AnswerFormat,
     system_prompt: Optional[str],
     instruction: str,
+    fewshot: list[dict[str, str]],
 ) -> dict[str, Any]:
     question = row[question_field]
     raw_answer = row[answer_field]
@@ -123,7 +125,7 @@ def _format_example(
     except ValueError as err:
         raise ValueError(f"Row {index} (answer_format='gsm8k'): {err}") from err
     prompt = [] if system_prompt is None else [{"role": "system", "content": system_prompt}]
-    prompt += row.get("fewshot") or []  # worked examples (messages) of the row, e.g. the arithmetic task's
+    prompt += row.get("fewshot") or fewshot  # worked examples: the row's (the arithmetic task's), else num_fewshot
     prompt.append({"role": "user", "content": instruction.replace(QUESTION_PLACEHOLDER, question)})
     return {"prompt": prompt, "answer": answer, "question": question, "solution": str(row[solution_field])}
 
@@ -171,6 +173,8 @@ class PromptDataModule(L.LightningDataModule):
         num_workers: DataLoader worker processes.
         eval_datasets: further datasets (preset names or paths, e.g. ``["math500"]``) evaluated after this one's
             val split, ``val_size`` prompts each, one dataloader each, in validation and test (``eval_names``).
+        num_fewshot: worked examples before every question (train and val, :mod:`lightning_grpo.fewshot`): the
+            first ``num_fewshot`` rows of the train split, which are then never trained on (>= 0).
 
     Raises:
         ValueError: ``prompts_per_step < 1``, ``val_size < 0``, ``val_batch_size < 1``, ``max_prompt_length < 1``,
@@ -203,11 +207,13 @@ class PromptDataModule(L.LightningDataModule):
         max_prompt_length: Optional[int] = None,
         num_workers: int = 0,
         eval_datasets: Sequence[str] = (),
+        num_fewshot: int = 0,
     ) -> None:
         super().__init__()
         for name, value, minimum in (
             ("prompts_per_step", prompts_per_step, 1),
             ("val_size", val_size, 0),
+            ("num_fewshot", num_fewshot, 0),
             ("val_batch_size", val_batch_size, 1),
             ("num_workers", num_workers, 0),
         ):
@@ -240,7 +246,8 @@ class PromptDataModule(L.LightningDataModule):
         self.system_prompt = system_prompt
         default = preset.instruction if preset else QUESTION_PLACEHOLDER
         self.instruction = instruction or (ARITHMETIC_INSTRUCTION if SYNTHETIC_NAME.fullmatch(dataset) else default)
-        self.eval_datasets = list(eval_datasets)
+        self.eval_datasets, self.num_fewshot = list(eval_datasets), num_fewshot
+        self.fewshot: list[dict[str, str]] = []
         self.question_field = question_field or (preset.question_field if preset else "question")
         self.answer_field = answer_field or (preset.answer_field if preset else "answer")
         self.solution_field = solution_field or (preset.solution_field if preset else self.answer_field)
@@ -297,10 +304,8 @@ class PromptDataModule(L.LightningDataModule):
             config = self.dataset_config or (self.preset.hub_config if self.preset else None)
             log.info("Loading %s (config %s) from the hub", name, config)
             return datasets.load_dataset(name, config)
-        raise ValueError(
-            f"dataset={name!r} is not a preset ({sorted(PRESETS)}), not an existing file or folder "
-            f"(tried {str(path.resolve())!r}), and not a hub id 'owner/name'"
-        )
+        raise ValueError(f"dataset={name!r} is not a preset ({sorted(PRESETS)}), not an existing file or folder "
+                         f"(tried {str(path.resolve())!r}), and not a hub id 'owner/name'")
 
     def _prepare_split(self, dataset: datasets.Dataset, split: str) -> datasets.Dataset:
         columns = dataset.column_names
@@ -324,6 +329,7 @@ class PromptDataModule(L.LightningDataModule):
                 answer_format=self.answer_format,
                 system_prompt=self.system_prompt,
                 instruction=self.instruction,
+                fewshot=self.fewshot,
             ),
             keep_in_memory=True,
             desc=f"Formatting {split} prompts",
@@ -341,10 +347,8 @@ class PromptDataModule(L.LightningDataModule):
         keep = [i for i, row in enumerate(ids) if len(row) <= self.max_prompt_length]
         dropped = len(dataset) - len(keep)
         if dropped:
-            log.warning(
-                "Dropped %d of %d %s prompts longer than max_prompt_length=%d tokens (dataset=%r)",
-                dropped, len(dataset), split, self.max_prompt_length, self.dataset,
-            )
+            log.warning("Dropped %d of %d %s prompts longer than max_prompt_length=%d tokens (dataset=%r)",
+                        dropped, len(dataset), split, self.max_prompt_length, self.dataset)
             dataset = dataset.select(keep)
         return dataset
 
@@ -353,9 +357,8 @@ class PromptDataModule(L.LightningDataModule):
             return None
         if self.val_split is not None:
             if self.val_split not in splits:
-                raise ValueError(
-                    f"dataset={self.dataset!r}: val_split={self.val_split!r} not found; available splits: {splits}"
-                )
+                raise ValueError(f"dataset={self.dataset!r}: val_split={self.val_split!r} not found; "
+                                 f"available splits: {splits}")
             return self.val_split
         if self.preset is not None:
             return self.preset.val_split
@@ -381,10 +384,14 @@ class PromptDataModule(L.LightningDataModule):
         raw = self._load()
         splits = list(raw.keys())
         if self.train_split not in raw:
-            raise ValueError(
-                f"dataset={self.dataset!r}: train_split={self.train_split!r} not found; available splits: {splits}"
-            )
-        train = self._prepare_split(raw[self.train_split], self.train_split)
+            raise ValueError(f"dataset={self.dataset!r}: train_split={self.train_split!r} not found; "
+                             f"available splits: {splits}")
+        raw_train = raw[self.train_split]
+        if self.num_fewshot >= len(raw_train):
+            raise ValueError(f"num_fewshot={self.num_fewshot} leaves no train prompts ({len(raw_train)} rows)")
+        shots = raw_train.select(range(self.num_fewshot))
+        self.fewshot = fewshot_messages(shots, self.question_field, self.solution_field, self.instruction)
+        train = self._prepare_split(raw_train.select(range(self.num_fewshot, len(raw_train))), self.train_split)
         if len(train) < self.prompts_per_step:
             raise ValueError(
                 f"dataset={self.dataset!r} split {self.train_split!r} has {len(train)} prompts, fewer than "
@@ -398,10 +405,8 @@ class PromptDataModule(L.LightningDataModule):
                 log.info("val split %r has %d prompts (< val_size=%d); using all", val_split, len(val), self.val_size)
             val = val.select(range(min(self.val_size, len(val))))
         self.train_dataset, self.val_dataset = train, val
-        log.info(
-            "dataset=%r: %d train prompts (%s), %d val prompts (%s)",
-            self.dataset, len(train), self.train_split, 0 if val is None else len(val), val_split,
-        )
+        log.info("dataset=%r: %d train prompts (%s), %d val prompts (%s)",
+                 self.dataset, len(train), self.train_split, 0 if val is None else len(val), val_split)
 
     def train_dataloader(self) -> DataLoader:
         """Shuffled (seeded) batches of exactly ``prompts_per_step`` prompts, as dicts of lists."""
@@ -441,10 +446,5 @@ class PromptDataModule(L.LightningDataModule):
             self.setup("validate")
         if self.val_dataset is None or len(self.val_dataset) == 0:
             return []
-        return DataLoader(
-            self.val_dataset,
-            batch_size=self.val_batch_size,
-            shuffle=False,
-            collate_fn=collate_prompts,
-            num_workers=self.num_workers,
-        )
+        return DataLoader(self.val_dataset, batch_size=self.val_batch_size, shuffle=False, collate_fn=collate_prompts,
+                          num_workers=self.num_workers)

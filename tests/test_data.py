@@ -384,3 +384,31 @@ def test_malformed_json_document_names_the_line(tmp_path):
     dm = PromptDataModule(str(path), prompts_per_step=1, val_size=0)
     dm.setup("fit")
     assert dm.train_dataset["answer"] == ["1", "2"]
+
+
+# ----------------------------------------------------------------------------------------- few-shot
+
+
+def test_gsm8k_one_shot_example_is_the_first_train_row_and_never_trained_on(gsm8k_rows):
+    train_rows, _ = gsm8k_rows
+    dm = PromptDataModule("gsm8k", prompts_per_step=4, val_size=3, val_batch_size=3, num_fewshot=1)
+    dm.setup("fit")
+    assert len(dm.train_dataset) == len(train_rows) - 1 == 7472
+    assert train_rows[0]["question"] not in set(dm.train_dataset["question"])
+    # Natalia: "Natalia sold 48/2 = <<48/2=24>>24 clips in May. ..." -> calculator notes removed
+    shot_user, shot_assistant = dm.fewshot
+    assert shot_user == {"role": "user", "content": dm.instruction.replace("{question}", train_rows[0]["question"])}
+    assert shot_assistant == {"role": "assistant", "content": "Natalia sold 48/2 = 24 clips in May.\n"
+                              "Natalia sold 48+24 = 72 clips altogether in April and May.\n#### 72"}
+    for prompt in (dm.train_dataset[0]["prompt"], dm.val_dataset[2]["prompt"]):  # train and val prompts
+        assert [m["role"] for m in prompt] == ["system", "user", "assistant", "user"]
+        assert prompt[1:3] == dm.fewshot
+
+
+def test_num_fewshot_errors(tmp_path):
+    with pytest.raises(ValueError, match="num_fewshot"):
+        PromptDataModule("gsm8k", num_fewshot=-1)
+    path = _write_jsonl(tmp_path / "two.jsonl", [{"question": "q1", "answer": "1"}, {"question": "q2", "answer": "2"}])
+    dm = PromptDataModule(path, prompts_per_step=1, num_fewshot=2)
+    with pytest.raises(ValueError, match="num_fewshot=2 leaves no train prompts"):
+        dm.setup("fit")

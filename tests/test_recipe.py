@@ -20,7 +20,7 @@ def _rows(root):
         return list(csv.DictReader(f))
 
 
-def test_yaml_recipe_one_step_on_smollm2(tmp_path, smollm2_path):
+def test_yaml_recipe_one_step_on_smollm2(tmp_path, smollm2_path, capsys):
     cli_main([
         "fit", "--config", str(ROOT / "recipes" / "gsm8k_grpo.yaml"),
         "--trainer.max_steps", "1", "--trainer.accumulate_grad_batches", "1", "--trainer.val_check_interval", "1",
@@ -33,8 +33,20 @@ def test_yaml_recipe_one_step_on_smollm2(tmp_path, smollm2_path):
     (train,) = [r for r in rows if r["loss"]]
     assert 0 <= float(train["reward"]) <= 1.2
     assert 1 <= float(train["completions/mean_length"]) <= 24
-    assert [r["val/accuracy"] for r in rows if r["val/accuracy"]] and (tmp_path / "hf" / "model.safetensors").exists()
-    assert glob.glob(str(tmp_path / "**" / "checkpoints" / "*.ckpt"), recursive=True)
+    validations = [r for r in rows if r["val/accuracy"]]
+    assert len(validations) == 2  # validate_before_fit, then after the step (both logged at step 0: max_steps 1)
+    assert (tmp_path / "hf" / "model.safetensors").exists()
+    (checkpoint,) = glob.glob(str(tmp_path / "**" / "checkpoints" / "*.ckpt"), recursive=True)  # one copy
+    assert os.path.basename(checkpoint) == "last.ckpt"  # (every_n_train_steps 10 > 1 step: no step checkpoint)
+    # the end-of-fit report: before/after table from metrics.csv, then the paths
+    out = capsys.readouterr().out
+    before, after = (float(r["val/accuracy"]) for r in validations)
+    (line,) = [x for x in out.splitlines() if x.startswith("held-out val/accuracy")]
+    assert line.split()[-3:] == [f"{before:.3f}", f"{after:.3f}", f"{after - before:+.3f}"]
+    assert "train rewards/gsm8k_format/mean (first/last 5 steps)" in out
+    folder = os.path.dirname(os.path.dirname(checkpoint))
+    assert f"plot:        {folder}/metrics.png" in out and os.path.exists(f"{folder}/metrics.png")
+    assert f"completions: {folder}/completions.csv" in out and f"checkpoint:  {folder}/checkpoints/last.ckpt" in out
 
 
 def test_python_recipe_one_step_on_smollm2(tmp_path, smollm2_path):
