@@ -337,6 +337,8 @@ class GRPOConfig:
         for url in self.vllm_server_urls:
             if not isinstance(url, str) or not url.startswith(("http://", "https://")):
                 _fail("vllm_server_urls", self.vllm_server_urls, f"{url!r} must start with http:// or https://")
+        if len(set(self.vllm_server_urls)) != len(self.vllm_server_urls):
+            _fail("vllm_server_urls", self.vllm_server_urls, "a server is listed twice")
         if not self.vllm_server_timeout > 0:
             _fail("vllm_server_timeout", self.vllm_server_timeout, "must be > 0 seconds")
         if not 1 <= self.vllm_server_group_port <= 65535:

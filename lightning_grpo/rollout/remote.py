@@ -112,7 +112,7 @@ class VLLMServerEngine:
             :class:`~lightning_grpo.rollout.base.RolloutInterrupted` (the servers finish and are ignored).
 
     Raises:
-        ValueError: no URL, or instances that disagree on the tokenizer ids or lengths (named).
+        ValueError: no URL, a URL given twice, or instances that disagree on the tokenizer ids or lengths (named).
         RolloutServerError: an instance does not answer within ``timeout_s``.
     """
 
@@ -121,6 +121,8 @@ class VLLMServerEngine:
                  weight_sync_check: Optional[float] = None, stop: Optional[StopFlag] = None) -> None:
         if not urls:
             raise ValueError("urls is empty: give the rollout servers' URLs (GRPOConfig.vllm_server_urls)")
+        if len({u.rstrip("/") for u in urls}) != len(urls):
+            raise ValueError(f"urls {list(urls)} name a server twice: each instance holds one weight-sync group")
         self.tokenizer = tokenizer
         self.timeout_s = float(timeout_s)
         self.weight_sync_check = weight_sync_check
@@ -244,12 +246,13 @@ class VLLMServerEngine:
         index = self.instances.index(inst)
         prefix = f"lightning_grpo/{index}/{info['instance_id']}/{inst.groups_made}"
         timeout = max(1.0, deadline - time.monotonic())
-        body = dict(host=self.group_host, port=self.group_port, prefix=prefix, world_size=1 + int(info["world_size"]),
+        world_size = 1 + int(info["world_size"])
+        body = dict(host=self.group_host, port=self.group_port, prefix=prefix, world_size=world_size,
                     backend=self.backend, timeout_s=timeout)
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             answer = pool.submit(inst.client.request, "POST", "/init_weight_sync", body, deadline, False)
             try:
-                group = make_group(self._store, prefix, 0, body["world_size"], self.backend, timeout)
+                group = make_group(self._store, prefix, 0, world_size, self.backend, timeout)
             except Exception as err:
                 detail = answer.exception() if answer.done() else "no answer"
                 raise RolloutServerError(
@@ -294,12 +297,7 @@ class VLLMServerEngine:
         error: Optional[BaseException] = None
         try:
             if self.rank == 0:
-                deadline = time.monotonic() + self.timeout_s
-                for inst in self.instances:
-                    info = inst.client.request("GET", "/health", deadline=deadline)
-                    if info["instance_id"] != inst.instance_id:
-                        self._init_group(inst, info, deadline)
-                self._push(self.instances, model, deadline)
+                self._send_to_all(model)
             elif is_sharded(model):
                 for _ in hf_weights(model, self.tie_word_embeddings):  # the gathers are collectives
                     pass
@@ -317,6 +315,17 @@ class VLLMServerEngine:
                 f"post-sync check failed for weights version {self.version}: the rollout server's logprobs of the "
                 f"probe batch differ from the policy's by up to {worst:.3g} > weight_sync_check="
                 f"{self.weight_sync_check:g}{where}: the server is not generating with the trained weights")
+
+    def _send_to_all(self, model: nn.Module) -> None:
+        """Rank 0: a new group with each instance that restarted, then the weights to all of them."""
+        deadline = time.monotonic() + self.timeout_s
+        for inst in self.instances:
+            info = inst.client.request("GET", "/health", deadline=deadline)
+            if info["instance_id"] != inst.instance_id:
+                log.warning("rollout server %s restarted (instance %s -> %s): new weight-sync group",
+                            inst.client.url, inst.instance_id, info["instance_id"])
+                self._init_group(inst, info, deadline)
+        self._push(self.instances, model, deadline)
 
     def _check(self, model: nn.Module) -> tuple[float, str]:
         """The largest |server - policy| probe logprob difference over the instances (rank 0; 0 elsewhere), and

@@ -133,17 +133,17 @@ def http_server(server: RolloutServer, host: str, port: int) -> ThreadingHTTPSer
 
         def _answer(self, method: str) -> None:
             handler = routes.get((method, self.path))
-            try:
-                if handler is None:
-                    raise LookupError(f"no endpoint {method} {self.path}")
-                length = int(self.headers.get("Content-Length") or 0)
-                body = json.loads(self.rfile.read(length) or b"{}")
-                code, answer = 200, handler(body)
-            except (ValueError, KeyError, TypeError, LookupError) as err:
-                code, answer = (404 if isinstance(err, LookupError) and not isinstance(err, KeyError) else 400,
-                                {"error": f"{type(err).__name__}: {err}"})
-            except Exception as err:  # noqa: BLE001 - every failure goes back to the trainer with its message
-                code, answer = 500, {"error": f"{type(err).__name__}: {err}"}
+            length = int(self.headers.get("Content-Length") or 0)
+            raw = self.rfile.read(length) if length else b""
+            if handler is None:
+                code, answer = 404, {"error": f"LookupError: no endpoint {method} {self.path}"}
+            else:
+                try:
+                    code, answer = 200, handler(json.loads(raw or b"{}"))
+                except (ValueError, KeyError, TypeError) as err:  # bad input
+                    code, answer = 400, {"error": f"{type(err).__name__}: {err}"}
+                except Exception as err:  # noqa: BLE001 - every failure goes back to the trainer with its message
+                    code, answer = 500, {"error": f"{type(err).__name__}: {err}"}
             data = json.dumps(answer).encode()
             self.send_response(code)
             self.send_header("Content-Type", "application/json")

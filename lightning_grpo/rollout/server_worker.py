@@ -10,7 +10,7 @@ in-place reload, which redoes the CPU backend's pre-packing of GEMM weights), as
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -21,6 +21,8 @@ class WeightSyncWorkerExtension:
     """Methods added to a vLLM worker (``self`` is the worker: ``rank``, ``device``, ``reload_weights``)."""
 
     weight_group: Optional[Any] = None
+    device: torch.device  # the worker's (annotations only: vLLM refuses extension attributes the worker has)
+    reload_weights: Callable[..., None]
 
     def init_weight_sync(self, host: str, port: int, prefix: str, world_size: int, backend: str,
                          timeout_s: float) -> int:
@@ -35,14 +37,15 @@ class WeightSyncWorkerExtension:
     def receive_weights(self) -> int:
         """Load the weights the trainer streams now; returns how many tensors arrived. When loading fails the
         rest of the stream is still received (so the trainer is not left waiting) before the error is raised."""
-        if self.weight_group is None:
+        group = self.weight_group
+        if group is None:
             raise RuntimeError("no weight-sync group: the trainer must call /init_weight_sync first")
-        device = self.device if backend_of(self.weight_group) == "nccl" else torch.device("cpu")
+        device = self.device if backend_of(group) == "nccl" else torch.device("cpu")
         count = 0
 
         def counted() -> Any:
             nonlocal count
-            for item in receive_weights(self.weight_group, device):
+            for item in receive_weights(group, device):
                 count += 1
                 yield item
 

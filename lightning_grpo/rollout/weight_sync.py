@@ -15,7 +15,7 @@ model's weights once (under FSDP each parameter is gathered once).
 from __future__ import annotations
 
 import datetime
-from typing import Iterable, Iterator, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -39,9 +39,10 @@ def join_store(host: str, port: int, timeout_s: float) -> dist.TCPStore:
 
 
 def make_group(store: dist.Store, prefix: str, rank: int, world_size: int, backend: str,
-               timeout_s: float) -> dist.ProcessGroup:
-    """A process group of ``world_size`` ranks that rendezvous under ``prefix`` in ``store``; blocks until every
-    rank has joined (at most ``timeout_s`` seconds, then a ``torch.distributed`` error).
+               timeout_s: float) -> Any:
+    """A process group (``ProcessGroupGloo`` / ``ProcessGroupNCCL``) of ``world_size`` ranks that rendezvous under
+    ``prefix`` in ``store``; blocks until every rank has joined (at most ``timeout_s`` seconds, then a
+    ``torch.distributed`` error). Its collectives time out after ``timeout_s`` as well.
 
     Raises:
         ValueError: a backend other than "gloo" and "nccl".
@@ -80,13 +81,13 @@ def decode_header(header: Tensor, name: Tensor) -> tuple[str, torch.dtype, tuple
     return bytes(name.tolist()).decode(), DTYPES[values[1]], tuple(values[4:4 + values[2]])
 
 
-def _broadcast(groups: Sequence[dist.ProcessGroup], tensor: Tensor) -> None:
+def _broadcast(groups: Sequence[Any], tensor: Tensor) -> None:
     works = [group.broadcast(tensor, 0) for group in groups]
     for work in works:
         work.wait()
 
 
-def send_weights(groups: Sequence[dist.ProcessGroup], weights: Iterable[tuple[str, Tensor]],
+def send_weights(groups: Sequence[Any], weights: Iterable[tuple[str, Tensor]],
                  device: torch.device) -> int:
     """Broadcast every ``(name, tensor)`` of ``weights`` from rank 0 of each group (all groups get each tensor
     before the next is read), then the end marker. Tensors are sent from ``device`` (CPU for gloo, the trainer's
@@ -102,7 +103,7 @@ def send_weights(groups: Sequence[dist.ProcessGroup], weights: Iterable[tuple[st
     return count
 
 
-def receive_weights(group: dist.ProcessGroup, device: torch.device) -> Iterator[tuple[str, Tensor]]:
+def receive_weights(group: Any, device: torch.device) -> Iterator[tuple[str, Tensor]]:
     """Yield the ``(name, tensor)`` pairs rank 0 sends with :func:`send_weights` (tensors on ``device``), one at
     a time, until the end marker."""
     while True:
