@@ -6,8 +6,8 @@ Equalities between two real paths, on the tiny Llamas (untied and tied embedding
 * after each weight sync (AdamW steps on the trainer's model) the server's teacher-forced probe logprobs == the
   trainer's to 1e-4, untied and tied; the post-sync check raises when the server is stale (a sync that sends
   nothing, or a tied model's ``lm_head`` left out);
-* a server killed with SIGKILL and restarted on its port is picked up by the next ``generate``: same completions
-  as before the kill, the current version, probe logprobs == the trainer's;
+* a server killed with SIGKILL and restarted on its port is picked up by a ``generate`` that was retrying while it
+  was down: same completions as before the kill, the current version, probe logprobs == the trainer's;
 * a 2-process DDP trainer (gloo) + one server runs 2 GRPO steps end to end, the post-sync check on;
 * ``max_staleness=0`` (today's synchronous loop): 3 GRPO steps with ``rollout_engine="vllm_server"`` log the same
   metrics and end with the same weights (1e-5) as with the colocated engine.
@@ -22,6 +22,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -313,14 +314,16 @@ def test_synchronous_training_with_the_server_equals_the_colocated_engine(untied
 
 
 def test_a_killed_and_restarted_server_is_picked_up_again(untied_server, tiny_llama_path):
-    """SIGKILL, restart on the same port (checkpoint weights, version 0, a new instance id): the next ``generate``
-    re-forms the weight-sync group, re-sends the current weights (version 1) and samples what the server sampled
-    before the kill."""
+    """SIGKILL, then a ``generate`` while the port is closed (it retries with backoff), then a restart on the same
+    port (checkpoint weights, a new instance id): the waiting ``generate`` re-forms the weight-sync group, re-sends
+    the current weights (version 1) and samples what the server sampled before the kill."""
     model, tokenizer = _model(tiny_llama_path)
+    checkpoint, _ = _model(tiny_llama_path)
     _optimizer_step(model, seed=40)
     engine = _engine(untied_server, tokenizer, weight_sync_check=ATOL)
     sequences = probe_sequences(model.config.vocab_size)
     ours = policy_probe_logprobs(model, sequences)
+    assert (policy_probe_logprobs(checkpoint, sequences) - ours).abs().max() > 1e-2  # a restart's weights are stale
     prompts = _chat(tokenizer, ["What is 2+2?", "Say hello."])
     sampling = SamplingConfig(max_new_tokens=8, temperature=1.0, seed=5)
     try:
@@ -328,10 +331,15 @@ def test_a_killed_and_restarted_server_is_picked_up_again(untied_server, tiny_ll
         before = engine.generate(prompts, 2, sampling)
         old = untied_server.health()["instance_id"]
         untied_server.kill()
+        result: dict = {}
+        waiting = threading.Thread(target=lambda: result.update(after=engine.generate(prompts, 2, sampling)))
+        waiting.start()
+        time.sleep(1.0)  # the generate meets a closed port and retries
+        assert waiting.is_alive()
         restarted = untied_server.start()
-        assert restarted["instance_id"] != old and restarted["version"] == 0
-        assert (untied_server.probe(sequences) - ours).abs().max() > 1e-2  # checkpoint weights: stale
-        after = engine.generate(prompts, 2, sampling)
+        waiting.join(150)
+        assert restarted["instance_id"] != old and "after" in result
+        after = result["after"]
         assert after.weight_version == 1 and untied_server.health()["version"] == 1
         assert torch.equal(after.completion_ids, before.completion_ids)
         torch.testing.assert_close(after.sampler_logprobs, before.sampler_logprobs, atol=0, rtol=0)
