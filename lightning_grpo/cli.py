@@ -3,6 +3,7 @@
     lightning-grpo fit --config recipes/gsm8k_grpo.yaml --model.config.num_generations 4 --trainer.max_steps 10
     lightning-grpo test --config recipes/eval.yaml --model.model outputs/.../hf_model     # or --ckpt_path x.ckpt
     lightning-grpo plot outputs/gsm8k_grpo                # PNG of the newest metrics.csv under the folder
+    lightning-grpo serve --model PATH --port 8000         # a rollout server (rollout_engine="vllm_server")
 
 ``fit --validate_before_fit true`` validates once before training (the held-out "before"); every ``fit`` ends by
 printing the before/after table of :mod:`lightning_grpo.report` and the paths of the plot, the completion table and
@@ -29,6 +30,7 @@ from lightning_grpo.models import resolve_model_path
 from lightning_grpo.module import GRPOModule
 from lightning_grpo.plot import plot_metrics
 from lightning_grpo.report import fit_report
+from lightning_grpo.rollout.server import serve_main
 
 
 def _tokenizer_source(model: object, tokenizer: object) -> Optional[str]:
@@ -89,6 +91,9 @@ def main(args: Optional[Sequence[str]] = None) -> None:
     argv = list(sys.argv[1:] if args is None else args)
     if argv[:1] == ["plot"]:
         plot_main(argv[1:])
+        return
+    if argv[:1] == ["serve"]:
+        serve_main(argv[1:])
         return
     GRPOCLI(
         GRPOModule,

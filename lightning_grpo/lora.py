@@ -101,7 +101,7 @@ def lora_settings(lora: Union[LoraConfig, dict, None], quantization: Optional[st
         quantization: None, "4bit" or "8bit": the frozen base weights' bits (bitsandbytes).
         dtype: the compute dtype name ("float32", "bfloat16", "float16").
         export_merged: also export the merged model.
-        rollout_engine: ``GRPOConfig.rollout_engine`` ("vllm" samples from merged weights).
+        rollout_engine: ``GRPOConfig.rollout_engine`` ("vllm" and "vllm_server" sample from merged weights).
 
     Raises:
         ValueError: ``export_merged`` without ``lora``; an unknown ``quantization``; quantization without ``lora``,
@@ -118,7 +118,7 @@ def lora_settings(lora: Union[LoraConfig, dict, None], quantization: Optional[st
         raise ValueError(f"quantization={quantization!r}: choose None, '4bit' or '8bit'")
     if lora is None:
         raise ValueError(f"quantization={quantization!r} freezes a quantized base: it needs lora=LoraConfig(...)")
-    if export_merged or rollout_engine == "vllm":
+    if export_merged or rollout_engine in ("vllm", "vllm_server"):
         raise ValueError(f"quantization={quantization!r}: a quantized base is not merged with its adapters; use "
                          f"rollout_engine='hf' (got {rollout_engine!r}) and export_merged=False")
     if not torch.cuda.is_available():

@@ -291,7 +291,41 @@ def grpo_run(cfg: dict) -> None:
     torch.save(result, rank_file(out, "grpo_run", trainer.global_rank))
 
 
-SCENARIOS = {"fixed_step": fixed_step, "grpo_run": grpo_run}
+class WeightsPerStep(Callback):
+    """A copy of the policy's weights after each optimizer step (DDP: plain tensors)."""
+
+    def __init__(self):
+        self.weights: list[dict] = []
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        if batch.step_end:
+            self.weights.append({k: v.detach().cpu().clone() for k, v in module.policy.state_dict().items()})
+
+
+def server_run(cfg: dict) -> None:
+    """2 GRPO steps under DDP with rollouts from the rollout server at ``cfg["url"]`` (``rollout_engine=
+    "vllm_server"``, the post-sync check on at 1e-4): each rank saves its global step, losses, engine's weights
+    version and its weights after each step."""
+    out = cfg["out"]
+    data = os.path.join(out, "prompts.jsonl")
+    with open(data, "w") as f:
+        for i in range(8):
+            f.write(json.dumps({"question": f"What is {i} + 0?", "answer": str(i), "index": i}) + "\n")
+    config = GRPOConfig(num_generations=2, max_new_tokens=6, rollout_engine="vllm_server",
+                        vllm_server_urls=[cfg["url"]], vllm_server_group_port=cfg["group_port"],
+                        vllm_server_timeout=120.0, weight_sync_check=1e-4, max_prompt_length=128)
+    module = GRPOModule(cfg["model"], reward_funcs=[index_reward], config=config, learning_rate=1e-2, export_dir="")
+    recorder, weights = StepRecorder(), WeightsPerStep()
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=2, logger=False,
+                        callbacks=[recorder, weights], enable_progress_bar=False, enable_model_summary=False,
+                        enable_checkpointing=False, default_root_dir=out, limit_val_batches=0)
+    trainer.fit(module, datamodule=PromptDataModule(dataset=data, prompts_per_step=2, val_size=0))
+    result = {"global_step": trainer.global_step, "engine_version": module.rollout_engine.version,
+              "losses": [r["metrics"]["loss"] for r in recorder.records], "weights": weights.weights}
+    torch.save(result, rank_file(out, "server_run", trainer.global_rank))
+
+
+SCENARIOS = {"fixed_step": fixed_step, "grpo_run": grpo_run, "server_run": server_run}
 
 if __name__ == "__main__":
     torch.set_num_threads(1)

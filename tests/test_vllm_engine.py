@@ -208,6 +208,28 @@ def test_seeded_global_generator_reproduces_samples_and_sleep_is_noop_on_cpu(unt
     assert not torch.equal(second.completion_ids, third.completion_ids)
 
 
+def test_per_request_seeds_are_honoured_on_cpu(untied):
+    """With ``SamplingConfig.seed`` every completion has its own seed (seed + i * G + j): the same seed samples the
+    same completions whatever torch's global generator holds and whatever else is in the batch (prompt 1 alone with
+    the base shifted by G == prompt 1 in the batch), the global generator is left untouched, and the chunked-prefill
+    error of seeded requests on CPU does not occur (3 x 200 prompt tokens > one 512-token step)."""
+    vocab = untied.model.config.vocab_size
+    prompts = _token_prompts(seed=7, count=3, length=200, vocab=vocab)
+    sampling = SamplingConfig(max_new_tokens=6, temperature=1.0, seed=500)
+    torch.manual_seed(1)
+    state = torch.get_rng_state()
+    first = untied.engine.generate(prompts, 2, sampling)
+    assert torch.equal(torch.get_rng_state(), state)
+    torch.manual_seed(2)
+    again = untied.engine.generate(prompts, 2, sampling)
+    assert torch.equal(first.completion_ids, again.completion_ids)
+    alone = untied.engine.generate(prompts[1:2], 2, SamplingConfig(max_new_tokens=6, temperature=1.0, seed=502))
+    assert torch.equal(alone.completion_ids, first.completion_ids[2:4])
+    assert len({tuple(row) for row in first.completion_ids.tolist()}) == 6  # every completion its own seed
+    other = untied.engine.generate(prompts, 2, SamplingConfig(max_new_tokens=6, temperature=1.0, seed=900))
+    assert not torch.equal(other.completion_ids, first.completion_ids)
+
+
 def test_bad_inputs_name_the_field(untied, tmp_path):
     with pytest.raises(ValueError, match="model_path"):
         VLLMRolloutEngine(tmp_path)

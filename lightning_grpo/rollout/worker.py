@@ -25,6 +25,7 @@ from lightning_grpo.nonfinite import AnyProcess, check_finite_parameters
 from lightning_grpo.rollout.base import RolloutEngine, RolloutOutput, SamplingConfig, StopFlag
 from lightning_grpo.rollout.hf import HFRolloutEngine
 from lightning_grpo.rollout.prompts import encode_prompts
+from lightning_grpo.rollout.remote import VLLMServerEngine
 from lightning_grpo.rollout.vllm import VLLMRolloutEngine
 from lightning_grpo.rollout.weights import merged_state_dict
 
@@ -32,10 +33,15 @@ from lightning_grpo.rollout.weights import merged_state_dict
 def make_engine(config: GRPOConfig, policy: nn.Module, tokenizer: PreTrainedTokenizerBase,
                 model_path: Optional[str], stop: Optional[StopFlag] = None) -> RolloutEngine:
     """The rollout engine ``config.rollout_engine`` names: ``"hf"`` (generates with ``policy``; with a PEFT policy,
-    with its transformers model, whose layers carry the adapters) or ``"vllm"`` (a colocated engine loaded from
+    with its transformers model, whose layers carry the adapters), ``"vllm"`` (a colocated engine loaded from
     ``model_path``; an ``nn.Module`` given without a folder is saved to a temporary one first, LoRA merged: its
-    weights follow by ``sync_weights``). ``stop``: the flag the engine polls while it generates."""
+    weights follow by ``sync_weights``) or ``"vllm_server"`` (the rollout servers at ``vllm_server_urls``, which
+    get the weights by ``sync_weights``). ``stop``: the flag the engine polls while it generates."""
     model = policy.get_base_model() if callable(getattr(policy, "get_base_model", None)) else policy
+    if config.rollout_engine == "vllm_server":
+        return VLLMServerEngine(config.vllm_server_urls, tokenizer, timeout_s=config.vllm_server_timeout,
+                                group_host=config.vllm_server_group_host, group_port=config.vllm_server_group_port,
+                                weight_sync_check=config.weight_sync_check, stop=stop)
     if config.rollout_engine != "vllm":
         return HFRolloutEngine(model, tokenizer, stop=stop)
     path = model_path
@@ -88,7 +94,7 @@ class RolloutWorker:
         (they may differ from ``model_path``'s, e.g. after a resume)."""
         if self.engine is None:
             self.engine = make_engine(self.config, policy, self.tokenizer, model_path, stop=self.stop)
-            if self.config.rollout_engine == "vllm":
+            if self.config.rollout_engine in ("vllm", "vllm_server"):
                 self.engine_version = -1
 
     def tokenize(self, prompts: Sequence[Any]) -> tuple[list[list[int]], int]:
