@@ -23,6 +23,10 @@ ImportanceSamplingMode = Literal["truncate", "mask"]
 RolloutEngineName = Literal["hf", "vllm", "auto"]
 OnNonFinite = Literal["error", "skip"]
 
+#: The truncated-importance-sampling cap C that ``max_staleness > 0`` sets when ``importance_sampling_cap`` is None
+#: (Yao et al. 2025 and verl's ``rollout_is_threshold`` use 2).
+ASYNC_IMPORTANCE_SAMPLING_CAP = 2.0
+
 
 def _fail(name: str, value: object, requirement: str) -> None:
     raise ValueError(f"GRPOConfig.{name}={value!r} is invalid: {requirement}")
@@ -130,8 +134,8 @@ class GRPOConfig:
     arXiv:2506.01939, which uses 0.2); 1.0 = all tokens."""
     importance_sampling_cap: Optional[float] = None
     """Truncated importance sampling (TIS) cap C (>= 1) for engines that report sampler logprobs (vLLM): the
-    policy-gradient loss is weighted by ``min(pi_old / pi_sampler, C)``; None = off. The HF engine reports none, so
-    its weight is 1."""
+    policy-gradient loss is weighted by ``min(pi_old / pi_sampler, C)``; None = off (2.0 when ``max_staleness > 0``,
+    where it corrects the stale rollouts). The HF engine reports none, so its weight is 1."""
     importance_sampling_level: ImportanceSamplingLevel = "token"
     """Level of the policy importance ratio pi / pi_old (TRL ``importance_sampling_level``): "token" (GRPO, one ratio
     per token), "sequence" (GSPO, arXiv:2507.18071 eq. 5-7: ``s_i = exp(mean_t log(pi / pi_old))`` clipped once per
@@ -218,6 +222,17 @@ class GRPOConfig:
     """Push trained weights into the engine every this many optimizer steps."""
     vllm_enable_sleep_mode: bool = False
     """Release vLLM's GPU memory while training (GPU only)."""
+
+    # --- Asynchronous rollouts (lightning_grpo.rollout.prefetch) ---
+    max_staleness: int = 0
+    """Bounded staleness (AReaL's eta, Fu et al. 2025, arXiv:2505.24298): rollouts are generated in a background
+    thread while the trainer trains, from weights at most this many optimizer steps older than the weights they are
+    trained on; each rollout is generated from exactly the oldest weights allowed (a fixed schedule, reproducible),
+    ``max_staleness // steps_per_rollout`` rollouts ahead. 0 = synchronous (each rollout from the current weights).
+    Needs an engine with its own copy of the weights (not "hf"), ``vllm_sync_every=1``, no sleep mode and no
+    ``dynamic_sampling``. The off-policy gap is corrected by truncated importance sampling against the sampler's
+    logprobs (docs/algorithm.md, "Asynchronous rollouts"): with ``importance_sampling_cap=None`` the cap is set to
+    2.0 on construction. Logged: ``rollout/staleness_{mean,max}``."""
 
     on_nonfinite: OnNonFinite = "error"
     """What a NaN or infinite loss or gradient norm, found before an optimizer step, does: "error" stops the run
@@ -310,6 +325,30 @@ class GRPOConfig:
             _fail("vllm_gpu_memory_utilization", self.vllm_gpu_memory_utilization, "must be in (0, 1]")
         if self.vllm_kv_cache_space_gib < 1:
             _fail("vllm_kv_cache_space_gib", self.vllm_kv_cache_space_gib, "must be >= 1")
+        self._check_staleness()
+
+    def _check_staleness(self) -> None:
+        """``max_staleness`` and the settings asynchronous rollouts need; sets the TIS cap they default to."""
+        k = self.max_staleness
+        if not isinstance(k, int) or isinstance(k, bool) or k < 0:
+            _fail("max_staleness", k, "must be an int >= 0 (0 = synchronous rollouts)")
+        if k == 0:
+            return
+        if self.rollout_engine == "hf":
+            _fail("max_staleness", k, "needs a rollout engine with its own copy of the weights (rollout_engine="
+                  "'vllm'): the 'hf' engine generates with the training model itself, so it cannot generate while "
+                  "the trainer trains; use max_staleness=0")
+        if self.dynamic_sampling:
+            _fail("max_staleness", k, "is not supported with dynamic_sampling=True (the number of generation rounds "
+                  "of a rollout depends on its rewards): set one of them off")
+        if self.vllm_sync_every != 1:
+            _fail("max_staleness", k, f"decides when weights are synced (before every prefetched rollout); "
+                  f"vllm_sync_every={self.vllm_sync_every} must be 1")
+        if self.vllm_enable_sleep_mode:
+            _fail("max_staleness", k, "needs the engine awake while the trainer trains: set vllm_enable_sleep_mode="
+                  "False")
+        if self.importance_sampling_cap is None:
+            self.importance_sampling_cap = ASYNC_IMPORTANCE_SAMPLING_CAP
 
 
     def _check_policy_loss(self) -> None:  # noqa: C901 - one flat list of field checks

@@ -19,7 +19,7 @@ Order within one optimizer step's rollout (documented and tested):
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 from torch import Tensor
 
@@ -49,6 +49,8 @@ class RolloutEnd:
         truncated: ``(N,)`` bool, no EOS within ``max_new_tokens``.
         columns: the dataset's other columns, ``N`` values each (e.g. ``answer``).
         num_generations: G.
+        weights_version: optimizer steps taken by the weights that generated it (older than the trained weights by
+            ``rollout/staleness_max`` with asynchronous rollouts), or None where unknown.
     """
 
     prompts: list
@@ -60,6 +62,7 @@ class RolloutEnd:
     truncated: Tensor
     columns: dict[str, list] = field(default_factory=dict)
     num_generations: int = 1
+    weights_version: Optional[int] = None
 
 
 @dataclass

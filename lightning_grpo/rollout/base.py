@@ -32,9 +32,10 @@ class SamplingConfig:
         min_p: keep the tokens whose probability is at least ``min_p`` times the largest one, in [0, 1]; 0
             disables it.
         greedy: argmax decoding (evaluation); sampler logprobs are then those of ``log_softmax(logits)``.
-        seed: base of per-request seeds (prompt ``i`` gets ``seed + i``) for engines whose sampling can be seeded
-            per request (vLLM on GPU), so a resumed run regenerates the same rollouts; None = the engine's own
-            generator. Engines that sample from torch's global generator (HF, vLLM on CPU) ignore it.
+        seed: base of per-request seeds (completion ``j`` of prompt ``i`` gets ``seed + i * G + j``) for engines
+            whose sampling can be seeded per request (vLLM on GPU, or on CPU with ``per_request_seeds``), so a
+            resumed run regenerates the same rollouts; None = the engine's own generator. Engines that sample from
+            torch's global generator (HF, vLLM on CPU by default) ignore it.
 
     Raises:
         ValueError: a field out of range (named in the message).

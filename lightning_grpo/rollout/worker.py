@@ -34,7 +34,8 @@ def make_engine(config: GRPOConfig, policy: nn.Module, tokenizer: PreTrainedToke
     """The rollout engine ``config.rollout_engine`` names: ``"hf"`` (generates with ``policy``; with a PEFT policy,
     with its transformers model, whose layers carry the adapters) or ``"vllm"`` (a colocated engine loaded from
     ``model_path``; an ``nn.Module`` given without a folder is saved to a temporary one first, LoRA merged: its
-    weights follow by ``sync_weights``). ``stop``: the flag the engine polls while it generates."""
+    weights follow by ``sync_weights``; with ``max_staleness > 0`` it samples with per-request seeds, also on CPU).
+    ``stop``: the flag the engine polls while it generates."""
     model = policy.get_base_model() if callable(getattr(policy, "get_base_model", None)) else policy
     if config.rollout_engine != "vllm":
         return HFRolloutEngine(model, tokenizer, stop=stop)
@@ -53,6 +54,7 @@ def make_engine(config: GRPOConfig, policy: nn.Module, tokenizer: PreTrainedToke
         enable_sleep_mode=config.vllm_enable_sleep_mode,
         dtype=str(dtype).removeprefix("torch."),
         stop=stop,
+        per_request_seeds=True if config.max_staleness > 0 else None,  # reproducible from a background thread
     )
 
 
@@ -67,7 +69,8 @@ class RolloutWorker:
 
     Attributes:
         engine: the rollout engine, None before :meth:`start` (a backend may replace it with a wrapper).
-        weights_version: optimizer steps taken so far.
+        weights_version: optimizer steps taken so far (the trainer's ``global_step``; ``GRPOModule`` sets it when
+            training starts, also after a resume).
         engine_version: the ``weights_version`` the engine generates with (-1: not yet synced).
         stop: the stop request the engine polls while generating (a stopped rollout raises
             :class:`~lightning_grpo.rollout.base.RolloutInterrupted`).
