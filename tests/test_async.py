@@ -196,14 +196,49 @@ def test_rerun_and_checkpointed_run_are_equal_and_resume_is_exact(runs, tmp_path
                      (resumed.steps, resumed_weights))
 
 
-def test_several_steps_per_rollout(runs):
+def test_several_steps_per_rollout_and_resume_inside_a_rollout(runs, tmp_path_factory):
     """mini_batch_size = half a rollout: 2 optimizer steps per rollout, max_staleness=2 -> one rollout ahead; the
-    second step of a rollout uses the old (proximal) logprobs recomputed when the rollout was made."""
-    recorder, _, _ = runs("two_steps", max_staleness=2, mini_batch_size=4)
+    second step of a rollout uses the old (proximal) logprobs recomputed when the rollout was made. A checkpoint
+    after 3 steps holds half of rollout 1 and the prefetched rollout 2; the resumed run matches."""
+    ckpt_dir = tmp_path_factory.mktemp("two_steps_ckpt")
+    recorder, weights, _ = runs("two_steps", max_staleness=2, mini_batch_size=4, ckpt_dir=ckpt_dir)
     assert _staleness(recorder) == [0.0, 0.0, 2.0, 2.0, 2.0, 2.0]
     assert recorder.versions == [0, 0, 2]
     for step in range(STEPS):
         assert _sampler_vs_policy(recorder, step, step - step % 2 - int(_staleness(recorder)[step])) < 1e-4
+    ckpt = ckpt_dir / "epoch=0-step=3.ckpt"
+    state = torch.load(ckpt, weights_only=True)["loops"]["fit_loop"]["state_dict"]
+    assert state["partial_rollouts"][0]["consumed"] == 1
+    assert [entry["rollout"]["weights_version"] for entry in state["prefetched_rollouts"][0]] == [2]
+    resumed, resumed_weights, _ = runs("two_steps_resumed", max_staleness=2, mini_batch_size=4,
+                                       resume_from=str(ckpt))
+    _assert_same_run(({s: r for s, r in recorder.steps.items() if s >= 3}, weights),
+                     (resumed.steps, resumed_weights))
+
+
+def test_per_request_seeds_on_vllm_cpu_do_not_depend_on_the_batch_or_the_global_generator(tiny_llama_path):
+    """``per_request_seeds=True`` (what asynchronous rollouts use): 12 prompts of 400 tokens exceed one engine step's
+    4096-token budget, which with chunked prefill made seeded requests fail on CPU ("CPU Generator does not use
+    offset"); without it each completion depends only on its seed: a prompt generated alone with its seed gives the
+    same completions and logprobs as inside the batch, whatever torch's global generator holds."""
+    from lightning_grpo.rollout.base import SamplingConfig
+    from lightning_grpo.rollout.vllm import VLLMRolloutEngine
+
+    engine = VLLMRolloutEngine(tiny_llama_path, kv_cache_space_gib=1, max_model_len=512, dtype="float32",
+                               per_request_seeds=True)
+    try:
+        generator = torch.Generator().manual_seed(0)
+        prompts = [torch.randint(0, 1000, (400,), generator=generator).tolist() for _ in range(12)]
+        sampling = SamplingConfig(max_new_tokens=6, seed=1234)
+        torch.manual_seed(1)
+        batch = engine.generate(prompts, 3, sampling)
+        torch.manual_seed(2)
+        alone = engine.generate(prompts[5:6], 3, SamplingConfig(max_new_tokens=6, seed=1234 + 5 * 3))
+        assert torch.equal(alone.completion_ids, batch.completion_ids[15:18, : alone.completion_ids.shape[1]])
+        assert torch.equal(alone.sampler_logprobs, batch.sampler_logprobs[15:18, : alone.completion_ids.shape[1]])
+        assert len({tuple(row) for row in batch.completion_ids.tolist()}) > 1
+    finally:
+        engine.close()
 
 
 def test_bad_settings_raise_clear_errors(tmp_path, tiny_llama_path, data_file):
