@@ -227,8 +227,9 @@ class GRPOConfig:
     max_staleness: int = 0
     """Bounded staleness (AReaL's eta, Fu et al. 2025, arXiv:2505.24298): rollouts are generated in a background
     thread while the trainer trains, from weights at most this many optimizer steps older than the weights they are
-    trained on; each rollout is generated from exactly the oldest weights allowed (a fixed schedule, reproducible),
-    ``max_staleness // steps_per_rollout`` rollouts ahead. 0 = synchronous (each rollout from the current weights).
+    trained on: ``max_staleness // steps_per_rollout`` rollouts are generated ahead, each from the weights at the
+    start of the rollout that started it (a fixed, reproducible schedule; it restarts at each epoch, whose first
+    rollouts are fresher). 0 = synchronous (each rollout from the current weights).
     Needs an engine with its own copy of the weights (not "hf"), ``vllm_sync_every=1``, no sleep mode and no
     ``dynamic_sampling``. The off-policy gap is corrected by truncated importance sampling against the sampler's
     logprobs (docs/algorithm.md, "Asynchronous rollouts"): with ``importance_sampling_cap=None`` the cap is set to
