@@ -7,10 +7,9 @@ from __future__ import annotations
 
 import importlib.util
 import math
-import numbers
 import warnings
 from dataclasses import dataclass, field, fields
-from typing import Literal, Optional, Sequence
+from typing import Literal, Optional
 
 LossType = Literal["grpo", "bnpo", "token_mean", "dapo", "dr_grpo", "cispo"]
 KLEstimator = Literal["k1", "k2", "k3"]
@@ -22,6 +21,10 @@ PolicyLossMode = Literal["vanilla", "clip_cov", "kl_cov"]
 ImportanceSamplingMode = Literal["truncate", "mask"]
 RolloutEngineName = Literal["hf", "vllm", "vllm_server", "auto"]
 OnNonFinite = Literal["error", "skip"]
+
+#: The truncated-importance-sampling cap C that ``max_staleness > 0`` sets when ``importance_sampling_cap`` is None
+#: (Yao et al. 2025 and verl's ``rollout_is_threshold`` use 2).
+ASYNC_IMPORTANCE_SAMPLING_CAP = 2.0
 
 
 def _fail(name: str, value: object, requirement: str) -> None:
@@ -131,8 +134,8 @@ class GRPOConfig:
     arXiv:2506.01939, which uses 0.2); 1.0 = all tokens."""
     importance_sampling_cap: Optional[float] = None
     """Truncated importance sampling (TIS) cap C (>= 1) for engines that report sampler logprobs (vLLM): the
-    policy-gradient loss is weighted by ``min(pi_old / pi_sampler, C)``; None = off. The HF engine reports none, so
-    its weight is 1."""
+    policy-gradient loss is weighted by ``min(pi_old / pi_sampler, C)``; None = off (2.0 when ``max_staleness > 0``,
+    where it corrects the stale rollouts). The HF engine reports none, so its weight is 1."""
     importance_sampling_level: ImportanceSamplingLevel = "token"
     """Level of the policy importance ratio pi / pi_old (TRL ``importance_sampling_level``): "token" (GRPO, one ratio
     per token), "sequence" (GSPO, arXiv:2507.18071 eq. 5-7: ``s_i = exp(mean_t log(pi / pi_old))`` clipped once per
@@ -235,6 +238,17 @@ class GRPOConfig:
     weight_sync_check: Optional[float] = None
     """After each weight sync to the rollout servers, fail if a server's teacher-forced logprobs of a fixed probe batch
     differ from the policy's by more than this (> 0; ~1e-4 for float32 on both sides); None = off."""
+    # --- Asynchronous rollouts (lightning_grpo.rollout.prefetch) ---
+    max_staleness: int = 0
+    """Bounded staleness (AReaL's eta, Fu et al. 2025, arXiv:2505.24298): rollouts are generated in a background
+    thread while the trainer trains, from weights at most this many optimizer steps older than the weights they are
+    trained on: ``max_staleness // steps_per_rollout`` rollouts are generated ahead, each from the weights at the
+    start of the rollout that started it (a fixed, reproducible schedule; it restarts at each epoch, whose first
+    rollouts are fresher). 0 = synchronous (each rollout from the current weights).
+    Needs an engine with its own copy of the weights (not "hf"), ``vllm_sync_every=1``, no sleep mode and no
+    ``dynamic_sampling``. The off-policy gap is corrected by truncated importance sampling against the sampler's
+    logprobs (docs/algorithm.md, "Asynchronous rollouts"): with ``importance_sampling_cap=None`` the cap is set to
+    2.0 on construction. Logged: ``rollout/staleness_{mean,max}``."""
 
     on_nonfinite: OnNonFinite = "error"
     """What a NaN or infinite loss or gradient norm, found before an optimizer step, does: "error" stops the run
@@ -328,7 +342,30 @@ class GRPOConfig:
             _fail("vllm_gpu_memory_utilization", self.vllm_gpu_memory_utilization, "must be in (0, 1]")
         if self.vllm_kv_cache_space_gib < 1:
             _fail("vllm_kv_cache_space_gib", self.vllm_kv_cache_space_gib, "must be >= 1")
+        self._check_staleness()
 
+    def _check_staleness(self) -> None:
+        """``max_staleness`` and the settings asynchronous rollouts need; sets the TIS cap they default to."""
+        k = self.max_staleness
+        if not isinstance(k, int) or isinstance(k, bool) or k < 0:
+            _fail("max_staleness", k, "must be an int >= 0 (0 = synchronous rollouts)")
+        if k == 0:
+            return
+        if self.rollout_engine == "hf":
+            _fail("max_staleness", k, "needs a rollout engine with its own copy of the weights (rollout_engine="
+                  "'vllm'): the 'hf' engine generates with the training model itself, so it cannot generate while "
+                  "the trainer trains; use max_staleness=0")
+        if self.dynamic_sampling:
+            _fail("max_staleness", k, "is not supported with dynamic_sampling=True (the number of generation rounds "
+                  "of a rollout depends on its rewards): set one of them off")
+        if self.vllm_sync_every != 1:
+            _fail("max_staleness", k, f"decides when weights are synced (before every prefetched rollout); "
+                  f"vllm_sync_every={self.vllm_sync_every} must be 1")
+        if self.vllm_enable_sleep_mode:
+            _fail("max_staleness", k, "needs the engine awake while the trainer trains: set vllm_enable_sleep_mode="
+                  "False")
+        if self.importance_sampling_cap is None:
+            self.importance_sampling_cap = ASYNC_IMPORTANCE_SAMPLING_CAP
 
     def _check_server(self) -> None:
         """Knobs of the rollout servers (``rollout_engine="vllm_server"``)."""
@@ -392,44 +429,3 @@ class GRPOConfig:
 def _check_choice(config: GRPOConfig, name: str, choices: tuple[str, ...]) -> None:
     if getattr(config, name) not in choices:
         _fail(name, getattr(config, name), f"choose one of {', '.join(choices)}")
-
-
-#: Names of the dtypes :class:`lightning_grpo.GRPOModule` loads model weights in (``dtype=``).
-DTYPE_NAMES = ("float32", "bfloat16", "float16")
-
-
-def check_optimizer_arguments(
-    learning_rate: float,
-    weight_decay: float,
-    adam_betas: Sequence[float],
-    warmup_steps: int,
-    dtype: str,
-) -> None:
-    """Validate the optimizer and weight arguments of :class:`lightning_grpo.GRPOModule` (AdamW, Loshchilov and
-    Hutter 2019, with a linear warmup).
-
-    Args:
-        learning_rate: AdamW peak learning rate: finite and > 0.
-        weight_decay: AdamW weight decay: finite and >= 0.
-        adam_betas: AdamW ``(beta1, beta2)``: two finite numbers, each in [0, 1).
-        warmup_steps: optimizer steps of linear warmup: an int >= 0.
-        dtype: one of :data:`DTYPE_NAMES`.
-
-    Raises:
-        ValueError: an argument out of range or not finite; the message names the argument and its value.
-    """
-    if not _is_number(learning_rate) or not math.isfinite(learning_rate) or learning_rate <= 0:
-        raise ValueError(f"learning_rate={learning_rate!r} is invalid: must be a finite number > 0")
-    if not _is_number(weight_decay) or not math.isfinite(weight_decay) or weight_decay < 0:
-        raise ValueError(f"weight_decay={weight_decay!r} is invalid: must be a finite number >= 0")
-    betas = tuple(adam_betas) if isinstance(adam_betas, (tuple, list)) else None
-    if betas is None or len(betas) != 2 or not all(_is_number(b) and math.isfinite(b) and 0 <= b < 1 for b in betas):
-        raise ValueError(f"adam_betas={adam_betas!r} is invalid: must be two finite numbers, each in [0, 1)")
-    if not isinstance(warmup_steps, numbers.Integral) or isinstance(warmup_steps, bool) or warmup_steps < 0:
-        raise ValueError(f"warmup_steps={warmup_steps!r} is invalid: must be an int >= 0")
-    if dtype not in DTYPE_NAMES:
-        raise ValueError(f"dtype={dtype!r} is invalid: choose one of {', '.join(DTYPE_NAMES)}")
-
-
-def _is_number(value: object) -> bool:
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)

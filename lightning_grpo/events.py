@@ -9,7 +9,9 @@ Order within one optimizer step's rollout (documented and tested):
 1. ``on_weights_synced(trainer, pl_module, version: int)``: the engine now generates with the weights after
    ``version`` optimizer steps. Fired when the worker pushes new weights (vLLM: before the first rollout and
    then every ``vllm_sync_every`` steps; HF: the engine is the policy, fired at the first rollout after each
-   optimizer step). Validation may fire it too (it forces a sync).
+   optimizer step). Validation may fire it too (it forces a sync). With asynchronous rollouts
+   (``GRPOConfig.max_staleness``) the sync happens before a later rollout is started in the background, so it
+   precedes the ``on_rollout_end`` of an older rollout.
 2. ``on_rollout_end(trainer, pl_module, rollout: RolloutEnd)``: the rollout is generated and scored, before any
    shaping or advantage (with dynamic sampling: once, for the batch that will be trained on).
 3. ``on_experience(trainer, pl_module, experience: ExperienceReady)``: advantages (and old/ref logprobs) are
@@ -19,7 +21,7 @@ Order within one optimizer step's rollout (documented and tested):
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 from torch import Tensor
 
@@ -49,6 +51,8 @@ class RolloutEnd:
         truncated: ``(N,)`` bool, no EOS within ``max_new_tokens``.
         columns: the dataset's other columns, ``N`` values each (e.g. ``answer``).
         num_generations: G.
+        weights_version: optimizer steps taken by the weights that generated it (older than the trained weights by
+            ``rollout/staleness_max`` with asynchronous rollouts), or None where unknown.
     """
 
     prompts: list
@@ -60,6 +64,7 @@ class RolloutEnd:
     truncated: Tensor
     columns: dict[str, list] = field(default_factory=dict)
     num_generations: int = 1
+    weights_version: Optional[int] = None
 
 
 @dataclass

@@ -2,7 +2,12 @@
 
 generate -> score -> (dynamic sampling: more rounds) -> shape the rewards -> behaviour (old) and reference
 logprobs -> KL in the reward -> group advantages -> rollout metrics. It sees models, a rollout worker, a reward set
-and a :class:`Collectives` object, never a Trainer or a LightningModule: the seam an asynchronous rollout will use.
+and a :class:`Collectives` object, never a Trainer or a LightningModule.
+
+Asynchronous rollouts (``GRPOConfig.max_staleness > 0``): :meth:`ExperienceMaker.prefetch` starts a rollout's
+generation in the background (:class:`lightning_grpo.rollout.prefetch.RolloutPrefetcher`) and
+:meth:`ExperienceMaker.make` given that :class:`~lightning_grpo.rollout.prefetch.PrefetchedRollout` waits for it and
+does the rest (scoring, shaping, logprobs, advantages) on the trainer's thread, with the weights of the moment.
 """
 
 from __future__ import annotations
@@ -24,7 +29,8 @@ from lightning_grpo.experience import Experience
 from lightning_grpo.logprobs import CompletionLogprobs
 from lightning_grpo.metrics import StepTimer, rollout_metrics
 from lightning_grpo.rewards import RewardSet
-from lightning_grpo.rollout.base import RolloutInterrupted, SamplingConfig
+from lightning_grpo.rollout.base import RolloutInterrupted, RolloutOutput, SamplingConfig
+from lightning_grpo.rollout.prefetch import PrefetchedRollout, RolloutPrefetcher
 from lightning_grpo.rollout.worker import RolloutWorker
 
 log = logging.getLogger(__name__)
@@ -50,6 +56,10 @@ class ExperienceMaker:
         logprobs: the completion-logprob computer (old and reference passes).
         events: called as ``events(name, payload)`` with ``on_rollout_end`` (:class:`~lightning_grpo.events.RolloutEnd`)
             and ``on_experience`` (:class:`~lightning_grpo.events.ExperienceReady`), see :mod:`lightning_grpo.events`.
+
+    Attributes:
+        prefetcher: the background generation of asynchronous rollouts (its thread starts with the first
+            :meth:`prefetch`).
     """
 
     def __init__(self, config: GRPOConfig, rollout: RolloutWorker, rewards: RewardSet,
@@ -60,6 +70,30 @@ class ExperienceMaker:
         self.logprobs = logprobs
         self.events = events
         self._texts: list[tuple] = []  # (prompt, completion, columns) of every row generated for this rollout
+        self.prefetcher = RolloutPrefetcher(rollout)
+
+    def prefetch(self, batch: PromptBatch, policy: nn.Module, collectives: Collectives, timer: StepTimer,
+                 device: torch.device) -> PrefetchedRollout:
+        """Asynchronous rollouts: start generating ``batch``'s G completions per prompt in the background, from
+        ``policy``'s current weights (:meth:`lightning_grpo.rollout.prefetch.RolloutPrefetcher.start`: waits for the
+        engine to be idle, syncs, draws the seed base, starts). Pass the result to :meth:`make`.
+
+        Raises:
+            KeyError: ``batch`` has no "prompt" column.
+            NonFiniteError: the policy has NaN or infinite weights.
+        """
+        if "prompt" not in batch:
+            raise KeyError(f"prompt batches need a 'prompt' column, got columns {sorted(batch)}")
+        return self.prefetcher.start(batch, policy, self.config.num_generations, self._sampling, timer,
+                                     lambda flag: collectives.any_process(flag, device))
+
+    def wait_for_rollouts(self) -> None:
+        """Wait until no rollout is being generated in the background (before a checkpoint or a weight sync)."""
+        self.prefetcher.wait_idle()
+
+    def close(self) -> None:
+        """Stop background generations and end their thread (end of fit)."""
+        self.prefetcher.close()
 
     @torch.no_grad()
     def make(  # noqa: C901 - the numbered steps of one rollout, read top to bottom
@@ -73,9 +107,16 @@ class ExperienceMaker:
         micro_batch_size: int,
         next_prompt_batch: Optional[Callable[[], Optional[PromptBatch]]] = None,
         forward_context: Callable[[], ContextManager] = contextlib.nullcontext,
+        prefetched: Optional[PrefetchedRollout] = None,
     ) -> Experience:
         """One rollout batch: generate G completions per prompt, score them, shape the rewards, compute advantages
         and (when needed) the old and reference logprobs. Runs on this process's prompts only.
+
+        With ``prefetched`` (asynchronous rollouts, from :meth:`prefetch` of the same ``batch``) the completions are
+        that rollout's, generated from older weights (waited for if still running); the rest uses ``policy`` as it
+        is now, which is the proximal policy of the decoupled objective (docs/algorithm.md, "Asynchronous
+        rollouts"). ``rollout/staleness_{mean,max}``: optimizer steps between the weights that generated the rollout
+        and ``policy``'s (0 for a synchronous rollout with ``vllm_sync_every=1``).
 
         Rewards become advantages in this order (docs/algorithm.md): weighted sum of the reward functions (a
         completion that no function could score is "unscored": it gets no loss and is left out of its group's
@@ -93,11 +134,13 @@ class ExperienceMaker:
                 and the dataset's other columns (passed to the reward functions).
             policy: the policy (old logprobs); ``ref``: the reference policy (beta > 0) or None.
             collectives: the data-parallel reductions (a backend).
-            timer: the step timer (``rollout_s``, ``scoring_s``, ``logprobs_s``, ``sync_s``, ``generated_tokens``).
+            timer: the step timer (``rollout_s``, ``scoring_s``, ``logprobs_s``, ``sync_s``, ``generated_tokens``;
+                with ``prefetched``, ``rollout_s`` is the wait for it).
             device: where the experience's tensors go.
             micro_batch_size: sequences per no-grad logprob pass.
             next_prompt_batch: returns the next prompt batch, or None when the data is used up (dynamic sampling).
             forward_context: the trainer's precision context for the logprob passes.
+            prefetched: the rollout :meth:`prefetch` started for ``batch`` (None: generate it now).
 
         Raises:
             KeyError: a prompt batch has no "prompt" column.
@@ -119,20 +162,31 @@ class ExperienceMaker:
         def any_process(flag: bool) -> bool:
             return collectives.any_process(flag, device)
 
-        with self.rollout.awake(policy, timer=timer, any_process=any_process):
-            while True:
-                sampler.add(self._generate_and_score(batch, totals, timer, any_process))
-                if not cfg.dynamic_sampling or sampler.gen_batches >= cfg.max_num_gen_batches:
-                    break
-                if not collectives.any_process(sampler.need_more, device):
-                    break
-                next_batch = next_prompt_batch() if next_prompt_batch is not None else None
-                if collectives.any_process(next_batch is None, device):
-                    break
-                assert next_batch is not None
-                batch = next_batch
+        if prefetched is not None:  # asynchronous: generated in the background (no dynamic sampling there)
+            with timer.span("rollout_s"):
+                try:
+                    out: Optional[RolloutOutput] = prefetched.result()
+                except RolloutInterrupted:
+                    out = None
+            pad = int(self.rollout.require_engine().pad_token_id)
+            sampler.add(self._score(batch, out, prefetched.num_truncated, pad, totals, timer, any_process))
+            version = prefetched.weights_version
+        else:
+            with self.rollout.awake(policy, timer=timer, any_process=any_process):
+                version = self.rollout.engine_version
+                while True:
+                    sampler.add(self._generate_and_score(batch, totals, timer, any_process))
+                    if not cfg.dynamic_sampling or sampler.gen_batches >= cfg.max_num_gen_batches:
+                        break
+                    if not collectives.any_process(sampler.need_more, device):
+                        break
+                    next_batch = next_prompt_batch() if next_prompt_batch is not None else None
+                    if collectives.any_process(next_batch is None, device):
+                        break
+                    assert next_batch is not None
+                    batch = next_batch
         rollout, sampling_stats = sampler.batch()
-        scored_rollout = self._rollout_end(rollout)
+        scored_rollout = self._rollout_end(rollout, version)
         if self.events is not None:
             self.events(ON_ROLLOUT_END, scored_rollout)
 
@@ -169,7 +223,11 @@ class ExperienceMaker:
             lambda tensor: collectives.reduce_sum(tensor.to(device)),
         )
         generation_s = timer.get("rollout_s") - rollout_s_before  # this rollout's generation time, all rounds
+        if prefetched is not None:  # the engine's own time, not the wait for it
+            generation_s = prefetched.generate_s
         experience.metrics["tokens_per_s"] = totals["generated_tokens"] / max(generation_s, 1e-9)
+        staleness = float(self.rollout.weights_version - version)
+        experience.metrics["rollout/staleness_mean"] = experience.metrics["rollout/staleness_max"] = staleness
         if any_process(self.rollout.stop.is_set()):  # stopped during the logprob passes: still discarded
             raise RolloutInterrupted("the rollout was stopped by a stop request (e.g. SIGTERM) before it finished")
         timer.add("generated_tokens", totals["generated_tokens"])
@@ -178,7 +236,7 @@ class ExperienceMaker:
             self.events(ON_EXPERIENCE, ExperienceReady(experience, scored_rollout, shaped))
         return experience
 
-    def _rollout_end(self, rollout: ScoredRollout) -> RolloutEnd:
+    def _rollout_end(self, rollout: ScoredRollout, weights_version: int) -> RolloutEnd:
         """The texts and scores of the rollout to be trained on (rows found by ``row_index``)."""
         rows = [self._texts[i] for i in rollout.row_index.tolist()] if rollout.row_index is not None else []
         names = sorted({k for _, _, columns in rows for k in columns})
@@ -187,6 +245,7 @@ class ExperienceMaker:
             per_function=rollout.per_function, reward_names=list(self.rewards.names),
             lengths=rollout.completion_mask.sum(dim=1), truncated=rollout.truncated,
             columns={k: [r[2].get(k) for r in rows] for k in names}, num_generations=rollout.num_generations,
+            weights_version=weights_version,
         )
 
     def _generate_and_score(self, batch: PromptBatch, totals: dict[str, float], timer: StepTimer,
@@ -196,17 +255,27 @@ class ExperienceMaker:
         is left waiting in a collective)."""
         if "prompt" not in batch:
             raise KeyError(f"prompt batches need a 'prompt' column, got columns {sorted(batch)}")
-        cfg = self.config
-        g = cfg.num_generations
         engine = self.rollout.require_engine()
         with timer.span("rollout_s"):
             prompt_ids, num_truncated = self.rollout.tokenize(batch["prompt"])
-            sampling = SamplingConfig(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
-                                      top_p=cfg.top_p, top_k=cfg.top_k, min_p=cfg.min_p, seed=self._request_seed())
+            sampling = self._sampling()
             try:
-                out = engine.generate(prompt_ids, g, sampling)
+                out: Optional[RolloutOutput] = engine.generate(prompt_ids, self.config.num_generations, sampling)
             except RolloutInterrupted:
                 out = None
+        return self._score(batch, out, num_truncated, int(engine.pad_token_id), totals, timer, any_process)
+
+    def _sampling(self) -> SamplingConfig:
+        """The rollouts' sampling settings, with a per-request seed base (:meth:`_request_seed`)."""
+        cfg = self.config
+        return SamplingConfig(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
+                              top_k=cfg.top_k, min_p=cfg.min_p, seed=self._request_seed())
+
+    def _score(self, batch: PromptBatch, out: Optional[RolloutOutput], num_truncated: int, pad_token_id: int,
+               totals: dict[str, float], timer: StepTimer, any_process: Callable[[bool], bool]) -> ScoredRollout:
+        """Score one generation round's completions (``out`` None: it was interrupted, which every process then
+        raises as :class:`RolloutInterrupted`)."""
+        g = self.config.num_generations
         if out is not None and not self.rollout.stop.is_set():
             with timer.span("scoring_s"):
                 prompts = [p for p in batch["prompt"] for _ in range(g)]
@@ -232,7 +301,7 @@ class ExperienceMaker:
             per_function=scores.per_function,
             rewards=scores.rewards,
             num_generations=g,
-            pad_token_id=int(engine.pad_token_id),
+            pad_token_id=pad_token_id,
             sampler_logprobs=out.sampler_logprobs,
             row_index=torch.arange(offset, len(self._texts)),
         )
@@ -253,6 +322,7 @@ class ExperienceMaker:
             return torch.tensor([float("nan") if s is None else float(s) for s in values], device=device)
 
         max_new = cfg.eval_max_new_tokens or cfg.max_new_tokens
+        self.prefetcher.wait_idle()  # asynchronous rollouts: no sync while the engine generates
         with self.rollout.awake(policy, force_sync=True,
                                 any_process=lambda flag: collectives.any_process(flag, device)):
             out = self.rollout.generate(batch["prompt"], 1, SamplingConfig(max_new_tokens=max_new, greedy=True))

@@ -5,7 +5,16 @@ optimizer every ``accumulate_grad_batches`` batches. :class:`GRPOFitLoop` swaps 
 :class:`ExperienceFetcher`, which turns each batch of *prompts* from the user's DataLoader into a rollout
 (generate, score, advantages, old/ref logprobs) and then hands out its experience micro-batch by micro-batch,
 ``num_iterations`` shuffled passes in all. A rollout is made only when the previous one is used up, i.e. after
-the optimizer step that consumed it: rollout k+1 always samples from the weights after step k (no prefetch).
+the optimizer step that consumed it: rollout k+1 samples from the weights after step k.
+
+Asynchronous rollouts (``GRPOConfig.max_staleness`` = k > 0, ``a = k // steps_per_rollout`` rollouts ahead): when a
+rollout is needed, the fetcher takes the oldest prefetched one and starts the generation of the next prompt
+batches in the background from the current weights until ``a`` are ahead, then makes the experience (scoring,
+logprobs, advantages) of the taken one while those generate. So rollout ``j`` of an epoch is generated from the
+weights at the start of rollout ``j - a`` (the epoch's first ``a + 1`` from those at the epoch's start; prompt
+batches are never drawn across epochs): with one optimizer step per rollout the staleness per step is
+``[0, 1, ..., a - 1, a, a, ...]``. A checkpoint first waits for the generations in flight and stores the prefetched
+rollouts with their weight versions, so a resumed run trains on the same rollouts.
 
 Everything else (optimizer steps, gradient clipping, accumulation, precision, ``max_steps``, validation,
 logging, callbacks, checkpointing) is Lightning's own. ``GRPOModule.setup`` installs the loop, so a plain
@@ -15,6 +24,7 @@ logging, callbacks, checkpointing) is Lightning's own. ``GRPOModule.setup`` inst
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional, Protocol
 
@@ -32,12 +42,14 @@ from lightning_grpo.resume import (
     set_rng_states,
     this_process,
 )
+from lightning_grpo.rollout.prefetch import PrefetchedRollout
 
 #: Keys in the fit loop's own checkpoint state: prompt batches drawn in the current epoch, every process's RNG
-#: states, every process's partly used rollout (or None).
+#: states, every process's partly used rollout (or None), every process's prefetched rollouts (asynchronous).
 PROMPT_BATCHES_KEY = "prompt_batches_drawn"
 RNG_KEY = "rng_states"
 PARTIAL_KEY = "partial_rollouts"
+PREFETCHED_KEY = "prefetched_rollouts"
 
 
 class ExperienceSource(Protocol):
@@ -54,9 +66,23 @@ class ExperienceSource(Protocol):
         ...
 
     def make_experience(
-        self, batch: Any, next_prompt_batch: Optional[Callable[[], Optional[Any]]] = None
+        self, batch: Any, next_prompt_batch: Optional[Callable[[], Optional[Any]]] = None,
+        prefetched: Optional[PrefetchedRollout] = None,
     ) -> Experience:
-        """One rollout made from a prompt batch (and more batches with dynamic sampling)."""
+        """One rollout made from a prompt batch (and more batches with dynamic sampling), or from the rollout
+        ``prefetch_rollout`` started for it."""
+        ...
+
+    def rollouts_ahead(self) -> int:
+        """Rollouts generated in the background ahead of the one being trained; 0 = synchronous."""
+        ...
+
+    def prefetch_rollout(self, batch: Any) -> PrefetchedRollout:
+        """Start generating a prompt batch's rollout in the background from the current weights."""
+        ...
+
+    def wait_for_rollouts(self) -> None:
+        """Wait until no rollout is generated in the background."""
         ...
 
     def micro_batches(self, experience: Experience, step: Optional[int] = None) -> Iterator[Experience]:
@@ -78,11 +104,14 @@ class ResumeState:
         rng: the RNG states (:func:`lightning_grpo.resume.rng_states`) the next rollout starts from, or None.
         partial: a rollout whose micro-batches were not all trained on: ``experience``
             (:func:`lightning_grpo.resume.experience_state`), ``step`` (seeds its shuffle) and ``consumed``.
+        prefetched: rollouts generated ahead (asynchronous), oldest first: ``drawn_before`` (prompt batches drawn
+            before its own) and ``rollout`` (:meth:`lightning_grpo.rollout.prefetch.PrefetchedRollout.state`).
     """
 
     prompt_batches: Optional[int] = None
     rng: Optional[dict] = None
     partial: Optional[dict] = None
+    prefetched: Optional[list] = None
 
 
 class ExperienceFetcher(_DataFetcher):
@@ -117,6 +146,9 @@ class ExperienceFetcher(_DataFetcher):
         self._index = 0
         self._drawn_before_rollout: Optional[int] = None
         self.current: Optional[Experience] = None
+        self._ahead: Optional[int] = None  # rollouts generated ahead (source.rollouts_ahead, asked once)
+        self._prefetched: deque[tuple[int, PrefetchedRollout]] = deque()  # (prompt batches drawn before, rollout)
+        self._exhausted = False  # the epoch's prompt batches are all drawn
 
     @property
     def prompt_batches_drawn(self) -> int:
@@ -148,6 +180,8 @@ class ExperienceFetcher(_DataFetcher):
         self._rollout, self._position, self._experience = [], 0, None
         self._index = 0
         self.current = None
+        self._prefetched.clear()  # never carried into another epoch
+        self._exhausted = False
 
     def __next__(self) -> Any:
         assert self.iterator is not None
@@ -172,6 +206,11 @@ class ExperienceFetcher(_DataFetcher):
         return micro, self.fetched - 1, 0
 
     def _new_rollout(self) -> None:
+        if self._ahead is None:
+            self._ahead = self.source.rollouts_ahead()
+        if self._ahead > 0:
+            self._new_prefetched_rollout(self._ahead)
+            return
         drawn_before = self._index
         try:
             prompt_batch = self._draw()
@@ -190,6 +229,59 @@ class ExperienceFetcher(_DataFetcher):
             self.rollout_rng, self._drawn_before_rollout = None, None
         self._experience = experience
         self._rollout = list(self.source.micro_batches(experience, self._step))
+
+    def _new_prefetched_rollout(self, ahead: int) -> None:
+        """Asynchronous: take the oldest prefetched rollout (start it first if none is), start the next ones from
+        the current weights until ``ahead`` are generated ahead, then make the taken one's experience."""
+        if not self._prefetched:
+            drawn_before = self._index
+            try:
+                prompt_batch = self._draw()
+            except StopIteration:
+                self.done = True
+                raise
+            self._prefetched.append((drawn_before, self.source.prefetch_rollout(prompt_batch)))
+        drawn_before, prefetched = self._prefetched.popleft()
+        self._drawn_before_rollout = drawn_before
+        self._step = self.source.global_step
+        self._experience, self._rollout, self._position = None, [], 0
+        try:
+            while len(self._prefetched) < ahead and not self._exhausted:
+                index = self._index
+                try:
+                    prompt_batch = self._draw()
+                except StopIteration:
+                    self._exhausted = True
+                    break
+                self._prefetched.append((index, self.source.prefetch_rollout(prompt_batch)))
+            experience = self.source.make_experience(prefetched.batch, prefetched=prefetched)
+        except BaseException:  # e.g. SIGTERM: a checkpoint saved now regenerates this rollout and the ones after
+            self._index = drawn_before
+            self._prefetched.clear()
+            raise
+        finally:
+            self._drawn_before_rollout = None
+        self._experience = experience
+        self._rollout = list(self.source.micro_batches(experience, self._step))
+
+    def wait_for_rollouts(self) -> None:
+        """Wait for the rollouts generated in the background (asynchronous; a no-op otherwise)."""
+        if self._ahead:
+            self.source.wait_for_rollouts()
+
+    def position(self) -> tuple[int, list[dict]]:
+        """For a checkpoint (call :meth:`wait_for_rollouts` first): the prompt batches drawn and the prefetched
+        rollouts that finished, oldest first, as plain data. A prefetched rollout that failed or was interrupted,
+        and the ones after it, are not kept: their prompt batches count as not drawn (regenerated on resume); so
+        are all of them while a rollout is being made."""
+        if self._drawn_before_rollout is not None:
+            return self._drawn_before_rollout, []
+        states: list[dict] = []
+        for drawn_before, prefetched in self._prefetched:
+            if not prefetched.succeeded():
+                return drawn_before, states
+            states.append({"drawn_before": drawn_before, "rollout": prefetched.state()})
+        return self._index, states
 
     def _draw(self) -> Any:
         assert self.iterator is not None
@@ -227,6 +319,8 @@ class ExperienceFetcher(_DataFetcher):
             self._step = int(resume.partial["step"])
             self._rollout = list(self.source.micro_batches(self._experience, self._step))
             self._position = int(resume.partial["consumed"])
+        for entry in resume.prefetched or []:
+            self._prefetched.append((int(entry["drawn_before"]), PrefetchedRollout.from_state(entry["rollout"])))
 
 
 class GRPOFitLoop(_FitLoop):
@@ -265,9 +359,12 @@ class GRPOFitLoop(_FitLoop):
         state_dict = super().on_save_checkpoint()
         fetcher = self._data_fetcher
         if isinstance(fetcher, ExperienceFetcher):
-            state_dict[PROMPT_BATCHES_KEY] = fetcher.prompt_batches_drawn
+            fetcher.wait_for_rollouts()  # asynchronous: the prefetched rollouts and the RNG states are final now
+            drawn, prefetched = fetcher.position()
+            state_dict[PROMPT_BATCHES_KEY] = drawn
             state_dict[RNG_KEY] = gather_per_process(fetcher.rollout_rng or rng_states())
             state_dict[PARTIAL_KEY] = gather_per_process(fetcher.partial_rollout())
+            state_dict[PREFETCHED_KEY] = gather_per_process(prefetched)
         return state_dict
 
     def on_load_checkpoint(self, state_dict: dict) -> None:
@@ -275,6 +372,7 @@ class GRPOFitLoop(_FitLoop):
             prompt_batches=state_dict.get(PROMPT_BATCHES_KEY, self.resume_prompt_batches),  # old: module's hook
             rng=this_process(state_dict.get(RNG_KEY), "RNG states"),
             partial=this_process(state_dict.get(PARTIAL_KEY), "partly used rollouts"),
+            prefetched=this_process(state_dict.get(PREFETCHED_KEY), "prefetched rollouts"),
         )
         super().on_load_checkpoint(state_dict)
 

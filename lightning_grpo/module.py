@@ -17,7 +17,7 @@ from transformers import PreTrainedTokenizerBase
 from lightning_grpo.algorithm import ObjectiveOutput, grpo_objective
 from lightning_grpo.callbacks.hooks import forward_event
 from lightning_grpo.checkpointing import use_atomic_checkpoint_io
-from lightning_grpo.config import GRPOConfig, check_optimizer_arguments
+from lightning_grpo.config import GRPOConfig
 from lightning_grpo.evaluation import Evaluator
 from lightning_grpo.experience import Experience, micro_batches
 from lightning_grpo.experience_maker import ExperienceMaker
@@ -27,9 +27,10 @@ from lightning_grpo.loop import install_loop
 from lightning_grpo.lora import export_policy, load_lora_policy, lora_settings, reference_for, trim_frozen_weights
 from lightning_grpo.metrics import StepMetrics, StepTimer
 from lightning_grpo.nonfinite import NonFiniteGuard, check_finite_checkpoint
-from lightning_grpo.optim import adamw_with_warmup
+from lightning_grpo.optim import adamw_with_warmup, check_optimizer_arguments
 from lightning_grpo.rewards import RewardSet, RewardSpec
 from lightning_grpo.rollout.base import RolloutEngine, RolloutOutput, SamplingConfig
+from lightning_grpo.rollout.prefetch import PrefetchedRollout
 from lightning_grpo.rollout.worker import RolloutWorker
 from lightning_grpo.step_statistics import StepStatistics
 from lightning_grpo.strategies import backend_for
@@ -151,7 +152,9 @@ class GRPOModule(L.LightningModule):
         self.policy, self.rollout.engine, self._reference.model = models.policy, models.engine, models.ref
 
     def teardown(self, stage: str) -> None:
-        """Plain HF models again (Megatron converts back); a finished module holds no trainer's backend."""
+        """Stop background rollouts; plain HF models again (Megatron converts back); a finished module holds no
+        trainer's backend."""
+        self.experience_maker.close()
         self._set_models(self.backend.restore(GRPOModels(self.policy, self.ref_model, self.rollout.engine)))
         self.backend = LocalBackend()
 
@@ -176,15 +179,45 @@ class GRPOModule(L.LightningModule):
         return self.config.num_iterations * (n // (self.config.mini_batch_size or n))
 
     def make_experience(
-        self, batch: dict[str, list], next_prompt_batch: Optional[Callable[[], Optional[dict[str, list]]]] = None
+        self, batch: dict[str, list], next_prompt_batch: Optional[Callable[[], Optional[dict[str, list]]]] = None,
+        prefetched: Optional[PrefetchedRollout] = None,
     ) -> Experience:
         """One rollout batch -> experience (:meth:`lightning_grpo.experience_maker.ExperienceMaker.make`, which
-        documents the steps and errors). Called by the loop; runs on this process's prompts only. On SIGTERM the
-        rollout stops and Lightning's ``SIGTERMException`` is raised (:mod:`lightning_grpo.fault_tolerance`)."""
+        documents the steps and errors; ``prefetched``: the background rollout :meth:`prefetch_rollout` started for
+        ``batch``). Called by the loop; runs on this process's prompts only. On SIGTERM the rollout stops and
+        Lightning's ``SIGTERMException`` is raised (:mod:`lightning_grpo.fault_tolerance`)."""
         with self.preemption.exit_on_stop():
             return self.experience_maker.make(batch, self.policy, self.ref_model, self.backend, self.timer, self.device,
                                               self._logprob_micro_batch_size(batch), next_prompt_batch,
-                                              self.trainer.precision_plugin.forward_context)
+                                              self.trainer.precision_plugin.forward_context, prefetched)
+
+    def rollouts_ahead(self) -> int:
+        """Rollouts generated in the background ahead of the one being trained: ``max_staleness //
+        steps_per_rollout`` (the weights of a rollout started at a rollout boundary are then at most
+        ``max_staleness`` optimizer steps old when it is trained); 0 = synchronous rollouts.
+
+        Raises:
+            ValueError: ``0 < max_staleness < steps_per_rollout`` (no rollout could be generated ahead).
+        """
+        k = self.config.max_staleness
+        if k == 0:
+            return 0
+        steps = self.steps_per_rollout()
+        if k < steps:
+            raise ValueError(f"GRPOConfig.max_staleness={k} is less than the {steps} optimizer steps of one rollout "
+                             f"(num_iterations * mini-batches): no rollout can be generated ahead; use max_staleness "
+                             f">= {steps} or 0")
+        return k // steps
+
+    def prefetch_rollout(self, batch: dict[str, list]) -> PrefetchedRollout:
+        """Start generating ``batch``'s rollout in the background from the current weights
+        (:meth:`lightning_grpo.experience_maker.ExperienceMaker.prefetch`); the loop passes it to
+        :meth:`make_experience` later."""
+        return self.experience_maker.prefetch(batch, self.policy, self.backend, self.timer, self.device)
+
+    def wait_for_rollouts(self) -> None:
+        """Wait until no rollout is generated in the background (the loop calls it before a checkpoint)."""
+        self.experience_maker.wait_for_rollouts()
 
     def _logprob_micro_batch_size(self, batch: dict[str, list]) -> int:
         n = len(batch.get("prompt", ())) * self.config.num_generations
@@ -286,8 +319,10 @@ class GRPOModule(L.LightningModule):
         checkpoint["lightning_grpo_nonfinite"] = self.nonfinite.state_dict()
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """The skipped-step count; the prompt-batch counter of checkpoints older than the loop's own state."""
+        """The skipped-step count; the prompt-batch counter of checkpoints older than the loop's own state; the
+        rollout worker's weight version (the checkpoint's optimizer steps)."""
         self.nonfinite.load_state_dict(checkpoint.get("lightning_grpo_nonfinite"))
+        self.rollout.weights_version = int(checkpoint.get("global_step", self.rollout.weights_version))
         old = checkpoint.get("lightning_grpo_prompt_batches_drawn")
         if old is not None and self._trainer is not None:
             self.trainer.fit_loop.resume_prompt_batches = int(old)

@@ -6,8 +6,9 @@ import re
 
 import pytest
 
-from lightning_grpo.config import DTYPE_NAMES, GRPOConfig, check_optimizer_arguments
+from lightning_grpo.config import GRPOConfig
 from lightning_grpo.module import GRPOModule
+from lightning_grpo.optim import DTYPE_NAMES, check_optimizer_arguments
 
 FLOAT_FIELDS = [f.name for f in dataclasses.fields(GRPOConfig) if "float" in str(f.type)]
 

@@ -7,7 +7,9 @@ Yao, Liu et al. 2025, "Your Efficient RL Framework Secretly Brings You Off-Polic
 behaviour policy (recomputed, or the detached current logprobs on the first step of a rollout), never the
 sampler's: the PPO ratio corrects the policy change, TIS corrects the engine mismatch (as TRL and verl do).
 Its level is ``GRPOConfig.rollout_importance_sampling_level``, independent of the policy ratio's level
-(``importance_sampling_level``, GSPO).
+(``importance_sampling_level``, GSPO). With asynchronous rollouts (``GRPOConfig.max_staleness``) the sampler is also
+older than the trainer: ``pi_old`` is then AReaL's proximal policy and the weight its behaviour-policy correction
+(Fu et al. 2025, arXiv:2505.24298; docs/algorithm.md, "Asynchronous rollouts").
 """
 
 from __future__ import annotations

