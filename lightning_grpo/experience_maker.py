@@ -60,6 +60,8 @@ class ExperienceMaker:
     Attributes:
         prefetcher: the background generation of asynchronous rollouts (its thread starts with the first
             :meth:`prefetch`).
+        rank: this process's global rank (the module sets it): per-request seeds of rank r are offset by r * 2**32,
+            so processes seeded alike never sample with the same seeds.
     """
 
     def __init__(self, config: GRPOConfig, rollout: RolloutWorker, rewards: RewardSet,
@@ -71,6 +73,7 @@ class ExperienceMaker:
         self.events = events
         self._texts: list[tuple] = []  # (prompt, completion, columns) of every row generated for this rollout
         self.prefetcher = RolloutPrefetcher(rollout)
+        self.rank = 0
 
     def prefetch(self, batch: PromptBatch, policy: nn.Module, collectives: Collectives, timer: StepTimer,
                  device: torch.device) -> PrefetchedRollout:
@@ -341,10 +344,11 @@ class ExperienceMaker:
 
     def _request_seed(self) -> Optional[int]:
         """A base for per-request seeds (vLLM, colocated or served), drawn from torch's global generator (restored on
-        resume); None for the HF engine, which samples from that generator itself."""
+        resume), offset by ``rank * 2**32`` (disjoint per process); None for the HF engine, which samples from that
+        generator itself."""
         if self.config.rollout_engine == "hf":
             return None
-        return int(torch.randint(0, 2**31 - 1, (1,)).item())
+        return int(torch.randint(0, 2**31 - 1, (1,)).item()) + self.rank * 2**32
 
     def _behaviour_logprobs(
         self,

@@ -139,6 +139,7 @@ class GRPOModule(L.LightningModule):
         if stage == "fit":
             install_loop(self.trainer)
         self.rollout.start(self.policy, self.model_path)
+        self.experience_maker.rank = self.global_rank  # disjoint per-request seeds per process
         self.preemption.attach(self.trainer)
         use_atomic_checkpoint_io(self.trainer.strategy)
 

@@ -252,3 +252,30 @@ def test_bad_settings_raise_clear_errors(tmp_path, tiny_llama_path, data_file):
     assert GRPOConfig(rollout_engine="vllm").importance_sampling_cap is None
     with pytest.raises(ValueError, match=r"max_staleness=1 is less than the 2 optimizer steps of one rollout"):
         _fit(tiny_llama_path, data_file, tmp_path, max_staleness=1, mini_batch_size=4)
+
+
+def test_per_request_seed_bases_are_disjoint_per_process(tiny_llama_path):
+    """Processes seeded alike (``seed_everything`` on every rank) draw the same base from torch's global generator;
+    rank r's base is offset by r * 2**32, so no two processes sample with the same per-request seed."""
+    from transformers import AutoTokenizer
+
+    from lightning_grpo.experience_maker import ExperienceMaker
+    from lightning_grpo.logprobs import CompletionLogprobs
+    from lightning_grpo.rewards import RewardSet
+    from lightning_grpo.rollout.worker import RolloutWorker
+
+    config = GRPOConfig(rollout_engine="vllm")
+    maker = ExperienceMaker(config, RolloutWorker(config, AutoTokenizer.from_pretrained(tiny_llama_path)),
+                            RewardSet.from_specs(["gsm8k_accuracy"]), CompletionLogprobs(config))
+    seeds = []
+    for rank in (0, 1, 3):
+        maker.rank = rank
+        torch.manual_seed(7)
+        seeds.append(maker._sampling().seed)
+    torch.manual_seed(7)
+    base = int(torch.randint(0, 2**31 - 1, (1,)).item())
+    assert seeds == [base, base + 2**32, base + 3 * 2**32]
+    hf = GRPOConfig()
+    hf_maker = ExperienceMaker(hf, RolloutWorker(hf, AutoTokenizer.from_pretrained(tiny_llama_path)),
+                               RewardSet.from_specs(["gsm8k_accuracy"]), CompletionLogprobs(hf))
+    assert hf_maker._sampling().seed is None  # the HF engine samples from the global generator itself
