@@ -212,11 +212,7 @@ class ExperienceFetcher(_DataFetcher):
             self._new_prefetched_rollout(self._ahead)
             return
         drawn_before = self._index
-        try:
-            prompt_batch = self._draw()
-        except StopIteration:
-            self.done = True
-            raise
+        prompt_batch = self._draw_or_finish()
         self.rollout_rng, self._drawn_before_rollout = rng_states(), drawn_before
         self._step = self.source.global_step
         self._experience, self._rollout, self._position = None, [], 0
@@ -235,11 +231,7 @@ class ExperienceFetcher(_DataFetcher):
         the current weights until ``ahead`` are generated ahead, then make the taken one's experience."""
         if not self._prefetched:
             drawn_before = self._index
-            try:
-                prompt_batch = self._draw()
-            except StopIteration:
-                self.done = True
-                raise
+            prompt_batch = self._draw_or_finish()
             self._prefetched.append((drawn_before, self.source.prefetch_rollout(prompt_batch)))
         drawn_before, prefetched = self._prefetched.popleft()
         self._drawn_before_rollout = drawn_before
@@ -282,6 +274,14 @@ class ExperienceFetcher(_DataFetcher):
                 return drawn_before, states
             states.append({"drawn_before": drawn_before, "rollout": prefetched.state()})
         return self._index, states
+
+    def _draw_or_finish(self) -> Any:
+        """:meth:`_draw`, marking the epoch done when the prompts are exhausted (``StopIteration`` re-raised)."""
+        try:
+            return self._draw()
+        except StopIteration:
+            self.done = True
+            raise
 
     def _draw(self) -> Any:
         assert self.iterator is not None

@@ -193,6 +193,20 @@ def completion_mask_from_eos(completion_ids: Tensor, eos_token_ids: Sequence[int
     return mask, ~has_eos
 
 
+def finish_rollout(prompt_ids: Tensor, prompt_mask: Tensor, num_generations: int, completion_ids: Tensor,
+                   completion_mask: Tensor, truncated: Tensor, sampler_logprobs: Optional[Tensor], tokenizer: Any,
+                   pad_token_id: int, weight_version: Optional[int] = None) -> RolloutOutput:
+    """The :class:`RolloutOutput` of ``B`` left-padded prompts (``(B, P)`` ids and mask, repeated G times here) and
+    their ``B * G`` completions; the texts are decoded with ``tokenizer`` from the masked ids (pad where masked,
+    special tokens skipped)."""
+    texts = tokenizer.batch_decode((completion_ids * completion_mask + pad_token_id * (1 - completion_mask)).tolist(),
+                                   skip_special_tokens=True)
+    return RolloutOutput(prompt_ids=prompt_ids.repeat_interleave(num_generations, dim=0),
+                         prompt_mask=prompt_mask.repeat_interleave(num_generations, dim=0),
+                         completion_ids=completion_ids, completion_mask=completion_mask, truncated=truncated,
+                         completions=texts, sampler_logprobs=sampler_logprobs, weight_version=weight_version)
+
+
 def eos_token_ids_from(generation_config: Any, tokenizer: Any) -> list[int]:
     """Every id that ends a completion: ``generation_config.eos_token_id`` (an int or a list) plus the
     tokenizer's ``eos_token_id``, sorted."""

@@ -10,7 +10,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from lightning_grpo.rollout.base import RolloutOutput, SamplingConfig, completion_mask_from_eos
+from lightning_grpo.rollout.base import RolloutOutput, SamplingConfig, completion_mask_from_eos, finish_rollout
 from lightning_grpo.rollout.hf import left_pad
 
 
@@ -70,19 +70,7 @@ def rollout_from_rows(prompts: Sequence[Sequence[int]], rows: Sequence[tuple[Seq
         sampler_logprobs[row, : len(ids)] = torch.as_tensor(list(logprobs), dtype=torch.float32)
     completion_mask, truncated = completion_mask_from_eos(completion_ids, eos_token_ids)
     sampler_logprobs = sampler_logprobs * completion_mask
-    texts = tokenizer.batch_decode(
-        (completion_ids * completion_mask + pad_token_id * (1 - completion_mask)).tolist(),
-        skip_special_tokens=True,
-    )
     ids_, mask = left_pad(prompts, pad_token_id, torch.device("cpu"))
-    return RolloutOutput(
-        prompt_ids=ids_.repeat_interleave(num_generations, dim=0),
-        prompt_mask=mask.repeat_interleave(num_generations, dim=0),
-        completion_ids=completion_ids,
-        completion_mask=completion_mask,
-        truncated=truncated,
-        completions=texts,
-        sampler_logprobs=sampler_logprobs,
-        weight_version=weight_version,
-    )
+    return finish_rollout(ids_, mask, num_generations, completion_ids, completion_mask, truncated, sampler_logprobs,
+                          tokenizer, pad_token_id, weight_version)
 

@@ -35,6 +35,7 @@ from lightning_grpo.rollout.base import (
     StopFlag,
     completion_mask_from_eos,
     eos_token_ids_from,
+    finish_rollout,
 )
 
 
@@ -219,19 +220,8 @@ class HFRolloutEngine:
         completion_mask, truncated = completion_mask_from_eos(completion_ids, self.eos_token_ids)
         if sampler_logprobs is not None:  # finished rows continue with pad ids, whose logprob may be -inf
             sampler_logprobs = torch.where(completion_mask.bool(), sampler_logprobs.float(), 0.0)
-        texts = self.tokenizer.batch_decode(
-            (completion_ids * completion_mask + self.pad_token_id * (1 - completion_mask)).tolist(),
-            skip_special_tokens=True,
-        )
-        return RolloutOutput(
-            prompt_ids=ids.repeat_interleave(num_generations, dim=0),
-            prompt_mask=mask.repeat_interleave(num_generations, dim=0),
-            completion_ids=completion_ids,
-            completion_mask=completion_mask,
-            truncated=truncated,
-            completions=texts,
-            sampler_logprobs=sampler_logprobs,
-        )
+        return finish_rollout(ids, mask, num_generations, completion_ids, completion_mask, truncated, sampler_logprobs,
+                              self.tokenizer, self.pad_token_id)
 
 
 class _StopCriterion(StoppingCriteria):
