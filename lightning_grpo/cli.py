@@ -65,10 +65,12 @@ class GRPOCLI(LightningCLI):
         parser.link_arguments("model.config", "data.max_prompt_length", compute_fn=_max_prompt_length)
         parser.link_arguments(("model.model", "model.tokenizer"), "data.tokenizer", compute_fn=_tokenizer_source)
         parser.add_argument("--validate_before_fit", type=bool, default=False,
-                            help="fit: run the validation once before training (the held-out 'before' score)")
+                            help="fit: run the validation once before training (the held-out 'before' score); "
+                                 "skipped when resuming (--ckpt_path)")
 
     def before_fit(self) -> None:
-        if self.config.get(self.subcommand, {}).get("validate_before_fit"):
+        config = self.config.get(self.subcommand, {})
+        if config.get("validate_before_fit") and not config.get("ckpt_path"):  # a resumed run had its "before"
             self.trainer.validate(self.model, datamodule=self.datamodule)
 
     def after_fit(self) -> None:
