@@ -299,9 +299,18 @@ def test_synchronous_training_with_the_server_equals_the_colocated_engine(untied
     ``seed_everything``). On CPU the colocated engine honours these per-request seeds (chunked prefill off) and
     leaves the global generator untouched (``fork_rng``), as the server (another process) does, so both runs draw
     the same seeds, sample the same completions and train alike. The colocated engine is the module's, injected
-    before ``fit`` (so it does not re-seed the global generators, as constructing one does)."""
-    served, served_weights = _fit(tiny_llama_path, "vllm_server", tmp_path / "server", url=untied_server.url)
-    local, local_weights = _fit(tiny_llama_path, "vllm", tmp_path / "colocated", colocated=colocated)
+    before ``fit`` (so it does not re-seed the global generators, as constructing one does). Training runs on one
+    torch thread: with two, the order of the floating-point reductions in the backward pass varies, and AdamW's
+    first steps turn that into up to ~2e-5 on elements whose gradient is nearly 0 (measured: 1 of 3.1M)."""
+    from lightning_grpo.rollout.vllm import _TORCH_SET_NUM_THREADS as set_num_threads  # vLLM no-ops torch's
+
+    threads = torch.get_num_threads()
+    set_num_threads(1)
+    try:
+        served, served_weights = _fit(tiny_llama_path, "vllm_server", tmp_path / "server", url=untied_server.url)
+        local, local_weights = _fit(tiny_llama_path, "vllm", tmp_path / "colocated", colocated=colocated)
+    finally:
+        set_num_threads(threads)
     assert len(served) == len(local) == 3
     assert served[0]["reward_std"] > 0 and served[2]["grad_norm"] > 0  # real learning signal
     for step, (a, b) in enumerate(zip(served, local, strict=True)):
