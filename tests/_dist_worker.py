@@ -27,6 +27,7 @@ from torch.utils.data import DataLoader  # noqa: E402
 from transformers import AutoConfig  # noqa: E402
 
 from lightning_grpo import GRPOConfig, GRPOModule  # noqa: E402
+from lightning_grpo.callbacks import CompletionTable  # noqa: E402
 from lightning_grpo.data import PromptDataModule, collate_prompts  # noqa: E402
 from lightning_grpo.experience import Experience  # noqa: E402
 from lightning_grpo.rollout.weights import checkpoint_name  # noqa: E402
@@ -254,8 +255,9 @@ def grpo_run(cfg: dict) -> None:
     checkpoint = ModelCheckpoint(dirpath=os.path.join(out, "ckpt"), save_last=True, every_n_train_steps=1)
     trainer = L.Trainer(
         accelerator="cpu", devices=2, strategy=make_strategy(cfg["strategy"]), max_steps=3, log_every_n_steps=1,
-        logger=CSVLogger(out, name="logs"), callbacks=[checkpoint, recorder], enable_progress_bar=False,
-        enable_model_summary=False, default_root_dir=out, val_check_interval=3, check_val_every_n_epoch=None,
+        logger=CSVLogger(out, name="logs"), callbacks=[checkpoint, recorder, CompletionTable()],
+        enable_progress_bar=False, enable_model_summary=False, default_root_dir=out, val_check_interval=3,
+        check_val_every_n_epoch=None,
         gradient_clip_val=1.0,
     )
     trainer.fit(first, datamodule=datamodule())

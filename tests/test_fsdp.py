@@ -4,6 +4,7 @@ Every distributed run is a real 2-process Lightning run started by ``tests/_dist
 ``tests/_dist_utils.py``); the 1-process references run in this process.
 """
 
+import csv
 import importlib.util
 from pathlib import Path
 
@@ -94,6 +95,11 @@ def test_grpo_run_rolls_out_per_rank_and_reduces_metrics(grpo_run):
         # index_reward: prompt index + (0, 1) for the two completions of each group
         assert float(row["reward"]) == pytest.approx(sum(step_indices) / 4 + 0.5)
         assert float(row["grad_norm"]) > 0
+    # the completion table under 2 processes (rank 0 writes its rows; every rank reads log_dir, or rank 0 hangs)
+    (table,) = list((out / "logs").rglob("completions.csv"))
+    with open(table) as f:
+        steps = [row["step"] for row in csv.DictReader(f)]
+    assert steps == [str(s) for s in range(3) for _ in range(len(ranks[0]["rollouts"][s]["index"]) * 2)]
     val = [row["val/accuracy"] for row in _csv_rows(out) if row.get("val/accuracy")]
     # greedy validation of prompts 0..3, split over the ranks as [0, 2] and [1, 3]: rewards 0+0, 2+1 and 1+0,
     # 3+1; their mean over both ranks is 2.0 (rank 0 alone would give 1.5)

@@ -87,18 +87,21 @@ class CompletionTable(Callback):
         step = trainer.global_step
         log_now = step % self.every_n_steps == 0
         print_now = self.print_every_n_steps and step % self.print_every_n_steps == 0
-        if not trainer.is_global_zero or not (log_now or print_now):
+        if not (log_now or print_now):
+            return
+        # every process reads log_dir: under DDP/FSDP Lightning broadcasts it from rank 0 (rank 0 alone would hang)
+        folder = trainer.log_dir or trainer.default_root_dir
+        if not trainer.is_global_zero:
             return
         columns, rows = self.rows(step, event)
         if log_now:
-            self._write_files(trainer, columns, rows)
+            self._write_files(folder, columns, rows)
             for logger in trainer.loggers:
                 _log_table(logger, step, columns, rows)
         if print_now:
             _print_rows(step, columns, rows[: self.print_rows])
 
-    def _write_files(self, trainer: "L.Trainer", columns: list[str], rows: list[list]) -> None:
-        folder = trainer.log_dir or trainer.default_root_dir
+    def _write_files(self, folder: str, columns: list[str], rows: list[list]) -> None:
         os.makedirs(folder, exist_ok=True)
         with open(os.path.join(folder, f"{self.filename}.jsonl"), "a", encoding="utf-8") as f:
             for row in rows:
