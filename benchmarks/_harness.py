@@ -56,7 +56,7 @@ def build_tiny_model(dest: str, tokenizer_path: str) -> str:
     (about 1 in 49k per token), so its completions run to ``max_new_tokens``: step work is set by the
     settings, not by what the model happens to write.
     """
-    from lightning_grpo.models import save_tiny_llama
+    from lightning_grpo.models.testing import save_tiny_llama
 
     return save_tiny_llama(dest, tokenizer_path, hidden_size=128, intermediate_size=256, num_attention_heads=2,
                            num_key_value_heads=2, head_dim=64, tie_word_embeddings=True)
@@ -65,7 +65,7 @@ def build_tiny_model(dest: str, tokenizer_path: str) -> str:
 def resolve_model(name: str, workdir: str) -> str:
     """Folder of the benchmark model: ``"embedded"`` (SmolLM2-135M-Instruct), ``"tiny"`` (built into
     ``workdir``) or any model folder."""
-    from lightning_grpo.models import default_model_path
+    from lightning_grpo.models.embedded import default_model_path
 
     if name == "embedded":
         return default_model_path()

@@ -49,7 +49,7 @@ def _env() -> dict:
 
 def start_server(model: str, core: int, port: int, log: Path) -> subprocess.Popen:
     """``lightning-grpo serve`` pinned to ``core``; returns once ``/health`` answers."""
-    from lightning_grpo.rollout.server_client import RolloutServerError, ServerClient
+    from lightning_grpo.rollout.server.client import RolloutServerError, ServerClient
 
     command = ["taskset", "-c", str(core), sys.executable, "-m", "lightning_grpo.cli", "serve", "--model", model,
                "--host", "127.0.0.1", "--port", str(port), "--kv-cache-space-gib", "1", "--max-model-len", "512"]
@@ -120,7 +120,7 @@ def run_trainer(spec: dict, core: int) -> dict:
 
 
 def main(argv: list[str]) -> dict:
-    from lightning_grpo.models import resolve_model_path
+    from lightning_grpo.models.embedded import resolve_model_path
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="embedded")

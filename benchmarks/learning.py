@@ -11,7 +11,7 @@ training included), and the acceptance checks (the reward's mean over the last 5
 ``benchmarks/results/learning_<name>.png``.
 
 Honesty: the 500 held-out questions are drawn from the same seeded pool as, and disjoint from, the training
-questions (:mod:`lightning_grpo.synthetic`); evaluation is greedy both times with the same prompts and limits.
+questions (:mod:`lightning_grpo.data.synthetic`); evaluation is greedy both times with the same prompts and limits.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Rollout throughput: the HF ``generate`` engine vs the vLLM engine on the same prompts, in one run.
 
 Workload (defaults): the first 8 GSM8K test questions in the chat template of SmolLM2-135M-Instruct (system
-prompt of :data:`lightning_grpo.data.DEFAULT_SYSTEM_PROMPT`), 8 generations each, up to 128 new tokens,
+prompt of :data:`lightning_grpo.data.module.DEFAULT_SYSTEM_PROMPT`), 8 generations each, up to 128 new tokens,
 temperature 1, float32 weights for both engines. Each engine does one short warm-up rollout first (not
 timed). Throughput = generated tokens (those in ``completion_mask``: up to and including EOS) / wall-clock
 seconds of ``generate``.
@@ -30,7 +30,7 @@ from lightning_grpo.rollout.base import RolloutEngine, SamplingConfig
 def gsm8k_questions(path: Optional[str], count: int) -> list[str]:
     """The first ``count`` questions of a GSM8K ``test.jsonl`` (``path`` or the default shared data folder)."""
     if path is None:
-        from lightning_grpo.data import default_data_dirs
+        from lightning_grpo.data.module import default_data_dirs
 
         found = [d / "gsm8k" / "test.jsonl" for d in default_data_dirs() if (d / "gsm8k" / "test.jsonl").is_file()]
         if not found:
@@ -46,7 +46,7 @@ def gsm8k_questions(path: Optional[str], count: int) -> list[str]:
 
 
 def prompt_ids(tokenizer, questions: Sequence[str]) -> list[list[int]]:
-    from lightning_grpo.data import DEFAULT_SYSTEM_PROMPT
+    from lightning_grpo.data.module import DEFAULT_SYSTEM_PROMPT
 
     return [
         list(
@@ -91,11 +91,11 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from lightning_grpo.rollout.hf import HFRolloutEngine
-    from lightning_grpo.rollout.vllm import VLLMRolloutEngine
+    from lightning_grpo.rollout.engines.hf import HFRolloutEngine
+    from lightning_grpo.rollout.engines.vllm import VLLMRolloutEngine
 
     if args.model is None:
-        from lightning_grpo.models import default_model_path
+        from lightning_grpo.models.embedded import default_model_path
 
         args.model = default_model_path()
     model_path = str(Path(args.model))

@@ -1,9 +1,9 @@
 """GRPO for language models as a PyTorch Lightning plugin."""
 
 from lightning_grpo import strategies  # noqa: F401  (registers the "grpo_fsdp2" strategy names)
-from lightning_grpo.checkpointing import install_last_checkpoint_fallback
 from lightning_grpo.config import GRPOConfig
 from lightning_grpo.module import GRPOModule
+from lightning_grpo.runtime.checkpointing import install_last_checkpoint_fallback
 
 __all__ = ["GRPOConfig", "GRPOModule", "PromptDataModule"]
 __version__ = "0.1.0"

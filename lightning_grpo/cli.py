@@ -6,7 +6,8 @@
     lightning-grpo serve --model PATH --port 8000         # a rollout server (rollout_engine="vllm_server")
 
 ``fit --validate_before_fit true`` validates once before training (the held-out "before"); every ``fit`` ends by
-printing the before/after table of :mod:`lightning_grpo.report` and the paths of the plot, the completion table and
+printing the before/after table of :mod:`lightning_grpo.evaluation.report` and the paths of the plot, the completion
+table and
 the checkpoint (global rank 0, with a ``CSVLogger``).
 
 Every field of the Trainer, the module (``--model.*``, ``--model.config.*``) and the data (``--data.*``) can be
@@ -26,11 +27,11 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 from lightning_grpo.config import GRPOConfig
 from lightning_grpo.data import PromptDataModule
-from lightning_grpo.models import resolve_model_path
+from lightning_grpo.evaluation.plot import plot_metrics
+from lightning_grpo.evaluation.report import fit_report
+from lightning_grpo.models.embedded import resolve_model_path
 from lightning_grpo.module import GRPOModule
-from lightning_grpo.plot import plot_metrics
-from lightning_grpo.report import fit_report
-from lightning_grpo.rollout.server import serve_main
+from lightning_grpo.rollout.server.app import serve_main
 
 
 def _tokenizer_source(model: object, tokenizer: object) -> Optional[str]:

@@ -176,7 +176,8 @@ class GRPOConfig:
     max_tokens_per_microbatch: Optional[int] = None
     """Form each mini-batch's micro-batches by a token budget instead of a count: sequences (real prompt +
     completion tokens) are packed into micro-batches of at most this many tokens, balanced
-    (:func:`lightning_grpo.packing.token_budget_partition`; a longer sequence gets a micro-batch of its own). The
+    (:func:`lightning_grpo.training.packing.token_budget_partition`; a longer sequence gets a micro-batch of its own).
+    The
     number of micro-batches per optimizer step then varies: it needs ``Trainer(accumulate_grad_batches=1)``.
     None = ``accumulate_grad_batches`` micro-batches per step."""
 
@@ -185,7 +186,8 @@ class GRPOConfig:
     """Training and old/reference logprob passes compute only real tokens, and logits only at completion positions.
     How sequences are laid out: with ``shared_prefix`` (sdpa/eager attention) each group of sequences sharing a
     prompt is one row; otherwise sequences are packed into rows with position ids restarting per sequence
-    (:func:`lightning_grpo.packing.pack_sequences`; transformers derives the block-diagonal causal mask from them).
+    (:func:`lightning_grpo.training.packing.pack_sequences`; transformers derives the block-diagonal causal mask from
+    them).
     False keeps the padded ``(B, P + T)`` forward for models whose attention cannot pack."""
     packed_row_tokens: Optional[int] = None
     """Most tokens per forward pass when rows are combined (rows formed like token-budget micro-batches). None =
@@ -205,7 +207,7 @@ class GRPOConfig:
     """Max new tokens of the greedy validation rollouts (None = ``max_new_tokens``)."""
     eval_num_samples: int = 0
     """Sampled completions per validation prompt (besides the greedy one) for ``val/pass@1`` (unbiased, from them),
-    ``val/pass@k``, ``val/maj@k`` and ``val/mean@k`` (:mod:`lightning_grpo.evaluation`); 0: greedy only, and
+    ``val/pass@k``, ``val/maj@k`` and ``val/mean@k`` (:mod:`lightning_grpo.evaluation.evaluator`); 0: greedy only, and
     ``val/pass@1`` is the greedy accuracy."""
     eval_k: Optional[int] = None
     """k of ``val/pass@k`` and ``val/maj@k`` (maj@k votes with the first k samples), 1 <= k <= ``eval_num_samples``;

@@ -2,7 +2,7 @@
 
 The components never import Lightning; they call ``sink(name, payload)``. :class:`lightning_grpo.GRPOModule`
 forwards each event to every callback in ``trainer.callbacks`` that defines a method of that name, as
-``callback.<name>(trainer, pl_module, payload)`` (:func:`lightning_grpo.callbacks.hooks.forward_event`).
+``callback.<name>(trainer, pl_module, payload)`` (:func:`lightning_grpo.callbacks.base.forward_event`).
 
 Order within one optimizer step's rollout (documented and tested):
 
@@ -25,7 +25,7 @@ from typing import Any, Callable, Optional
 
 from torch import Tensor
 
-from lightning_grpo.experience import Experience
+from lightning_grpo.training.experience import Experience
 
 #: The event names, in the order they occur for one rollout.
 ON_WEIGHTS_SYNCED = "on_weights_synced"
@@ -72,7 +72,7 @@ class ExperienceReady:
     """The experience about to be trained on and the rollout it came from (rows aligned).
 
     Attributes:
-        experience: the :class:`~lightning_grpo.experience.Experience` (``advantages`` ``(N,)`` float32).
+        experience: the :class:`~lightning_grpo.training.experience.Experience` (``advantages`` ``(N,)`` float32).
         rollout: the :class:`RolloutEnd` of the same rows.
         shaped_rewards: ``(N,)`` float32 rewards after shaping (overlong penalty, scale/clip, KL in the reward).
     """

@@ -1,4 +1,4 @@
-"""The experience maker: one prompt batch -> one scored, shaped :class:`~lightning_grpo.experience.Experience`.
+"""The experience maker: one prompt batch -> one scored, shaped :class:`~lightning_grpo.training.experience.Experience`.
 
 generate -> score -> (dynamic sampling: more rounds) -> shape the rewards -> behaviour (old) and reference
 logprobs -> KL in the reward -> group advantages -> rollout metrics. It sees models, a rollout worker, a reward set
@@ -23,15 +23,15 @@ from lightning_grpo import functional as F
 from lightning_grpo.algorithm import DynamicSampler, ScoredRollout
 from lightning_grpo.algorithm.shaping import overlong_penalty, sequence_kl, transform_rewards
 from lightning_grpo.config import GRPOConfig
-from lightning_grpo.evaluation import EvalBatch, answer_key
+from lightning_grpo.evaluation.evaluator import EvalBatch, answer_key
 from lightning_grpo.events import ON_EXPERIENCE, ON_ROLLOUT_END, EventSink, ExperienceReady, RolloutEnd
-from lightning_grpo.experience import Experience
-from lightning_grpo.logprobs import CompletionLogprobs
-from lightning_grpo.metrics import StepTimer, rollout_metrics
 from lightning_grpo.rewards import RewardSet
 from lightning_grpo.rollout.base import RolloutInterrupted, RolloutOutput, SamplingConfig
 from lightning_grpo.rollout.prefetch import PrefetchedRollout, RolloutPrefetcher
 from lightning_grpo.rollout.worker import RolloutWorker
+from lightning_grpo.training.experience import Experience
+from lightning_grpo.training.logprobs import CompletionLogprobs
+from lightning_grpo.training.metrics import StepTimer, rollout_metrics
 
 log = logging.getLogger(__name__)
 

@@ -15,27 +15,33 @@ from torch import Tensor, nn
 from transformers import PreTrainedTokenizerBase
 
 from lightning_grpo.algorithm import ObjectiveOutput, grpo_objective
-from lightning_grpo.callbacks.hooks import forward_event
-from lightning_grpo.checkpointing import use_atomic_checkpoint_io
+from lightning_grpo.callbacks.base import forward_event
 from lightning_grpo.config import GRPOConfig
-from lightning_grpo.evaluation import Evaluator
-from lightning_grpo.experience import Experience, micro_batches
+from lightning_grpo.evaluation.evaluator import Evaluator
 from lightning_grpo.experience_maker import ExperienceMaker
-from lightning_grpo.fault_tolerance import Preemption
-from lightning_grpo.logprobs import CompletionLogprobs
-from lightning_grpo.loop import install_loop
-from lightning_grpo.lora import export_policy, load_lora_policy, lora_settings, reference_for, trim_frozen_weights
-from lightning_grpo.metrics import StepMetrics, StepTimer
-from lightning_grpo.nonfinite import NonFiniteGuard, check_finite_checkpoint
-from lightning_grpo.optim import adamw_with_warmup, check_optimizer_arguments
+from lightning_grpo.loop.fit_loop import install_loop
+from lightning_grpo.models.lora import (
+    export_policy,
+    load_lora_policy,
+    lora_settings,
+    reference_for,
+    trim_frozen_weights,
+)
 from lightning_grpo.rewards import RewardSet, RewardSpec
 from lightning_grpo.rollout.base import RolloutEngine, RolloutOutput, SamplingConfig
 from lightning_grpo.rollout.prefetch import PrefetchedRollout
 from lightning_grpo.rollout.worker import RolloutWorker
-from lightning_grpo.step_statistics import StepStatistics
+from lightning_grpo.runtime.checkpointing import use_atomic_checkpoint_io
+from lightning_grpo.runtime.preemption import Preemption
 from lightning_grpo.strategies import backend_for
 from lightning_grpo.strategies.base import GRPOModels, ParallelBackend
 from lightning_grpo.strategies.local import LocalBackend
+from lightning_grpo.training.experience import Experience, micro_batches
+from lightning_grpo.training.logprobs import CompletionLogprobs
+from lightning_grpo.training.metrics import StepMetrics, StepTimer
+from lightning_grpo.training.nonfinite import NonFiniteGuard, check_finite_checkpoint
+from lightning_grpo.training.optim import adamw_with_warmup, check_optimizer_arguments
+from lightning_grpo.training.selection import StepStatistics
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +51,7 @@ class GRPOModule(L.LightningModule):
 
     Args:
         model: an HF model id, a local folder, an ``nn.Module`` (a transformers causal LM), or None / "embedded"
-            for the embedded SmolLM2-135M-Instruct (:func:`lightning_grpo.models.default_model_path`).
+            for the embedded SmolLM2-135M-Instruct (:func:`lightning_grpo.models.embedded.default_model_path`).
         tokenizer: a tokenizer, or its id/folder; None loads it from ``model`` (required when ``model`` is a module).
         reward_funcs: reward functions ``fn(prompts, completions, **columns) -> list[float | None]``, or names
             registered in :data:`lightning_grpo.rewards.REWARD_FUNCTIONS`, or "module:function" import paths.
@@ -64,7 +70,8 @@ class GRPOModule(L.LightningModule):
             missing rewards (logged as a warning) instead of stopping the run; any other reward function that
             raises stops the run with its name and the index of the failing sample.
         lora: train LoRA adapters on the frozen base: a ``peft.LoraConfig`` or a dict of its fields
-            (:mod:`lightning_grpo.lora`); the KL reference is the base (adapters off); checkpoints hold the adapters.
+            (:mod:`lightning_grpo.models.lora`); the KL reference is the base (adapters off); checkpoints hold the
+            adapters.
         quantization: "4bit" or "8bit": a bitsandbytes-quantized frozen base for ``lora`` (CUDA only).
         export_merged: with ``lora``, also export the merged model to ``<export_dir>/merged``.
 
@@ -186,7 +193,7 @@ class GRPOModule(L.LightningModule):
         """One rollout batch -> experience (:meth:`lightning_grpo.experience_maker.ExperienceMaker.make`, which
         documents the steps and errors; ``prefetched``: the background rollout :meth:`prefetch_rollout` started for
         ``batch``). Called by the loop; runs on this process's prompts only. On SIGTERM the rollout stops and
-        Lightning's ``SIGTERMException`` is raised (:mod:`lightning_grpo.fault_tolerance`)."""
+        Lightning's ``SIGTERMException`` is raised (:mod:`lightning_grpo.runtime.preemption`)."""
         with self.preemption.exit_on_stop():
             return self.experience_maker.make(batch, self.policy, self.ref_model, self.backend, self.timer, self.device,
                                               self._logprob_micro_batch_size(batch), next_prompt_batch,
@@ -225,7 +232,7 @@ class GRPOModule(L.LightningModule):
         return max(1, (self.config.mini_batch_size or n) // self.trainer.accumulate_grad_batches)
 
     def micro_batches(self, experience: Experience, step: Optional[int] = None) -> Iterator[Experience]:
-        """The loop's view of one rollout (:func:`lightning_grpo.experience.micro_batches`), shuffled with
+        """The loop's view of one rollout (:func:`lightning_grpo.training.experience.micro_batches`), shuffled with
         ``shuffle_seed + step`` (default: the current optimizer step)."""
         cfg, step = self.config, self.global_step if step is None else step
         return micro_batches(
@@ -293,7 +300,7 @@ class GRPOModule(L.LightningModule):
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         """Log ``grad_norm``; a non-finite loss or gradient norm stops the run or skips the step
-        (``GRPOConfig.on_nonfinite``, :class:`lightning_grpo.nonfinite.NonFiniteGuard`)."""
+        (``GRPOConfig.on_nonfinite``, :class:`lightning_grpo.training.nonfinite.NonFiniteGuard`)."""
         norm = self.backend.grad_norm(self.policy)  # of the full gradient, also when sharded (a collective there)
         if norm is not None:
             self.log("grad_norm", norm, on_step=True, on_epoch=False, batch_size=1)
@@ -338,7 +345,8 @@ class GRPOModule(L.LightningModule):
         self.timer.after_backward()
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
-        """After an optimizer step, log where its wall time went (:meth:`lightning_grpo.metrics.StepTimer.step_end`:
+        """After an optimizer step, log where its wall time went
+        (:meth:`lightning_grpo.training.metrics.StepTimer.step_end`:
         ``timing/{rollout,scoring,logprobs,sync,forward,backward,optimizer,step,other,train}_s``, seconds) and
         ``generated_tokens``, ``train_tokens``."""
         if isinstance(batch, Experience):
@@ -353,7 +361,7 @@ class GRPOModule(L.LightningModule):
 
     def validation_step(self, batch: dict[str, list], batch_idx: int, dataloader_idx: int = 0) -> None:
         """Greedy accuracy, and pass@k / maj@k / mean@k with ``eval_num_samples``, per dataset (torchmetrics
-        over all processes; names in :class:`lightning_grpo.evaluation.Evaluator`)."""
+        over all processes; names in :class:`lightning_grpo.evaluation.evaluator.Evaluator`)."""
         self._evaluate(batch, dataloader_idx, "val")
 
     def test_step(self, batch: dict[str, list], batch_idx: int, dataloader_idx: int = 0) -> None:

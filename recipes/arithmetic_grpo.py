@@ -3,7 +3,7 @@
     python recipes/arithmetic_grpo.py                  # validate, train 30 steps, validate, report
     python recipes/arithmetic_grpo.py --max-steps 40   # longer
 
-The task (:mod:`lightning_grpo.synthetic`, ``dataset="arithmetic"``, level 1): "What is 13 - 6?" (numbers 0-15)
+The task (:mod:`lightning_grpo.data.synthetic`, ``dataset="arithmetic"``, level 1): "What is 13 - 6?" (numbers 0-15)
 after one worked example, the answer on a last line ``#### <number>``; 130 held-out questions are never trained on.
 The reward is strict accuracy (the number on the ``####`` line is right; the format is logged, not rewarded). The
 held-out scores, greedy accuracy and the unbiased pass@1 of ``eval_samples`` samples at the training temperature
@@ -34,7 +34,7 @@ from lightning.pytorch.loggers import CSVLogger  # noqa: E402
 from lightning_grpo import GRPOConfig, GRPOModule  # noqa: E402
 from lightning_grpo.callbacks import CompletionTable, GRPOProgressBar  # noqa: E402
 from lightning_grpo.data import PromptDataModule  # noqa: E402
-from lightning_grpo.plot import plot_metrics  # noqa: E402
+from lightning_grpo.evaluation.plot import plot_metrics  # noqa: E402
 
 #: The reward functions (accuracy first: it is the validation's check) and their weights: the reward is the strict
 #: accuracy, in {0, 1}; the format (a last line ``#### <number>``, which strict accuracy already needs) is logged only.

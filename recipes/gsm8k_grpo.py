@@ -3,7 +3,8 @@
     python recipes/gsm8k_grpo.py                # 10 steps, as the YAML recipe
     python recipes/gsm8k_grpo.py --max-steps 50
 
-Validates before and after training and prints the before/after table (lightning_grpo.report) and the plot's path.
+Validates before and after training and prints the before/after table (lightning_grpo.evaluation.report) and the plot's
+path.
 """
 
 import argparse
@@ -15,7 +16,7 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning_grpo import GRPOConfig, GRPOModule
 from lightning_grpo.callbacks import CompletionTable
 from lightning_grpo.data import PromptDataModule
-from lightning_grpo.report import fit_report
+from lightning_grpo.evaluation.report import fit_report
 
 
 def main(max_steps: int = 10, prompts_per_step: int = 4, num_generations: int = 8, max_new_tokens: int = 160,

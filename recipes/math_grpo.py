@@ -25,8 +25,9 @@ from lightning.pytorch.loggers import CSVLogger
 
 from lightning_grpo import GRPOConfig, GRPOModule
 from lightning_grpo.callbacks import CompletionTable, GRPOProgressBar
-from lightning_grpo.data import MATH_INSTRUCTION, PromptDataModule, default_data_dirs
-from lightning_grpo.plot import plot_metrics
+from lightning_grpo.data import PromptDataModule
+from lightning_grpo.data.module import MATH_INSTRUCTION, default_data_dirs
+from lightning_grpo.evaluation.plot import plot_metrics
 
 
 def boxed_format(prompts: list, completions: list[str], **kwargs) -> list[float]:

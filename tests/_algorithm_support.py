@@ -12,7 +12,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 
 from lightning_grpo.rollout.base import RolloutOutput, SamplingConfig, completion_mask_from_eos
-from lightning_grpo.rollout.hf import left_pad
+from lightning_grpo.rollout.engines.hf import left_pad
 
 
 def fixed_completions(lengths: Sequence[int], width: int, eos_id: int, seed: int = 0) -> torch.Tensor:

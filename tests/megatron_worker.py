@@ -78,7 +78,7 @@ class FixedRolloutEngine:
 
     def generate(self, prompt_ids: Sequence[Sequence[int]], num_generations: int, sampling: Any) -> Any:
         from lightning_grpo.rollout.base import RolloutOutput, completion_mask_from_eos
-        from lightning_grpo.rollout.hf import left_pad
+        from lightning_grpo.rollout.engines.hf import left_pad
 
         rows = []
         for prompt in prompt_ids:
@@ -195,7 +195,7 @@ def _parallel_state_left(groups_before: int) -> dict:
     default group counts when the fit created it), the CPU shim."""
     from megatron.core import parallel_state
 
-    from lightning_grpo.megatron import cpu_shims
+    from lightning_grpo.strategies.megatron import cpu_shims
 
     return {"model_parallel_initialized": parallel_state.model_parallel_is_initialized(),
             "new_process_groups": _process_group_count() - groups_before, "cpu_shims": cpu_shims.is_applied()}
@@ -208,7 +208,7 @@ def _rank() -> int:
 def _init(tp: int) -> None:
     from megatron.core import parallel_state
 
-    from lightning_grpo.megatron import cpu_shims
+    from lightning_grpo.strategies.megatron import cpu_shims
 
     if not torch.distributed.is_initialized():
         torch.distributed.init_process_group("gloo")
@@ -222,7 +222,7 @@ def _done() -> None:
     """Undo :func:`_init` (the default process group stays for the next scenario)."""
     from megatron.core import parallel_state
 
-    from lightning_grpo.megatron import cpu_shims
+    from lightning_grpo.strategies.megatron import cpu_shims
 
     parallel_state.destroy_model_parallel()
     cpu_shims.remove()
@@ -233,7 +233,7 @@ def scenario_logits(out: Path, model_paths: list[str]) -> dict:
     from megatron.core import parallel_state
     from transformers import AutoModelForCausalLM
 
-    from lightning_grpo.megatron.policy import MegatronPolicy
+    from lightning_grpo.strategies.megatron.policy import MegatronPolicy
 
     _init(int(os.environ["WORLD_SIZE"]))
     result = {}
@@ -266,7 +266,7 @@ def scenario_logprobs(out: Path) -> dict:
     from megatron.core import parallel_state
 
     from lightning_grpo.functional import token_logprobs
-    from lightning_grpo.megatron.logprobs import vocab_parallel_logprobs
+    from lightning_grpo.strategies.megatron.logprobs import vocab_parallel_logprobs
 
     _init(int(os.environ["WORLD_SIZE"]))
     tp, rank = parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_tensor_model_parallel_rank()
@@ -295,7 +295,7 @@ def scenario_step(out: Path, model_path: str, data_path: str, tp: int, clip: flo
     """One GRPO step through L.Trainer(strategy=MegatronStrategy(tp)) on 2 processes; weights saved by rank 0."""
     from megatron.core import parallel_state
 
-    from lightning_grpo.strategies.megatron import MegatronStrategy
+    from lightning_grpo.strategies.megatron.strategy import MegatronStrategy
 
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
@@ -321,7 +321,7 @@ def scenario_train(out: Path, model_path: str, data_path: str) -> dict:
 
     from lightning_grpo import GRPOConfig, GRPOModule
     from lightning_grpo.data import PromptDataModule
-    from lightning_grpo.strategies.megatron import MegatronStrategy
+    from lightning_grpo.strategies.megatron.strategy import MegatronStrategy
 
     ckpt_dir = out / "ckpt"
     checks: dict[str, Any] = {"hf_copy_current": [], "completions_match": [], "step_tokens": []}

@@ -21,7 +21,7 @@ from _algorithm_support import FixedRolloutEngine, Recorder, fixed_completions, 
 
 from lightning_grpo import GRPOConfig, GRPOModule
 from lightning_grpo.data import PromptDataModule
-from lightning_grpo.experience import Experience
+from lightning_grpo.training.experience import Experience
 
 KNOBS = {
     "grpo": dict(loss_type="grpo"),

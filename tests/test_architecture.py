@@ -64,9 +64,11 @@ def layer_table() -> dict[str, int]:
 
 
 def layer_of(module: str, table: dict[str, int]) -> int:
+    """The layer of the most specific row naming ``module`` or a package above it; the ``lightning_grpo`` row is the
+    package's own ``__init__`` only, so a module that no row names is an error."""
     name = module
     while name not in table:
-        if "." not in name:
+        if name.count(".") < 1 or name.rsplit(".", 1)[0] == "lightning_grpo":
             raise AssertionError(f"{module} is in no layer of docs/architecture.md: add it to the table")
         name = name.rsplit(".", 1)[0]
     return table[name]
@@ -77,9 +79,18 @@ GRAPH = {name: imports_of(path) for name, path in MODULES.items()}
 
 def test_the_layer_table_covers_every_module():
     table = layer_table()
-    assert len(table) > 20, table
+    assert len(table) > 10, table
     for module in MODULES:
         layer_of(module, table)
+
+
+def test_a_module_in_no_row_fails():
+    """The coverage check can fail: a new top-level module, or one in a new folder, is in no row."""
+    table = layer_table()
+    for unlisted in ("lightning_grpo.unlisted", "lightning_grpo.newroom.thing"):
+        with pytest.raises(AssertionError, match="is in no layer"):
+            layer_of(unlisted, table)
+    assert layer_of("lightning_grpo", table) == 4
 
 
 @pytest.mark.parametrize("module", sorted(MODULES))

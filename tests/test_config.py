@@ -8,7 +8,7 @@ import pytest
 
 from lightning_grpo.config import GRPOConfig
 from lightning_grpo.module import GRPOModule
-from lightning_grpo.optim import DTYPE_NAMES, check_optimizer_arguments
+from lightning_grpo.training.optim import DTYPE_NAMES, check_optimizer_arguments
 
 FLOAT_FIELDS = [f.name for f in dataclasses.fields(GRPOConfig) if "float" in str(f.type)]
 

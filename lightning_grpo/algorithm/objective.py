@@ -152,7 +152,7 @@ def grpo_objective(
         entropy_threshold: the high-entropy cut precomputed over the optimizer step's tokens on every process
             (:func:`~lightning_grpo.algorithm.entropy.entropy_threshold`); None = this micro-batch's own quantile.
         clip_cov_selected: ``(N, T)`` bool, Clip-Cov's tokens drawn over the whole optimizer step; None = drawn
-            from this micro-batch. :mod:`lightning_grpo.step_statistics` computes all three per step, so that the
+            from this micro-batch. :mod:`lightning_grpo.training.selection` computes all three per step, so that the
             step's gradient does not depend on the micro-batch split.
 
     Returns:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence, Union
 
-from lightning_grpo.data_presets import PRESETS
+from lightning_grpo.data.presets import PRESETS
 from lightning_grpo.rewards.registry import resolve_reward_function
 from lightning_grpo.rewards.scoring import RewardScores, reward_function_names, score_completions
 

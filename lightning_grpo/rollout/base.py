@@ -1,6 +1,7 @@
 """The rollout-engine interface: token ids in; completions, masks and optional sampler logprobs out.
 
-Every engine (HF ``generate`` in :mod:`lightning_grpo.rollout.hf`, vLLM in :mod:`lightning_grpo.rollout.vllm`)
+Every engine (HF ``generate`` in :mod:`lightning_grpo.rollout.engines.hf`, vLLM in
+:mod:`lightning_grpo.rollout.engines.vllm`)
 implements :class:`RolloutEngine`. The trainer never depends on an engine's internals.
 """
 

@@ -15,7 +15,7 @@ advantages (:class:`lightning_grpo.experience_maker.ExperienceMaker`). So:
 Any :class:`~lightning_grpo.rollout.base.RolloutEngine` whose weights are its own (a colocated vLLM engine, a
 remote server) works; the HF engine generates with the training model itself and is refused by
 ``GRPOConfig.max_staleness``. Which rollouts are started when (the staleness schedule) is the loop's business
-(:class:`lightning_grpo.loop.ExperienceFetcher`).
+(:class:`lightning_grpo.loop.fetcher.ExperienceFetcher`).
 
 Reproducibility: the engine samples with per-request seeds (vLLM builds them from ``SamplingConfig.seed``), whose
 base is drawn from torch's global generator in :meth:`RolloutPrefetcher.start`, while no generation runs; the
@@ -38,9 +38,9 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from torch import nn
 
-from lightning_grpo.nonfinite import AnyProcess, check_finite_parameters
 from lightning_grpo.rollout.base import RolloutEngine, RolloutOutput, SamplingConfig
 from lightning_grpo.rollout.worker import RolloutWorker
+from lightning_grpo.training.nonfinite import AnyProcess, check_finite_parameters
 
 
 @dataclass
@@ -138,7 +138,8 @@ class RolloutPrefetcher:
             num_generations: G.
             sampling: called once, while no generation runs, for the sampling settings (it may draw the seed base
                 from torch's global generator).
-            timer: a :class:`lightning_grpo.metrics.StepTimer`: the wait counts as ``rollout_s``, the wake-up and
+            timer: a :class:`lightning_grpo.training.metrics.StepTimer`: the wait counts as ``rollout_s``, the wake-up
+            and
                 sync as ``sync_s``.
             any_process: the data-parallel agreement of the NaN check (every process starts its rollouts together).
 

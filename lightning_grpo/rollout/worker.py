@@ -6,7 +6,7 @@ validation). The HF engine generates with the policy itself, so its sync is a no
 
 The worker's :class:`~lightning_grpo.rollout.base.StopFlag` (``stop``) is polled by its engine while it generates
 (preemption: ``GRPOModule`` sets it to watch ``trainer.received_sigterm``), and the policy's weights are checked for
-NaN/inf before every rollout (:func:`lightning_grpo.nonfinite.check_finite_parameters`).
+NaN/inf before every rollout (:func:`lightning_grpo.training.nonfinite.check_finite_parameters`).
 """
 
 from __future__ import annotations
@@ -21,13 +21,13 @@ from transformers import PreTrainedTokenizerBase
 
 from lightning_grpo.config import GRPOConfig
 from lightning_grpo.events import ON_WEIGHTS_SYNCED, EventSink
-from lightning_grpo.nonfinite import AnyProcess, check_finite_parameters
 from lightning_grpo.rollout.base import RolloutEngine, RolloutOutput, SamplingConfig, StopFlag
-from lightning_grpo.rollout.hf import HFRolloutEngine
+from lightning_grpo.rollout.engines.hf import HFRolloutEngine
+from lightning_grpo.rollout.engines.hf_weights import merged_state_dict
+from lightning_grpo.rollout.engines.remote import VLLMServerEngine
+from lightning_grpo.rollout.engines.vllm import VLLMRolloutEngine
 from lightning_grpo.rollout.prompts import encode_prompts
-from lightning_grpo.rollout.remote import VLLMServerEngine
-from lightning_grpo.rollout.vllm import VLLMRolloutEngine
-from lightning_grpo.rollout.weights import merged_state_dict
+from lightning_grpo.training.nonfinite import AnyProcess, check_finite_parameters
 
 
 def make_engine(config: GRPOConfig, policy: nn.Module, tokenizer: PreTrainedTokenizerBase,
@@ -134,7 +134,7 @@ class RolloutWorker:
               any_process: Optional[AnyProcess] = None) -> Iterator[RolloutEngine]:
         """Wake the engine and sync its weights when due (:meth:`sync`); put it to sleep on exit, so its
         accelerator memory is free while training (vLLM sleep mode, GPU only). With a ``timer``
-        (:class:`lightning_grpo.metrics.StepTimer`) the wake-up and sync count as ``sync_s``.
+        (:class:`lightning_grpo.training.metrics.StepTimer`) the wake-up and sync count as ``sync_s``.
 
         Raises:
             NonFiniteError: ``policy`` has a NaN or infinite weight (on any process, with ``any_process``, the

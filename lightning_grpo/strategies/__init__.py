@@ -1,6 +1,6 @@
 """Parallel backends for GRPO: single device and DDP (:mod:`~lightning_grpo.strategies.local`), FSDP2
 (:mod:`~lightning_grpo.strategies.fsdp`), FSDP1 (:mod:`~lightning_grpo.strategies.fsdp1`) and Megatron
-(:mod:`~lightning_grpo.strategies.megatron`, imported on first use: megatron-core is optional and slow to
+(:mod:`~lightning_grpo.strategies.megatron.strategy`, imported on first use: megatron-core is optional and slow to
 import), behind one interface, :class:`~lightning_grpo.strategies.base.ParallelBackend`.
 
 Importing this package registers ``Trainer(strategy="grpo_fsdp2")`` and ``"grpo_fsdp2_cpu_offload"``.
@@ -51,7 +51,7 @@ def backend_for(strategy: Any) -> ParallelBackend:
 
 def __getattr__(name: str) -> Any:
     if name == "MegatronStrategy":  # lazily: megatron-core is optional and slow to import
-        from lightning_grpo.strategies.megatron import MegatronStrategy
+        from lightning_grpo.strategies.megatron.strategy import MegatronStrategy
 
         return MegatronStrategy
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

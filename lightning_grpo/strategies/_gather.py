@@ -16,7 +16,7 @@ from typing import Any, Iterator, Sequence
 from torch import Tensor, nn
 
 from lightning_grpo.rollout.base import EngineWrapper, RolloutEngine, RolloutOutput, SamplingConfig
-from lightning_grpo.rollout.hf import HFRolloutEngine
+from lightning_grpo.rollout.engines.hf import HFRolloutEngine
 
 #: Attribute set on every module :func:`lightning_grpo.strategies.fsdp.shard_model` shards: its
 #: ``reshard_after_forward`` (restored after a rollout).
@@ -103,7 +103,8 @@ class GatheredGenerationEngine(EngineWrapper):
     sharded policy (FSDP2: one all-gather per group per rollout instead of one per generated token).
 
     Args:
-        engine: the wrapped engine (:class:`~lightning_grpo.rollout.hf.HFRolloutEngine`, which generates with the
+        engine: the wrapped engine (:class:`~lightning_grpo.rollout.engines.hf.HFRolloutEngine`, which generates with
+        the
             unwrapped policy module itself, or an engine with its own weights such as vLLM's).
         model: the sharded policy.
         gather_for_sync: also run ``engine.sync_weights`` inside :func:`gathered_parameters` (FSDP1, whose

@@ -11,7 +11,7 @@ What :class:`FSDP2Backend` (the backend of any ``ModelParallelStrategy``) does t
 
 * ``fully_shard`` on every decoder layer (the classes in the HF model's ``_no_split_modules``), then on the
   root (the rest: embeddings, final norm, LM head, which must stay in one group when embeddings are tied), for
-  the policy and for the frozen reference policy (``beta > 0``); of a LoRA policy (:mod:`lightning_grpo.lora`),
+  the policy and for the frozen reference policy (``beta > 0``); of a LoRA policy (:mod:`lightning_grpo.models.lora`),
   its transformers model is the root, and its reference policy is the same module (nothing more to shard). Every
   parameter becomes a ``DTensor`` shard (``Shard(0)`` on the data-parallel mesh); the reference policy is never
   held in full on any rank outside a forward.
@@ -24,14 +24,14 @@ What :class:`FSDP2Backend` (the backend of any ``ModelParallelStrategy``) does t
   (``set_reshard_after_forward(False)``), and frees them after (``FSDPModule.reshard``): one all-gather per
   group per rollout, and no collective inside ``generate``.
   :class:`~lightning_grpo.strategies._gather.GatheredGenerationEngine` wraps the HF engine with it.
-* The vLLM engine gets full weights from :func:`lightning_grpo.rollout.weights.hf_weights` (one
+* The vLLM engine gets full weights from :func:`lightning_grpo.rollout.engines.hf_weights.hf_weights` (one
   ``DTensor.full_tensor()`` per parameter, so never the whole model at once);
   :func:`~lightning_grpo.strategies._gather.full_state_dict` gathers
   the whole state dict (HF export).
 
 Gradients under FSDP2 are reduce-scattered and averaged over the data-parallel ranks, like DDP; the GRPO loss
 already multiplies by ``world_size`` and divides by the step's all-reduced normalizer
-(:func:`lightning_grpo.experience.micro_batches`), so the update does not depend on how the batch is split.
+(:func:`lightning_grpo.training.experience.micro_batches`), so the update does not depend on how the batch is split.
 """
 
 from __future__ import annotations
@@ -45,8 +45,8 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_grpo.lora import is_lora
-from lightning_grpo.rollout.hf import HFRolloutEngine
+from lightning_grpo.models.lora import is_lora
+from lightning_grpo.rollout.engines.hf import HFRolloutEngine
 from lightning_grpo.strategies._gather import (
     RESHARD_ATTR,
     GatheredGenerationEngine,

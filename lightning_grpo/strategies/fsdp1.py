@@ -28,8 +28,8 @@ from lightning.pytorch.strategies import FSDPStrategy
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_grpo.lora import is_lora
-from lightning_grpo.rollout.hf import HFRolloutEngine
+from lightning_grpo.models.lora import is_lora
+from lightning_grpo.rollout.engines.hf import HFRolloutEngine
 from lightning_grpo.strategies._gather import GatheredGenerationEngine, full_state_dict, is_fsdp1, is_sharded
 from lightning_grpo.strategies.base import ClipFallback, GRPOModels, clips_by_norm
 from lightning_grpo.strategies.local import LocalBackend

@@ -1,0 +1,165 @@
+"""The generate-then-train loop.
+
+Lightning's fit loop pulls batches from a data fetcher and runs ``training_step`` on each, stepping the
+optimizer every ``accumulate_grad_batches`` batches. :class:`GRPOFitLoop` swaps in an
+:class:`ExperienceFetcher`, which turns each batch of *prompts* from the user's DataLoader into a rollout
+(generate, score, advantages, old/ref logprobs) and then hands out its experience micro-batch by micro-batch,
+``num_iterations`` shuffled passes in all. A rollout is made only when the previous one is used up, i.e. after
+the optimizer step that consumed it: rollout k+1 samples from the weights after step k.
+
+Asynchronous rollouts (``GRPOConfig.max_staleness`` = k > 0, ``a = k // steps_per_rollout`` rollouts ahead): when a
+rollout is needed, the fetcher takes the oldest prefetched one and starts the generation of the next prompt
+batches in the background from the current weights until ``a`` are ahead, then makes the experience (scoring,
+logprobs, advantages) of the taken one while those generate. So rollout ``j`` of an epoch is generated from the
+weights at the start of rollout ``j - a`` (the epoch's first ``a + 1`` from those at the epoch's start; prompt
+batches are never drawn across epochs): with one optimizer step per rollout the staleness per step is
+``[0, 1, ..., a - 1, a, a, ...]``. A checkpoint first waits for the generations in flight and stores the prefetched
+rollouts with their weight versions, so a resumed run trains on the same rollouts.
+
+Everything else (optimizer steps, gradient clipping, accumulation, precision, ``max_steps``, validation,
+logging, callbacks, checkpointing) is Lightning's own. ``GRPOModule.setup`` installs the loop, so a plain
+``Trainer(...).fit(module, datamodule)`` runs it. Lightning's loop classes are private: the package pins
+``lightning>=2.6,<2.7``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import lightning as L
+from lightning.pytorch.loops.fit_loop import _FitLoop
+
+from lightning_grpo.loop.fetcher import ExperienceFetcher, ExperienceSource
+from lightning_grpo.loop.resume import (
+    PARTIAL_KEY,
+    PREFETCHED_KEY,
+    PROMPT_BATCHES_KEY,
+    RNG_KEY,
+    ResumeState,
+    rng_states,
+    this_process,
+)
+from lightning_grpo.training.collectives import gather_per_process
+from lightning_grpo.training.experience import Experience
+
+
+class GRPOFitLoop(_FitLoop):
+    """Lightning's fit loop with an :class:`ExperienceFetcher`. State (progress counters) is the base class's,
+    so checkpoints of either loop load into the other.
+
+    A training "batch" here is one experience micro-batch; ``val_check_interval`` given as an int counts them,
+    as a float it is a fraction of the epoch's micro-batches (the prompt batches times micro-batches per rollout).
+    """
+
+    def __init__(self, trainer: "L.Trainer", source: _FitLoop) -> None:
+        super().__init__(trainer, min_epochs=source.min_epochs, max_epochs=source.max_epochs)
+        self.epoch_loop = source.epoch_loop
+        self._data_source = source._data_source  # the Trainer attached the user's datamodule/dataloaders to it
+        self.resume_state: Optional[ResumeState] = None  # the position of a loaded checkpoint
+
+    @property
+    def resume_prompt_batches(self) -> Optional[int]:
+        """Prompt batches drawn in the epoch of a loaded checkpoint, else None."""
+        return None if self.resume_state is None else self.resume_state.prompt_batches
+
+    @resume_prompt_batches.setter
+    def resume_prompt_batches(self, value: int) -> None:
+        self.resume_state = self.resume_state or ResumeState()
+        self.resume_state.prompt_batches = value
+
+    def current_step(self) -> list[Experience]:
+        """The micro-batches of the optimizer step being trained (call it at the step's first micro-batch)."""
+        fetcher = self._data_fetcher
+        return fetcher.current_step() if isinstance(fetcher, ExperienceFetcher) else []
+
+    def on_save_checkpoint(self) -> dict:
+        """The base state plus the position inside the epoch: prompt batches drawn, every process's RNG states
+        (those the current rollout started from while one is being made) and a partly used rollout. A collective
+        under multi-process strategies (Lightning builds a checkpoint on every process)."""
+        state_dict = super().on_save_checkpoint()
+        fetcher = self._data_fetcher
+        if isinstance(fetcher, ExperienceFetcher):
+            fetcher.wait_for_rollouts()  # asynchronous: the prefetched rollouts and the RNG states are final now
+            drawn, prefetched = fetcher.position()
+            state_dict[PROMPT_BATCHES_KEY] = drawn
+            state_dict[RNG_KEY] = gather_per_process(fetcher.rollout_rng or rng_states())
+            state_dict[PARTIAL_KEY] = gather_per_process(fetcher.partial_rollout())
+            state_dict[PREFETCHED_KEY] = gather_per_process(prefetched)
+        return state_dict
+
+    def on_load_checkpoint(self, state_dict: dict) -> None:
+        self.resume_state = ResumeState(
+            prompt_batches=state_dict.get(PROMPT_BATCHES_KEY, self.resume_prompt_batches),  # old: module's hook
+            rng=this_process(state_dict.get(RNG_KEY), "RNG states"),
+            partial=this_process(state_dict.get(PARTIAL_KEY), "partly used rollouts"),
+            prefetched=this_process(state_dict.get(PREFETCHED_KEY), "prefetched rollouts"),
+        )
+        super().on_load_checkpoint(state_dict)
+
+    def setup_data(self) -> None:
+        first = self._combined_loader is None or self._should_reload_train_dl
+        trainer = self.trainer
+        val_check_interval = trainer.val_check_interval
+        trainer.val_check_interval = 1.0  # the base class would check an int against prompt batches
+        try:
+            super().setup_data()
+        finally:
+            trainer.val_check_interval = val_check_interval
+        if not first or self._combined_loader is None:
+            return
+        source: ExperienceSource = trainer.lightning_module  # type: ignore[assignment]
+        per_rollout = source.micro_batches_per_rollout()
+        fetcher = ExperienceFetcher(source, per_rollout, self.resume_state)
+        fetcher.setup(self._combined_loader)
+        iter(fetcher)
+        self._data_fetcher = fetcher
+        if per_rollout is None:
+            install_step_boundaries(self, fetcher)
+            if self.max_batches != 0:
+                self.max_batches = float("inf")  # the micro-batches per rollout vary: the epoch ends with the data
+            if isinstance(val_check_interval, float) and val_check_interval != 1.0:
+                raise ValueError(
+                    f"Trainer(val_check_interval={val_check_interval}) is a fraction of an epoch, whose length in "
+                    "micro-batches is unknown with GRPOConfig.max_tokens_per_microbatch: give an int (micro-batches) "
+                    "or 1.0 (once per epoch)"
+                )
+        elif self.max_batches != float("inf"):
+            self.max_batches = int(self.max_batches) * per_rollout
+        if getattr(trainer, "_val_check_time_interval", None) is not None or self.max_batches == 0:
+            return
+        if isinstance(val_check_interval, int):
+            trainer.val_check_batch = val_check_interval
+        elif self.max_batches != float("inf"):
+            trainer.val_check_batch = max(1, int(self.max_batches * val_check_interval))
+
+
+def install_step_boundaries(loop: GRPOFitLoop, fetcher: ExperienceFetcher) -> None:
+    """Let the micro-batches' ``step_start``/``step_end`` flags, not a count, decide where Lightning zeroes the
+    gradients and steps the optimizer (token-budget micro-batches: ``Trainer(accumulate_grad_batches=1)`` and a
+    varying number of micro-batches per step). Patches two private methods of Lightning 2.6's training epoch loop
+    on this instance only."""
+    epoch_loop = loop.epoch_loop
+    accumulation = epoch_loop.automatic_optimization
+    count_reached = type(epoch_loop)._accumulated_batches_reached.__get__(epoch_loop)
+    count_zero_grad = type(accumulation)._make_zero_grad_fn.__get__(accumulation)
+
+    def accumulated_batches_reached() -> bool:
+        current = fetcher.current
+        return count_reached() if current is None else current.step_end
+
+    def make_zero_grad_fn(batch_idx: int, optimizer: Any) -> Any:
+        zero_grad = count_zero_grad(batch_idx, optimizer)
+        current = fetcher.current
+        return zero_grad if current is None or current.step_start else None
+
+    epoch_loop._accumulated_batches_reached = accumulated_batches_reached  # type: ignore[method-assign]
+    accumulation._make_zero_grad_fn = make_zero_grad_fn  # type: ignore[method-assign]
+
+
+def install_loop(trainer: "L.Trainer") -> Optional[GRPOFitLoop]:
+    """Replace ``trainer.fit_loop`` with a :class:`GRPOFitLoop` (idempotent). Returns the installed loop."""
+    if isinstance(trainer.fit_loop, GRPOFitLoop):
+        return trainer.fit_loop
+    loop = GRPOFitLoop(trainer, trainer.fit_loop)
+    trainer.fit_loop = loop
+    return loop

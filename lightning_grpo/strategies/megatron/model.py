@@ -1,0 +1,225 @@
+"""A Hugging Face Llama-family config -> a megatron-core ``GPTModel`` with the same architecture.
+
+Supported: ``LlamaForCausalLM`` (Llama 2/3 without RoPE scaling, SmolLM2, TinyLlama, ...) and
+``Qwen2ForCausalLM`` (qkv bias, no sliding window): pre-norm RMSNorm, SwiGLU MLP, RoPE (rotate-half, base
+``rope_theta``), grouped-query attention, tied or untied embeddings. Anything else raises a ``ValueError``
+naming the field, rather than building a model that silently computes something else.
+
+The layer spec is megatron-core's local one (``get_gpt_layer_local_spec``: plain torch modules, runs on CPU
+and GPU); :func:`build_gpt_model` uses the Transformer Engine spec only when asked to
+(``use_transformer_engine=True``), which needs CUDA and ``transformer_engine``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """The architecture numbers that the HF <-> megatron-core conversion needs.
+
+    Attributes:
+        model_type: "llama" or "qwen2".
+        vocab_size: rows of the embedding and the output layer (V).
+        hidden_size: H.
+        ffn_hidden_size: the SwiGLU inner size F (HF ``intermediate_size``).
+        num_layers: transformer layers.
+        num_attention_heads: query heads.
+        num_query_groups: key/value heads (GQA groups; HF ``num_key_value_heads``).
+        head_dim: per-head size d (HF ``head_dim``, default H / heads).
+        rms_norm_eps: RMSNorm epsilon.
+        rope_theta: RoPE base.
+        max_position_embeddings: the longest sequence the model is built for.
+        tie_word_embeddings: the output layer reuses the input embedding.
+        qkv_bias: q/k/v projections have biases (Qwen2).
+        padding_idx: the HF embedding's ``padding_idx`` (``config.pad_token_id``): transformers builds
+            ``nn.Embedding(V, H, padding_idx)``, whose row gets no gradient from input lookups (it still gets
+            one through a tied output layer). None when the config has no pad token.
+    """
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_layers: int
+    num_attention_heads: int
+    num_query_groups: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    padding_idx: Optional[int] = None
+
+    @property
+    def heads_per_group(self) -> int:
+        """Query heads per key/value head."""
+        return self.num_attention_heads // self.num_query_groups
+
+    @classmethod
+    def from_hf_config(cls, config: Any) -> "Architecture":
+        """Read a ``transformers`` ``LlamaConfig`` / ``Qwen2Config``.
+
+        Raises:
+            ValueError: an unsupported model type or feature (activation, RoPE scaling, sliding window,
+                attention/MLP biases of Llama), named with its value.
+        """
+        model_type = getattr(config, "model_type", None)
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"config.model_type={model_type!r}: Megatron conversion supports {SUPPORTED_MODEL_TYPES}")
+        if config.hidden_act != "silu":
+            raise ValueError(f"config.hidden_act={config.hidden_act!r}: only 'silu' (SwiGLU) is supported")
+        rope = getattr(config, "rope_parameters", None) or {}
+        rope_theta = rope.get("rope_theta", getattr(config, "rope_theta", None))
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        legacy_scaling = getattr(config, "rope_scaling", None)
+        if rope_type != "default" or (legacy_scaling and legacy_scaling.get("rope_type", "default") != "default"):
+            raise ValueError(
+                f"config.rope_parameters={rope or legacy_scaling!r}: only unscaled RoPE ('default') is supported"
+            )
+        if rope_theta is None:
+            raise ValueError(
+                "config has no rope_theta (neither config.rope_parameters['rope_theta'] nor config.rope_theta)"
+            )
+        if model_type == "llama":
+            for field in ("attention_bias", "mlp_bias"):
+                if getattr(config, field, False):
+                    raise ValueError(f"config.{field}=True: Llama projections with biases are not supported")
+        if model_type == "qwen2" and getattr(config, "use_sliding_window", False):
+            raise ValueError("config.use_sliding_window=True: sliding-window attention is not supported")
+        heads = int(config.num_attention_heads)
+        groups = int(getattr(config, "num_key_value_heads", None) or heads)
+        if heads % groups != 0:
+            raise ValueError(f"config.num_attention_heads={heads} is not a multiple of num_key_value_heads={groups}")
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        return cls(
+            model_type=model_type,
+            vocab_size=int(config.vocab_size),
+            hidden_size=int(config.hidden_size),
+            ffn_hidden_size=int(config.intermediate_size),
+            num_layers=int(config.num_hidden_layers),
+            num_attention_heads=heads,
+            num_query_groups=groups,
+            head_dim=int(head_dim),
+            rms_norm_eps=float(config.rms_norm_eps),
+            rope_theta=float(rope_theta),
+            max_position_embeddings=int(config.max_position_embeddings),
+            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+            qkv_bias=model_type == "qwen2",
+            padding_idx=getattr(config, "pad_token_id", None),
+        )
+
+    def check_tensor_parallel(self, tensor_model_parallel_size: int) -> None:
+        """Raise ``ValueError`` unless every split dimension divides by the tensor-parallel size: the vocabulary
+        (V), the key/value heads (each rank holds whole query groups) and the MLP inner size (F)."""
+        tp = tensor_model_parallel_size
+        if tp < 1:
+            raise ValueError(f"tensor_model_parallel_size={tp} must be >= 1")
+        for name, value in (("vocab_size", self.vocab_size), ("num_key_value_heads", self.num_query_groups),
+                            ("intermediate_size", self.ffn_hidden_size)):
+            if value % tp != 0:
+                raise ValueError(f"config.{name}={value} is not divisible by tensor_model_parallel_size={tp}")
+
+
+def transformer_config(
+    arch: Architecture,
+    tensor_model_parallel_size: int = 1,
+    params_dtype: torch.dtype = torch.float32,
+    **overrides: Any,
+) -> Any:
+    """The megatron-core ``TransformerConfig`` of ``arch``: no dropout, no fused kernels (exact on CPU and
+    GPU), weights created on CPU without random initialisation (they are loaded from the HF checkpoint).
+
+    Args:
+        arch: the architecture.
+        tensor_model_parallel_size: TP size.
+        params_dtype: dtype of the parameters (float32, bfloat16 or float16).
+        overrides: other ``TransformerConfig`` fields (e.g. ``recompute_granularity="full"``).
+    """
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    fields: dict[str, Any] = dict(
+        num_layers=arch.num_layers,
+        hidden_size=arch.hidden_size,
+        ffn_hidden_size=arch.ffn_hidden_size,
+        num_attention_heads=arch.num_attention_heads,
+        num_query_groups=arch.num_query_groups,
+        kv_channels=arch.head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=arch.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu,
+        add_bias_linear=False,
+        add_qkv_bias=arch.qkv_bias,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        attention_softmax_in_fp32=True,
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        use_cpu_initialization=True,
+        perform_initialization=False,
+        tensor_model_parallel_size=tensor_model_parallel_size,
+        params_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16,
+        fp16=params_dtype == torch.float16,
+    )
+    fields.update(overrides)
+    return TransformerConfig(**fields)
+
+
+def build_gpt_model(
+    arch: Architecture,
+    tensor_model_parallel_size: int = 1,
+    params_dtype: torch.dtype = torch.float32,
+    use_transformer_engine: bool = False,
+    **overrides: Any,
+) -> Any:
+    """Build this rank's megatron-core ``GPTModel`` for ``arch`` (uninitialised weights: load them with
+    :func:`lightning_grpo.strategies.megatron.convert.load_hf_state_dict`).
+
+    ``megatron.core.parallel_state.initialize_model_parallel`` must have been called with the same TP size.
+    The model returns vocab-parallel logits ``(B, S, V / TP)`` (``parallel_output=True``).
+
+    Raises:
+        ValueError: the TP size does not divide the model (see :meth:`Architecture.check_tensor_parallel`),
+            or ``use_transformer_engine`` without ``transformer_engine`` installed.
+    """
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_local_spec,
+        get_gpt_layer_with_transformer_engine_spec,
+    )
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    arch.check_tensor_parallel(tensor_model_parallel_size)
+    if use_transformer_engine:
+        try:
+            import transformer_engine  # noqa: F401
+        except ImportError as error:
+            raise ValueError("use_transformer_engine=True but transformer_engine is not installed") from error
+        spec = get_gpt_layer_with_transformer_engine_spec()
+    else:
+        spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    config = transformer_config(arch, tensor_model_parallel_size, params_dtype, **overrides)
+    return GPTModel(
+        config,
+        spec,
+        vocab_size=arch.vocab_size,
+        max_sequence_length=arch.max_position_embeddings,
+        share_embeddings_and_output_weights=arch.tie_word_embeddings,
+        position_embedding_type="rope",
+        rotary_base=arch.rope_theta,
+        rotary_percent=1.0,
+        parallel_output=True,
+    )
+

@@ -1,0 +1,176 @@
+"""The Experience batch: one rollout's token ids, masks, logprobs and advantages, and how it is cut into
+the micro-batches that ``training_step`` receives."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields, replace
+from typing import Callable, Iterator, Optional
+
+import torch
+from torch import Tensor
+
+from lightning_grpo.functional import loss_normalizer
+from lightning_grpo.training.packing import sequence_token_counts, token_budget_partition
+
+
+@dataclass
+class Experience:
+    """Experience of ``N`` completions (prompt-major order within a rollout).
+
+    Attributes:
+        prompt_ids: ``(N, P)`` long, left-padded.
+        prompt_mask: ``(N, P)`` long, 1 on prompt tokens.
+        completion_ids: ``(N, T)`` long, right-padded.
+        completion_mask: ``(N, T)`` long, 1 on tokens that get a loss (through the first EOS; all 0 for a
+            completion that gets no loss: truncated under ``mask_truncated_completions``, or unscored). It is
+            also the attention mask of the completion in the training forward pass.
+        advantages: ``(N,)`` float32.
+        old_logprobs: ``(N, T)`` float32 behaviour-policy logprobs, stored when the policy changes before the
+            rollout is used up (``num_iterations > 1`` or several mini-batches); else None.
+        ref_logprobs: ``(N, T)`` float32 reference-policy logprobs (beta > 0), else None.
+        sampler_logprobs: ``(N, T)`` float32 logprobs reported by the rollout engine (vLLM), else None.
+        loss_normalizer: the loss denominator of the whole optimizer step this micro-batch belongs to, summed
+            over its micro-batches and processes (see :func:`lightning_grpo.functional.loss_normalizer`); None =
+            this batch's own.
+        loss_scale: factor that undoes Lightning's division by ``accumulate_grad_batches`` and the data-parallel
+            gradient averaging (``accumulate_grad_batches * world_size``), so the step's gradient is the gradient
+            of (summed loss / loss_normalizer).
+        step_start: True on the first micro-batch of an optimizer step (the gradients are zeroed before it).
+        step_end: True on the last micro-batch of an optimizer step (metrics are logged then).
+        on_policy: True while the policy has not been updated since the rollout (the micro-batches of a rollout's
+            first optimizer step): the detached current logprobs are then the old logprobs, so the ratio is
+            exactly 1 and ``old_logprobs`` are not read.
+        metrics: rollout metrics (reward, lengths, timings), attached to step-end micro-batches.
+        rows: ``(N,)`` long, the rows of the rollout's experience this micro-batch holds (a canonical order for
+            step-level random choices), else None.
+    """
+
+    prompt_ids: Tensor
+    prompt_mask: Tensor
+    completion_ids: Tensor
+    completion_mask: Tensor
+    advantages: Tensor
+    old_logprobs: Optional[Tensor] = None
+    ref_logprobs: Optional[Tensor] = None
+    sampler_logprobs: Optional[Tensor] = None
+    loss_normalizer: Optional[float] = None
+    loss_scale: float = 1.0
+    step_start: bool = True
+    step_end: bool = True
+    on_policy: bool = True
+    metrics: dict[str, float] = field(default_factory=dict)
+    rows: Optional[Tensor] = None
+
+    def __len__(self) -> int:
+        return self.completion_ids.shape[0]
+
+    def select(self, index: Tensor) -> "Experience":
+        """Rows ``index`` (a 1-D long tensor), with all-padding columns trimmed away."""
+        rows = {
+            f.name: getattr(self, f.name)[index]
+            for f in fields(self)
+            if isinstance(getattr(self, f.name), Tensor)
+        }
+        selected = replace(self, **rows, metrics={})
+        return selected.trimmed()
+
+    def trimmed(self) -> "Experience":
+        """Drop prompt columns that are padding in every row (left) and completion columns likewise (right)."""
+        prompt_keep = self.prompt_mask.any(dim=0).nonzero()
+        start = int(prompt_keep[0]) if prompt_keep.numel() else self.prompt_mask.shape[1]
+        completion_keep = self.completion_mask.any(dim=0).nonzero()
+        end = int(completion_keep[-1]) + 1 if completion_keep.numel() else 1
+        updates: dict[str, Tensor] = {"prompt_ids": self.prompt_ids[:, start:],
+                                      "prompt_mask": self.prompt_mask[:, start:]}
+        for name in ("completion_ids", "completion_mask", "old_logprobs", "ref_logprobs", "sampler_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                updates[name] = value[:, :end]
+        return replace(self, **updates)  # type: ignore[arg-type]  # only tensor fields are updated
+
+
+def micro_batches(
+    experience: Experience,
+    *,
+    mini_batch_size: int,
+    accumulate_grad_batches: int,
+    num_iterations: int,
+    loss_type: str,
+    max_new_tokens: int,
+    world_size: int = 1,
+    generator: Optional[torch.Generator] = None,
+    all_reduce_sum: Callable[[Tensor], Tensor] = lambda t: t,
+    max_tokens_per_microbatch: Optional[int] = None,
+) -> Iterator[Experience]:
+    """Cut one rollout's experience into the micro-batches of ``num_iterations`` shuffled passes.
+
+    Each pass shuffles the ``N`` sequences, cuts them into ``N / mini_batch_size`` mini-batches (one optimizer
+    step each) and each mini-batch into ``accumulate_grad_batches`` micro-batches (one ``training_step`` each), or,
+    with ``max_tokens_per_microbatch``, into as many micro-batches as the token budget needs
+    (:func:`lightning_grpo.training.packing.token_budget_partition` over real prompt + completion tokens). The loss
+    normalizer is the mini-batch's, so the step's loss and gradient do not depend on the split.
+
+    Args:
+        experience: the rollout's experience (``N`` rows on this process).
+        mini_batch_size: sequences per optimizer step on this process; must divide ``N``.
+        accumulate_grad_batches: micro-batches per optimizer step; must divide ``mini_batch_size``.
+        num_iterations: passes over the experience.
+        loss_type, max_new_tokens: used to compute each step's loss normalizer.
+        world_size: data-parallel processes (for ``loss_scale``).
+        generator: random generator of the shuffles.
+        all_reduce_sum: sums a tensor over the data-parallel processes (identity on one process).
+        max_tokens_per_microbatch: token budget of a micro-batch (then ``accumulate_grad_batches`` must be 1);
+            None = fixed counts.
+
+    Yields:
+        micro-batch Experiences, with ``loss_normalizer``, ``loss_scale``, ``step_end`` and ``on_policy`` (True
+        for the micro-batches of the first optimizer step) set; the rollout metrics go on every step-end
+        micro-batch.
+
+    Raises:
+        ValueError: if the sizes do not divide as described (the message names the fields and values).
+    """
+    n = len(experience)
+    if n % mini_batch_size != 0:
+        raise ValueError(
+            f"GRPOConfig.mini_batch_size={mini_batch_size} must divide the rollout batch of {n} sequences "
+            "(prompts_per_step * num_generations) on each process"
+        )
+    if mini_batch_size % accumulate_grad_batches != 0:
+        raise ValueError(
+            f"Trainer(accumulate_grad_batches={accumulate_grad_batches}) must divide "
+            f"GRPOConfig.mini_batch_size={mini_batch_size} (micro-batches per optimizer step)"
+        )
+    if max_tokens_per_microbatch is not None and accumulate_grad_batches != 1:
+        raise ValueError(
+            f"GRPOConfig.max_tokens_per_microbatch={max_tokens_per_microbatch} forms the micro-batches of a step by "
+            f"token budget: set Trainer(accumulate_grad_batches=1), not {accumulate_grad_batches}"
+        )
+    micro_size = mini_batch_size // accumulate_grad_batches
+    counts = sequence_token_counts(experience.prompt_mask, experience.completion_mask).tolist()
+    step = 0
+    for _ in range(num_iterations):
+        order = torch.randperm(n, generator=generator)
+        for mini in order.split(mini_batch_size):
+            mask = experience.completion_mask[mini]
+            local = torch.tensor([loss_normalizer(mask, loss_type, max_new_tokens)], dtype=torch.float64)
+            normalizer = float(all_reduce_sum(local.to(experience.completion_mask.device)).item())
+            if max_tokens_per_microbatch is None:
+                parts = list(mini.split(micro_size))
+            else:
+                bins = token_budget_partition([counts[i] for i in mini.tolist()], max_tokens_per_microbatch)
+                parts = [mini[torch.tensor(b, dtype=torch.long)] for b in bins]
+            batches = []
+            for i, micro in enumerate(parts):
+                batch = experience.select(micro)
+                batch.rows = micro
+                batch.loss_normalizer = normalizer
+                batch.loss_scale = float(accumulate_grad_batches * world_size)
+                batch.step_start = i == 0
+                batch.step_end = i == len(parts) - 1
+                batch.on_policy = step == 0
+                if batch.step_end:
+                    batch.metrics = dict(experience.metrics)
+                batches.append(batch)
+            yield from batches
+            step += 1

@@ -1,0 +1,205 @@
+"""Per-token logprobs of the completions under a model: the three forward layouts and the no-grad batched pass.
+
+* padded: ``(B, P + T)`` rows with an attention mask (``GRPOConfig.padding_free=False``);
+* packed: the real tokens packed into rows with restarting position ids
+(:func:`lightning_grpo.training.packing.pack_sequences`);
+* shared prefix: each group of sequences sharing a prompt is one row, the prompt computed once
+  (:func:`lightning_grpo.training.packing.shared_prefix_rows`, a custom 4-D attention mask; sdpa/eager attention).
+
+All three give the same logprobs and gradients (tests assert 1e-5); only the completion positions' logits are
+computed on the padding-free paths. A model with its own ``completion_logprobs(batch, temperature, with_entropy)``
+(the Megatron policy: vocab-parallel) computes them itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, ContextManager, Optional
+
+import torch
+from torch import Tensor, nn
+
+from lightning_grpo import functional as F
+from lightning_grpo.config import GRPOConfig
+from lightning_grpo.training.experience import Experience
+from lightning_grpo.training.packing import (
+    merge_rows,
+    pack_sequences,
+    sequence_token_counts,
+    shared_prefix_rows,
+    token_budget_partition,
+)
+
+#: ``(model inputs, target ids (1, K), (rows, cols) of the K targets in the padded completion layout)``
+Pass = tuple[dict, Tensor, tuple[Tensor, Tensor]]
+
+
+class CompletionLogprobs:
+    """Completion logprobs (and entropy) of a batch under a model, in the layout ``config`` selects.
+
+    Args:
+        config: the algorithm settings (``temperature``, ``padding_free``, ``shared_prefix``, ``packed_row_tokens``,
+            ``max_tokens_per_microbatch``, ``entropy_coef``).
+        is_sharded: whether a model all-gathers its parameters on every forward call (FSDP): the padding-free
+            paths then make one large forward pass instead of one per row. Default: never.
+    """
+
+    def __init__(self, config: GRPOConfig, is_sharded: Callable[[nn.Module], bool] = lambda model: False) -> None:
+        self.config = config
+        self.is_sharded = is_sharded
+
+    def __call__(
+        self, model: nn.Module, batch: Experience, with_entropy: bool = False, entropy_grad: bool = False
+    ) -> tuple[Tensor, Optional[Tensor]]:
+        """Per-token logprobs ``(B, T)`` float32 of ``batch.completion_ids`` under ``model``'s sampling distribution
+        (temperature, min-p / top-k / top-p truncation renormalized), and optionally the per-token entropy ``(B, T)``
+        (with grad when ``entropy_grad``). Positions of rows without loss tokens are 0 on the padding-free paths.
+
+        Raises:
+            ValueError: ``entropy_grad`` or truncation with a model that computes its own logprobs (no entropy
+                gradient and no truncation there).
+        """
+        if callable(getattr(model, "completion_logprobs", None)):
+            if entropy_grad:
+                raise ValueError(
+                    f"GRPOConfig.entropy_coef={self.config.entropy_coef} needs the entropy's gradient, which "
+                    f"{type(model).__name__}.completion_logprobs does not provide: set entropy_coef=0"
+                )
+            cfg = self.config
+            if cfg.top_k > 0 or cfg.top_p < 1 or cfg.min_p > 0:  # its vocab-parallel logprobs do not truncate
+                raise ValueError(f"GRPOConfig top_k={cfg.top_k}, top_p={cfg.top_p}, min_p={cfg.min_p}: "
+                                 f"{type(model).__name__} scores the untruncated distribution: "
+                                 "set top_k=0, top_p=1.0, min_p=0")
+            return model.completion_logprobs(batch, self.config.temperature, with_entropy=with_entropy)
+        if self.config.padding_free:
+            return self._packed(model, batch, with_entropy, entropy_grad)
+        return self._padded(model, batch, with_entropy, entropy_grad)
+
+    @torch.no_grad()
+    def batched(
+        self,
+        model: nn.Module,
+        experience: Experience,
+        micro_batch_size: int,
+        forward_context: Callable[[], ContextManager] = contextlib.nullcontext,
+    ) -> Tensor:
+        """Logprobs ``(N, T)`` float32 of every completion of ``experience`` under ``model`` in eval mode, no grad,
+        in chunks of ``micro_batch_size`` sequences (of ``max_tokens_per_microbatch`` tokens when set), inside
+        ``forward_context()`` (the trainer's precision context)."""
+        budget = self.config.max_tokens_per_microbatch
+        if budget is not None:
+            counts = sequence_token_counts(experience.prompt_mask, experience.completion_mask).tolist()
+            parts = [torch.tensor(p, dtype=torch.long) for p in token_budget_partition(counts, budget)]
+        else:
+            parts = list(torch.arange(len(experience)).split(max(1, micro_batch_size)))
+        result = torch.zeros(experience.completion_ids.shape, device=experience.completion_ids.device)
+        was_training = model.training
+        model.eval()
+        try:
+            with forward_context():
+                for index in parts:
+                    logprobs, _ = self(model, experience.select(index))
+                    result[index.to(result.device), : logprobs.shape[1]] = logprobs.float()
+        finally:
+            model.train(was_training)
+        return result
+
+    def forward_tokens(self, model: nn.Module, batch: Experience) -> int:
+        """Tokens the training forward pass of ``batch`` computes: with ``padding_free`` the real tokens of the rows
+        with loss tokens (a prompt shared by a group once, with ``shared_prefix``), else the padded ``B * (P + T)``."""
+        if not (self.config.padding_free and batch.completion_mask.any()):
+            return int(batch.prompt_ids.numel() + batch.completion_ids.numel())
+        has_loss = batch.completion_mask.any(dim=1)
+        completion_tokens = int(batch.completion_mask.sum())
+        if self.shared_prefix(model):
+            prompts = {tuple(ids[mask.bool()].tolist())
+                       for ids, mask in zip(batch.prompt_ids[has_loss], batch.prompt_mask[has_loss], strict=True)}
+            return sum(len(p) for p in prompts) + completion_tokens
+        return int(batch.prompt_mask[has_loss].sum()) + completion_tokens
+
+    def shared_prefix(self, model: nn.Module) -> bool:
+        """Whether the padding-free forward of ``model`` uses shared-prefix rows (sdpa/eager attention)."""
+        implementation = str(getattr(getattr(model, "config", None), "_attn_implementation", ""))
+        return self.config.shared_prefix and implementation in ("sdpa", "eager")
+
+    # ------------------------------------------------------------------------------------------------ layouts
+    def _padded(
+        self, model: nn.Module, batch: Experience, with_entropy: bool, entropy_grad: bool
+    ) -> tuple[Tensor, Optional[Tensor]]:
+        input_ids = torch.cat([batch.prompt_ids, batch.completion_ids], dim=1)  # [B, P+T]
+        attention_mask = torch.cat([batch.prompt_mask, batch.completion_mask], dim=1)  # [B, P+T]
+        position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)  # [B, P+T]
+        t = batch.completion_ids.shape[1]
+        out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                    logits_to_keep=t + 1, use_cache=False)
+        logits = out.logits[:, :-1]  # [B, T, V]: position j predicts completion token j
+        return self._token_logprobs(logits, batch.completion_ids, with_entropy, entropy_grad)
+
+    def _packed(
+        self, model: nn.Module, batch: Experience, with_entropy: bool, entropy_grad: bool
+    ) -> tuple[Tensor, Optional[Tensor]]:
+        mask = batch.completion_mask
+        has_loss = mask.any(dim=1).nonzero().flatten()
+        if has_loss.numel() == 0:
+            # no loss token in the batch: the padded forward keeps the graph (and the collectives) as on other ranks
+            return self._padded(model, batch, with_entropy, entropy_grad)
+        if self.shared_prefix(model):
+            return self._shared_prefix(model, batch, with_entropy, entropy_grad)
+        counts = sequence_token_counts(batch.prompt_mask[has_loss], mask[has_loss]).tolist()
+        passes: list[Pass] = []
+        for part in token_budget_partition(counts, self._row_tokens(model, counts)):
+            rows = has_loss[torch.tensor(part, dtype=torch.long, device=has_loss.device)]
+            packed = pack_sequences(batch.prompt_ids[rows], batch.prompt_mask[rows], batch.completion_ids[rows],
+                                    mask[rows])
+            inputs = dict(input_ids=packed.input_ids, position_ids=packed.position_ids,
+                          logits_to_keep=packed.logit_index)
+            passes.append((inputs, packed.target_ids, (rows[packed.rows], packed.cols)))
+        return self._run(model, passes, tuple(batch.completion_ids.shape), with_entropy, entropy_grad)
+
+    def _shared_prefix(
+        self, model: nn.Module, batch: Experience, with_entropy: bool, entropy_grad: bool
+    ) -> tuple[Tensor, Optional[Tensor]]:
+        dtype = next(model.parameters()).dtype
+        groups = shared_prefix_rows(batch.prompt_ids, batch.prompt_mask, batch.completion_ids, batch.completion_mask,
+                                    dtype if dtype.is_floating_point else torch.float32)
+        sizes = [g.input_ids.shape[1] for g in groups]
+        passes: list[Pass] = []
+        for part in token_budget_partition(sizes, self._row_tokens(model, sizes)):
+            row = merge_rows([groups[i] for i in part])
+            inputs = dict(input_ids=row.input_ids, position_ids=row.position_ids, attention_mask=row.attention_mask,
+                          logits_to_keep=row.logit_index)
+            passes.append((inputs, row.target_ids, (row.rows, row.cols)))
+        return self._run(model, passes, tuple(batch.completion_ids.shape), with_entropy, entropy_grad)
+
+    def _token_logprobs(
+        self, logits: Tensor, targets: Tensor, with_entropy: bool, entropy_grad: bool
+    ) -> tuple[Tensor, Optional[Tensor]]:
+        """Logprobs (and entropy) of the sampling distribution: temperature, then min-p / top-k / top-p truncation
+        renormalized, the behaviour policy both engines sample from (docs/algorithm.md)."""
+        cfg = self.config
+        return F.token_logprobs(logits, targets, cfg.temperature, with_entropy=with_entropy, entropy_grad=entropy_grad,
+                                top_k=cfg.top_k, top_p=cfg.top_p, min_p=cfg.min_p)
+
+    def _row_tokens(self, model: nn.Module, sizes: list[int]) -> int:
+        """Tokens per forward pass of the padding-free paths: ``packed_row_tokens``, or automatically all rows in
+        one pass for varlen flash-attention kernels or a sharded model (an all-gather per forward call), else one
+        row per pass (sdpa/eager compute a combined row's attention densely)."""
+        if self.config.packed_row_tokens is not None:
+            return self.config.packed_row_tokens
+        implementation = str(getattr(getattr(model, "config", None), "_attn_implementation", ""))
+        return max(sum(sizes), 1) if "flash" in implementation or self.is_sharded(model) else 1
+
+    def _run(
+        self, model: nn.Module, passes: list[Pass], shape: tuple, with_entropy: bool, entropy_grad: bool
+    ) -> tuple[Tensor, Optional[Tensor]]:
+        """Run each pass and scatter its per-token logprobs (and entropy) into zero ``shape`` tensors."""
+        device = passes[0][1].device
+        logprobs = torch.zeros(shape, device=device)
+        entropy = torch.zeros(shape, device=device) if with_entropy else None
+        for inputs, target_ids, index in passes:
+            out = model(**inputs, use_cache=False)
+            row_logprobs, row_entropy = self._token_logprobs(out.logits, target_ids, with_entropy, entropy_grad)
+            logprobs = logprobs.index_put(index, row_logprobs.reshape(-1))
+            if entropy is not None and row_entropy is not None:
+                entropy = entropy.index_put(index, row_entropy.reshape(-1))
+        return logprobs, entropy

@@ -1,0 +1,137 @@
+"""Statistics of a whole optimizer step that the objective needs per token, computed once at the step's start.
+
+Three knobs select tokens by a statistic of "the batch" (the papers' definition): the high-entropy cut of
+``top_entropy_quantile`` (arXiv:2506.01939 sec. 4), the covariance centers and KL-Cov's top-k cut, and Clip-Cov's
+random draw (arXiv:2505.22617 sec. 4.2). Taken per micro-batch they would make the gradient depend on
+``accumulate_grad_batches``. Here they are taken over every micro-batch of the step (and, for the quantile, the
+centers and KL-Cov's cut, over every process), from a no-grad forward pass of the policy at the start of the step
+(the weights do not change within a step), so accumulation changes memory, not the gradient. The extra pass costs
+one forward of the step's tokens, only when one of these knobs is on.
+
+Clip-Cov draws ``selection_count(tokens of this process's step)`` tokens on each process, in a canonical order
+(rollout row, position), from ``clip_cov_generator(shuffle_seed, step)``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch import Tensor, nn
+
+from lightning_grpo import functional as F
+from lightning_grpo.algorithm.covariance import (
+    CovarianceStats,
+    clip_cov_generator,
+    kl_cov_threshold,
+    selection_count,
+    token_covariance,
+)
+from lightning_grpo.algorithm.entropy import entropy_threshold
+from lightning_grpo.config import GRPOConfig
+from lightning_grpo.training.collectives import gather_per_process
+from lightning_grpo.training.experience import Experience
+from lightning_grpo.training.logprobs import CompletionLogprobs
+
+Reduce = Callable[[Tensor], Tensor]
+
+
+def needs_step_statistics(config: GRPOConfig) -> bool:
+    """Whether the objective selects tokens by a statistic of the batch."""
+    return config.top_entropy_quantile < 1 or config.policy_loss_mode != "vanilla"
+
+
+class StepStatistics:
+    """Prepares, at each optimizer step's first micro-batch, the keyword arguments of
+    :func:`lightning_grpo.algorithm.grpo_objective` that make the step's loss independent of its micro-batch split.
+
+    Args:
+        config: the algorithm settings.
+        logprobs: the completion-logprob computer (the same forward layout as training).
+    """
+
+    def __init__(self, config: GRPOConfig, logprobs: CompletionLogprobs) -> None:
+        self.config = config
+        self.logprobs = logprobs
+        self._common: dict[str, Any] = {}
+        self._selected: list[Tensor] = []
+        self._left = 0  # micro-batches of the prepared step not yet trained on
+
+    def prepare(self, policy: nn.Module, members: list[Experience], reduce_sum: Reduce, step: int) -> None:
+        """Compute the statistics of the step whose micro-batches are ``members`` (in training order); the next
+        ``len(members)`` :meth:`objective_kwargs` calls are for them. A collective under data parallelism (every
+        process calls it at each step's start)."""
+        cfg = self.config
+        self._common, self._selected, self._left = {}, [], len(members)
+        if cfg.policy_loss_mode == "clip_cov":
+            self._common["generator"] = clip_cov_generator(cfg.shuffle_seed, step)
+        if not needs_step_statistics(cfg) or not members:
+            return
+        with torch.no_grad():
+            passes = [self.logprobs(policy, mb, with_entropy=cfg.top_entropy_quantile < 1) for mb in members]
+        masks = [mb.completion_mask.bool() for mb in members]
+        if cfg.top_entropy_quantile < 1:
+            local = torch.cat([e[m].float().cpu() for (_, e), m in zip(passes, masks, strict=True)])
+            values = torch.cat(gather_per_process(local))
+            self._common["entropy_threshold"] = entropy_threshold(values, cfg.top_entropy_quantile)
+        if cfg.policy_loss_mode != "vanilla":
+            self._covariance(members, [lp for lp, _ in passes], masks, reduce_sum, step)
+
+    def objective_kwargs(self) -> dict[str, Any]:
+        """The keyword arguments of ``grpo_objective`` for the next micro-batch of the prepared step; {} when no
+        step was prepared (the objective then uses the micro-batch's own statistics)."""
+        if self._left <= 0:
+            return {}
+        kwargs = dict(self._common)
+        if self._selected:
+            kwargs["clip_cov_selected"] = self._selected[len(self._selected) - self._left]
+        self._left -= 1
+        return kwargs
+
+    def _covariance(self, members: list[Experience], logprobs: list[Tensor], masks: list[Tensor],
+                    reduce_sum: Reduce, step: int) -> None:
+        cfg = self.config
+        advantages = [torch.where(m, mb.advantages.float().unsqueeze(1), 0.0) for mb, m in zip(members, masks,
+                                                                                                strict=True)]
+        sums = torch.stack([
+            sum(torch.where(m, lp.float(), 0.0).sum() for lp, m in zip(logprobs, masks, strict=True)),
+            sum(torch.where(m, a, 0.0).sum() for a, m in zip(advantages, masks, strict=True)),
+            sum(m.sum() for m in masks).float(),
+        ]).double()
+        total_logprob, total_advantage, count = reduce_sum(sums.to(masks[0].device)).tolist()
+        centers = (total_logprob / max(count, 1.0), total_advantage / max(count, 1.0))
+        covariances = [token_covariance(lp, a, m, *centers)
+                       for lp, a, m in zip(logprobs, advantages, masks, strict=True)]
+        threshold = None
+        if cfg.policy_loss_mode == "kl_cov":
+            values = torch.cat(gather_per_process(torch.cat([c[m].cpu() for c, m in zip(covariances, masks,
+                                                                                         strict=True)])))
+            threshold = kl_cov_threshold(values, torch.ones_like(values, dtype=torch.bool), cfg.kl_cov_ratio)
+        self._common["covariance_stats"] = CovarianceStats(centers[0], centers[1], threshold)
+        if cfg.policy_loss_mode == "clip_cov":
+            self._draw_clip_cov(members, logprobs, advantages, masks, covariances, step)
+
+    def _draw_clip_cov(self, members: list[Experience], logprobs: list[Tensor], advantages: list[Tensor],
+                       masks: list[Tensor], covariances: list[Tensor], step: int) -> None:
+        """Clip-Cov's draw over the step: candidates ``lb < cov < ub`` whose PPO clip is not active, in the
+        canonical order (rollout row, position), ``selection_count(step tokens)`` of them at random."""
+        cfg = self.config
+        keys, where = [], []
+        for index, (mb, lp, a, m, c) in enumerate(zip(members, logprobs, advantages, masks, covariances,
+                                                      strict=True)):
+            old = lp if mb.on_policy or mb.old_logprobs is None else torch.where(m, mb.old_logprobs.float(), lp)
+            _, clip = F.policy_loss(lp, old, a, cfg.epsilon_low, cfg.epsilon_high, cfg.clip_ratio_c, cfg.delta)
+            candidates = m & (c > cfg.clip_cov_lb) & (c < cfg.clip_cov_ub) & ~(clip.region | clip.dual)
+            row, col = candidates.nonzero(as_tuple=True)
+            rows = mb.rows.to(row.device)[row] if mb.rows is not None else row
+            keys.append(rows.long() * (1 << 20) + col.long())
+            where.append(torch.stack([torch.full_like(row, index), row, col], dim=1))
+        key, place = torch.cat(keys), torch.cat(where)
+        place = place[key.argsort()]  # [K, 3] in canonical order
+        count = selection_count(int(sum(m.sum() for m in masks)), cfg.clip_cov_ratio)
+        chosen = place[torch.randperm(len(place), generator=clip_cov_generator(cfg.shuffle_seed, step))[:count]]
+        for index in range(len(members)):
+            selected = torch.zeros_like(masks[index])
+            picked = chosen[chosen[:, 0] == index]
+            selected[picked[:, 1], picked[:, 2]] = True
+            self._selected.append(selected)

