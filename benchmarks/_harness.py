@@ -29,6 +29,8 @@ import time
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+from lightning_grpo.config import EngineConfig
+
 _WORKER_START = time.perf_counter()
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -295,8 +297,7 @@ def run_ours(spec: dict) -> dict:
         beta=spec["beta"],
         loss_type=spec["loss_type"],
         num_iterations=1,
-        rollout_engine=spec["engine"],
-        vllm_kv_cache_space_gib=spec["kv_cache_gib"],
+        engine=EngineConfig(name=spec["engine"], kv_cache_space_gib=spec["kv_cache_gib"]),
     )
     ignored = {}
     for name in ("padding_free", "max_tokens_per_microbatch"):
@@ -341,9 +342,8 @@ def run_ours(spec: dict) -> dict:
         default_root_dir=spec["workdir"],
     )
     trainer.fit(module, datamodule=FixedPrompts(batches))
-    engine = getattr(module, "rollout_engine", None)
-    if engine is not None and hasattr(engine, "close"):
-        engine.close()
+    if module.rollout_engine is not None:
+        module.rollout_engine.close()
 
     step_metrics = [m for _, m in sorted(logger.by_step.items()) if "timing/rollout_s" in m]
     generated = [

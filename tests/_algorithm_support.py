@@ -29,7 +29,11 @@ def fixed_completions(lengths: Sequence[int], width: int, eos_id: int, seed: int
 class FixedRolloutEngine:
     """A :class:`~lightning_grpo.rollout.base.RolloutEngine` whose completions are fixed ids (the same at every
     call), so that two runs train on the same experience. ``sampler_offsets`` (``(N, T)``) makes it report
-    sampler logprobs = ``logprob_fn(...) + offsets`` like an engine whose numerics differ from the trainer's."""
+    sampler logprobs = ``logprob_fn(...) + offsets`` like an engine whose numerics differ from the trainer's. It stands
+    in for the HF engine: it declares ``uses_policy_parameters`` (nothing to sync) and no per-request seeds."""
+
+    uses_policy_parameters = True
+    seeds_per_request = False
 
     def __init__(self, completion_ids: torch.Tensor, eos_id: int, sampler_logprobs: Optional[torch.Tensor] = None):
         self.completion_ids = completion_ids
@@ -37,6 +41,9 @@ class FixedRolloutEngine:
         self.pad_token_id = eos_id
         self.sampler_logprobs = sampler_logprobs
         self.calls = 0
+
+    def set_lockstep(self, enabled: bool) -> None:
+        pass
 
     def wake_up(self) -> None:
         pass

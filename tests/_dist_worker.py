@@ -28,6 +28,7 @@ from transformers import AutoConfig  # noqa: E402
 
 from lightning_grpo import GRPOConfig, GRPOModule  # noqa: E402
 from lightning_grpo.callbacks import CompletionTable  # noqa: E402
+from lightning_grpo.config import EngineConfig
 from lightning_grpo.data import PromptDataModule  # noqa: E402
 from lightning_grpo.data.module import collate_prompts
 from lightning_grpo.rollout.engines.hf_weights import checkpoint_name  # noqa: E402
@@ -241,8 +242,8 @@ def grpo_run(cfg: dict) -> None:
     with open(data, "w") as f:
         for i in range(12):
             f.write(json.dumps({"question": f"What is {i} + 0?", "answer": str(i), "index": i}) + "\n")
-    config = GRPOConfig(num_generations=2, max_new_tokens=6, beta=0.04, rollout_engine=cfg.get("engine", "hf"),
-                        vllm_kv_cache_space_gib=1)
+    config = GRPOConfig(num_generations=2, max_new_tokens=6, beta=0.04,
+                        engine=EngineConfig(name=cfg.get("engine", "hf"), kv_cache_space_gib=1))
 
     def module(export_dir):
         return ProfiledModule(cfg["model"], reward_funcs=[index_reward], config=config, learning_rate=1e-3,
@@ -306,7 +307,7 @@ class WeightsPerStep(Callback):
 
 
 def server_run(cfg: dict) -> None:
-    """2 GRPO steps under DDP with rollouts from the rollout server at ``cfg["url"]`` (``rollout_engine=
+    """2 GRPO steps under DDP with rollouts from the rollout server at ``cfg["url"]`` (``engine.name=
     "vllm_server"``, the post-sync check on at 1e-4): each rank saves its global step, losses, engine's weights
     version and its weights after each step."""
     out = cfg["out"]
@@ -314,9 +315,10 @@ def server_run(cfg: dict) -> None:
     with open(data, "w") as f:
         for i in range(8):
             f.write(json.dumps({"question": f"What is {i} + 0?", "answer": str(i), "index": i}) + "\n")
-    config = GRPOConfig(num_generations=2, max_new_tokens=6, rollout_engine="vllm_server",
-                        vllm_server_urls=[cfg["url"]], vllm_server_group_port=cfg["group_port"],
-                        vllm_server_timeout=120.0, weight_sync_check=1e-4, max_prompt_length=128)
+    config = GRPOConfig(num_generations=2, max_new_tokens=6, max_prompt_length=128,
+                        engine=EngineConfig(name="vllm_server", server_urls=[cfg["url"]],
+                                            server_group_port=cfg["group_port"], server_timeout=120.0,
+                                            weight_sync_check=1e-4))
     module = GRPOModule(cfg["model"], reward_funcs=[index_reward], config=config, learning_rate=1e-2, export_dir="")
     recorder, weights = StepRecorder(), WeightsPerStep()
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=2, logger=False,

@@ -59,10 +59,16 @@ def save_tiny_model(root: str, tokenizer_path: str, tied: bool, model_type: str 
 class FixedRolloutEngine:
     """Completions that are a fixed pseudo-random function of each prompt's tokens (independent of the model and
     of the prompt order), so runs with different parallel layouts train on identical experience. Some
-    completions end with EOS early, so masks vary."""
+    completions end with EOS early, so masks vary. It holds no weights: nothing to gather for it."""
+
+    uses_policy_parameters = False
+    seeds_per_request = False
 
     def __init__(self, eos_token_id: int, pad_token_id: int, length: int = 6) -> None:
         self.eos_token_id, self.pad_token_id, self.length = eos_token_id, pad_token_id, length
+
+    def set_lockstep(self, enabled: bool) -> None:
+        pass
 
     def wake_up(self) -> None:
         pass

@@ -1,6 +1,5 @@
 """GRPOConfig rejects bad algorithm settings at construction, naming the field and the value."""
 
-import warnings
 
 import pytest
 
@@ -66,16 +65,3 @@ def test_objective_settings_construct():
     assert (config.clip_cov_ratio, config.clip_cov_lb, config.clip_cov_ub) == (1.0, 1.0, 5.0)
     config = GRPOConfig(num_generations=2, policy_loss_mode="kl_cov")
     assert (config.kl_cov_ratio, config.ppo_kl_coef) == (2e-3, 1.0)
-
-
-def test_the_old_meaning_of_importance_sampling_level_warns():
-    # importance_sampling_level used to set the TIS level; with a TIS cap and the rollout level left at "token",
-    # a sequence-level setting most likely meant the old knob: warn, naming the new one
-    with pytest.warns(FutureWarning, match="rollout_importance_sampling_level"):
-        config = GRPOConfig(num_generations=2, importance_sampling_level="sequence", importance_sampling_cap=2.0)
-    assert config.importance_sampling_level == "sequence" and config.rollout_importance_sampling_level == "token"
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        GRPOConfig(num_generations=2, rollout_importance_sampling_level="sequence", importance_sampling_cap=2.0)
-        GRPOConfig(num_generations=2, importance_sampling_level="sequence", importance_sampling_cap=2.0,
-                   rollout_importance_sampling_level="sequence")

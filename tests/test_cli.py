@@ -12,15 +12,18 @@ import pytest
 
 from lightning_grpo import config as config_module
 from lightning_grpo.cli import GRPOCLI, main
-from lightning_grpo.config import GRPOConfig
+from lightning_grpo.config import EngineConfig, EvalConfig, GRPOConfig
 from lightning_grpo.data import PromptDataModule
 from lightning_grpo.module import GRPOModule
 
+#: The config groups: flag prefix -> dataclass (the nested groups are fields of GRPOConfig).
+GROUPS = {"": GRPOConfig, "engine.": EngineConfig, "eval.": EvalConfig}
 
-def _field_docstrings() -> dict[str, str]:
-    """The string written below each field of GRPOConfig, read from the source (independently of jsonargparse)."""
+
+def _field_docstrings(cls: type = GRPOConfig) -> dict[str, str]:
+    """The string written below each field of ``cls``, read from the source (independently of jsonargparse)."""
     tree = ast.parse(inspect.getsource(config_module))
-    body = next(node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == "GRPOConfig").body
+    body = next(node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == cls.__name__).body
     docs = {}
     for statement, following in zip(body, body[1:], strict=False):
         if (isinstance(statement, ast.AnnAssign) and isinstance(following, ast.Expr)
@@ -42,20 +45,25 @@ def _squeeze(text: str) -> str:
 
 
 def test_every_config_field_has_a_docstring():
-    docs = _field_docstrings()
-    missing = [f.name for f in dataclasses.fields(GRPOConfig) if not docs.get(f.name, "").strip()]
-    assert not missing, f"GRPOConfig fields without a docstring below them: {missing}"
+    for cls in GROUPS.values():
+        docs = _field_docstrings(cls)
+        missing = [f.name for f in dataclasses.fields(cls) if not docs.get(f.name, "").strip()]
+        assert not missing, f"{cls.__name__} fields without a docstring below them: {missing}"
 
 
 def test_fit_help_shows_every_config_field_with_its_docstring():
     code, out, _ = _run(["fit", "--help"])
     assert code == 0
-    docs = _field_docstrings()
-    for field in dataclasses.fields(GRPOConfig):
-        entry = re.search(rf"^\s+--model\.config\.{field.name}\s(.*?)(?=^\s+--|\Z)", out, re.MULTILINE | re.DOTALL)
-        assert entry is not None, f"--model.config.{field.name} has no help entry"
-        first_words = " ".join(docs[field.name].split()[:6])
-        assert _squeeze(first_words) in _squeeze(entry.group(1)), (field.name, first_words, entry.group(1))
+    for prefix, cls in GROUPS.items():
+        docs = _field_docstrings(cls)
+        for field in dataclasses.fields(cls):
+            if f"{field.name}." in GROUPS:
+                continue  # a group: its fields are checked one by one
+            flag = re.escape(f"--model.config.{prefix}{field.name}")
+            entry = re.search(rf"^\s+{flag}\s(.*?)(?=^\s+--|\Z)", out, re.MULTILINE | re.DOTALL)
+            assert entry is not None, f"{flag} has no help entry"
+            first_words = " ".join(docs[field.name].split()[:6])
+            assert _squeeze(first_words) in _squeeze(entry.group(1)), (field.name, first_words, entry.group(1))
     # one example in full: the help of num_generations, its type and default
     assert "G, completions sampled per prompt (a \"group\"); >= 2, group statistics need two. (type: int, default: 8)" \
         in " ".join(out.split())

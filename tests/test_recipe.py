@@ -27,7 +27,7 @@ def test_yaml_recipe_one_step_on_smollm2(tmp_path, smollm2_path, capsys):
         "--trainer.default_root_dir", str(tmp_path), "--trainer.logger.init_args.save_dir", str(tmp_path),
         "--data.prompts_per_step", "1", "--data.val_size", "2", "--data.val_batch_size", "2",
         "--model.config.num_generations", "2", "--model.config.max_new_tokens", "24",
-        "--model.config.eval_max_new_tokens", "24", "--model.export_dir", str(tmp_path / "hf"),
+        "--model.config.eval.max_new_tokens", "24", "--model.export_dir", str(tmp_path / "hf"),
     ])
     rows = _rows(tmp_path)
     (train,) = [r for r in rows if r["loss"]]

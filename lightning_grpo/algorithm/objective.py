@@ -121,7 +121,7 @@ def grpo_objective(
       sec. 4; token level only).
 
     Then ``l`` times the TIS weight ``min(pi_old / pi_sampler, C)`` when ``sampler_logprobs`` are given and
-    ``config.importance_sampling_cap`` is set (:func:`~lightning_grpo.algorithm.importance.rollout_importance_weights`
+    ``config.tis_cap()`` is set (:func:`~lightning_grpo.algorithm.importance.rollout_importance_weights`
     at ``config.rollout_importance_sampling_level``), times the high-entropy mask when ``config.top_entropy_quantile
     < 1``; then ``- entropy_coef * H`` and ``+ beta * KL(pi || pi_ref)`` (when ``ref_logprobs`` are given); then
     :func:`~lightning_grpo.functional.aggregate_loss` with ``config.loss_type`` and ``normalizer``.
@@ -180,9 +180,9 @@ def grpo_objective(
         current, old, mask, row_advantages, config, generator, covariance_stats, clip_cov_selected
     )
     weights = None
-    if sampler_logprobs is not None and config.importance_sampling_cap is not None:
+    if sampler_logprobs is not None and config.tis_cap() is not None:
         weights = rollout_importance_weights(
-            old, sampler_logprobs, mask, config.importance_sampling_cap,
+            old, sampler_logprobs, mask, config.tis_cap(),
             config.rollout_importance_sampling_level, config.importance_sampling_mode,
         )
         per_token = per_token * weights

@@ -39,6 +39,7 @@ from torch import nn
 from transformers import PreTrainedTokenizerBase
 
 from lightning_grpo.models.loading import FrozenReference, load_policy, save_policy
+from lightning_grpo.rollout.base import RolloutEngine
 from lightning_grpo.rollout.engines.hf_weights import lora_layers, merged_state_dict
 
 log = logging.getLogger(__name__)
@@ -91,7 +92,7 @@ class LoraSettings:
 
 
 def lora_settings(lora: Union[LoraConfig, dict, None], quantization: Optional[str], dtype: str,
-                  export_merged: bool, rollout_engine: str) -> LoraSettings:
+                  export_merged: bool) -> LoraSettings:
     """Check ``GRPOModule``'s LoRA arguments together: the LoRA config (:func:`as_lora_config`) and the
     quantization config of a 4-bit (NF4, double quantization, compute in ``dtype``) or 8-bit frozen base (QLoRA,
     Dettmers et al. 2023, arXiv:2305.14314).
@@ -101,7 +102,6 @@ def lora_settings(lora: Union[LoraConfig, dict, None], quantization: Optional[st
         quantization: None, "4bit" or "8bit": the frozen base weights' bits (bitsandbytes).
         dtype: the compute dtype name ("float32", "bfloat16", "float16").
         export_merged: also export the merged model.
-        rollout_engine: ``GRPOConfig.rollout_engine`` ("vllm" and "vllm_server" sample from merged weights).
 
     Raises:
         ValueError: ``export_merged`` without ``lora``; an unknown ``quantization``; quantization without ``lora``,
@@ -118,9 +118,9 @@ def lora_settings(lora: Union[LoraConfig, dict, None], quantization: Optional[st
         raise ValueError(f"quantization={quantization!r}: choose None, '4bit' or '8bit'")
     if lora is None:
         raise ValueError(f"quantization={quantization!r} freezes a quantized base: it needs lora=LoraConfig(...)")
-    if export_merged or rollout_engine in ("vllm", "vllm_server"):
+    if export_merged:
         raise ValueError(f"quantization={quantization!r}: a quantized base is not merged with its adapters; use "
-                         f"rollout_engine='hf' (got {rollout_engine!r}) and export_merged=False")
+                         "export_merged=False")
     if not torch.cuda.is_available():
         raise ValueError(f"quantization={quantization!r} needs bitsandbytes on a CUDA device; this machine's device "
                          "is cpu, where bitsandbytes' 4/8-bit layers are not supported: use quantization=None")
@@ -135,6 +135,18 @@ def lora_settings(lora: Union[LoraConfig, dict, None], quantization: Optional[st
     return LoraSettings(lora, BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
                                                  bnb_4bit_use_double_quant=True,
                                                  bnb_4bit_compute_dtype=getattr(torch, dtype)))
+
+
+def check_quantized_engine(settings: LoraSettings, engine: RolloutEngine) -> None:
+    """A quantized base is never merged with its adapters, so only an engine that generates with the policy's own
+    (quantized, adapted) parameters can sample from it.
+
+    Raises:
+        ValueError: ``settings`` quantize the base and ``engine`` holds its own weights (vLLM, the rollout servers).
+    """
+    if settings.quantization_config is not None and not engine.uses_policy_parameters:
+        raise ValueError("quantization: a quantized base is not merged with its adapters, so an engine with its own "
+                         "weights cannot sample from it: use GRPOConfig.engine.name='hf'")
 
 
 def load_lora_policy(model: Union[str, nn.Module, None], tokenizer: Union[str, PreTrainedTokenizerBase, None],
@@ -159,6 +171,11 @@ def load_lora_policy(model: Union[str, nn.Module, None], tokenizer: Union[str, P
     adapted = get_peft_model(policy, settings.config)
     adapted.train(policy.training)
     return adapted, tokenizer, path
+
+
+def base_model(policy: nn.Module) -> nn.Module:
+    """The transformers model of a PEFT policy (its layers carry the adapters), else ``policy`` itself."""
+    return policy.get_base_model() if isinstance(policy, PeftModel) else policy
 
 
 def is_lora(model: nn.Module) -> bool:

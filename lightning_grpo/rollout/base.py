@@ -13,6 +13,8 @@ from typing import Any, Callable, Optional, Protocol, Sequence, runtime_checkabl
 import torch
 from torch import Tensor
 
+from lightning_grpo.rollout.sampling import sampling_errors
+
 
 @dataclass(frozen=True)
 class SamplingConfig:
@@ -52,15 +54,10 @@ class SamplingConfig:
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
-            raise ValueError(f"sampling.max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if not self.greedy and not self.temperature > 0.0:
-            raise ValueError(f"sampling.temperature must be > 0 when greedy is False, got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"sampling.top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"sampling.top_k must be >= 0 (0 disables it), got {self.top_k}")
-        if not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"sampling.min_p must be in [0, 1] (0 disables it), got {self.min_p}")
+            raise ValueError(f"sampling.max_new_tokens={self.max_new_tokens!r} is invalid: must be >= 1")
+        temperature = None if self.greedy else self.temperature
+        for name, value, requirement in sampling_errors(temperature, self.top_p, self.top_k, self.min_p):
+            raise ValueError(f"sampling.{name}={value!r} is invalid: {requirement}")
 
 
 @dataclass
@@ -137,7 +134,13 @@ class StopFlag:
 
 @runtime_checkable
 class RolloutEngine(Protocol):
-    """What the trainer needs from a generator: every method the rest of the package calls on an engine."""
+    """What the trainer needs from a generator: every member the rest of the package uses on an engine.
+
+    An engine says what it is through two capabilities, which the backends, the worker and the experience maker read
+    instead of asking for its type: :attr:`uses_policy_parameters` and :attr:`seeds_per_request`. A user engine may
+    implement only the core (:class:`CoreRolloutEngine`: ``generate``, ``sync_weights``, ``pad_token_id``):
+    :func:`as_rollout_engine` adds the rest with neutral defaults.
+    """
 
     def generate(
         self, prompt_ids: Sequence[Sequence[int]], num_generations: int, sampling: SamplingConfig
@@ -154,6 +157,26 @@ class RolloutEngine(Protocol):
         """The id that pads prompts (left) and completions (right) in :class:`RolloutOutput`."""
         ...
 
+    @property
+    def uses_policy_parameters(self) -> bool:
+        """True: the engine generates with the policy module itself (HF ``generate``): its weights are always the
+        trainer's, a sharding backend gathers the parameters around :meth:`generate`, and it cannot generate while
+        the trainer trains (no asynchronous rollouts). False: it holds its own copy, updated by
+        :meth:`sync_weights`."""
+        ...
+
+    @property
+    def seeds_per_request(self) -> bool:
+        """Whether ``SamplingConfig.seed`` seeds each request (completion j of prompt i with ``seed + i*G + j``), so
+        a rollout is reproducible whatever the batch; False: the engine samples from torch's global generator."""
+        ...
+
+    def set_lockstep(self, enabled: bool) -> None:
+        """With ``enabled``, every process runs as many forward passes per :meth:`generate` as the longest one
+        (transformers' ``synced_gpus``): needed where each forward of the policy is a collective (FSDP1 with nested
+        units). A no-op for engines that do not use the policy's parameters."""
+        ...
+
     def wake_up(self) -> None:
         """Bring the engine's weights and cache back onto the accelerator before a rollout (no-op if never slept)."""
         ...
@@ -166,6 +189,41 @@ class RolloutEngine(Protocol):
     def close(self) -> None:
         """Release the engine (processes, memory); it is not used afterwards."""
         ...
+
+
+@runtime_checkable
+class CoreRolloutEngine(Protocol):
+    """The least a user's engine implements: ``generate``, ``sync_weights`` and ``pad_token_id`` (as in
+    :class:`RolloutEngine`)."""
+
+    def generate(
+        self, prompt_ids: Sequence[Sequence[int]], num_generations: int, sampling: SamplingConfig
+    ) -> RolloutOutput: ...
+
+    def sync_weights(self, model: torch.nn.Module) -> None: ...
+
+    @property
+    def pad_token_id(self) -> int: ...
+
+
+CORE_MEMBERS = ("generate", "sync_weights", "pad_token_id")
+
+
+def as_rollout_engine(engine: Any) -> RolloutEngine:
+    """``engine`` as a full :class:`RolloutEngine`: itself when it implements every member, else wrapped in a
+    :class:`CoreEngineAdapter` that adds the lifecycle no-ops and the default capabilities (its own weights, no
+    per-request seeds).
+
+    Raises:
+        TypeError: ``engine`` lacks a core member (``generate``, ``sync_weights``, ``pad_token_id``), named.
+    """
+    if isinstance(engine, RolloutEngine):
+        return engine
+    if not isinstance(engine, CoreRolloutEngine):
+        missing = [name for name in CORE_MEMBERS if not hasattr(engine, name)]
+        raise TypeError(f"{type(engine).__name__} is not a rollout engine: it lacks {', '.join(missing)} (a rollout "
+                        "engine implements generate, sync_weights and pad_token_id; see RolloutEngine)")
+    return CoreEngineAdapter(engine)
 
 
 def completion_mask_from_eos(completion_ids: Tensor, eos_token_ids: Sequence[int]) -> tuple[Tensor, Tensor]:
@@ -256,7 +314,53 @@ class EngineWrapper:
         """``engine.close()``."""
         self.engine.close()
 
+    def set_lockstep(self, enabled: bool) -> None:
+        """``engine.set_lockstep(enabled)``."""
+        self.engine.set_lockstep(enabled)
+
     @property
     def pad_token_id(self) -> int:
         """``engine.pad_token_id``."""
         return self.engine.pad_token_id
+
+    @property
+    def uses_policy_parameters(self) -> bool:
+        """``engine.uses_policy_parameters``."""
+        return self.engine.uses_policy_parameters
+
+    @property
+    def seeds_per_request(self) -> bool:
+        """``engine.seeds_per_request``."""
+        return self.engine.seeds_per_request
+
+
+class CoreEngineAdapter(EngineWrapper):
+    """A user engine with only the core members (:class:`CoreRolloutEngine`) as a full :class:`RolloutEngine`:
+    ``wake_up``, ``sleep``, ``close`` and ``set_lockstep`` do nothing; it holds its own weights
+    (``uses_policy_parameters`` False: ``sync_weights`` is called after every ``engine.sync_every`` optimizer steps)
+    and does not seed per request."""
+
+    def __init__(self, engine: CoreRolloutEngine) -> None:
+        self.engine = engine  # type: ignore[assignment]
+
+    def wake_up(self) -> None:
+        """Nothing to do."""
+
+    def sleep(self, level: int = 1) -> None:
+        """Nothing to do."""
+
+    def close(self) -> None:
+        """Nothing to do."""
+
+    def set_lockstep(self, enabled: bool) -> None:
+        """Nothing to do."""
+
+    @property
+    def uses_policy_parameters(self) -> bool:
+        """False: a user engine is taken to hold its own weights."""
+        return False
+
+    @property
+    def seeds_per_request(self) -> bool:
+        """False."""
+        return False

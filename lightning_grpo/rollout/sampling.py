@@ -9,13 +9,27 @@ import torch
 from torch import Tensor
 
 
-def _check_truncation(top_k: int, top_p: float, min_p: float) -> None:
-    if top_k < 0:
-        raise ValueError(f"top_k={top_k} must be >= 0 (0 disables top-k)")
+def sampling_errors(temperature: Optional[float], top_p: float, top_k: int,
+                    min_p: float) -> list[tuple[str, float, str]]:
+    """The sampling settings out of range, as ``(name, value, requirement)``: the one place that says which values
+    the sampling distribution takes (``GRPOConfig``, :class:`~lightning_grpo.rollout.base.SamplingConfig` and the
+    logprob functions format the error). ``temperature`` None: not checked (greedy decoding)."""
+    errors = []
+    if temperature is not None and not temperature > 0:
+        errors.append(("temperature", temperature, "must be > 0 (use greedy evaluation for argmax decoding)"))
     if not 0 < top_p <= 1:
-        raise ValueError(f"top_p={top_p} must be in (0, 1]")
+        errors.append(("top_p", top_p, "must be in (0, 1]"))
+    if top_k < 0:
+        errors.append(("top_k", top_k, "must be >= 0 (0 disables top-k)"))
     if not 0 <= min_p <= 1:
-        raise ValueError(f"min_p={min_p} must be in [0, 1]")
+        errors.append(("min_p", min_p, "must be in [0, 1] (0 disables min-p)"))
+    return errors
+
+
+def check_truncation(top_k: int, top_p: float, min_p: float) -> None:
+    """Raise ValueError naming the first truncation setting out of range (:func:`sampling_errors`)."""
+    for name, value, requirement in sampling_errors(None, top_p, top_k, min_p):
+        raise ValueError(f"{name}={value!r} is invalid: {requirement}")
 
 
 def sampling_removed(logits: Tensor, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0) -> Optional[Tensor]:
@@ -78,7 +92,7 @@ def sampling_logits(
     """
     if temperature <= 0:
         raise ValueError(f"temperature={temperature} must be > 0")
-    _check_truncation(top_k, top_p, min_p)
+    check_truncation(top_k, top_p, min_p)
     z = logits.float() / temperature
     removed = sampling_removed(z, top_k, top_p, min_p)
     return z if removed is None else z.masked_fill(removed, float("-inf"))

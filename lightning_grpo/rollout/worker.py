@@ -1,8 +1,8 @@
 """The rollout worker: owns the rollout engine, the prompt encoding and the weight versions.
 
 The trainer's weights change at every optimizer step (:meth:`RolloutWorker.mark_stale`); the engine gets them at
-the next :meth:`RolloutWorker.awake` when ``vllm_sync_every`` steps have passed (always when forced, e.g. before
-validation). The HF engine generates with the policy itself, so its sync is a no-op.
+the next :meth:`RolloutWorker.awake` when ``engine.sync_every`` steps have passed (always when forced, e.g. before
+validation). An engine that generates with the policy's own parameters (HF) needs no sync.
 
 The worker's :class:`~lightning_grpo.rollout.base.StopFlag` (``stop``) is polled by its engine while it generates
 (preemption: ``GRPOModule`` sets it to watch ``trainer.received_sigterm``), and the policy's weights are checked for
@@ -12,8 +12,6 @@ NaN/inf before every rollout (:func:`lightning_grpo.training.nonfinite.check_fin
 from __future__ import annotations
 
 import contextlib
-import os
-import tempfile
 from typing import Any, Iterator, Optional, Sequence
 
 from torch import nn
@@ -21,53 +19,17 @@ from transformers import PreTrainedTokenizerBase
 
 from lightning_grpo.config import GRPOConfig
 from lightning_grpo.events import ON_WEIGHTS_SYNCED, EventSink
-from lightning_grpo.rollout.base import RolloutEngine, RolloutOutput, SamplingConfig, StopFlag
-from lightning_grpo.rollout.engines.hf import HFRolloutEngine
-from lightning_grpo.rollout.engines.hf_weights import merged_state_dict
-from lightning_grpo.rollout.engines.remote import VLLMServerEngine
-from lightning_grpo.rollout.engines.vllm import VLLMRolloutEngine
+from lightning_grpo.rollout.base import RolloutEngine, RolloutOutput, SamplingConfig, StopFlag, as_rollout_engine
 from lightning_grpo.rollout.prompts import encode_prompts
+from lightning_grpo.rollout.registry import EngineSpec, make_engine, resolve_engine_name
 from lightning_grpo.training.nonfinite import AnyProcess, check_finite_parameters
-
-
-def make_engine(config: GRPOConfig, policy: nn.Module, tokenizer: PreTrainedTokenizerBase,
-                model_path: Optional[str], stop: Optional[StopFlag] = None) -> RolloutEngine:
-    """The rollout engine ``config.rollout_engine`` names: ``"hf"`` (generates with ``policy``; with a PEFT policy,
-    with its transformers model, whose layers carry the adapters), ``"vllm"`` (a colocated engine loaded from
-    ``model_path``; an ``nn.Module`` given without a folder is saved to a temporary one first, LoRA merged: its
-    weights follow by ``sync_weights``) or ``"vllm_server"`` (the rollout servers at ``vllm_server_urls``, which
-    get the weights by ``sync_weights``); both sample with per-request seeds. ``stop``: the flag the engine polls
-    while it generates."""
-    model = policy.get_base_model() if callable(getattr(policy, "get_base_model", None)) else policy
-    if config.rollout_engine == "vllm_server":
-        return VLLMServerEngine(config.vllm_server_urls, tokenizer, timeout_s=config.vllm_server_timeout,
-                                group_host=config.vllm_server_group_host, group_port=config.vllm_server_group_port,
-                                weight_sync_check=config.weight_sync_check, stop=stop)
-    if config.rollout_engine != "vllm":
-        return HFRolloutEngine(model, tokenizer, stop=stop)
-    path = model_path
-    if path is None or not os.path.isdir(path):
-        path = tempfile.mkdtemp(prefix="lightning_grpo_vllm_")
-        model.config.save_pretrained(path)
-        model.save_pretrained(path, state_dict=merged_state_dict(policy) if model is not policy else None)
-        tokenizer.save_pretrained(path)
-    dtype = next(policy.parameters()).dtype
-    return VLLMRolloutEngine(
-        path,
-        gpu_memory_utilization=config.vllm_gpu_memory_utilization,
-        kv_cache_space_gib=config.vllm_kv_cache_space_gib,
-        max_model_len=config.max_prompt_length + max(config.max_new_tokens, config.eval_max_new_tokens or 0),
-        enable_sleep_mode=config.vllm_enable_sleep_mode,
-        dtype=str(dtype).removeprefix("torch."),
-        stop=stop,
-    )
 
 
 class RolloutWorker:
     """The engine's lifecycle (make, wake, sync, sleep), prompt encoding and weight versions.
 
     Args:
-        config: the algorithm settings (``rollout_engine``, ``max_prompt_length``, ``vllm_sync_every``, ...).
+        config: the algorithm settings (``engine``, ``max_prompt_length``, ``engine.sync_every``, ...).
         tokenizer: the policy's tokenizer (chat template for message-list prompts).
         events: called as ``events("on_weights_synced", weights_version)`` after each sync
             (:mod:`lightning_grpo.events`).
@@ -86,18 +48,46 @@ class RolloutWorker:
         self.config = config
         self.events = events
         self.tokenizer = tokenizer
-        self.engine: Optional[RolloutEngine] = None
+        resolve_engine_name(config.engine.name)  # an unknown engine name fails here, when the module is built
+        self._engine: Optional[RolloutEngine] = None
         self.weights_version = 0
         self.engine_version = 0
         self.stop = StopFlag()
 
-    def start(self, policy: nn.Module, model_path: Optional[str]) -> None:
-        """Make the engine once (idempotent). A vLLM engine gets the policy's weights before its first rollout
-        (they may differ from ``model_path``'s, e.g. after a resume)."""
-        if self.engine is None:
-            self.engine = make_engine(self.config, policy, self.tokenizer, model_path, stop=self.stop)
-            if self.config.rollout_engine in ("vllm", "vllm_server"):
+    @property
+    def engine(self) -> Optional[RolloutEngine]:
+        """The rollout engine (None before :meth:`start`)."""
+        return self._engine
+
+    @engine.setter
+    def engine(self, engine: Any) -> None:
+        """Set the engine: a :class:`~lightning_grpo.rollout.base.RolloutEngine`, or a user engine with only the core
+        members (adapted by :func:`~lightning_grpo.rollout.base.as_rollout_engine`; a TypeError names what it lacks).
+        An engine with its own weights gets the policy's before its first rollout."""
+        self._engine = None if engine is None else as_rollout_engine(engine)
+        if self._engine is not None:
+            self._check_capabilities(self._engine)
+            if not self._engine.uses_policy_parameters:
                 self.engine_version = -1
+
+    def start(self, policy: nn.Module, model_path: Optional[str]) -> None:
+        """Make the engine ``config.engine.name`` names once (idempotent; :func:`~lightning_grpo.rollout.registry.
+        make_engine`). An engine with its own weights gets the policy's before its first rollout (they may differ
+        from ``model_path``'s, e.g. after a resume).
+
+        Raises:
+            ValueError: ``max_staleness > 0`` with an engine that generates with the policy's own parameters.
+        """
+        if self._engine is None:
+            self.engine = make_engine(EngineSpec(self.config, policy, self.tokenizer, model_path, self.stop))
+
+    def _check_capabilities(self, engine: RolloutEngine) -> None:
+        if self.config.max_staleness > 0 and engine.uses_policy_parameters:
+            raise ValueError(
+                f"GRPOConfig.max_staleness={self.config.max_staleness} needs a rollout engine with its own copy of "
+                f"the weights (engine.name='vllm' or 'vllm_server'): engine.name={self.config.engine.name!r} "
+                "generates with the training model itself, so it cannot generate while the trainer trains; use "
+                "max_staleness=0")
 
     def tokenize(self, prompts: Sequence[Any]) -> tuple[list[list[int]], int]:
         """Encode prompts (:func:`lightning_grpo.rollout.prompts.encode_prompts`: chat template for message lists,
@@ -119,11 +109,11 @@ class RolloutWorker:
         return self.engine
 
     def sync(self, policy: nn.Module, force: bool = False) -> None:
-        """Push ``policy``'s weights into the engine every ``vllm_sync_every`` optimizer steps (always when
-        ``force`` and they differ, and before the first rollout of a vLLM engine)."""
+        """Push ``policy``'s weights into the engine every ``engine.sync_every`` optimizer steps (always when
+        ``force`` and they differ, and before the first rollout of an engine with its own weights)."""
         engine = self.require_engine()
         behind = self.weights_version - self.engine_version
-        if behind >= self.config.vllm_sync_every or (force and behind > 0) or self.engine_version < 0:
+        if behind >= self.config.engine.sync_every or (force and behind > 0) or self.engine_version < 0:
             engine.sync_weights(policy)
             self.engine_version = self.weights_version
             if self.events is not None:

@@ -16,7 +16,6 @@ from typing import Any, Iterator, Sequence
 from torch import Tensor, nn
 
 from lightning_grpo.rollout.base import EngineWrapper, RolloutEngine, RolloutOutput, SamplingConfig
-from lightning_grpo.rollout.engines.hf import HFRolloutEngine
 
 #: Attribute set on every module :func:`lightning_grpo.strategies.fsdp.shard_model` shards: its
 #: ``reshard_after_forward`` (restored after a rollout).
@@ -103,9 +102,8 @@ class GatheredGenerationEngine(EngineWrapper):
     sharded policy (FSDP2: one all-gather per group per rollout instead of one per generated token).
 
     Args:
-        engine: the wrapped engine (:class:`~lightning_grpo.rollout.engines.hf.HFRolloutEngine`, which generates with
-        the
-            unwrapped policy module itself, or an engine with its own weights such as vLLM's).
+        engine: the wrapped engine: one that generates with the unwrapped policy module itself
+            (``uses_policy_parameters``, HF ``generate``), or one with its own weights such as vLLM's.
         model: the sharded policy.
         gather_for_sync: also run ``engine.sync_weights`` inside :func:`gathered_parameters` (FSDP1, whose
             parameters outside it are flat local shards; FSDP2 ``DTensor`` parameters gather themselves).
@@ -123,7 +121,7 @@ class GatheredGenerationEngine(EngineWrapper):
         self, prompt_ids: Sequence[Sequence[int]], num_generations: int, sampling: SamplingConfig
     ) -> RolloutOutput:
         """``engine.generate`` with the policy's full parameters gathered once (a collective: every rank calls)."""
-        if not isinstance(self.engine, HFRolloutEngine):  # the engine holds its own full weights
+        if not self.engine.uses_policy_parameters:  # the engine holds its own full weights
             return self.engine.generate(prompt_ids, num_generations, sampling)
         with gathered_parameters(self.model):
             return self.engine.generate(prompt_ids, num_generations, sampling)

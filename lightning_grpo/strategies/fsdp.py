@@ -46,7 +46,6 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_grpo.models.lora import is_lora
-from lightning_grpo.rollout.engines.hf import HFRolloutEngine
 from lightning_grpo.strategies._gather import (
     RESHARD_ATTR,
     GatheredGenerationEngine,
@@ -258,7 +257,7 @@ class FSDP2Backend(LocalBackend):
             shard_model(root, dp_mesh, reshard_after_forward=settings.reshard_after_forward, **kwargs)
         if ref is not None and not is_fsdp2(ref):
             shard_model(ref, dp_mesh, reshard_after_forward=True, root_reshard_after_forward=True, **kwargs)
-        if isinstance(engine, HFRolloutEngine):
+        if engine is not None and engine.uses_policy_parameters:
             engine = GatheredGenerationEngine(engine, policy)
         return GRPOModels(policy, ref, engine)
 

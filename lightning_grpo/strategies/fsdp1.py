@@ -29,7 +29,6 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_grpo.models.lora import is_lora
-from lightning_grpo.rollout.engines.hf import HFRolloutEngine
 from lightning_grpo.strategies._gather import GatheredGenerationEngine, full_state_dict, is_fsdp1, is_sharded
 from lightning_grpo.strategies.base import ClipFallback, GRPOModels, clips_by_norm
 from lightning_grpo.strategies.local import LocalBackend
@@ -84,10 +83,10 @@ class FSDP1Backend(LocalBackend):
         ref = _wrap(models.ref, self.strategy, auto_wrap_policy) if models.ref is not None else None
         engine = models.engine
         if engine is not None and not isinstance(engine, GatheredGenerationEngine):
-            if isinstance(engine, HFRolloutEngine) and auto_wrap_policy is not None:
+            if engine.uses_policy_parameters and auto_wrap_policy is not None:
                 # nested units all-gather in every forward: every rank must run as many forwards as the longest
-                # rank (transformers' synced_gpus, switched on by this attribute, like for FSDP2 modules)
-                engine.model._is_fsdp_managed_module = True
+                # rank (transformers' synced_gpus, as for FSDP2 modules)
+                engine.set_lockstep(True)
             engine = GatheredGenerationEngine(engine, policy, gather_for_sync=True)
         return GRPOModels(policy, ref, engine)
 

@@ -31,8 +31,8 @@ def _length(prompts, completions, **kwargs):
 
 
 def _module(path, engine="hf", **config):
-    config = {"num_generations": 4, "max_new_tokens": 6, "max_prompt_length": 256, "rollout_engine": engine,
-              "vllm_kv_cache_space_gib": 1, **config}
+    config = {"num_generations": 4, "max_new_tokens": 6, "max_prompt_length": 256,
+              "engine": {"name": engine, "kv_cache_space_gib": 1}, **config}
     return GRPOModule(path, reward_funcs=[_alternating, _length], config=GRPOConfig(**config), learning_rate=1e-3)
 
 

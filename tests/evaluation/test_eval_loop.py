@@ -9,6 +9,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 
 from lightning_grpo import GRPOConfig, GRPOModule
+from lightning_grpo.config import EvalConfig
 from lightning_grpo.data import PromptDataModule
 
 
@@ -22,7 +23,7 @@ def _rows(tmp_path):
 
 
 def test_validation_logs_pass_at_k_maj_and_mean_for_each_dataset(tmp_path, tiny_llama_path):
-    config = GRPOConfig(num_generations=2, max_new_tokens=4, max_prompt_length=400, eval_num_samples=4, eval_k=2)
+    config = GRPOConfig(num_generations=2, max_new_tokens=4, max_prompt_length=400, eval=EvalConfig(num_samples=4, k=2))
     module = GRPOModule(tiny_llama_path, reward_funcs=[_alternating], config=config)
     checkpoint = ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), monitor="val/pass@2", mode="max")
     trainer = L.Trainer(max_steps=1, accelerator="cpu", devices=1, logger=CSVLogger(str(tmp_path), name="logs"),
@@ -60,7 +61,7 @@ def test_cli_test_subcommand_evaluates_gsm8k_and_math500_from_the_eval_recipe(tm
 
     recipe = Path(__file__).resolve().parents[2] / "recipes" / "eval.yaml"
     cli = GRPOCLI(GRPOModule, Data, args=["--config", str(recipe), "--model.model", tiny_llama_path,
-                                           "--model.config.rollout_engine", "hf", "--model.config.max_new_tokens", "4",
+                                           "--model.config.engine.name", "hf", "--model.config.max_new_tokens", "4",
                                            "--data.val_size", "2", "--data.val_batch_size", "2",
                                            "--trainer.default_root_dir", str(tmp_path),
                                            "--trainer.logger.init_args.save_dir", str(tmp_path),
@@ -74,7 +75,7 @@ def test_cli_test_subcommand_evaluates_gsm8k_and_math500_from_the_eval_recipe(tm
 
 def test_validate_before_fit_then_validate_after(tmp_path, tiny_llama_path):
     # trainer.validate makes the metric states under inference mode; the fit's validation updates them without it
-    config = GRPOConfig(num_generations=2, max_new_tokens=4, max_prompt_length=400, eval_num_samples=2)
+    config = GRPOConfig(num_generations=2, max_new_tokens=4, max_prompt_length=400, eval=EvalConfig(num_samples=2))
     module = GRPOModule(tiny_llama_path, reward_funcs=[_alternating], config=config)
     trainer = L.Trainer(max_steps=1, accelerator="cpu", devices=1, logger=CSVLogger(str(tmp_path), name="logs"),
                         enable_progress_bar=False, enable_model_summary=False, val_check_interval=1,

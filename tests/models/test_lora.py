@@ -20,16 +20,17 @@ from _algorithm_support import FixedRolloutEngine, fixed_completions, write_prom
 from lightning.pytorch.callbacks import ModelCheckpoint
 from peft import LoraConfig, PeftModel, get_peft_model
 from torch import nn
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lightning_grpo import GRPOConfig, GRPOModule
 from lightning_grpo.cli import GRPOCLI
 from lightning_grpo.data import PromptDataModule
 from lightning_grpo.models.loading import load_policy
-from lightning_grpo.models.lora import AdapterDisabledReference
-from lightning_grpo.rollout.base import SamplingConfig
+from lightning_grpo.models.lora import AdapterDisabledReference, LoraSettings, check_quantized_engine
+from lightning_grpo.rollout.base import SamplingConfig, StopFlag, as_rollout_engine
+from lightning_grpo.rollout.engines.hf import HFRolloutEngine
 from lightning_grpo.rollout.engines.hf_weights import hf_weights, merged_state_dict
-from lightning_grpo.rollout.worker import make_engine
+from lightning_grpo.rollout.registry import EngineSpec, make_engine
 from lightning_grpo.strategies import FSDP1Backend, GRPOModels
 from lightning_grpo.training.experience import Experience
 
@@ -181,7 +182,7 @@ def test_hf_engine_samples_from_the_adapted_model(run, tiny_llama_path):
     """The HF engine generates with the PEFT model's transformers model (LoRA layers in place, its generation config
     neutralized): its sampler logprobs are the trainer's logprobs of the adapted policy."""
     module = run["module"]
-    engine = make_engine(module.config, module.policy, module.tokenizer, tiny_llama_path)
+    engine = make_engine(EngineSpec(module.config, module.policy, module.tokenizer, tiny_llama_path, StopFlag()))
     assert engine.model is module.policy.get_base_model()
     engine.report_logprobs = True
     torch.manual_seed(0)
@@ -265,8 +266,15 @@ def test_quantization_needs_cuda_and_lora(tiny_llama_path):
         GRPOModule(tiny_llama_path, quantization="8bit")
     with pytest.raises(ValueError, match="quantization='3bit': choose None, '4bit' or '8bit'"):
         GRPOModule(tiny_llama_path, lora=lora, quantization="3bit")
-    with pytest.raises(ValueError, match="quantization='4bit': a quantized base is not merged.*'vllm'"):
-        GRPOModule(tiny_llama_path, lora=lora, quantization="4bit", config=GRPOConfig(rollout_engine="vllm"))
+    with pytest.raises(ValueError, match="quantization='4bit': a quantized base is not merged with its adapters; use "
+                       "export_merged=False"):
+        GRPOModule(tiny_llama_path, lora=lora, quantization="4bit", export_merged=True)
+    quantized = LoraSettings(lora, quantization_config=object())  # what lora_settings returns for a quantized base
+    check_quantized_engine(quantized, HFRolloutEngine(AutoModelForCausalLM.from_pretrained(tiny_llama_path),
+                                                      AutoTokenizer.from_pretrained(tiny_llama_path)))
+    with pytest.raises(ValueError, match="a quantized base is not merged with its adapters, so an engine with its own "
+                       "weights cannot sample from it: use GRPOConfig.engine.name='hf'"):
+        check_quantized_engine(quantized, as_rollout_engine(FixedRolloutEngine(torch.zeros(1, 1), 0)))
     with pytest.raises(ValueError, match="export_merged=True .* needs lora"):
         GRPOModule(tiny_llama_path, export_merged=True)
     with pytest.raises(TypeError, match="lora must be a peft.LoraConfig, a dict of its fields or None, got int"):

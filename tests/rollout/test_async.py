@@ -33,6 +33,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint  # noqa: E402
 from test_resume import QUESTIONS, _assert_same_run  # noqa: E402
 
 from lightning_grpo import GRPOConfig, GRPOModule  # noqa: E402
+from lightning_grpo.config import EngineConfig
 from lightning_grpo.data import PromptDataModule  # noqa: E402
 
 STEPS = 6
@@ -80,7 +81,7 @@ def _fit(model: str, data: str, root: Path, *, ckpt_dir=None, resume_from=None, 
          **config) -> tuple[Recorder, dict, GRPOModule]:
     """One run; ``(recorder, final weights, module)``. The vLLM engine is closed at the end."""
     L.seed_everything(0, verbose=False)
-    cfg = GRPOConfig(num_generations=4, max_new_tokens=8, rollout_engine="vllm", vllm_kv_cache_space_gib=1,
+    cfg = GRPOConfig(num_generations=4, max_new_tokens=8, engine=EngineConfig(name="vllm", kv_cache_space_gib=1),
                      max_prompt_length=128, mini_batch_size=mini_batch_size, **config)
     module = GRPOModule(model, reward_funcs=[length_reward], config=cfg, learning_rate=2e-2, export_dir="")
     recorder = Recorder()
@@ -150,7 +151,7 @@ SCHEDULES = {1: ([0, 1, 1, 1, 0, 1], [0, 0, 1, 2, 4, 4]), 2: ([0, 1, 2, 2, 0, 1]
 def test_staleness_schedule_and_the_weights_each_rollout_was_sampled_from(runs, k):
     recorder, _, module = runs(f"async_{k}", max_staleness=k)
     staleness, versions = SCHEDULES[k]
-    assert module.config.importance_sampling_cap == 2.0  # set by max_staleness > 0
+    assert module.config.importance_sampling_cap is None and module.config.tis_cap() == 2.0  # max_staleness > 0
     assert _staleness(recorder) == [float(s) for s in staleness]
     assert all(recorder.steps[s]["rollout/staleness_mean"] == staleness[s] for s in range(STEPS))
     assert recorder.versions == versions
@@ -241,15 +242,18 @@ def test_per_request_seeds_on_vllm_cpu_do_not_depend_on_the_batch_or_the_global_
 
 
 def test_bad_settings_raise_clear_errors(tmp_path, tiny_llama_path, data_file):
-    with pytest.raises(ValueError, match=r"max_staleness=1 .*'hf' engine generates with the training model"):
-        GRPOConfig(rollout_engine="hf", max_staleness=1)
     with pytest.raises(ValueError, match=r"max_staleness=-1 is invalid: must be an int >= 0"):
         GRPOConfig(max_staleness=-1)
-    for bad in ({"dynamic_sampling": True}, {"vllm_sync_every": 2}, {"vllm_enable_sleep_mode": True}):
+    for bad in ({"dynamic_sampling": True}, {"engine": EngineConfig(name="vllm", sync_every=2)},
+                {"engine": EngineConfig(name="vllm", enable_sleep_mode=True)}):
         with pytest.raises(ValueError, match=rf"max_staleness=1 .*{next(iter(bad))}"):
-            GRPOConfig(rollout_engine="vllm", max_staleness=1, **bad)
-    assert GRPOConfig(rollout_engine="vllm", max_staleness=1, importance_sampling_cap=5.0).importance_sampling_cap == 5
-    assert GRPOConfig(rollout_engine="vllm").importance_sampling_cap is None
+            GRPOConfig(**{"engine": EngineConfig(name="vllm"), "max_staleness": 1, **bad})
+    assert GRPOConfig(engine=EngineConfig(name="vllm"), max_staleness=1, importance_sampling_cap=5.0).tis_cap() == 5
+    assert GRPOConfig(engine=EngineConfig(name="vllm")).tis_cap() is None
+    with pytest.raises(ValueError, match=r"max_staleness=1 needs a rollout engine with its own copy of the weights "
+                       r"\(engine.name='vllm' or 'vllm_server'\): engine.name='hf' generates with the training model"):
+        module = GRPOModule(tiny_llama_path, config=GRPOConfig(max_staleness=1))
+        module.rollout.start(module.policy, module.model_path)
     with pytest.raises(ValueError, match=r"max_staleness=1 is less than the 2 optimizer steps of one rollout"):
         _fit(tiny_llama_path, data_file, tmp_path, max_staleness=1, mini_batch_size=4)
 
@@ -264,7 +268,7 @@ def test_per_request_seed_bases_are_disjoint_per_process(tiny_llama_path):
     from lightning_grpo.rollout.worker import RolloutWorker
     from lightning_grpo.training.logprobs import CompletionLogprobs
 
-    config = GRPOConfig(rollout_engine="vllm")
+    config = GRPOConfig(engine=EngineConfig(name="vllm"))
     maker = ExperienceMaker(config, RolloutWorker(config, AutoTokenizer.from_pretrained(tiny_llama_path)),
                             RewardSet.from_specs(["gsm8k_accuracy"]), CompletionLogprobs(config))
     seeds = []

@@ -14,7 +14,7 @@ import pytest
 import torch
 from _dist_utils import free_port
 
-from lightning_grpo.config import GRPOConfig
+from lightning_grpo.config import EngineConfig, GRPOConfig
 from lightning_grpo.rollout.base import SamplingConfig
 from lightning_grpo.rollout.engines.remote import VLLMServerEngine, probe_sequences, split_evenly
 from lightning_grpo.rollout.engines.rows import request_seeds, rollout_from_rows
@@ -146,7 +146,7 @@ def test_a_server_that_never_answers_fails_within_the_timeout(silent_server):
     elapsed = time.monotonic() - start
     assert 2.0 <= elapsed < 3.5, elapsed
     message = str(err.value)
-    assert f"rollout server {silent_server} did not answer GET /health within vllm_server_timeout=2 s" in message
+    assert f"rollout server {silent_server} did not answer GET /health within engine.server_timeout=2 s" in message
     assert "timed out" in message
 
 
@@ -170,8 +170,8 @@ def test_serve_help_lists_its_options(capsys):
 def test_an_unreachable_server_is_retried_until_the_timeout():
     url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     start = time.monotonic()
-    with pytest.raises(RolloutServerError, match=f"{url} did not answer POST /generate within vllm_server_timeout=1.5 s"
-                       r" \(last error: .*Connection refused"):
+    with pytest.raises(RolloutServerError, match=f"{url} did not answer POST /generate within "
+                       r"engine.server_timeout=1.5 s \(last error: .*Connection refused"):
         ServerClient(url, 1.5).request("POST", "/generate", {"prompts": []})
     assert 1.5 <= time.monotonic() - start < 2.5
 
@@ -208,16 +208,16 @@ def test_server_errors_come_back_at_once_with_their_message():
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        ({"rollout_engine": "vllm_server"}, r"vllm_server_urls=\[\] is invalid: rollout_engine='vllm_server' needs"),
-        ({"vllm_server_urls": ["localhost:8000"]}, "'localhost:8000' must start with http:// or https://"),
-        ({"vllm_server_urls": ["http://a:1", "http://a:1"]}, "a server is listed twice"),
-        ({"vllm_server_timeout": 0.0}, "vllm_server_timeout=0.0 is invalid: must be > 0 seconds"),
-        ({"vllm_server_group_port": 70000}, "vllm_server_group_port=70000 is invalid"),
-        ({"weight_sync_check": -1e-4}, "weight_sync_check=-0.0001 is invalid: must be > 0 or None"),
+        ({"name": "vllm_server"}, r"engine.server_urls=\[\] is invalid: engine.name='vllm_server' needs"),
+        ({"server_urls": ["localhost:8000"]}, "'localhost:8000' must start with http:// or https://"),
+        ({"server_urls": ["http://a:1", "http://a:1"]}, "a server is listed twice"),
+        ({"server_timeout": 0.0}, "engine.server_timeout=0.0 is invalid: must be > 0 seconds"),
+        ({"server_group_port": 70000}, "engine.server_group_port=70000 is invalid"),
+        ({"weight_sync_check": -1e-4}, "engine.weight_sync_check=-0.0001 is invalid: must be > 0 or None"),
     ],
 )
 def test_server_knobs_are_checked(kwargs, message):
     with pytest.raises(ValueError, match=message):
-        GRPOConfig(**kwargs)
-    config = GRPOConfig(rollout_engine="vllm_server", vllm_server_urls=["http://10.0.0.2:8000"])
-    assert config.vllm_server_urls == ["http://10.0.0.2:8000"] and config.weight_sync_check is None
+        EngineConfig(**kwargs)
+    config = GRPOConfig(engine=EngineConfig(name="vllm_server", server_urls=["http://10.0.0.2:8000"]))
+    assert config.engine.server_urls == ["http://10.0.0.2:8000"] and config.engine.weight_sync_check is None

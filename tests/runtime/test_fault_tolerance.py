@@ -145,7 +145,7 @@ def test_cli_recipe_resumes_with_ckpt_path_last_from_an_earlier_logger_version(t
             "--trainer.logger.init_args.save_dir", str(tmp_path), "--trainer.enable_progress_bar", "false",
             "--data.prompts_per_step", "1",
             "--data.val_size", "0", "--model.config.num_generations", "2", "--model.config.max_new_tokens", "8",
-            "--model.config.rollout_engine", "hf", "--model.export_dir", "", *extra]).trainer
+            "--model.config.engine.name", "hf", "--model.export_dir", "", *extra]).trainer
 
     first = run(1)
     last = tmp_path / "lightning_logs" / "version_0" / "checkpoints" / "last.ckpt"

@@ -113,6 +113,8 @@ class _Engine:
     """An engine with every RolloutEngine member, recording calls."""
 
     pad_token_id = 7
+    uses_policy_parameters = False
+    seeds_per_request = True
 
     def __init__(self):
         self.calls = []
@@ -135,6 +137,9 @@ class _Engine:
     def close(self):
         self.calls.append(("close",))
 
+    def set_lockstep(self, enabled):
+        self.calls.append(("set_lockstep", enabled))
+
 
 def test_engine_wrappers_forward_each_member_explicitly():
     engine = _Engine()
@@ -146,8 +151,11 @@ def test_engine_wrappers_forward_each_member_explicitly():
     wrapper.wake_up()
     wrapper.sleep(2)
     wrapper.close()
+    wrapper.set_lockstep(True)
     assert out.completion_ids.shape == (4, 1) and wrapper.pad_token_id == 7
-    assert engine.calls == [("generate", 2), ("sync_weights", model), ("wake_up",), ("sleep", 2), ("close",)]
+    assert (wrapper.uses_policy_parameters, wrapper.seeds_per_request) == (False, True)
+    assert engine.calls == [("generate", 2), ("sync_weights", model), ("wake_up",), ("sleep", 2), ("close",),
+                            ("set_lockstep", True)]
     assert not hasattr(wrapper, "calls")  # no blanket attribute forwarding
 
 

@@ -28,6 +28,7 @@ from transformers import (
 )
 
 from lightning_grpo.functional import sampling_logits
+from lightning_grpo.models.lora import base_model
 from lightning_grpo.rollout.base import (
     RolloutInterrupted,
     RolloutOutput,
@@ -37,6 +38,7 @@ from lightning_grpo.rollout.base import (
     eos_token_ids_from,
     finish_rollout,
 )
+from lightning_grpo.rollout.registry import EngineSpec
 
 
 def eos_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> list[int]:
@@ -137,6 +139,21 @@ class HFRolloutEngine:
         self.eos_token_ids = eos_token_ids(model, tokenizer)
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_token_ids[0]
         self.pad_token_id = int(pad)
+        self.synced_gpus: Optional[bool] = None  # None: transformers decides (DeepSpeed ZeRO-3 / FSDP2 modules)
+
+    @property
+    def uses_policy_parameters(self) -> bool:
+        """True: ``generate`` runs on the trained module."""
+        return True
+
+    @property
+    def seeds_per_request(self) -> bool:
+        """False: sampling draws from torch's global generator."""
+        return False
+
+    def set_lockstep(self, enabled: bool) -> None:
+        """``generate(synced_gpus=True)`` when enabled (FSDP1 with nested units: every forward is a collective)."""
+        self.synced_gpus = True if enabled else None
 
     def sync_weights(self, model: torch.nn.Module) -> None:
         """Nothing to do: generation runs on the trained module."""
@@ -202,6 +219,7 @@ class HFRolloutEngine:
             out = self.model.generate(
                 input_ids=ids, attention_mask=mask, generation_config=config,
                 logits_processor=LogitsProcessorList([processor]), stopping_criteria=[stop],
+                synced_gpus=self.synced_gpus,
             )
         finally:
             self.model.generation_config = checkpoint_config
@@ -237,3 +255,9 @@ class _StopCriterion(StoppingCriteria):
         self.fired = self.fired or self.flag.is_set()
         self.flag.tick(int(input_ids.shape[0]))
         return torch.full((input_ids.shape[0],), self.fired, dtype=torch.bool, device=input_ids.device)
+
+
+def make(spec: EngineSpec) -> HFRolloutEngine:
+    """The "hf" engine of the registry: generates with ``spec.policy`` (with a PEFT policy, with its transformers
+    model, whose layers carry the adapters)."""
+    return HFRolloutEngine(base_model(spec.policy), spec.tokenizer, stop=spec.stop)

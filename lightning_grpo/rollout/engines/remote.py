@@ -1,4 +1,4 @@
-"""``rollout_engine="vllm_server"``: rollouts from one or more rollout servers
+"""``engine.name="vllm_server"``: rollouts from one or more rollout servers
 (:mod:`lightning_grpo.rollout.server.app`).
 
 * **Generation**: a ``generate`` call's prompts are split into contiguous, near-equal parts, one per server
@@ -7,22 +7,22 @@
   ``i`` of the whole call), so the completions do not depend on how the prompts were split. The sampler logprobs
   are the server engine's processed logprobs (:mod:`lightning_grpo.rollout.engines.vllm`). Each rollout carries the
   version of the weights that produced it (``RolloutOutput.weight_version``).
-* **Weight sync** (:meth:`VLLMServerEngine.sync_weights`, every ``vllm_sync_every`` optimizer steps): the
+* **Weight sync** (:meth:`VLLMServerEngine.sync_weights`, every ``engine.sync_every`` optimizer steps): the
   trainer's global rank 0 streams :func:`lightning_grpo.rollout.engines.hf_weights.hf_weights` (FSDP full tensors
   gathered
   one at a time, LoRA merged, ``lm_head`` sent for tied embeddings, as the colocated engine) to every instance
   over its own ``torch.distributed`` group (:mod:`lightning_grpo.rollout.server.weight_sync`); the version goes up by
   one per sync. The other ranks wait on the trainer's default group, so that no rank generates with the old
-  weights. With ``weight_sync_check`` the server's teacher-forced logprobs of a fixed probe batch are compared
+  weights. With ``engine.weight_sync_check`` the server's teacher-forced logprobs of a fixed probe batch are compared
   with the policy's own (:func:`lightning_grpo.functional.token_logprobs`) and a difference above the bound is
   an error on every rank.
 * **Restarts and timeouts**: before each request to an instance its ``/health`` is read; a new ``instance_id``
   means the instance restarted (checkpoint weights, version 0): rank 0 forms a new weight-sync group with it
   and re-sends the weights of the policy given to the last sync (the policy's current weights: newer than the
-  other instances' when ``vllm_sync_every > 1``) before using it; other ranks wait until it has the current
+  other instances' when ``engine.sync_every > 1``) before using it; other ranks wait until it has the current
   version. A sharded (FSDP) policy can only be re-sent by a sync, which every rank joins: an instance that
   restarts between syncs is then an error. Unreachable servers are retried with backoff
-  (:class:`~lightning_grpo.rollout.server.client.ServerClient`); after ``vllm_server_timeout`` seconds the error
+  (:class:`~lightning_grpo.rollout.server.client.ServerClient`); after ``engine.server_timeout`` seconds the error
   names the URL and the timeout. The process groups have the same timeout: nothing waits forever.
 """
 
@@ -44,6 +44,7 @@ from lightning_grpo.functional import token_logprobs
 from lightning_grpo.rollout.base import RolloutOutput, SamplingConfig, StopFlag
 from lightning_grpo.rollout.engines.hf_weights import hf_weights
 from lightning_grpo.rollout.engines.rows import check_prompts, request_seeds, rollout_from_rows
+from lightning_grpo.rollout.registry import EngineSpec
 from lightning_grpo.rollout.server.client import RolloutServerError, ServerClient
 from lightning_grpo.rollout.server.weight_sync import host_store, make_group, send_weights
 
@@ -105,11 +106,11 @@ class VLLMServerEngine:
     Args:
         urls: the servers' base URLs (``http://host:port``), one per instance.
         tokenizer: the policy's tokenizer (decodes the completions).
-        timeout_s: ``vllm_server_timeout``: most seconds any request or weight transfer may take.
+        timeout_s: ``engine.server_timeout``: most seconds any request or weight transfer may take.
         group_host: the address of this trainer's global rank 0 that the servers connect to for the weight-sync
             groups; None = ``$MASTER_ADDR``, else 127.0.0.1.
         group_port: the port rank 0 listens on for them (one for every instance).
-        weight_sync_check: bound on the max absolute difference of the probe logprobs after a sync; None = off.
+        engine.weight_sync_check: bound on the max absolute difference of the probe logprobs after a sync; None = off.
         stop: polled while waiting for the servers; once set, ``generate`` raises
             :class:`~lightning_grpo.rollout.base.RolloutInterrupted` (the servers finish and are ignored).
 
@@ -122,7 +123,7 @@ class VLLMServerEngine:
                  group_host: Optional[str] = None, group_port: int = 51216,
                  weight_sync_check: Optional[float] = None, stop: Optional[StopFlag] = None) -> None:
         if not urls:
-            raise ValueError("urls is empty: give the rollout servers' URLs (GRPOConfig.vllm_server_urls)")
+            raise ValueError("urls is empty: give the rollout servers' URLs (GRPOConfig.engine.server_urls)")
         if len({u.rstrip("/") for u in urls}) != len(urls):
             raise ValueError(f"urls {list(urls)} name a server twice: each instance holds one weight-sync group")
         self.tokenizer = tokenizer
@@ -154,6 +155,19 @@ class VLLMServerEngine:
                 self._init_group(inst, inst_info, deadline)
 
     # ------------------------------------------------------------------ generation
+    @property
+    def uses_policy_parameters(self) -> bool:
+        """False: the servers hold their own copy of the weights, updated by :meth:`sync_weights`."""
+        return False
+
+    @property
+    def seeds_per_request(self) -> bool:
+        """True: the servers sample every completion with its own seed."""
+        return True
+
+    def set_lockstep(self, enabled: bool) -> None:
+        """Nothing to do: the servers' forward passes are their own."""
+
     def generate(self, prompt_ids: Sequence[Sequence[int]], num_generations: int,
                  sampling: SamplingConfig) -> RolloutOutput:
         """Sample ``num_generations`` completions per prompt on the servers (see the module docstring).
@@ -237,7 +251,7 @@ class VLLMServerEngine:
             if time.monotonic() + 0.2 > deadline:
                 raise RolloutServerError(
                     f"rollout server {inst.client.url} holds weights version {info['version']}, not {self.version}, "
-                    f"and rank 0 did not re-send them within vllm_server_timeout={self.timeout_s:g} s")
+                    f"and rank 0 did not re-send them within engine.server_timeout={self.timeout_s:g} s")
             time.sleep(0.2)
 
     def _init_group(self, inst: Instance, info: dict, deadline: float) -> None:
@@ -260,7 +274,7 @@ class VLLMServerEngine:
                 raise RolloutServerError(
                     f"rollout server {inst.client.url} did not join the weight-sync group at {self.group_host}:"
                     f"{self.group_port} within {timeout:.0f} s ({err}; server: {detail}); the servers must reach "
-                    "that address (GRPOConfig.vllm_server_group_host / vllm_server_group_port)") from err
+                    "that address (GRPOConfig.engine.server_group_host / engine.server_group_port)") from err
             answer.result()
         inst.group, inst.instance_id, inst.version = group, info["instance_id"], int(info["version"])
 
@@ -287,11 +301,11 @@ class VLLMServerEngine:
 
     def sync_weights(self, model: nn.Module) -> None:
         """Send ``model``'s weights to every instance as the next version (rank 0 sends; every rank calls this, the
-        others wait), then run the post-sync check when ``weight_sync_check`` is set.
+        others wait), then run the post-sync check when ``engine.weight_sync_check`` is set.
 
         Raises:
             RolloutServerError: the transfer failed on some instance, or the check found a logprob difference above
-                ``weight_sync_check`` (the instance, the difference and the bound are named); on every rank.
+                ``engine.weight_sync_check`` (the instance, the difference and the bound are named); on every rank.
         """
         self.version += 1
         self._model = model
@@ -315,8 +329,8 @@ class VLLMServerEngine:
         if self.weight_sync_check is not None and worst > self.weight_sync_check:
             raise RolloutServerError(
                 f"post-sync check failed for weights version {self.version}: the rollout server's logprobs of the "
-                f"probe batch differ from the policy's by up to {worst:.3g} > weight_sync_check="
-                f"{self.weight_sync_check:g}{where}: the server is not generating with the trained weights")
+                f"probe batch differ from the policy's by up to {worst:.3g} > engine.weight_sync_check="
+                f"{self.engine.weight_sync_check:g}{where}: the server is not generating with the trained weights")
 
     def _send_to_all(self, model: nn.Module) -> None:
         """Rank 0: a new group with each instance that restarted, then the weights to all of them."""
@@ -371,3 +385,12 @@ class VLLMServerEngine:
                     log.warning("closing the weight-sync group of %s: %s", inst.client.url, err)
                 inst.group = None
         self._store = None
+
+
+def make(spec: EngineSpec) -> VLLMServerEngine:
+    """The "vllm_server" engine of the registry: the rollout servers at ``config.engine.server_urls``, which get the
+    weights by :meth:`VLLMServerEngine.sync_weights` (before the first rollout too)."""
+    engine = spec.config.engine
+    return VLLMServerEngine(engine.server_urls, spec.tokenizer, timeout_s=engine.server_timeout,
+                            group_host=engine.server_group_host, group_port=engine.server_group_port,
+                            weight_sync_check=engine.weight_sync_check, stop=spec.stop)

@@ -47,15 +47,18 @@ from __future__ import annotations
 
 import gc
 import os
+import tempfile
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
 import torch
 from transformers import AutoTokenizer, GenerationConfig
 
+from lightning_grpo.models.lora import base_model
 from lightning_grpo.rollout.base import RolloutInterrupted, RolloutOutput, SamplingConfig, StopFlag, eos_token_ids_from
-from lightning_grpo.rollout.engines.hf_weights import hf_weights
+from lightning_grpo.rollout.engines.hf_weights import hf_weights, merged_state_dict
 from lightning_grpo.rollout.engines.rows import check_prompts, request_seeds, rollout_from_rows
+from lightning_grpo.rollout.registry import EngineSpec
 
 #: torch's own ``set_num_threads``: vLLM's CPU worker replaces it with a no-op for the life of the process
 #: (its OpenMP threads are bound); :meth:`VLLMRolloutEngine.close` puts it back.
@@ -186,6 +189,19 @@ class VLLMRolloutEngine:
         model_config = self.llm.llm_engine.model_config
         self.max_model_len = int(model_config.max_model_len)
         self.tie_word_embeddings = bool(getattr(model_config.hf_text_config, "tie_word_embeddings", False))
+
+    @property
+    def uses_policy_parameters(self) -> bool:
+        """False: the engine holds its own copy of the weights, updated by :meth:`sync_weights`."""
+        return False
+
+    @property
+    def seeds_per_request(self) -> bool:
+        """True: every completion is sampled with its own seed (see the module docstring)."""
+        return True
+
+    def set_lockstep(self, enabled: bool) -> None:
+        """Nothing to do: the engine's forward passes are its own."""
 
     # ------------------------------------------------------------------ generation
     def _sampling_params(self, sampling: SamplingConfig, num_generations: int) -> Any:
@@ -361,3 +377,27 @@ def _abort_between_steps(engine: Any, stop: StopFlag) -> None:
         return step()
 
     engine.step = step_or_abort
+
+
+def make(spec: EngineSpec) -> VLLMRolloutEngine:
+    """The "vllm" engine of the registry: a colocated engine loaded from ``spec.model_path``; a policy given as an
+    ``nn.Module`` without a folder is saved to a temporary one first (LoRA merged). Its weights follow by
+    :meth:`VLLMRolloutEngine.sync_weights` (before the first rollout too)."""
+    config, policy, tokenizer = spec.config, spec.policy, spec.tokenizer
+    path = spec.model_path
+    if path is None or not os.path.isdir(path):
+        model = base_model(policy)
+        path = tempfile.mkdtemp(prefix="lightning_grpo_vllm_")
+        model.config.save_pretrained(path)
+        model.save_pretrained(path, state_dict=merged_state_dict(policy) if model is not policy else None)
+        tokenizer.save_pretrained(path)
+    engine = config.engine
+    return VLLMRolloutEngine(
+        path,
+        gpu_memory_utilization=engine.gpu_memory_utilization,
+        kv_cache_space_gib=engine.kv_cache_space_gib,
+        max_model_len=config.max_prompt_length + max(config.max_new_tokens, config.eval.max_new_tokens or 0),
+        enable_sleep_mode=engine.enable_sleep_mode,
+        dtype=str(next(policy.parameters()).dtype).removeprefix("torch."),
+        stop=spec.stop,
+    )

@@ -7,7 +7,7 @@ The engine is the colocated engine's (:class:`~lightning_grpo.rollout.engines.vl
 parameters, same processed sampler logprobs, same per-request seeds) with the worker extension
 :class:`~lightning_grpo.rollout.server.vllm_extension.WeightSyncWorkerExtension`, through which the trainer streams its
 weights over a ``torch.distributed`` group (:mod:`lightning_grpo.rollout.server.weight_sync`). The trainer's side is
-:class:`~lightning_grpo.rollout.engines.remote.VLLMServerEngine` (``rollout_engine="vllm_server"``).
+:class:`~lightning_grpo.rollout.engines.remote.VLLMServerEngine` (``engine.name="vllm_server"``).
 
 Endpoints (JSON bodies and answers; an error answers 400 for bad input, 500 otherwise, ``{"error": message}``):
 

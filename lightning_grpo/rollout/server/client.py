@@ -26,7 +26,7 @@ class ServerClient:
 
     Args:
         url: the server's base URL.
-        timeout_s: the default deadline of a request, in seconds from its start (``vllm_server_timeout``).
+        timeout_s: the default deadline of a request, in seconds from its start (``engine.server_timeout``).
 
     Raises:
         ValueError: ``url`` not ``http(s)://...`` or ``timeout_s <= 0``.
@@ -57,7 +57,7 @@ class ServerClient:
 
         Raises:
             RolloutServerError: the server answered with an error status (its message is included), or gave no
-                answer before the deadline (the URL, the endpoint, ``vllm_server_timeout`` and the last error
+                answer before the deadline (the URL, the endpoint, ``engine.server_timeout`` and the last error
                 are named).
         """
         deadline = self.deadline() if deadline is None else deadline
@@ -67,7 +67,7 @@ class ServerClient:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise RolloutServerError(
-                    f"rollout server {self.url} did not answer {method} {path} within vllm_server_timeout="
+                    f"rollout server {self.url} did not answer {method} {path} within engine.server_timeout="
                     f"{self.timeout_s:g} s (last error: {last}); is it running and reachable?")
             request = urllib.request.Request(self.url + path, data=data, method=method,
                                              headers={"Content-Type": "application/json"})

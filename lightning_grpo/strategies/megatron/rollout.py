@@ -18,7 +18,6 @@ from typing import Any, Sequence
 import torch
 
 from lightning_grpo.rollout.base import EngineWrapper, RolloutEngine, RolloutOutput, SamplingConfig
-from lightning_grpo.rollout.engines.hf import HFRolloutEngine
 from lightning_grpo.strategies.megatron.policy import MegatronPolicy
 
 
@@ -48,7 +47,7 @@ class TensorParallelRolloutEngine(EngineWrapper):
     ) -> RolloutOutput:
         """Generate on TP rank 0 (after refreshing the HF copy if the weights changed, for the HF engine) and
         broadcast the result over the TP group. A TP collective: every TP rank calls it with the same prompts."""
-        if isinstance(self.engine, HFRolloutEngine) and self._any_stale():
+        if self.engine.uses_policy_parameters and self._any_stale():
             self._sync_hf_model()
         from megatron.core import parallel_state
 
