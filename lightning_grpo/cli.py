@@ -22,8 +22,9 @@ import sys
 import warnings
 from typing import Any, Optional, Sequence
 
-from jsonargparse import set_parsing_settings
+from jsonargparse import DefaultHelpFormatter, set_parsing_settings
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from typing_extensions import override
 
 from lightning_grpo.config import GRPOConfig
 from lightning_grpo.data import PromptDataModule
@@ -32,6 +33,7 @@ from lightning_grpo.evaluation.report import fit_report
 from lightning_grpo.models.embedded import resolve_model_path
 from lightning_grpo.module import GRPOModule
 from lightning_grpo.rollout.server.app import serve_main
+from lightning_grpo.runtime.checkpointing import use_last_checkpoint_fallback
 
 
 def _tokenizer_source(model: object, tokenizer: object) -> Optional[str]:
@@ -53,6 +55,7 @@ def _max_prompt_length(config: object) -> int:
 class GRPOCLI(LightningCLI):
     """LightningCLI with the GRPO module and prompt data module as the defaults."""
 
+    @override
     def init_parser(self, **kwargs: Any) -> LightningArgumentParser:
         # GRPOConfig documents each field by the string below it (as litgpt does); jsonargparse reads those only
         # with attribute docstrings on, which must be set before the model's arguments are added to the parser.
@@ -61,6 +64,7 @@ class GRPOCLI(LightningCLI):
         warnings.filterwarnings("ignore", message="`loftq_config` specified but will be ignored", category=UserWarning)
         return super().init_parser(**kwargs)
 
+    @override
     def add_arguments_to_parser(self, parser) -> None:  # noqa: ANN001 - jsonargparse parser
         # the data module drops over-long prompts, measured with the policy's tokenizer and the same limit
         parser.link_arguments("model.config", "data.max_prompt_length", compute_fn=_max_prompt_length)
@@ -70,9 +74,16 @@ class GRPOCLI(LightningCLI):
                                  "skipped when resuming (--ckpt_path)")
 
     def before_fit(self) -> None:
+        use_last_checkpoint_fallback(self.trainer)
         config = self.config.get(self.subcommand, {})
         if config.get("validate_before_fit") and not config.get("ckpt_path"):  # a resumed run had its "before"
             self.trainer.validate(self.model, datamodule=self.datamodule)
+
+    def before_validate(self) -> None:
+        use_last_checkpoint_fallback(self.trainer)
+
+    def before_test(self) -> None:
+        use_last_checkpoint_fallback(self.trainer)
 
     def after_fit(self) -> None:
         report = fit_report(self.trainer)
@@ -90,6 +101,20 @@ def plot_main(args: Sequence[str]) -> None:
     print(plot_metrics(parsed.path, parsed.out, parsed.title))
 
 
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter, DefaultHelpFormatter):
+    """jsonargparse's help, with the description's line breaks kept."""
+
+
+#: The top-level help's description: Lightning's subcommands and ours.
+DESCRIPTION = """GRPO training of language models with PyTorch Lightning (lightning-grpo).
+
+subcommands:
+  fit, validate, test, predict   Lightning's (lightning-grpo fit --help lists every option)
+  serve                          a vLLM rollout server (lightning-grpo serve --help)
+  plot                           a PNG of a run's metrics.csv (lightning-grpo plot --help)
+"""
+
+
 def main(args: Optional[Sequence[str]] = None) -> None:
     argv = list(sys.argv[1:] if args is None else args)
     if argv[:1] == ["plot"]:
@@ -103,6 +128,7 @@ def main(args: Optional[Sequence[str]] = None) -> None:
         PromptDataModule,
         args=args,
         save_config_kwargs={"overwrite": True},
+        parser_kwargs={"description": DESCRIPTION, "formatter_class": _HelpFormatter},
     )
 
 

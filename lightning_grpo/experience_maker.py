@@ -2,7 +2,8 @@
 
 generate -> score -> (dynamic sampling: more rounds) -> shape the rewards -> behaviour (old) and reference
 logprobs -> KL in the reward -> group advantages -> rollout metrics. It sees models, a rollout worker, a reward set
-and a :class:`Collectives` object, never a Trainer or a LightningModule.
+and a :class:`RolloutContext` (the collectives and the trainer's settings, bound once per fit), never a Trainer or a
+LightningModule.
 
 Asynchronous rollouts (``GRPOConfig.max_staleness > 0``): :meth:`ExperienceMaker.prefetch` starts a rollout's
 generation in the background (:class:`lightning_grpo.rollout.prefetch.RolloutPrefetcher`) and
@@ -14,7 +15,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Callable, ContextManager, Optional, Protocol
+from dataclasses import dataclass, field
+from typing import Callable, ContextManager, Optional
 
 import torch
 from torch import Tensor, nn
@@ -29,6 +31,7 @@ from lightning_grpo.rewards import RewardSet
 from lightning_grpo.rollout.base import RolloutInterrupted, RolloutOutput, SamplingConfig
 from lightning_grpo.rollout.prefetch import PrefetchedRollout, RolloutPrefetcher
 from lightning_grpo.rollout.worker import RolloutWorker
+from lightning_grpo.training.collectives import Collectives
 from lightning_grpo.training.experience import Experience
 from lightning_grpo.training.logprobs import CompletionLogprobs
 from lightning_grpo.training.metrics import StepTimer, rollout_metrics
@@ -38,12 +41,48 @@ log = logging.getLogger(__name__)
 PromptBatch = dict[str, list]
 
 
-class Collectives(Protocol):
-    """The data-parallel reductions the experience maker needs (every process must call them together)."""
+@dataclass(frozen=True)
+class RolloutContext:
+    """What the experience maker needs from the run, fixed for a fit (``GRPOModule`` binds it when the trainer's
+    backend is known: :meth:`ExperienceMaker.bind`).
 
-    def reduce_sum(self, tensor: Tensor) -> Tensor: ...
+    Attributes:
+        collectives: the data-parallel reductions (the backend's), flags on the device of the experience.
+        timer: the step timer (``rollout_s``, ``scoring_s``, ``logprobs_s``, ``sync_s``, ``generated_tokens``).
+        forward_context: the trainer's precision context for the no-grad logprob passes.
+        micro_batches_per_step: ``Trainer(accumulate_grad_batches)``; a logprob pass takes
+            ``mini_batch_size // micro_batches_per_step`` sequences (the rollout batch without ``mini_batch_size``).
+        rank: this process's global rank: per-request seeds of rank r are offset by r * 2**32, so processes seeded
+            alike never sample with the same seeds.
+    """
 
-    def any_process(self, flag: bool, device: torch.device) -> bool: ...
+    collectives: Collectives = field(default_factory=Collectives)
+    timer: StepTimer = field(default_factory=StepTimer)
+    forward_context: Callable[[], ContextManager] = contextlib.nullcontext
+    micro_batches_per_step: int = 1
+    rank: int = 0
+
+    @property
+    def device(self) -> torch.device:
+        """Where the experience's tensors go."""
+        return self.collectives.device
+
+
+@dataclass
+class _Collected:
+    """What the generation rounds of one rollout produced (step 1 of :meth:`ExperienceMaker.make`)."""
+
+    rollout: ScoredRollout
+    sampling_stats: Optional[dict]
+    weights_version: int
+    totals: dict[str, float]
+    texts: list[tuple]  # (prompt, completion, columns) of every row generated, found by ``rollout.row_index``
+    generation_s: float
+
+
+def _check_prompt_column(batch: PromptBatch) -> None:
+    if "prompt" not in batch:
+        raise KeyError(f"prompt batches need a 'prompt' column, got columns {sorted(batch)}")
 
 
 class ExperienceMaker:
@@ -60,8 +99,7 @@ class ExperienceMaker:
     Attributes:
         prefetcher: the background generation of asynchronous rollouts (its thread starts with the first
             :meth:`prefetch`).
-        rank: this process's global rank (the module sets it): per-request seeds of rank r are offset by r * 2**32,
-            so processes seeded alike never sample with the same seeds.
+        context: the run's :class:`RolloutContext` (single-process defaults until :meth:`bind`).
     """
 
     def __init__(self, config: GRPOConfig, rollout: RolloutWorker, rewards: RewardSet,
@@ -71,12 +109,15 @@ class ExperienceMaker:
         self.rewards = rewards
         self.logprobs = logprobs
         self.events = events
-        self._texts: list[tuple] = []  # (prompt, completion, columns) of every row generated for this rollout
         self.prefetcher = RolloutPrefetcher(rollout)
-        self.rank = 0
+        self.context = RolloutContext()
 
-    def prefetch(self, batch: PromptBatch, policy: nn.Module, collectives: Collectives, timer: StepTimer,
-                 device: torch.device) -> PrefetchedRollout:
+    def bind(self, context: RolloutContext) -> None:
+        """Use ``context`` (the collectives, timer, precision context, accumulation and rank of this run) from now
+        on."""
+        self.context = context
+
+    def prefetch(self, batch: PromptBatch, policy: nn.Module) -> PrefetchedRollout:
         """Asynchronous rollouts: start generating ``batch``'s G completions per prompt in the background, from
         ``policy``'s current weights (:meth:`lightning_grpo.rollout.prefetch.RolloutPrefetcher.start`: waits for the
         engine to be idle, syncs, draws the seed base, starts). Pass the result to :meth:`make`.
@@ -85,10 +126,10 @@ class ExperienceMaker:
             KeyError: ``batch`` has no "prompt" column.
             NonFiniteError: the policy has NaN or infinite weights.
         """
-        if "prompt" not in batch:
-            raise KeyError(f"prompt batches need a 'prompt' column, got columns {sorted(batch)}")
-        return self.prefetcher.start(batch, policy, self.config.num_generations, self._sampling, timer,
-                                     lambda flag: collectives.any_process(flag, device))
+        _check_prompt_column(batch)
+        ctx = self.context
+        return self.prefetcher.start(batch, policy, self.config.num_generations, self._sampling, ctx.timer,
+                                     ctx.collectives)
 
     def wait_for_rollouts(self) -> None:
         """Wait until no rollout is being generated in the background (before a checkpoint or a weight sync)."""
@@ -99,19 +140,9 @@ class ExperienceMaker:
         self.prefetcher.close()
 
     @torch.no_grad()
-    def make(  # noqa: C901 - the numbered steps of one rollout, read top to bottom
-        self,
-        batch: PromptBatch,
-        policy: nn.Module,
-        ref: Optional[nn.Module],
-        collectives: Collectives,
-        timer: StepTimer,
-        device: torch.device,
-        micro_batch_size: int,
-        next_prompt_batch: Optional[Callable[[], Optional[PromptBatch]]] = None,
-        forward_context: Callable[[], ContextManager] = contextlib.nullcontext,
-        prefetched: Optional[PrefetchedRollout] = None,
-    ) -> Experience:
+    def make(self, batch: PromptBatch, policy: nn.Module, ref: Optional[nn.Module], *,
+             next_prompt_batch: Optional[Callable[[], Optional[PromptBatch]]] = None,
+             prefetched: Optional[PrefetchedRollout] = None) -> Experience:
         """One rollout batch: generate G completions per prompt, score them, shape the rewards, compute advantages
         and (when needed) the old and reference logprobs. Runs on this process's prompts only.
 
@@ -136,13 +167,7 @@ class ExperienceMaker:
             batch: a prompt batch, a dict of equal-length lists with a "prompt" key (message lists or strings)
                 and the dataset's other columns (passed to the reward functions).
             policy: the policy (old logprobs); ``ref``: the reference policy (beta > 0) or None.
-            collectives: the data-parallel reductions (a backend).
-            timer: the step timer (``rollout_s``, ``scoring_s``, ``logprobs_s``, ``sync_s``, ``generated_tokens``;
-                with ``prefetched``, ``rollout_s`` is the wait for it).
-            device: where the experience's tensors go.
-            micro_batch_size: sequences per no-grad logprob pass.
             next_prompt_batch: returns the next prompt batch, or None when the data is used up (dynamic sampling).
-            forward_context: the trainer's precision context for the logprob passes.
             prefetched: the rollout :meth:`prefetch` started for ``batch`` (None: generate it now).
 
         Raises:
@@ -154,119 +179,135 @@ class ExperienceMaker:
                 the logprob passes; the partial rollout is discarded, on every process together.
             NonFiniteError: the policy has NaN or infinite weights (checked before sampling).
         """
-        if "prompt" not in batch:
-            raise KeyError(f"prompt batches need a 'prompt' column, got columns {sorted(batch)}")
+        _check_prompt_column(batch)
+        ctx = self.context
+        # 1. generate and score: the prefetched rollout, or generation rounds now (more with dynamic sampling)
+        collected = self._collect(batch, policy, next_prompt_batch, prefetched)
+        rollout = collected.rollout
+        scored_rollout = self._rollout_event(collected)
+        if self.events is not None:
+            self.events(ON_ROLLOUT_END, scored_rollout)
+        # 2. shape the rewards: overlong penalty, scale / bias / clip
+        extra: dict[str, tuple[Tensor, Tensor]] = {}  # metric -> (sum, count)
+        shaped, scored = self._shaped_rewards(rollout, extra)
+        # 3. the experience, its old and reference logprobs (and the KL in the reward)
+        experience = Experience(
+            prompt_ids=rollout.prompt_ids.to(ctx.device),
+            prompt_mask=rollout.prompt_mask.to(ctx.device),
+            completion_ids=rollout.completion_ids.to(ctx.device),
+            completion_mask=rollout.completion_mask.to(ctx.device) * scored.unsqueeze(1),  # [N, T] through the EOS
+            advantages=torch.zeros(len(rollout), device=ctx.device),
+            sampler_logprobs=None if rollout.sampler_logprobs is None else rollout.sampler_logprobs.to(ctx.device),
+        )
+        with ctx.timer.span("logprobs_s"):
+            shaped = self._behaviour_logprobs(experience, shaped, scored, extra, policy, ref, len(batch["prompt"]))
+        if self.config.mask_truncated_completions:
+            experience.completion_mask = experience.completion_mask * (~rollout.truncated.to(ctx.device)).unsqueeze(1)
+        # 4. group advantages
         cfg = self.config
+        experience.advantages = F.group_advantages(
+            shaped, cfg.num_generations, cfg.scale_rewards, cfg.advantage_eps, estimator=cfg.advantage_estimator,
+            std_floor=cfg.advantage_std_floor, valid=scored, batch_std=self._batch_std(shaped, scored),
+        )
+        # 5. rollout metrics, and a stop during the logprob passes still discards the rollout
+        extra["reward_shaped"] = (shaped[scored].sum(), scored.sum().float())
+        experience.metrics = self._metrics(collected, extra)
+        if ctx.collectives.any_process(self.rollout.stop.is_set()):
+            raise RolloutInterrupted("the rollout was stopped by a stop request (e.g. SIGTERM) before it finished")
+        ctx.timer.add("generated_tokens", collected.totals["generated_tokens"])
+        ctx.timer.rollout_end()
+        if self.events is not None:
+            self.events(ON_EXPERIENCE, ExperienceReady(experience, scored_rollout, shaped))
+        return experience
+
+    def _collect(self, batch: PromptBatch, policy: nn.Module,
+                 next_prompt_batch: Optional[Callable[[], Optional[PromptBatch]]],
+                 prefetched: Optional[PrefetchedRollout]) -> _Collected:
+        """Step 1 of :meth:`make`: the scored completions of the rollout, with what its metrics need."""
+        ctx, cfg = self.context, self.config
         sampler = DynamicSampler(len(batch["prompt"]), self.rewards.primary_index, cfg.dynamic_sampling)
-        self._texts = []
+        texts: list[tuple] = []
         totals = {"prompts/truncated": 0.0, "generated_tokens": 0.0}
-        rollout_s_before = timer.get("rollout_s")
-
-        def any_process(flag: bool) -> bool:
-            return collectives.any_process(flag, device)
-
+        rollout_s_before = ctx.timer.get("rollout_s")
         if prefetched is not None:  # asynchronous: generated in the background (no dynamic sampling there)
-            with timer.span("rollout_s"):
+            with ctx.timer.span("rollout_s"):
                 try:
                     out: Optional[RolloutOutput] = prefetched.result()
                 except RolloutInterrupted:
                     out = None
             pad = int(self.rollout.require_engine().pad_token_id)
-            sampler.add(self._score(batch, out, prefetched.num_truncated, pad, totals, timer, any_process))
+            sampler.add(self._score(batch, out, prefetched.num_truncated, pad, totals, texts))
             version = prefetched.weights_version
         else:
-            with self.rollout.awake(policy, timer=timer, any_process=any_process):
+            with self.rollout.awake(policy, timer=ctx.timer, collectives=ctx.collectives):
                 version = self.rollout.engine_version
                 while True:
-                    sampler.add(self._generate_and_score(batch, totals, timer, any_process))
+                    sampler.add(self._generate_and_score(batch, totals, texts))
                     if not cfg.dynamic_sampling or sampler.gen_batches >= cfg.max_num_gen_batches:
                         break
-                    if not collectives.any_process(sampler.need_more, device):
+                    if not ctx.collectives.any_process(sampler.need_more):
                         break
                     next_batch = next_prompt_batch() if next_prompt_batch is not None else None
-                    if collectives.any_process(next_batch is None, device):
+                    if ctx.collectives.any_process(next_batch is None):
                         break
                     assert next_batch is not None
                     batch = next_batch
         rollout, sampling_stats = sampler.batch()
-        scored_rollout = self._rollout_end(rollout, version)
-        if self.events is not None:
-            self.events(ON_ROLLOUT_END, scored_rollout)
-
-        engine_mask = rollout.completion_mask.to(device)  # [N, T] through the first EOS
-        shaped = rollout.rewards.to(device)  # [N] weighted sum, NaN = unscored
-        scored = ~torch.isnan(shaped)  # [N]
-        extra: dict[str, tuple[Tensor, Tensor]] = {}  # metric -> (sum, count)
-        if cfg.overlong_buffer > 0:
-            penalty = overlong_penalty(engine_mask.sum(dim=1), cfg.max_new_tokens, cfg.overlong_buffer,
-                                       cfg.overlong_penalty_factor)
-            shaped = shaped + penalty
-            extra["rewards/overlong_penalty/mean"] = (penalty.sum(), torch.tensor(float(len(penalty))))
-        shaped = transform_rewards(shaped, cfg.reward_scale, cfg.reward_bias, cfg.reward_clip)
-        experience = Experience(
-            prompt_ids=rollout.prompt_ids.to(device),
-            prompt_mask=rollout.prompt_mask.to(device),
-            completion_ids=rollout.completion_ids.to(device),
-            completion_mask=engine_mask * scored.unsqueeze(1),
-            advantages=torch.zeros(len(rollout), device=device),
-            sampler_logprobs=None if rollout.sampler_logprobs is None else rollout.sampler_logprobs.to(device),
-        )
-        with timer.span("logprobs_s"):
-            shaped = self._behaviour_logprobs(experience, shaped, scored, extra, policy, ref, micro_batch_size,
-                                              forward_context)
-        if cfg.mask_truncated_completions:
-            experience.completion_mask = experience.completion_mask * (~rollout.truncated.to(device)).unsqueeze(1)
-        experience.advantages = F.group_advantages(
-            shaped, cfg.num_generations, cfg.scale_rewards, cfg.advantage_eps, estimator=cfg.advantage_estimator,
-            std_floor=cfg.advantage_std_floor, valid=scored, batch_std=self._batch_std(shaped, scored, collectives),
-        )
-        extra["reward_shaped"] = (shaped[scored].sum(), scored.sum().float())
-        experience.metrics = rollout_metrics(
-            rollout, self.rewards.names, extra, totals, sampling_stats if cfg.dynamic_sampling else None,
-            lambda tensor: collectives.reduce_sum(tensor.to(device)),
-        )
-        generation_s = timer.get("rollout_s") - rollout_s_before  # this rollout's generation time, all rounds
+        generation_s = ctx.timer.get("rollout_s") - rollout_s_before  # this rollout's generation time, all rounds
         if prefetched is not None:  # the engine's own time, not the wait for it
             generation_s = prefetched.generate_s
-        experience.metrics["tokens_per_s"] = totals["generated_tokens"] / max(generation_s, 1e-9)
-        staleness = float(self.rollout.weights_version - version)
-        experience.metrics["rollout/staleness_mean"] = experience.metrics["rollout/staleness_max"] = staleness
-        if any_process(self.rollout.stop.is_set()):  # stopped during the logprob passes: still discarded
-            raise RolloutInterrupted("the rollout was stopped by a stop request (e.g. SIGTERM) before it finished")
-        timer.add("generated_tokens", totals["generated_tokens"])
-        timer.rollout_end()
-        if self.events is not None:
-            self.events(ON_EXPERIENCE, ExperienceReady(experience, scored_rollout, shaped))
-        return experience
+        return _Collected(rollout, sampling_stats if cfg.dynamic_sampling else None, version, totals, texts,
+                          generation_s)
 
-    def _rollout_end(self, rollout: ScoredRollout, weights_version: int) -> RolloutEnd:
+    def _shaped_rewards(self, rollout: ScoredRollout, extra: dict[str, tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
+        """Step 2 of :meth:`make`: ``(shaped, scored)``, the ``[N]`` rewards after the overlong penalty and
+        scale / bias / clip (NaN = unscored) and the ``[N]`` bool mask of the scored completions."""
+        cfg, device = self.config, self.context.device
+        shaped = rollout.rewards.to(device)  # [N] weighted sum, NaN = unscored
+        scored = ~torch.isnan(shaped)  # [N]
+        if cfg.overlong_buffer > 0:
+            lengths = rollout.completion_mask.to(device).sum(dim=1)
+            penalty = overlong_penalty(lengths, cfg.max_new_tokens, cfg.overlong_buffer, cfg.overlong_penalty_factor)
+            shaped = shaped + penalty
+            extra["rewards/overlong_penalty/mean"] = (penalty.sum(), torch.tensor(float(len(penalty))))
+        return transform_rewards(shaped, cfg.reward_scale, cfg.reward_bias, cfg.reward_clip), scored
+
+    def _metrics(self, collected: _Collected, extra: dict[str, tuple[Tensor, Tensor]]) -> dict[str, float]:
+        """Step 5 of :meth:`make`: the rollout metrics (all processes), ``tokens_per_s`` and the staleness."""
+        metrics = rollout_metrics(collected.rollout, self.rewards.names, extra, collected.totals,
+                                  collected.sampling_stats, self.context.collectives)
+        metrics["tokens_per_s"] = collected.totals["generated_tokens"] / max(collected.generation_s, 1e-9)
+        staleness = float(self.rollout.weights_version - collected.weights_version)
+        metrics["rollout/staleness_mean"] = metrics["rollout/staleness_max"] = staleness
+        return metrics
+
+    def _rollout_event(self, collected: _Collected) -> RolloutEnd:
         """The texts and scores of the rollout to be trained on (rows found by ``row_index``)."""
-        rows = [self._texts[i] for i in rollout.row_index.tolist()] if rollout.row_index is not None else []
+        rollout = collected.rollout
+        rows = [collected.texts[i] for i in rollout.row_index.tolist()] if rollout.row_index is not None else []
         names = sorted({k for _, _, columns in rows for k in columns})
         return RolloutEnd(
             prompts=[r[0] for r in rows], completions=[r[1] for r in rows], rewards=rollout.rewards,
             per_function=rollout.per_function, reward_names=list(self.rewards.names),
             lengths=rollout.completion_mask.sum(dim=1), truncated=rollout.truncated,
             columns={k: [r[2].get(k) for r in rows] for k in names}, num_generations=rollout.num_generations,
-            weights_version=weights_version,
+            weights_version=collected.weights_version,
         )
 
-    def _generate_and_score(self, batch: PromptBatch, totals: dict[str, float], timer: StepTimer,
-                            any_process: Callable[[bool], bool]) -> ScoredRollout:
+    def _generate_and_score(self, batch: PromptBatch, totals: dict[str, float], texts: list[tuple]) -> ScoredRollout:
         """Generate G completions for each prompt of ``batch`` and score them (one generation round). A stopped
-        round raises :class:`RolloutInterrupted` on every process together (``any_process``, so that no process
-        is left waiting in a collective)."""
-        if "prompt" not in batch:
-            raise KeyError(f"prompt batches need a 'prompt' column, got columns {sorted(batch)}")
+        round raises :class:`RolloutInterrupted` on every process together (so that no process is left waiting in
+        a collective)."""
+        _check_prompt_column(batch)
         engine = self.rollout.require_engine()
-        with timer.span("rollout_s"):
+        with self.context.timer.span("rollout_s"):
             prompt_ids, num_truncated = self.rollout.tokenize(batch["prompt"])
             sampling = self._sampling()
             try:
                 out: Optional[RolloutOutput] = engine.generate(prompt_ids, self.config.num_generations, sampling)
             except RolloutInterrupted:
                 out = None
-        return self._score(batch, out, num_truncated, int(engine.pad_token_id), totals, timer, any_process)
+        return self._score(batch, out, num_truncated, int(engine.pad_token_id), totals, texts)
 
     def _sampling(self) -> SamplingConfig:
         """The rollouts' sampling settings, with a per-request seed base (:meth:`_request_seed`)."""
@@ -275,16 +316,16 @@ class ExperienceMaker:
                               top_k=cfg.top_k, min_p=cfg.min_p, seed=self._request_seed())
 
     def _score(self, batch: PromptBatch, out: Optional[RolloutOutput], num_truncated: int, pad_token_id: int,
-               totals: dict[str, float], timer: StepTimer, any_process: Callable[[bool], bool]) -> ScoredRollout:
+               totals: dict[str, float], texts: list[tuple]) -> ScoredRollout:
         """Score one generation round's completions (``out`` None: it was interrupted, which every process then
-        raises as :class:`RolloutInterrupted`)."""
+        raises as :class:`RolloutInterrupted`); their texts go into ``texts``."""
         g = self.config.num_generations
         if out is not None and not self.rollout.stop.is_set():
-            with timer.span("scoring_s"):
+            with self.context.timer.span("scoring_s"):
                 prompts = [p for p in batch["prompt"] for _ in range(g)]
                 columns = {k: [v for v in values for _ in range(g)] for k, values in batch.items() if k != "prompt"}
                 scores = self.rewards.score(prompts, out.completions, columns)
-        if any_process(out is None or self.rollout.stop.is_set()):
+        if self.context.collectives.any_process(out is None or self.rollout.stop.is_set()):
             raise RolloutInterrupted("the rollout was stopped by a stop request (e.g. SIGTERM) before it finished")
         assert out is not None
         unscored = torch.isnan(scores.rewards).nonzero().flatten().tolist()
@@ -292,9 +333,9 @@ class ExperienceMaker:
             log.warning("every reward function returned None for completions %s: they get no loss", unscored)
         totals["prompts/truncated"] += num_truncated
         totals["generated_tokens"] += float(out.completion_mask.sum())
-        offset = len(self._texts)
-        self._texts.extend((p, c, {k: v[i] for k, v in columns.items()})
-                           for i, (p, c) in enumerate(zip(prompts, out.completions, strict=True)))
+        offset = len(texts)
+        texts.extend((p, c, {k: v[i] for k, v in columns.items()})
+                     for i, (p, c) in enumerate(zip(prompts, out.completions, strict=True)))
         return ScoredRollout(
             prompt_ids=out.prompt_ids,
             prompt_mask=out.prompt_mask,
@@ -306,17 +347,18 @@ class ExperienceMaker:
             num_generations=g,
             pad_token_id=pad_token_id,
             sampler_logprobs=out.sampler_logprobs,
-            row_index=torch.arange(offset, len(self._texts)),
+            row_index=torch.arange(offset, len(texts)),
         )
 
     @torch.no_grad()
-    def evaluate(self, batch: PromptBatch, policy: nn.Module, collectives: Collectives, device: torch.device,
+    def evaluate(self, batch: PromptBatch, policy: nn.Module,
                  accuracy: Optional[Callable[..., list]] = None) -> EvalBatch:
         """Greedy completions of a validation batch and, with ``eval.num_samples`` = n, n sampled ones per prompt
         (temperature ``eval.temperature``, torch's generator forked and seeded with ``shuffle_seed``, so every
         evaluation draws alike and training's random stream is untouched), scored by ``accuracy`` (default: the
-        reward set's accuracy function). The engine gets the current weights first. Tensors on ``device``."""
-        cfg, accuracy = self.config, accuracy or self.rewards.accuracy
+        reward set's accuracy function). The engine gets the current weights first. Tensors on the context's
+        device."""
+        cfg, accuracy, device = self.config, accuracy or self.rewards.accuracy, self.context.device
         columns = {k: v for k, v in batch.items() if k != "prompt"}
 
         def score(prompts: list, completions: list[str], repeat: int) -> Tensor:
@@ -326,8 +368,7 @@ class ExperienceMaker:
 
         max_new = cfg.eval.max_new_tokens or cfg.max_new_tokens
         self.prefetcher.wait_idle()  # asynchronous rollouts: no sync while the engine generates
-        with self.rollout.awake(policy, force_sync=True,
-                                any_process=lambda flag: collectives.any_process(flag, device)):
+        with self.rollout.awake(policy, force_sync=True, collectives=self.context.collectives):
             out = self.rollout.generate(batch["prompt"], 1, SamplingConfig(max_new_tokens=max_new, greedy=True))
             result = EvalBatch(score(batch["prompt"], out.completions, 1), out.completion_mask.sum(dim=1).to(device))
             n = cfg.eval.num_samples
@@ -348,7 +389,7 @@ class ExperienceMaker:
         engine that samples from that generator itself (HF)."""
         if not self.rollout.require_engine().seeds_per_request:
             return None
-        return int(torch.randint(0, 2**31 - 1, (1,)).item()) + self.rank * 2**32
+        return int(torch.randint(0, 2**31 - 1, (1,)).item()) + self.context.rank * 2**32
 
     def _behaviour_logprobs(
         self,
@@ -358,13 +399,17 @@ class ExperienceMaker:
         extra: dict[str, tuple[Tensor, Tensor]],
         policy: nn.Module,
         ref: Optional[nn.Module],
-        micro_batch_size: int,
-        forward_context: Callable[[], ContextManager],
+        num_prompts: int,
     ) -> Tensor:
-        """Old logprobs (needed when the rollout is reused or the KL goes in the reward) and reference logprobs
-        (beta > 0) into ``experience``; with ``kl_in_reward`` the shaped rewards minus beta * sequence KL."""
-        cfg = self.config
+        """Step 3 of :meth:`make`: old logprobs (needed when the rollout is reused or the KL goes in the reward) and
+        reference logprobs (beta > 0) into ``experience``, in passes of ``mini_batch_size // micro_batches_per_step``
+        sequences (the rollout batch of ``num_prompts`` prompts without ``mini_batch_size``); with ``kl_in_reward``
+        the shaped rewards minus beta * sequence KL."""
+        cfg, ctx = self.config, self.context
         n = len(experience)
+        micro_batch_size = max(1, (cfg.mini_batch_size or num_prompts * cfg.num_generations)
+                               // ctx.micro_batches_per_step)
+        forward_context = ctx.forward_context
         reused_later = cfg.num_iterations > 1 or (cfg.mini_batch_size or n) < n
         if reused_later or cfg.kl_in_reward:
             experience.old_logprobs = self.logprobs.batched(policy, experience, micro_batch_size, forward_context)
@@ -382,13 +427,13 @@ class ExperienceMaker:
             experience.old_logprobs = None
         return shaped - cfg.beta * kl
 
-    def _batch_std(self, rewards: Tensor, valid: Tensor, collectives: Collectives) -> Optional[float]:
+    def _batch_std(self, rewards: Tensor, valid: Tensor) -> Optional[float]:
         """The unbiased std of the valid rewards over every process (``scale_rewards="batch"``), else None."""
         if self.config.scale_rewards != "batch":
             return None
         values = rewards[valid].double()
         moments = torch.stack([values.new_tensor(float(values.numel())), values.sum(), values.square().sum()])
-        count, total, squares = collectives.reduce_sum(moments.to(rewards.device)).tolist()
+        count, total, squares = self.context.collectives.reduce_sum(moments.to(rewards.device)).tolist()
         if count < 2:
             return 0.0
         return max(squares - total * total / count, 0.0) ** 0.5 / (count - 1) ** 0.5

@@ -14,12 +14,13 @@ import torch
 from peft import LoraConfig
 from torch import Tensor, nn
 from transformers import PreTrainedTokenizerBase
+from typing_extensions import override
 
 from lightning_grpo.algorithm import ObjectiveOutput, grpo_objective
-from lightning_grpo.callbacks.base import forward_event
+from lightning_grpo.callbacks.base import forward_event, warn_untyped_event_hooks
 from lightning_grpo.config import GRPOConfig
 from lightning_grpo.evaluation.evaluator import Evaluator
-from lightning_grpo.experience_maker import ExperienceMaker
+from lightning_grpo.experience_maker import ExperienceMaker, RolloutContext
 from lightning_grpo.loop.fit_loop import install_loop
 from lightning_grpo.models.lora import (
     check_quantized_engine,
@@ -38,12 +39,13 @@ from lightning_grpo.runtime.preemption import Preemption
 from lightning_grpo.strategies import backend_for
 from lightning_grpo.strategies.base import GRPOModels, ParallelBackend
 from lightning_grpo.strategies.local import LocalBackend
+from lightning_grpo.training.collectives import Collectives
 from lightning_grpo.training.experience import Experience, micro_batches
 from lightning_grpo.training.logprobs import CompletionLogprobs
 from lightning_grpo.training.metrics import StepMetrics, StepTimer
 from lightning_grpo.training.nonfinite import NonFiniteGuard, check_finite_checkpoint
 from lightning_grpo.training.optim import adamw_with_warmup, check_optimizer_arguments
-from lightning_grpo.training.selection import StepStatistics
+from lightning_grpo.training.selection import StepSelection
 
 log = logging.getLogger(__name__)
 
@@ -120,9 +122,10 @@ class GRPOModule(L.LightningModule):
         self.rollout = RolloutWorker(self.config, self.tokenizer, events=self._emit)
         self.logprobs = CompletionLogprobs(self.config, is_sharded=lambda m: self.backend.is_sharded(m))
         self.experience_maker = ExperienceMaker(self.config, self.rollout, self.rewards, self.logprobs, self._emit)
-        self.step_statistics = StepStatistics(self.config, self.logprobs)
+        self.step_selection = StepSelection(self.config, self.logprobs)
         self.step_metrics = StepMetrics(self.config.clip_ratio_c, self.config.tis_cap())
         self.timer = StepTimer()
+        self.experience_maker.bind(RolloutContext(timer=self.timer))  # one process until a trainer's backend
         self.nonfinite = NonFiniteGuard(self.config.on_nonfinite)
         self.preemption = Preemption(self.rollout.stop)
         self.evaluator = Evaluator(self.config.eval.k)
@@ -130,6 +133,11 @@ class GRPOModule(L.LightningModule):
     def _emit(self, name: str, payload: Any) -> None:
         """Rollout events (:mod:`lightning_grpo.events`) to the trainer's callbacks that define ``name``."""
         forward_event(self._trainer, self, name, payload)
+
+    @property
+    def generated_tokens_estimate(self) -> int:
+        """Tokens the engine has generated so far, all rollouts (the stop flag's count; the progress bar shows it)."""
+        return self.rollout.stop.ticks
 
     @property
     def ref_model(self) -> Optional[nn.Module]:
@@ -145,24 +153,41 @@ class GRPOModule(L.LightningModule):
     def rollout_engine(self, engine: Optional[RolloutEngine]) -> None:
         self.rollout.engine = engine
 
+    @override
     def setup(self, stage: str) -> None:
         if stage == "fit":
             install_loop(self.trainer)
         self.rollout.start(self.policy, self.model_path)
         check_quantized_engine(self._lora_settings, self.rollout.require_engine())
-        self.experience_maker.rank = self.global_rank  # disjoint per-request seeds per process
         self.preemption.attach(self.trainer)
         use_atomic_checkpoint_io(self.trainer.strategy)
+        warn_untyped_event_hooks(self.trainer.callbacks)
 
+    @override
     def configure_model(self) -> None:
         """The trainer's backend shards or converts the policy, reference and engine (``strategies.backend_for``)."""
         self.backend = backend_for(self.trainer.strategy)
         models = self.backend.configure(GRPOModels(self.policy, self.ref_model, self.rollout.engine))
         self._set_models(models)
 
+    @property
+    def collectives(self) -> Collectives:
+        """The trainer's data-parallel reductions (the backend's), flags on this module's device."""
+        return self.backend.collectives(self.device)
+
+    def _bind_context(self) -> None:
+        """The experience maker's :class:`~lightning_grpo.experience_maker.RolloutContext` for this run (the
+        backend, device and trainer settings are final once the fit, validation or test starts)."""
+        self.experience_maker.bind(RolloutContext(
+            collectives=self.collectives, timer=self.timer,
+            forward_context=self.trainer.precision_plugin.forward_context,
+            micro_batches_per_step=self.trainer.accumulate_grad_batches, rank=self.global_rank,
+        ))
+
     def _set_models(self, models: GRPOModels) -> None:
         self.policy, self.rollout.engine, self._reference.model = models.policy, models.engine, models.ref
 
+    @override
     def teardown(self, stage: str) -> None:
         """Stop background rollouts; plain HF models again (Megatron converts back); a finished module holds no
         trainer's backend."""
@@ -170,9 +195,19 @@ class GRPOModule(L.LightningModule):
         self._set_models(self.backend.restore(GRPOModels(self.policy, self.ref_model, self.rollout.engine)))
         self.backend = LocalBackend()
 
+    @override
     def on_fit_start(self) -> None:
         if self.ref_model is not None:
             self.ref_model.to(self.device)
+        self._bind_context()
+
+    @override
+    def on_validation_start(self) -> None:
+        self._bind_context()
+
+    @override
+    def on_test_start(self) -> None:
+        self._bind_context()
 
     def micro_batches_per_rollout(self) -> Optional[int]:
         """``training_step`` calls per rollout: num_iterations * mini-batches * accumulate_grad_batches; None with
@@ -199,9 +234,8 @@ class GRPOModule(L.LightningModule):
         ``batch``). Called by the loop; runs on this process's prompts only. On SIGTERM the rollout stops and
         Lightning's ``SIGTERMException`` is raised (:mod:`lightning_grpo.runtime.preemption`)."""
         with self.preemption.exit_on_stop():
-            return self.experience_maker.make(batch, self.policy, self.ref_model, self.backend, self.timer, self.device,
-                                              self._logprob_micro_batch_size(batch), next_prompt_batch,
-                                              self.trainer.precision_plugin.forward_context, prefetched)
+            return self.experience_maker.make(batch, self.policy, self.ref_model, next_prompt_batch=next_prompt_batch,
+                                              prefetched=prefetched)
 
     def rollouts_ahead(self) -> int:
         """Rollouts generated in the background ahead of the one being trained: ``max_staleness //
@@ -225,15 +259,11 @@ class GRPOModule(L.LightningModule):
         """Start generating ``batch``'s rollout in the background from the current weights
         (:meth:`lightning_grpo.experience_maker.ExperienceMaker.prefetch`); the loop passes it to
         :meth:`make_experience` later."""
-        return self.experience_maker.prefetch(batch, self.policy, self.backend, self.timer, self.device)
+        return self.experience_maker.prefetch(batch, self.policy)
 
     def wait_for_rollouts(self) -> None:
         """Wait until no rollout is generated in the background (the loop calls it before a checkpoint)."""
         self.experience_maker.wait_for_rollouts()
-
-    def _logprob_micro_batch_size(self, batch: dict[str, list]) -> int:
-        n = len(batch.get("prompt", ())) * self.config.num_generations
-        return max(1, (self.config.mini_batch_size or n) // self.trainer.accumulate_grad_batches)
 
     def micro_batches(self, experience: Experience, step: Optional[int] = None) -> Iterator[Experience]:
         """The loop's view of one rollout (:func:`lightning_grpo.training.experience.micro_batches`), shuffled with
@@ -244,7 +274,7 @@ class GRPOModule(L.LightningModule):
             accumulate_grad_batches=self.trainer.accumulate_grad_batches, num_iterations=cfg.num_iterations,
             loss_type=cfg.loss_type, max_new_tokens=cfg.max_new_tokens,
             world_size=self.backend.data_parallel_size,  # processes that hold different data
-            generator=torch.Generator().manual_seed(cfg.shuffle_seed + step), all_reduce_sum=self.backend.reduce_sum,
+            generator=torch.Generator().manual_seed(cfg.shuffle_seed + step), collectives=self.collectives,
             max_tokens_per_microbatch=cfg.max_tokens_per_microbatch,
         )
 
@@ -262,6 +292,7 @@ class GRPOModule(L.LightningModule):
         """Per-token logprobs ``(B, T)`` float32 (and entropy) of ``batch``'s completions under ``model`` (logprobs)."""
         return self.logprobs(model, batch, with_entropy=with_entropy, entropy_grad=entropy_grad)
 
+    @override
     def training_step(self, batch: Experience, batch_idx: int) -> Tensor:
         """GRPO loss on one experience micro-batch (DeepSeekMath eq. 3 with the chosen variants; see
         :func:`lightning_grpo.algorithm.grpo_objective`).
@@ -270,19 +301,23 @@ class GRPOModule(L.LightningModule):
         ``accumulate_grad_batches`` and data-parallel averaging the step's gradient is that of (summed loss / step
         normalizer)."""
         with self.timer.span("forward_s"):
-            if batch.step_start:  # the whole step's token statistics: accumulation does not change the gradient
-                self.step_statistics.prepare(self.policy, self.trainer.fit_loop.current_step() or [batch],
-                                             self.backend.reduce_sum, self.global_step)
             output = self.compute_loss(batch)
         self.timer.add("train_tokens", float(self.logprobs.forward_tokens(self.policy, batch)))
         self.step_metrics.update(output)
         if batch.step_end:
-            metrics = self.step_metrics.compute(self.backend.reduce_sum, self.backend.reduce_max) | batch.metrics
+            metrics = self.step_metrics.compute(self.collectives) | batch.metrics
             self.nonfinite.observe_loss(metrics.get("loss"))
             shown = {k: metrics.pop(k) for k in ("loss", "reward") if k in metrics}
             self.log_dict(shown, prog_bar=True, on_step=True, on_epoch=False, batch_size=1)
             self.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)
         return output.loss * batch.loss_scale
+
+    def prepare_step(self, micro_batches: list[Experience]) -> None:
+        """The loop hands each optimizer step's micro-batches forward before its first ``training_step``: the
+        whole step's token statistics (:class:`lightning_grpo.training.selection.StepSelection`), so that
+        accumulation does not change the gradient. Counts as ``timing/forward_s``."""
+        with self.timer.span("forward_s"):
+            self.step_selection.prepare(self.policy, micro_batches, self.collectives, self.global_step)
 
     def compute_loss(self, batch: Experience) -> ObjectiveOutput:
         """The policy's forward pass on ``batch`` and :func:`lightning_grpo.algorithm.grpo_objective` (the loss
@@ -299,9 +334,10 @@ class GRPOModule(L.LightningModule):
             logprobs, batch.completion_mask, batch.advantages, cfg,
             old_logprobs=None if batch.on_policy else batch.old_logprobs,
             ref_logprobs=None if cfg.kl_in_reward else batch.ref_logprobs, sampler_logprobs=batch.sampler_logprobs,
-            entropy=entropy, normalizer=batch.loss_normalizer, **self.step_statistics.objective_kwargs(),
+            entropy=entropy, normalizer=batch.loss_normalizer, **self.step_selection.objective_kwargs(),
         )
 
+    @override
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         """Log ``grad_norm``; a non-finite loss or gradient norm stops the run or skips the step
         (``GRPOConfig.on_nonfinite``, :class:`lightning_grpo.training.nonfinite.NonFiniteGuard`)."""
@@ -312,6 +348,7 @@ class GRPOModule(L.LightningModule):
         counts = self.nonfinite.before_optimizer_step(self.global_step, norm, optimizer, check_grad_norm=scaler is None)
         self.log_dict(counts, on_step=True, on_epoch=False, batch_size=1)
 
+    @override
     def configure_gradient_clipping(self, optimizer: torch.optim.Optimizer,
                                     gradient_clip_val: Optional[Union[int, float]] = None,
                                     gradient_clip_algorithm: Optional[str] = None) -> None:
@@ -320,34 +357,37 @@ class GRPOModule(L.LightningModule):
         self.backend.clip_gradients(self.policy, optimizer, gradient_clip_val, gradient_clip_algorithm,
                                     fallback=self.clip_gradients)
 
+    @override
     def optimizer_step(self, *args: Any, **kwargs: Any) -> None:
         super().optimizer_step(*args, **kwargs)
         self.timer.after_optimizer_step()
         self.rollout.mark_stale()
 
+    @override
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Refuse non-finite weights or optimizer states (nonfinite.check_finite_checkpoint); keep the skip count."""
-        check_finite_checkpoint(checkpoint, lambda flag: self.backend.any_process(flag, self.device))
+        check_finite_checkpoint(checkpoint, self.collectives)
         checkpoint["lightning_grpo_nonfinite"] = self.nonfinite.state_dict()
 
+    @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """The skipped-step count; the prompt-batch counter of checkpoints older than the loop's own state; the
-        rollout worker's weight version (the checkpoint's optimizer steps)."""
+        """The skipped-step count; the rollout worker's weight version (the checkpoint's optimizer steps)."""
         self.nonfinite.load_state_dict(checkpoint.get("lightning_grpo_nonfinite"))
         self.rollout.weights_version = int(checkpoint.get("global_step", self.rollout.weights_version))
-        old = checkpoint.get("lightning_grpo_prompt_batches_drawn")
-        if old is not None and self._trainer is not None:
-            self.trainer.fit_loop.resume_prompt_batches = int(old)
 
+    @override
     def on_train_start(self) -> None:
         self.timer.start()
 
+    @override
     def on_before_backward(self, loss: Tensor) -> None:
         self.timer.before_backward()
 
+    @override
     def on_after_backward(self) -> None:
         self.timer.after_backward()
 
+    @override
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         """After an optimizer step, log where its wall time went
         (:meth:`lightning_grpo.training.metrics.StepTimer.step_end`:
@@ -358,16 +398,19 @@ class GRPOModule(L.LightningModule):
                 self.log_dict(self.timer.step_end(), on_step=True, on_epoch=False, batch_size=1)
             self.preemption.on_micro_batch_end(batch.step_end)  # SIGTERM inside a step waits for its end
 
+    @override
     def configure_optimizers(self) -> Any:
         hp = self.hparams
         return adamw_with_warmup((p for p in self.policy.parameters() if p.requires_grad), hp.learning_rate,
                                  hp.weight_decay, hp.adam_betas, hp.warmup_steps)
 
+    @override
     def validation_step(self, batch: dict[str, list], batch_idx: int, dataloader_idx: int = 0) -> None:
         """Greedy accuracy, and pass@k / maj@k / mean@k with ``eval.num_samples``, per dataset (torchmetrics
         over all processes; names in :class:`lightning_grpo.evaluation.evaluator.Evaluator`)."""
         self._evaluate(batch, dataloader_idx, "val")
 
+    @override
     def test_step(self, batch: dict[str, list], batch_idx: int, dataloader_idx: int = 0) -> None:
         """As :meth:`validation_step`, logged as ``test/...``."""
         self._evaluate(batch, dataloader_idx, "test")
@@ -376,12 +419,12 @@ class GRPOModule(L.LightningModule):
         names = getattr(getattr(self.trainer, "datamodule", None), "eval_names", None) or [None]
         dataset = names[dataloader_idx] if 0 < dataloader_idx < len(names) else None
         with self.preemption.exit_on_stop():
-            out = self.experience_maker.evaluate(batch, self.policy, self.backend, self.device,
-                                                 accuracy=self.rewards.accuracy_for(dataset))
+            out = self.experience_maker.evaluate(batch, self.policy, accuracy=self.rewards.accuracy_for(dataset))
         for key, (metric, size, attribute) in self.evaluator.update(stage, dataset, out).items():
             self.log(key, metric, on_step=False, on_epoch=True, prog_bar=key.endswith("/accuracy"), batch_size=size,
                      add_dataloader_idx=False, metric_attribute=f"evaluator.{attribute}")
 
+    @override
     def on_fit_end(self) -> None:
         path = self.export_path()
         if path:

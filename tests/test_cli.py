@@ -97,3 +97,11 @@ def test_python_callers_may_still_pass_the_config_as_a_dict(tiny_llama_path):
     assert module.config == GRPOConfig(num_generations=3)
     default = GRPOModule(tiny_llama_path, reward_funcs=["gsm8k_accuracy"])
     assert default.config == GRPOConfig()
+
+
+def test_top_level_help_names_every_subcommand():
+    code, out, _ = _run(["--help"])
+    assert code == 0
+    for subcommand in ("fit", "validate", "test", "serve", "plot"):
+        assert re.search(rf"^\s+{subcommand}\b|[ ,]{subcommand}[ ,]", out, re.MULTILINE), (subcommand, out[:600])
+    assert "lightning-grpo serve --help" in out and "lightning-grpo plot --help" in out

@@ -1,4 +1,5 @@
-"""The GSM8K recipe, YAML through the CLI and the Python API, one step each on the real SmolLM2-135M-Instruct."""
+"""The recipes: every YAML parses (fast), and each recipe runs one step on the real SmolLM2-135M-Instruct (slow);
+``recipes/server_async.yaml`` runs against a real rollout server in tests/rollout/test_vllm_server.py."""
 
 import csv
 import glob
@@ -11,7 +12,9 @@ import pytest
 from lightning_grpo.cli import main as cli_main
 
 ROOT = Path(__file__).resolve().parents[1]
-pytestmark = pytest.mark.slow
+#: YAML recipe -> the subcommand it is for, and the base recipe an overlay stacks on.
+YAML_RECIPES = {"gsm8k_grpo.yaml": ("fit", None), "arithmetic_grpo.yaml": ("fit", None), "eval.yaml": ("test", None),
+                "server_async.yaml": ("fit", "gsm8k_grpo.yaml")}
 
 
 def _rows(root):
@@ -20,6 +23,24 @@ def _rows(root):
         return list(csv.DictReader(f))
 
 
+def test_every_yaml_recipe_is_listed_here():
+    assert sorted(p.name for p in (ROOT / "recipes").glob("*.yaml")) == sorted(YAML_RECIPES)
+
+
+@pytest.mark.parametrize("name", sorted(YAML_RECIPES))
+def test_every_yaml_recipe_parses(name, capsys):
+    """``lightning-grpo <subcommand> --config <recipe> --print_config``: every key is an option of the CLI (a
+    misspelled or removed option is a parser error)."""
+    subcommand, base = YAML_RECIPES[name]
+    configs = [a for b in ([base] if base else []) + [name] for a in ("--config", str(ROOT / "recipes" / b))]
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main([subcommand, *configs, "--print_config"])
+    assert exit_info.value.code in (0, None)
+    printed = capsys.readouterr().out
+    assert "model:" in printed and "data:" in printed
+
+
+@pytest.mark.slow
 def test_yaml_recipe_one_step_on_smollm2(tmp_path, smollm2_path, capsys):
     cli_main([
         "fit", "--config", str(ROOT / "recipes" / "gsm8k_grpo.yaml"),
@@ -49,6 +70,7 @@ def test_yaml_recipe_one_step_on_smollm2(tmp_path, smollm2_path, capsys):
     assert f"completions: {folder}/completions.csv" in out and f"checkpoint:  {folder}/checkpoints/last.ckpt" in out
 
 
+@pytest.mark.slow
 def test_python_recipe_one_step_on_smollm2(tmp_path, smollm2_path):
     spec = importlib.util.spec_from_file_location("gsm8k_grpo", ROOT / "recipes" / "gsm8k_grpo.py")
     recipe = importlib.util.module_from_spec(spec)
@@ -60,6 +82,7 @@ def test_python_recipe_one_step_on_smollm2(tmp_path, smollm2_path):
     assert [r for r in _rows(tmp_path) if r["val/accuracy"]]
 
 
+@pytest.mark.slow
 def test_arithmetic_recipe_validates_trains_validates_and_reports(tmp_path, smollm2_path, capsys):
     spec = importlib.util.spec_from_file_location("arithmetic_grpo", ROOT / "recipes" / "arithmetic_grpo.py")
     recipe = importlib.util.module_from_spec(spec)
@@ -75,3 +98,37 @@ def test_arithmetic_recipe_validates_trains_validates_and_reports(tmp_path, smol
     assert os.path.exists(summary["plot"]) and os.path.exists(summary["completions"])
     out = capsys.readouterr().out
     assert "held-out accuracy (greedy)" in out and f"plot: {summary['plot']}" in out
+
+
+@pytest.mark.slow
+def test_arithmetic_yaml_recipe_one_step_on_smollm2(tmp_path, smollm2_path):
+    cli_main([
+        "fit", "--config", str(ROOT / "recipes" / "arithmetic_grpo.yaml"), "--trainer.max_steps", "1",
+        "--trainer.default_root_dir", str(tmp_path), "--trainer.logger.init_args.save_dir", str(tmp_path),
+        "--data.prompts_per_step", "1", "--data.val_size", "2", "--data.val_batch_size", "2",
+        "--model.config.num_generations", "2", "--model.config.max_new_tokens", "8",
+        "--model.config.eval.max_new_tokens", "8", "--model.config.eval.num_samples", "2", "--model.export_dir", "",
+    ])
+    rows = _rows(tmp_path)
+    assert [r for r in rows if r["loss"]] and [r for r in rows if r["val/pass@2"]]
+
+
+@pytest.mark.slow
+def test_math_recipe_one_step_on_smollm2(tmp_path, smollm2_path):
+    spec = importlib.util.spec_from_file_location("math_grpo", ROOT / "recipes" / "math_grpo.py")
+    recipe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(recipe)
+    trainer = recipe.main(max_steps=1, prompts_per_step=1, num_generations=2, max_new_tokens=8, val_size=2,
+                          engine="hf", root=str(tmp_path))
+    assert trainer.global_step == 1
+
+
+@pytest.mark.slow
+def test_eval_recipe_tests_the_embedded_model(tmp_path, smollm2_path):
+    cli_main([
+        "test", "--config", str(ROOT / "recipes" / "eval.yaml"), "--trainer.default_root_dir", str(tmp_path),
+        "--trainer.logger.init_args.save_dir", str(tmp_path), "--data.val_size", "2", "--data.val_batch_size", "2",
+        "--model.config.max_new_tokens", "8",
+    ])
+    (row,) = [r for r in _rows(tmp_path) if r.get("test/accuracy")]
+    assert float(row["test/accuracy"]) in (0.0, 0.5, 1.0) and row["test/math500/accuracy"] != ""

@@ -1,7 +1,10 @@
-"""Lightning callbacks for GRPO runs: the completion table, the progress bar, and the rollout-event forwarding."""
+"""Lightning callbacks for GRPO runs: the typed rollout-event base (:class:`GRPOCallback`), the completion table,
+the progress bar, and the checkpoint callback whose ``ckpt_path="last"`` falls back to the newest complete
+checkpoint."""
 
-from lightning_grpo.callbacks.base import forward_event
+from lightning_grpo.callbacks.base import GRPOCallback, forward_event
 from lightning_grpo.callbacks.completions import CompletionTable
 from lightning_grpo.callbacks.progress import GRPOProgressBar
+from lightning_grpo.runtime.checkpointing import GRPOModelCheckpoint
 
-__all__ = ["CompletionTable", "GRPOProgressBar", "forward_event"]
+__all__ = ["CompletionTable", "GRPOCallback", "GRPOModelCheckpoint", "GRPOProgressBar", "forward_event"]

@@ -20,11 +20,12 @@ import os
 from typing import Any, Optional
 
 import lightning as L
-from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import CSVLogger, MLFlowLogger, TensorBoardLogger, WandbLogger
 from rich.console import Console
 from rich.table import Table
+from typing_extensions import override
 
+from lightning_grpo.callbacks.base import GRPOCallback
 from lightning_grpo.events import ExperienceReady
 
 #: Table columns before the reward functions' own.
@@ -45,7 +46,7 @@ def _number(value: float) -> Optional[float]:
     return None if value != value else round(float(value), 4)  # NaN -> None (null in JSON, empty in CSV)
 
 
-class CompletionTable(Callback):
+class CompletionTable(GRPOCallback):
     """Logs a table of completions every ``every_n_steps`` optimizer steps (see the module docstring).
 
     Args:
@@ -83,6 +84,7 @@ class CompletionTable(Callback):
         ]
         return columns, rows
 
+    @override
     def on_experience(self, trainer: "L.Trainer", pl_module: "L.LightningModule", event: ExperienceReady) -> None:
         step = trainer.global_step
         log_now = step % self.every_n_steps == 0

@@ -14,16 +14,31 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any, Optional, Union
+from typing import Any, Optional, Protocol, Union, runtime_checkable
 
 import lightning as L
 from lightning.pytorch.callbacks import TQDMProgressBar
+from typing_extensions import override
+
+from lightning_grpo.callbacks.base import GRPOCallback
+from lightning_grpo.events import ExperienceReady, RolloutEnd
+
+
+@runtime_checkable
+class CountsGeneratedTokens(Protocol):
+    """A module that can say how many tokens its engine has generated so far (``GRPOModule``)."""
+
+    @property
+    def generated_tokens_estimate(self) -> int:
+        """Tokens generated so far, all rollouts (an estimate; read differences)."""
+        ...
+
 
 #: Metrics shown on the bar, in this order, when logged.
 SHOWN = ("reward", "val/accuracy", "val/pass@1", "loss")
 
 
-class GRPOProgressBar(TQDMProgressBar):
+class GRPOProgressBar(TQDMProgressBar, GRPOCallback):
     """See the module docstring.
 
     Args:
@@ -43,17 +58,18 @@ class GRPOProgressBar(TQDMProgressBar):
 
     # ------------------------------------------------------------------ what the bar counts
     @property
+    @override
     def total_train_batches(self) -> Union[int, float]:
         """Optimizer steps to go in this fit (``max_steps``), else prompt batches per epoch."""
         trainer = self.trainer
         if trainer.max_steps and trainer.max_steps > 0:
             return trainer.max_steps
-        loader = getattr(trainer.fit_loop, "_combined_loader", None)
         try:
-            return len(loader) if loader is not None else float("inf")
-        except TypeError:
+            return len(trainer.train_dataloader)  # prompt batches
+        except TypeError:  # no DataLoader yet, or one without a length
             return float("inf")
 
+    @override
     def get_metrics(self, trainer: "L.Trainer", pl_module: "L.LightningModule") -> dict[str, Any]:
         metrics = super().get_metrics(trainer, pl_module)
         metrics.pop("v_num", None)
@@ -72,11 +88,11 @@ class GRPOProgressBar(TQDMProgressBar):
         return text
 
     def _ticks(self) -> int:
-        rollout = getattr(self._module, "rollout", None)
-        stop = getattr(rollout, "stop", None)
-        return int(getattr(stop, "ticks", 0))
+        module = self._module
+        return module.generated_tokens_estimate if isinstance(module, CountsGeneratedTokens) else 0
 
     # ------------------------------------------------------------------ Lightning hooks
+    @override
     def on_train_start(self, trainer: "L.Trainer", pl_module: "L.LightningModule") -> None:
         super().on_train_start(trainer, pl_module)
         self._module = pl_module
@@ -88,9 +104,11 @@ class GRPOProgressBar(TQDMProgressBar):
         self._thread = threading.Thread(target=self._refresh_loop, name="grpo-progress", daemon=True)
         self._thread.start()
 
+    @override
     def on_train_epoch_start(self, trainer: "L.Trainer", *_: Any) -> None:
         self.train_progress_bar.set_description(f"Epoch {trainer.current_epoch}")
 
+    @override
     def on_train_batch_end(self, trainer: "L.Trainer", pl_module: "L.LightningModule", outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         bar = self.train_progress_bar
@@ -100,23 +118,28 @@ class GRPOProgressBar(TQDMProgressBar):
         bar.set_postfix(self.get_metrics(trainer, pl_module), refresh=False)
         bar.refresh()
 
-    def on_rollout_end(self, trainer: "L.Trainer", pl_module: "L.LightningModule", rollout: Any) -> None:
+    @override
+    def on_rollout_end(self, trainer: "L.Trainer", pl_module: "L.LightningModule", rollout: RolloutEnd) -> None:
         self.set_phase("scoring")
 
-    def on_experience(self, trainer: "L.Trainer", pl_module: "L.LightningModule", event: Any) -> None:
+    @override
+    def on_experience(self, trainer: "L.Trainer", pl_module: "L.LightningModule", event: ExperienceReady) -> None:
         self.set_phase("training")
 
+    @override
     def on_validation_start(self, trainer: "L.Trainer", pl_module: "L.LightningModule") -> None:
         super().on_validation_start(trainer, pl_module)
         self._previous_phase = self.phase
         self.set_phase("validation")
 
+    @override
     def on_validation_end(self, trainer: "L.Trainer", pl_module: "L.LightningModule") -> None:
         super().on_validation_end(trainer, pl_module)
         if trainer.state.fn == "fit":
             self.set_phase("rollout")
             self.train_progress_bar.set_postfix(self.get_metrics(trainer, pl_module))
 
+    @override
     def on_train_end(self, trainer: "L.Trainer", pl_module: "L.LightningModule") -> None:
         self._stop.set()
         if self._thread is not None:

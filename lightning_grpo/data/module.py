@@ -34,6 +34,7 @@ import datasets
 import lightning as L
 import torch
 from torch.utils.data import DataLoader
+from typing_extensions import override
 
 from lightning_grpo.data.fewshot import fewshot_messages
 from lightning_grpo.data.files import load_local_files, load_local_folder
@@ -369,10 +370,12 @@ class PromptDataModule(L.LightningDataModule):
         return None
 
     # ------------------------------------------------------------------ Lightning hooks
+    @override
     def prepare_data(self) -> None:
         """Download / cache the raw data once per node (hub datasets); local files need nothing."""
         self._load()
 
+    @override
     def setup(self, stage: Optional[str] = None) -> None:
         """Load, format and filter the splits (idempotent).
 
@@ -408,6 +411,7 @@ class PromptDataModule(L.LightningDataModule):
         log.info("dataset=%r: %d train prompts (%s), %d val prompts (%s)",
                  self.dataset, len(train), self.train_split, 0 if val is None else len(val), val_split)
 
+    @override
     def train_dataloader(self) -> DataLoader:
         """Shuffled (seeded) batches of exactly ``prompts_per_step`` prompts, as dicts of lists."""
         if self.train_dataset is None:
@@ -427,10 +431,12 @@ class PromptDataModule(L.LightningDataModule):
         """The evaluated datasets, one per validation/test dataloader: this one, then ``eval_datasets``."""
         return [self.dataset, *self.eval_datasets]
 
+    @override
     def test_dataloader(self) -> DataLoader | list:
         """As :meth:`val_dataloader` (``lightning-grpo test``)."""
         return self.val_dataloader()
 
+    @override
     def val_dataloader(self) -> DataLoader | list:
         """The first ``val_size`` val prompts in order, ``val_batch_size`` per batch; ``[]`` when there are none
         (Lightning then skips validation); with ``eval_datasets`` a list, one loader per dataset."""

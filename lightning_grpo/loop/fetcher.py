@@ -8,8 +8,16 @@ from typing import Any, Callable, Iterator, Optional, Protocol
 
 import torch
 from lightning.pytorch.loops.fetchers import _DataFetcher
+from typing_extensions import override
 
-from lightning_grpo.loop.resume import ResumeState, experience_from_state, experience_state, rng_states, set_rng_states
+from lightning_grpo.loop.resume import (
+    PROMPT_BATCHES_KEY,
+    ResumeState,
+    experience_from_state,
+    experience_state,
+    rng_states,
+    set_rng_states,
+)
 from lightning_grpo.rollout.prefetch import PrefetchedRollout
 from lightning_grpo.training.experience import Experience
 
@@ -54,6 +62,11 @@ class ExperienceSource(Protocol):
 
     def micro_batches_per_rollout(self) -> Optional[int]:
         """``training_step`` calls per rollout, or None when it varies (token budgets)."""
+        ...
+
+    def prepare_step(self, micro_batches: list[Experience]) -> None:
+        """Called with an optimizer step's micro-batches (in training order) just before the ``training_step`` of
+        the first: whatever the step needs from all of them (step-level token statistics)."""
         ...
 
 
@@ -112,6 +125,7 @@ class ExperienceFetcher(_DataFetcher):
             return None
         return {"experience": experience_state(self._experience), "step": self._step, "consumed": self._position}
 
+    @override
     def reset(self) -> None:
         super().reset()
         if self.length is not None:
@@ -126,6 +140,7 @@ class ExperienceFetcher(_DataFetcher):
         self._prefetched.clear()  # never carried into another epoch
         self._exhausted = False
 
+    @override
     def __next__(self) -> Any:
         assert self.iterator is not None
         if self.length is not None and self.fetched >= self.length:
@@ -146,6 +161,8 @@ class ExperienceFetcher(_DataFetcher):
         if self.length is not None:
             self.done = self.fetched >= self.length
         self.current = micro
+        if micro.step_start:  # the step's plan goes forward: its token statistics before its first training_step
+            self.source.prepare_step(self.current_step())
         return micro, self.fetched - 1, 0
 
     def _new_rollout(self) -> None:
@@ -244,17 +261,20 @@ class ExperienceFetcher(_DataFetcher):
     def _apply(self, resume: ResumeState) -> None:
         """Continue where the checkpoint stopped: restore the RNG states, skip the prompt batches drawn before it
         (Lightning restored ``fetched``, the micro-batches already trained on) and hand out the rest of a partly
-        used rollout. Checkpoints older than the saved position fall back to whole rollouts (a partly used one is
-        dropped)."""
+        used rollout.
+
+        Raises:
+            ValueError: the checkpoint stopped inside an epoch but holds no position (``prompt_batches_drawn``).
+        """
         if resume.rng is not None:
             set_rng_states(resume.rng)
         if self.fetched == 0:
             return  # the checkpoint ended an epoch: this one starts from its beginning
         drawn = resume.prompt_batches
-        if drawn is None:  # an old checkpoint: one prompt batch per started rollout
-            per_rollout = self.micro_batches_per_rollout or 1
-            drawn = -(-self.fetched // per_rollout)  # ceil
-            self.fetched = drawn * per_rollout
+        if drawn is None:
+            raise ValueError("the checkpoint stopped inside an epoch but its fit loop state holds no "
+                             f"{PROMPT_BATCHES_KEY!r}: it was not written by GRPOFitLoop, so the position in the epoch "
+                             "is unknown")
         while self._index < drawn:
             self._draw()
         if resume.partial is not None:

@@ -28,6 +28,7 @@ from typing import Any, Optional
 
 import lightning as L
 from lightning.pytorch.loops.fit_loop import _FitLoop
+from typing_extensions import override
 
 from lightning_grpo.loop.fetcher import ExperienceFetcher, ExperienceSource
 from lightning_grpo.loop.resume import (
@@ -40,7 +41,6 @@ from lightning_grpo.loop.resume import (
     this_process,
 )
 from lightning_grpo.training.collectives import gather_per_process
-from lightning_grpo.training.experience import Experience
 
 
 class GRPOFitLoop(_FitLoop):
@@ -57,21 +57,7 @@ class GRPOFitLoop(_FitLoop):
         self._data_source = source._data_source  # the Trainer attached the user's datamodule/dataloaders to it
         self.resume_state: Optional[ResumeState] = None  # the position of a loaded checkpoint
 
-    @property
-    def resume_prompt_batches(self) -> Optional[int]:
-        """Prompt batches drawn in the epoch of a loaded checkpoint, else None."""
-        return None if self.resume_state is None else self.resume_state.prompt_batches
-
-    @resume_prompt_batches.setter
-    def resume_prompt_batches(self, value: int) -> None:
-        self.resume_state = self.resume_state or ResumeState()
-        self.resume_state.prompt_batches = value
-
-    def current_step(self) -> list[Experience]:
-        """The micro-batches of the optimizer step being trained (call it at the step's first micro-batch)."""
-        fetcher = self._data_fetcher
-        return fetcher.current_step() if isinstance(fetcher, ExperienceFetcher) else []
-
+    @override
     def on_save_checkpoint(self) -> dict:
         """The base state plus the position inside the epoch: prompt batches drawn, every process's RNG states
         (those the current rollout started from while one is being made) and a partly used rollout. A collective
@@ -87,15 +73,17 @@ class GRPOFitLoop(_FitLoop):
             state_dict[PREFETCHED_KEY] = gather_per_process(prefetched)
         return state_dict
 
+    @override
     def on_load_checkpoint(self, state_dict: dict) -> None:
         self.resume_state = ResumeState(
-            prompt_batches=state_dict.get(PROMPT_BATCHES_KEY, self.resume_prompt_batches),  # old: module's hook
+            prompt_batches=state_dict.get(PROMPT_BATCHES_KEY),
             rng=this_process(state_dict.get(RNG_KEY), "RNG states"),
             partial=this_process(state_dict.get(PARTIAL_KEY), "partly used rollouts"),
             prefetched=this_process(state_dict.get(PREFETCHED_KEY), "prefetched rollouts"),
         )
         super().on_load_checkpoint(state_dict)
 
+    @override
     def setup_data(self) -> None:
         first = self._combined_loader is None or self._should_reload_train_dl
         trainer = self.trainer

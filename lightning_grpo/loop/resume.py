@@ -31,7 +31,7 @@ class ResumeState:
     """What a checkpoint says about the loop's position, for this process.
 
     Attributes:
-        prompt_batches: prompt batches drawn in the checkpoint's epoch (None in checkpoints older than it).
+        prompt_batches: prompt batches drawn in the checkpoint's epoch.
         rng: the RNG states (:func:`lightning_grpo.loop.resume.rng_states`) the next rollout starts from, or None.
         partial: a rollout whose micro-batches were not all trained on: ``experience``
             (:func:`lightning_grpo.loop.resume.experience_state`), ``step`` (seeds its shuffle) and ``consumed``.

@@ -28,7 +28,6 @@ depend on the threads' timing (the restore may rewind its draws).
 
 from __future__ import annotations
 
-import contextlib
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_for
@@ -40,7 +39,8 @@ from torch import nn
 
 from lightning_grpo.rollout.base import RolloutEngine, RolloutOutput, SamplingConfig
 from lightning_grpo.rollout.worker import RolloutWorker
-from lightning_grpo.training.nonfinite import AnyProcess, check_finite_parameters
+from lightning_grpo.training.collectives import Collectives
+from lightning_grpo.training.metrics import StepTimer
 
 
 @dataclass
@@ -126,8 +126,8 @@ class RolloutPrefetcher:
         self._started: list[PrefetchedRollout] = []  # started, not known to be finished
 
     def start(self, batch: Any, policy: nn.Module, num_generations: int,
-              sampling: Callable[[], SamplingConfig], timer: Any = None,
-              any_process: Optional[AnyProcess] = None) -> PrefetchedRollout:
+              sampling: Callable[[], SamplingConfig], timer: Optional[StepTimer] = None,
+              collectives: Optional[Collectives] = None) -> PrefetchedRollout:
         """On the trainer's thread: wait until the engine is idle, push ``policy``'s current weights into it (when
         the engine's are older), then start generating ``num_generations`` completions per prompt of ``batch`` in
         the background. Returns at once.
@@ -138,21 +138,15 @@ class RolloutPrefetcher:
             num_generations: G.
             sampling: called once, while no generation runs, for the sampling settings (it may draw the seed base
                 from torch's global generator).
-            timer: a :class:`lightning_grpo.training.metrics.StepTimer`: the wait counts as ``rollout_s``, the wake-up
-            and
-                sync as ``sync_s``.
-            any_process: the data-parallel agreement of the NaN check (every process starts its rollouts together).
+            timer: the wait counts as ``rollout_s``, the wake-up and sync as ``sync_s``.
+            collectives: the data-parallel agreement of the NaN check (every process starts its rollouts together).
 
         Raises:
             NonFiniteError: ``policy`` has a NaN or infinite weight (nothing is sampled from it).
         """
         prompt_ids, num_truncated = self.worker.tokenize(batch["prompt"])
         self.wait_idle(timer)
-        check_finite_parameters(policy, "sampling a rollout", any_process)
-        engine = self.worker.require_engine()
-        with timer.span("sync_s") if timer is not None else contextlib.nullcontext():
-            engine.wake_up()
-            self.worker.sync(policy, force=True)
+        engine = self.worker.prepare(policy, force_sync=True, timer=timer, collectives=collectives)
         rollout = PrefetchedRollout(batch, num_truncated, num_generations, sampling(), self.worker.engine_version)
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lightning_grpo_rollout")
@@ -160,12 +154,12 @@ class RolloutPrefetcher:
         self._started.append(rollout)
         return rollout
 
-    def wait_idle(self, timer: Any = None) -> None:
+    def wait_idle(self, timer: Optional[StepTimer] = None) -> None:
         """Wait until every started generation has finished (their results and errors stay with their
         :class:`PrefetchedRollout`); the wait counts as ``rollout_s`` on ``timer``."""
         futures = [r.future for r in self._started if r.future is not None]
         if futures:
-            with timer.span("rollout_s") if timer is not None else contextlib.nullcontext():
+            with (timer or StepTimer()).span("rollout_s"):
                 wait_for(futures)
         self._started = []
 

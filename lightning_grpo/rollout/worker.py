@@ -22,7 +22,9 @@ from lightning_grpo.events import ON_WEIGHTS_SYNCED, EventSink
 from lightning_grpo.rollout.base import RolloutEngine, RolloutOutput, SamplingConfig, StopFlag, as_rollout_engine
 from lightning_grpo.rollout.prompts import encode_prompts
 from lightning_grpo.rollout.registry import EngineSpec, make_engine, resolve_engine_name
-from lightning_grpo.training.nonfinite import AnyProcess, check_finite_parameters
+from lightning_grpo.training.collectives import Collectives
+from lightning_grpo.training.metrics import StepTimer
+from lightning_grpo.training.nonfinite import check_finite_parameters
 
 
 class RolloutWorker:
@@ -119,22 +121,28 @@ class RolloutWorker:
             if self.events is not None:
                 self.events(ON_WEIGHTS_SYNCED, self.engine_version)
 
-    @contextlib.contextmanager
-    def awake(self, policy: nn.Module, force_sync: bool = False, timer: Any = None,
-              any_process: Optional[AnyProcess] = None) -> Iterator[RolloutEngine]:
-        """Wake the engine and sync its weights when due (:meth:`sync`); put it to sleep on exit, so its
-        accelerator memory is free while training (vLLM sleep mode, GPU only). With a ``timer``
-        (:class:`lightning_grpo.training.metrics.StepTimer`) the wake-up and sync count as ``sync_s``.
+    def prepare(self, policy: nn.Module, force_sync: bool = False, timer: Optional[StepTimer] = None,
+                collectives: Optional[Collectives] = None) -> RolloutEngine:
+        """Before a rollout: check ``policy``'s weights, wake the engine and sync its weights when due
+        (:meth:`sync`); the wake-up and sync count as ``sync_s`` on ``timer``. Returns the engine.
 
         Raises:
-            NonFiniteError: ``policy`` has a NaN or infinite weight (on any process, with ``any_process``, the
+            NonFiniteError: ``policy`` has a NaN or infinite weight (on any process, with ``collectives``, the
                 data-parallel agreement): nothing is sampled from it.
         """
         engine = self.require_engine()
-        check_finite_parameters(policy, "sampling a rollout", any_process)
-        with timer.span("sync_s") if timer is not None else contextlib.nullcontext():
+        check_finite_parameters(policy, "sampling a rollout", collectives)
+        with (timer or StepTimer()).span("sync_s"):
             engine.wake_up()
             self.sync(policy, force_sync)
+        return engine
+
+    @contextlib.contextmanager
+    def awake(self, policy: nn.Module, force_sync: bool = False, timer: Optional[StepTimer] = None,
+              collectives: Optional[Collectives] = None) -> Iterator[RolloutEngine]:
+        """:meth:`prepare` the engine, and put it to sleep on exit, so its accelerator memory is free while
+        training (vLLM sleep mode, GPU only). Raises as :meth:`prepare`."""
+        engine = self.prepare(policy, force_sync, timer, collectives)
         try:
             yield engine
         finally:

@@ -31,7 +31,7 @@ import os
 import secrets
 import time
 import zipfile
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
@@ -39,6 +39,7 @@ from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from typing_extensions import override
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +58,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     next save into the same folder, so they never pile up. Remote paths (``s3://`` ...) use Lightning's own save.
     """
 
+    @override
     def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Optional[Any] = None) -> None:
         if storage_options is not None or not _is_local_file_protocol(path):
             super().save_checkpoint(checkpoint, path, storage_options)
@@ -192,33 +194,23 @@ def resolve_last(lasts: set[str], folder: Optional[str], extension: str = ".ckpt
     return set()
 
 
-_PATCH_MARK = "_lightning_grpo_last_fallback"
+class GRPOModelCheckpoint(ModelCheckpoint):
+    """Lightning's ``ModelCheckpoint`` whose ``fit(ckpt_path="last")`` also resumes when no complete ``last.ckpt``
+    exists: from the newest complete checkpoint of its folder, else of the logger's earlier versions
+    (:func:`resolve_last`; a preemption that killed the run between the step checkpoint and ``last.ckpt``, or a
+    ``save_last="link"`` link whose target is gone). Everything else is ``ModelCheckpoint``'s.
 
-
-def install_last_checkpoint_fallback() -> None:
-    """Extend ``ModelCheckpoint._find_last_checkpoints`` (Lightning 2.6, called when ``fit(ckpt_path="last")``
-    resolves the path) with :func:`resolve_last`; idempotent. The rest of Lightning's resolution (the newest of
-    every callback's candidates, the warning for a first run) is unchanged.
+    ``lightning-grpo`` (the CLI) uses it for every ``ModelCheckpoint`` of its trainer
+    (:func:`use_last_checkpoint_fallback`); in Python, pass it instead of ``ModelCheckpoint``.
 
     Raises:
-        RuntimeError: this Lightning version has no such private method (the package pins ``lightning<2.7``).
+        RuntimeError: (``ckpt_path="last"``) the folders hold checkpoints, none of them complete.
     """
-    original: Optional[Callable[..., set[str]]] = getattr(ModelCheckpoint, "_find_last_checkpoints", None)
-    resolve_dir = getattr(ModelCheckpoint, "_ModelCheckpoint__resolve_ckpt_dir", None)
-    if original is None or resolve_dir is None:
-        import lightning
 
-        raise RuntimeError(
-            "lightning_grpo extends ModelCheckpoint._find_last_checkpoints and __resolve_ckpt_dir of Lightning 2.6 "
-            f'(ckpt_path="last" falls back to the newest complete checkpoint); Lightning {lightning.__version__} has '
-            "no such methods: install lightning>=2.6,<2.7"
-        )
-    if getattr(original, _PATCH_MARK, False):
-        return
-
-    def _find_last_checkpoints(self: ModelCheckpoint, trainer: Any) -> set[str]:
-        lasts = original(self, trainer)
-        folder = os.fspath(resolve_dir(self, trainer))
+    @override
+    def _find_last_checkpoints(self, trainer: Any) -> set[str]:
+        lasts = super()._find_last_checkpoints(trainer)
+        folder = os.fspath(self._ModelCheckpoint__resolve_ckpt_dir(trainer))  # type: ignore[attr-defined]
         if not _is_local_file_protocol(folder):
             return lasts
         earlier = None
@@ -228,6 +220,11 @@ def install_last_checkpoint_fallback() -> None:
             earlier = [f for f in glob.glob(pattern) if os.path.abspath(f) != os.path.abspath(folder)]
         return resolve_last(lasts, folder, self.FILE_EXTENSION, earlier)
 
-    setattr(_find_last_checkpoints, _PATCH_MARK, True)
-    _find_last_checkpoints.__doc__ = original.__doc__
-    ModelCheckpoint._find_last_checkpoints = _find_last_checkpoints  # type: ignore[method-assign]
+
+def use_last_checkpoint_fallback(trainer: Any) -> None:
+    """Give every plain ``ModelCheckpoint`` of ``trainer`` the behaviour of :class:`GRPOModelCheckpoint` (it
+    subclasses it without state of its own, so the instance only changes class); other trainers and checkpoint
+    classes are untouched. Call before ``fit``/``validate``/``test`` (the CLI does)."""
+    for callback in trainer.checkpoint_callbacks:
+        if type(callback) is ModelCheckpoint:
+            callback.__class__ = GRPOModelCheckpoint

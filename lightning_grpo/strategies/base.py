@@ -17,6 +17,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_grpo.rollout.base import RolloutEngine
+from lightning_grpo.training.collectives import Collectives
 
 #: ``LightningModule.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)``: Lightning's own
 #: clipping through the precision plugin, for what a backend does not clip itself.
@@ -89,8 +90,9 @@ class ParallelBackend(Protocol):
         """``tensor``'s elementwise maximum over the data-parallel processes. A collective."""
         ...
 
-    def any_process(self, flag: bool, device: torch.device) -> bool:
-        """Whether ``flag`` is True on any data-parallel process (one float on ``device``). A collective."""
+    def collectives(self, device: torch.device) -> Collectives:
+        """:meth:`reduce_sum` and :meth:`reduce_max` as one :class:`~lightning_grpo.training.collectives.Collectives`
+        record whose flags are reduced on ``device``: what the components get instead of the backend."""
         ...
 
     @property

@@ -44,6 +44,7 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import Tensor, nn
 from torch.optim import Optimizer
+from typing_extensions import override
 
 from lightning_grpo.models.lora import is_lora
 from lightning_grpo.strategies._gather import (
@@ -141,6 +142,7 @@ class FSDP2Strategy(ModelParallelStrategy):
         self.cpu_offload = bool(cpu_offload)
         self.reshard_after_forward = bool(reshard_after_forward)
 
+    @override
     def setup_environment(self) -> None:
         world_size = self.num_nodes * self.num_processes
         if self._data_parallel_size == "auto":

@@ -15,6 +15,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_grpo.strategies.base import ClipFallback, GRPOModels
+from lightning_grpo.training.collectives import Collectives
 
 
 def grad_norm(parameters: Iterable[Tensor], norm_type: float = 2.0) -> Optional[Tensor]:
@@ -112,5 +113,6 @@ class LocalBackend:
             return tensor
         return self.strategy.reduce(tensor, reduce_op="max")
 
-    def any_process(self, flag: bool, device: torch.device) -> bool:
-        return bool(self.reduce_sum(torch.tensor([float(flag)], device=device)).item() > 0)
+    def collectives(self, device: torch.device) -> Collectives:
+        """:meth:`reduce_sum` and :meth:`reduce_max`, flags on ``device``."""
+        return Collectives(self.reduce_sum, self.reduce_max, device)

@@ -1,10 +1,39 @@
-"""Collectives over the data-parallel processes that the training components share."""
+"""The data-parallel collectives that the training components share: one :class:`Collectives` record, made by the
+parallel backend (:meth:`lightning_grpo.strategies.base.ParallelBackend.collectives`), and
+:func:`gather_per_process` for the checkpointed per-process state."""
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
+import torch
 import torch.distributed as dist
+from torch import Tensor
+
+
+def _identity(tensor: Tensor) -> Tensor:
+    return tensor
+
+
+@dataclass(frozen=True)
+class Collectives:
+    """Reductions over the processes that hold different data (every process must call each one together; on one
+    process they are identities).
+
+    Attributes:
+        reduce_sum: ``tensor -> tensor``, the elementwise sum over the processes (same shape and device).
+        reduce_max: ``tensor -> tensor``, the elementwise maximum over the processes.
+        device: where the flags of :meth:`any_process` are reduced (the backend's communication device).
+    """
+
+    reduce_sum: Callable[[Tensor], Tensor] = _identity
+    reduce_max: Callable[[Tensor], Tensor] = _identity
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+
+    def any_process(self, flag: bool) -> bool:
+        """True when ``flag`` is True on any process (a collective)."""
+        return bool(self.reduce_sum(torch.tensor([float(flag)], device=self.device)).item() > 0)
 
 
 def gather_per_process(value: Any) -> list[Any]:

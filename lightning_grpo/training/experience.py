@@ -4,12 +4,13 @@ the micro-batches that ``training_step`` receives."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, replace
-from typing import Callable, Iterator, Optional
+from typing import Iterator, Optional
 
 import torch
 from torch import Tensor
 
 from lightning_grpo.functional import loss_normalizer
+from lightning_grpo.training.collectives import Collectives
 from lightning_grpo.training.packing import sequence_token_counts, token_budget_partition
 
 
@@ -99,7 +100,7 @@ def micro_batches(
     max_new_tokens: int,
     world_size: int = 1,
     generator: Optional[torch.Generator] = None,
-    all_reduce_sum: Callable[[Tensor], Tensor] = lambda t: t,
+    collectives: Collectives = Collectives(),  # noqa: B008 - immutable: the single-process identities
     max_tokens_per_microbatch: Optional[int] = None,
 ) -> Iterator[Experience]:
     """Cut one rollout's experience into the micro-batches of ``num_iterations`` shuffled passes.
@@ -118,7 +119,8 @@ def micro_batches(
         loss_type, max_new_tokens: used to compute each step's loss normalizer.
         world_size: data-parallel processes (for ``loss_scale``).
         generator: random generator of the shuffles.
-        all_reduce_sum: sums a tensor over the data-parallel processes (identity on one process).
+        collectives: the data-parallel reductions (the normalizer is summed over the processes; identities on one
+            process).
         max_tokens_per_microbatch: token budget of a micro-batch (then ``accumulate_grad_batches`` must be 1);
             None = fixed counts.
 
@@ -154,7 +156,7 @@ def micro_batches(
         for mini in order.split(mini_batch_size):
             mask = experience.completion_mask[mini]
             local = torch.tensor([loss_normalizer(mask, loss_type, max_new_tokens)], dtype=torch.float64)
-            normalizer = float(all_reduce_sum(local.to(experience.completion_mask.device)).item())
+            normalizer = float(collectives.reduce_sum(local.to(experience.completion_mask.device)).item())
             if max_tokens_per_microbatch is None:
                 parts = list(mini.split(micro_size))
             else:

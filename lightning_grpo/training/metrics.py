@@ -15,17 +15,17 @@ import contextlib
 import logging
 import math
 import time
-from typing import Callable, Iterator, Optional
+from typing import Iterator, Optional
 
 import torch
 from torch import Tensor
 
 from lightning_grpo.algorithm import ObjectiveOutput, ScoredRollout
+from lightning_grpo.training.collectives import Collectives
 
 log = logging.getLogger(__name__)
 
 #: ``reduce(tensor) -> tensor``: a sum (or max) over the data-parallel processes; the identity on one process.
-Reduce = Callable[[Tensor], Tensor]
 
 #: The ``timing/<key>`` parts of a step, in seconds (``step_s`` and ``other_s`` are derived from them).
 TIMING_KEYS = ("rollout_s", "scoring_s", "logprobs_s", "sync_s", "forward_s", "backward_s", "optimizer_s")
@@ -93,7 +93,7 @@ class StepMetrics:
             previous = self._maxima.get(key)
             self._maxima[key] = value if previous is None else torch.maximum(previous, value)
 
-    def compute(self, reduce_sum: Reduce, reduce_max: Reduce) -> dict[str, float]:
+    def compute(self, collectives: Collectives) -> dict[str, float]:
         """The step's metrics over every process, then :meth:`reset`: ``loss`` (summed: each micro-batch's loss
         is already its share of the step loss), the token-weighted means, the extrema and ``num_tokens`` (the loss
         tokens). A step without loss tokens (e.g. no completion was scored) trains nothing: its means are NaN,
@@ -101,7 +101,7 @@ class StepMetrics:
         sums, maxima = self._sums, self._maxima
         self.reset()
         keys = sorted(sums)
-        reduced = reduce_sum(torch.stack([sums[k] for k in keys]))
+        reduced = collectives.reduce_sum(torch.stack([sums[k] for k in keys]))
         totals = dict(zip(keys, reduced.tolist(), strict=True))
         tokens = totals.pop("tokens")
         if tokens == 0:
@@ -111,7 +111,7 @@ class StepMetrics:
         metrics.update({k: v / tokens if tokens > 0 else math.nan for k, v in totals.items()})
         if maxima:
             max_keys = sorted(maxima)
-            stacked = reduce_max(torch.stack([maxima[k] for k in max_keys]))
+            stacked = collectives.reduce_max(torch.stack([maxima[k] for k in max_keys]))
             for key, value in zip(max_keys, stacked.tolist(), strict=True):
                 if value != -float("inf"):  # a step without loss tokens has no extrema
                     metrics[key] = -value if key.endswith("/min") else value
@@ -128,7 +128,7 @@ def rollout_metrics(
     extra: dict[str, tuple[Tensor, Tensor]],
     totals: dict[str, float],
     sampling_stats: Optional[dict[str, float]],
-    reduce_sum: Reduce,
+    collectives: Collectives,
 ) -> dict[str, float]:
     """A rollout's metrics, averaged over every process with one stacked all-reduce.
 
@@ -138,7 +138,7 @@ def rollout_metrics(
         extra: more metrics as ``name -> (sum, count)`` (e.g. ``kl`` with ``kl_in_reward``).
         totals: ``prompts/truncated`` (summed over processes and reported as a total).
         sampling_stats: :meth:`DynamicSampler.batch` statistics, or None without dynamic sampling.
-        reduce_sum: the sum over processes.
+        collectives: the data-parallel reductions (the sum over processes, on ``collectives.device``).
 
     Returns:
         ``reward``, ``reward_std`` (mean of the per-group stds, as TRL, over the groups with a scored completion),
@@ -185,7 +185,7 @@ def rollout_metrics(
     keys = sorted(sums)
     values = torch.stack([torch.as_tensor(sums[k], dtype=torch.float64).cpu() for k in keys])
     numbers = torch.tensor([float(counts[k]) for k in keys], dtype=torch.float64)
-    reduced = reduce_sum(torch.cat([values, numbers])).cpu()
+    reduced = collectives.reduce_sum(torch.cat([values, numbers]).to(collectives.device)).cpu()
     metrics = {}
     for i, key in enumerate(keys):
         total, number = float(reduced[i]), float(reduced[len(keys) + i])

@@ -13,16 +13,14 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any, Callable, Iterable, Iterator, Optional
+from typing import Any, Iterable, Iterator, Optional
 
 import torch
 from torch import Tensor, nn
 
+from lightning_grpo.training.collectives import Collectives
+
 log = logging.getLogger(__name__)
-
-#: ``any_process(flag) -> bool``: True when ``flag`` is True on any data-parallel process (a collective).
-AnyProcess = Callable[[bool], bool]
-
 
 class NonFiniteError(FloatingPointError):
     """A NaN or infinite loss, gradient norm or weight where the run cannot continue safely."""
@@ -54,23 +52,23 @@ def nonfinite_names(named: Iterable[tuple[str, Any]]) -> list[str]:
     return bad
 
 
-def _agree(bad: list[str], any_process: Optional[AnyProcess]) -> bool:
-    return any_process(bool(bad)) if any_process is not None else bool(bad)
+def _agree(bad: list[str], collectives: Optional[Collectives]) -> bool:
+    return collectives.any_process(bool(bad)) if collectives is not None else bool(bad)
 
 
-def check_finite_parameters(model: nn.Module, when: str, any_process: Optional[AnyProcess] = None) -> None:
+def check_finite_parameters(model: nn.Module, when: str, collectives: Optional[Collectives] = None) -> None:
     """Raise :class:`NonFiniteError` if a parameter of ``model`` holds a NaN or an infinity on any process.
 
     Args:
         model: the policy.
         when: what was about to happen (in the message), e.g. "sampling a rollout".
-        any_process: the data-parallel agreement (every process must call); None on one process.
+        collectives: the data-parallel agreement (every process must call); None on one process.
 
     Raises:
         NonFiniteError: naming the first parameters found (on another process: says so).
     """
     bad = nonfinite_names(model.named_parameters())
-    if _agree(bad, any_process):
+    if _agree(bad, collectives):
         where = f"{', '.join(bad[:5])}{' ...' if len(bad) > 5 else ''} ({len(bad)} tensors)" if bad else \
             "a parameter shard of another process"
         raise NonFiniteError(f"the policy has non-finite weights before {when}: {where}; refusing to continue "
@@ -86,7 +84,7 @@ def _checkpoint_tensors(checkpoint: dict[str, Any]) -> Iterator[tuple[str, Any]]
                 yield f"optimizer_states[{index}]['state'][{param!r}][{key!r}]", value
 
 
-def check_finite_checkpoint(checkpoint: dict[str, Any], any_process: Optional[AnyProcess] = None) -> None:
+def check_finite_checkpoint(checkpoint: dict[str, Any], collectives: Optional[Collectives] = None) -> None:
     """Raise :class:`NonFiniteError` if a weight or an optimizer state of a checkpoint about to be written holds a
     NaN or an infinity (Lightning's ``state_dict`` and ``optimizer_states``; local shards when sharded).
 
@@ -94,7 +92,7 @@ def check_finite_checkpoint(checkpoint: dict[str, Any], any_process: Optional[An
         NonFiniteError: naming the first tensors found; the checkpoint is not written.
     """
     bad = nonfinite_names(_checkpoint_tensors(checkpoint))
-    if _agree(bad, any_process):
+    if _agree(bad, collectives):
         where = f"{', '.join(bad[:3])}{' ...' if len(bad) > 3 else ''} ({len(bad)} tensors)" if bad else \
             "a shard of another process"
         raise NonFiniteError(f"refusing to save a checkpoint with non-finite values in {where}")

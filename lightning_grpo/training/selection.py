@@ -14,7 +14,7 @@ Clip-Cov draws ``selection_count(tokens of this process's step)`` tokens on each
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -29,19 +29,17 @@ from lightning_grpo.algorithm.covariance import (
 )
 from lightning_grpo.algorithm.entropy import entropy_threshold
 from lightning_grpo.config import GRPOConfig
-from lightning_grpo.training.collectives import gather_per_process
+from lightning_grpo.training.collectives import Collectives, gather_per_process
 from lightning_grpo.training.experience import Experience
 from lightning_grpo.training.logprobs import CompletionLogprobs
 
-Reduce = Callable[[Tensor], Tensor]
 
-
-def needs_step_statistics(config: GRPOConfig) -> bool:
+def needs_step_selection(config: GRPOConfig) -> bool:
     """Whether the objective selects tokens by a statistic of the batch."""
     return config.top_entropy_quantile < 1 or config.policy_loss_mode != "vanilla"
 
 
-class StepStatistics:
+class StepSelection:
     """Prepares, at each optimizer step's first micro-batch, the keyword arguments of
     :func:`lightning_grpo.algorithm.grpo_objective` that make the step's loss independent of its micro-batch split.
 
@@ -57,7 +55,7 @@ class StepStatistics:
         self._selected: list[Tensor] = []
         self._left = 0  # micro-batches of the prepared step not yet trained on
 
-    def prepare(self, policy: nn.Module, members: list[Experience], reduce_sum: Reduce, step: int) -> None:
+    def prepare(self, policy: nn.Module, members: list[Experience], collectives: Collectives, step: int) -> None:
         """Compute the statistics of the step whose micro-batches are ``members`` (in training order); the next
         ``len(members)`` :meth:`objective_kwargs` calls are for them. A collective under data parallelism (every
         process calls it at each step's start)."""
@@ -65,7 +63,7 @@ class StepStatistics:
         self._common, self._selected, self._left = {}, [], len(members)
         if cfg.policy_loss_mode == "clip_cov":
             self._common["generator"] = clip_cov_generator(cfg.shuffle_seed, step)
-        if not needs_step_statistics(cfg) or not members:
+        if not needs_step_selection(cfg) or not members:
             return
         with torch.no_grad():
             passes = [self.logprobs(policy, mb, with_entropy=cfg.top_entropy_quantile < 1) for mb in members]
@@ -75,7 +73,7 @@ class StepStatistics:
             values = torch.cat(gather_per_process(local))
             self._common["entropy_threshold"] = entropy_threshold(values, cfg.top_entropy_quantile)
         if cfg.policy_loss_mode != "vanilla":
-            self._covariance(members, [lp for lp, _ in passes], masks, reduce_sum, step)
+            self._covariance(members, [lp for lp, _ in passes], masks, collectives, step)
 
     def objective_kwargs(self) -> dict[str, Any]:
         """The keyword arguments of ``grpo_objective`` for the next micro-batch of the prepared step; {} when no
@@ -89,7 +87,7 @@ class StepStatistics:
         return kwargs
 
     def _covariance(self, members: list[Experience], logprobs: list[Tensor], masks: list[Tensor],
-                    reduce_sum: Reduce, step: int) -> None:
+                    collectives: Collectives, step: int) -> None:
         cfg = self.config
         advantages = [torch.where(m, mb.advantages.float().unsqueeze(1), 0.0) for mb, m in zip(members, masks,
                                                                                                 strict=True)]
@@ -98,7 +96,7 @@ class StepStatistics:
             sum(torch.where(m, a, 0.0).sum() for a, m in zip(advantages, masks, strict=True)),
             sum(m.sum() for m in masks).float(),
         ]).double()
-        total_logprob, total_advantage, count = reduce_sum(sums.to(masks[0].device)).tolist()
+        total_logprob, total_advantage, count = collectives.reduce_sum(sums.to(masks[0].device)).tolist()
         centers = (total_logprob / max(count, 1.0), total_advantage / max(count, 1.0))
         covariances = [token_covariance(lp, a, m, *centers)
                        for lp, a, m in zip(logprobs, advantages, masks, strict=True)]

@@ -8,6 +8,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow  # a whole benchmark run in a subprocess
+
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "lora.py"
 #: The harness's tiny Llama (hidden 128, 2 heads and 2 KV heads of 64, MLP 256, 2 layers, tied embeddings, vocabulary
 #: 49152): embeddings 49152 * 128 = 6291456; per layer q, k, v, o 4 * 128 * 128 = 65536, gate, up, down

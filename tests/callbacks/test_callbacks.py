@@ -5,6 +5,7 @@ import csv
 import glob
 import json
 import os
+import warnings
 
 import lightning as L
 import pytest
@@ -15,7 +16,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from lightning_grpo import GRPOConfig, GRPOModule
 from lightning_grpo import functional as F
-from lightning_grpo.callbacks import CompletionTable, GRPOProgressBar
+from lightning_grpo.callbacks import CompletionTable, GRPOCallback, GRPOProgressBar
 from lightning_grpo.data import PromptDataModule
 from lightning_grpo.data.module import collate_prompts
 from lightning_grpo.events import ExperienceReady, RolloutEnd
@@ -43,7 +44,7 @@ def _trainer(tmp_path, max_steps, callbacks, **kwargs):
                      enable_model_summary=False, default_root_dir=str(tmp_path), callbacks=callbacks, **kwargs)
 
 
-class Recorder(Callback):
+class Recorder(GRPOCallback):
     """Every GRPO event and Lightning's batch/optimizer hooks, in call order."""
 
     def __init__(self):
@@ -165,7 +166,7 @@ def _solved_below_level_1(prompts, completions, **kwargs):
     return [1.0 if p.startswith("level 0") else 0.0 for p in prompts]
 
 
-class Curriculum(Callback):
+class Curriculum(GRPOCallback):
     """Raises the dataset's level once the rollout's accuracy reaches 0.9."""
 
     def __init__(self, dataset):
@@ -210,3 +211,36 @@ def test_progress_bar_counts_optimizer_steps_and_phases(tmp_path, tiny_llama_pat
     assert bar.description().startswith("rollout 0s ~0 tok")
     trainer.lightning_module.rollout.stop.tick(12)
     assert bar.description().endswith("~12 tok")
+
+
+def test_a_misspelled_event_hook_is_reported_when_the_class_is_defined():
+    message = (r"Typo defines on_rolout_end, which is neither a Lightning callback hook nor a rollout event "
+               r"\(on_weights_synced, on_rollout_end, on_experience\)")
+    with pytest.warns(UserWarning, match=message):
+        class Typo(GRPOCallback):
+            def on_rolout_end(self, trainer, module, rollout):
+                pass
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+
+        class Fine(GRPOCallback):
+            def on_rollout_end(self, trainer, module, rollout):
+                pass
+
+            def on_train_start(self, trainer, module):
+                pass
+
+
+def test_an_event_hook_on_a_plain_callback_is_reported_at_setup(tmp_path, tiny_llama_path):
+    class Plain(Callback):
+        def on_rollout_end(self, trainer, module, rollout):
+            raise AssertionError("never called")
+
+    module = GRPOModule(tiny_llama_path, reward_funcs=[lambda prompts, completions, **kw: [1.0] * len(completions)],
+                        config=GRPOConfig(num_generations=2, max_new_tokens=4), export_dir="")
+    trainer = _trainer(tmp_path, 1, callbacks=[Plain()], logger=False)
+    with pytest.warns(UserWarning, match="Plain defines on_rollout_end but is not a lightning_grpo.callbacks."
+                                         "GRPOCallback"):
+        trainer.fit(module, datamodule=PromptDataModule(prompts_per_step=1, val_size=0))
+    assert trainer.global_step == 1

@@ -245,18 +245,16 @@ def test_token_budget_resume_skips_the_drawn_prompt_batches(tmp_path, tiny_llama
     resumed.fit(module, datamodule=PromptDataModule(prompts_per_step=2, val_size=0),
                 ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"))
     assert resumed.global_step == 4 and recorder.steps == 2
-    assert resumed.fit_loop.resume_prompt_batches == 2
+    assert resumed.fit_loop.resume_state.prompt_batches == 2
     assert recorder.drawn == 4  # 2 skipped + 2 trained on
 
-    # a checkpoint written before the loop kept the counter in its own state (top-level key) resumes the same way
+    # a checkpoint without the position (not written by GRPOFitLoop) inside an epoch is refused, not guessed
     del saved["loops"]["fit_loop"]["state_dict"]["prompt_batches_drawn"]
-    saved["lightning_grpo_prompt_batches_drawn"] = 2
-    torch.save(saved, tmp_path / "old.ckpt")
-    recorder = DrawnRecorder()
-    old = _trainer(tmp_path, 4, callbacks=[recorder], logger=False)
-    old.fit(_module(tiny_llama_path, **config), datamodule=PromptDataModule(prompts_per_step=2, val_size=0),
-            ckpt_path=str(tmp_path / "old.ckpt"))
-    assert old.fit_loop.resume_prompt_batches == 2 and recorder.drawn == 4
+    torch.save(saved, tmp_path / "foreign.ckpt")
+    with pytest.raises(ValueError, match="holds no 'prompt_batches_drawn'"):
+        _trainer(tmp_path, 4, logger=False).fit(_module(tiny_llama_path, **config),
+                                                datamodule=PromptDataModule(prompts_per_step=2, val_size=0),
+                                                ckpt_path=str(tmp_path / "foreign.ckpt"))
 
 
 def test_token_budget_needs_accumulate_grad_batches_1(tmp_path, tiny_llama_path):

@@ -29,10 +29,11 @@ pytest.importorskip("vllm")
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
 from _checkpoint_generation import trainer_logprobs  # noqa: E402
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint  # noqa: E402
+from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 from test_resume import QUESTIONS, _assert_same_run  # noqa: E402
 
 from lightning_grpo import GRPOConfig, GRPOModule  # noqa: E402
+from lightning_grpo.callbacks import GRPOCallback
 from lightning_grpo.config import EngineConfig
 from lightning_grpo.data import PromptDataModule  # noqa: E402
 
@@ -47,7 +48,7 @@ def length_reward(prompts, completions, **kwargs):
     return [(len(c) % 3) / 2 for c in completions]
 
 
-class Recorder(Callback):
+class Recorder(GRPOCallback):
     """Per optimizer step: the logged metrics, the trained micro-batch (one per step here), a copy of the policy
     being trained (the weights after ``step`` optimizer steps) and the weight version of each rollout."""
 

@@ -45,6 +45,8 @@ from lightning_grpo.rollout.engines.remote import VLLMServerEngine, policy_probe
 from lightning_grpo.rollout.engines.vllm import VLLMRolloutEngine  # noqa: E402
 from lightning_grpo.rollout.server.client import RolloutServerError, ServerClient  # noqa: E402
 
+pytestmark = pytest.mark.distributed  # rollout servers in subprocesses
+
 REPO = Path(__file__).resolve().parents[2]
 ATOL = 1e-4
 

@@ -25,7 +25,13 @@ from lightning_grpo import GRPOConfig, GRPOModule
 from lightning_grpo.data import PromptDataModule
 from lightning_grpo.rollout.base import RolloutInterrupted, SamplingConfig, StopFlag
 from lightning_grpo.rollout.engines.hf import HFRolloutEngine
-from lightning_grpo.runtime.checkpointing import PARTIAL_SUFFIX, AtomicCheckpointIO, is_complete_checkpoint
+from lightning_grpo.runtime.checkpointing import (
+    PARTIAL_SUFFIX,
+    AtomicCheckpointIO,
+    GRPOModelCheckpoint,
+    is_complete_checkpoint,
+    use_last_checkpoint_fallback,
+)
 from lightning_grpo.training.nonfinite import NonFiniteError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -83,7 +89,7 @@ def _assert_all_finite_checkpoints(folder):
 # ---------------------------------------------------------------------------------------------- ckpt_path="last"
 def _resolve_last(folder, **checkpoint_kwargs):
     """What fit(ckpt_path="last") loads, through Lightning's own resolution (with the package's extension)."""
-    trainer = _trainer(folder, 1, callbacks=[ModelCheckpoint(dirpath=str(folder), **checkpoint_kwargs)])
+    trainer = _trainer(folder, 1, callbacks=[GRPOModelCheckpoint(dirpath=str(folder), **checkpoint_kwargs)])
     return trainer._checkpoint_connector._select_ckpt_path(TrainerFn.FITTING, "last", model_provided=True,
                                                            model_connected=False)
 
@@ -91,6 +97,22 @@ def _resolve_last(folder, **checkpoint_kwargs):
 def _touch_checkpoint(path, step, mtime):
     torch.save({"step": step}, path)
     os.utime(path, (mtime, mtime))
+
+
+def test_importing_the_package_leaves_lightning_alone(tmp_path):
+    """No import-time patch: a plain ModelCheckpoint keeps Lightning's own resolution (no complete last.ckpt: a
+    first run), and the CLI's helper upgrades only the given trainer's checkpoint callbacks."""
+    assert "lightning_grpo" not in ModelCheckpoint._find_last_checkpoints.__module__
+    _touch_checkpoint(tmp_path / "epoch=0-step=1.ckpt", 1, time.time())
+    plain = _trainer(tmp_path, 1, callbacks=[ModelCheckpoint(dirpath=str(tmp_path))])
+    other = _trainer(tmp_path, 1, callbacks=[ModelCheckpoint(dirpath=str(tmp_path))])
+    select = (TrainerFn.FITTING, "last")
+    assert plain._checkpoint_connector._select_ckpt_path(*select, model_provided=True, model_connected=False) is None
+    use_last_checkpoint_fallback(plain)
+    assert type(plain.checkpoint_callback) is GRPOModelCheckpoint and type(other.checkpoint_callback) is ModelCheckpoint
+    with pytest.warns(UserWarning, match="no complete last checkpoint"):
+        resolved = plain._checkpoint_connector._select_ckpt_path(*select, model_provided=True, model_connected=False)
+    assert resolved == str(tmp_path / "epoch=0-step=1.ckpt")
 
 
 def test_last_falls_back_to_the_newest_complete_checkpoint(tmp_path):
@@ -249,6 +271,7 @@ def test_vllm_engine_aborts_between_engine_steps(tiny_llama_path):
 
 
 # ---------------------------------------------------------------------------------------------- SIGTERM
+@pytest.mark.distributed  # a training process to send SIGTERM to
 def test_sigterm_during_a_rollout_saves_the_last_step_and_exits_fast(tmp_path, tiny_llama_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "_preemption_worker.py"), tiny_llama_path,

@@ -7,6 +7,8 @@ references run in this process.
 import pytest
 from _dist_utils import assert_same_step, load, reference_step, run_worker
 
+pytestmark = pytest.mark.distributed  # 2-process runs
+
 CASES = [
     {"name": "ddp_grpo", "strategy": {"name": "ddp"}, "loss_type": "grpo", "beta": 0.04, "gradient_clip_val": 0.05},
     {"name": "ddp_dapo", "strategy": {"name": "ddp"}, "loss_type": "dapo"},

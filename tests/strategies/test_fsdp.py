@@ -16,6 +16,8 @@ from transformers import AutoModelForCausalLM
 
 from lightning_grpo.strategies import FSDP2Strategy, clip_grad_norm_, grad_norm, mixed_precision_policy
 
+pytestmark = pytest.mark.distributed  # 2-process runs
+
 FIXED_CASES = [
     # grpo loss, KL to a (sharded) reference policy, clipping by norm active (the gradient norm is ~5)
     {"name": "fsdp2_grpo", "strategy": {"name": "grpo_fsdp2"}, "loss_type": "grpo", "beta": 0.04,

@@ -58,8 +58,9 @@ def test_local_backend_without_a_strategy_is_one_process():
     assert backend.data_parallel_size == 1
     assert backend.reduce_sum(values) is values
     assert backend.reduce_max(values) is values
-    assert backend.any_process(True, values.device) is True
-    assert backend.any_process(False, values.device) is False
+    collectives = backend.collectives(values.device)
+    assert collectives.reduce_sum(values) is values and collectives.device == values.device
+    assert collectives.any_process(True) is True and collectives.any_process(False) is False
     assert backend.is_sharded(torch.nn.Linear(2, 2)) is False
     assert backend.export_state_dict(torch.nn.Linear(2, 2)) is None
     models = GRPOModels(torch.nn.Linear(2, 2), None, None)
@@ -170,6 +171,7 @@ def test_backends_never_import_the_module_or_the_loop():
         assert not bad, (module, bad)
 
 
+@pytest.mark.distributed  # a fresh interpreter
 def test_importing_the_strategies_does_not_import_megatron_core():
     """MegatronStrategy is imported on first use: megatron-core is optional and slow to import."""
     code = ("import sys, lightning_grpo.strategies as s; assert 'megatron' not in sys.modules; "

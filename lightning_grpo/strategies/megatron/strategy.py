@@ -45,11 +45,13 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
 from torch.optim import Optimizer
+from typing_extensions import override
 
 from lightning_grpo.strategies.base import ClipFallback, GRPOModels, clips_by_norm
 from lightning_grpo.strategies.megatron import convert, cpu_shims
 from lightning_grpo.strategies.megatron.policy import MegatronPolicy
 from lightning_grpo.strategies.megatron.rollout import TensorParallelRolloutEngine
+from lightning_grpo.training.collectives import Collectives
 
 if TYPE_CHECKING:
     import lightning as L
@@ -124,9 +126,11 @@ class MegatronStrategy(DDPStrategy):
         return self.global_rank % self.tensor_model_parallel_size
 
     @property
+    @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         return {"num_replicas": self.data_parallel_size, "rank": self.data_parallel_rank}
 
+    @override
     def setup_environment(self) -> None:
         if self.world_size % self.tensor_model_parallel_size != 0:
             raise ValueError(
@@ -156,10 +160,12 @@ class MegatronStrategy(DDPStrategy):
         )
 
     # ------------------------------------------------------------------------ setup
+    @override
     def configure_ddp(self) -> None:
         """No DistributedDataParallel wrapper: the data-parallel gradient average is done in
         :meth:`reduce_gradients` over the DP group only (TP ranks hold different shards)."""
 
+    @override
     def setup(self, trainer: "L.Trainer") -> None:
         if self._megatron_policy() is None:
             raise ValueError(
@@ -249,14 +255,16 @@ class MegatronStrategy(DDPStrategy):
         """Maximum over the data-parallel group (:meth:`reduce`)."""
         return tensor if self.world_size <= 1 else self.reduce(tensor, reduce_op="max")
 
-    def any_process(self, flag: bool, device: torch.device) -> bool:
-        return bool(self.reduce_sum(torch.tensor([float(flag)], device=device)).item() > 0)
+    def collectives(self, device: torch.device) -> Collectives:
+        """:meth:`reduce_sum` and :meth:`reduce_max` over the data-parallel group, flags on ``device``."""
+        return Collectives(self.reduce_sum, self.reduce_max, device)
 
     def _megatron_policy(self) -> Optional[MegatronPolicy]:
         policy = getattr(self.lightning_module, "policy", None)
         return policy if isinstance(policy, MegatronPolicy) else None
 
     # --------------------------------------------------------------- communication
+    @override
     def reduce(
         self, tensor: Tensor, group: Optional[Any] = None, reduce_op: Optional[Union[Any, str]] = "mean"
     ) -> Tensor:
@@ -268,12 +276,14 @@ class MegatronStrategy(DDPStrategy):
                 group = parallel_state.get_data_parallel_group()
         return super().reduce(tensor, group=group, reduce_op=reduce_op)
 
+    @override
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
         flag = torch.tensor(int(decision), device=self.root_device)
         total = super().reduce(flag, reduce_op="sum")  # over every process
         return bool(total == self.world_size) if all else bool(total)
 
     # -------------------------------------------------------------------- gradients
+    @override
     def optimizer_step(
         self,
         optimizer: Optimizer,
@@ -325,6 +335,7 @@ class MegatronStrategy(DDPStrategy):
         return (sharded[0] + squares[1]).sqrt()
 
     # ------------------------------------------------------------------ checkpoints
+    @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """The module's state with the policy gathered into HF names (``policy.<hf name>``). A collective: every
         rank calls it (Lightning does, in ``dump_checkpoint``)."""
@@ -338,6 +349,7 @@ class MegatronStrategy(DDPStrategy):
             state[_POLICY_PREFIX + name] = tensor.cpu().clone()
         return state
 
+    @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         """Load a state dict with the policy in HF names (a Megatron or a plain GRPOModule checkpoint)."""
         module = self.lightning_module
@@ -353,6 +365,7 @@ class MegatronStrategy(DDPStrategy):
         own = {k: v for k, v in module.state_dict().items() if k.startswith(_POLICY_PREFIX)}
         module.load_state_dict({**own, **rest}, strict=strict)
 
+    @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         """The optimizer state with the policy's per-parameter tensors gathered into HF names
         (:func:`~lightning_grpo.strategies.megatron.convert.optimizer_state_to_hf`). A collective over the TP group."""
@@ -362,6 +375,7 @@ class MegatronStrategy(DDPStrategy):
         return convert.optimizer_state_to_hf(optimizer.state_dict(), *self._optimizer_params(optimizer),
                                      parallel_state.get_tensor_model_parallel_group())
 
+    @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         """Load optimizer states saved by :meth:`optimizer_state`, taking this rank's shards
         (:func:`~lightning_grpo.strategies.megatron.convert.optimizer_state_from_hf`).
@@ -393,6 +407,7 @@ class MegatronStrategy(DDPStrategy):
         return params, names, maps, policy.arch
 
     # -------------------------------------------------------------------- lifecycle
+    @override
     def on_train_end(self) -> None:
         """Gather the trained weights into the HF policy copy on every rank (a collective), for the export and
         for :meth:`teardown` to hand the module back with an HF policy."""
@@ -400,6 +415,7 @@ class MegatronStrategy(DDPStrategy):
         if policy is not None and policy.hf_model is not None:
             policy.sync_hf_model(load=True)
 
+    @override
     def teardown(self) -> None:
         """Move the HF copy to CPU with the module (when it holds the trained weights: ``GRPOModule.teardown``
         then takes it back through :meth:`restore`), destroy megatron-core's model-parallel state and the process
