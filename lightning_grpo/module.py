@@ -19,6 +19,7 @@ from typing_extensions import override
 from lightning_grpo.algorithm import ObjectiveOutput, grpo_objective
 from lightning_grpo.callbacks.base import forward_event, warn_untyped_event_hooks
 from lightning_grpo.config import GRPOConfig
+from lightning_grpo.data.source import PromptSource
 from lightning_grpo.evaluation.evaluator import Evaluator
 from lightning_grpo.experience_maker import ExperienceMaker, RolloutContext
 from lightning_grpo.loop.fit_loop import install_loop
@@ -218,11 +219,12 @@ class GRPOModule(L.LightningModule):
     def steps_per_rollout(self) -> int:
         """Optimizer steps per rollout: num_iterations * (rollout batch / mini_batch_size). Raises ValueError when the
         datamodule does not say how many prompts a rollout batch has (``prompts_per_step``)."""
-        prompts = getattr(getattr(self.trainer, "datamodule", None), "prompts_per_step", None)
-        if prompts is None:
+        data = self.trainer.datamodule
+        if not isinstance(data, PromptSource):
             raise ValueError("GRPO needs the datamodule's prompts_per_step (prompts per rollout batch): pass a "
-                             "lightning_grpo.data.PromptDataModule or a LightningDataModule with that attribute")
-        n = prompts * self.config.num_generations
+                             "lightning_grpo.data.PromptDataModule or a LightningDataModule with prompts_per_step and "
+                             "eval_names (lightning_grpo.data.source.PromptSource)")
+        n = data.prompts_per_step * self.config.num_generations
         return self.config.num_iterations * (n // (self.config.mini_batch_size or n))
 
     def make_experience(
@@ -416,7 +418,8 @@ class GRPOModule(L.LightningModule):
         self._evaluate(batch, dataloader_idx, "test")
 
     def _evaluate(self, batch: dict[str, list], dataloader_idx: int, stage: str) -> None:
-        names = getattr(getattr(self.trainer, "datamodule", None), "eval_names", None) or [None]
+        data = self.trainer.datamodule
+        names = data.eval_names if isinstance(data, PromptSource) else [None]
         dataset = names[dataloader_idx] if 0 < dataloader_idx < len(names) else None
         with self.preemption.exit_on_stop():
             out = self.experience_maker.evaluate(batch, self.policy, accuracy=self.rewards.accuracy_for(dataset))

@@ -113,7 +113,7 @@ class GRPOFitLoop(_FitLoop):
                 )
         elif self.max_batches != float("inf"):
             self.max_batches = int(self.max_batches) * per_rollout
-        if getattr(trainer, "_val_check_time_interval", None) is not None or self.max_batches == 0:
+        if trainer._val_check_time_interval is not None or self.max_batches == 0:  # Lightning 2.6 (canary test)
             return
         if isinstance(val_check_interval, int):
             trainer.val_check_batch = val_check_interval

@@ -53,7 +53,7 @@ class Preemption:
 
     def requested(self) -> bool:
         """A SIGTERM arrived (Lightning's flag, or one held until the step's end)."""
-        return self.held or bool(getattr(self.trainer, "received_sigterm", False))
+        return self.held or (self.trainer is not None and bool(self.trainer.received_sigterm))
 
     @contextlib.contextmanager
     def exit_on_stop(self) -> Iterator[None]:
@@ -70,9 +70,9 @@ class Preemption:
     def on_micro_batch_end(self, step_end: bool) -> None:
         """After each training micro-batch (before Lightning's SIGTERM check): hold a SIGTERM that arrived inside an
         optimizer step until its last micro-batch, then hand it back to Lightning, which stops after it."""
-        connector = getattr(self.trainer, "_signal_connector", None)
-        if connector is None or not hasattr(connector, "received_sigterm"):
+        if self.trainer is None:
             return
+        connector = self.trainer._signal_connector  # Lightning 2.6 (tests/test_lightning_private_api.py)
         if not step_end and connector.received_sigterm:
             self._note()
             connector.received_sigterm = False
@@ -93,9 +93,8 @@ class Preemption:
 
 
 def _saves_on_exception(trainer: Any) -> bool:
-    callbacks = getattr(trainer, "callbacks", [])
     if any(isinstance(c, OnExceptionCheckpoint) or (isinstance(c, ModelCheckpoint) and c.save_on_exception)
-           for c in callbacks):
+           for c in trainer.callbacks):
         return True
-    environment: Optional[Any] = getattr(getattr(trainer, "_accelerator_connector", None), "cluster_environment", None)
+    environment: Optional[Any] = trainer._accelerator_connector.cluster_environment  # Lightning 2.6 (canary test)
     return isinstance(environment, SLURMEnvironment) and environment.auto_requeue

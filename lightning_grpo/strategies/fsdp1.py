@@ -82,7 +82,7 @@ class FSDP1Backend(LocalBackend):
         policy = _wrap(models.policy, self.strategy, auto_wrap_policy)
         ref = _wrap(models.ref, self.strategy, auto_wrap_policy) if models.ref is not None else None
         engine = models.engine
-        if engine is not None and not isinstance(engine, GatheredGenerationEngine):
+        if engine is not None:
             if engine.uses_policy_parameters and auto_wrap_policy is not None:
                 # nested units all-gather in every forward: every rank must run as many forwards as the longest
                 # rank (transformers' synced_gpus, as for FSDP2 modules)

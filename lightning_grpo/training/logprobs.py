@@ -14,7 +14,7 @@ computed on the padding-free paths. A model with its own ``completion_logprobs(b
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, ContextManager, Optional
+from typing import Callable, ContextManager, Optional, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor, nn
@@ -32,6 +32,18 @@ from lightning_grpo.training.packing import (
 
 #: ``(model inputs, target ids (1, K), (rows, cols) of the K targets in the padded completion layout)``
 Pass = tuple[dict, Tensor, tuple[Tensor, Tensor]]
+
+
+@runtime_checkable
+class ScoresCompletions(Protocol):
+    """A policy that computes its own completion logprobs (Megatron's vocab-parallel ones,
+    :class:`lightning_grpo.strategies.megatron.policy.MegatronPolicy`): :class:`CompletionLogprobs` hands it the
+    micro-batch instead of running a forward layout."""
+
+    def completion_logprobs(self, batch: Experience, temperature: float,
+                            with_entropy: bool = False) -> tuple[Tensor, Optional[Tensor]]:
+        """``(B, T)`` float32 logprobs of ``batch``'s completion tokens at ``temperature`` (and the entropy)."""
+        ...
 
 
 class CompletionLogprobs:
@@ -59,7 +71,7 @@ class CompletionLogprobs:
             ValueError: ``entropy_grad`` or truncation with a model that computes its own logprobs (no entropy
                 gradient and no truncation there).
         """
-        if callable(getattr(model, "completion_logprobs", None)):
+        if isinstance(model, ScoresCompletions):
             if entropy_grad:
                 raise ValueError(
                     f"GRPOConfig.entropy_coef={self.config.entropy_coef} needs the entropy's gradient, which "
