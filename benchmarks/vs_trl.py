@@ -37,7 +37,7 @@ Run::
     # quick look: tiny random model, a few minutes
     python benchmarks/vs_trl.py --model tiny --engines trl,hf --prompts-per-step 2 --num-generations 4 \
         --max-new-tokens 64
-    # the README's measurement: SmolLM2-135M-Instruct
+    # docs/performance.md's measurement: SmolLM2-135M-Instruct
     python benchmarks/vs_trl.py --prompts-per-step 2 --num-generations 8 --max-new-tokens 128 --steps 3 --rounds 2 \
         --out benchmarks/results/vs_trl_smollm2.json
 

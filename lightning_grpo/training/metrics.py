@@ -6,7 +6,7 @@
 * :func:`rollout_metrics` is a pure function of a scored rollout (verl's ``metric_utils`` style).
 * :class:`StepTimer` is where the step's wall time went (``timing/*``).
 
-Metric names follow TRL's where they mean the same thing (README "Metrics").
+Metric names follow TRL's where they mean the same thing (docs/training.md, "Metrics").
 """
 
 from __future__ import annotations
