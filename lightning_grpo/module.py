@@ -19,7 +19,7 @@ from typing_extensions import override
 from lightning_grpo.algorithm import ObjectiveOutput, grpo_objective
 from lightning_grpo.callbacks.base import forward_event, warn_untyped_event_hooks
 from lightning_grpo.config import GRPOConfig
-from lightning_grpo.data.source import PromptSource
+from lightning_grpo.data.source import EvalSource, PromptSource
 from lightning_grpo.evaluation.evaluator import Evaluator
 from lightning_grpo.experience_maker import ExperienceMaker, RolloutContext
 from lightning_grpo.loop.fit_loop import install_loop
@@ -222,8 +222,8 @@ class GRPOModule(L.LightningModule):
         data = self.trainer.datamodule
         if not isinstance(data, PromptSource):
             raise ValueError("GRPO needs the datamodule's prompts_per_step (prompts per rollout batch): pass a "
-                             "lightning_grpo.data.PromptDataModule or a LightningDataModule with prompts_per_step and "
-                             "eval_names (lightning_grpo.data.source.PromptSource)")
+                             "lightning_grpo.data.PromptDataModule or a LightningDataModule with that attribute "
+                             "(lightning_grpo.data.source.PromptSource)")
         n = data.prompts_per_step * self.config.num_generations
         return self.config.num_iterations * (n // (self.config.mini_batch_size or n))
 
@@ -419,7 +419,7 @@ class GRPOModule(L.LightningModule):
 
     def _evaluate(self, batch: dict[str, list], dataloader_idx: int, stage: str) -> None:
         data = self.trainer.datamodule
-        names = data.eval_names if isinstance(data, PromptSource) else [None]
+        names = data.eval_names if isinstance(data, EvalSource) else [None]
         dataset = names[dataloader_idx] if 0 < dataloader_idx < len(names) else None
         with self.preemption.exit_on_stop():
             out = self.experience_maker.evaluate(batch, self.policy, accuracy=self.rewards.accuracy_for(dataset))

@@ -76,7 +76,7 @@ def main(spec: dict) -> None:
     torch.set_num_threads(1)
     STATE["kill"] = None if spec.get("resume") else spec.get("kill")
     L.seed_everything(0, verbose=False)
-    config = GRPOConfig(**{"num_generations": 4, "max_new_tokens": 8, "temperature": 1.0, **spec["config"]})
+    config = GRPOConfig.from_dict({"num_generations": 4, "max_new_tokens": 8, "temperature": 1.0, **spec["config"]})
     module = GRPOModule(spec["model"], reward_funcs=[length_reward], config=config, learning_rate=1e-3, export_dir="",
                         lora=spec.get("lora"))
     data = PromptDataModule(dataset=spec["data"], prompts_per_step=2, val_size=0, answer_format="raw",

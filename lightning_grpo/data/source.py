@@ -1,5 +1,6 @@
-"""What ``GRPOModule`` reads from the trainer's datamodule: :class:`PromptSource` (``PromptDataModule`` implements
-it; any ``LightningDataModule`` with these two attributes works)."""
+"""What ``GRPOModule`` reads from the trainer's datamodule: :class:`PromptSource` for training (any
+``LightningDataModule`` with ``prompts_per_step``) and :class:`EvalSource` for per-dataset evaluation metrics;
+``PromptDataModule`` implements both."""
 
 from __future__ import annotations
 
@@ -14,6 +15,12 @@ class PromptSource(Protocol):
     def prompts_per_step(self) -> int:
         """Prompts per rollout batch on each process (the train DataLoader's batch size)."""
         ...
+
+
+@runtime_checkable
+class EvalSource(Protocol):
+    """A datamodule with several evaluation datasets (without one, every validation/test DataLoader is the
+    datamodule's own dataset)."""
 
     @property
     def eval_names(self) -> list[str]:

@@ -301,7 +301,6 @@ def test_policy_ratio_level_and_rollout_correction_level_are_separate_knobs():
     out, _ = _run(config, logp, mask, advantages, sampler_logprobs=sampler)
     assert out.loss.item() == pytest.approx(-2 * math.exp(0.5))
     # policy level "sequence" (ratio 1 on-policy), rollout level "token": weights [1.648721, 1] -> -2.648721
-    with pytest.warns(FutureWarning):
-        config = GRPOConfig(num_generations=2, importance_sampling_cap=2.0, importance_sampling_level="sequence")
+    config = GRPOConfig(num_generations=2, importance_sampling_cap=2.0, importance_sampling_level="sequence")
     out, _ = _run(config, logp, mask, advantages, sampler_logprobs=sampler)
     assert out.loss.item() == pytest.approx(-(math.exp(0.5) + 1))

@@ -269,12 +269,15 @@ def test_quantization_needs_cuda_and_lora(tiny_llama_path):
     with pytest.raises(ValueError, match="quantization='4bit': a quantized base is not merged with its adapters; use "
                        "export_merged=False"):
         GRPOModule(tiny_llama_path, lora=lora, quantization="4bit", export_merged=True)
+    class OwnWeights(FixedRolloutEngine):
+        uses_policy_parameters = False  # as vLLM's engines declare
+
     quantized = LoraSettings(lora, quantization_config=object())  # what lora_settings returns for a quantized base
     check_quantized_engine(quantized, HFRolloutEngine(AutoModelForCausalLM.from_pretrained(tiny_llama_path),
                                                       AutoTokenizer.from_pretrained(tiny_llama_path)))
     with pytest.raises(ValueError, match="a quantized base is not merged with its adapters, so an engine with its own "
                        "weights cannot sample from it: use GRPOConfig.engine.name='hf'"):
-        check_quantized_engine(quantized, as_rollout_engine(FixedRolloutEngine(torch.zeros(1, 1), 0)))
+        check_quantized_engine(quantized, as_rollout_engine(OwnWeights(torch.zeros(1, 1), 0)))
     with pytest.raises(ValueError, match="export_merged=True .* needs lora"):
         GRPOModule(tiny_llama_path, export_merged=True)
     with pytest.raises(TypeError, match="lora must be a peft.LoraConfig, a dict of its fields or None, got int"):

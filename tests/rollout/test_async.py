@@ -262,25 +262,28 @@ def test_bad_settings_raise_clear_errors(tmp_path, tiny_llama_path, data_file):
 def test_per_request_seed_bases_are_disjoint_per_process(tiny_llama_path):
     """Processes seeded alike (``seed_everything`` on every rank) draw the same base from torch's global generator;
     rank r's base is offset by r * 2**32, so no two processes sample with the same per-request seed."""
+    from _algorithm_support import FixedRolloutEngine
     from transformers import AutoTokenizer
 
-    from lightning_grpo.experience_maker import ExperienceMaker
+    from lightning_grpo.experience_maker import ExperienceMaker, RolloutContext
     from lightning_grpo.rewards import RewardSet
     from lightning_grpo.rollout.worker import RolloutWorker
     from lightning_grpo.training.logprobs import CompletionLogprobs
 
-    config = GRPOConfig(engine=EngineConfig(name="vllm"))
-    maker = ExperienceMaker(config, RolloutWorker(config, AutoTokenizer.from_pretrained(tiny_llama_path)),
-                            RewardSet.from_specs(["gsm8k_accuracy"]), CompletionLogprobs(config))
+    class Seeded(FixedRolloutEngine):
+        seeds_per_request = True  # as vLLM's engines declare
+
+    config = GRPOConfig()
+    worker = RolloutWorker(config, AutoTokenizer.from_pretrained(tiny_llama_path))
+    worker.engine = Seeded(torch.zeros(1, 1, dtype=torch.long), 0)
+    maker = ExperienceMaker(config, worker, RewardSet.from_specs(["gsm8k_accuracy"]), CompletionLogprobs(config))
     seeds = []
     for rank in (0, 1, 3):
-        maker.rank = rank
+        maker.bind(RolloutContext(rank=rank))
         torch.manual_seed(7)
         seeds.append(maker._sampling().seed)
     torch.manual_seed(7)
     base = int(torch.randint(0, 2**31 - 1, (1,)).item())
     assert seeds == [base, base + 2**32, base + 3 * 2**32]
-    hf = GRPOConfig()
-    hf_maker = ExperienceMaker(hf, RolloutWorker(hf, AutoTokenizer.from_pretrained(tiny_llama_path)),
-                               RewardSet.from_specs(["gsm8k_accuracy"]), CompletionLogprobs(hf))
-    assert hf_maker._sampling().seed is None  # the HF engine samples from the global generator itself
+    worker.engine = FixedRolloutEngine(torch.zeros(1, 1, dtype=torch.long), 0)  # declares no per-request seeds
+    assert maker._sampling().seed is None  # the HF engine samples from the global generator itself

@@ -330,7 +330,7 @@ class VLLMServerEngine:
             raise RolloutServerError(
                 f"post-sync check failed for weights version {self.version}: the rollout server's logprobs of the "
                 f"probe batch differ from the policy's by up to {worst:.3g} > engine.weight_sync_check="
-                f"{self.engine.weight_sync_check:g}{where}: the server is not generating with the trained weights")
+                f"{self.weight_sync_check:g}{where}: the server is not generating with the trained weights")
 
     def _send_to_all(self, model: nn.Module) -> None:
         """Rank 0: a new group with each instance that restarted, then the weights to all of them."""
