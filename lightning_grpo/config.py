@@ -9,7 +9,7 @@ import importlib.util
 import math
 import warnings
 from dataclasses import dataclass, field, fields
-from typing import Literal, Optional
+from typing import Literal, Optional, Union
 
 LossType = Literal["grpo", "bnpo", "token_mean", "dapo", "dr_grpo", "cispo"]
 KLEstimator = Literal["k1", "k2", "k3"]
@@ -173,12 +173,14 @@ class GRPOConfig:
     mini-batch is split into ``Trainer(accumulate_grad_batches)`` micro-batches, one ``training_step`` each."""
     shuffle_seed: int = 0
     """Seed of the mini-batch shuffling (combined with the step number)."""
-    max_tokens_per_microbatch: Optional[int] = None
+    max_tokens_per_microbatch: Union[int, Literal["auto"], None] = None
     """Form each mini-batch's micro-batches by a token budget instead of a count: sequences (real prompt +
     completion tokens) are packed into micro-batches of at most this many tokens, balanced
     (:func:`lightning_grpo.training.packing.token_budget_partition`; a longer sequence gets a micro-batch of its own).
-    The
-    number of micro-batches per optimizer step then varies: it needs ``Trainer(accumulate_grad_batches=1)``.
+    The number of micro-batches per optimizer step then varies: it needs ``Trainer(accumulate_grad_batches=1)``.
+    "auto": chosen before the first step from the measured peak memory of two probe steps so that a step fits
+    ``token_budget_memory_fraction`` of the available memory (:mod:`lightning_grpo.training.token_budget`; logged as
+    ``token_budget``); an error when one sequence of ``max_prompt_length + max_new_tokens`` tokens does not fit.
     None = ``accumulate_grad_batches`` micro-batches per step."""
 
     # --- Performance ---
@@ -201,6 +203,24 @@ class GRPOConfig:
     completion see the prompt and itself only: the prompt is computed once instead of G times. Exact (same logprobs
     and gradients). With flash attention (no custom masks) it is ignored. A token-budget micro-batch may split a
     group, which then shares its prompt within each part only."""
+
+    # --- Memory (docs/performance.md) ---
+    lm_head_chunk_size: Optional[int] = 1024
+    """Tokens per chunk of the output layer -> logprob computation of every training, old-policy and reference pass:
+    the logprobs (and entropy, with its gradient) are computed from the final hidden states ``chunk`` tokens at a
+    time in forward and recomputed chunk by chunk in backward, so the ``[tokens, vocab]`` logits never exist (their
+    float32 copy and gradient neither); exact (tests assert 1e-5), on for the model types whose forward applies
+    nothing after the output layer (:data:`lightning_grpo.training.logprob_head.PLAIN_HEAD_MODEL_TYPES`; others keep
+    the full logits, logged). Peak memory of the head: a few ``chunk x vocab`` float32 buffers (top-p: chunks 8 times
+    smaller). None = full logits."""
+    token_budget_memory_fraction: float = 0.8
+    """With ``max_tokens_per_microbatch="auto"``: the fraction in (0, 1] of the memory available to the training
+    process (CUDA: free device memory; CPU: the smallest of ``MemAvailable``, the cgroup limit and ``RLIMIT_AS``) that
+    the training step's measured peak may use (:mod:`lightning_grpo.training.token_budget`)."""
+    activation_offload: bool = False
+    """Keep the tensors the training forward saves for backward in (pinned) CPU memory and copy them back in backward
+    (``torch.autograd.graph.save_on_cpu``; CUDA only, an error on CPU where there is nothing to offload to). Combine
+    with ``GRPOModule(gradient_checkpointing=True)`` (then only the decoder layers' inputs are saved)."""
 
     # --- Evaluation ---
     eval_max_new_tokens: Optional[int] = None
@@ -328,8 +348,11 @@ class GRPOConfig:
         _check_choice(self, "on_nonfinite", ("error", "skip"))
         if self.mini_batch_size is not None and self.mini_batch_size < 1:
             _fail("mini_batch_size", self.mini_batch_size, "must be >= 1 or None")
-        if self.max_tokens_per_microbatch is not None and self.max_tokens_per_microbatch < 1:
-            _fail("max_tokens_per_microbatch", self.max_tokens_per_microbatch, "must be >= 1 or None")
+        budget = self.max_tokens_per_microbatch
+        if budget is not None and budget != "auto" and (isinstance(budget, bool) or not isinstance(budget, int)
+                                                        or budget < 1):
+            _fail("max_tokens_per_microbatch", budget, "must be an int >= 1, 'auto' or None")
+        self._check_memory()
         if self.packed_row_tokens is not None and self.packed_row_tokens < 1:
             _fail("packed_row_tokens", self.packed_row_tokens, "must be >= 1 or None (automatic)")
         if self.eval_max_new_tokens is not None and self.eval_max_new_tokens < 1:
@@ -345,6 +368,14 @@ class GRPOConfig:
         if self.vllm_kv_cache_space_gib < 1:
             _fail("vllm_kv_cache_space_gib", self.vllm_kv_cache_space_gib, "must be >= 1")
         self._check_staleness()
+
+    def _check_memory(self) -> None:
+        """Knobs of the memory block."""
+        chunk = self.lm_head_chunk_size
+        if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
+            _fail("lm_head_chunk_size", chunk, "must be an int >= 1 or None (full logits)")
+        if not 0 < self.token_budget_memory_fraction <= 1:
+            _fail("token_budget_memory_fraction", self.token_budget_memory_fraction, "must be in (0, 1]")
 
     def _check_staleness(self) -> None:
         """``max_staleness`` and the settings asynchronous rollouts need; sets the TIS cap they default to."""
