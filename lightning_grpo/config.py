@@ -376,6 +376,9 @@ class GRPOConfig:
             _fail("lm_head_chunk_size", chunk, "must be an int >= 1 or None (full logits)")
         if not 0 < self.token_budget_memory_fraction <= 1:
             _fail("token_budget_memory_fraction", self.token_budget_memory_fraction, "must be in (0, 1]")
+        if self.max_tokens_per_microbatch == "auto" and not self.padding_free:
+            _fail("max_tokens_per_microbatch", "auto", "needs padding_free=True (a padded micro-batch costs more than "
+                  "its tokens: its rows are padded to the longest)")
 
     def _check_staleness(self) -> None:
         """``max_staleness`` and the settings asynchronous rollouts need; sets the TIS cap they default to."""

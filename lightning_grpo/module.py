@@ -42,6 +42,7 @@ from lightning_grpo.training.metrics import StepMetrics, StepTimer
 from lightning_grpo.training.nonfinite import NonFiniteGuard, check_finite_checkpoint
 from lightning_grpo.training.optim import adamw_with_warmup, check_optimizer_arguments
 from lightning_grpo.training.selection import StepStatistics
+from lightning_grpo.training.token_budget import adamw_state_bytes, choose_token_budget
 
 log = logging.getLogger(__name__)
 
@@ -123,6 +124,7 @@ class GRPOModule(L.LightningModule):
         self.nonfinite = NonFiniteGuard(self.config.on_nonfinite)
         self.preemption = Preemption(self.rollout.stop)
         self.evaluator = Evaluator(self.config.eval_k)
+        self.token_budget: Optional[int] = None  # with max_tokens_per_microbatch="auto": the budget chosen
 
     def _emit(self, name: str, payload: Any) -> None:
         """Rollout events (:mod:`lightning_grpo.events`) to the trainer's callbacks that define ``name``."""
@@ -336,7 +338,34 @@ class GRPOModule(L.LightningModule):
             self.trainer.fit_loop.resume_prompt_batches = int(old)
 
     def on_train_start(self) -> None:
+        if self.config.max_tokens_per_microbatch == "auto":
+            self._fit_token_budget()
         self.timer.start()
+
+    # --- memory: the auto token budget (lightning_grpo.training.token_budget) ---
+    def _fit_token_budget(self) -> None:
+        """Set ``config.max_tokens_per_microbatch`` from probe steps (the smallest over processes) and log it as
+        ``token_budget``. Raises MemoryError as :func:`~lightning_grpo.training.token_budget.choose_token_budget`."""
+
+        def train_step(batch: Experience) -> None:
+            with self.trainer.precision_plugin.forward_context():
+                loss = self.compute_loss(batch).loss
+            loss.backward()
+            self.policy.zero_grad(set_to_none=True)
+
+        optimizers = self.trainer.optimizers
+        budget = choose_token_budget(train_step, self.config, int(self.policy.config.vocab_size), self.device,
+                                     self.config.mini_batch_size or self._rollout_sequences(),
+                                     adamw_state_bytes(optimizers[0]) if optimizers else 0)
+        smallest = -self.backend.reduce_max(torch.tensor([-float(budget.tokens)], device=self.device))
+        self.config.max_tokens_per_microbatch = self.token_budget = int(smallest.item())
+        log.info("token budget: %s", budget.describe())
+        for logger in self.trainer.loggers:
+            logger.log_metrics({"token_budget": float(self.token_budget)}, step=self.global_step)
+
+    def _rollout_sequences(self) -> int:
+        prompts = getattr(getattr(self.trainer, "datamodule", None), "prompts_per_step", None) or 1
+        return int(prompts) * self.config.num_generations
 
     def on_before_backward(self, loss: Tensor) -> None:
         self.timer.before_backward()

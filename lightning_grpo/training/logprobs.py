@@ -91,7 +91,7 @@ class CompletionLogprobs:
         in chunks of ``micro_batch_size`` sequences (of ``max_tokens_per_microbatch`` tokens when set), inside
         ``forward_context()`` (the trainer's precision context)."""
         budget = self.config.max_tokens_per_microbatch
-        if budget is not None:
+        if budget is not None and budget != "auto":  # "auto" before it is chosen (at the start of training)
             counts = sequence_token_counts(experience.prompt_mask, experience.completion_mask).tolist()
             parts = [torch.tensor(p, dtype=torch.long) for p in token_budget_partition(counts, budget)]
         else:
