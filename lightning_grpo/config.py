@@ -217,10 +217,6 @@ class GRPOConfig:
     """With ``max_tokens_per_microbatch="auto"``: the fraction in (0, 1] of the memory available to the training
     process (CUDA: free device memory; CPU: the smallest of ``MemAvailable``, the cgroup limit and ``RLIMIT_AS``) that
     the training step's measured peak may use (:mod:`lightning_grpo.training.token_budget`)."""
-    activation_offload: bool = False
-    """Keep the tensors the training forward saves for backward in (pinned) CPU memory and copy them back in backward
-    (``torch.autograd.graph.save_on_cpu``; CUDA only, an error on CPU where there is nothing to offload to). Combine
-    with ``GRPOModule(gradient_checkpointing=True)`` (then only the decoder layers' inputs are saved)."""
 
     # --- Evaluation ---
     eval_max_new_tokens: Optional[int] = None
@@ -238,8 +234,11 @@ class GRPOConfig:
     # --- vLLM engine (rollout_engine="vllm") ---
     vllm_gpu_memory_utilization: float = 0.3
     """Fraction of GPU memory vLLM may take, in (0, 1] (GPU only)."""
-    vllm_kv_cache_space_gib: int = 2
-    """KV-cache size in GiB on CPU (``VLLM_CPU_KVCACHE_SPACE``)."""
+    vllm_kv_cache_space_gib: Union[float, Literal["auto"]] = "auto"
+    """KV-cache size in GiB on CPU (> 0; ``VLLM_CPU_KVCACHE_SPACE``, which an exported variable still overrides).
+    "auto": what one rollout's ``prompts_per_step * num_generations`` sequences of ``max_prompt_length +
+    max_new_tokens`` tokens occupy (:mod:`lightning_grpo.rollout.engines.kv_cache`; SmolLM2-135M float32, 16 x 768
+    tokens: 0.53 GiB), 2 GiB when the datamodule does not say ``prompts_per_step``."""
     vllm_sync_every: int = 1
     """Push trained weights into the engine every this many optimizer steps."""
     vllm_enable_sleep_mode: bool = False
@@ -365,8 +364,9 @@ class GRPOConfig:
             _fail("eval_temperature", self.eval_temperature, "must be > 0")
         if not 0 < self.vllm_gpu_memory_utilization <= 1:
             _fail("vllm_gpu_memory_utilization", self.vllm_gpu_memory_utilization, "must be in (0, 1]")
-        if self.vllm_kv_cache_space_gib < 1:
-            _fail("vllm_kv_cache_space_gib", self.vllm_kv_cache_space_gib, "must be >= 1")
+        kv = self.vllm_kv_cache_space_gib
+        if kv != "auto" and (isinstance(kv, bool) or not isinstance(kv, (int, float)) or not kv > 0):
+            _fail("vllm_kv_cache_space_gib", kv, "must be > 0 (GiB) or 'auto'")
         self._check_staleness()
 
     def _check_memory(self) -> None:

@@ -64,7 +64,10 @@ class GRPOModule(L.LightningModule):
         adam_betas: AdamW betas.
         warmup_steps: linear warmup from 0 over this many optimizer steps, then constant.
         dtype: dtype the model weights are loaded in ("float32", "bfloat16", "float16").
-        gradient_checkpointing: recompute activations in backward to save memory.
+        gradient_checkpointing: recompute each decoder layer's activations in backward to save memory, on every
+            backend: transformers' non-reentrant checkpointing on one device, DDP, FSDP2 and FSDP1; megatron-core's
+            full per-layer recompute under ``MegatronStrategy``. "offload": also keep the layers' saved inputs in
+            pinned CPU memory until backward (CUDA; docs/performance.md).
         export_dir: where the trained policy is saved with ``save_pretrained`` at the end of fit; default
             ``<trainer.log_dir or default_root_dir>/hf_model``; "" disables the export.
         tolerant_reward_funcs: names (as in ``rewards/<name>/mean``) of reward functions whose exceptions become
@@ -93,7 +96,7 @@ class GRPOModule(L.LightningModule):
         adam_betas: tuple[float, float] = (0.9, 0.99),
         warmup_steps: int = 0,
         dtype: str = "float32",
-        gradient_checkpointing: bool = False,
+        gradient_checkpointing: Union[bool, Literal["offload"]] = False,
         export_dir: Optional[str] = None,
         tolerant_reward_funcs: Sequence[str] = (),
         lora: Optional[LoraConfig] = None,
@@ -147,7 +150,8 @@ class GRPOModule(L.LightningModule):
     def setup(self, stage: str) -> None:
         if stage == "fit":
             install_loop(self.trainer)
-        self.rollout.start(self.policy, self.model_path)
+        prompts = getattr(getattr(self._trainer, "datamodule", None), "prompts_per_step", None)
+        self.rollout.start(self.policy, self.model_path, rollout_prompts=prompts)  # (sizes an "auto" KV cache)
         self.experience_maker.rank = self.global_rank  # disjoint per-request seeds per process
         self.preemption.attach(self.trainer)
         use_atomic_checkpoint_io(self.trainer.strategy)

@@ -12,6 +12,7 @@ NaN/inf before every rollout (:func:`lightning_grpo.training.nonfinite.check_fin
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import tempfile
 from typing import Any, Iterator, Optional, Sequence
@@ -24,20 +25,24 @@ from lightning_grpo.events import ON_WEIGHTS_SYNCED, EventSink
 from lightning_grpo.rollout.base import RolloutEngine, RolloutOutput, SamplingConfig, StopFlag
 from lightning_grpo.rollout.engines.hf import HFRolloutEngine
 from lightning_grpo.rollout.engines.hf_weights import merged_state_dict
+from lightning_grpo.rollout.engines.kv_cache import rollout_kv_cache_bytes
 from lightning_grpo.rollout.engines.remote import VLLMServerEngine
 from lightning_grpo.rollout.engines.vllm import VLLMRolloutEngine
 from lightning_grpo.rollout.prompts import encode_prompts
 from lightning_grpo.training.nonfinite import AnyProcess, check_finite_parameters
 
+log = logging.getLogger(__name__)
+
 
 def make_engine(config: GRPOConfig, policy: nn.Module, tokenizer: PreTrainedTokenizerBase,
-                model_path: Optional[str], stop: Optional[StopFlag] = None) -> RolloutEngine:
+                model_path: Optional[str], stop: Optional[StopFlag] = None,
+                rollout_prompts: Optional[int] = None) -> RolloutEngine:
     """The rollout engine ``config.rollout_engine`` names: ``"hf"`` (generates with ``policy``; with a PEFT policy,
     with its transformers model, whose layers carry the adapters), ``"vllm"`` (a colocated engine loaded from
     ``model_path``; an ``nn.Module`` given without a folder is saved to a temporary one first, LoRA merged: its
     weights follow by ``sync_weights``) or ``"vllm_server"`` (the rollout servers at ``vllm_server_urls``, which
     get the weights by ``sync_weights``); both sample with per-request seeds. ``stop``: the flag the engine polls
-    while it generates."""
+    while it generates; ``rollout_prompts``: prompts per rollout (sizes ``vllm_kv_cache_space_gib="auto"``)."""
     model = policy.get_base_model() if callable(getattr(policy, "get_base_model", None)) else policy
     if config.rollout_engine == "vllm_server":
         return VLLMServerEngine(config.vllm_server_urls, tokenizer, timeout_s=config.vllm_server_timeout,
@@ -55,12 +60,29 @@ def make_engine(config: GRPOConfig, policy: nn.Module, tokenizer: PreTrainedToke
     return VLLMRolloutEngine(
         path,
         gpu_memory_utilization=config.vllm_gpu_memory_utilization,
-        kv_cache_space_gib=config.vllm_kv_cache_space_gib,
+        kv_cache_space_gib=kv_cache_space_gib(config, model.config, dtype.itemsize, rollout_prompts),
         max_model_len=config.max_prompt_length + max(config.max_new_tokens, config.eval_max_new_tokens or 0),
         enable_sleep_mode=config.vllm_enable_sleep_mode,
         dtype=str(dtype).removeprefix("torch."),
         stop=stop,
     )
+
+
+def kv_cache_space_gib(config: GRPOConfig, model_config: Any, dtype_bytes: int,
+                       rollout_prompts: Optional[int]) -> float:
+    """``vllm_kv_cache_space_gib``; "auto": one rollout's sequences at their longest
+    (:func:`lightning_grpo.rollout.engines.kv_cache.rollout_kv_cache_bytes`), 2 GiB when the prompts per rollout are
+    unknown."""
+    if config.vllm_kv_cache_space_gib != "auto":
+        return float(config.vllm_kv_cache_space_gib)
+    if rollout_prompts is None:
+        log.info("vllm_kv_cache_space_gib='auto' without the prompts per rollout: 2 GiB")
+        return 2.0
+    tokens = config.max_prompt_length + max(config.max_new_tokens, config.eval_max_new_tokens or 0)
+    size = rollout_kv_cache_bytes(model_config, dtype_bytes, rollout_prompts * config.num_generations, tokens) / 2**30
+    log.info("vllm_kv_cache_space_gib='auto': %.3f GiB for %d sequences of %d tokens", size,
+             rollout_prompts * config.num_generations, tokens)
+    return size
 
 
 class RolloutWorker:
@@ -91,11 +113,12 @@ class RolloutWorker:
         self.engine_version = 0
         self.stop = StopFlag()
 
-    def start(self, policy: nn.Module, model_path: Optional[str]) -> None:
+    def start(self, policy: nn.Module, model_path: Optional[str], rollout_prompts: Optional[int] = None) -> None:
         """Make the engine once (idempotent). A vLLM engine gets the policy's weights before its first rollout
-        (they may differ from ``model_path``'s, e.g. after a resume)."""
+        (they may differ from ``model_path``'s, e.g. after a resume). ``rollout_prompts``: see :func:`make_engine`."""
         if self.engine is None:
-            self.engine = make_engine(self.config, policy, self.tokenizer, model_path, stop=self.stop)
+            self.engine = make_engine(self.config, policy, self.tokenizer, model_path, stop=self.stop,
+                                      rollout_prompts=rollout_prompts)
             if self.config.rollout_engine in ("vllm", "vllm_server"):
                 self.engine_version = -1
 
