@@ -343,6 +343,24 @@ def _step_rows(ends: list[float], generated: list[float], prompt_tokens: list[in
     return rows
 
 
+def make_strategy(spec: Any) -> Any:
+    """A Trainer ``strategy`` from JSON: None / a name, or ``{"name": "grpo_fsdp2" | "fsdp", **kwargs}``
+    (:class:`lightning_grpo.strategies.FSDP2Strategy` / Lightning's ``FSDPStrategy`` with those arguments)."""
+    if not isinstance(spec, dict):
+        return spec or "auto"
+    kwargs = dict(spec)
+    name = kwargs.pop("name")
+    if name == "grpo_fsdp2":
+        from lightning_grpo.strategies import FSDP2Strategy
+
+        return FSDP2Strategy(**kwargs)
+    if name == "fsdp":
+        from lightning.pytorch.strategies import FSDPStrategy
+
+        return FSDPStrategy(**kwargs)
+    raise ValueError(f"strategy {spec!r}: choose a name, or a dict with name 'grpo_fsdp2' or 'fsdp'")
+
+
 def run_ours(spec: dict) -> dict:
     """Train ``spec["steps"]`` optimizer steps with GRPOModule + L.Trainer; return per-step records."""
     import dataclasses
@@ -453,7 +471,7 @@ def run_ours(spec: dict) -> dict:
         max_steps=spec["steps"],
         accelerator=spec.get("accelerator", "cpu"),
         devices=1,
-        strategy=spec.get("strategy") or "auto",
+        strategy=make_strategy(spec.get("strategy")),
         precision=spec.get("precision", "32-true"),
         logger=logger,
         log_every_n_steps=1,
