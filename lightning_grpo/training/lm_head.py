@@ -42,12 +42,42 @@ def _tempered(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Te
     """One chunk: ``(z, logits dtype, removed)``: the tempered float32 logits ``(C, V)`` with the truncated tokens at
     ``-inf`` (the label kept), the dtype the output layer computed in, and the removed mask (None: nothing)."""
     logits = F.linear(hidden, weight, bias)  # [C, V] in the compute dtype (autocast's, if on)
-    z = logits.float() / temperature  # [C, V]
+    dtype = logits.dtype
+    z = logits.float().div_(temperature)  # [C, V], in place: the one [C, V] float32 buffer of the chunk so far
+    del logits
     removed = sampling_removed(z, *truncation)
     if removed is not None:
         removed.scatter_(1, labels[:, None], False)  # the label stays in the support
-        z = z.masked_fill(removed, float("-inf"))
-    return z, logits.dtype, removed
+        z.masked_fill_(removed, float("-inf"))
+    return z, dtype, removed
+
+
+def _dot(a: Tensor, b: Tensor) -> Tensor:
+    """Row-wise ``(a * b).sum(-1)`` of ``(C, V)`` tensors without a ``(C, V)`` temporary: ``(C,)``."""
+    return torch.bmm(a.unsqueeze(1), b.unsqueeze(2)).view(-1)
+
+
+def _grad_z(z: Tensor, removed: Optional[Tensor], labels: Tensor, grad_logprobs: Optional[Tensor],
+            grad_entropy: Optional[Tensor]) -> Tensor:
+    """``dL/dz`` ``(C, V)`` of one chunk from its tempered logits ``z`` (overwritten), the ``(C, 1)`` labels and the
+    ``(C, 1)`` incoming gradients of the logprobs and the entropy (None: zero), in two ``[C, V]`` float32 buffers:
+    ``z`` (then ``log p``, then the entropy term) and ``p`` (then the result)."""
+    log_p = z.sub_(torch.logsumexp(z, dim=-1, keepdim=True))  # [C, V], -inf where removed
+    grad_z = log_p.exp()  # p, 0 where removed
+    term = None
+    if grad_entropy is not None:
+        if removed is not None:
+            log_p.masked_fill_(removed, 0.0)  # finite; p = 0 there
+        entropy = -_dot(grad_z, log_p)[:, None]  # [C, 1]
+        term = log_p.add_(entropy).mul_(grad_z).mul_(grad_entropy.to(grad_z.dtype))  # g_H p (log p + H)
+    if grad_logprobs is not None:
+        g = grad_logprobs.to(grad_z.dtype)  # [C, 1]
+        grad_z.mul_(-g).scatter_add_(1, labels, g)  # g (onehot(y) - p)
+    else:
+        grad_z.zero_()
+    if term is not None:
+        grad_z.sub_(term)
+    return grad_z
 
 
 class _ChunkedTokenLogprobs(torch.autograd.Function):
@@ -66,8 +96,11 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
             lse = torch.logsumexp(z, dim=-1)  # [C]
             logprobs[start:end] = z.gather(1, labels[start:end, None]).squeeze(1) - lse
             if with_entropy:
-                finite = z if removed is None else z.masked_fill(removed, 0.0)  # p = 0 there: no 0 * -inf
-                entropy[start:end] = lse - (torch.softmax(z, dim=-1) * finite).sum(-1)
+                probs = torch.softmax(z, dim=-1)  # [C, V]
+                if removed is not None:
+                    z.masked_fill_(removed, 0.0)  # p = 0 there: no 0 * -inf
+                entropy[start:end] = lse - probs.mul_(z).sum(-1)  # in place: the full path's sum, bit for bit
+                del probs
             del z, removed
         device_type = hidden.device.type
         ctx.autocast = (device_type, torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type))
@@ -94,19 +127,10 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
                 h = hidden[start:end]  # [C, H]
                 y = labels[start:end, None]  # [C, 1]
                 z, logits_dtype, removed = _tempered(h, weight, bias, labels[start:end], temperature, truncation)
-                lse = torch.logsumexp(z, dim=-1, keepdim=True)  # [C, 1]
-                probs = torch.exp(z - lse)  # [C, V], 0 where removed
-                grad_z = torch.zeros_like(probs)
-                if grad_logprobs is not None:
-                    g = grad_logprobs[start:end, None].to(probs.dtype)  # [C, 1]
-                    grad_z = (-probs * g).scatter_add_(1, y, g)  # g (onehot(y) - p)
-                if use_entropy:
-                    log_p = z - lse if removed is None else (z - lse).masked_fill(removed, 0.0)  # [C, V] finite
-                    entropy = -(probs * log_p).sum(-1, keepdim=True)  # [C, 1]
-                    grad_z -= grad_entropy[start:end, None].to(probs.dtype) * probs * (log_p + entropy)
-                    del log_p
-                del z, probs, removed
-                grad_logits = (grad_z / temperature).to(logits_dtype)  # the .float() cast's backward, [C, V]
+                grad_z = _grad_z(z, removed, y, None if grad_logprobs is None else grad_logprobs[start:end, None],
+                                 grad_entropy[start:end, None] if use_entropy else None)
+                del z, removed
+                grad_logits = grad_z.div_(temperature).to(logits_dtype)  # the .float() cast's backward, [C, V]
                 del grad_z
                 if grad_hidden is not None:
                     grad_hidden[start:end] = grad_logits.mm(weight.to(logits_dtype)).to(hidden.dtype)

@@ -145,6 +145,8 @@ def test_loss_and_gradients_equal_the_full_logits_path(module, layout, truncatio
     if module.policy.config.tie_word_embeddings is False and (truncation, entropy) not in (("none", "none"),
                                                                                             ("all", "bonus")):
         pytest.skip("untied: the two extreme cases suffice (the head is the same code)")
+    if entropy != "bonus" and truncation not in ("none", "all"):
+        pytest.skip("each truncation mode is covered with the entropy gradient (the hardest case)")
     knobs = dict(**LAYOUTS[layout], **TRUNCATIONS[truncation], temperature=0.8)
     if entropy != "none":
         knobs["entropy_coef"] = 0.05
