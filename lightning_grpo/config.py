@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import dataclass, field, fields
-from typing import Any, Literal, Optional, get_args, get_type_hints
+from typing import Any, Literal, Optional, Union, get_args, get_type_hints
 
 from lightning_grpo.rollout.sampling import sampling_errors
 
@@ -66,8 +66,11 @@ class EngineConfig:
     policy's own parameters ("hf") need no push."""
     gpu_memory_utilization: float = 0.3
     """vLLM: fraction of GPU memory it may take, in (0, 1] (GPU only)."""
-    kv_cache_space_gib: int = 2
-    """vLLM on CPU: KV-cache size in GiB (``VLLM_CPU_KVCACHE_SPACE``, >= 1)."""
+    kv_cache_space_gib: Union[float, Literal["auto"]] = "auto"
+    """vLLM on CPU: KV-cache size in GiB (> 0; ``VLLM_CPU_KVCACHE_SPACE``, which an exported variable still
+    overrides). "auto": what one rollout's ``prompts_per_step * num_generations`` sequences of ``max_prompt_length +
+    max_new_tokens`` tokens occupy (:mod:`lightning_grpo.rollout.engines.kv_cache`; SmolLM2-135M float32, 16 x 768
+    tokens: 0.53 GiB), 2 GiB when the datamodule does not say ``prompts_per_step``."""
     enable_sleep_mode: bool = False
     """vLLM: release its GPU memory while training (GPU only)."""
     server_urls: list[str] = field(default_factory=list)
@@ -94,8 +97,9 @@ class EngineConfig:
             _fail("engine.sync_every", self.sync_every, "must be >= 1")
         if not 0 < self.gpu_memory_utilization <= 1:
             _fail("engine.gpu_memory_utilization", self.gpu_memory_utilization, "must be in (0, 1]")
-        if self.kv_cache_space_gib < 1:
-            _fail("engine.kv_cache_space_gib", self.kv_cache_space_gib, "must be >= 1")
+        kv = self.kv_cache_space_gib
+        if kv != "auto" and (isinstance(kv, bool) or not isinstance(kv, (int, float)) or not kv > 0):
+            _fail("engine.kv_cache_space_gib", kv, "must be > 0 (GiB) or 'auto'")
         self._check_servers()
 
     def _check_servers(self) -> None:
@@ -287,12 +291,14 @@ class GRPOConfig:
     mini-batch is split into ``Trainer(accumulate_grad_batches)`` micro-batches, one ``training_step`` each."""
     shuffle_seed: int = 0
     """Seed of the mini-batch shuffling (combined with the step number)."""
-    max_tokens_per_microbatch: Optional[int] = None
+    max_tokens_per_microbatch: Union[int, Literal["auto"], None] = None
     """Form each mini-batch's micro-batches by a token budget instead of a count: sequences (real prompt +
     completion tokens) are packed into micro-batches of at most this many tokens, balanced
     (:func:`lightning_grpo.training.packing.token_budget_partition`; a longer sequence gets a micro-batch of its own).
-    The
-    number of micro-batches per optimizer step then varies: it needs ``Trainer(accumulate_grad_batches=1)``.
+    The number of micro-batches per optimizer step then varies: it needs ``Trainer(accumulate_grad_batches=1)``.
+    "auto": chosen before the first step from the measured peak memory of two probe steps so that a step fits
+    ``token_budget_memory_fraction`` of the available memory (:mod:`lightning_grpo.training.token_budget`; logged as
+    ``token_budget``); an error when one sequence of ``max_prompt_length + max_new_tokens`` tokens does not fit.
     None = ``accumulate_grad_batches`` micro-batches per step."""
 
     # --- Performance ---
@@ -315,6 +321,20 @@ class GRPOConfig:
     completion see the prompt and itself only: the prompt is computed once instead of G times. Exact (same logprobs
     and gradients). With flash attention (no custom masks) it is ignored. A token-budget micro-batch may split a
     group, which then shares its prompt within each part only."""
+
+    # --- Memory (docs/performance.md) ---
+    lm_head_chunk_size: Optional[int] = 1024
+    """Tokens per chunk of the output layer -> logprob computation of every training, old-policy and reference pass:
+    the logprobs (and entropy, with its gradient) are computed from the final hidden states ``chunk`` tokens at a
+    time in forward and recomputed chunk by chunk in backward, so the ``[tokens, vocab]`` logits never exist (their
+    float32 copy and gradient neither); exact (tests assert 1e-5), on for the model types whose forward applies
+    nothing after the output layer (:data:`lightning_grpo.training.logprob_head.PLAIN_HEAD_MODEL_TYPES`; others keep
+    the full logits, logged). Peak memory of the head: a few ``chunk x vocab`` float32 buffers (top-p: chunks 8 times
+    smaller). None = full logits."""
+    token_budget_memory_fraction: float = 0.8
+    """With ``max_tokens_per_microbatch="auto"``: the fraction in (0, 1] of the memory available to the training
+    process (CUDA: free device memory; CPU: the smallest of ``MemAvailable``, the cgroup limit and ``RLIMIT_AS``) that
+    the training step's measured peak may use (:mod:`lightning_grpo.training.token_budget`)."""
 
     # --- Evaluation ---
     eval: EvalConfig = field(default_factory=EvalConfig)
@@ -401,11 +421,23 @@ class GRPOConfig:
             _fail("kl_in_reward", self.kl_in_reward, "needs beta > 0 (the KL coefficient)")
 
     def _check_batches(self) -> None:
-        """Mini-batch, micro-batch and forward-layout sizes."""
-        for name in ("mini_batch_size", "max_tokens_per_microbatch", "packed_row_tokens"):
+        """Mini-batch, micro-batch and forward-layout sizes, and the memory knobs."""
+        for name in ("mini_batch_size", "packed_row_tokens"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 _fail(name, value, "must be >= 1 or None")
+        budget = self.max_tokens_per_microbatch
+        if budget is not None and budget != "auto" and (isinstance(budget, bool) or not isinstance(budget, int)
+                                                        or budget < 1):
+            _fail("max_tokens_per_microbatch", budget, "must be an int >= 1, 'auto' or None")
+        if budget == "auto" and not self.padding_free:
+            _fail("max_tokens_per_microbatch", "auto", "needs padding_free=True (a padded micro-batch costs more than "
+                  "its tokens: its rows are padded to the longest)")
+        chunk = self.lm_head_chunk_size
+        if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
+            _fail("lm_head_chunk_size", chunk, "must be an int >= 1 or None (full logits)")
+        if not 0 < self.token_budget_memory_fraction <= 1:
+            _fail("token_budget_memory_fraction", self.token_budget_memory_fraction, "must be in (0, 1]")
 
     def _check_staleness(self) -> None:
         """``max_staleness`` and the settings asynchronous rollouts need (the engine's own copy of the weights is

@@ -47,6 +47,7 @@ from lightning_grpo.training.metrics import StepMetrics, StepTimer
 from lightning_grpo.training.nonfinite import NonFiniteGuard, check_finite_checkpoint
 from lightning_grpo.training.optim import adamw_with_warmup, check_optimizer_arguments
 from lightning_grpo.training.selection import StepSelection
+from lightning_grpo.training.token_budget import adamw_state_bytes, choose_token_budget
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +69,10 @@ class GRPOModule(L.LightningModule):
         adam_betas: AdamW betas.
         warmup_steps: linear warmup from 0 over this many optimizer steps, then constant.
         dtype: dtype the model weights are loaded in ("float32", "bfloat16", "float16").
-        gradient_checkpointing: recompute activations in backward to save memory.
+        gradient_checkpointing: recompute each decoder layer's activations in backward to save memory, on every
+            backend: transformers' non-reentrant checkpointing on one device, DDP, FSDP2 and FSDP1; megatron-core's
+            full per-layer recompute under ``MegatronStrategy``. "offload": also keep the layers' saved inputs in
+            pinned CPU memory until backward (CUDA; docs/performance.md).
         export_dir: where the trained policy is saved with ``save_pretrained`` at the end of fit; default
             ``<trainer.log_dir or default_root_dir>/hf_model``; "" disables the export.
         tolerant_reward_funcs: names (as in ``rewards/<name>/mean``) of reward functions whose exceptions become
@@ -97,7 +101,7 @@ class GRPOModule(L.LightningModule):
         adam_betas: tuple[float, float] = (0.9, 0.99),
         warmup_steps: int = 0,
         dtype: str = "float32",
-        gradient_checkpointing: bool = False,
+        gradient_checkpointing: Union[bool, Literal["offload"]] = False,
         export_dir: Optional[str] = None,
         tolerant_reward_funcs: Sequence[str] = (),
         lora: Optional[LoraConfig] = None,
@@ -130,6 +134,7 @@ class GRPOModule(L.LightningModule):
         self.nonfinite = NonFiniteGuard(self.config.on_nonfinite)
         self.preemption = Preemption(self.rollout.stop)
         self.evaluator = Evaluator(self.config.eval.k)
+        self.token_budget: Optional[int] = None  # with max_tokens_per_microbatch="auto": the budget chosen
 
     def _emit(self, name: str, payload: Any) -> None:
         """Rollout events (:mod:`lightning_grpo.events`) to the trainer's callbacks that define ``name``."""
@@ -158,7 +163,9 @@ class GRPOModule(L.LightningModule):
     def setup(self, stage: str) -> None:
         if stage == "fit":
             install_loop(self.trainer)
-        self.rollout.start(self.policy, self.model_path)
+        data = self.trainer.datamodule
+        prompts = data.prompts_per_step if isinstance(data, PromptSource) else None
+        self.rollout.start(self.policy, self.model_path, rollout_prompts=prompts)  # (sizes an "auto" KV cache)
         check_quantized_engine(self._lora_settings, self.rollout.require_engine())
         self.preemption.attach(self.trainer)
         use_atomic_checkpoint_io(self.trainer.strategy)
@@ -379,7 +386,34 @@ class GRPOModule(L.LightningModule):
 
     @override
     def on_train_start(self) -> None:
+        if self.config.max_tokens_per_microbatch == "auto":
+            self._fit_token_budget()
         self.timer.start()
+
+    # --- memory: the auto token budget (lightning_grpo.training.token_budget) ---
+    def _fit_token_budget(self) -> None:
+        """Set ``config.max_tokens_per_microbatch`` from probe steps (the smallest over processes) and log it as
+        ``token_budget``. Raises MemoryError as :func:`~lightning_grpo.training.token_budget.choose_token_budget`."""
+
+        def train_step(batch: Experience) -> None:
+            with self.trainer.precision_plugin.forward_context():
+                loss = self.compute_loss(batch).loss
+            loss.backward()
+            self.policy.zero_grad(set_to_none=True)
+
+        optimizers = self.trainer.optimizers
+        budget = choose_token_budget(train_step, self.config, int(self.policy.config.vocab_size), self.device,
+                                     self.config.mini_batch_size or self._rollout_sequences(),
+                                     adamw_state_bytes(optimizers[0]) if optimizers else 0)
+        smallest = -self.backend.reduce_max(torch.tensor([-float(budget.tokens)], device=self.device))
+        self.config.max_tokens_per_microbatch = self.token_budget = int(smallest.item())
+        log.info("token budget: %s", budget.describe())
+        for logger in self.trainer.loggers:
+            logger.log_metrics({"token_budget": float(self.token_budget)}, step=self.global_step)
+
+    def _rollout_sequences(self) -> int:
+        data = self.trainer.datamodule
+        return (data.prompts_per_step if isinstance(data, PromptSource) else 1) * self.config.num_generations
 
     @override
     def on_before_backward(self, loss: Tensor) -> None:

@@ -160,7 +160,8 @@ def fixed_step(cfg: dict) -> None:
         fixed = fixed_experience(num_prompts, g, AutoConfig.from_pretrained(model).vocab_size)
         module = FixedExperienceModule(model, reward_funcs=[lambda p, c, **k: [0.0] * len(c)], config=config,
                                        learning_rate=1e-3, fixed=fixed, num_generations=g, export_dir="",
-                                       lora=case.get("lora"))
+                                       lora=case.get("lora"),
+                                       gradient_checkpointing=case.get("gradient_checkpointing", False))
         if case.get("lora"):  # LoRA's B starts at 0 (no gradient for A): a random B makes every adapter move
             with torch.no_grad():
                 for name, param in module.policy.named_parameters():

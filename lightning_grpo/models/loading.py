@@ -20,7 +20,7 @@ DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 
 
 def load_policy(model: Union[str, nn.Module, None], tokenizer: Union[str, PreTrainedTokenizerBase, None],
-                dtype: str = "float32", gradient_checkpointing: bool = False,
+                dtype: str = "float32", gradient_checkpointing: Union[bool, str] = False,
                 quantization_config: object = None) -> tuple[nn.Module, PreTrainedTokenizerBase, Optional[str]]:
     """The policy, its tokenizer and its folder (None for a module without one).
 
@@ -28,7 +28,9 @@ def load_policy(model: Union[str, nn.Module, None], tokenizer: Union[str, PreTra
         model: an HF model id, a local folder, a transformers causal LM module, or None / "embedded".
         tokenizer: a tokenizer, its id/folder, or None (loaded from ``model``'s folder).
         dtype: "float32", "bfloat16" or "float16" (weights loaded from a folder or id).
-        gradient_checkpointing: recompute activations in backward (``use_cache`` off).
+        gradient_checkpointing: recompute each decoder layer's activations in backward from its input (transformers'
+            non-reentrant gradient checkpointing; ``use_cache`` off); "offload": also keep those inputs in pinned
+            CPU memory until backward (transformers' ``offload=True``; CUDA only).
         quantization_config: ``from_pretrained``'s (a ``transformers.BitsAndBytesConfig``), for a folder or id only.
 
     Returns:
@@ -36,7 +38,7 @@ def load_policy(model: Union[str, nn.Module, None], tokenizer: Union[str, PreTra
 
     Raises:
         ValueError: ``model`` is a module and ``tokenizer`` is None or ``quantization_config`` is set; ``dtype``
-            unknown.
+            or ``gradient_checkpointing`` unknown; "offload" without CUDA.
     """
     import torch
     from torch import nn
@@ -44,6 +46,11 @@ def load_policy(model: Union[str, nn.Module, None], tokenizer: Union[str, PreTra
 
     if dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r}: choose one of {sorted(DTYPES)}")
+    if gradient_checkpointing not in (False, True, "offload"):
+        raise ValueError(f"gradient_checkpointing={gradient_checkpointing!r}: choose False, True or 'offload'")
+    if gradient_checkpointing == "offload" and not torch.cuda.is_available():
+        raise ValueError("gradient_checkpointing='offload' keeps activations in pinned CPU memory instead of on a GPU; "
+                         "without CUDA they are in CPU memory already: use gradient_checkpointing=True")
     if isinstance(model, nn.Module):
         if tokenizer is None:
             raise ValueError("tokenizer is required when model is an nn.Module")
@@ -61,7 +68,8 @@ def load_policy(model: Union[str, nn.Module, None], tokenizer: Union[str, PreTra
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     if gradient_checkpointing:
-        policy.gradient_checkpointing_enable()
+        policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False},
+                                             offload=gradient_checkpointing == "offload")
         policy.config.use_cache = False
     return policy, tokenizer, model_path
 

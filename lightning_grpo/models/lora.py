@@ -150,7 +150,7 @@ def check_quantized_engine(settings: LoraSettings, engine: RolloutEngine) -> Non
 
 
 def load_lora_policy(model: Union[str, nn.Module, None], tokenizer: Union[str, PreTrainedTokenizerBase, None],
-                     dtype: str, gradient_checkpointing: bool,
+                     dtype: str, gradient_checkpointing: Union[bool, str],
                      settings: LoraSettings) -> tuple[nn.Module, PreTrainedTokenizerBase, Optional[str]]:
     """:func:`lightning_grpo.models.loading.load_policy` (quantized with ``settings.quantization_config``), then with
     LoRA
@@ -167,7 +167,7 @@ def load_lora_policy(model: Union[str, nn.Module, None], tokenizer: Union[str, P
     if settings.quantization_config is not None:
         from peft import prepare_model_for_kbit_training
 
-        policy = prepare_model_for_kbit_training(policy, use_gradient_checkpointing=gradient_checkpointing)
+        policy = prepare_model_for_kbit_training(policy, use_gradient_checkpointing=bool(gradient_checkpointing))
     adapted = get_peft_model(policy, settings.config)
     adapted.train(policy.training)
     return adapted, tokenizer, path

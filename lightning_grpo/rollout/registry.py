@@ -34,6 +34,8 @@ class EngineSpec:
         tokenizer: the policy's tokenizer.
         model_path: the policy's folder, or None for a module given without one.
         stop: the flag the engine polls while it generates.
+        rollout_prompts: prompts per rollout on this process when the datamodule says (engines size their caches
+            by it), else None.
     """
 
     config: GRPOConfig
@@ -41,6 +43,7 @@ class EngineSpec:
     tokenizer: Any
     model_path: Optional[str]
     stop: StopFlag
+    rollout_prompts: Optional[int] = None
 
 
 EngineFactory = Callable[[EngineSpec], RolloutEngine]

@@ -72,16 +72,18 @@ class RolloutWorker:
             if not self._engine.uses_policy_parameters:
                 self.engine_version = -1
 
-    def start(self, policy: nn.Module, model_path: Optional[str]) -> None:
+    def start(self, policy: nn.Module, model_path: Optional[str], rollout_prompts: Optional[int] = None) -> None:
         """Make the engine ``config.engine.name`` names once (idempotent; :func:`~lightning_grpo.rollout.registry.
         make_engine`). An engine with its own weights gets the policy's before its first rollout (they may differ
-        from ``model_path``'s, e.g. after a resume).
+        from ``model_path``'s, e.g. after a resume). ``rollout_prompts``: prompts per rollout on this process, if
+        known (sizes ``engine.kv_cache_space_gib="auto"``).
 
         Raises:
             ValueError: ``max_staleness > 0`` with an engine that generates with the policy's own parameters.
         """
         if self._engine is None:
-            self.engine = make_engine(EngineSpec(self.config, policy, self.tokenizer, model_path, self.stop))
+            self.engine = make_engine(EngineSpec(self.config, policy, self.tokenizer, model_path, self.stop,
+                                                 rollout_prompts))
 
     def _check_capabilities(self, engine: RolloutEngine) -> None:
         if self.config.max_staleness > 0 and engine.uses_policy_parameters:

@@ -247,7 +247,7 @@ class FSDP2Backend(LocalBackend):
         kwargs = dict(mp_policy=settings.mp_policy, offload_policy=settings.offload_policy())
         policy, ref, engine = models.policy, models.ref, models.engine
         if not is_fsdp2(policy):
-            if settings.activation_checkpointing:
+            if settings.activation_checkpointing and not getattr(policy, "is_gradient_checkpointing", False):
                 if not getattr(policy, "supports_gradient_checkpointing", False):
                     raise ValueError(
                         f"activation_checkpointing=True but {type(policy).__name__} does not support "

@@ -6,9 +6,12 @@
 * shared prefix: each group of sequences sharing a prompt is one row, the prompt computed once
   (:func:`lightning_grpo.training.packing.shared_prefix_rows`, a custom 4-D attention mask; sdpa/eager attention).
 
-All three give the same logprobs and gradients (tests assert 1e-5); only the completion positions' logits are
-computed on the padding-free paths. A model with its own ``completion_logprobs(batch, temperature, with_entropy)``
-(the Megatron policy: vocab-parallel) computes them itself.
+All three give the same logprobs and gradients (tests assert 1e-5); only the completion positions are scored on the
+padding-free paths, and only the loss positions on the padded one. With ``GRPOConfig.lm_head_chunk_size`` (the
+default) the logprobs are computed from the output layer's input chunk by chunk
+(:mod:`lightning_grpo.training.logprob_head`): no ``[K, V]`` logits, in forward or backward; else from the logits.
+A model with its own ``completion_logprobs(batch, temperature, with_entropy)`` (the Megatron policy:
+vocab-parallel) computes them itself.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from torch import Tensor, nn
 from lightning_grpo import functional as F
 from lightning_grpo.config import GRPOConfig
 from lightning_grpo.training.experience import Experience
+from lightning_grpo.training.logprob_head import Truncation, plain_output_layer, scoring_head
 from lightning_grpo.training.packing import (
     merge_rows,
     pack_sequences,
@@ -99,7 +103,7 @@ class CompletionLogprobs:
         in chunks of ``micro_batch_size`` sequences (of ``max_tokens_per_microbatch`` tokens when set), inside
         ``forward_context()`` (the trainer's precision context)."""
         budget = self.config.max_tokens_per_microbatch
-        if budget is not None:
+        if budget is not None and budget != "auto":  # "auto" before it is chosen (at the start of training)
             counts = sequence_token_counts(experience.prompt_mask, experience.completion_mask).tolist()
             parts = [torch.tensor(p, dtype=torch.long) for p in token_budget_partition(counts, budget)]
         else:
@@ -142,10 +146,18 @@ class CompletionLogprobs:
         attention_mask = torch.cat([batch.prompt_mask, batch.completion_mask], dim=1)  # [B, P+T]
         position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)  # [B, P+T]
         t = batch.completion_ids.shape[1]
-        out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                    logits_to_keep=t + 1, use_cache=False)
-        logits = out.logits[:, :-1]  # [B, T, V]: position j predicts completion token j
-        return self._token_logprobs(logits, batch.completion_ids, with_entropy, entropy_grad)
+        inputs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                      logits_to_keep=t + 1)
+        head = self._chunked_head(model)
+        if head is None:
+            logits = model(**inputs, use_cache=False).logits[:, :-1]  # [B, T, V]: position j predicts token j
+            return self._token_logprobs(logits, batch.completion_ids, with_entropy, entropy_grad)
+        # the last position predicts nothing; only the loss positions are scored (the others are 0)
+        pad = batch.completion_ids.new_zeros(batch.completion_ids.shape[0], 1)
+        targets = torch.cat([batch.completion_ids, pad], dim=1)  # [B, T+1]
+        select = torch.cat([batch.completion_mask.bool(), pad.bool()], dim=1)  # [B, T+1]
+        scores = self._chunked(model, head, inputs, targets, select, with_entropy, entropy_grad)  # [B, T+1, 2]
+        return scores[:, :-1, 0], scores[:, :-1, 1] if with_entropy else None
 
     def _packed(
         self, model: nn.Module, batch: Experience, with_entropy: bool, entropy_grad: bool
@@ -192,6 +204,21 @@ class CompletionLogprobs:
         return F.token_logprobs(logits, targets, cfg.temperature, with_entropy=with_entropy, entropy_grad=entropy_grad,
                                 top_k=cfg.top_k, top_p=cfg.top_p, min_p=cfg.min_p)
 
+    def _chunked_head(self, model: nn.Module) -> Optional[nn.Linear]:
+        """The output layer to score through chunk by chunk (``lm_head_chunk_size``), or None: full logits."""
+        if self.config.lm_head_chunk_size is None:
+            return None
+        return plain_output_layer(model)
+
+    def _chunked(self, model: nn.Module, head: nn.Linear, inputs: dict, targets: Tensor, select: Tensor,
+                 with_entropy: bool, entropy_grad: bool) -> Tensor:
+        """``model(**inputs)`` with ``head`` scoring ``targets`` at ``select`` (:func:`scoring_head`): ``(B, S, 2)``
+        float32 ``[logprob, entropy]`` per output position, no ``[B, S, V]`` logits."""
+        cfg = self.config
+        truncation = Truncation(cfg.temperature, cfg.top_k, cfg.top_p, cfg.min_p)
+        with scoring_head(head, targets, select, truncation, with_entropy, entropy_grad, cfg.lm_head_chunk_size):
+            return model(**inputs, use_cache=False).logits
+
     def _row_tokens(self, model: nn.Module, sizes: list[int]) -> int:
         """Tokens per forward pass of the padding-free paths: ``packed_row_tokens``, or automatically all rows in
         one pass for varlen flash-attention kernels or a sharded model (an all-gather per forward call), else one
@@ -208,9 +235,15 @@ class CompletionLogprobs:
         device = passes[0][1].device
         logprobs = torch.zeros(shape, device=device)
         entropy = torch.zeros(shape, device=device) if with_entropy else None
+        head = self._chunked_head(model)
         for inputs, target_ids, index in passes:
-            out = model(**inputs, use_cache=False)
-            row_logprobs, row_entropy = self._token_logprobs(out.logits, target_ids, with_entropy, entropy_grad)
+            if head is None:
+                out = model(**inputs, use_cache=False)
+                row_logprobs, row_entropy = self._token_logprobs(out.logits, target_ids, with_entropy, entropy_grad)
+            else:
+                select = torch.ones_like(target_ids, dtype=torch.bool)
+                scores = self._chunked(model, head, inputs, target_ids, select, with_entropy, entropy_grad)
+                row_logprobs, row_entropy = scores[..., 0], scores[..., 1] if with_entropy else None
             logprobs = logprobs.index_put(index, row_logprobs.reshape(-1))
             if entropy is not None and row_entropy is not None:
                 entropy = entropy.index_put(index, row_entropy.reshape(-1))

@@ -31,6 +31,11 @@ FIXED_CASES = [
     # Lightning's FSDP1 strategy (run on CPU through a subclass that only lifts Lightning's CUDA-only guard)
     {"name": "fsdp1_grpo", "strategy": {"name": "fsdp1_cpu"}, "loss_type": "grpo", "beta": 0.04,
      "gradient_clip_val": 0.05},
+    # GRPOModule(gradient_checkpointing=True) under FSDP1 (nested units) and DDP; its 1-process reference is
+    # checkpointed too, and tests/training/test_activation_checkpointing.py equates that with the plain gradient
+    {"name": "fsdp1_checkpointed", "strategy": {"name": "fsdp1_cpu", "wrap_decoder_layers": True},
+     "loss_type": "dapo", "gradient_checkpointing": True},
+    {"name": "ddp_checkpointed", "strategy": {"name": "ddp"}, "loss_type": "grpo", "gradient_checkpointing": True},
 ]
 
 
@@ -48,7 +53,7 @@ def test_two_ranks_match_one_process_on_fixed_experience(fixed_step_runs, name):
     """Same global batch of fixed experience, split over 2 sharded ranks vs 1 process: the step loss, the
     gradient norm, the post-clip gradients, the weights after one AdamW step and the reference logprobs agree."""
     reference, ranks = fixed_step_runs[name]
-    assert all(r["sharded"] for r in ranks)  # the policy really is sharded ...
+    assert all(r["sharded"] == name.startswith("fsdp") for r in ranks)  # the policy really is sharded ...
     if reference["ref_logprobs"]:
         assert all(r["ref_sharded"] for r in ranks)  # ... and so is the reference policy
     assert_same_step(reference, ranks)

@@ -109,6 +109,37 @@ def test_completion_logprobs_and_gradients_match_the_hf_path(model_parallel, tin
         torch.testing.assert_close(grads[name], param.grad, atol=2e-5, rtol=1e-4, msg=name)
 
 
+def test_activation_recompute_gives_the_same_gradients(model_parallel, tiny_models):
+    """megatron-core's full per-layer recompute (GRPOModule(gradient_checkpointing=True) under MegatronStrategy):
+    the same logprobs and weight gradients, with fewer bytes saved for backward."""
+    from lightning_grpo.strategies.megatron.model import recompute_settings
+    from lightning_grpo.strategies.megatron.policy import MegatronPolicy
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny_models["untied"], dtype=torch.float32)
+    batch = _experience(hf.config.pad_token_id)
+    weights = torch.randn(batch.completion_mask.shape, generator=torch.Generator().manual_seed(2))
+    results = []
+    for recompute in (False, True):
+        policy = MegatronPolicy.from_hf(hf, tensor_model_parallel_size=1, **recompute_settings(recompute))
+        assert policy.model.config.recompute_granularity == ("full" if recompute else None)
+        saved: list[int] = []
+
+        def pack(tensor, saved=saved):
+            saved.append(tensor.numel())
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            logprobs, _ = policy.completion_logprobs(batch, 0.7)
+        (logprobs * weights * batch.completion_mask).sum().backward()
+        results.append((logprobs.detach(), {n: p.grad for n, p in policy.model.named_parameters()}, sum(saved)))
+    (plain, grads, saved), (recomputed, grads_recomputed, saved_recomputed) = results
+    torch.testing.assert_close(recomputed, plain, atol=1e-6, rtol=0)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grads_recomputed[name], grad, atol=1e-6, rtol=1e-5, msg=name)
+    assert saved_recomputed < saved
+    assert recompute_settings(False) == {}
+
+
 def test_vocab_parallel_logprobs_equal_token_logprobs_at_tp1(model_parallel):
     from lightning_grpo.strategies.megatron.logprobs import vocab_parallel_logprobs
 
@@ -146,9 +177,11 @@ def test_sync_hf_model_and_save_pretrained(model_parallel, tiny_models, tmp_path
 
 
 def test_cpu_shims_are_reference_counted_and_restore_torch():
+    from megatron.core.tensor_parallel import random as mcore_random
     from megatron.core.tensor_parallel.random import CudaRNGStatesTracker
 
     original_device, original_fork = torch.cuda.current_device, CudaRNGStatesTracker.fork
+    original_states = mcore_random._get_all_rng_states
     was_applied = cpu_shims.is_applied()
     with cpu_shims.cpu_shims():
         with cpu_shims.cpu_shims():
@@ -159,3 +192,4 @@ def test_cpu_shims_are_reference_counted_and_restore_torch():
     assert cpu_shims.is_applied() == was_applied
     if not was_applied:
         assert torch.cuda.current_device is original_device and CudaRNGStatesTracker.fork is original_fork
+        assert mcore_random._get_all_rng_states is original_states

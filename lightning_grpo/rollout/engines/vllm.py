@@ -57,6 +57,7 @@ from transformers import AutoTokenizer, GenerationConfig
 from lightning_grpo.models.lora import base_model
 from lightning_grpo.rollout.base import RolloutInterrupted, RolloutOutput, SamplingConfig, StopFlag, eos_token_ids_from
 from lightning_grpo.rollout.engines.hf_weights import hf_weights, merged_state_dict
+from lightning_grpo.rollout.engines.kv_cache import kv_cache_space_gib
 from lightning_grpo.rollout.engines.rows import check_prompts, request_seeds, rollout_from_rows
 from lightning_grpo.rollout.registry import EngineSpec
 
@@ -101,8 +102,9 @@ class VLLMRolloutEngine:
             policy's initial weights. Later weights come from :meth:`sync_weights`.
         gpu_memory_utilization: GPU: fraction of GPU memory vLLM may take for weights + KV cache (leave the
             rest to training). CPU: vLLM checks at start that this fraction of RAM is free.
-        kv_cache_space_gib: CPU only: GiB of RAM for the KV cache (what ``VLLM_CPU_KVCACHE_SPACE`` sets;
-            passed as ``kv_cache_memory_bytes``; an exported ``VLLM_CPU_KVCACHE_SPACE`` still wins).
+        kv_cache_space_gib: CPU only: GiB (> 0, fractions allowed) of RAM for the KV cache (what
+            ``VLLM_CPU_KVCACHE_SPACE`` sets in whole GiB; passed as ``kv_cache_memory_bytes``; an exported
+            ``VLLM_CPU_KVCACHE_SPACE`` still wins).
         max_model_len: most prompt + completion tokens; ``None`` takes the model's
             ``max_position_embeddings``.
         enable_sleep_mode: GPU only: allow :meth:`sleep` to free GPU memory between rollouts.
@@ -127,7 +129,7 @@ class VLLMRolloutEngine:
         model_path: str | os.PathLike,
         *,
         gpu_memory_utilization: float = 0.3,
-        kv_cache_space_gib: int = 2,
+        kv_cache_space_gib: float = 2,
         max_model_len: Optional[int] = None,
         enable_sleep_mode: bool = False,
         seed: int = 0,
@@ -142,8 +144,8 @@ class VLLMRolloutEngine:
             raise ValueError(f"model_path={str(model_path)!r} is not a model folder (no config.json in it)")
         if not 0.0 < gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
-        if kv_cache_space_gib < 1:
-            raise ValueError(f"kv_cache_space_gib must be >= 1, got {kv_cache_space_gib}")
+        if not kv_cache_space_gib > 0:
+            raise ValueError(f"kv_cache_space_gib must be > 0, got {kv_cache_space_gib}")
         if max_model_len is not None and max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {max_model_len}")
 
@@ -164,7 +166,7 @@ class VLLMRolloutEngine:
             enable_prefix_caching=enable_prefix_caching,
         )
         if self.on_cpu:
-            kwargs["kv_cache_memory_bytes"] = int(kv_cache_space_gib) * 2**30
+            kwargs["kv_cache_memory_bytes"] = int(kv_cache_space_gib * 2**30)
             kwargs["enable_chunked_prefill"] = False  # per-request seeds on CPU (module docstring)
             kwargs["max_num_batched_tokens"] = max(_CPU_MAX_NUM_BATCHED_TOKENS, max_model_len or 0)
         else:
@@ -395,7 +397,8 @@ def make(spec: EngineSpec) -> VLLMRolloutEngine:
     return VLLMRolloutEngine(
         path,
         gpu_memory_utilization=engine.gpu_memory_utilization,
-        kv_cache_space_gib=engine.kv_cache_space_gib,
+        kv_cache_space_gib=kv_cache_space_gib(config, base_model(policy).config, next(policy.parameters()).itemsize,
+                                              spec.rollout_prompts),
         max_model_len=config.max_prompt_length + max(config.max_new_tokens, config.eval.max_new_tokens or 0),
         enable_sleep_mode=engine.enable_sleep_mode,
         dtype=str(next(policy.parameters()).dtype).removeprefix("torch."),

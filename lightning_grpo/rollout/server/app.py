@@ -55,7 +55,7 @@ class RolloutServer:
         tensor_parallel_size: vLLM workers per instance (GPU); each joins the weight-sync group.
     """
 
-    def __init__(self, model: str, *, kv_cache_space_gib: int = 2, max_model_len: Optional[int] = None,
+    def __init__(self, model: str, *, kv_cache_space_gib: float = 2, max_model_len: Optional[int] = None,
                  seed: int = 0, dtype: Optional[str] = None, gpu_memory_utilization: float = 0.9,
                  tensor_parallel_size: int = 1) -> None:
         self.model = model
@@ -171,7 +171,7 @@ def serve_main(argv: Sequence[str]) -> None:
     parser.add_argument("--model", required=True, help="HF checkpoint folder (the trainer's starting weights)")
     parser.add_argument("--host", default="0.0.0.0", help="address to listen on (default: every interface)")
     parser.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
-    parser.add_argument("--kv-cache-space-gib", type=int, default=2, help="CPU: KV-cache GiB (default 2)")
+    parser.add_argument("--kv-cache-space-gib", type=float, default=2, help="CPU: KV-cache GiB, > 0 (default 2)")
     parser.add_argument("--max-model-len", type=int, default=None, help="most prompt + completion tokens")
     parser.add_argument("--seed", type=int, default=0, help="the engine's seed (default 0)")
     parser.add_argument("--dtype", default=None, help="float32 / bfloat16 / auto (default: float32 on CPU)")

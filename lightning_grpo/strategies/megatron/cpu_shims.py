@@ -1,6 +1,6 @@
 """A narrow compatibility shim that lets megatron-core run on CPU (gloo), so CI proves the Megatron path for real.
 
-megatron-core assumes CUDA in two places that a CPU run reaches:
+megatron-core assumes CUDA in three places that a CPU run reaches:
 
 1. ``torch.cuda.current_device()`` is used as the *device* of new tensors: rotary-embedding frequencies
    (``RotaryEmbedding.get_emb``), the output buffers of the tensor-parallel all-gathers
@@ -12,6 +12,10 @@ megatron-core assumes CUDA in two places that a CPU run reaches:
    as is). GRPO trains with dropout 0 and the weights come from a Hugging Face checkpoint, so no random
    number is drawn inside it; with dropout > 0 on CPU the tensor-parallel ranks would draw from their
    own CPU generators instead of the tracked model-parallel stream.
+3. Activation recompute (``recompute_granularity``, :func:`lightning_grpo.strategies.megatron.model.recompute_settings`)
+   saves and restores every generator's state around each checkpointed block (``tensor_parallel.random.
+   _get_all_rng_states`` / ``_set_all_rng_states``), the CUDA one included. The shim saves and restores the CPU
+   generator's only.
 
 :class:`MegatronStrategy <lightning_grpo.strategies.megatron.strategy.MegatronStrategy>` applies the shim only when
 its accelerator is CPU, and removes it at teardown. Nothing else is patched.
@@ -41,6 +45,16 @@ def _no_fork(self: Any, name: Optional[str] = None) -> Iterator[None]:
     yield
 
 
+def _cpu_rng_states() -> tuple:
+    """Stand-in for megatron-core's ``_get_all_rng_states`` on CPU runs: the CPU generator's state only."""
+    return torch.get_rng_state(), None, None
+
+
+def _set_cpu_rng_states(cpu_rng_state: torch.Tensor, cuda_rng_state: Any, tracker_states: Any) -> None:
+    """Stand-in for megatron-core's ``_set_all_rng_states`` on CPU runs."""
+    torch.set_rng_state(cpu_rng_state)
+
+
 def is_applied() -> bool:
     """Whether the shim is currently in effect."""
     return _depth > 0
@@ -57,6 +71,10 @@ def apply() -> None:
             _saved["fork"] = mcore_random.CudaRNGStatesTracker.fork
             torch.cuda.current_device = _cpu_current_device  # type: ignore[assignment]
             mcore_random.CudaRNGStatesTracker.fork = _no_fork  # type: ignore[method-assign]
+            _saved["get_states"] = mcore_random._get_all_rng_states
+            _saved["set_states"] = mcore_random._set_all_rng_states
+            mcore_random._get_all_rng_states = _cpu_rng_states
+            mcore_random._set_all_rng_states = _set_cpu_rng_states
         _depth += 1
 
 
@@ -73,6 +91,8 @@ def remove() -> None:
             current_device: Callable[[], int] = _saved.pop("current_device")
             torch.cuda.current_device = current_device  # type: ignore[assignment]
             mcore_random.CudaRNGStatesTracker.fork = _saved.pop("fork")  # type: ignore[method-assign]
+            mcore_random._get_all_rng_states = _saved.pop("get_states")
+            mcore_random._set_all_rng_states = _saved.pop("set_states")
 
 
 @contextlib.contextmanager

@@ -128,6 +128,15 @@ class Architecture:
                 raise ValueError(f"config.{name}={value} is not divisible by tensor_model_parallel_size={tp}")
 
 
+def recompute_settings(enabled: bool) -> dict[str, Any]:
+    """``TransformerConfig`` fields of activation checkpointing: every transformer layer's activations recomputed in
+    backward from its input (``recompute_granularity="full"``, ``recompute_method="uniform"``, one layer per
+    checkpoint), the counterpart of transformers' per-decoder-layer gradient checkpointing; {} when disabled."""
+    if not enabled:
+        return {}
+    return dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+
+
 def transformer_config(
     arch: Architecture,
     tensor_model_parallel_size: int = 1,

@@ -49,6 +49,7 @@ from typing_extensions import override
 
 from lightning_grpo.strategies.base import ClipFallback, GRPOModels, clips_by_norm
 from lightning_grpo.strategies.megatron import convert, cpu_shims
+from lightning_grpo.strategies.megatron.model import recompute_settings
 from lightning_grpo.strategies.megatron.policy import MegatronPolicy
 from lightning_grpo.strategies.megatron.rollout import TensorParallelRolloutEngine
 from lightning_grpo.training.collectives import Collectives
@@ -72,6 +73,9 @@ class MegatronStrategy(DDPStrategy):
         pipeline_model_parallel_size: must be 1 (pipeline parallelism is not supported yet).
         params_dtype: dtype of the megatron-core weights; default: the HF policy's dtype.
         use_transformer_engine: build the layers from Transformer Engine (CUDA and ``transformer_engine`` needed).
+        activation_checkpointing: recompute each transformer layer's activations in backward (megatron-core's
+            ``recompute_granularity="full"``, :func:`~lightning_grpo.strategies.megatron.model.recompute_settings`);
+            None (default): as the HF policy, i.e. ``GRPOModule(gradient_checkpointing=True)`` turns it on.
         seed: seed of megatron-core's CUDA model-parallel RNG tracker (GPU only; no randomness is drawn with
             dropout 0).
         process_group_backend: "nccl" / "gloo"; default: nccl on GPU, gloo on CPU.
@@ -90,6 +94,7 @@ class MegatronStrategy(DDPStrategy):
         pipeline_model_parallel_size: int = 1,
         params_dtype: Optional[torch.dtype] = None,
         use_transformer_engine: bool = False,
+        activation_checkpointing: Optional[bool] = None,
         seed: int = 1234,
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = timedelta(minutes=30),
@@ -106,6 +111,7 @@ class MegatronStrategy(DDPStrategy):
         self.tensor_model_parallel_size = tensor_model_parallel_size
         self.params_dtype = params_dtype
         self.use_transformer_engine = use_transformer_engine
+        self.activation_checkpointing = activation_checkpointing
         self.seed = seed
         self._shims_applied = False
         self._model_parallel_groups: list[Any] = []
@@ -186,8 +192,11 @@ class MegatronStrategy(DDPStrategy):
         if isinstance(models.policy, MegatronPolicy):
             return models
         args = (self.tensor_model_parallel_size, self.params_dtype, self.use_transformer_engine)
+        recompute = self.activation_checkpointing
+        if recompute is None:  # GRPOModule(gradient_checkpointing=True) enabled transformers' checkpointing
+            recompute = bool(getattr(models.policy, "is_gradient_checkpointing", False))
         with _default_tensor_init():
-            policy = MegatronPolicy.from_hf(models.policy, *args)
+            policy = MegatronPolicy.from_hf(models.policy, *args, **recompute_settings(recompute))
             policy.model.train(models.policy.training)
             ref = None if models.ref is None else MegatronPolicy.from_hf(models.ref, *args).eval().requires_grad_(False)
         engine = models.engine
