@@ -245,33 +245,30 @@ def _communicate(proc: subprocess.Popen, stdin: bytes, limit: int, deadline: flo
                 ended = "timeout"
                 break
             for key, _ in selector.select(remaining):
-                fd = key.fd
-                if fd not in buffers:  # stdin
-                    try:
-                        written += os.write(fd, stdin[written:written + _READ_CHUNK])
-                    except (BrokenPipeError, BlockingIOError) as err:
-                        if isinstance(err, BlockingIOError):
-                            continue
-                        written = len(stdin)
-                    if written >= len(stdin):
-                        selector.unregister(fd)
-                        proc.stdin.close()
+                if key.fd in buffers:
+                    total += _read_into(key.fd, buffers[key.fd], limit - total, selector)
                     continue
-                data = os.read(fd, _READ_CHUNK)
-                if not data:
-                    selector.unregister(fd)
-                    continue
-                keep = data[:max(limit - total, 0)]
-                buffers[fd] += keep
-                total += len(data)
-                if total > limit:
-                    ended = "output_limit"
-                    break
+                written = _feed(key.fd, stdin, written)
+                if written >= len(stdin):
+                    selector.unregister(key.fd)
+                    proc.stdin.close()
+            if total > limit:
+                ended = "output_limit"
     finally:
         selector.close()
         if not proc.stdin.closed:
             proc.stdin.close()
     return bytes(buffers[proc.stdout.fileno()]), bytes(buffers[proc.stderr.fileno()]), ended
+
+
+def _read_into(fd: int, buffer: bytearray, room: int, selector: selectors.BaseSelector) -> int:
+    """Read what ``fd`` has, keep at most ``room`` bytes of it in ``buffer``; the bytes read (0 at the end of the
+    stream, which unregisters ``fd``)."""
+    data = os.read(fd, _READ_CHUNK)
+    if not data:
+        selector.unregister(fd)
+    buffer += data[:max(room, 0)]
+    return len(data)
 
 
 def _children(pid: int) -> list[int]:
@@ -284,6 +281,17 @@ def _children(pid: int) -> list[int]:
     except OSError:
         pass
     return found
+
+
+def _feed(fd: int, data: bytes, written: int) -> int:
+    """Write the next piece of ``data`` to the non-blocking ``fd``; the bytes written so far (all of them once the
+    reader has closed its end)."""
+    try:
+        return written + os.write(fd, data[written:written + _READ_CHUNK])
+    except BlockingIOError:
+        return written
+    except BrokenPipeError:
+        return len(data)
 
 
 def _kill_tree(proc: subprocess.Popen, namespaced: bool) -> None:
