@@ -8,6 +8,9 @@ Asynchronous rollouts (``GRPOConfig.max_staleness > 0``): :meth:`ExperienceMaker
 generation in the background (:class:`lightning_grpo.rollout.prefetch.RolloutPrefetcher`) and
 :meth:`ExperienceMaker.make` given that :class:`~lightning_grpo.rollout.prefetch.PrefetchedRollout` waits for it and
 does the rest (scoring, shaping, logprobs, advantages) on the trainer's thread, with the weights of the moment.
+The slow rewards (:class:`~lightning_grpo.rewards.pool.PooledReward`: reward models, judges, sandboxed code) are
+started in the reward pool as soon as a prefetched rollout is generated, on the generating thread, so they run while
+the trainer trains; ``make`` collects them.
 """
 
 from __future__ import annotations
@@ -25,13 +28,13 @@ from lightning_grpo.algorithm.shaping import overlong_penalty, sequence_kl, tran
 from lightning_grpo.config import GRPOConfig
 from lightning_grpo.evaluation.evaluator import EvalBatch, answer_key
 from lightning_grpo.events import ON_EXPERIENCE, ON_ROLLOUT_END, EventSink, ExperienceReady, RolloutEnd
-from lightning_grpo.rewards import RewardSet
+from lightning_grpo.rewards import RewardSet, StartedScores
 from lightning_grpo.rollout.base import RolloutInterrupted, RolloutOutput, SamplingConfig
 from lightning_grpo.rollout.prefetch import PrefetchedRollout, RolloutPrefetcher
 from lightning_grpo.rollout.worker import RolloutWorker
 from lightning_grpo.training.experience import Experience
 from lightning_grpo.training.logprobs import CompletionLogprobs
-from lightning_grpo.training.metrics import StepTimer, rollout_metrics
+from lightning_grpo.training.metrics import REWARD_TIMING_PREFIX, StepTimer, rollout_metrics
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +75,8 @@ class ExperienceMaker:
         self.logprobs = logprobs
         self.events = events
         self._texts: list[tuple] = []  # (prompt, completion, columns) of every row generated for this rollout
-        self.prefetcher = RolloutPrefetcher(rollout)
+        self._outcomes: dict[str, list[float]] = {}  # "<reward>/<outcome>" -> [completions, of all completions]
+        self.prefetcher = RolloutPrefetcher(rollout, on_generated=self._start_rewards)
         self.rank = 0
 
     def prefetch(self, batch: PromptBatch, policy: nn.Module, collectives: Collectives, timer: StepTimer,
@@ -95,8 +99,16 @@ class ExperienceMaker:
         self.prefetcher.wait_idle()
 
     def close(self) -> None:
-        """Stop background generations and end their thread (end of fit)."""
+        """Stop background generations and end their thread and the reward pool's (end of fit)."""
         self.prefetcher.close()
+        self.rewards.close()
+
+    def _start_rewards(self, prefetched: PrefetchedRollout, out: RolloutOutput) -> Optional[StartedScores]:
+        """On the generating thread, when a prefetched rollout is generated: start its slow rewards in the pool."""
+        if not self.rewards.has_pooled:
+            return None
+        prompts, columns = _expand(prefetched.batch, prefetched.num_generations)
+        return self.rewards.start(prompts, out.completions, columns, prefetched.num_generations)
 
     @torch.no_grad()
     def make(  # noqa: C901 - the numbered steps of one rollout, read top to bottom
@@ -158,7 +170,7 @@ class ExperienceMaker:
             raise KeyError(f"prompt batches need a 'prompt' column, got columns {sorted(batch)}")
         cfg = self.config
         sampler = DynamicSampler(len(batch["prompt"]), self.rewards.primary_index, cfg.dynamic_sampling)
-        self._texts = []
+        self._texts, self._outcomes = [], {}
         totals = {"prompts/truncated": 0.0, "generated_tokens": 0.0}
         rollout_s_before = timer.get("rollout_s")
 
@@ -172,7 +184,8 @@ class ExperienceMaker:
                 except RolloutInterrupted:
                     out = None
             pad = int(self.rollout.require_engine().pad_token_id)
-            sampler.add(self._score(batch, out, prefetched.num_truncated, pad, totals, timer, any_process))
+            sampler.add(self._score(batch, out, prefetched.num_truncated, pad, totals, timer, any_process,
+                                    prefetched.started_rewards))
             version = prefetched.weights_version
         else:
             with self.rollout.awake(policy, timer=timer, any_process=any_process):
@@ -221,6 +234,8 @@ class ExperienceMaker:
             std_floor=cfg.advantage_std_floor, valid=scored, batch_std=self._batch_std(shaped, scored, collectives),
         )
         extra["reward_shaped"] = (shaped[scored].sum(), scored.sum().float())
+        for key, (count, total) in self._outcomes.items():  # every process has the same keys (declared outcomes)
+            extra[f"rewards/{key}"] = (torch.tensor(count), torch.tensor(total))
         experience.metrics = rollout_metrics(
             rollout, self.rewards.names, extra, totals, sampling_stats if cfg.dynamic_sampling else None,
             lambda tensor: collectives.reduce_sum(tensor.to(device)),
@@ -275,15 +290,22 @@ class ExperienceMaker:
                               top_k=cfg.top_k, min_p=cfg.min_p, seed=self._request_seed())
 
     def _score(self, batch: PromptBatch, out: Optional[RolloutOutput], num_truncated: int, pad_token_id: int,
-               totals: dict[str, float], timer: StepTimer, any_process: Callable[[bool], bool]) -> ScoredRollout:
+               totals: dict[str, float], timer: StepTimer, any_process: Callable[[bool], bool],
+               started: Optional[StartedScores] = None) -> ScoredRollout:
         """Score one generation round's completions (``out`` None: it was interrupted, which every process then
-        raises as :class:`RolloutInterrupted`)."""
+        raises as :class:`RolloutInterrupted`); ``started``: its slow rewards, started when it was generated.
+        Adds ``reward_<name>_s`` to ``timer`` and the pooled rewards' outcome counts to this rollout's."""
         g = self.config.num_generations
+        prompts, columns = _expand(batch, g)
         if out is not None and not self.rollout.stop.is_set():
             with timer.span("scoring_s"):
-                prompts = [p for p in batch["prompt"] for _ in range(g)]
-                columns = {k: [v for v in values for _ in range(g)] for k, values in batch.items() if k != "prompt"}
-                scores = self.rewards.score(prompts, out.completions, columns)
+                scores = self.rewards.score(prompts, out.completions, columns, group_size=g, started=started)
+            for name, seconds in scores.seconds.items():
+                timer.add(f"{REWARD_TIMING_PREFIX}{name}_s", seconds)
+            for key, count in scores.outcomes.items():
+                tally = self._outcomes.setdefault(key, [0.0, 0.0])
+                tally[0] += count
+                tally[1] += len(out.completions)
         if any_process(out is None or self.rollout.stop.is_set()):
             raise RolloutInterrupted("the rollout was stopped by a stop request (e.g. SIGTERM) before it finished")
         assert out is not None
@@ -392,3 +414,10 @@ class ExperienceMaker:
         if count < 2:
             return 0.0
         return max(squares - total * total / count, 0.0) ** 0.5 / (count - 1) ** 0.5
+
+
+def _expand(batch: PromptBatch, g: int) -> tuple[list, dict[str, list]]:
+    """A prompt batch's prompts and other columns, each entry repeated G times (prompt-major, as the completions)."""
+    prompts = [p for p in batch["prompt"] for _ in range(g)]
+    columns = {k: [v for v in values for _ in range(g)] for k, values in batch.items() if k != "prompt"}
+    return prompts, columns
