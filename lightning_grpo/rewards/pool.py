@@ -110,6 +110,12 @@ class RewardPool:
                 self._executor = ThreadPoolExecutor(self.width, thread_name_prefix="lightning_grpo_reward")
             return self._executor.submit(fn, *args)
 
+    def __getstate__(self) -> dict:  # picklable (DDP spawn): the threads are not copied
+        return {"width": self.width}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["width"])
+
     def close(self) -> None:
         """Wait for the running tasks and end the threads (a later :meth:`submit` starts new ones)."""
         with self._lock:

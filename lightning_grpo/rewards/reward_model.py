@@ -134,3 +134,14 @@ class RewardModel(PooledReward):
             with self._lock, torch.inference_mode():
                 values += model(**inputs).logits[:, 0].float().tolist()
         return RewardChunk(values)
+
+    def __getstate__(self) -> dict[str, Any]:  # picklable (DDP spawn): each process loads its own copy
+        state = self.__dict__.copy()
+        state["_lock"] = None
+        if isinstance(self.source, str):
+            state["_model"], state["_tokenizer"] = None, None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()

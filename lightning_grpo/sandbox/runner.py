@@ -294,6 +294,21 @@ def _feed(fd: int, data: bytes, written: int) -> int:
         return len(data)
 
 
+def _live_members(pgid: int) -> bool:
+    """Some process of the process group ``pgid`` is not yet a zombie (a scan of ``/proc/<pid>/stat``)."""
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()  # after "pid (comm)": state ppid pgrp ...
+        except (OSError, IndexError):
+            continue
+        if int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
+            return True
+    return False
+
+
 def _kill_tree(proc: subprocess.Popen, namespaced: bool) -> None:
     """SIGKILL the run's process tree and reap it.
 
@@ -307,8 +322,13 @@ def _kill_tree(proc: subprocess.Popen, namespaced: bool) -> None:
                 os.kill(child, signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=_REAP_WAIT_S)
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, signal.SIGKILL)
+    deadline = time.monotonic() + _REAP_WAIT_S
+    while True:  # again while live members remain (a fork in flight; SIGKILLed ones that have not exited yet)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        if namespaced or not _live_members(proc.pid) or time.monotonic() > deadline:
+            break
+        time.sleep(0.01)
     proc.wait()
     for stream in (proc.stdout, proc.stderr):
         if stream is not None:
