@@ -171,13 +171,14 @@ class JudgeReward(PooledReward):
         return self.rubric.format(task=task_text(prompt), responses=responses, n=len(completions), reference=shown)
 
     def answer_regex(self, n: int) -> str:
-        """The answer format as a regex (for ``guided``): pointwise, a short explanation line and ``Score: <n>``;
-        group-relative, the JSON of ``n`` scores in [0, 1]."""
+        """The answer format as a regex (for ``guided``): pointwise, an explanation line of at most
+        ``min(300, max_tokens - 12)`` characters (so the score always fits in ``max_tokens``: a token is at least a
+        character) and ``Score: <n>``; group-relative, the JSON of ``n`` scores in [0, 1]."""
         if self.group:
             return r'\{"scores": \[' + ", ".join([_UNIT] * n) + r"\]\}"
         low, high = self.score_range
         numbers = "|".join(sorted((str(k) for k in range(low, high + 1)), key=len, reverse=True))
-        return r"[^\n]{0,300}\nScore: (" + numbers + ")"
+        return r"[^\n]{0," + str(max(0, min(300, self.max_tokens - 12))) + r"}\nScore: (" + numbers + ")"
 
     def parse(self, text: str, n: int) -> Optional[list[float]]:
         """The rewards in an answer: pointwise, the last ``Score: <n>`` in range, mapped to [0, 1]; group-relative,
