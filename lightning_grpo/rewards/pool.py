@@ -114,7 +114,7 @@ class RewardPool:
         return {"width": self.width}
 
     def __setstate__(self, state: dict) -> None:
-        self.__init__(state["width"])
+        self.width, self._executor, self._lock = state["width"], None, threading.Lock()
 
     def close(self) -> None:
         """Wait for the running tasks and end the threads (a later :meth:`submit` starts new ones)."""

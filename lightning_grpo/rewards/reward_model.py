@@ -119,7 +119,7 @@ class RewardModel(PooledReward):
                 out.append(prompt + completion)
             else:
                 messages = [*prompt, {"role": "assistant", "content": completion}]
-                out.append(tokenizer.apply_chat_template(messages, tokenize=False))
+                out.append(str(tokenizer.apply_chat_template(messages, tokenize=False)))
         return out
 
     def score_chunk(self, prompts: list, completions: list[str], columns: dict[str, list]) -> RewardChunk:

@@ -20,9 +20,9 @@ import os
 import shutil
 from typing import Literal, Sequence
 
-#: The mechanisms, strongest first.
-MECHANISMS = ("bwrap", "unshare", "rlimits")
 Mechanism = Literal["bwrap", "unshare", "rlimits"]
+#: The mechanisms, strongest first.
+MECHANISMS: tuple[Mechanism, ...] = ("bwrap", "unshare", "rlimits")
 
 #: The working directory inside a bubblewrap sandbox.
 BWRAP_WORKDIR = "/sandbox"

@@ -92,7 +92,7 @@ class Sandbox:
                 each probe's error.
         """
         if self._mechanism is None:
-            candidates = MECHANISMS if self.isolation == "auto" else (self.isolation,)
+            candidates: tuple[Mechanism, ...] = MECHANISMS if self.isolation == "auto" else (self.isolation,)
             errors = {}
             for mechanism in candidates:
                 error = self._probe(mechanism)
@@ -103,10 +103,11 @@ class Sandbox:
             else:
                 raise RuntimeError(f"Sandbox(isolation={self.isolation!r}): no isolation mechanism works here: "
                                    f"{errors}")
+            assert self._mechanism is not None
             if errors:
                 log.warning("sandbox: using %r (%s unavailable: %s); see docs/rewards.md for what it guarantees",
                             self._mechanism, ", ".join(errors), errors)
-        return self._mechanism
+        return self._mechanism  # type: ignore[return-value]  # set above
 
     def _probe(self, mechanism: Mechanism) -> Optional[str]:
         key = (mechanism, self.python, self.uid, self.gid)
@@ -237,7 +238,8 @@ def _communicate(proc: subprocess.Popen, stdin: bytes, limit: int, deadline: flo
         selector.register(proc.stdin.fileno(), selectors.EVENT_WRITE)
     else:
         proc.stdin.close()
-    written, total, ended = 0, 0, None
+    written, total = 0, 0
+    ended: Optional[Literal["timeout", "output_limit"]] = None
     try:
         while selector.get_map() and ended is None:
             remaining = deadline - time.monotonic()
