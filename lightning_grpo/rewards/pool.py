@@ -117,8 +117,9 @@ class RewardPool:
         self.width, self._executor, self._lock = state["width"], None, threading.Lock()
 
     def close(self) -> None:
-        """Wait for the running tasks and end the threads (a later :meth:`submit` starts new ones)."""
+        """Drop the queued tasks, wait for the running ones and end the threads (a later :meth:`submit` starts new
+        ones)."""
         with self._lock:
             executor, self._executor = self._executor, None
         if executor is not None:
-            executor.shutdown(wait=True)
+            executor.shutdown(wait=True, cancel_futures=True)
