@@ -152,6 +152,7 @@ class GRPOModule(L.LightningModule):
             install_loop(self.trainer)
         self.rollout.start(self.policy, self.model_path)
         self.experience_maker.rank = self.global_rank  # disjoint per-request seeds per process
+        self.rewards.setup(self.trainer.strategy.root_device)  # e.g. a reward model's device="auto": this rank's
         self.preemption.attach(self.trainer)
         use_atomic_checkpoint_io(self.trainer.strategy)
 

@@ -45,7 +45,8 @@ def reward_model_run(cfg: dict) -> None:
     trainer.fit(module, datamodule=PromptDataModule("arithmetic", prompts_per_step=2, val_size=0))
     reward_model = module.rewards.funcs[0]
     torch.save({"rollouts": rollouts.rollouts, "pid": os.getpid(), "loaded": reward_model._model is not None,
-                "device": str(next(reward_model._model.parameters()).device)},
+                "device": str(next(reward_model._model.parameters()).device),
+                "process_device": str(reward_model._process_device)},
                rank_file(cfg["out"], f"reward_model_{cfg['strategy']['name']}", trainer.global_rank))
 
 

@@ -59,6 +59,10 @@ class PooledReward:
             raise ValueError(f"a reward's name must be a non-empty string, got {name!r}")
         self.__name__ = name
 
+    def setup(self, device: object) -> None:
+        """Called by :class:`lightning_grpo.GRPOModule` in each process before any scoring, with that process's
+        device (a ``torch.device``; e.g. a reward model puts itself there). Does nothing by default."""
+
     def score_chunk(self, prompts: list, completions: list[str], columns: dict[str, list]) -> RewardChunk:
         """Score the completions of one call (each list has the call's length)."""
         raise NotImplementedError

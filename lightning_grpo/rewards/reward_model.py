@@ -38,10 +38,13 @@ def resolve_reward_models(specs: Sequence[Any], device: str = "auto") -> list[An
     return [RewardModel(spec, device=device) if is_reward_model_spec(spec) else spec for spec in specs]
 
 
-def resolve_device(device: str) -> torch.device:
-    """``"auto"``: this process's current CUDA device (the one Lightning set for its rank) when CUDA is available,
-    else the CPU; anything else as ``torch.device(device)``."""
+def resolve_device(device: str, process_device: Optional[torch.device] = None) -> torch.device:
+    """``"auto"``: ``process_device`` (the trainer's device of this process, from :meth:`RewardModel.setup`), else
+    the calling thread's current CUDA device when CUDA is available, else the CPU; anything else as
+    ``torch.device(device)``."""
     if device == "auto":
+        if process_device is not None:
+            return process_device
         return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     return torch.device(device)
 
@@ -52,7 +55,8 @@ class RewardModel(PooledReward):
     Args:
         model: a local folder or hub id, or a loaded ``PreTrainedModel`` (a sequence classifier with one label).
         tokenizer: its tokenizer (or folder/id); default: loaded from ``model``.
-        device: where it runs: ``"auto"`` (this process's CUDA device, else CPU, :func:`resolve_device`), ``"cpu"``,
+        device: where it runs: ``"auto"`` (the trainer's device of this process, which ``GRPOModule`` passes to
+            :meth:`setup`: each rank's own GPU; used alone, the current CUDA device, else the CPU), ``"cpu"``,
             ``"cuda:1"``, ...
         dtype: the weights' dtype when loading: ``"float32"``, ``"bfloat16"`` or ``"float16"``.
         batch_size: sequences per forward pass (>= 1).
@@ -83,7 +87,13 @@ class RewardModel(PooledReward):
         self.device, self.dtype, self.batch_size, self.max_length = device, dtype, batch_size, max_length
         self._model: Optional[PreTrainedModel] = None
         self._tokenizer: Optional[PreTrainedTokenizerBase] = None
+        self._process_device: Optional[torch.device] = None
         self._lock = threading.Lock()
+
+    def setup(self, device: object) -> None:
+        """The trainer's device of this process, where ``device="auto"`` loads the model (a pool thread's current
+        CUDA device is device 0 whatever the rank)."""
+        self._process_device = torch.device(str(device))
 
     def load(self) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
         """The frozen model on its device and its tokenizer (loaded on the first call)."""
@@ -105,7 +115,8 @@ class RewardModel(PooledReward):
                     tokenizer.truncation_side = "left"  # keep the completion
                 model.config.get_text_config().pad_token_id = tokenizer.pad_token_id  # the head reads the last non-pad
                 model.requires_grad_(False)
-                self._model, self._tokenizer = model.eval().to(resolve_device(self.device)), tokenizer
+                device = resolve_device(self.device, self._process_device)
+                self._model, self._tokenizer = model.eval().to(device), tokenizer
             assert self._tokenizer is not None
             return self._model, self._tokenizer
 

@@ -93,6 +93,12 @@ class RewardSet:
         """Some reward function is a :class:`~lightning_grpo.rewards.pool.PooledReward` (its calls can start early)."""
         return any(isinstance(fn, PooledReward) for fn in self.funcs)
 
+    def setup(self, device: object) -> None:
+        """Tell the pooled functions this process's device (:meth:`PooledReward.setup`), before any scoring."""
+        for fn in self.funcs:
+            if isinstance(fn, PooledReward):
+                fn.setup(device)
+
     def start(self, prompts: list, completions: list[str], columns: dict[str, list],
               group_size: Optional[int] = None) -> StartedScores:
         """Start the pooled functions' calls on N completions in the pool and return at once (e.g. on the thread

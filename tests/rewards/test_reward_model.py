@@ -14,7 +14,12 @@ from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTok
 from lightning_grpo import GRPOConfig, GRPOModule
 from lightning_grpo.data import PromptDataModule
 from lightning_grpo.rewards import RewardPool, score_completions
-from lightning_grpo.rewards.reward_model import RewardModel, is_reward_model_spec, resolve_reward_models
+from lightning_grpo.rewards.reward_model import (
+    RewardModel,
+    is_reward_model_spec,
+    resolve_device,
+    resolve_reward_models,
+)
 
 SYSTEM = {"role": "system", "content": "You are a careful assistant."}
 PROMPTS = [[SYSTEM, {"role": "user", "content": "What is 2 + 2?"}]] * 3 + [[{"role": "user", "content": "Name a cat."}]]
@@ -96,6 +101,17 @@ def test_specs_with_a_slash_are_reward_models(tiny_reward_model_path):
     assert not is_reward_model_spec("gsm8k_accuracy") and not is_reward_model_spec("pkg.module:fn")
     resolved = resolve_reward_models(["gsm8k_accuracy", tiny_reward_model_path], device="cpu")
     assert resolved[0] == "gsm8k_accuracy" and isinstance(resolved[1], RewardModel)
+
+
+def test_device_auto_is_the_device_the_module_gives():
+    """``GRPOModule.setup`` passes each rank's device: a pool thread's current CUDA device would be 0 on every rank."""
+    assert resolve_device("auto", torch.device("cuda", 3)) == torch.device("cuda", 3)
+    assert resolve_device("cuda:1", torch.device("cpu")) == torch.device("cuda", 1)  # an explicit device wins
+    if not torch.cuda.is_available():
+        assert resolve_device("auto") == torch.device("cpu")
+    rm = RewardModel("unused/folder")
+    rm.setup(torch.device("cuda", 2))
+    assert rm._process_device == torch.device("cuda", 2)
 
 
 def test_bad_arguments_raise_clear_errors(tiny_reward_model_path, tmp_path):

@@ -17,6 +17,7 @@ def test_each_process_scores_its_own_rollouts(tmp_path, tiny_llama_path, tiny_re
                tmp_path, timeout=600, worker=WORKER)
     ranks = load(tmp_path, f"reward_model_{strategy}", 2)
     assert ranks[0]["pid"] != ranks[1]["pid"] and all(r["loaded"] and r["device"] == "cpu" for r in ranks)
+    assert [r["process_device"] for r in ranks] == ["cpu", "cpu"]  # GRPOModule.setup gave each rank its device
     texts = [[(p, c) for rollout in r["rollouts"] for p, c in zip(rollout["prompts"], rollout["completions"],
                                                                     strict=True)] for r in ranks]
     assert texts[0] != texts[1]  # the ranks' prompts differ: each scored its own
