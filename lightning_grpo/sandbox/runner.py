@@ -37,8 +37,9 @@ NOBODY = 65534
 _FILE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
 _READ_CHUNK = 1 << 16
 _REAP_WAIT_S = 2.0  # for the leader to reap its killed namespace
-#: How long the probe run of a mechanism may take (the first run of a process pays it once per mechanism).
-_PROBE_WALL_S = 20.0
+#: How long the probe run of a mechanism may take (the first run of a process pays it once per mechanism); generous,
+#: so that a loaded machine never falls back to a weaker mechanism for want of time.
+_PROBE_WALL_S = 120.0
 _probe_lock = threading.Lock()
 _probed: dict[tuple, Optional[str]] = {}  # (mechanism, python, uid, gid) -> None if it works, else why not
 

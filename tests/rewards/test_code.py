@@ -13,7 +13,9 @@ from lightning_grpo.rewards.code import CODE_OUTCOMES, CodeReward, code_block_fo
 from lightning_grpo.sandbox import Sandbox, SandboxLimits
 
 TESTS = ["assert add(2, 3) == 5", "assert add(-1, 1) == 0", "assert add(0, 0) == 1"]  # the third is wrong on purpose
-LIMITS = SandboxLimits(wall_s=4.0, cpu_s=2, memory_bytes=256 << 20, output_bytes=64 << 10)
+#: A generous wall clock (a loaded machine can take seconds to start Python); loops stop at 2 CPU seconds or at the
+#: harness's per-test timer (5 s of wall time), whichever comes first.
+LIMITS = SandboxLimits(wall_s=60.0, cpu_s=2, memory_bytes=256 << 20, output_bytes=64 << 10)
 
 
 def block(code: str) -> str:
@@ -22,7 +24,7 @@ def block(code: str) -> str:
 
 @pytest.fixture(scope="module")
 def reward() -> CodeReward:
-    return CodeReward(Sandbox(LIMITS), test_timeout_s=1.0)
+    return CodeReward(Sandbox(LIMITS), test_timeout_s=5.0)
 
 
 def test_extract_code_takes_the_last_fenced_block():
@@ -64,16 +66,16 @@ def test_known_reward_hacks_pass_nothing(reward, code, outcome):
 
 
 @pytest.mark.parametrize("code, outcome", [
-    ("def add(a, b):\n    while True:\n        pass", "timeout"),  # each test's timer (1 s)
-    ("while True:\n    pass", "timeout"),  # at import: the program's timer
-    ("import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass", None),  # fork bomb
+    ("def add(a, b):\n    while True:\n        pass", None),  # the CPU limit or each test's timer
+    ("while True:\n    pass", None),  # at import: the CPU limit or the program's timer
+    ("import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass", None),  # a fork bomb
     ("block = bytearray(10 * 2**30)", "memory"),
     ("import sys\nwhile True:\n    sys.stdout.write('x' * 65536)", "output_limit"),
 ])
 def test_adversarial_completions_score_zero_and_say_why(reward, code, outcome):
     rate, got = reward.run(block(code), TESTS)
     assert rate == 0.0
-    if outcome is None:  # the fork bomb: the program's timer, the CPU limit or the wall clock, whichever is first
+    if outcome is None:  # loops: the harness's timer, the CPU limit or the wall clock, whichever is first
         assert got in ("timeout", "cpu_limit"), got
     else:
         assert got == outcome

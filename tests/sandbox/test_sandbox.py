@@ -1,6 +1,7 @@
 """The sandbox against what an adversarial completion would try, under every isolation mechanism this machine has.
 
-Each case is bounded: CPU 1 s, wall clock 3 s, 256 MiB of address space (the 10 GB allocation fails at once, nothing
+Each case is bounded: CPU 1 s, wall clock 30 s (3 s for the cases about the wall clock; a loaded machine can take
+seconds to start Python), 256 MiB of address space (the 10 GB allocation fails at once, nothing
 is allocated on the host), 16 processes, 64 KiB of output. Every case checks that the run was stopped or refused,
 that this (the trainer's) process goes on (it forks and runs a command afterwards), and that no process of the run
 is left. Files the tests plant outside the sandbox are never readable from it: under bubblewrap they do not exist
@@ -26,7 +27,9 @@ from lightning_grpo.sandbox.runner import _probed
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="the sandbox is Linux-only")
 
-LIMITS = SandboxLimits(wall_s=3.0, cpu_s=1, memory_bytes=256 << 20, max_processes=16, output_bytes=64 << 10)
+LIMITS = SandboxLimits(wall_s=30.0, cpu_s=1, memory_bytes=256 << 20, max_processes=16, output_bytes=64 << 10)
+#: For the cases stopped by the wall clock.
+SHORT = SandboxLimits(wall_s=3.0, cpu_s=1, memory_bytes=256 << 20, max_processes=16, output_bytes=64 << 10)
 AS_ROOT = os.geteuid() == 0
 
 
@@ -108,10 +111,11 @@ def test_a_run_gets_its_files_stdin_a_clean_environment_and_a_fresh_directory(sa
 
 def test_an_infinite_loop_is_stopped_by_the_cpu_limit(sandbox):
     result = _run(sandbox, "while True:\n    pass\n")
-    assert result.status in ("cpu_limit", "timeout"), result  # SIGXCPU at 1 CPU second (or the 3 s wall clock)
+    assert result.status == "cpu_limit", result  # SIGXCPU at 1 CPU second
 
 
 def test_a_sleeping_loop_and_its_children_are_killed_at_the_wall_clock_limit(sandbox):
+    sandbox = Sandbox(SHORT, isolation=sandbox.mechanism)
     source = ("import subprocess, sys, time\n"
               "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)', sys.argv[1]])\n"
               "while True:\n    time.sleep(1)\n")
@@ -120,6 +124,7 @@ def test_a_sleeping_loop_and_its_children_are_killed_at_the_wall_clock_limit(san
 
 
 def test_a_fork_bomb_is_bounded_and_killed(sandbox):
+    sandbox = Sandbox(SHORT, isolation=sandbox.mechanism)
     source = ("import os\nforks = 0\nwhile True:\n    try:\n        os.fork()\n        forks += 1\n"
               "    except OSError:\n        pass\n")
     result = _run(sandbox, source)
@@ -215,7 +220,7 @@ def test_printing_1_gb_is_cut_at_the_output_limit(sandbox):
 
 
 def test_a_large_file_is_cut_at_the_file_limit(sandbox):
-    limits = SandboxLimits(wall_s=5.0, file_bytes=1 << 20)
+    limits = SandboxLimits(wall_s=30.0, file_bytes=1 << 20)
     small = Sandbox(limits, isolation=sandbox.mechanism)
     result = small.run_python("f = open('big.bin', 'wb')\nfor _ in range(64):\n    f.write(b'x' * 65536)\n"
                               "    f.flush()\nprint('wrote 4 MiB')\n")
