@@ -353,6 +353,13 @@ class GRPOConfig:
     importance sampling against the sampler's logprobs (docs/algorithm.md, "Asynchronous rollouts"): with
     ``importance_sampling_cap=None`` the cap is 2.0 (:meth:`tis_cap`). Logged: ``rollout/staleness_{mean,max}``."""
 
+    # --- Reward pool (lightning_grpo.rewards.pool; docs/rewards.md) ---
+    reward_num_workers: int = 8
+    """Threads that run the calls of the slow rewards (reward models, LLM judges, sandboxed code: the
+    ``PooledReward`` functions), so that that many calls run at once (>= 1); with ``max_staleness > 0`` they start
+    as soon as a rollout is generated, while the trainer trains. The rewards do not depend on it. Logged:
+    ``timing/reward_<name>_s`` per reward function."""
+
     on_nonfinite: OnNonFinite = "error"
     """What a NaN or infinite loss or gradient norm, found before an optimizer step, does: "error" stops the run
     with an error naming the step and the quantity (the step is not taken); "skip" drops the step's gradients, so
@@ -417,6 +424,8 @@ class GRPOConfig:
             _fail("overlong_buffer", self.overlong_buffer, f"must be in [0, max_new_tokens={self.max_new_tokens}]")
         if self.overlong_penalty_factor < 0:
             _fail("overlong_penalty_factor", self.overlong_penalty_factor, "must be >= 0")
+        if not isinstance(self.reward_num_workers, int) or self.reward_num_workers < 1:
+            _fail("reward_num_workers", self.reward_num_workers, "must be an integer >= 1")
         if self.kl_in_reward and self.beta == 0:
             _fail("kl_in_reward", self.kl_in_reward, "needs beta > 0 (the KL coefficient)")
 

@@ -27,14 +27,14 @@ from lightning_grpo.algorithm.shaping import overlong_penalty, sequence_kl, tran
 from lightning_grpo.config import GRPOConfig
 from lightning_grpo.evaluation.evaluator import EvalBatch, answer_key
 from lightning_grpo.events import ON_EXPERIENCE, ON_ROLLOUT_END, EventSink, ExperienceReady, RolloutEnd
-from lightning_grpo.rewards import RewardSet
+from lightning_grpo.rewards import RewardSet, StartedScores
 from lightning_grpo.rollout.base import RolloutInterrupted, RolloutOutput, SamplingConfig
 from lightning_grpo.rollout.prefetch import PrefetchedRollout, RolloutPrefetcher
 from lightning_grpo.rollout.worker import RolloutWorker
 from lightning_grpo.training.collectives import Collectives
 from lightning_grpo.training.experience import Experience
 from lightning_grpo.training.logprobs import CompletionLogprobs
-from lightning_grpo.training.metrics import StepTimer, rollout_metrics
+from lightning_grpo.training.metrics import REWARD_TIMING_PREFIX, StepTimer, rollout_metrics
 
 log = logging.getLogger(__name__)
 
@@ -78,11 +78,19 @@ class _Collected:
     totals: dict[str, float]
     texts: list[tuple]  # (prompt, completion, columns) of every row generated, found by ``rollout.row_index``
     generation_s: float
+    outcomes: dict[str, list[float]]  # "<reward>/<outcome>" -> [completions, of all completions] (pooled rewards)
 
 
 def _check_prompt_column(batch: PromptBatch) -> None:
     if "prompt" not in batch:
         raise KeyError(f"prompt batches need a 'prompt' column, got columns {sorted(batch)}")
+
+
+def _expand(batch: PromptBatch, g: int) -> tuple[list, dict[str, list]]:
+    """A prompt batch's prompts and other columns, each entry repeated G times (prompt-major, as the completions)."""
+    prompts = [p for p in batch["prompt"] for _ in range(g)]
+    columns = {k: [v for v in values for _ in range(g)] for k, values in batch.items() if k != "prompt"}
+    return prompts, columns
 
 
 class ExperienceMaker:
@@ -109,7 +117,7 @@ class ExperienceMaker:
         self.rewards = rewards
         self.logprobs = logprobs
         self.events = events
-        self.prefetcher = RolloutPrefetcher(rollout)
+        self.prefetcher = RolloutPrefetcher(rollout, on_generated=self._start_rewards)
         self.context = RolloutContext()
 
     def bind(self, context: RolloutContext) -> None:
@@ -136,8 +144,16 @@ class ExperienceMaker:
         self.prefetcher.wait_idle()
 
     def close(self) -> None:
-        """Stop background generations and end their thread (end of fit)."""
+        """Stop background generations and end their thread and the reward pool's (end of fit)."""
         self.prefetcher.close()
+        self.rewards.close()
+
+    def _start_rewards(self, prefetched: PrefetchedRollout, out: RolloutOutput) -> Optional[StartedScores]:
+        """On the generating thread, when a prefetched rollout is generated: start its slow rewards in the pool."""
+        if not self.rewards.has_pooled:
+            return None
+        prompts, columns = _expand(prefetched.batch, prefetched.num_generations)
+        return self.rewards.start(prompts, out.completions, columns, prefetched.num_generations)
 
     @torch.no_grad()
     def make(self, batch: PromptBatch, policy: nn.Module, ref: Optional[nn.Module], *,
@@ -211,6 +227,8 @@ class ExperienceMaker:
         )
         # 5. rollout metrics, and a stop during the logprob passes still discards the rollout
         extra["reward_shaped"] = (shaped[scored].sum(), scored.sum().float())
+        for key, (count, total) in collected.outcomes.items():  # every process has the same keys (declared ones)
+            extra[f"rewards/{key}"] = (torch.tensor(count), torch.tensor(total))
         experience.metrics = self._metrics(collected, extra)
         if ctx.collectives.any_process(self.rollout.stop.is_set()):
             raise RolloutInterrupted("the rollout was stopped by a stop request (e.g. SIGTERM) before it finished")
@@ -227,6 +245,7 @@ class ExperienceMaker:
         ctx, cfg = self.context, self.config
         sampler = DynamicSampler(len(batch["prompt"]), self.rewards.primary_index, cfg.dynamic_sampling)
         texts: list[tuple] = []
+        outcomes: dict[str, list[float]] = {}
         totals = {"prompts/truncated": 0.0, "generated_tokens": 0.0}
         rollout_s_before = ctx.timer.get("rollout_s")
         if prefetched is not None:  # asynchronous: generated in the background (no dynamic sampling there)
@@ -236,13 +255,14 @@ class ExperienceMaker:
                 except RolloutInterrupted:
                     out = None
             pad = int(self.rollout.require_engine().pad_token_id)
-            sampler.add(self._score(batch, out, prefetched.num_truncated, pad, totals, texts))
+            sampler.add(self._score(batch, out, prefetched.num_truncated, pad, totals, texts, outcomes,
+                                    prefetched.started_rewards))
             version = prefetched.weights_version
         else:
             with self.rollout.awake(policy, timer=ctx.timer, collectives=ctx.collectives):
                 version = self.rollout.engine_version
                 while True:
-                    sampler.add(self._generate_and_score(batch, totals, texts))
+                    sampler.add(self._generate_and_score(batch, totals, texts, outcomes))
                     if not cfg.dynamic_sampling or sampler.gen_batches >= cfg.max_num_gen_batches:
                         break
                     if not ctx.collectives.any_process(sampler.need_more):
@@ -257,7 +277,7 @@ class ExperienceMaker:
         if prefetched is not None:  # the engine's own time, not the wait for it
             generation_s = prefetched.generate_s
         return _Collected(rollout, sampling_stats if cfg.dynamic_sampling else None, version, totals, texts,
-                          generation_s)
+                          generation_s, outcomes)
 
     def _shaped_rewards(self, rollout: ScoredRollout, extra: dict[str, tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
         """Step 2 of :meth:`make`: ``(shaped, scored)``, the ``[N]`` rewards after the overlong penalty and
@@ -294,7 +314,8 @@ class ExperienceMaker:
             weights_version=collected.weights_version,
         )
 
-    def _generate_and_score(self, batch: PromptBatch, totals: dict[str, float], texts: list[tuple]) -> ScoredRollout:
+    def _generate_and_score(self, batch: PromptBatch, totals: dict[str, float], texts: list[tuple],
+                            outcomes: dict[str, list[float]]) -> ScoredRollout:
         """Generate G completions for each prompt of ``batch`` and score them (one generation round). A stopped
         round raises :class:`RolloutInterrupted` on every process together (so that no process is left waiting in
         a collective)."""
@@ -307,7 +328,7 @@ class ExperienceMaker:
                 out: Optional[RolloutOutput] = engine.generate(prompt_ids, self.config.num_generations, sampling)
             except RolloutInterrupted:
                 out = None
-        return self._score(batch, out, num_truncated, int(engine.pad_token_id), totals, texts)
+        return self._score(batch, out, num_truncated, int(engine.pad_token_id), totals, texts, outcomes)
 
     def _sampling(self) -> SamplingConfig:
         """The rollouts' sampling settings, with a per-request seed base (:meth:`_request_seed`)."""
@@ -316,15 +337,23 @@ class ExperienceMaker:
                               top_k=cfg.top_k, min_p=cfg.min_p, seed=self._request_seed())
 
     def _score(self, batch: PromptBatch, out: Optional[RolloutOutput], num_truncated: int, pad_token_id: int,
-               totals: dict[str, float], texts: list[tuple]) -> ScoredRollout:
+               totals: dict[str, float], texts: list[tuple], outcomes: dict[str, list[float]],
+               started: Optional[StartedScores] = None) -> ScoredRollout:
         """Score one generation round's completions (``out`` None: it was interrupted, which every process then
-        raises as :class:`RolloutInterrupted`); their texts go into ``texts``."""
-        g = self.config.num_generations
+        raises as :class:`RolloutInterrupted`); their texts go into ``texts``. ``started``: its slow rewards,
+        started when it was generated. Adds ``timing/reward_<name>_s`` to the timer and the pooled rewards' outcome
+        counts to ``outcomes``."""
+        g, timer = self.config.num_generations, self.context.timer
+        prompts, columns = _expand(batch, g)
         if out is not None and not self.rollout.stop.is_set():
-            with self.context.timer.span("scoring_s"):
-                prompts = [p for p in batch["prompt"] for _ in range(g)]
-                columns = {k: [v for v in values for _ in range(g)] for k, values in batch.items() if k != "prompt"}
-                scores = self.rewards.score(prompts, out.completions, columns)
+            with timer.span("scoring_s"):
+                scores = self.rewards.score(prompts, out.completions, columns, group_size=g, started=started)
+            for name, seconds in scores.seconds.items():
+                timer.add(f"{REWARD_TIMING_PREFIX}{name}_s", seconds)
+            for key, count in scores.outcomes.items():
+                tally = outcomes.setdefault(key, [0.0, 0.0])
+                tally[0] += count
+                tally[1] += len(out.completions)
         if self.context.collectives.any_process(out is None or self.rollout.stop.is_set()):
             raise RolloutInterrupted("the rollout was stopped by a stop request (e.g. SIGTERM) before it finished")
         assert out is not None

@@ -32,6 +32,7 @@ from lightning_grpo.models.lora import (
     trim_frozen_weights,
 )
 from lightning_grpo.rewards import RewardSet, RewardSpec
+from lightning_grpo.rewards.reward_model import resolve_reward_models
 from lightning_grpo.rollout.base import RolloutEngine, RolloutOutput, SamplingConfig
 from lightning_grpo.rollout.prefetch import PrefetchedRollout
 from lightning_grpo.rollout.worker import RolloutWorker
@@ -60,7 +61,9 @@ class GRPOModule(L.LightningModule):
             for the embedded SmolLM2-135M-Instruct (:func:`lightning_grpo.models.embedded.default_model_path`).
         tokenizer: a tokenizer, or its id/folder; None loads it from ``model`` (required when ``model`` is a module).
         reward_funcs: reward functions ``fn(prompts, completions, **columns) -> list[float | None]``, or names
-            registered in :data:`lightning_grpo.rewards.REWARD_FUNCTIONS`, or "module:function" import paths.
+            registered in :data:`lightning_grpo.rewards.REWARD_FUNCTIONS`, or "module:function" import paths, or
+            reward models: a folder or hub id (a string with a ``/``), loaded as a
+            :class:`lightning_grpo.rewards.reward_model.RewardModel` on this process's device (docs/rewards.md).
         reward_weights: one weight per reward function (default 1 each); the reward is the weighted sum.
         accuracy_reward: the reward function used for validation accuracy (``val/accuracy``); default: the first.
         config: the algorithm settings.
@@ -117,8 +120,10 @@ class GRPOModule(L.LightningModule):
         self.hparams.update(config=dataclasses.asdict(self.config), lora=settings.hparams)
         self.hparams["model"] = model if isinstance(model, str) or model is None else type(model).__name__
         check_optimizer_arguments(learning_rate, weight_decay, adam_betas, warmup_steps, dtype)
+        reward_funcs = resolve_reward_models(reward_funcs)  # "owner/name", "./folder": a reward model, as in TRL
         self.rewards = RewardSet.from_specs(reward_funcs, reward_weights, tolerant_reward_funcs,
-                                            primary=self.config.primary_reward, accuracy=accuracy_reward)
+                                            primary=self.config.primary_reward, accuracy=accuracy_reward,
+                                            pool_width=self.config.reward_num_workers)
         self.policy, self.tokenizer, self.model_path = load_lora_policy(model, tokenizer, dtype,
                                                                         gradient_checkpointing, settings)
         self._reference = reference_for(self.policy, self.config.beta)  # outside the module tree; LoRA: adapters off
@@ -167,6 +172,7 @@ class GRPOModule(L.LightningModule):
         prompts = data.prompts_per_step if isinstance(data, PromptSource) else None
         self.rollout.start(self.policy, self.model_path, rollout_prompts=prompts)  # (sizes an "auto" KV cache)
         check_quantized_engine(self._lora_settings, self.rollout.require_engine())
+        self.rewards.setup(self.trainer.strategy.root_device)  # e.g. a reward model's device="auto": this rank's
         self.preemption.attach(self.trainer)
         use_atomic_checkpoint_io(self.trainer.strategy)
         warn_untyped_event_hooks(self.trainer.callbacks)

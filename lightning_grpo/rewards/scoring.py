@@ -5,6 +5,13 @@ completion; ``None`` means "this function cannot score this sample" (as in TRL's
 combined reward of sample i is ``sum_f w_f * r_{i,f}`` over the functions whose entry is not ``None``
 (TRL's ``nansum`` convention). When *every* function returned ``None`` for a sample its reward is NaN:
 the caller must drop or fill such samples before computing advantages (nothing is silently set to 0).
+
+Plain functions are called on the caller's thread, one after the other, with the whole batch. A
+:class:`~lightning_grpo.rewards.pool.PooledReward` (a reward model, a judge, a sandboxed code reward, or a function
+wrapped by :func:`~lightning_grpo.rewards.pool.pooled`) is called on slices of ``chunk_size`` completions in a
+:class:`~lightning_grpo.rewards.pool.RewardPool` when one is given (:func:`start_pooled` submits them, and may do
+so before the plain functions run, e.g. on the thread that generated the rollout), else on the caller's thread; the
+rewards are the same either way.
 """
 
 from __future__ import annotations
@@ -12,11 +19,16 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import time
 from collections.abc import Callable, Collection, Sequence
-from dataclasses import dataclass
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 from torch import Tensor
+
+from lightning_grpo.rewards.pool import PooledReward, RewardChunk, RewardPool
 
 log = logging.getLogger(__name__)
 
@@ -31,11 +43,17 @@ class RewardScores:
         per_function: ``(N, F)`` float32 raw (unweighted) rewards; NaN where a function returned ``None`` (or
             raised, for a function listed in ``tolerant``).
         names: ``F`` unique function names (see :func:`reward_function_names`), e.g. for metric keys.
+        seconds: ``name -> wall seconds`` each function took (a pooled one: from its first call's start to its last
+            call's end), for ``timing/reward_<name>_s``.
+        outcomes: ``"<name>/<outcome>" -> completions`` counted by the pooled functions' declared ``outcomes``
+            (every declared outcome is present, 0 included), for ``rewards/<name>/<outcome>``.
     """
 
     rewards: Tensor
     per_function: Tensor
     names: list[str]
+    seconds: dict[str, float] = field(default_factory=dict)
+    outcomes: dict[str, float] = field(default_factory=dict)
 
 
 def _base_name(fn: Callable) -> str:
@@ -81,7 +99,7 @@ def _call(fn: Callable, name: str, prompts: list, completions: list[str], column
         raise RuntimeError(f"reward function {name!r} raised {type(err).__name__}{where}: {err}") from err
 
 
-def _to_floats(values, name: str, n: int) -> list[float]:
+def _to_floats(values, name: str, n: int, offset: int = 0) -> list[float]:
     if hasattr(values, "tolist"):  # torch.Tensor, numpy.ndarray
         values = values.tolist()
     if not isinstance(values, Sequence) or isinstance(values, (str, bytes)):
@@ -96,43 +114,17 @@ def _to_floats(values, name: str, n: int) -> list[float]:
         try:
             value = float(value)
         except (TypeError, ValueError) as err:
-            raise ValueError(f"reward function {name!r} returned {value!r} at index {i}, not a number") from err
+            raise ValueError(f"reward function {name!r} returned {value!r} at index {offset + i}, not a number") \
+                from err
         if not math.isfinite(value):
-            raise ValueError(f"reward function {name!r} returned non-finite {value} at index {i} (use None to skip)")
+            raise ValueError(f"reward function {name!r} returned non-finite {value} at index {offset + i} (use None "
+                             "to skip)")
         floats.append(value)
     return floats
 
 
-def score_completions(  # noqa: C901 - input checks, then one loop
-    reward_funcs: Sequence[Callable],
-    prompts: list,
-    completions: list[str],
-    columns: dict[str, list],
-    reward_weights: Sequence[float] | None = None,
-    tolerant: Collection[str] = (),
-) -> RewardScores:
-    """Score N completions with F reward functions and combine them (see the module docstring).
-
-    Args:
-        reward_funcs: F reward functions, each called once as ``fn(prompts, completions, **columns)``.
-        prompts: N prompts (one per completion, prompt-major).
-        completions: N completion texts.
-        columns: dataset columns, each a list of N entries, passed as keyword arguments (e.g. ``answer``).
-        reward_weights: F finite weights; ``None`` means all 1.0.
-        tolerant: names (as in :func:`reward_function_names`) of functions whose exceptions are logged as a
-            warning and turned into NaN entries instead of raised.
-
-    Returns:
-        :class:`RewardScores` with ``rewards`` ``(N,)``, ``per_function`` ``(N, F)`` (float32) and ``names``.
-
-    Raises:
-        ValueError: no functions; ``len(prompts) != N``; a column whose length is not N, or named ``prompts``
-            or ``completions``; a ``tolerant`` name that is not a function name; ``reward_weights`` not of length
-            F or not finite; a function returning a list whose length is not N, a non-number, or a non-finite
-            value (naming the function and the index).
-        RuntimeError: a function not in ``tolerant`` raised; names the function and, when calling it on each
-            sample alone reproduces the error, the first failing index; chained from the original exception.
-    """
+def _check_inputs(reward_funcs: Sequence[Callable], prompts: list, completions: list[str], columns: dict[str, list],
+                  reward_weights: Sequence[float] | None, tolerant: Collection[str]) -> tuple[list[str], list[float]]:
     n, names = len(completions), reward_function_names(reward_funcs)
     if not names:
         raise ValueError("reward_funcs is empty: give at least one reward function")
@@ -149,20 +141,182 @@ def score_completions(  # noqa: C901 - input checks, then one loop
     unknown = sorted(set(tolerant) - set(names))
     if unknown:
         raise ValueError(f"tolerant names {unknown} are not reward functions; known: {names}")
+    return names, weights
 
+
+def _slices(fn: PooledReward, name: str, n: int, group_size: Optional[int]) -> list[tuple[int, int]]:
+    """The ``[start, end)`` row ranges of ``fn``'s calls: fixed by its ``chunk_size`` (and G), never by the pool."""
+    size = fn.chunk_size
+    if size == "group":
+        if group_size is None or group_size < 1 or n % group_size:
+            raise ValueError(f"reward function {name!r} scores whole groups (chunk_size='group'), which needs the "
+                             f"group size G dividing the {n} completions; got group_size={group_size!r}")
+        size = group_size
+    elif size is None:
+        size = max(n, 1)
+    return [(start, min(start + size, n)) for start in range(0, n, size)]
+
+
+@dataclass
+class _Call:
+    """One call of a pooled function on rows ``[start, end)``: its result or error and its wall-clock span."""
+
+    start: int
+    end: int
+    chunk: Optional[RewardChunk] = None
+    error: Optional[BaseException] = None
+    began: float = 0.0
+    ended: float = 0.0
+
+
+def _run_call(fn: PooledReward, call: _Call, prompts: list, completions: list[str], columns: dict[str, list]) -> _Call:
+    call.began = time.perf_counter()
+    try:
+        rows = slice(call.start, call.end)
+        call.chunk = fn.score_chunk(prompts[rows], completions[rows], {k: v[rows] for k, v in columns.items()})
+    except Exception as err:  # reported, with the rows, when the calls are collected
+        call.error = err
+    call.ended = time.perf_counter()
+    return call
+
+
+@dataclass
+class StartedScores:
+    """The calls of a rollout's pooled reward functions, started by :func:`start_pooled` (running or done)."""
+
+    index: list[int]  # which of the reward functions are pooled
+    calls: list[list[tuple[_Call, Optional[Future]]]]  # per pooled function; future None: not started (no pool)
+    n: int
+
+
+def start_pooled(reward_funcs: Sequence[Callable], prompts: list, completions: list[str], columns: dict[str, list],
+                 pool: Optional[RewardPool], group_size: Optional[int] = None) -> StartedScores:
+    """Submit the calls of the :class:`PooledReward` functions among ``reward_funcs`` to ``pool`` (None: they run
+    later, on the thread that collects them); returns at once. Pass the result to :func:`score_completions`.
+
+    Raises:
+        ValueError: a function with ``chunk_size="group"`` and no ``group_size`` dividing N.
+    """
+    names = reward_function_names(reward_funcs)
+    index = [j for j, fn in enumerate(reward_funcs) if isinstance(fn, PooledReward)]
+    calls = []
+    for j in index:
+        fn = reward_funcs[j]
+        assert isinstance(fn, PooledReward)
+        mine = []
+        for start, end in _slices(fn, names[j], len(completions), group_size):
+            call = _Call(start, end)
+            future = pool.submit(_run_call, fn, call, prompts, completions, columns) if pool is not None else None
+            mine.append((call, future))
+        calls.append(mine)
+    return StartedScores(index, calls, len(completions))
+
+
+def _collect(fn: PooledReward, name: str, calls: list[tuple[_Call, Optional[Future]]], prompts: list,
+             completions: list[str], columns: dict[str, list]) -> tuple[list[float], dict[str, int], float]:
+    """Wait for (or run) ``fn``'s calls; its N rewards, outcome counts and wall seconds.
+
+    Raises:
+        RuntimeError: a call raised (the function and the call's rows are named; chained from the error).
+        ValueError: a call returned the wrong number of rewards or a non-number.
+    """
+    values: list[float] = []
+    outcomes = dict.fromkeys(fn.outcomes, 0)
+    for call, future in calls:
+        if future is None:
+            _run_call(fn, call, prompts, completions, columns)
+        else:
+            future.result()
+    for call, _ in calls:
+        if call.error is not None:
+            rows = f"sample {call.start}" if call.end - call.start == 1 else f"samples {call.start}..{call.end - 1}"
+            err = call.error
+            raise RuntimeError(f"reward function {name!r} raised {type(err).__name__} on {rows}: {err}") from err
+        assert call.chunk is not None
+        values += _to_floats(call.chunk.values, name, call.end - call.start, offset=call.start)
+        for key, count in call.chunk.outcomes.items():
+            if key not in outcomes:
+                raise ValueError(f"reward function {name!r} counted outcome {key!r}, which it does not declare "
+                                 f"(outcomes={fn.outcomes})")
+            outcomes[key] += int(count)
+    seconds = max(c.ended for c, _ in calls) - min(c.began for c, _ in calls) if calls else 0.0
+    return values, outcomes, seconds
+
+
+def score_completions(  # noqa: C901 - input checks, then one loop
+    reward_funcs: Sequence[Callable],
+    prompts: list,
+    completions: list[str],
+    columns: dict[str, list],
+    reward_weights: Sequence[float] | None = None,
+    tolerant: Collection[str] = (),
+    pool: Optional[RewardPool] = None,
+    group_size: Optional[int] = None,
+    started: Optional[StartedScores] = None,
+) -> RewardScores:
+    """Score N completions with F reward functions and combine them (see the module docstring).
+
+    Args:
+        reward_funcs: F reward functions, each called once as ``fn(prompts, completions, **columns)`` (a
+            :class:`~lightning_grpo.rewards.pool.PooledReward`: once per slice of its ``chunk_size``).
+        prompts: N prompts (one per completion, prompt-major).
+        completions: N completion texts.
+        columns: dataset columns, each a list of N entries, passed as keyword arguments (e.g. ``answer``).
+        reward_weights: F finite weights; ``None`` means all 1.0.
+        tolerant: names (as in :func:`reward_function_names`) of functions whose exceptions are logged as a
+            warning and turned into NaN entries instead of raised.
+        pool: where the pooled functions' calls run (None: on this thread).
+        group_size: G, for functions that score whole groups (``chunk_size="group"``).
+        started: the pooled calls :func:`start_pooled` already started for these same inputs (None: start them
+            now).
+
+    Returns:
+        :class:`RewardScores` with ``rewards`` ``(N,)``, ``per_function`` ``(N, F)`` (float32), ``names``,
+        ``seconds`` and ``outcomes``.
+
+    Raises:
+        ValueError: no functions; ``len(prompts) != N``; a column whose length is not N, or named ``prompts``
+            or ``completions``; a ``tolerant`` name that is not a function name; ``reward_weights`` not of length
+            F or not finite; a function returning a list whose length is not N, a non-number, or a non-finite
+            value (naming the function and the index); a pooled function counting an undeclared outcome.
+        RuntimeError: a function not in ``tolerant`` raised; names the function and, when calling it on each
+            sample alone reproduces the error, the first failing index (a pooled function: the rows of the call
+            that raised); chained from the original exception.
+    """
+    names, weights = _check_inputs(reward_funcs, prompts, completions, columns, reward_weights, tolerant)
+    n = len(completions)
+    if started is None:
+        started = start_pooled(reward_funcs, prompts, completions, columns, pool, group_size)
+    if started.n != n:
+        raise ValueError(f"the started pooled rewards are for {started.n} completions, not {n}")
+    pooled_calls = dict(zip(started.index, started.calls, strict=True))
     per_function = torch.full((n, len(names)), math.nan, dtype=torch.float32)
-    for j, (fn, name) in enumerate(zip(reward_funcs, names, strict=True)):
+    seconds: dict[str, float] = {}
+    outcomes: dict[str, float] = {}
+    order = [j for j in range(len(names)) if j not in pooled_calls] + started.index  # plain ones while pooled run
+    for j in order:
+        fn, name = reward_funcs[j], names[j]
+        began = time.perf_counter()
         try:
-            values = _call(fn, name, prompts, completions, columns)
+            if j in pooled_calls:
+                assert isinstance(fn, PooledReward)
+                values, counts, seconds[name] = _collect(fn, name, pooled_calls[j], prompts, completions, columns)
+                outcomes.update({f"{name}/{k}": float(v) for k, v in counts.items()})
+            else:
+                values = _to_floats(_call(fn, name, prompts, completions, columns), name, n)
+                seconds[name] = time.perf_counter() - began
         except RuntimeError as err:
             if name not in tolerant:
                 raise
             log.warning("%s; its %d rewards are NaN (tolerant)", err, n)
+            if isinstance(fn, PooledReward):
+                outcomes.update({f"{name}/{k}": 0.0 for k in fn.outcomes})
+            seconds.setdefault(name, time.perf_counter() - began)
             continue
-        per_function[:, j] = torch.tensor(_to_floats(values, name, n), dtype=torch.float32)
+        per_function[:, j] = torch.tensor(values, dtype=torch.float32)
 
     weighted = per_function * torch.tensor(weights, dtype=torch.float32)
     missing = per_function.isnan()
     rewards = weighted.masked_fill(missing, 0.0).sum(dim=1)
     rewards = rewards.masked_fill(missing.all(dim=1), math.nan)
-    return RewardScores(rewards=rewards, per_function=per_function, names=names)
+    return RewardScores(rewards=rewards, per_function=per_function, names=names, seconds=seconds, outcomes=outcomes)

@@ -1,9 +1,11 @@
 """Asynchronous rollouts: the next rollouts are generated in a background thread while the trainer trains.
 
 :class:`RolloutPrefetcher` owns one producer thread that does nothing but call ``engine.generate`` (vLLM and torch
-release the GIL while they compute). Everything else happens on the trainer's thread, at points the training
-schedule fixes: encoding the prompts, the weight sync, the per-request seed, scoring, logprob passes and
-advantages (:class:`lightning_grpo.experience_maker.ExperienceMaker`). So:
+release the GIL while they compute) and then, when given, ``on_generated`` (the experience maker's: it starts the
+slow rewards' calls in the reward pool, :mod:`lightning_grpo.rewards.pool`, so that they run while the trainer
+trains). Everything else happens on the trainer's thread, at points the training schedule fixes: encoding the
+prompts, the weight sync, the per-request seed, scoring (collecting those calls), logprob passes and advantages
+(:class:`lightning_grpo.experience_maker.ExperienceMaker`). So:
 
 * a weight sync never overlaps a generation: :meth:`RolloutPrefetcher.start` first waits until the engine is idle
   (every generation it started has finished), then syncs the policy's current weights, then starts the next one;
@@ -28,6 +30,7 @@ depend on the threads' timing (the restore may rewind its draws).
 
 from __future__ import annotations
 
+import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_for
@@ -41,6 +44,8 @@ from lightning_grpo.rollout.base import RolloutEngine, RolloutOutput, SamplingCo
 from lightning_grpo.rollout.worker import RolloutWorker
 from lightning_grpo.training.collectives import Collectives
 from lightning_grpo.training.metrics import StepTimer
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -56,6 +61,7 @@ class PrefetchedRollout:
         weights_version: optimizer steps taken by the weights that generate it (the engine's version at the sync
             before it started).
         generate_s: seconds ``engine.generate`` took (0 until it finished).
+        started_rewards: what ``on_generated`` returned (the reward calls started for it), or None.
     """
 
     batch: Any
@@ -64,6 +70,7 @@ class PrefetchedRollout:
     sampling: SamplingConfig
     weights_version: int
     generate_s: float = 0.0
+    started_rewards: Any = field(default=None, repr=False)
     future: Optional[Future] = field(default=None, repr=False)
     output: Optional[RolloutOutput] = field(default=None, repr=False)
 
@@ -118,10 +125,15 @@ class RolloutPrefetcher:
 
     Args:
         worker: the rollout worker (engine, prompt encoding, weight sync and versions, stop flag).
+        on_generated: called on the producer thread as ``on_generated(rollout, output)`` once a generation
+            succeeded; it must return at once (start work elsewhere, e.g. in the reward pool); its return value is
+            kept as ``rollout.started_rewards``. An exception it raises is logged and leaves ``started_rewards`` None.
     """
 
-    def __init__(self, worker: RolloutWorker) -> None:
+    def __init__(self, worker: RolloutWorker,
+                 on_generated: Optional[Callable[["PrefetchedRollout", RolloutOutput], Any]] = None) -> None:
         self.worker = worker
+        self.on_generated = on_generated
         self._executor: Optional[ThreadPoolExecutor] = None
         self._started: list[PrefetchedRollout] = []  # started, not known to be finished
 
@@ -150,7 +162,7 @@ class RolloutPrefetcher:
         rollout = PrefetchedRollout(batch, num_truncated, num_generations, sampling(), self.worker.engine_version)
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lightning_grpo_rollout")
-        rollout.future = self._executor.submit(_generate, engine, prompt_ids, rollout)
+        rollout.future = self._executor.submit(_generate, engine, prompt_ids, rollout, self.on_generated)
         self._started.append(rollout)
         return rollout
 
@@ -185,9 +197,15 @@ class RolloutPrefetcher:
                 self._executor = None
 
 
-def _generate(engine: RolloutEngine, prompt_ids: Sequence[Sequence[int]], rollout: PrefetchedRollout) -> RolloutOutput:
-    """The producer thread's only work: one ``engine.generate`` call, timed."""
+def _generate(engine: RolloutEngine, prompt_ids: Sequence[Sequence[int]], rollout: PrefetchedRollout,
+              on_generated: Optional[Callable[[PrefetchedRollout, RolloutOutput], Any]]) -> RolloutOutput:
+    """The producer thread's work: one ``engine.generate`` call, timed, then ``on_generated``."""
     start = time.perf_counter()
     out = engine.generate(prompt_ids, rollout.num_generations, rollout.sampling)
     rollout.generate_s = time.perf_counter() - start
+    if on_generated is not None:
+        try:
+            rollout.started_rewards = on_generated(rollout, out)
+        except Exception:  # scored again, and the error raised, on the trainer's thread
+            log.exception("starting the rewards of a prefetched rollout failed; it is scored on the trainer's thread")
     return out

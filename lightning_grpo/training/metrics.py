@@ -29,6 +29,8 @@ log = logging.getLogger(__name__)
 
 #: The ``timing/<key>`` parts of a step, in seconds (``step_s`` and ``other_s`` are derived from them).
 TIMING_KEYS = ("rollout_s", "scoring_s", "logprobs_s", "sync_s", "forward_s", "backward_s", "optimizer_s")
+#: ``timing/reward_<name>_s``: the wall seconds of reward function ``<name>`` in the step's rollout.
+REWARD_TIMING_PREFIX = "reward_"
 
 
 class StepMetrics:
@@ -247,13 +249,15 @@ class StepTimer:
 
     def step_end(self) -> dict[str, float]:
         """The finished step's ``timing/*`` (``step_s`` from the end of the previous step, ``other_s`` the rest,
-        ``train_s`` from the end of the rollout or of the previous step), ``generated_tokens`` and ``train_tokens``;
-        then the next step starts."""
+        ``train_s`` from the end of the rollout or of the previous step, ``reward_<name>_s`` each reward function's
+        own time), ``generated_tokens`` and ``train_tokens``; then the next step starts."""
         now = time.perf_counter()
         parts, self._parts = self._parts, {}
         start, self._step_start = self._step_start, now
         self._backward_end = None
         metrics = {f"timing/{k}": parts.get(k, 0.0) for k in TIMING_KEYS}
+        # each reward function's own wall time (may overlap scoring_s and, asynchronously, the training: not in other_s)
+        metrics.update({f"timing/{k}": v for k, v in parts.items() if k.startswith(REWARD_TIMING_PREFIX)})
         if start is not None:
             metrics["timing/step_s"] = now - start
             metrics["timing/other_s"] = metrics["timing/step_s"] - sum(metrics[f"timing/{k}"] for k in TIMING_KEYS)

@@ -96,7 +96,7 @@ def test_chunked_function_rejects_bad_arguments():
         chunked_token_logprobs(hidden, weight, labels[:2])
     with pytest.raises(ValueError, match="chunk_size=0 must be >= 1"):
         chunked_token_logprobs(hidden, weight, labels, chunk_size=0)
-    with pytest.raises(ValueError, match="top_p=0 must be in"):
+    with pytest.raises(ValueError, match="top_p=0 is invalid: must be in"):
         chunked_token_logprobs(hidden, weight, labels, top_p=0)
     with pytest.raises(ValueError, match=r"GRPOConfig.lm_head_chunk_size=0 is invalid"):
         GRPOConfig(lm_head_chunk_size=0)
