@@ -18,13 +18,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
 from _dist_worker import make_strategy, rank_file  # noqa: E402
-from lightning.pytorch.callbacks import Callback  # noqa: E402
 
 from lightning_grpo import GRPOConfig, GRPOModule  # noqa: E402
+from lightning_grpo.callbacks import GRPOCallback  # noqa: E402
 from lightning_grpo.data import PromptDataModule  # noqa: E402
 
 
-class Rollouts(Callback):
+class Rollouts(GRPOCallback):
     def __init__(self) -> None:
         self.rollouts: list[dict] = []
 
