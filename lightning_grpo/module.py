@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+from collections import deque
 from typing import Any, Callable, Iterator, Literal, Optional, Sequence, Union
 
 import lightning as L
@@ -123,6 +124,7 @@ class GRPOModule(L.LightningModule):
         self.nonfinite = NonFiniteGuard(self.config.on_nonfinite)
         self.preemption = Preemption(self.rollout.stop)
         self.evaluator = Evaluator(self.config.eval_k)
+        self._step_outputs: deque[ObjectiveOutput] = deque()  # a whole-step backend's outputs not yet logged
 
     def _emit(self, name: str, payload: Any) -> None:
         """Rollout events (:mod:`lightning_grpo.events`) to the trainer's callbacks that define ``name``."""
@@ -267,9 +269,12 @@ class GRPOModule(L.LightningModule):
         normalizer)."""
         with self.timer.span("forward_s"):
             if batch.step_start:  # the whole step's token statistics: accumulation does not change the gradient
-                self.step_statistics.prepare(self.policy, self.trainer.fit_loop.current_step() or [batch],
-                                             self.backend.reduce_sum, self.global_step)
-            output = self.compute_loss(batch)
+                members = self.trainer.fit_loop.current_step() or [batch]
+                self.step_statistics.prepare(self.policy, members, self.backend.reduce_sum, self.global_step)
+                if self.backend.runs_whole_step:  # e.g. pipeline schedules: every micro-batch's forward+backward now
+                    self._step_outputs.extend(self.backend.train_step(self.policy, members, self.objective,
+                                                                      self.config))
+            output = self._step_outputs.popleft() if self.backend.runs_whole_step else self.compute_loss(batch)
         self.timer.add("train_tokens", float(self.logprobs.forward_tokens(self.policy, batch)))
         self.step_metrics.update(output)
         if batch.step_end:
@@ -287,16 +292,32 @@ class GRPOModule(L.LightningModule):
         Raises:
             ValueError: ``batch`` is not ``on_policy`` but has no ``old_logprobs``; see also ``grpo_objective``.
         """
+        logprobs, entropy = self.completion_logprobs(self.policy, batch, True,
+                                                     entropy_grad=self.config.entropy_coef > 0)
+        return self.objective(batch, logprobs, entropy)
+
+    def objective(self, batch: Experience, logprobs: Tensor, entropy: Optional[Tensor]) -> ObjectiveOutput:
+        """:func:`lightning_grpo.algorithm.grpo_objective` of ``batch`` given the policy's ``(B, T)`` float32 logprobs
+        and entropy (the step's statistics from :class:`~lightning_grpo.training.selection.StepStatistics`).
+
+        Raises:
+            ValueError: ``batch`` is not ``on_policy`` but has no ``old_logprobs``; see also ``grpo_objective``.
+        """
         cfg = self.config
         if not batch.on_policy and batch.old_logprobs is None:
             raise ValueError("an experience micro-batch after the rollout's first optimizer step needs old_logprobs")
-        logprobs, entropy = self.completion_logprobs(self.policy, batch, True, entropy_grad=cfg.entropy_coef > 0)
         return grpo_objective(
             logprobs, batch.completion_mask, batch.advantages, cfg,
             old_logprobs=None if batch.on_policy else batch.old_logprobs,
             ref_logprobs=None if cfg.kl_in_reward else batch.ref_logprobs, sampler_logprobs=batch.sampler_logprobs,
             entropy=entropy, normalizer=batch.loss_normalizer, **self.step_statistics.objective_kwargs(),
         )
+
+    def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: torch.optim.Optimizer) -> None:
+        """Lightning's ``optimizer.zero_grad()``, except for a backend that runs whole steps (it zeroes the gradients
+        itself before its schedule; Lightning would zero them after the first micro-batch's ``training_step``)."""
+        if not self.backend.runs_whole_step:
+            super().optimizer_zero_grad(epoch, batch_idx, optimizer)
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         """Log ``grad_norm``; a non-finite loss or gradient norm stops the run or skips the step

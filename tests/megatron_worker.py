@@ -337,7 +337,7 @@ def scenario_train(out: Path, model_path: str, data_path: str) -> dict:
             saved = {k[len("policy."):]: v for k, v in self.checkpoint["state_dict"].items() if k.startswith("policy.")}
             checks["resumed_weights_equal"] = sorted(gathered) == sorted(saved) and all(
                 torch.equal(gathered[k], saved[k]) for k in saved)
-            state = trainer.strategy.optimizer_state(trainer.optimizers[0])
+            state = trainer.strategy.optimizer_state(trainer.optimizers[0], all_ranks=True)
             saved_state = self.checkpoint["optimizer_states"][0]["state"]
             checks["resumed_optimizer_equal"] = sorted(state["state"]) == sorted(saved_state) and all(
                 torch.equal(torch.as_tensor(v), torch.as_tensor(saved_state[n][k]))

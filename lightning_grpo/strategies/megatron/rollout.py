@@ -1,94 +1,152 @@
-"""Rollouts for a tensor-parallel Megatron policy: generate with an HF-format engine on TP rank 0, share the
-result with the other TP ranks.
+"""Rollouts for a Megatron policy (tensor- and pipeline-parallel shards): generate on the first rank of each
+model-parallel group, share the result with the group's other ranks.
 
-The rollout engines take HF-format weights (the HF engine generates with an HF model; vLLM loads
-``(hf_name, tensor)`` pairs). :class:`TensorParallelRolloutEngine` keeps the policy's HF copy current by
-gathering the megatron-core shards into it
-(:meth:`lightning_grpo.strategies.megatron.policy.MegatronPolicy.sync_hf_model`,
-the same path a vLLM weight sync uses), runs the wrapped engine on tensor-parallel rank 0 of each data-parallel
-group and broadcasts its :class:`~lightning_grpo.rollout.base.RolloutOutput` to the group's other TP ranks, so
-every TP rank trains on the same completions. Data-parallel groups generate on their own prompts.
+The rollout engines take HF-format weights. :class:`TensorParallelRolloutEngine` feeds each kind of engine the
+policy's weights gathered from the shards one tensor at a time
+(:meth:`lightning_grpo.strategies.megatron.policy.MegatronPolicy.iter_hf_weights`, a collective over the
+model-parallel group):
+
+- HF ``generate`` (:class:`~lightning_grpo.rollout.engines.hf.HFRolloutEngine`): the policy's HF copy is refreshed
+  from the gathered weights whenever they changed (:meth:`MegatronPolicy.sync_hf_model`; only the generating rank
+  keeps them) and generates.
+- colocated vLLM (:class:`~lightning_grpo.rollout.engines.vllm.VLLMRolloutEngine`): the generating rank's engine
+  loads the gathered tensors as they come (``reload_weights``; the tied ``lm_head`` included); the other ranks of
+  the group take part in the gathers only, and their engines are closed when the wrapper is made (they never
+  generate).
+- rollout servers (:class:`~lightning_grpo.rollout.engines.remote.VLLMServerEngine`): every rank calls its
+  ``sync_weights`` with the policy (global rank 0 streams the gathered tensors to the servers while the others
+  gather along; the post-sync probe is scored by the shards).
+
+The generating rank's :class:`~lightning_grpo.rollout.base.RolloutOutput` is broadcast over a process group of the
+model-parallel group's ranks made for rollouts only, so every rank trains on the same completions; data-parallel
+replicas generate on their own prompts. With asynchronous rollouts (``max_staleness > 0``) ``generate`` runs on a
+background thread: it then only generates and broadcasts (on that dedicated group, never interleaved with the
+training collectives); the HF copy is refreshed in :meth:`TensorParallelRolloutEngine.wake_up`, which the rollout
+worker calls on the trainer's thread before each rollout.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
+import threading
+from typing import Any, Optional, Sequence
 
 import torch
 
 from lightning_grpo.rollout.base import EngineWrapper, RolloutEngine, RolloutOutput, SamplingConfig
 from lightning_grpo.rollout.engines.hf import HFRolloutEngine
+from lightning_grpo.rollout.engines.remote import VLLMServerEngine
+from lightning_grpo.rollout.engines.vllm import VLLMRolloutEngine
 from lightning_grpo.strategies.megatron.policy import MegatronPolicy
 
 
 class TensorParallelRolloutEngine(EngineWrapper):
-    """Wraps a rollout engine for a :class:`MegatronPolicy` (see the module docstring). ``wake_up``, ``sleep``,
-    ``close`` and ``pad_token_id`` are the wrapped engine's (:class:`~lightning_grpo.rollout.base.EngineWrapper`).
+    """Wraps a rollout engine for a :class:`MegatronPolicy` (see the module docstring). ``pad_token_id`` is the
+    wrapped engine's.
 
     Args:
         engine: the HF-format engine (its model is ``policy.hf_model`` for the HF engine).
         policy: the Megatron policy whose weights the engine samples from.
+        group: the process group of this rank's model-parallel group for the rollout broadcasts; None = megatron-core's
+            model-parallel group (then asynchronous rollouts must not be used).
     """
 
-    def __init__(self, engine: RolloutEngine, policy: MegatronPolicy) -> None:
+    def __init__(self, engine: RolloutEngine, policy: MegatronPolicy, group: Any = None) -> None:
         super().__init__(engine)
         self.policy = policy
+        self.group = group
+        self.generates = self._group_rank() == 0
+        self._closed_here = False
+        if isinstance(engine, VLLMRolloutEngine) and not self.generates:
+            engine.close()  # its memory is not needed: this rank never generates
+            self._closed_here = True
 
+    # ------------------------------------------------------------------ weights
     def sync_weights(self, model: torch.nn.Module) -> None:
-        """Gather the trained weights into the HF copy (a TP collective) and push them into the wrapped engine
-        (a no-op for the HF engine, which generates with that copy)."""
-        self._sync_hf_model()
-        if self._tp_rank() == 0:
-            assert self.policy.hf_model is not None
-            self.engine.sync_weights(self.policy.hf_model)
+        """Push the trained weights into the engine (see the module docstring). A collective over the
+        model-parallel group (every rank, for the rollout servers)."""
+        if isinstance(self.engine, HFRolloutEngine):
+            self._sync_hf_model()
+        elif isinstance(self.engine, VLLMServerEngine):
+            self.engine.sync_weights(self.policy)
+        elif self.generates:
+            self.engine.sync_weights(self.policy)
+        else:
+            for _ in self.policy.iter_hf_weights():  # the gathers are collectives
+                pass
 
+    def wake_up(self) -> None:
+        """Refresh the HF copy if the weights changed (HF engine; a collective over the model-parallel group), then
+        the wrapped engine's ``wake_up`` (on the generating rank)."""
+        if isinstance(self.engine, HFRolloutEngine) and self._any_stale():
+            self._sync_hf_model()
+        if not self._closed_here:
+            self.engine.wake_up()
+
+    def sleep(self, level: int = 1) -> None:
+        if not self._closed_here:
+            self.engine.sleep(level)
+
+    def close(self) -> None:
+        if not self._closed_here:
+            self.engine.close()
+
+    # ------------------------------------------------------------------ generation
     def generate(
         self, prompt_ids: Sequence[Sequence[int]], num_generations: int, sampling: SamplingConfig
     ) -> RolloutOutput:
-        """Generate on TP rank 0 (after refreshing the HF copy if the weights changed, for the HF engine) and
-        broadcast the result over the TP group. A TP collective: every TP rank calls it with the same prompts."""
-        if isinstance(self.engine, HFRolloutEngine) and self._any_stale():
+        """Generate on the group's first rank and broadcast the result over the group. A collective over the
+        model-parallel group: every rank calls it with the same prompts. On the trainer's thread the HF copy is
+        refreshed first if the weights changed (HF engine)."""
+        on_main = threading.current_thread() is threading.main_thread()
+        if on_main and isinstance(self.engine, HFRolloutEngine) and self._any_stale():
             self._sync_hf_model()
-        from megatron.core import parallel_state
-
-        out = self.engine.generate(prompt_ids, num_generations, sampling) if self._tp_rank() == 0 else None
-        if parallel_state.get_tensor_model_parallel_world_size() == 1:
+        out = self.engine.generate(prompt_ids, num_generations, sampling) if self.generates else None
+        if self._group_size() == 1:
             assert out is not None
             return out
         if out is not None:  # CUDA tensors would be unpickled onto the sender's device: send them on CPU
             out = dataclasses.replace(out, **{f.name: getattr(out, f.name).cpu() for f in dataclasses.fields(out)
                                               if isinstance(getattr(out, f.name), torch.Tensor)})
         box = [out]
-        torch.distributed.broadcast_object_list(
-            box, src=parallel_state.get_tensor_model_parallel_src_rank(),
-            group=parallel_state.get_tensor_model_parallel_group(),
-        )
+        group = self._group()
+        torch.distributed.broadcast_object_list(box, src=torch.distributed.get_process_group_ranks(group)[0],
+                                                group=group)
         return box[0]
 
+    # ------------------------------------------------------------------ helpers
     def _sync_hf_model(self) -> None:
-        self.policy.sync_hf_model(load=self._tp_rank() == 0)
+        self.policy.sync_hf_model(load=self.generates)
 
     def _any_stale(self) -> bool:
-        """Whether any TP rank sees weights newer than the HF copy (agreed over the TP group, so that either all
-        or none take part in the gathering collective)."""
-        from megatron.core import parallel_state
-
+        """Whether any rank of the group sees weights newer than the HF copy (agreed over the group, so that either
+        all or none take part in the gathering collective)."""
         stale = torch.tensor([0.0 if self.policy.hf_model_is_current() else 1.0])
-        if parallel_state.get_tensor_model_parallel_world_size() > 1:
-            group = parallel_state.get_tensor_model_parallel_group()
+        if self._group_size() > 1:
+            group = self._group()
             stale = stale.to(_group_device(group))
             torch.distributed.all_reduce(stale, op=torch.distributed.ReduceOp.MAX, group=group)
         return bool(stale.item() > 0)
 
-    @staticmethod
-    def _tp_rank() -> int:
+    def _group(self) -> Any:
+        if self.group is not None:
+            return self.group
         from megatron.core import parallel_state
 
-        return parallel_state.get_tensor_model_parallel_rank()
+        return parallel_state.get_model_parallel_group()
+
+    def _group_size(self) -> int:
+        if not torch.distributed.is_initialized():
+            return 1
+        return torch.distributed.get_world_size(self._group())
+
+    def _group_rank(self) -> int:
+        if not torch.distributed.is_initialized():
+            return 0
+        return torch.distributed.get_rank(self._group())
 
 
-def _group_device(group: Any) -> torch.device:
+def _group_device(group: Optional[Any]) -> torch.device:
     """The device collectives on ``group`` use: the current CUDA device for NCCL, else CPU."""
     if torch.distributed.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
