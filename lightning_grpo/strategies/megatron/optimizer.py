@@ -7,8 +7,8 @@ data-parallel rank keeps the Adam moments (and, for 16-bit weights, the fp32 mas
 the gradient buffer only, steps that slice and all-gathers the updated weights (ZeRO stage 1, Rajbhandari et al.
 2020, "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models", sec. 5.1).
 
-:func:`megatron_optimizer_config` translates the module's ``configure_optimizers`` optimizer (torch ``AdamW``,
-``Adam`` or ``SGD``, one param group) into megatron-core's ``OptimizerConfig``;
+:func:`megatron_optimizer_config` translates the module's ``configure_optimizers`` optimizer (torch ``AdamW``
+or ``Adam``, one param group) into megatron-core's ``OptimizerConfig``;
 :class:`DistributedOptimizerAdapter` is what Lightning steps: the module's own optimizer stays as the holder of the
 hyper-parameters (its LR scheduler keeps updating its ``lr``, copied into megatron-core's groups before each step),
 ``grad_norm``/clipping use megatron-core's norm over the sharded gradients, and :class:`DistParamStates` reads and
@@ -31,8 +31,8 @@ def megatron_optimizer_config(optimizer: torch.optim.Optimizer, params_dtype: to
     hyper-parameters of ``optimizer`` (the module's).
 
     Raises:
-        ValueError: an optimizer other than torch ``AdamW``/``Adam``/``SGD`` (plain momentum), options megatron-core
-            does not have (``amsgrad``, ``maximize``, Nesterov, dampening), or more than one param group.
+        ValueError: an optimizer other than torch ``AdamW``/``Adam`` (megatron-core's distributed optimizer is Adam
+            only), options megatron-core does not have (``amsgrad``, ``maximize``), or more than one param group.
     """
     from megatron.core.optimizer import OptimizerConfig
 
@@ -44,20 +44,15 @@ def megatron_optimizer_config(optimizer: torch.optim.Optimizer, params_dtype: to
                   use_distributed_optimizer=True, clip_grad=0.0, bf16=params_dtype == torch.bfloat16,
                   fp16=params_dtype == torch.float16, params_dtype=params_dtype)
     kind = type(optimizer)
-    if kind in (torch.optim.AdamW, torch.optim.Adam):
-        for flag in ("amsgrad", "maximize"):
-            if group.get(flag):
-                raise ValueError(f"{kind.__name__}({flag}=True) has no megatron-core equivalent")
-        beta1, beta2 = group["betas"]
-        return OptimizerConfig(optimizer="adam", adam_beta1=float(beta1), adam_beta2=float(beta2),
-                               adam_eps=float(group["eps"]), decoupled_weight_decay=kind is torch.optim.AdamW,
-                               **common)
-    if kind is torch.optim.SGD:
-        if group.get("nesterov") or group.get("dampening") or group.get("maximize"):
-            raise ValueError("SGD with nesterov, dampening or maximize has no megatron-core equivalent")
-        return OptimizerConfig(optimizer="sgd", sgd_momentum=float(group.get("momentum", 0.0)), **common)
-    raise ValueError(f"MegatronStrategy(use_distributed_optimizer=True) builds megatron-core's Adam or SGD from the "
-                     f"module's optimizer; {kind.__name__} is neither torch.optim.AdamW, Adam nor SGD")
+    if kind not in (torch.optim.AdamW, torch.optim.Adam):  # megatron-core 0.16's DistributedOptimizer: Adam only
+        raise ValueError(f"MegatronStrategy(use_distributed_optimizer=True) builds megatron-core's distributed Adam "
+                         f"from the module's optimizer; {kind.__name__} is neither torch.optim.AdamW nor Adam")
+    for flag in ("amsgrad", "maximize"):
+        if group.get(flag):
+            raise ValueError(f"{kind.__name__}({flag}=True) has no megatron-core equivalent")
+    beta1, beta2 = group["betas"]
+    return OptimizerConfig(optimizer="adam", adam_beta1=float(beta1), adam_beta2=float(beta2),
+                           adam_eps=float(group["eps"]), decoupled_weight_decay=kind is torch.optim.AdamW, **common)
 
 
 def wrap_ddp(model: nn.Module) -> nn.Module:
@@ -161,7 +156,7 @@ class DistributedOptimizerAdapter(torch.optim.Optimizer):
             self.prepare()
             source = self.hyper.param_groups[0]
             for group in self.megatron.param_groups:
-                group.update({k: source[k] for k in ("lr", "weight_decay", "betas", "eps", "momentum") if k in source})
+                group.update({k: source[k] for k in ("lr", "weight_decay", "betas", "eps") if k in source})
             self.megatron.step_with_ready_grads()
         self._ready = False
         self._norm = None

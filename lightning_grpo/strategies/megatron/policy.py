@@ -124,8 +124,8 @@ class MegatronPolicy(nn.Module, HFWeightSource):
     def ddp(self) -> Optional[nn.Module]:
         return self._ddp[0] if self._ddp else None
 
-    @ddp.setter
-    def ddp(self, wrapper: Optional[nn.Module]) -> None:
+    def set_ddp(self, wrapper: Optional[nn.Module]) -> None:
+        """Set :attr:`ddp` (kept outside the module tree: ``nn.Module.__setattr__`` would register it)."""
         self._ddp = [wrapper] if wrapper is not None else []
 
     @property

@@ -94,7 +94,7 @@ class MegatronStrategy(DDPStrategy):
         virtual_pipeline_model_parallel_size: must be None (the interleaved schedule is not supported).
         expert_model_parallel_size: must be 1 (expert parallelism is not supported, docs/megatron.md).
         use_distributed_optimizer: megatron-core's distributed optimizer (optimizer states sharded over the DP
-            group) built from the module's optimizer (torch AdamW, Adam or SGD with one param group).
+            group) built from the module's optimizer (torch AdamW or Adam with one param group).
         params_dtype: dtype of the megatron-core weights; default: the HF policy's dtype.
         use_transformer_engine: build the layers from Transformer Engine (CUDA and ``transformer_engine`` needed).
         seed: seed of megatron-core's CUDA model-parallel RNG tracker (GPU only; no randomness is drawn with
@@ -224,7 +224,7 @@ class MegatronStrategy(DDPStrategy):
         :meth:`reduce_gradients`."""
         policy = self._megatron_policy()
         if self.use_distributed_optimizer and policy is not None and policy.ddp is None:
-            policy.ddp = wrap_ddp(policy.model)
+            policy.set_ddp(wrap_ddp(policy.model))
 
     def setup(self, trainer: "L.Trainer") -> None:
         if self._megatron_policy() is None:
