@@ -74,11 +74,14 @@ def wrap_ddp(model: nn.Module) -> nn.Module:
 
 def build_distributed_optimizer(hyper: torch.optim.Optimizer, ddp: nn.Module, params_dtype: torch.dtype) -> Any:
     """megatron-core's ``DistributedOptimizer`` over ``ddp``'s buffers, configured from ``hyper``."""
-    from megatron.core.optimizer import get_megatron_optimizer
+    from megatron.core.optimizer import ChainedOptimizer, get_megatron_optimizer
 
     config = megatron_optimizer_config(hyper, params_dtype)
     with cpu_shims.cuda_type_names(list(ddp.parameters())):
-        return get_megatron_optimizer(config, [ddp], config_overrides={})  # {}: weight decay on every parameter
+        optimizer = get_megatron_optimizer(config, [ddp], config_overrides={})  # {}: weight decay on every param
+    if isinstance(optimizer, ChainedOptimizer):  # one chained optimizer for dense models
+        (optimizer,) = optimizer.chained_optimizers
+    return optimizer
 
 
 class DistributedOptimizerAdapter(torch.optim.Optimizer):
