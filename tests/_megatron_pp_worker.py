@@ -66,11 +66,17 @@ def make_module(model_path: str, optimizer: str, engine: str, **config: Any) -> 
 def run_steps(model_path: str, data_path: str, strategy: Any, devices: int, prompts_per_step: int,
               max_steps: int = 2, accumulate: int = 1, clip: Optional[float] = None, optimizer: str = "sgd",
               engine: str = "fixed", checkpoint_dir: Optional[str] = None, resume: Optional[str] = None,
-              kill_at: Optional[int] = None) -> tuple[Any, list[float], list[float]]:
+              kill_at: Optional[int] = None, config: Optional[dict] = None, probes: Optional[list] = None,
+              distributed_sampler: bool = True) -> tuple[Any, list[float], list[float], list[float]]:
     """A GRPO fit of ``max_steps`` optimizer steps; returns the module (an HF policy again after fit), the logged
-    per-step losses and the gradient norms before clipping. ``checkpoint_dir``: a checkpoint after every step;
-    ``resume``: the checkpoint to continue from; ``kill_at``: SIGKILL every process once step ``kill_at`` is
-    checkpointed."""
+    per-step losses, the gradient norms before clipping and ``rollout/staleness_max`` per step.
+
+    ``engine``: "fixed" (:class:`FixedRolloutEngine`) or "config" (``GRPOConfig.rollout_engine`` from ``config``,
+    more :class:`GRPOConfig` fields); ``checkpoint_dir``: a checkpoint after every step; ``resume``: the checkpoint
+    to continue from; ``kill_at``: SIGKILL every process once step ``kill_at`` is checkpointed;
+    ``distributed_sampler=False``: the datamodule's own prompt order in every layout (for one data-parallel
+    replica, compared with a single process); ``probes``: a list that gets, right after each rollout, the policy's
+    teacher-forced probe logprobs and (on global rank 0) the engine's (:func:`probe_after_sync`)."""
     import lightning as L
     from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
@@ -82,10 +88,18 @@ def run_steps(model_path: str, data_path: str, strategy: Any, devices: int, prom
                 trainer.strategy.barrier()  # every process has seen the checkpoint written
                 os.kill(os.getpid(), signal.SIGKILL)
 
+    class Staleness(Callback):
+        def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+            if batch.step_end:
+                staleness.append(float(trainer.callback_metrics["rollout/staleness_max"]))
+
     L.seed_everything(0, verbose=False)
-    module = make_module(model_path, optimizer, engine)
+    module = make_module(model_path, optimizer, engine, **(config or {}))
     recorder = LossRecorder.make()
-    callbacks: list[Any] = [recorder]
+    staleness: list[float] = []
+    callbacks: list[Any] = [recorder, Staleness()]
+    if probes is not None:
+        callbacks.append(probe_after_sync(probes))
     if checkpoint_dir is not None:
         callbacks.append(ModelCheckpoint(dirpath=checkpoint_dir, save_last=True, every_n_train_steps=1, save_top_k=-1))
     if kill_at is not None:
@@ -94,10 +108,40 @@ def run_steps(model_path: str, data_path: str, strategy: Any, devices: int, prom
         max_steps=max_steps, accelerator="cpu", devices=devices, strategy=strategy, logger=False,
         enable_checkpointing=checkpoint_dir is not None, enable_progress_bar=False, enable_model_summary=False,
         callbacks=callbacks, gradient_clip_val=clip, accumulate_grad_batches=accumulate,
+        use_distributed_sampler=distributed_sampler,
     )
     data = PromptDataModule(dataset=data_path, prompts_per_step=prompts_per_step, val_size=0)
     trainer.fit(module, datamodule=data, ckpt_path=resume)
-    return module, recorder.losses, recorder.grad_norms
+    return module, recorder.losses, recorder.grad_norms, staleness
+
+
+def probe_after_sync(probes: list) -> Any:
+    """A callback that, at the first micro-batch after each rollout (the engine holds the weights synced before it),
+    appends ``{"policy": (S, L-1) logprobs, "engine": ... or None}``: the policy's teacher-forced logprobs of the
+    rollout server's probe batch (every rank: a collective) and, on global rank 0 (the generating rank), the
+    colocated vLLM engine's or the rollout server's for the same sequences."""
+    from lightning.pytorch.callbacks import Callback
+
+    from lightning_grpo.rollout.engines.remote import probe_sequences
+    from lightning_grpo.rollout.server.client import ServerClient
+
+    class Probe(Callback):
+        def on_train_batch_start(self, trainer: Any, module: Any, batch: Any, batch_idx: int) -> None:
+            if batch_idx % module.micro_batches_per_rollout() != 0:
+                return
+            sequences = probe_sequences(min(len(module.tokenizer), module.policy.config.vocab_size))
+            entry = {"policy": module.policy.teacher_forced_logprobs(sequences).tolist(), "engine": None}
+            if trainer.global_rank == 0:
+                engine = module.rollout_engine.engine
+                if module.config.rollout_engine == "vllm":
+                    entry["engine"] = engine.teacher_forced_logprobs(sequences)
+                else:
+                    (url,) = module.config.vllm_server_urls
+                    entry["engine"] = ServerClient(url, 60).request("POST", "/probe_logprobs",
+                                                                    {"sequences": sequences})["logprobs"]
+            probes.append(entry)
+
+    return Probe()
 
 
 def main(argv: list[str]) -> None:
@@ -113,8 +157,11 @@ def main(argv: list[str]) -> None:
         data_parallel = world // (layout.get("tensor_model_parallel_size", 1) *
                                   layout.get("pipeline_model_parallel_size", 1))
         run.setdefault("prompts_per_step", 4 // data_parallel)
-        module, losses, norms = run_steps(strategy=MegatronStrategy(**layout), devices=world, **run)
+        probes: Optional[list] = [] if run.pop("probe", False) else None
+        module, losses, norms, staleness = run_steps(strategy=MegatronStrategy(**layout), devices=world,
+                                                     probes=probes, **run)
         (out / f"{name}_rank{rank}.json").write_text(json.dumps({"losses": losses, "grad_norms": norms,
+                                                                 "staleness": staleness, "probes": probes,
                                                                  "policy_type": type(module.policy).__name__}))
         if rank == 0:
             torch.save(module.policy.state_dict(), out / f"{name}_weights.pt")

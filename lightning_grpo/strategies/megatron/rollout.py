@@ -16,6 +16,8 @@ model-parallel group):
 - rollout servers (:class:`~lightning_grpo.rollout.engines.remote.VLLMServerEngine`): every rank calls its
   ``sync_weights`` with the policy (global rank 0 streams the gathered tensors to the servers while the others
   gather along; the post-sync probe is scored by the shards).
+- any other engine: the HF copy is refreshed as for HF ``generate`` and handed to its ``sync_weights`` on the
+  generating rank.
 
 The generating rank's :class:`~lightning_grpo.rollout.base.RolloutOutput` is broadcast over a process group of the
 model-parallel group's ranks made for rollouts only, so every rank trains on the same completions; data-parallel
@@ -65,15 +67,19 @@ class TensorParallelRolloutEngine(EngineWrapper):
     def sync_weights(self, model: torch.nn.Module) -> None:
         """Push the trained weights into the engine (see the module docstring). A collective over the
         model-parallel group (every rank, for the rollout servers)."""
-        if isinstance(self.engine, HFRolloutEngine):
+        if isinstance(self.engine, VLLMServerEngine):
+            self.engine.sync_weights(self.policy)
+        elif isinstance(self.engine, VLLMRolloutEngine):
+            if self.generates:
+                self.engine.sync_weights(self.policy)
+            else:
+                for _ in self.policy.iter_hf_weights():  # the gathers are collectives
+                    pass
+        else:  # HF generate (uses the HF copy), or another engine: given the refreshed HF copy
             self._sync_hf_model()
-        elif isinstance(self.engine, VLLMServerEngine):
-            self.engine.sync_weights(self.policy)
-        elif self.generates:
-            self.engine.sync_weights(self.policy)
-        else:
-            for _ in self.policy.iter_hf_weights():  # the gathers are collectives
-                pass
+            if self.generates and not isinstance(self.engine, HFRolloutEngine):
+                assert self.policy.hf_model is not None
+                self.engine.sync_weights(self.policy.hf_model)
 
     def wake_up(self) -> None:
         """Refresh the HF copy if the weights changed (HF engine; a collective over the model-parallel group), then
