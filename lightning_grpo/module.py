@@ -266,7 +266,9 @@ class GRPOModule(L.LightningModule):
 
         Returns the micro-batch's share of the step loss, scaled so that after Lightning's division by
         ``accumulate_grad_batches`` and data-parallel averaging the step's gradient is that of (summed loss / step
-        normalizer)."""
+        normalizer). A backend that ``runs_whole_step`` (Megatron's pipeline schedules) gets all of the step's
+        micro-batches at its first one (``backend.train_step``: forward and backward with the same normalization);
+        its outputs are logged micro-batch by micro-batch and the returned loss is detached."""
         with self.timer.span("forward_s"):
             if batch.step_start:  # the whole step's token statistics: accumulation does not change the gradient
                 members = self.trainer.fit_loop.current_step() or [batch]

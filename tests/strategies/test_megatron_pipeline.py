@@ -222,8 +222,9 @@ def test_kill_9_and_resume_under_pp2_with_the_distributed_optimizer_is_bitwise_e
 def test_asynchronous_rollouts_under_tp2_equal_the_hf_path(tmp_path, files):
     """``max_staleness=2``: the second rollout of an epoch is generated on a background thread (its broadcast to the
     other TP rank on the rollout group) while the first one trains (TP collectives on the trainer's thread)."""
-    run = {"data_path": files["more_prompts"], "clip": CLIP, "max_steps": 4, "config": {"max_staleness": 2},
-           "distributed_sampler": False}  # the datamodule's prompt order in both runs (one replica)
+    run = {"data_path": files["more_prompts"], "clip": CLIP, "max_steps": 4, "distributed_sampler": False,
+           # the fixed engine stands in for an engine with its own weights ("vllm"), as asynchronous rollouts need
+           "config": {"max_staleness": 2, "rollout_engine": "vllm"}}
     plain, losses, norms, staleness = _megatron_pp_worker.run_steps(files["model"], strategy="auto", devices=1,
                                                                     prompts_per_step=4, **run)
     expected = {k: v.clone() for k, v in plain.policy.state_dict().items()}
