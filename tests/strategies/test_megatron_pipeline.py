@@ -181,23 +181,21 @@ def test_distributed_optimizer_checkpoints_resume_in_the_same_and_another_layout
     assert saved["optimizer_states"][0]["format"] == "megatron-hf" and {"exp_avg", "exp_avg_sq", "step"} <= set(state)
     assert state["exp_avg"].shape == (49152, 128)
     assert bool((state["exp_avg"].abs().sum(dim=1) > 0).all())  # every row's moments: no DP shard's range missing
-    assert saved["megatron_layout"]["data_parallel_ranks"] == [0, 1, 0, 1]
+    replicas = saved["loops"]["fit_loop"]["state_dict"]["data_parallel_replicas"]
+    assert replicas == [[0, 2], [1, 2], [0, 2], [1, 2]]  # megatron-core's order tp-dp-pp
 
 
 def test_a_mid_rollout_checkpoint_refuses_a_layout_that_moves_processes_between_replicas():
-    from lightning_grpo.strategies.megatron.strategy import check_resume_layout
+    from lightning_grpo.loop.resume import check_replicas
 
-    pp2_dp2 = {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 2, "data_parallel_ranks": [0, 1, 0, 1]}
-    tp2_pp2 = {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2, "data_parallel_ranks": [0, 0, 0, 0]}
-    loop = {"partial_rollouts": [{"consumed": 1}] * 4, "prefetched_rollouts": [[]] * 4}
-    mid_rollout = {"megatron_layout": pp2_dp2, "loops": {"fit_loop": {"state_dict": loop}}}
-    with pytest.raises(ValueError, match=r"TP=1 x PP=2 x DP=2 in the middle of a rollout; resuming it at TP=2 x PP=2 "
-                                         r"x DP=1 would give processes another data-parallel replica"):
-        check_resume_layout(mid_rollout, tp2_pp2)
-    check_resume_layout(mid_rollout, pp2_dp2)  # the same replicas: fine
-    boundary = {"megatron_layout": pp2_dp2, "loops": {"fit_loop": {"state_dict": {
-        "partial_rollouts": [None] * 4, "prefetched_rollouts": [[]] * 4}}}}
-    check_resume_layout(boundary, tp2_pp2)  # nothing partly used: any layout
+    pp2_dp2 = [[0, 2], [1, 2], [0, 2], [1, 2]]  # PP=2 x DP=2: [sampler rank, replicas] of global ranks 0..3
+    tp2_pp2 = [[0, 1]] * 4
+    with pytest.raises(ValueError, match=r"replicas \[sampler rank, replicas\] \[\[0, 2\], \[1, 2\], \[0, 2\], "
+                                         r"\[1, 2\]\]; this run's are \[\[0, 1\], .* another replica's"):
+        check_replicas(pp2_dp2, tp2_pp2, pending=True)
+    check_replicas(pp2_dp2, pp2_dp2, pending=True)  # the same replicas
+    check_replicas(pp2_dp2, tp2_pp2, pending=False)  # nothing partly used: any layout
+    check_replicas(None, tp2_pp2, pending=True)  # a checkpoint from before the replicas were saved
 
 
 @pytest.mark.distributed

@@ -11,8 +11,9 @@ model-parallel group):
   keeps them) and generates.
 - colocated vLLM (:class:`~lightning_grpo.rollout.engines.vllm.VLLMRolloutEngine`): the generating rank's engine
   loads the gathered tensors as they come (``reload_weights``; the tied ``lm_head`` included); the other ranks of
-  the group take part in the gathers only, and their engines are closed when the wrapper is made (they never
-  generate).
+  the group take part in the gathers only. Their engines (made by ``GRPOModule.setup`` on every rank, before the
+  backend converts the policy) stay idle: closing a colocated vLLM engine mid-run would destroy the trainer's
+  process groups (vLLM's shutdown tears down ``torch.distributed``).
 - rollout servers (:class:`~lightning_grpo.rollout.engines.remote.VLLMServerEngine`): every rank calls its
   ``sync_weights`` with the policy (global rank 0 streams the gathered tensors to the servers while the others
   gather along; the post-sync probe is scored by the shards).
@@ -58,10 +59,6 @@ class TensorParallelRolloutEngine(EngineWrapper):
         self.policy = policy
         self.group = group
         self.generates = self._group_rank() == 0
-        self._closed_here = False
-        if isinstance(engine, VLLMRolloutEngine) and not self.generates:
-            engine.close()  # its memory is not needed: this rank never generates
-            self._closed_here = True
 
     # ------------------------------------------------------------------ weights
     def sync_weights(self, model: torch.nn.Module) -> None:
@@ -83,19 +80,10 @@ class TensorParallelRolloutEngine(EngineWrapper):
 
     def wake_up(self) -> None:
         """Refresh the HF copy if the weights changed (HF engine; a collective over the model-parallel group), then
-        the wrapped engine's ``wake_up`` (on the generating rank)."""
+        the wrapped engine's ``wake_up``."""
         if isinstance(self.engine, HFRolloutEngine) and self._any_stale():
             self._sync_hf_model()
-        if not self._closed_here:
-            self.engine.wake_up()
-
-    def sleep(self, level: int = 1) -> None:
-        if not self._closed_here:
-            self.engine.sleep(level)
-
-    def close(self) -> None:
-        if not self._closed_here:
-            self.engine.close()
+        self.engine.wake_up()
 
     # ------------------------------------------------------------------ generation
     def generate(

@@ -62,7 +62,6 @@ from torch.optim import Optimizer
 
 from lightning_grpo.algorithm import ObjectiveOutput
 from lightning_grpo.config import GRPOConfig
-from lightning_grpo.loop.resume import PARTIAL_KEY, PREFETCHED_KEY
 from lightning_grpo.strategies.base import ClipFallback, GRPOModels, StepObjective, clips_by_norm
 from lightning_grpo.strategies.megatron import checkpoint, convert, cpu_shims
 from lightning_grpo.strategies.megatron.optimizer import (
@@ -555,25 +554,6 @@ class MegatronStrategy(DDPStrategy):
                                                _uses_te(policy), policy.stage, *tp)
             checkpoint.load_hyperparameters(hyper.param_groups, saved)
 
-    def layout(self) -> dict[str, Any]:
-        """This run's parallel layout as plain data (saved in checkpoints as ``"megatron_layout"``): the TP and PP
-        sizes and the data-parallel replica of each global rank."""
-        tp, pp = self.tensor_model_parallel_size, self.pipeline_model_parallel_size
-        dp = self.world_size // (tp * pp)
-        return {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
-                "data_parallel_ranks": [(rank // tp) % dp for rank in range(self.world_size)]}
-
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
-        """Lightning's save, with :meth:`layout` in the checkpoint."""
-        super().save_checkpoint({**checkpoint, LAYOUT_KEY: self.layout()}, filepath, storage_options)
-
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        """Lightning's load, refusing a layout change that would hand a process another replica's partly used
-        rollout (:func:`check_resume_layout`)."""
-        loaded = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-        check_resume_layout(loaded, self.layout())
-        return loaded
-
     def _param_states(self, optimizer: Optimizer) -> tuple[checkpoint.ParamStates, Optimizer]:
         """The per-parameter states of ``optimizer`` (Lightning's wrapper removed) and the optimizer holding the
         hyper-parameters (the module's)."""
@@ -635,37 +615,6 @@ def _default_tensor_init() -> Iterator[None]:
             yield
     finally:
         torch.set_default_dtype(dtype)
-
-
-LAYOUT_KEY = "megatron_layout"
-
-
-def check_resume_layout(checkpoint: Mapping[str, Any], layout: Mapping[str, Any]) -> None:
-    """Refuse to resume ``checkpoint`` at ``layout`` (:meth:`MegatronStrategy.layout`) when it was written in the
-    middle of a rollout (or with rollouts generated ahead) and the processes' data-parallel replicas differ: the loop
-    restores each process's partly used rollout by global rank, which would then belong to another replica. Weights
-    and optimizer states load into any layout; at a rollout boundary any layout resumes.
-
-    Raises:
-        ValueError: naming both layouts.
-    """
-    saved = checkpoint.get(LAYOUT_KEY)
-    if saved is None or list(saved["data_parallel_ranks"]) == list(layout["data_parallel_ranks"]):
-        return
-    loop = checkpoint.get("loops", {}).get("fit_loop", {}).get("state_dict", {})
-    pending = [v for key in (PARTIAL_KEY, PREFETCHED_KEY) for v in (loop.get(key) or []) if v]
-    if not pending:
-        return
-
-    def describe(x: Mapping[str, Any]) -> str:
-        dp = max(x["data_parallel_ranks"]) + 1
-        return f"TP={x['tensor_model_parallel_size']} x PP={x['pipeline_model_parallel_size']} x DP={dp}"
-
-    raise ValueError(
-        f"this checkpoint was written by {describe(saved)} in the middle of a rollout; resuming it at "
-        f"{describe(layout)} would give processes another data-parallel replica's partly used rollout. Resume it at "
-        "a layout whose processes keep their data-parallel replicas (e.g. the same DP size and TP x PP), or from a "
-        "checkpoint taken at a rollout boundary (every_n_train_steps a multiple of the optimizer steps per rollout)")
 
 
 def _uses_te(policy: MegatronPolicy) -> bool:
