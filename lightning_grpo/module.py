@@ -7,6 +7,7 @@ import copy
 import dataclasses
 import logging
 import os
+from collections import deque
 from typing import Any, Callable, Iterator, Literal, Optional, Sequence, Union
 
 import lightning as L
@@ -140,6 +141,8 @@ class GRPOModule(L.LightningModule):
         self.preemption = Preemption(self.rollout.stop)
         self.evaluator = Evaluator(self.config.eval.k)
         self.token_budget: Optional[int] = None  # with max_tokens_per_microbatch="auto": the budget chosen
+        self._step_members: list[Experience] = []  # the micro-batches of the step being trained (prepare_step)
+        self._step_outputs: deque[ObjectiveOutput] = deque()  # a whole-step backend's outputs not yet logged
 
     def _emit(self, name: str, payload: Any) -> None:
         """Rollout events (:mod:`lightning_grpo.events`) to the trainer's callbacks that define ``name``."""
@@ -314,9 +317,14 @@ class GRPOModule(L.LightningModule):
 
         Returns the micro-batch's share of the step loss, scaled so that after Lightning's division by
         ``accumulate_grad_batches`` and data-parallel averaging the step's gradient is that of (summed loss / step
-        normalizer)."""
+        normalizer). A backend that ``runs_whole_step`` (Megatron's pipeline schedules) gets all of the step's
+        micro-batches at its first one (``backend.train_step``: forward and backward with the same normalization);
+        its outputs are logged micro-batch by micro-batch and the returned loss is detached."""
         with self.timer.span("forward_s"):
-            output = self.compute_loss(batch)
+            if batch.step_start and self.backend.runs_whole_step:  # e.g. pipeline schedules: the whole step now
+                self._step_outputs.extend(self.backend.train_step(self.policy, self._step_members or [batch],
+                                                                  self.objective, self.config))
+            output = self._step_outputs.popleft() if self.backend.runs_whole_step else self.compute_loss(batch)
         self.timer.add("train_tokens", float(self.logprobs.forward_tokens(self.policy, batch)))
         self.step_metrics.update(output)
         if batch.step_end:
@@ -331,6 +339,7 @@ class GRPOModule(L.LightningModule):
         """The loop hands each optimizer step's micro-batches forward before its first ``training_step``: the
         whole step's token statistics (:class:`lightning_grpo.training.selection.StepSelection`), so that
         accumulation does not change the gradient. Counts as ``timing/forward_s``."""
+        self._step_members = micro_batches
         with self.timer.span("forward_s"):
             self.step_selection.prepare(self.policy, micro_batches, self.collectives, self.global_step)
 
@@ -341,16 +350,33 @@ class GRPOModule(L.LightningModule):
         Raises:
             ValueError: ``batch`` is not ``on_policy`` but has no ``old_logprobs``; see also ``grpo_objective``.
         """
+        logprobs, entropy = self.completion_logprobs(self.policy, batch, True,
+                                                     entropy_grad=self.config.entropy_coef > 0)
+        return self.objective(batch, logprobs, entropy)
+
+    def objective(self, batch: Experience, logprobs: Tensor, entropy: Optional[Tensor]) -> ObjectiveOutput:
+        """:func:`lightning_grpo.algorithm.grpo_objective` of ``batch`` given the policy's ``(B, T)`` float32 logprobs
+        and entropy (the step's statistics from :class:`~lightning_grpo.training.selection.StepSelection`).
+
+        Raises:
+            ValueError: ``batch`` is not ``on_policy`` but has no ``old_logprobs``; see also ``grpo_objective``.
+        """
         cfg = self.config
         if not batch.on_policy and batch.old_logprobs is None:
             raise ValueError("an experience micro-batch after the rollout's first optimizer step needs old_logprobs")
-        logprobs, entropy = self.completion_logprobs(self.policy, batch, True, entropy_grad=cfg.entropy_coef > 0)
         return grpo_objective(
             logprobs, batch.completion_mask, batch.advantages, cfg,
             old_logprobs=None if batch.on_policy else batch.old_logprobs,
             ref_logprobs=None if cfg.kl_in_reward else batch.ref_logprobs, sampler_logprobs=batch.sampler_logprobs,
             entropy=entropy, normalizer=batch.loss_normalizer, **self.step_selection.objective_kwargs(),
         )
+
+    @override
+    def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: torch.optim.Optimizer) -> None:
+        """Lightning's ``optimizer.zero_grad()``, except for a backend that runs whole steps (it zeroes the gradients
+        itself before its schedule; Lightning would zero them after the first micro-batch's ``training_step``)."""
+        if not self.backend.runs_whole_step:
+            super().optimizer_zero_grad(epoch, batch_idx, optimizer)
 
     @override
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:

@@ -63,6 +63,7 @@ class FixedRolloutEngine:
 
     uses_policy_parameters = False
     seeds_per_request = False
+    sync_is_collective = False
 
     def __init__(self, eos_token_id: int, pad_token_id: int, length: int = 6) -> None:
         self.eos_token_id, self.pad_token_id, self.length = eos_token_id, pad_token_id, length
@@ -343,7 +344,7 @@ def scenario_train(out: Path, model_path: str, data_path: str) -> dict:
             saved = {k[len("policy."):]: v for k, v in self.checkpoint["state_dict"].items() if k.startswith("policy.")}
             checks["resumed_weights_equal"] = sorted(gathered) == sorted(saved) and all(
                 torch.equal(gathered[k], saved[k]) for k in saved)
-            state = trainer.strategy.optimizer_state(trainer.optimizers[0])
+            state = trainer.strategy.optimizer_state(trainer.optimizers[0], all_ranks=True)
             saved_state = self.checkpoint["optimizer_states"][0]["state"]
             checks["resumed_optimizer_equal"] = sorted(state["state"]) == sorted(saved_state) and all(
                 torch.equal(torch.as_tensor(v), torch.as_tensor(saved_state[n][k]))

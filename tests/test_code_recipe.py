@@ -21,7 +21,7 @@ def test_code_recipe_one_step_on_smollm2(tmp_path, smollm2_path):
         "--trainer.default_root_dir", str(tmp_path), "--trainer.logger.init_args.save_dir", str(tmp_path),
         "--data.prompts_per_step", "1", "--data.val_size", "2", "--data.val_batch_size", "2",
         "--model.config.num_generations", "2", "--model.config.max_new_tokens", "48",
-        "--model.config.eval_max_new_tokens", "48", "--model.export_dir", "",
+        "--model.config.eval.max_new_tokens", "48", "--model.export_dir", "",
     ])
     (path,) = glob.glob(str(tmp_path / "**" / "metrics.csv"), recursive=True)
     rows = list(csv.DictReader(open(path)))

@@ -14,7 +14,8 @@ from lightning_grpo.cli import main as cli_main
 ROOT = Path(__file__).resolve().parents[1]
 #: YAML recipe -> the subcommand it is for, and the base recipe an overlay stacks on.
 YAML_RECIPES = {"gsm8k_grpo.yaml": ("fit", None), "arithmetic_grpo.yaml": ("fit", None), "eval.yaml": ("test", None),
-                "server_async.yaml": ("fit", "gsm8k_grpo.yaml")}
+                "server_async.yaml": ("fit", "gsm8k_grpo.yaml"), "code_grpo.yaml": ("fit", None),
+                "megatron.yaml": ("fit", "gsm8k_grpo.yaml")}
 
 
 def _rows(root):

@@ -35,8 +35,10 @@ from lightning_grpo.loop.resume import (
     PARTIAL_KEY,
     PREFETCHED_KEY,
     PROMPT_BATCHES_KEY,
+    REPLICAS_KEY,
     RNG_KEY,
     ResumeState,
+    check_replicas,
     rng_states,
     this_process,
 )
@@ -71,10 +73,19 @@ class GRPOFitLoop(_FitLoop):
             state_dict[RNG_KEY] = gather_per_process(fetcher.rollout_rng or rng_states())
             state_dict[PARTIAL_KEY] = gather_per_process(fetcher.partial_rollout())
             state_dict[PREFETCHED_KEY] = gather_per_process(prefetched)
+            state_dict[REPLICAS_KEY] = gather_per_process(self._replica())
         return state_dict
+
+    def _replica(self) -> Optional[list[int]]:
+        """This process's data-parallel replica ``[sampler rank, replicas]``, None on one process."""
+        kwargs = self.trainer.distributed_sampler_kwargs
+        return None if kwargs is None else [int(kwargs["rank"]), int(kwargs["num_replicas"])]
 
     @override
     def on_load_checkpoint(self, state_dict: dict) -> None:
+        if REPLICAS_KEY in state_dict:  # a collective: every process loads the checkpoint
+            pending = any(state_dict.get(PARTIAL_KEY) or []) or any(state_dict.get(PREFETCHED_KEY) or [])
+            check_replicas(state_dict[REPLICAS_KEY], gather_per_process(self._replica()), pending)
         self.resume_state = ResumeState(
             prompt_batches=state_dict.get(PROMPT_BATCHES_KEY),
             rng=this_process(state_dict.get(RNG_KEY), "RNG states"),

@@ -24,6 +24,9 @@ PROMPT_BATCHES_KEY = "prompt_batches_drawn"
 RNG_KEY = "rng_states"
 PARTIAL_KEY = "partial_rollouts"
 PREFETCHED_KEY = "prefetched_rollouts"
+#: Every process's data-parallel replica ``[sampler rank, replicas]`` (the strategy's ``distributed_sampler_kwargs``;
+#: None on one process): a partly used rollout belongs to its replica.
+REPLICAS_KEY = "data_parallel_replicas"
 
 
 @dataclass
@@ -84,6 +87,25 @@ def this_process(values: Optional[list[Any]], what: str) -> Any:
             "needs the same number of processes"
         )
     return values[rank]
+
+
+def check_replicas(saved: Optional[list[Any]], current: list[Any], pending: bool) -> None:
+    """Refuse to resume rollouts that were partly used or generated ahead (``pending``) when the processes'
+    data-parallel replicas (:data:`REPLICAS_KEY`, every process's) differ from the checkpoint's: each process would
+    get another replica's rollout (e.g. a Megatron checkpoint resumed with other TP/PP/DP sizes). Weights and
+    optimizer states are not concerned; checkpoints at rollout boundaries resume with any replicas.
+
+    Raises:
+        ValueError: naming both assignments (same on every process).
+    """
+    if saved is None or not pending or list(saved) == list(current):
+        return
+    raise ValueError(
+        f"this checkpoint was written in the middle of a rollout by processes in data-parallel replicas "
+        f"[sampler rank, replicas] {list(saved)}; this run's are {list(current)}, so processes would get another "
+        "replica's partly used rollout. Resume with the same data-parallel layout (for MegatronStrategy: the same DP "
+        "size and TP x PP), or from a checkpoint taken at a rollout boundary (every_n_train_steps a multiple of the "
+        "optimizer steps per rollout)")
 
 
 def experience_state(experience: Experience) -> dict[str, Any]:

@@ -171,6 +171,12 @@ class RolloutEngine(Protocol):
         a rollout is reproducible whatever the batch; False: the engine samples from torch's global generator."""
         ...
 
+    @property
+    def sync_is_collective(self) -> bool:
+        """Whether :meth:`sync_weights` must be called by every trainer process together (the rollout servers:
+        global rank 0 streams the weights, the others wait); False: each process syncs its own engine."""
+        ...
+
     def set_lockstep(self, enabled: bool) -> None:
         """With ``enabled``, every process runs as many forward passes per :meth:`generate` as the longest one
         (transformers' ``synced_gpus``): needed where each forward of the policy is a collective (FSDP1 with nested
@@ -212,7 +218,7 @@ CORE_MEMBERS = ("generate", "sync_weights", "pad_token_id")
 def as_rollout_engine(engine: Any) -> RolloutEngine:
     """``engine`` as a full :class:`RolloutEngine`: itself when it implements every member, else wrapped in a
     :class:`CoreEngineAdapter` that adds the lifecycle no-ops and the default capabilities (its own weights, no
-    per-request seeds).
+    per-request seeds, a per-process sync).
 
     Raises:
         TypeError: ``engine`` lacks a core member (``generate``, ``sync_weights``, ``pad_token_id``), named.
@@ -333,6 +339,11 @@ class EngineWrapper:
         """``engine.seeds_per_request``."""
         return self.engine.seeds_per_request
 
+    @property
+    def sync_is_collective(self) -> bool:
+        """``engine.sync_is_collective``."""
+        return self.engine.sync_is_collective
+
 
 class CoreEngineAdapter(EngineWrapper):
     """A user engine with only the core members (:class:`CoreRolloutEngine`) as a full :class:`RolloutEngine`:
@@ -363,4 +374,9 @@ class CoreEngineAdapter(EngineWrapper):
     @property
     def seeds_per_request(self) -> bool:
         """False."""
+        return False
+
+    @property
+    def sync_is_collective(self) -> bool:
+        """False: each process syncs its own engine."""
         return False

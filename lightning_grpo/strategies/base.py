@@ -10,18 +10,25 @@ data-parallel reductions of metrics and loss normalizers) is one method of :clas
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Protocol, Union, runtime_checkable
+from typing import Any, Callable, Optional, Protocol, Sequence, Union, runtime_checkable
 
 import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from lightning_grpo.algorithm import ObjectiveOutput
+from lightning_grpo.config import GRPOConfig
 from lightning_grpo.rollout.base import RolloutEngine
 from lightning_grpo.training.collectives import Collectives
+from lightning_grpo.training.experience import Experience
 
 #: ``LightningModule.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)``: Lightning's own
 #: clipping through the precision plugin, for what a backend does not clip itself.
 ClipFallback = Callable[[Optimizer, Optional[Union[int, float]], Optional[str]], None]
+
+#: ``objective(micro_batch, logprobs, entropy) -> ObjectiveOutput``: the GRPO objective of one micro-batch from the
+#: policy's ``(B, T)`` float32 logprobs (with grad) and entropy (no grad, or None); ``GRPOModule.objective``.
+StepObjective = Callable[[Experience, Tensor, Optional[Tensor]], ObjectiveOutput]
 
 
 @dataclass
@@ -98,6 +105,29 @@ class ParallelBackend(Protocol):
     @property
     def data_parallel_size(self) -> int:
         """Processes that hold different data (tensor-parallel ranks share theirs)."""
+        ...
+
+    @property
+    def runs_whole_step(self) -> bool:
+        """Whether the backend runs the forward and backward passes of all micro-batches of an optimizer step itself,
+        in one :meth:`train_step` (megatron-core's pipeline schedules need every micro-batch at once). The module
+        then calls :meth:`train_step` at the step's first micro-batch and neither zeroes the gradients nor runs
+        a backward pass itself (Lightning's accumulation still counts the micro-batches and steps the optimizer)."""
+        ...
+
+    def train_step(self, policy: nn.Module, micro_batches: Sequence[Experience], objective: StepObjective,
+                   config: GRPOConfig) -> list[ObjectiveOutput]:
+        """Zero the gradients, then the forward and backward passes of ``micro_batches`` (one optimizer step, in
+        order; logprobs at ``config.temperature``), so that the policy's gradient is the gradient of the sum of the
+        micro-batches' ``objective(...).loss`` over them and over every data-parallel process (each loss is already
+        its share of the step's normalized loss, ``Experience.loss_normalizer``). Returns each micro-batch's
+        objective output, detached, on every process. A collective. Only for backends with
+        :attr:`runs_whole_step`.
+
+        Raises:
+            NotImplementedError: the backend does not run whole steps.
+            ValueError: ``config`` asks for something the backend's logprobs do not compute (named).
+        """
         ...
 
 

@@ -8,14 +8,17 @@ single-process backend (tests that build an experience without a Trainer).
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Optional, Union
+from typing import Any, Iterable, Optional, Sequence, Union
 
 import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_grpo.strategies.base import ClipFallback, GRPOModels
+from lightning_grpo.algorithm import ObjectiveOutput
+from lightning_grpo.config import GRPOConfig
+from lightning_grpo.strategies.base import ClipFallback, GRPOModels, StepObjective
 from lightning_grpo.training.collectives import Collectives
+from lightning_grpo.training.experience import Experience
 
 
 def grad_norm(parameters: Iterable[Tensor], norm_type: float = 2.0) -> Optional[Tensor]:
@@ -100,6 +103,16 @@ class LocalBackend:
     def data_parallel_size(self) -> int:
         """The number of processes (each holds different data): the strategy's ``world_size``, 1 without one."""
         return getattr(self.strategy, "world_size", 1)
+
+    @property
+    def runs_whole_step(self) -> bool:
+        """False: Lightning runs each micro-batch's backward (accumulation)."""
+        return False
+
+    def train_step(self, policy: nn.Module, micro_batches: Sequence[Experience], objective: StepObjective,
+                   config: GRPOConfig) -> list[ObjectiveOutput]:
+        """Not used: this backend trains micro-batch by micro-batch through Lightning."""
+        raise NotImplementedError(f"{type(self).__name__} does not run whole optimizer steps (runs_whole_step=False)")
 
     def reduce_sum(self, tensor: Tensor) -> Tensor:
         """``strategy.reduce(tensor, reduce_op="sum")`` with more than one process, else ``tensor`` itself."""

@@ -48,6 +48,16 @@ class ScoresCompletions(Protocol):
                             with_entropy: bool = False) -> tuple[Tensor, Optional[Tensor]]:
         """``(B, T)`` float32 logprobs of ``batch``'s completion tokens at ``temperature`` (and the entropy)."""
         ...
+def check_untruncated_scoring(config: GRPOConfig, scorer: str, entropy_grad: bool) -> None:
+    """Raise ``ValueError`` when ``config`` needs what a scorer of the untruncated tempered distribution without an
+    entropy gradient (the Megatron policy's vocab-parallel logprobs) does not give: ``entropy_coef > 0`` with
+    ``entropy_grad``, or top-k / top-p / min-p truncation. ``scorer`` names it in the message."""
+    if entropy_grad:
+        raise ValueError(f"GRPOConfig.entropy_coef={config.entropy_coef} needs the entropy's gradient, which "
+                         f"{scorer} does not provide: set entropy_coef=0")
+    if config.top_k > 0 or config.top_p < 1 or config.min_p > 0:  # vocab-parallel logprobs do not truncate
+        raise ValueError(f"GRPOConfig top_k={config.top_k}, top_p={config.top_p}, min_p={config.min_p}: "
+                         f"{scorer} scores the untruncated distribution: set top_k=0, top_p=1.0, min_p=0")
 
 
 class CompletionLogprobs:
@@ -76,16 +86,7 @@ class CompletionLogprobs:
                 gradient and no truncation there).
         """
         if isinstance(model, ScoresCompletions):
-            if entropy_grad:
-                raise ValueError(
-                    f"GRPOConfig.entropy_coef={self.config.entropy_coef} needs the entropy's gradient, which "
-                    f"{type(model).__name__}.completion_logprobs does not provide: set entropy_coef=0"
-                )
-            cfg = self.config
-            if cfg.top_k > 0 or cfg.top_p < 1 or cfg.min_p > 0:  # its vocab-parallel logprobs do not truncate
-                raise ValueError(f"GRPOConfig top_k={cfg.top_k}, top_p={cfg.top_p}, min_p={cfg.min_p}: "
-                                 f"{type(model).__name__} scores the untruncated distribution: "
-                                 "set top_k=0, top_p=1.0, min_p=0")
+            check_untruncated_scoring(self.config, type(model).__name__, entropy_grad)
             return model.completion_logprobs(batch, self.config.temperature, with_entropy=with_entropy)
         if self.config.padding_free:
             return self._packed(model, batch, with_entropy, entropy_grad)

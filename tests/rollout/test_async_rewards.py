@@ -21,7 +21,7 @@ import torch  # noqa: E402
 from lightning.pytorch.callbacks import Callback  # noqa: E402
 from test_resume import QUESTIONS  # noqa: E402
 
-from lightning_grpo import GRPOConfig, GRPOModule  # noqa: E402
+from lightning_grpo import EngineConfig, GRPOConfig, GRPOModule  # noqa: E402
 from lightning_grpo.data import PromptDataModule  # noqa: E402
 from lightning_grpo.rewards import PooledReward, RewardChunk  # noqa: E402
 
@@ -88,7 +88,7 @@ def data_file(tmp_path_factory) -> str:
 
 def _fit(model: str, data: str, root, reward, workers: int, callbacks=()):
     L.seed_everything(0, verbose=False)
-    cfg = GRPOConfig(num_generations=4, max_new_tokens=8, rollout_engine="vllm", vllm_kv_cache_space_gib=1,
+    cfg = GRPOConfig(num_generations=4, max_new_tokens=8, engine=EngineConfig(name="vllm", kv_cache_space_gib=1),
                      max_prompt_length=128, max_staleness=1, reward_num_workers=workers)
     module = GRPOModule(model, reward_funcs=[reward], config=cfg, learning_rate=2e-2, export_dir="")
     metrics = Metrics()

@@ -18,10 +18,6 @@ One server per model for the whole module (vLLM takes ~15 s to start on one core
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -34,6 +30,7 @@ import lightning as L  # noqa: E402
 import torch  # noqa: E402
 from _checkpoint_generation import trainer_logprobs  # noqa: E402
 from _dist_utils import free_port, load, run_worker  # noqa: E402
+from _rollout_server import Server  # noqa: E402
 from lightning.pytorch.callbacks import Callback  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
@@ -43,59 +40,10 @@ from lightning_grpo.data import PromptDataModule  # noqa: E402
 from lightning_grpo.rollout.base import SamplingConfig  # noqa: E402
 from lightning_grpo.rollout.engines.remote import VLLMServerEngine, policy_probe_logprobs, probe_sequences  # noqa: E402
 from lightning_grpo.rollout.engines.vllm import VLLMRolloutEngine  # noqa: E402
-from lightning_grpo.rollout.server.client import RolloutServerError, ServerClient  # noqa: E402
+from lightning_grpo.rollout.server.client import RolloutServerError  # noqa: E402
 
 pytestmark = pytest.mark.distributed  # rollout servers in subprocesses
-
-REPO = Path(__file__).resolve().parents[2]
 ATOL = 1e-4
-
-
-class Server:
-    """``python -m lightning_grpo.cli serve`` on a free port, its output in ``log``."""
-
-    def __init__(self, model: str, log: Path) -> None:
-        self.model, self.log, self.port = model, log, free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.proc: subprocess.Popen | None = None
-        self.start()
-
-    def start(self) -> dict:
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-               "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-        command = [sys.executable, "-m", "lightning_grpo.cli", "serve", "--model", self.model, "--host", "127.0.0.1",
-                   "--port", str(self.port), "--kv-cache-space-gib", "1", "--max-model-len", "512"]
-        self.proc = subprocess.Popen(command, cwd=str(REPO), env=env, stdout=open(self.log, "a"),
-                                     stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"the server exited with {self.proc.returncode}:\n{self.log.read_text()[-6000:]}")
-            try:
-                return ServerClient(self.url, 2).request("GET", "/health", retry=False)
-            except RolloutServerError:
-                time.sleep(0.5)
-        raise AssertionError(f"the server did not start within 300 s:\n{self.log.read_text()[-6000:]}")
-
-    def health(self) -> dict:
-        return ServerClient(self.url, 30).request("GET", "/health")
-
-    def probe(self, sequences) -> torch.Tensor:
-        answer = ServerClient(self.url, 60).request("POST", "/probe_logprobs", {"sequences": sequences})
-        return torch.tensor(answer["logprobs"])
-
-    def kill(self) -> None:
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(30)
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.kill()
 
 
 @pytest.fixture(scope="module")

@@ -21,8 +21,9 @@ def _arch(**overrides):
 
 
 def _config(cls, tied, **kwargs):
-    return cls(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-               num_key_value_heads=2, head_dim=8, tie_word_embeddings=tied, pad_token_id=0, **kwargs)
+    fields = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=8, tie_word_embeddings=tied, pad_token_id=0)
+    return cls(**{**fields, **kwargs})
 
 
 def test_fused_qkv_is_grouped_by_kv_head_and_split_by_whole_groups():
@@ -126,3 +127,29 @@ def test_missing_hf_tensor_is_named():
     del state["model.layers.1.mlp.up_proj.weight"]
     with pytest.raises(KeyError, match="model.layers.1.mlp.up_proj.weight"):
         hf_to_mcore(state, Architecture.from_hf_config(model.config))
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_pipeline_stages_hold_each_hf_tensor_once_with_global_layer_names(tied):
+    from lightning_grpo.strategies.megatron.convert import hf_shapes, pipeline_param_maps
+    from lightning_grpo.strategies.megatron.model import stage_layout
+
+    arch = Architecture.from_hf_config(_config(Qwen2Config, tied, num_hidden_layers=4))
+    model = Qwen2ForCausalLM(_config(Qwen2Config, tied, num_hidden_layers=4))
+    first, last = (param_maps(arch, stage=stage_layout(arch, 2, s)) for s in (0, 1))
+    assert (first[0].mcore, first[0].hf) == ("embedding.word_embeddings.weight", ("model.embed_tokens.weight",))
+    assert [pm.hf[0] for pm in last if pm.mcore == "decoder.layers.0.self_attention.linear_proj.weight"] == [
+        "model.layers.2.self_attn.o_proj.weight"]  # stage 1's local layer 0 is the model's layer 2
+    output = [pm for pm in last if pm.mcore == "output_layer.weight"]
+    assert [(pm.hf, pm.copy) for pm in output] == [(("model.embed_tokens.weight",), True) if tied
+                                                   else (("lm_head.weight",), False)]
+    exported = [(s, name) for s, pm in pipeline_param_maps(arch, pp_size=2) for name in pm.hf]
+    names = [name for _, name in exported]
+    expected = {k for k in model.state_dict() if not (tied and k == "lm_head.weight")}
+    assert len(names) == len(set(names)) and set(names) == expected  # every tensor once, the tied copy left out
+    assert {s for s, name in exported if "layers.1." in name} == {0}
+    assert {s for s, name in exported if name == "model.norm.weight"} == {1}
+    shapes = hf_shapes(arch)
+    assert all(tuple(v.shape) == shapes[k] for k, v in model.state_dict().items())
+    with pytest.raises(ValueError, match="num_hidden_layers=4 is not divisible by pipeline_model_parallel_size=3"):
+        stage_layout(arch, 3, 0)

@@ -158,14 +158,19 @@ def test_trainer_three_steps_with_hf_rollouts_then_resume(tmp_path, files):
     assert max((final[k] - first[k]).abs().max() for k in first) > 0  # the resumed run trained
 
 
-def test_pipeline_parallel_is_rejected():
-    with pytest.raises(ValueError, match="pipeline_model_parallel_size=2"):
-        MegatronStrategy(pipeline_model_parallel_size=2)
+def test_unsupported_layouts_are_refused_naming_the_option():
+    with pytest.raises(ValueError, match=r"virtual_pipeline_model_parallel_size=2\): the interleaved"):
+        MegatronStrategy(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2)
+    with pytest.raises(ValueError, match=r"expert_model_parallel_size=2\): expert parallelism .* docs/megatron.md"):
+        MegatronStrategy(expert_model_parallel_size=2)
+    with pytest.raises(ValueError, match="pipeline_model_parallel_size=0"):
+        MegatronStrategy(pipeline_model_parallel_size=0)
     with pytest.raises(ValueError, match="tensor_model_parallel_size=0"):
         MegatronStrategy(tensor_model_parallel_size=0)
 
 
-def test_tensor_parallel_size_must_divide_the_processes(files, restore_distributed_env):
-    message = r"tensor_model_parallel_size=2\) must divide the number of processes \(world size 1\)"
-    with pytest.raises(ValueError, match=message):
-        megatron_worker.run_one_step(files["models"]["tied"], files["prompts"], MegatronStrategy(2), 1, 4, None)
+def test_model_parallel_size_must_divide_the_processes(files, restore_distributed_env):
+    message = r"TP x PP = 2 must divide the number of processes \(world size 1\)"
+    for strategy in (MegatronStrategy(2), MegatronStrategy(pipeline_model_parallel_size=2)):
+        with pytest.raises(ValueError, match=message):
+            megatron_worker.run_one_step(files["models"]["tied"], files["prompts"], strategy, 1, 4, None)

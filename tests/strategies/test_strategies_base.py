@@ -116,6 +116,7 @@ class _Engine:
     pad_token_id = 7
     uses_policy_parameters = False
     seeds_per_request = True
+    sync_is_collective = False
 
     def __init__(self):
         self.calls = []

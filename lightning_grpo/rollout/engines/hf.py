@@ -151,6 +151,11 @@ class HFRolloutEngine:
         """False: sampling draws from torch's global generator."""
         return False
 
+    @property
+    def sync_is_collective(self) -> bool:
+        """False: nothing to sync."""
+        return False
+
     def set_lockstep(self, enabled: bool) -> None:
         """``generate(synced_gpus=True)`` when enabled (FSDP1 with nested units: every forward is a collective)."""
         self.synced_gpus = True if enabled else None

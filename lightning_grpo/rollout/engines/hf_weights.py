@@ -12,7 +12,8 @@ sent. The same function gives the merged HF export.
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, Iterator, Mapping
+import abc
+from typing import Callable, Iterable, Iterator, Mapping, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -28,6 +29,28 @@ ADAPTER_NAME_PARTS = frozenset(
 )
 #: Prefix of a ``peft.PeftModel``'s names in front of the base model's own.
 PEFT_PREFIX = "base_model.model."
+
+
+class HFWeightSource(abc.ABC):
+    """A policy that is not a transformers module but gives its weights under HF checkpoint names (the Megatron
+    policy, whose tensor- and pipeline-parallel shards are gathered one tensor at a time). The engines that load
+    weights by name (colocated vLLM, the rollout servers) take such a policy wherever they take an HF model: they
+    iterate :meth:`hf_weights` instead of the module's parameters, and the servers' post-sync check scores its
+    probe batch with :meth:`teacher_forced_logprobs`.
+
+    Both methods are collectives over the policy's model-parallel group: every rank of it calls them, in the same
+    order (so the rollout server engine makes every rank iterate the weights while rank 0 sends them).
+    """
+
+    @abc.abstractmethod
+    def hf_weights(self) -> Iterator[tuple[str, Tensor]]:
+        """Yield ``(hf_name, full_tensor)`` for every tensor of the HF checkpoint, one at a time, with
+        ``lm_head.weight`` (the embedding's value) last when the embeddings are tied. Iterate it to the end."""
+
+    @abc.abstractmethod
+    def teacher_forced_logprobs(self, sequences: Sequence[Sequence[int]]) -> Tensor:
+        """``(S, L - 1)`` float32 CPU logprobs (temperature 1, no truncation) of each token of the ``S`` sequences of
+        ``L`` token ids given the tokens before it: what ``policy(ids).logits`` gives an HF model."""
 
 
 def checkpoint_name(name: str) -> str:
@@ -138,7 +161,8 @@ def hf_weights(model: torch.nn.Module, tie_word_embeddings: bool) -> Iterator[tu
     """Yield every parameter and persistent buffer of ``model`` as ``(hf_name, tensor)``, one at a time (so
     FSDP2 gathers one parameter at a time, never the whole model at once).
 
-    A PEFT LoRA model is yielded merged, under the base model's names (:func:`merge_lora`).
+    A PEFT LoRA model is yielded merged, under the base model's names (:func:`merge_lora`). An
+    :class:`HFWeightSource` yields its own :meth:`HFWeightSource.hf_weights` (a collective).
 
     Tied parameters appear once in ``named_parameters`` (as ``model.embed_tokens.weight``). When the
     checkpoint ties embeddings, ``lm_head.weight`` is yielded explicitly as well, with the embedding's
@@ -157,6 +181,9 @@ def hf_weights(model: torch.nn.Module, tie_word_embeddings: bool) -> Iterator[tu
     Raises:
         ValueError: if ``tie_word_embeddings`` is set and the model has no ``model.embed_tokens.weight``.
     """
+    if isinstance(model, HFWeightSource):  # the declared seam: e.g. the Megatron policy gathers its shards
+        yield from model.hf_weights()
+        return
     persistent = set(model.state_dict().keys())
     tensors = {checkpoint_name(name): param for name, param in model.named_parameters()}
     tensors.update({checkpoint_name(name): b for name, b in model.named_buffers() if name in persistent})

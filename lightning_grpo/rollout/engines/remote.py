@@ -42,7 +42,7 @@ from torch import nn
 
 from lightning_grpo.functional import token_logprobs
 from lightning_grpo.rollout.base import RolloutOutput, SamplingConfig, StopFlag
-from lightning_grpo.rollout.engines.hf_weights import hf_weights
+from lightning_grpo.rollout.engines.hf_weights import HFWeightSource, hf_weights
 from lightning_grpo.rollout.engines.rows import check_prompts, request_seeds, rollout_from_rows
 from lightning_grpo.rollout.registry import EngineSpec
 from lightning_grpo.rollout.server.client import RolloutServerError, ServerClient
@@ -87,7 +87,9 @@ def probe_sequences(vocab_size: int) -> list[list[int]]:
 def policy_probe_logprobs(model: nn.Module, sequences: Sequence[Sequence[int]]) -> torch.Tensor:
     """``(S, L - 1)`` float32 logprobs of each token of ``sequences`` (equal lengths) given the ones before it, under
     ``model`` (temperature 1, no truncation): what the server's ``/probe_logprobs`` computes. A forward pass of
-    ``model`` (a collective under FSDP: every rank calls it)."""
+    ``model`` (a collective under FSDP and for an :class:`HFWeightSource`: every rank calls it)."""
+    if isinstance(model, HFWeightSource):
+        return model.teacher_forced_logprobs(sequences)
     device = next(model.parameters()).device
     ids = torch.tensor(list(sequences), dtype=torch.long, device=device)
     logits = model(input_ids=ids).logits[:, :-1]
@@ -96,8 +98,9 @@ def policy_probe_logprobs(model: nn.Module, sequences: Sequence[Sequence[int]]) 
 
 
 def is_sharded(model: nn.Module) -> bool:
-    """Whether ``model`` holds DTensor (FSDP2) parameters, whose full values only a collective gathers."""
-    return any(hasattr(p, "full_tensor") for p in model.parameters())
+    """Whether ``model``'s full weights only a collective gathers: DTensor (FSDP2) parameters, or an
+    :class:`HFWeightSource` (Megatron's tensor/pipeline shards)."""
+    return isinstance(model, HFWeightSource) or any(hasattr(p, "full_tensor") for p in model.parameters())
 
 
 class VLLMServerEngine:
@@ -163,6 +166,11 @@ class VLLMServerEngine:
     @property
     def seeds_per_request(self) -> bool:
         """True: the servers sample every completion with its own seed."""
+        return True
+
+    @property
+    def sync_is_collective(self) -> bool:
+        """True: every trainer process calls :meth:`sync_weights` (global rank 0 streams, the others wait)."""
         return True
 
     def set_lockstep(self, enabled: bool) -> None:

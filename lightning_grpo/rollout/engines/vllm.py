@@ -202,6 +202,11 @@ class VLLMRolloutEngine:
         """True: every completion is sampled with its own seed (see the module docstring)."""
         return True
 
+    @property
+    def sync_is_collective(self) -> bool:
+        """False: each process's engine gets its own copy."""
+        return False
+
     def set_lockstep(self, enabled: bool) -> None:
         """Nothing to do: the engine's forward passes are its own."""
 

@@ -16,6 +16,13 @@ parallelism (TP) in one of five ways:
   ``[gate rows of r; up rows of r]`` (the SwiGLU applies silu to the first half).
 
 The conversions only slice, reshape and concatenate, so HF -> megatron-core -> HF is bit-exact.
+
+Pipeline parallelism (PP): each stage holds the parameters of its layers (:func:`param_maps` with a
+:class:`~lightning_grpo.strategies.megatron.model.StageLayout`; megatron-core numbers a stage's layers from 0, the
+HF names keep the global index); with tied embeddings the last stage's ``output_layer.weight`` is a copy of the
+embedding (``ParamMap.copy``: loaded from ``model.embed_tokens.weight``, never exported). :func:`iter_hf_weights`
+gathers one HF tensor at a time over the TP group of the stage that owns it and broadcasts it over the PP group, so
+the HF names and values do not depend on the TP and PP sizes.
 Names are those of megatron-core's local layer spec; with the Transformer Engine spec the two RMSNorms of a
 layer live inside the following linear (``linear_qkv.layer_norm_weight``, ``linear_fc1.layer_norm_weight``).
 """
@@ -23,12 +30,12 @@ layer live inside the following linear (``linear_qkv.layer_norm_weight``, ``line
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterator, Mapping, Optional, Sequence
+from typing import Iterator, Mapping, Optional, Sequence
 
 import torch
 from torch import Tensor
 
-from lightning_grpo.strategies.megatron.model import Architecture
+from lightning_grpo.strategies.megatron.model import Architecture, StageLayout, stage_layout
 
 KINDS = ("replicated", "vocab", "row", "qkv", "gate_up")
 
@@ -41,21 +48,30 @@ class ParamMap:
         mcore: the megatron-core name (``decoder.layers.0.self_attention.linear_qkv.weight``).
         hf: the HF names, in the order the kind concatenates them (q, k, v / gate, up).
         kind: one of :data:`KINDS`.
+        copy: the last pipeline stage's copy of the tied embedding (``output_layer.weight`` with tied embeddings
+            and PP > 1): loaded from the embedding, not exported (the first stage's embedding is).
     """
 
     mcore: str
     hf: tuple[str, ...]
     kind: str
+    copy: bool = False
 
 
-def param_maps(arch: Architecture, transformer_engine: bool = False) -> list[ParamMap]:
-    """Every megatron-core parameter of ``arch``'s ``GPTModel`` with its HF source (output layer only when
-    the embeddings are untied)."""
-    maps = [ParamMap("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "vocab")]
+def param_maps(
+    arch: Architecture, transformer_engine: bool = False, stage: Optional[StageLayout] = None
+) -> list[ParamMap]:
+    """Every megatron-core parameter of ``arch``'s ``GPTModel`` (of pipeline stage ``stage``; None = the whole
+    model) with its HF source: the output layer when the embeddings are untied, or when they are tied on a last
+    stage that is not also the first (a copy)."""
+    stage = stage or stage_layout(arch)
+    maps = []
+    if stage.pre_process:
+        maps.append(ParamMap("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "vocab"))
     input_norm = "self_attention.linear_qkv.layer_norm_weight" if transformer_engine else "input_layernorm.weight"
     mlp_norm = "mlp.linear_fc1.layer_norm_weight" if transformer_engine else "pre_mlp_layernorm.weight"
-    for i in range(arch.num_layers):
-        m, h = f"decoder.layers.{i}.", f"model.layers.{i}."
+    for local, i in enumerate(stage.layers):
+        m, h = f"decoder.layers.{local}.", f"model.layers.{i}."
         maps += [
             ParamMap(m + input_norm, (h + "input_layernorm.weight",), "replicated"),
             ParamMap(m + "self_attention.linear_qkv.weight",
@@ -70,10 +86,41 @@ def param_maps(arch: Architecture, transformer_engine: bool = False) -> list[Par
             ParamMap(m + "mlp.linear_fc1.weight", (h + "mlp.gate_proj.weight", h + "mlp.up_proj.weight"), "gate_up"),
             ParamMap(m + "mlp.linear_fc2.weight", (h + "mlp.down_proj.weight",), "row"),
         ]
-    maps.append(ParamMap("decoder.final_layernorm.weight", ("model.norm.weight",), "replicated"))
-    if not arch.tie_word_embeddings:
-        maps.append(ParamMap("output_layer.weight", ("lm_head.weight",), "vocab"))
+    if stage.post_process:
+        maps.append(ParamMap("decoder.final_layernorm.weight", ("model.norm.weight",), "replicated"))
+        if not arch.tie_word_embeddings:
+            maps.append(ParamMap("output_layer.weight", ("lm_head.weight",), "vocab"))
+        elif not stage.pre_process:
+            maps.append(ParamMap("output_layer.weight", ("model.embed_tokens.weight",), "vocab", copy=True))
     return maps
+
+
+def pipeline_param_maps(
+    arch: Architecture, transformer_engine: bool = False, pp_size: int = 1
+) -> list[tuple[int, ParamMap]]:
+    """``(owner stage, ParamMap)`` of every exported megatron-core parameter of all ``pp_size`` stages, in HF
+    order (embedding, layers, final norm, output layer); copies are left out. The same list on every rank."""
+    stages = [stage_layout(arch, pp_size, s) for s in range(pp_size)]
+    return [(s.pp_rank, pm) for s in stages for pm in param_maps(arch, transformer_engine, s) if not pm.copy]
+
+
+def hf_shapes(arch: Architecture) -> dict[str, tuple[int, ...]]:
+    """The full shape of every HF tensor of ``arch`` (``lm_head.weight`` included, tied or not)."""
+    h, v, f, d = arch.hidden_size, arch.vocab_size, arch.ffn_hidden_size, arch.head_dim
+    q, kv = arch.num_attention_heads * d, arch.num_query_groups * d
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v, h), "lm_head.weight": (v, h),
+                                          "model.norm.weight": (h,)}
+    for i in range(arch.num_layers):
+        p = f"model.layers.{i}."
+        shapes.update({p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
+                       p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
+                       p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
+                       p + "mlp.gate_proj.weight": (f, h), p + "mlp.up_proj.weight": (f, h),
+                       p + "mlp.down_proj.weight": (h, f)})
+        if arch.qkv_bias:
+            shapes.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
+                           p + "self_attn.v_proj.bias": (kv,)})
+    return shapes
 
 
 def shard(pm: ParamMap, tensors: Sequence[Tensor], arch: Architecture, tp_rank: int, tp_size: int) -> Tensor:
@@ -180,17 +227,18 @@ def load_hf_state_dict(
     arch: Architecture,
     tp_rank: Optional[int] = None,
     tp_size: Optional[int] = None,
+    stage: Optional[StageLayout] = None,
 ) -> None:
     """Copy an HF state dict into this rank's megatron-core ``model`` (in place, casting to its dtype).
 
-    ``tp_rank``/``tp_size`` default to megatron-core's ``parallel_state``.
+    ``tp_rank``/``tp_size`` and ``stage`` default to megatron-core's ``parallel_state``.
 
     Raises:
         KeyError: the model lacks a parameter the conversion produces, or has one it does not (named).
     """
     tp_rank, tp_size = _tp_rank_size(tp_rank, tp_size)
     params = _mcore_parameters(model)
-    maps = param_maps(arch, transformer_engine=_uses_te(params))
+    maps = param_maps(arch, transformer_engine=_uses_te(params), stage=stage or current_stage(arch))
     expected = {pm.mcore for pm in maps}
     if set(params) != expected:
         raise KeyError(f"megatron-core parameters differ from the conversion's: missing "
@@ -220,19 +268,36 @@ def gather_hf_tensors(
 
 
 def iter_hf_weights(model: torch.nn.Module, arch: Architecture) -> Iterator[tuple[str, Tensor]]:
-    """Yield ``(hf_name, full_tensor)`` for every HF tensor of the megatron-core ``model``, one parameter at a
-    time (so at most one full parameter is gathered at once); with tied embeddings ``lm_head.weight`` comes last
-    (as :func:`lightning_grpo.rollout.engines.hf_weights.hf_weights` does, for vLLM's sake).
+    """Yield ``(hf_name, full_tensor)`` for every HF tensor of the whole model, on every rank, one parameter at a
+    time (so at most one full parameter is gathered at once): each is all-gathered over the TP group of the
+    pipeline stage that holds it and broadcast from that stage over the PP group. With tied embeddings
+    ``lm_head.weight`` comes last (as :func:`lightning_grpo.rollout.engines.hf_weights.hf_weights` does, for vLLM's
+    sake).
 
-    A collective over the tensor-parallel group: every TP rank must iterate it to the end.
+    A collective over the model-parallel (TP x PP) group: every rank of it must iterate it to the end.
     """
     from megatron.core import parallel_state
 
-    group = parallel_state.get_tensor_model_parallel_group() if parallel_state.model_parallel_is_initialized() else None
+    initialized = parallel_state.model_parallel_is_initialized()
+    group = parallel_state.get_tensor_model_parallel_group() if initialized else None
+    pp_size = parallel_state.get_pipeline_model_parallel_world_size() if initialized else 1
+    pp_rank = parallel_state.get_pipeline_model_parallel_rank() if initialized else 0
+    pp_group = parallel_state.get_pipeline_model_parallel_group() if pp_size > 1 else None
     params = _mcore_parameters(model)
+    local = next(iter(params.values()))
+    shapes = hf_shapes(arch) if pp_size > 1 else {}
     embedding = None
-    for pm in param_maps(arch, transformer_engine=_uses_te(params)):
-        for name, tensor in zip(pm.hf, gather_hf_tensors(pm, params[pm.mcore], arch, group), strict=True):
+    for owner, pm in pipeline_param_maps(arch, _uses_te(params), pp_size):
+        if owner == pp_rank:
+            tensors = gather_hf_tensors(pm, params[pm.mcore], arch, group)
+        else:
+            tensors = [torch.empty(shapes[name], dtype=local.dtype, device=local.device) for name in pm.hf]
+        if pp_group is not None:
+            tensors = [t.contiguous() for t in tensors]
+            source = torch.distributed.get_process_group_ranks(pp_group)[owner]
+            for tensor in tensors:
+                torch.distributed.broadcast(tensor, src=source, group=pp_group)
+        for name, tensor in zip(pm.hf, tensors, strict=True):
             if name == "model.embed_tokens.weight":
                 embedding = tensor
             yield name, tensor
@@ -241,97 +306,15 @@ def iter_hf_weights(model: torch.nn.Module, arch: Architecture) -> Iterator[tupl
         yield "lm_head.weight", embedding
 
 
-OPTIMIZER_FORMAT = "megatron-hf"
+def current_stage(arch: Architecture) -> StageLayout:
+    """This rank's pipeline stage from megatron-core's ``parallel_state`` (the whole model when it is not
+    initialised)."""
+    from megatron.core import parallel_state
 
-
-def optimizer_state_to_hf(
-    raw: Mapping[str, Any],
-    params: Sequence[Tensor],
-    names: Sequence[str],
-    maps: Mapping[str, ParamMap],
-    arch: Optional[Architecture],
-    group: Any,
-) -> dict[str, Any]:
-    """An optimizer ``state_dict()`` with the per-parameter tensors of megatron-core parameters gathered into HF
-    names: ``{"state": {name: {...}}, "param_groups": [{..., "params": [name, ...]}], "format": "megatron-hf"}``.
-    A collective over the TP group ``group``.
-
-    Args:
-        raw: ``optimizer.state_dict()`` (states by index, numbered across param groups).
-        params: the optimizer's parameters in that numbering.
-        names: their names; a name in ``maps`` is a megatron-core parameter, any other is kept as it is.
-        maps: :class:`ParamMap` by parameter name.
-        arch: the architecture (used for the names in ``maps``).
-        group: the tensor-parallel process group.
-    """
-    state: dict[str, dict[str, Any]] = {}
-    for index, values in sorted(raw["state"].items()):
-        name, param = names[index], params[index]
-        pm = maps.get(name)
-        hf_names = pm.hf if pm is not None else (name,)
-        per_name: dict[str, dict[str, Any]] = {h: {} for h in hf_names}
-        for key, value in values.items():
-            if pm is not None and torch.is_tensor(value) and value.shape == param.shape and value.dim() > 0:
-                assert arch is not None
-                for h, full in zip(hf_names, gather_hf_tensors(pm, value, arch, group), strict=True):
-                    per_name[h][key] = full.cpu().clone()
-            else:
-                for h in hf_names:
-                    per_name[h][key] = value
-        state.update(per_name)
-    groups = []
-    for g in raw["param_groups"]:
-        group_names: list[str] = []
-        for index in g["params"]:
-            pm = maps.get(names[index])
-            group_names.extend(pm.hf if pm is not None else (names[index],))
-        groups.append({**g, "params": group_names})
-    return {"state": state, "param_groups": groups, "format": OPTIMIZER_FORMAT}
-
-
-def optimizer_state_from_hf(
-    saved: Mapping[str, Any],
-    current: Mapping[str, Any],
-    params: Sequence[Tensor],
-    names: Sequence[str],
-    maps: Mapping[str, ParamMap],
-    arch: Optional[Architecture],
-    tp_rank: int,
-    tp_size: int,
-) -> dict[str, Any]:
-    """The ``state_dict`` to load into an optimizer from one saved by :func:`optimizer_state_to_hf`, with this
-    rank's shards (on each parameter's device).
-
-    Args:
-        saved: the saved optimizer state (``"format": "megatron-hf"``).
-        current: the optimizer's own ``state_dict()`` (its param-group numbering is kept).
-        params, names, maps, arch: as for :func:`optimizer_state_to_hf`.
-        tp_rank, tp_size: this rank's tensor-parallel rank and the TP size.
-
-    Raises:
-        ValueError: an optimizer state in another format (e.g. from a plain, non-Megatron run).
-    """
-    if saved.get("format") != OPTIMIZER_FORMAT:
-        raise ValueError("the checkpoint's optimizer state was not saved by MegatronStrategy (no 'format': "
-                         "'megatron-hf'); resume it with the strategy that saved it or load weights only")
-    state: dict[int, dict[str, Any]] = {}
-    for index, name in enumerate(names):
-        pm = maps.get(name)
-        hf_names = pm.hf if pm is not None else (name,)
-        if hf_names[0] not in saved["state"]:
-            continue
-        entry: dict[str, Any] = {}
-        for key, value in saved["state"][hf_names[0]].items():
-            if pm is not None and torch.is_tensor(value) and value.dim() > 0:
-                assert arch is not None
-                parts = [saved["state"][h][key] for h in hf_names]
-                entry[key] = shard(pm, parts, arch, tp_rank, tp_size).to(params[index].device).clone()
-            else:
-                entry[key] = value
-        state[index] = entry
-    groups = [{**saved_group, "params": group["params"]}
-              for saved_group, group in zip(saved["param_groups"], current["param_groups"], strict=False)]
-    return {"state": state, "param_groups": groups}
+    if not parallel_state.model_parallel_is_initialized():
+        return stage_layout(arch)
+    return stage_layout(arch, parallel_state.get_pipeline_model_parallel_world_size(),
+                        parallel_state.get_pipeline_model_parallel_rank())
 
 
 def _uses_te(params: Mapping[str, Tensor]) -> bool:

@@ -8,12 +8,18 @@ naming the field, rather than building a model that silently computes something 
 The layer spec is megatron-core's local one (``get_gpt_layer_local_spec``: plain torch modules, runs on CPU
 and GPU); :func:`build_gpt_model` uses the Transformer Engine spec only when asked to
 (``use_transformer_engine=True``), which needs CUDA and ``transformer_engine``.
+
+Pipeline parallelism (PP): :func:`stage_layout` splits the ``L`` layers evenly over the ``PP`` stages (stage ``s``
+holds global layers ``[s L/PP, (s+1) L/PP)``, which megatron-core names ``decoder.layers.0 .. L/PP - 1`` locally);
+the first stage also holds the embedding, the last the final norm and the output layer (with tied embeddings and
+PP > 1 a copy of the embedding, kept equal by summing the two gradients, megatron-core's scheme).
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 
@@ -116,6 +122,15 @@ class Architecture:
             padding_idx=getattr(config, "pad_token_id", None),
         )
 
+    def check_pipeline_parallel(self, pipeline_model_parallel_size: int) -> None:
+        """Raise ``ValueError`` unless the layers split evenly over the pipeline stages."""
+        pp = pipeline_model_parallel_size
+        if pp < 1:
+            raise ValueError(f"pipeline_model_parallel_size={pp} must be >= 1")
+        if self.num_layers % pp != 0:
+            raise ValueError(f"config.num_hidden_layers={self.num_layers} is not divisible by "
+                             f"pipeline_model_parallel_size={pp} (every stage holds the same number of layers)")
+
     def check_tensor_parallel(self, tensor_model_parallel_size: int) -> None:
         """Raise ``ValueError`` unless every split dimension divides by the tensor-parallel size: the vocabulary
         (V), the key/value heads (each rank holds whole query groups) and the MLP inner size (F)."""
@@ -135,21 +150,67 @@ def recompute_settings(enabled: bool) -> dict[str, Any]:
     if not enabled:
         return {}
     return dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+@dataclass(frozen=True)
+class StageLayout:
+    """What one pipeline stage holds.
+
+    Attributes:
+        pp_rank: the stage (0-based); pp_size: the number of stages.
+        first_layer: the global index of its first transformer layer; num_layers: how many it holds.
+        pre_process: it holds the embedding (the first stage).
+        post_process: it holds the final norm and the output layer (the last stage).
+    """
+
+    pp_rank: int
+    pp_size: int
+    first_layer: int
+    num_layers: int
+
+    @property
+    def pre_process(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def post_process(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+    @property
+    def layers(self) -> range:
+        """The global indices of its layers."""
+        return range(self.first_layer, self.first_layer + self.num_layers)
+
+
+def stage_layout(arch: Architecture, pp_size: int = 1, pp_rank: int = 0) -> StageLayout:
+    """Stage ``pp_rank`` of ``pp_size`` (even split, see the module docstring).
+
+    Raises:
+        ValueError: the layers do not split evenly, or ``pp_rank`` is not in ``[0, pp_size)``.
+    """
+    arch.check_pipeline_parallel(pp_size)
+    if not 0 <= pp_rank < pp_size:
+        raise ValueError(f"pipeline stage {pp_rank} is not in [0, {pp_size})")
+    per_stage = arch.num_layers // pp_size
+    return StageLayout(pp_rank, pp_size, pp_rank * per_stage, per_stage)
 
 
 def transformer_config(
     arch: Architecture,
     tensor_model_parallel_size: int = 1,
     params_dtype: torch.dtype = torch.float32,
+    pipeline_model_parallel_size: int = 1,
     **overrides: Any,
 ) -> Any:
     """The megatron-core ``TransformerConfig`` of ``arch``: no dropout, no fused kernels (exact on CPU and
     GPU), weights created on CPU without random initialisation (they are loaded from the HF checkpoint).
+    Micro-batches of any shape go through the pipeline schedules (``variable_seq_lengths``: each stage sends
+    the shape before the activations, as GRPO micro-batches are trimmed to their own longest rows).
 
     Args:
         arch: the architecture.
         tensor_model_parallel_size: TP size.
-        params_dtype: dtype of the parameters (float32, bfloat16 or float16).
+        params_dtype: dtype of the parameters (float32, bfloat16 or float16); also the dtype of the activations
+            sent between pipeline stages.
+        pipeline_model_parallel_size: PP size.
         overrides: other ``TransformerConfig`` fields (e.g. ``recompute_granularity="full"``).
     """
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -179,6 +240,11 @@ def transformer_config(
         use_cpu_initialization=True,
         perform_initialization=False,
         tensor_model_parallel_size=tensor_model_parallel_size,
+        pipeline_model_parallel_size=pipeline_model_parallel_size,
+        pipeline_dtype=params_dtype,
+        variable_seq_lengths=True,
+        # megatron-core 0.16 rejects variable_seq_lengths with its default MoE dispatcher even for dense models
+        moe_token_dispatcher_type="alltoall",
         params_dtype=params_dtype,
         bf16=params_dtype == torch.bfloat16,
         fp16=params_dtype == torch.float16,
@@ -192,17 +258,22 @@ def build_gpt_model(
     tensor_model_parallel_size: int = 1,
     params_dtype: torch.dtype = torch.float32,
     use_transformer_engine: bool = False,
+    stage: Optional[StageLayout] = None,
     **overrides: Any,
 ) -> Any:
     """Build this rank's megatron-core ``GPTModel`` for ``arch`` (uninitialised weights: load them with
     :func:`lightning_grpo.strategies.megatron.convert.load_hf_state_dict`).
 
-    ``megatron.core.parallel_state.initialize_model_parallel`` must have been called with the same TP size.
-    The model returns vocab-parallel logits ``(B, S, V / TP)`` (``parallel_output=True``).
+    ``megatron.core.parallel_state.initialize_model_parallel`` must have been called with the same TP and PP
+    sizes. The last stage returns vocab-parallel logits ``(B, S, V / TP)`` (``parallel_output=True``), the others
+    hidden states ``(S, B, H)``.
+
+    Args:
+        stage: this rank's pipeline stage (:func:`stage_layout`); None = the whole model (PP = 1).
 
     Raises:
-        ValueError: the TP size does not divide the model (see :meth:`Architecture.check_tensor_parallel`),
-            or ``use_transformer_engine`` without ``transformer_engine`` installed.
+        ValueError: the TP or PP size does not divide the model (see :meth:`Architecture.check_tensor_parallel`,
+            :func:`stage_layout`), or ``use_transformer_engine`` without ``transformer_engine`` installed.
     """
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_layer_local_spec,
@@ -219,16 +290,41 @@ def build_gpt_model(
         spec = get_gpt_layer_with_transformer_engine_spec()
     else:
         spec = get_gpt_layer_local_spec(normalization="RMSNorm")
-    config = transformer_config(arch, tensor_model_parallel_size, params_dtype, **overrides)
-    return GPTModel(
-        config,
-        spec,
-        vocab_size=arch.vocab_size,
-        max_sequence_length=arch.max_position_embeddings,
-        share_embeddings_and_output_weights=arch.tie_word_embeddings,
-        position_embedding_type="rope",
-        rotary_base=arch.rope_theta,
-        rotary_percent=1.0,
-        parallel_output=True,
-    )
+    stage = stage or stage_layout(arch)
+    config = transformer_config(arch, tensor_model_parallel_size, params_dtype, stage.pp_size, **overrides)
+    with _no_initial_embedding_sync():
+        model = GPTModel(
+            config,
+            spec,
+            vocab_size=arch.vocab_size,
+            max_sequence_length=arch.max_position_embeddings,
+            pre_process=stage.pre_process,
+            post_process=stage.post_process,
+            share_embeddings_and_output_weights=arch.tie_word_embeddings,
+            position_embedding_type="rope",
+            rotary_base=arch.rope_theta,
+            rotary_percent=1.0,
+            parallel_output=True,
+        )
+    layers = len(model.decoder.layers)
+    if layers != stage.num_layers:
+        raise RuntimeError(f"megatron-core built {layers} layers on pipeline stage {stage.pp_rank}, "
+                           f"the conversion expects {stage.num_layers}")
+    return model
+
+
+@contextlib.contextmanager
+def _no_initial_embedding_sync() -> Iterator[None]:
+    """Skip megatron-core's all-reduce that copies the first stage's embedding into the last stage's output layer
+    when the embeddings are tied and PP > 1 (``LanguageModule.setup_embeddings_and_output_layer``, which also
+    moves that weight with ``.cuda()``): both are loaded from the HF checkpoint right after construction. The
+    ``shared``/``shared_embedding`` marks it sets are kept."""
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+
+    original = LanguageModule._is_in_embd_group
+    LanguageModule._is_in_embd_group = lambda self: False  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        LanguageModule._is_in_embd_group = original  # type: ignore[method-assign]
 

@@ -2,28 +2,27 @@
 
 :class:`MegatronPolicy` replaces ``GRPOModule.policy`` under
 :class:`lightning_grpo.strategies.megatron.strategy.MegatronStrategy`: ``GRPOModule.completion_logprobs`` dispatches to
-:meth:`MegatronPolicy.completion_logprobs` (vocab-parallel, no full-vocabulary gather), and the HF model it
-was converted from is kept (outside the module tree, so neither optimized nor checkpointed twice) as the
-rollout/export copy that :meth:`MegatronPolicy.sync_hf_model` refreshes from the trained weights.
+:meth:`MegatronPolicy.completion_logprobs` (vocab-parallel, no full-vocabulary gather; with pipeline parallelism a
+forward-only pipeline schedule whose result every stage gets), and the HF model it was converted from is kept
+(outside the module tree, so neither optimized nor checkpointed twice) as the rollout/export copy that
+:meth:`MegatronPolicy.sync_hf_model` refreshes from the trained weights. As an
+:class:`~lightning_grpo.rollout.engines.hf_weights.HFWeightSource` it streams its weights in HF names to the engines
+that load them by name (colocated vLLM, the rollout servers), gathered one tensor at a time.
 """
 
 from __future__ import annotations
 
-from typing import Any, Iterator, Optional
+from dataclasses import dataclass
+from typing import Any, Iterator, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
 
-from lightning_grpo.rollout.engines.hf_weights import lora_layers
-from lightning_grpo.strategies.megatron.convert import iter_hf_weights, load_hf_state_dict, param_maps
+from lightning_grpo.rollout.engines.hf_weights import HFWeightSource, lora_layers
+from lightning_grpo.strategies.megatron.convert import current_stage, iter_hf_weights, load_hf_state_dict, param_maps
 from lightning_grpo.strategies.megatron.logprobs import vocab_parallel_logprobs
-from lightning_grpo.strategies.megatron.model import Architecture, build_gpt_model
-
-
-def causal_mask(length: int, device: torch.device) -> Tensor:
-    """megatron-core's attention mask for a causal sequence: ``(1, 1, S, S)`` bool, True where a query may
-    NOT attend (keys after it)."""
-    return torch.triu(torch.ones(length, length, dtype=torch.bool, device=device), diagonal=1)[None, None]
+from lightning_grpo.strategies.megatron.model import Architecture, StageLayout, build_gpt_model
+from lightning_grpo.strategies.megatron.pipeline import causal_mask, keep_positions, run_schedule, sequence_layout
 
 
 def _padding_idx_hook(padding_idx: int) -> Any:
@@ -38,40 +37,50 @@ def _padding_idx_hook(padding_idx: int) -> Any:
     return hook
 
 
-def _mark_tensor_parallel(model: nn.Module, arch: Architecture) -> None:
+def _mark_tensor_parallel(model: nn.Module, arch: Architecture, stage: StageLayout) -> None:
     """Set megatron-core's ``tensor_model_parallel`` / ``partition_dim`` attributes on every parameter (megatron-core
     only sets them when it initialises the weights itself, which :func:`build_gpt_model` skips): True for
     parameters split over TP ranks, False for replicated ones (the RMSNorm weights)."""
     params = dict(model.named_parameters())
     transformer_engine = any(name.endswith("layer_norm_weight") for name in params)
-    for pm in param_maps(arch, transformer_engine):
+    for pm in param_maps(arch, transformer_engine, stage):
         param = params[pm.mcore]
         param.tensor_model_parallel = pm.kind != "replicated"
         param.partition_dim = 1 if pm.kind == "row" else 0 if pm.kind != "replicated" else -1
         param.partition_stride = 1
 
 
-class MegatronPolicy(nn.Module):
-    """A megatron-core ``GPTModel`` (this rank's tensor-parallel shard) converted from an HF causal LM.
+class MegatronPolicy(nn.Module, HFWeightSource):
+    """A megatron-core ``GPTModel`` (this rank's tensor-parallel shard of its pipeline stage) converted from an HF
+    causal LM.
 
     Args:
         model: the ``GPTModel`` (see :func:`lightning_grpo.strategies.megatron.model.build_gpt_model`).
         arch: its architecture.
         hf_model: the HF model it mirrors (rollouts, export); not registered as a submodule.
+        stage: the pipeline stage ``model`` is (default: megatron-core's ``parallel_state``).
+
+    Attributes:
+        ddp: megatron-core's ``DistributedDataParallel`` wrapper of ``model`` (its gradient buffers, for the
+            distributed optimizer), or None; outside the module tree. The training schedule runs through it.
 
     Use :meth:`from_hf` to build one.
     """
 
-    def __init__(self, model: nn.Module, arch: Architecture, hf_model: Optional[nn.Module] = None) -> None:
+    def __init__(self, model: nn.Module, arch: Architecture, hf_model: Optional[nn.Module] = None,
+                 stage: Optional[StageLayout] = None) -> None:
         super().__init__()
         self.model = model
         self.arch = arch
+        self.stage = stage or current_stage(arch)
         self._hf: list[nn.Module] = [hf_model] if hf_model is not None else []
+        self._ddp: list[nn.Module] = []
+        self._updates = 0  # optimizer steps taken (MegatronStrategy counts them: see mark_updated)
         self._hf_fingerprint: Optional[int] = self._fingerprint() if hf_model is not None else None
         self._hf_loaded = hf_model is not None
-        if arch.padding_idx is not None:
+        if arch.padding_idx is not None and self.stage.pre_process:
             model.embedding.word_embeddings.register_forward_hook(_padding_idx_hook(arch.padding_idx))
-        _mark_tensor_parallel(model, arch)
+        _mark_tensor_parallel(model, arch, self.stage)
 
     @classmethod
     def from_hf(
@@ -105,9 +114,24 @@ class MegatronPolicy(nn.Module):
                              "or a single device")
         arch = Architecture.from_hf_config(hf_model.config)
         dtype = params_dtype or next(hf_model.parameters()).dtype
-        model = build_gpt_model(arch, tensor_model_parallel_size, dtype, use_transformer_engine, **config_overrides)
-        load_hf_state_dict(model, hf_model.state_dict(), arch)
-        return cls(model, arch, hf_model)
+        stage = current_stage(arch)
+        model = build_gpt_model(arch, tensor_model_parallel_size, dtype, use_transformer_engine, stage=stage,
+                                **config_overrides)
+        load_hf_state_dict(model, hf_model.state_dict(), arch, stage=stage)
+        return cls(model, arch, hf_model, stage)
+
+    @property
+    def ddp(self) -> Optional[nn.Module]:
+        return self._ddp[0] if self._ddp else None
+
+    def set_ddp(self, wrapper: Optional[nn.Module]) -> None:
+        """Set :attr:`ddp` (kept outside the module tree: ``nn.Module.__setattr__`` would register it)."""
+        self._ddp = [wrapper] if wrapper is not None else []
+
+    @property
+    def schedule_model(self) -> nn.Module:
+        """What the forward-backward schedules run: the DDP wrapper when there is one, else the ``GPTModel``."""
+        return self.ddp if self.ddp is not None else self.model
 
     # ------------------------------------------------------------------ forward
     def forward(self, input_ids: Tensor) -> Tensor:
@@ -128,8 +152,11 @@ class MegatronPolicy(nn.Module):
 
         Each row's prompt (left-padded in ``batch``) is moved to start at position 0, followed by its
         completion, so positions and the causal mask are those of the unpadded sequence, as in the HF path
-        with ``position_ids = cumsum(attention_mask) - 1``. Only the hidden states of the positions that
-        predict completion tokens go through the output layer.
+        with ``position_ids = cumsum(attention_mask) - 1`` (:func:`~lightning_grpo.strategies.megatron.pipeline.
+        sequence_layout`). Only the hidden states of the positions that predict completion tokens go through the
+        output layer. With pipeline parallelism (PP > 1) this is a forward-only pipeline schedule (no grad; the
+        training step goes through ``MegatronStrategy.train_step``) whose result every stage returns: a
+        collective over the model-parallel group.
 
         Args:
             batch: an :class:`lightning_grpo.training.experience.Experience` (``prompt_ids``/``prompt_mask`` ``(B, P)``,
@@ -143,30 +170,37 @@ class MegatronPolicy(nn.Module):
 
         Raises:
             ValueError: a row has an empty prompt.
+            RuntimeError: PP > 1 with grad enabled.
         """
-        prompt_ids, prompt_mask, completion_ids = batch.prompt_ids, batch.prompt_mask, batch.completion_ids
-        b, p = prompt_ids.shape
-        t = completion_ids.shape[1]
-        prompt_lengths = prompt_mask.sum(dim=1)  # [B]
-        if (prompt_lengths == 0).any():
-            raise ValueError(f"rows {(prompt_lengths == 0).nonzero().flatten().tolist()} have an empty prompt")
-        combined = torch.cat([prompt_ids, completion_ids], dim=1)  # [B, P+T]
-        offset = (p - prompt_lengths).unsqueeze(1)  # [B, 1] left padding of each row
-        source = (torch.arange(p + t, device=combined.device).unsqueeze(0) + offset).clamp(max=p + t - 1)
-        tokens = combined.gather(1, source)  # [B, P+T]: prompt from position 0, then completion, then filler
-        predicting = (prompt_lengths - 1).unsqueeze(1) + torch.arange(t, device=combined.device)  # [B, T]
-
-        def keep_predicting_positions(module: nn.Module, args: tuple) -> tuple:
-            hidden = args[0]  # [S, B, H]
-            index = predicting.t().unsqueeze(-1).expand(t, b, hidden.shape[-1])  # [T, B, H]
-            return (hidden.gather(0, index),) + tuple(args[1:])
-
-        handle = self.model.output_layer.register_forward_pre_hook(keep_predicting_positions)
+        if self.stage.pp_size > 1:
+            if torch.is_grad_enabled():
+                raise RuntimeError("MegatronPolicy.completion_logprobs with pipeline parallelism runs forward only "
+                                   "(no grad): train through MegatronStrategy.train_step")
+            (payload,) = run_schedule(self.model, [batch], temperature, with_entropy=with_entropy)
+            return payload["logprobs"], payload["entropy"]
+        tokens, predicting = sequence_layout(batch)
+        handle = self.model.output_layer.register_forward_pre_hook(keep_positions(predicting))
         try:
             logits = self.forward(tokens)  # [B, T, V/TP]
         finally:
             handle.remove()
-        return vocab_parallel_logprobs(logits, completion_ids, temperature, with_entropy=with_entropy)
+        return vocab_parallel_logprobs(logits, batch.completion_ids, temperature, with_entropy=with_entropy)
+
+    @torch.no_grad()
+    def teacher_forced_logprobs(self, sequences: Sequence[Sequence[int]]) -> Tensor:
+        """``(S, L - 1)`` float32 CPU logprobs of each token of the ``S`` equal-length sequences given the ones
+        before it (temperature 1, untruncated, the full vocabulary): the rollout server's post-sync probe, scored
+        by the trained shards. A collective over the model-parallel group."""
+        device = next(self.model.parameters()).device
+        ids = torch.tensor([list(s) for s in sequences], dtype=torch.long, device=device)  # [S, L]
+        probe = _Probe(ids[:, :1], torch.ones_like(ids[:, :1]), ids[:, 1:])
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            logprobs, _ = self.completion_logprobs(probe, temperature=1.0)
+        finally:
+            self.model.train(was_training)
+        return logprobs.float().cpu()
 
     # ------------------------------------------------------------- HF weights
     @property
@@ -180,9 +214,13 @@ class MegatronPolicy(nn.Module):
         return getattr(self.hf_model, "config", None)
 
     def iter_hf_weights(self) -> Iterator[tuple[str, Tensor]]:
-        """``(hf_name, full_tensor)`` pairs of the current weights (a TP collective, see
+        """``(hf_name, full_tensor)`` pairs of the current weights (a model-parallel collective, see
         :func:`lightning_grpo.strategies.megatron.convert.iter_hf_weights`)."""
         return iter_hf_weights(self.model, self.arch)
+
+    def hf_weights(self) -> Iterator[tuple[str, Tensor]]:
+        """:meth:`iter_hf_weights` (:class:`~lightning_grpo.rollout.engines.hf_weights.HFWeightSource`)."""
+        return self.iter_hf_weights()
 
     @torch.no_grad()
     def sync_hf_model(self, load: bool = True) -> None:
@@ -223,6 +261,24 @@ class MegatronPolicy(nn.Module):
         assert self.hf_model is not None
         self.hf_model.save_pretrained(path, **kwargs)
 
+    def mark_updated(self) -> None:
+        """An optimizer step changed the weights (also those written into by collectives, which leave the
+        parameters' version counters alone: the distributed optimizer's all-gather)."""
+        self._updates += 1
+
     def _fingerprint(self) -> int:
-        """Sum of the parameters' in-place version counters (optimizers update weights in place)."""
-        return sum(p._version for p in self.model.parameters())
+        """Sum of the parameters' in-place version counters (optimizers update weights in place) and of the steps
+        counted by :meth:`mark_updated`."""
+        return sum(p._version for p in self.model.parameters()) + self._updates
+
+
+@dataclass
+class _Probe:
+    """The fields of an Experience that :meth:`MegatronPolicy.completion_logprobs` reads."""
+
+    prompt_ids: Tensor
+    prompt_mask: Tensor
+    completion_ids: Tensor
+
+    def __len__(self) -> int:
+        return self.completion_ids.shape[0]

@@ -1,19 +1,40 @@
-"""Rollouts for a tensor-parallel Megatron policy: generate with an HF-format engine on TP rank 0, share the
-result with the other TP ranks.
+"""Rollouts for a Megatron policy (tensor- and pipeline-parallel shards): generate on the first rank of each
+model-parallel group, share the result with the group's other ranks.
 
-The rollout engines take HF-format weights (the HF engine generates with an HF model; vLLM loads
-``(hf_name, tensor)`` pairs). :class:`TensorParallelRolloutEngine` keeps the policy's HF copy current by
-gathering the megatron-core shards into it
-(:meth:`lightning_grpo.strategies.megatron.policy.MegatronPolicy.sync_hf_model`,
-the same path a vLLM weight sync uses), runs the wrapped engine on tensor-parallel rank 0 of each data-parallel
-group and broadcasts its :class:`~lightning_grpo.rollout.base.RolloutOutput` to the group's other TP ranks, so
-every TP rank trains on the same completions. Data-parallel groups generate on their own prompts.
+The rollout engines take HF-format weights. :class:`TensorParallelRolloutEngine` feeds each kind of engine the
+policy's weights gathered from the shards one tensor at a time
+(:meth:`lightning_grpo.strategies.megatron.policy.MegatronPolicy.iter_hf_weights`, a collective over the
+model-parallel group):
+
+- HF ``generate`` (:class:`~lightning_grpo.rollout.engines.hf.HFRolloutEngine`): the policy's HF copy is refreshed
+  from the gathered weights whenever they changed (:meth:`MegatronPolicy.sync_hf_model`; only the generating rank
+  keeps them) and generates.
+- colocated vLLM (:class:`~lightning_grpo.rollout.engines.vllm.VLLMRolloutEngine`): the generating rank's engine
+  loads the gathered tensors as they come (``reload_weights``; the tied ``lm_head`` included); the other ranks of
+  the group take part in the gathers only. Their engines (made by ``GRPOModule.setup`` on every rank, before the
+  backend converts the policy) stay idle: closing a colocated vLLM engine mid-run would destroy the trainer's
+  process groups (vLLM's shutdown tears down ``torch.distributed``).
+- rollout servers (:class:`~lightning_grpo.rollout.engines.remote.VLLMServerEngine`): every rank calls its
+  ``sync_weights`` with the policy (global rank 0 streams the gathered tensors to the servers while the others
+  gather along; the post-sync probe is scored by the shards).
+
+Which path an engine takes is read from its declared capabilities (``uses_policy_parameters``: the HF copy;
+``sync_is_collective``: every rank syncs; otherwise the generating rank's engine gets the policy, an
+:class:`~lightning_grpo.rollout.engines.hf_weights.HFWeightSource` whose tensors are gathered as they are read).
+
+The generating rank's :class:`~lightning_grpo.rollout.base.RolloutOutput` is broadcast over a process group of the
+model-parallel group's ranks made for rollouts only, so every rank trains on the same completions; data-parallel
+replicas generate on their own prompts. With asynchronous rollouts (``max_staleness > 0``) ``generate`` runs on a
+background thread: it then only generates and broadcasts (on that dedicated group, never interleaved with the
+training collectives); the HF copy is refreshed in :meth:`TensorParallelRolloutEngine.wake_up`, which the rollout
+worker calls on the trainer's thread before each rollout.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
+import threading
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -22,72 +43,99 @@ from lightning_grpo.strategies.megatron.policy import MegatronPolicy
 
 
 class TensorParallelRolloutEngine(EngineWrapper):
-    """Wraps a rollout engine for a :class:`MegatronPolicy` (see the module docstring). ``wake_up``, ``sleep``,
-    ``close`` and ``pad_token_id`` are the wrapped engine's (:class:`~lightning_grpo.rollout.base.EngineWrapper`).
+    """Wraps a rollout engine for a :class:`MegatronPolicy` (see the module docstring). ``pad_token_id`` is the
+    wrapped engine's.
 
     Args:
         engine: the HF-format engine (its model is ``policy.hf_model`` for the HF engine).
         policy: the Megatron policy whose weights the engine samples from.
+        group: the process group of this rank's model-parallel group for the rollout broadcasts; None = megatron-core's
+            model-parallel group (then asynchronous rollouts must not be used).
     """
 
-    def __init__(self, engine: RolloutEngine, policy: MegatronPolicy) -> None:
+    def __init__(self, engine: RolloutEngine, policy: MegatronPolicy, group: Any = None) -> None:
         super().__init__(engine)
         self.policy = policy
+        self.group = group
+        self.generates = self._group_rank() == 0
 
+    # ------------------------------------------------------------------ weights
     def sync_weights(self, model: torch.nn.Module) -> None:
-        """Gather the trained weights into the HF copy (a TP collective) and push them into the wrapped engine
-        (a no-op for the HF engine, which generates with that copy)."""
-        self._sync_hf_model()
-        if self._tp_rank() == 0:
-            assert self.policy.hf_model is not None
-            self.engine.sync_weights(self.policy.hf_model)
+        """Push the trained weights into the engine (see the module docstring). A collective over the
+        model-parallel group (every rank, for the rollout servers)."""
+        if self.engine.uses_policy_parameters:  # HF generate: it generates with the refreshed HF copy
+            self._sync_hf_model()
+        elif self.engine.sync_is_collective:  # the rollout servers: rank 0 streams, the others gather along
+            self.engine.sync_weights(self.policy)
+        elif self.generates:  # an engine of this process (colocated vLLM): the policy as an HFWeightSource
+            self.engine.sync_weights(self.policy)
+        else:
+            for _ in self.policy.iter_hf_weights():  # the gathers are collectives
+                pass
 
+    def wake_up(self) -> None:
+        """Refresh the HF copy if the weights changed (HF engine; a collective over the model-parallel group), then
+        the wrapped engine's ``wake_up``."""
+        if self.engine.uses_policy_parameters and self._any_stale():
+            self._sync_hf_model()
+        self.engine.wake_up()
+
+    # ------------------------------------------------------------------ generation
     def generate(
         self, prompt_ids: Sequence[Sequence[int]], num_generations: int, sampling: SamplingConfig
     ) -> RolloutOutput:
-        """Generate on TP rank 0 (after refreshing the HF copy if the weights changed, for the HF engine) and
-        broadcast the result over the TP group. A TP collective: every TP rank calls it with the same prompts."""
-        if self.engine.uses_policy_parameters and self._any_stale():
+        """Generate on the group's first rank and broadcast the result over the group. A collective over the
+        model-parallel group: every rank calls it with the same prompts. On the trainer's thread the HF copy is
+        refreshed first if the weights changed (HF engine)."""
+        on_main = threading.current_thread() is threading.main_thread()
+        if on_main and self.engine.uses_policy_parameters and self._any_stale():
             self._sync_hf_model()
-        from megatron.core import parallel_state
-
-        out = self.engine.generate(prompt_ids, num_generations, sampling) if self._tp_rank() == 0 else None
-        if parallel_state.get_tensor_model_parallel_world_size() == 1:
+        out = self.engine.generate(prompt_ids, num_generations, sampling) if self.generates else None
+        if self._group_size() == 1:
             assert out is not None
             return out
         if out is not None:  # CUDA tensors would be unpickled onto the sender's device: send them on CPU
             out = dataclasses.replace(out, **{f.name: getattr(out, f.name).cpu() for f in dataclasses.fields(out)
                                               if isinstance(getattr(out, f.name), torch.Tensor)})
         box = [out]
-        torch.distributed.broadcast_object_list(
-            box, src=parallel_state.get_tensor_model_parallel_src_rank(),
-            group=parallel_state.get_tensor_model_parallel_group(),
-        )
+        group = self._group()
+        torch.distributed.broadcast_object_list(box, src=torch.distributed.get_process_group_ranks(group)[0],
+                                                group=group)
         return box[0]
 
+    # ------------------------------------------------------------------ helpers
     def _sync_hf_model(self) -> None:
-        self.policy.sync_hf_model(load=self._tp_rank() == 0)
+        self.policy.sync_hf_model(load=self.generates)
 
     def _any_stale(self) -> bool:
-        """Whether any TP rank sees weights newer than the HF copy (agreed over the TP group, so that either all
-        or none take part in the gathering collective)."""
-        from megatron.core import parallel_state
-
+        """Whether any rank of the group sees weights newer than the HF copy (agreed over the group, so that either
+        all or none take part in the gathering collective)."""
         stale = torch.tensor([0.0 if self.policy.hf_model_is_current() else 1.0])
-        if parallel_state.get_tensor_model_parallel_world_size() > 1:
-            group = parallel_state.get_tensor_model_parallel_group()
+        if self._group_size() > 1:
+            group = self._group()
             stale = stale.to(_group_device(group))
             torch.distributed.all_reduce(stale, op=torch.distributed.ReduceOp.MAX, group=group)
         return bool(stale.item() > 0)
 
-    @staticmethod
-    def _tp_rank() -> int:
+    def _group(self) -> Any:
+        if self.group is not None:
+            return self.group
         from megatron.core import parallel_state
 
-        return parallel_state.get_tensor_model_parallel_rank()
+        return parallel_state.get_model_parallel_group()
+
+    def _group_size(self) -> int:
+        if not torch.distributed.is_initialized():
+            return 1
+        return torch.distributed.get_world_size(self._group())
+
+    def _group_rank(self) -> int:
+        if not torch.distributed.is_initialized():
+            return 0
+        return torch.distributed.get_rank(self._group())
 
 
-def _group_device(group: Any) -> torch.device:
+def _group_device(group: Optional[Any]) -> torch.device:
     """The device collectives on ``group`` use: the current CUDA device for NCCL, else CPU."""
     if torch.distributed.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())

@@ -1,0 +1,65 @@
+"""A rollout server (``python -m lightning_grpo.cli serve``, real vLLM) in a subprocess, for the tests that need one
+(``tests/rollout/test_vllm_server.py``, ``tests/strategies/test_megatron_engines.py``)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+from _dist_utils import free_port
+
+from lightning_grpo.rollout.server.client import RolloutServerError, ServerClient
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+class Server:
+    """``python -m lightning_grpo.cli serve`` on a free port, its output in ``log``."""
+
+    def __init__(self, model: str, log: Path) -> None:
+        self.model, self.log, self.port = model, log, free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen | None = None
+        self.start()
+
+    def start(self) -> dict:
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+               "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+        command = [sys.executable, "-m", "lightning_grpo.cli", "serve", "--model", self.model, "--host", "127.0.0.1",
+                   "--port", str(self.port), "--kv-cache-space-gib", "1", "--max-model-len", "512"]
+        self.proc = subprocess.Popen(command, cwd=str(REPO), env=env, stdout=open(self.log, "a"),
+                                     stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"the server exited with {self.proc.returncode}:\n{self.log.read_text()[-6000:]}")
+            try:
+                return ServerClient(self.url, 2).request("GET", "/health", retry=False)
+            except RolloutServerError:
+                time.sleep(0.5)
+        raise AssertionError(f"the server did not start within 300 s:\n{self.log.read_text()[-6000:]}")
+
+    def health(self) -> dict:
+        return ServerClient(self.url, 30).request("GET", "/health")
+
+    def probe(self, sequences) -> torch.Tensor:
+        answer = ServerClient(self.url, 60).request("POST", "/probe_logprobs", {"sequences": sequences})
+        return torch.tensor(answer["logprobs"])
+
+    def kill(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(30)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.kill()
