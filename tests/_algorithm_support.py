@@ -9,6 +9,7 @@ from typing import Optional, Sequence
 
 import lightning as L
 import torch
+from _fixtures import make_cpu_trainer
 from lightning.pytorch.callbacks import Callback
 
 from lightning_grpo.rollout.base import RolloutOutput, SamplingConfig, completion_mask_from_eos
@@ -86,11 +87,9 @@ def write_prompts(path: Path, count: int = 16) -> str:
 
 
 def quiet_trainer(root: Path, max_steps: int, **kwargs) -> L.Trainer:
+    """:func:`_fixtures.make_cpu_trainer` without a logger, checkpoints or sanity validation."""
     kwargs.setdefault("logger", False)
-    return L.Trainer(
-        max_steps=max_steps, accelerator="cpu", devices=1, enable_progress_bar=False, enable_model_summary=False,
-        enable_checkpointing=False, default_root_dir=str(root), num_sanity_val_steps=0, **kwargs,
-    )
+    return make_cpu_trainer(root, max_steps, enable_checkpointing=False, num_sanity_val_steps=0, **kwargs)
 
 
 class Recorder(Callback):

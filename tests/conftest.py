@@ -59,3 +59,37 @@ def tiny_reward_model_path(tmp_path_factory, smollm2_path) -> str:
     from lightning_grpo.models.testing import save_tiny_reward_model
 
     return save_tiny_reward_model(tmp_path_factory.mktemp("tiny_reward_model"), smollm2_path)
+
+
+@pytest.fixture
+def cpu_trainer(tmp_path):
+    """A factory ``cpu_trainer(max_steps=-1, root=tmp_path, **trainer_kwargs) -> L.Trainer``: one CPU process, no
+    progress bar or model summary, a ``CSVLogger(root, name="logs")`` logging every step unless ``logger`` is given
+    (:func:`_fixtures.make_cpu_trainer`)."""
+    from _fixtures import make_cpu_trainer
+
+    def make(max_steps: int = -1, root=None, **kwargs):
+        return make_cpu_trainer(tmp_path if root is None else root, max_steps, **kwargs)
+
+    return make
+
+
+@pytest.fixture
+def metrics_rows(tmp_path):
+    """A reader ``metrics_rows(where=None, root=tmp_path) -> list[dict]``: the rows of the one ``metrics.csv`` under
+    ``root``, only those with a value in the column ``where`` when given (:func:`_fixtures.read_metrics_rows`)."""
+    from _fixtures import read_metrics_rows
+
+    def read(where=None, root=None):
+        return read_metrics_rows(tmp_path if root is None else root, where)
+
+    return read
+
+
+@pytest.fixture
+def alternating_reward():
+    """The reward function 1, 0, 1, 0, ... by position (:func:`_fixtures.alternating_reward`; its metrics are named
+    ``rewards/alternating_reward/mean``)."""
+    from _fixtures import alternating_reward as reward
+
+    return reward

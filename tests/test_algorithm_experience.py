@@ -1,15 +1,15 @@
 """make_experience and compute_loss on a tiny random Llama with fixed completions: reward shaping, masking,
 RLOO, KL in the reward, reward-function errors, dynamic sampling bookkeeping, TIS and padding invariance.
 
-A Trainer is attached without fitting (``module.trainer = trainer``), so no optimizer step runs: these tests see
-exactly one rollout."""
+No Trainer: ``GRPOModule`` binds a single-process ``RolloutContext`` when it is built, so ``make_experience`` and
+``compute_loss`` run on the module alone; no optimizer step runs, so these tests see exactly one rollout."""
 
 import dataclasses
 import math
 
 import pytest
 import torch
-from _algorithm_support import FixedRolloutEngine, fixed_completions, quiet_trainer
+from _algorithm_support import FixedRolloutEngine, fixed_completions
 
 from lightning_grpo import GRPOConfig, GRPOModule
 from lightning_grpo import functional as F
@@ -26,23 +26,23 @@ def style(prompts, completions, **kwargs):
     return [None, None, None, 0.25, 0.0, 0.0, 0.0, 0.0][: len(completions)]
 
 
-def _module(path, tmp_path, lengths=(7, 2, 5, 5, 3, 3, 3, 6), reward_funcs=(accuracy, style), sampler=None,
+def _module(path, lengths=(7, 2, 5, 5, 3, 3, 3, 6), reward_funcs=(accuracy, style), sampler=None,
             **config):
     config = {"num_generations": 4, "max_new_tokens": 6, **config}
     module = GRPOModule(path, reward_funcs=list(reward_funcs), config=GRPOConfig(**config), export_dir="",
                         reward_weights=[1.0, 2.0][: len(reward_funcs)] if len(reward_funcs) <= 2 else None)
     eos = module.tokenizer.eos_token_id
     module.rollout_engine = FixedRolloutEngine(fixed_completions(lengths, 6, eos), eos, sampler)
-    module.trainer = quiet_trainer(tmp_path, 1)
     return module
 
 
-def test_shaping_masking_and_rloo_golden(tiny_llama_path, tmp_path):
+def test_shaping_masking_and_rloo_golden(tiny_llama_path):
     module = _module(
-        tiny_llama_path, tmp_path, overlong_buffer=2, reward_scale=2.0, reward_bias=-1.0, reward_clip=1.5,
+        tiny_llama_path, overlong_buffer=2, reward_scale=2.0, reward_bias=-1.0, reward_clip=1.5,
         mask_truncated_completions=True, advantage_estimator="rloo", scale_rewards="none",
     )
     experience = module.make_experience(PROMPTS)
+    assert module._trainer is None  # no Trainer anywhere: the module's default single-process context
     # lengths [6 (no EOS), 2, 5, 5 | 3, 3, 3, 6]; overlong (L_max 6, L_cache 2): [-1, 0, -0.5, -0.5 | 0, 0, 0, -1]
     # weighted rewards (accuracy + 2 * style): [1, 0, missing, 1.0 | 1, 1, 1, 1]
     # + overlong: [0, 0, -, 0.5 | 1, 1, 1, 0]; 2r - 1 clipped to 1.5: [-1, -1, -, 0 | 1, 1, 1, -1]
@@ -62,8 +62,8 @@ def test_shaping_masking_and_rloo_golden(tiny_llama_path, tmp_path):
     assert metrics["reward_shaped"] == pytest.approx((-1 - 1 + 0 + 1 + 1 + 1 - 1) / 7)
 
 
-def test_group_std_advantages_golden_with_a_missing_reward(tiny_llama_path, tmp_path):
-    module = _module(tiny_llama_path, tmp_path)
+def test_group_std_advantages_golden_with_a_missing_reward(tiny_llama_path):
+    module = _module(tiny_llama_path)
     experience = module.make_experience(PROMPTS)
     # group 1 rewards [1, 0, -, 1.0]: mean 2/3, unbiased std sqrt(1/3); group 2 constant -> 0
     std = math.sqrt(1 / 3) + 1e-4
@@ -72,8 +72,8 @@ def test_group_std_advantages_golden_with_a_missing_reward(tiny_llama_path, tmp_
     assert experience.completion_mask[2].sum() == 0 and experience.completion_mask[0].sum() == 6
 
 
-def test_kl_in_reward_is_subtracted_before_advantages(tiny_llama_path, tmp_path):
-    module = _module(tiny_llama_path, tmp_path, beta=0.5, kl_in_reward=True, kl_estimator="k1", scale_rewards="none")
+def test_kl_in_reward_is_subtracted_before_advantages(tiny_llama_path):
+    module = _module(tiny_llama_path, beta=0.5, kl_in_reward=True, kl_estimator="k1", scale_rewards="none")
     with torch.no_grad():  # a reference that differs from the policy
         for p in module.ref_model.parameters():
             p.add_(0.05 * torch.randn_like(p))
@@ -94,16 +94,16 @@ def test_kl_in_reward_is_subtracted_before_advantages(tiny_llama_path, tmp_path)
     assert output.kl is None  # no KL term in the loss
 
 
-def test_a_raising_reward_function_stops_unless_tolerant(tiny_llama_path, tmp_path):
+def test_a_raising_reward_function_stops_unless_tolerant(tiny_llama_path):
     def judge(prompts, completions, **kwargs):
         return [1.0 / (int(c.split()[-1]) - 5) for c in completions]  # "completion 5" (sample 5) divides by 0
 
-    module = _module(tiny_llama_path, tmp_path, reward_funcs=[accuracy, judge])
+    module = _module(tiny_llama_path, reward_funcs=[accuracy, judge])
     with pytest.raises(RuntimeError, match="reward function 'judge' raised ZeroDivisionError on sample 5"):
         module.make_experience(PROMPTS)
     tolerant = GRPOModule(tiny_llama_path, reward_funcs=[accuracy, judge], tolerant_reward_funcs=["judge"],
                           config=GRPOConfig(num_generations=4, max_new_tokens=6), export_dir="")
-    tolerant.rollout_engine, tolerant.trainer = module.rollout_engine, module.trainer
+    tolerant.rollout_engine = module.rollout_engine
     experience = tolerant.make_experience(PROMPTS)
     # judge is missing everywhere: the reward is accuracy alone, and the all-missing sample 2 has no loss
     assert torch.isfinite(experience.advantages).all() and experience.completion_mask[2].sum() == 0
@@ -113,7 +113,7 @@ def test_a_raising_reward_function_stops_unless_tolerant(tiny_llama_path, tmp_pa
         GRPOModule(tiny_llama_path, reward_funcs=[accuracy], config=GRPOConfig(num_generations=2, primary_reward="acc"))
 
 
-def test_dynamic_sampling_generates_more_batches_and_fills_when_the_limit_is_hit(tiny_llama_path, tmp_path):
+def test_dynamic_sampling_generates_more_batches_and_fills_when_the_limit_is_hit(tiny_llama_path):
     def primary(prompts, completions, answer, **kwargs):
         # prompts whose answer is "even" get 1, 0, 1, 0 (informative); the others all 0 (dropped)
         return [float(a == "even" and i % 2 == 0) for i, a in enumerate(answer)]
@@ -121,7 +121,7 @@ def test_dynamic_sampling_generates_more_batches_and_fills_when_the_limit_is_hit
     def length(prompts, completions, **kwargs):
         return [0.01 * i for i in range(len(completions))]  # varies in every group: the filter must ignore it
 
-    module = _module(tiny_llama_path, tmp_path, lengths=[3] * 8, reward_funcs=[primary, length],
+    module = _module(tiny_llama_path, lengths=[3] * 8, reward_funcs=[primary, length],
                      dynamic_sampling=True, max_num_gen_batches=3)
     batches = iter([{"prompt": ["c", "d"], "answer": ["odd", "even"]},
                     {"prompt": ["e", "f"], "answer": ["even", "odd"]}])
@@ -138,21 +138,21 @@ def test_dynamic_sampling_generates_more_batches_and_fills_when_the_limit_is_hit
     assert metrics["dynamic_sampling/dropped_groups"] == 4 and metrics["dynamic_sampling/filled_groups"] == 0
     assert metrics["rewards/primary/mean"] == pytest.approx(0.5)  # only informative groups were kept
     # the limit: one batch of uninformative groups only -> filled with them, logged
-    module = _module(tiny_llama_path, tmp_path, lengths=[3] * 8, reward_funcs=[primary, length],
+    module = _module(tiny_llama_path, lengths=[3] * 8, reward_funcs=[primary, length],
                      dynamic_sampling=True, max_num_gen_batches=1)
     experience = module.make_experience({"prompt": ["a", "b"], "answer": ["odd", "odd"]}, next_prompt_batch)
     assert len(calls) == 2 and len(experience) == 8  # no further prompt batch was requested
     assert experience.metrics["dynamic_sampling/filled_groups"] == 2
     # exhausted data: next_prompt_batch returns None -> the batch is filled with what there is
-    module = _module(tiny_llama_path, tmp_path, lengths=[3] * 8, reward_funcs=[primary, length],
+    module = _module(tiny_llama_path, lengths=[3] * 8, reward_funcs=[primary, length],
                      dynamic_sampling=True, max_num_gen_batches=5)
     experience = module.make_experience({"prompt": ["a", "b"], "answer": ["even", "odd"]}, lambda: None)
     assert experience.metrics["dynamic_sampling/gen_batches"] == 1
     assert experience.metrics["dynamic_sampling/filled_groups"] == 1
 
 
-def test_truncated_importance_sampling_weights_the_loss(tiny_llama_path, tmp_path):
-    module = _module(tiny_llama_path, tmp_path, lengths=[3] * 8, importance_sampling_cap=1.5)
+def test_truncated_importance_sampling_weights_the_loss(tiny_llama_path):
+    module = _module(tiny_llama_path, lengths=[3] * 8, importance_sampling_cap=1.5)
     experience = module.make_experience(PROMPTS)
     module.policy.eval()
     with torch.no_grad():
@@ -170,9 +170,9 @@ def test_truncated_importance_sampling_weights_the_loss(tiny_llama_path, tmp_pat
 
 
 @pytest.mark.parametrize("garbage", [1e9, float("nan")])
-def test_padding_never_changes_the_loss_through_the_module(tiny_llama_path, tmp_path, garbage):
+def test_padding_never_changes_the_loss_through_the_module(tiny_llama_path, garbage):
     module = _module(
-        tiny_llama_path, tmp_path, beta=0.1, entropy_coef=0.01, top_entropy_quantile=0.5,
+        tiny_llama_path, beta=0.1, entropy_coef=0.01, top_entropy_quantile=0.5,
         importance_sampling_cap=2.0, mask_truncated_completions=True, loss_type="grpo",
     )
     clean = module.make_experience(PROMPTS)

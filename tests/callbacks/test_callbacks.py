@@ -10,6 +10,7 @@ import warnings
 import lightning as L
 import pytest
 import torch
+from _fixtures import alternating_reward
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from torch.utils.data import DataLoader, Dataset
@@ -22,11 +23,6 @@ from lightning_grpo.data.module import collate_prompts
 from lightning_grpo.events import ExperienceReady, RolloutEnd
 
 
-def _alternating(prompts, completions, **kwargs):
-    """1, 0, 1, 0, ...: a reward that varies in every group of a random model."""
-    return [float(i % 2 == 0) for i in range(len(completions))]
-
-
 def _length(prompts, completions, **kwargs):
     return [len(c) / 100 for c in completions]
 
@@ -34,15 +30,8 @@ def _length(prompts, completions, **kwargs):
 def _module(path, engine="hf", **config):
     config = {"num_generations": 4, "max_new_tokens": 6, "max_prompt_length": 256,
               "engine": {"name": engine, "kv_cache_space_gib": 1}, **config}
-    return GRPOModule(path, reward_funcs=[_alternating, _length], config=GRPOConfig.from_dict(config),
+    return GRPOModule(path, reward_funcs=[alternating_reward, _length], config=GRPOConfig.from_dict(config),
                       learning_rate=1e-3)
-
-
-def _trainer(tmp_path, max_steps, callbacks, **kwargs):
-    kwargs.setdefault("logger", CSVLogger(str(tmp_path), name="logs"))
-    kwargs.setdefault("enable_progress_bar", False)
-    return L.Trainer(max_steps=max_steps, accelerator="cpu", devices=1, log_every_n_steps=1,
-                     enable_model_summary=False, default_root_dir=str(tmp_path), callbacks=callbacks, **kwargs)
 
 
 class Recorder(GRPOCallback):
@@ -71,11 +60,12 @@ class Recorder(GRPOCallback):
 
 
 @pytest.mark.parametrize("engine", ["hf", "vllm"])
-def test_hooks_are_called_in_the_documented_order_with_their_arguments(tmp_path, tiny_tied_llama_path, engine):
+def test_hooks_are_called_in_the_documented_order_with_their_arguments(tmp_path, tiny_tied_llama_path, engine,
+                                                                      cpu_trainer):
     if engine == "vllm":
         pytest.importorskip("vllm")
     recorder = Recorder()
-    trainer = _trainer(tmp_path, 2, [recorder], accumulate_grad_batches=2)
+    trainer = cpu_trainer(2, callbacks=[recorder], accumulate_grad_batches=2)
     trainer.fit(_module(tiny_tied_llama_path, engine), datamodule=PromptDataModule(prompts_per_step=2, val_size=0))
 
     step = [("on_rollout_end", 0), ("on_experience", 0), ("train_batch", 0), ("train_batch", 0),
@@ -89,7 +79,7 @@ def test_hooks_are_called_in_the_documented_order_with_their_arguments(tmp_path,
         assert event.rollout is rollout
         assert len(rollout.completions) == 8 and len(rollout.prompts) == 8 and rollout.num_generations == 4
         assert rollout.prompts[0] == rollout.prompts[3] != rollout.prompts[4]  # prompt-major groups of G
-        assert rollout.reward_names == ["_alternating", "_length"]
+        assert rollout.reward_names == ["alternating_reward", "_length"]
         expected = torch.tensor([[float(i % 2 == 0), len(c) / 100] for i, c in enumerate(rollout.completions)])
         torch.testing.assert_close(rollout.per_function, expected)
         torch.testing.assert_close(rollout.rewards, expected.sum(dim=1))
@@ -101,28 +91,28 @@ def test_hooks_are_called_in_the_documented_order_with_their_arguments(tmp_path,
                                recorder.experiences[0].advantages.sort().values)
 
 
-def test_completion_table_through_csv_and_tensorboard_keeps_every_step(tmp_path, tiny_llama_path):
+def test_completion_table_through_csv_and_tensorboard_keeps_every_step(tmp_path, tiny_llama_path, cpu_trainer):
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     recorder, table = Recorder(), CompletionTable(every_n_steps=2, print_every_n_steps=1, print_rows=1)
     csv_logger = CSVLogger(str(tmp_path), name="logs")
     tb_logger = TensorBoardLogger(str(tmp_path), name="tb")
-    trainer = _trainer(tmp_path, 3, [recorder, table], logger=[csv_logger, tb_logger])
+    trainer = cpu_trainer(3, callbacks=[recorder, table], logger=[csv_logger, tb_logger])
     trainer.fit(_module(tiny_llama_path), datamodule=PromptDataModule(prompts_per_step=2, val_size=0))
 
     folder = csv_logger.log_dir
     assert os.path.exists(os.path.join(folder, "metrics.csv"))  # the table sits next to metrics.csv
     with open(os.path.join(folder, "completions.csv"), newline="") as f:
         rows = list(csv.DictReader(f))
-    header = ["step", "group", "prompt", "completion", "_alternating", "_length", "reward", "advantage", "length"]
+    header = ["step", "group", "prompt", "completion", "alternating_reward", "_length", "reward", "advantage", "length"]
     assert list(rows[0]) == header
     assert [int(r["step"]) for r in rows] == [0] * 8 + [2] * 8  # steps 0 and 2, history kept
     for rows_of_step, rollout, event in ((rows[:8], recorder.rollouts[0], recorder.experiences[0]),
                                          (rows[8:], recorder.rollouts[2], recorder.experiences[2])):
         assert [r["completion"] for r in rows_of_step] == rollout.completions
         assert [int(r["group"]) for r in rows_of_step] == [0, 0, 0, 0, 1, 1, 1, 1]
-        assert [float(r["_alternating"]) for r in rows_of_step] == [1.0, 0.0] * 4
+        assert [float(r["alternating_reward"]) for r in rows_of_step] == [1.0, 0.0] * 4
         assert [float(r["advantage"]) for r in rows_of_step] == pytest.approx(event.advantages.tolist(), abs=1e-4)
         assert [float(r["reward"]) for r in rows_of_step] == pytest.approx(rollout.rewards.tolist(), abs=1e-4)
         assert [int(r["length"]) for r in rows_of_step] == rollout.lengths.tolist()
@@ -179,17 +169,17 @@ class Curriculum(GRPOCallback):
             self.dataset.level += 1
 
 
-def test_curriculum_callback_changes_the_next_prompts(tmp_path, tiny_llama_path):
+def test_curriculum_callback_changes_the_next_prompts(tmp_path, tiny_llama_path, cpu_trainer):
     data = LevelData()
     curriculum = Curriculum(data.dataset)
     module = GRPOModule(tiny_llama_path, reward_funcs=[_solved_below_level_1],
                         config=GRPOConfig(num_generations=2, max_new_tokens=4, max_prompt_length=64))
-    _trainer(tmp_path, 3, [curriculum]).fit(module, datamodule=data)
+    cpu_trainer(3, callbacks=[curriculum]).fit(module, datamodule=data)
     # level 0 is solved (accuracy 1) -> level 1, which is not (accuracy 0) -> stays
     assert curriculum.seen == [["level 0"], ["level 1"], ["level 1"]]
 
 
-def test_progress_bar_counts_optimizer_steps_and_phases(tmp_path, tiny_llama_path):
+def test_progress_bar_counts_optimizer_steps_and_phases(tmp_path, tiny_llama_path, cpu_trainer):
     class Phases(Callback):
         def __init__(self, bar):
             self.bar, self.seen = bar, []
@@ -199,7 +189,7 @@ def test_progress_bar_counts_optimizer_steps_and_phases(tmp_path, tiny_llama_pat
 
     bar = GRPOProgressBar(refresh_s=0.05)
     phases = Phases(bar)
-    trainer = _trainer(tmp_path, 2, [bar, phases], enable_progress_bar=True, accumulate_grad_batches=2,
+    trainer = cpu_trainer(2, callbacks=[bar, phases], enable_progress_bar=True, accumulate_grad_batches=2,
                        val_check_interval=4, check_val_every_n_epoch=None)
     trainer.fit(_module(tiny_llama_path), datamodule=PromptDataModule(prompts_per_step=2, val_size=2,
                                                                       val_batch_size=2))
@@ -233,14 +223,14 @@ def test_a_misspelled_event_hook_is_reported_when_the_class_is_defined():
                 pass
 
 
-def test_an_event_hook_on_a_plain_callback_is_reported_at_setup(tmp_path, tiny_llama_path):
+def test_an_event_hook_on_a_plain_callback_is_reported_at_setup(tmp_path, tiny_llama_path, cpu_trainer):
     class Plain(Callback):
         def on_rollout_end(self, trainer, module, rollout):
             raise AssertionError("never called")
 
     module = GRPOModule(tiny_llama_path, reward_funcs=[lambda prompts, completions, **kw: [1.0] * len(completions)],
                         config=GRPOConfig(num_generations=2, max_new_tokens=4), export_dir="")
-    trainer = _trainer(tmp_path, 1, callbacks=[Plain()], logger=False)
+    trainer = cpu_trainer(1, callbacks=[Plain()], logger=False)
     with pytest.warns(UserWarning, match="Plain defines on_rollout_end but is not a lightning_grpo.callbacks."
                                          "GRPOCallback"):
         trainer.fit(module, datamodule=PromptDataModule(prompts_per_step=1, val_size=0))

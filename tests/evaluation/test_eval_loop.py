@@ -1,38 +1,24 @@
 """Validation and test with sampled pass@k / maj@k / mean@k through a plain Trainer, per dataset."""
 
-import csv
-import glob
-
-import lightning as L
 import pytest
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.loggers import CSVLogger
 
 from lightning_grpo import GRPOConfig, GRPOModule
 from lightning_grpo.config import EvalConfig
 from lightning_grpo.data import PromptDataModule
 
 
-def _alternating(prompts, completions, **kwargs):
-    return [float(i % 2 == 0) for i in range(len(completions))]
-
-
-def _rows(tmp_path):
-    (path,) = glob.glob(str(tmp_path / "logs" / "**" / "metrics.csv"), recursive=True)
-    return list(csv.DictReader(open(path)))
-
-
-def test_validation_logs_pass_at_k_maj_and_mean_for_each_dataset(tmp_path, tiny_llama_path):
+def test_validation_logs_pass_at_k_maj_and_mean_for_each_dataset(tmp_path, tiny_llama_path, cpu_trainer, metrics_rows,
+                                                                  alternating_reward):
     config = GRPOConfig(num_generations=2, max_new_tokens=4, max_prompt_length=400, eval=EvalConfig(num_samples=4, k=2))
-    module = GRPOModule(tiny_llama_path, reward_funcs=[_alternating], config=config)
+    module = GRPOModule(tiny_llama_path, reward_funcs=[alternating_reward], config=config)
     checkpoint = ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), monitor="val/pass@2", mode="max")
-    trainer = L.Trainer(max_steps=1, accelerator="cpu", devices=1, logger=CSVLogger(str(tmp_path), name="logs"),
-                        enable_progress_bar=False, enable_model_summary=False, callbacks=[checkpoint],
-                        val_check_interval=1, check_val_every_n_epoch=None, num_sanity_val_steps=0)
+    trainer = cpu_trainer(1, callbacks=[checkpoint], val_check_interval=1, check_val_every_n_epoch=None,
+                          num_sanity_val_steps=0)
     data = PromptDataModule(prompts_per_step=2, val_size=4, val_batch_size=2, eval_datasets=["math500"])
     trainer.fit(module, datamodule=data)
 
-    (row,) = [r for r in _rows(tmp_path) if r.get("val/accuracy")]
+    (row,) = [r for r in metrics_rows() if r.get("val/accuracy")]
     # samples of every prompt score 1, 0, 1, 0 (by position): unbiased pass@1 = 1/2, pass@2 = 1 - C(2,2)/C(4,2)
     assert float(row["val/pass@1"]) == pytest.approx(0.5)
     assert float(row["val/pass@2"]) == pytest.approx(1 - 1 / 6)
@@ -44,11 +30,10 @@ def test_validation_logs_pass_at_k_maj_and_mean_for_each_dataset(tmp_path, tiny_
     assert checkpoint.best_model_score is not None and float(checkpoint.best_model_score) == pytest.approx(1 - 1 / 6)
 
 
-def test_test_stage_evaluates_an_hf_folder(tmp_path, tiny_llama_path):
+def test_test_stage_evaluates_an_hf_folder(tmp_path, tiny_llama_path, cpu_trainer, alternating_reward):
     config = GRPOConfig(num_generations=2, max_new_tokens=4, max_prompt_length=400)
-    module = GRPOModule(tiny_llama_path, reward_funcs=[_alternating], config=config)
-    trainer = L.Trainer(accelerator="cpu", devices=1, logger=CSVLogger(str(tmp_path), name="logs"),
-                        enable_progress_bar=False, enable_model_summary=False)
+    module = GRPOModule(tiny_llama_path, reward_funcs=[alternating_reward], config=config)
+    trainer = cpu_trainer()
     (results,) = trainer.test(module, datamodule=PromptDataModule(val_size=4, val_batch_size=4))
     assert results["test/accuracy"] == pytest.approx(0.5) and results["test/pass@1"] == pytest.approx(0.5)
 
@@ -73,15 +58,14 @@ def test_cli_test_subcommand_evaluates_gsm8k_and_math500_from_the_eval_recipe(tm
     assert math500["test/math500/accuracy"] == 0.0  # a random tiny model solves no MATH problem
 
 
-def test_validate_before_fit_then_validate_after(tmp_path, tiny_llama_path):
+def test_validate_before_fit_then_validate_after(tmp_path, tiny_llama_path, cpu_trainer, metrics_rows,
+                                                 alternating_reward):
     # trainer.validate makes the metric states under inference mode; the fit's validation updates them without it
     config = GRPOConfig(num_generations=2, max_new_tokens=4, max_prompt_length=400, eval=EvalConfig(num_samples=2))
-    module = GRPOModule(tiny_llama_path, reward_funcs=[_alternating], config=config)
-    trainer = L.Trainer(max_steps=1, accelerator="cpu", devices=1, logger=CSVLogger(str(tmp_path), name="logs"),
-                        enable_progress_bar=False, enable_model_summary=False, val_check_interval=1,
-                        check_val_every_n_epoch=None, num_sanity_val_steps=0)
+    module = GRPOModule(tiny_llama_path, reward_funcs=[alternating_reward], config=config)
+    trainer = cpu_trainer(1, val_check_interval=1, check_val_every_n_epoch=None, num_sanity_val_steps=0)
     data = PromptDataModule(prompts_per_step=2, val_size=4, val_batch_size=2)
     trainer.validate(module, datamodule=data)
     trainer.fit(module, datamodule=data)
-    rows = [r for r in _rows(tmp_path) if r.get("val/pass@1")]
+    rows = [r for r in metrics_rows() if r.get("val/pass@1")]
     assert len(rows) == 2 and all(float(r["val/pass@1"]) == pytest.approx(0.5) for r in rows)

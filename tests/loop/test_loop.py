@@ -1,13 +1,12 @@
 """The generate-then-train loop through a plain ``L.Trainer`` on a tiny random Llama."""
 
-import csv
-import glob
 import json
 import os
 
 import lightning as L
 import pytest
 import torch
+from _fixtures import alternating_reward, make_cpu_trainer, read_metrics_rows
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from transformers import AutoModelForCausalLM
@@ -22,29 +21,10 @@ METRICS = [
 ]
 
 
-def _trainer(tmp_path, max_steps, **kwargs):
-    kwargs.setdefault("logger", CSVLogger(str(tmp_path), name="logs"))
-    return L.Trainer(
-        max_steps=max_steps, accelerator="cpu", devices=1, log_every_n_steps=1, enable_progress_bar=False,
-        enable_model_summary=False, default_root_dir=str(tmp_path), **kwargs
-    )
-
-
-def _reward_first_completion(prompts, completions, **kwargs):
-    """1 for the even-numbered completions, 0 for the others: a reward that varies in every group of a random model."""
-    return [1.0 if i % 2 == 0 else 0.0 for i in range(len(completions))]
-
-
 def _module(path, **config):
     config = {"num_generations": 4, "max_new_tokens": 8, "max_prompt_length": 256, **config}
-    rewards = ["gsm8k_accuracy", "gsm8k_format", _reward_first_completion]
+    rewards = ["gsm8k_accuracy", "gsm8k_format", alternating_reward]
     return GRPOModule(path, reward_funcs=rewards, config=GRPOConfig(**config), learning_rate=1e-3)
-
-
-def _read_csv(tmp_path):
-    (path,) = glob.glob(str(tmp_path / "logs" / "**" / "metrics.csv"), recursive=True)
-    with open(path) as f:
-        return list(csv.DictReader(f))
 
 
 class StepRecorder(Callback):
@@ -66,21 +46,21 @@ class StepRecorder(Callback):
             self.after_step.append({k: v.detach().clone() for k, v in module.policy.state_dict().items()})
 
 
-def test_three_steps_log_checkpoint_and_export(tmp_path, tiny_llama_path):
+def test_three_steps_log_checkpoint_and_export(tmp_path, tiny_llama_path, cpu_trainer, metrics_rows):
     module = _module(tiny_llama_path, beta=0.04)
     datamodule = PromptDataModule(prompts_per_step=2, val_size=4, val_batch_size=4)
     checkpoint = ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), save_last=True, every_n_train_steps=1)
-    trainer = _trainer(tmp_path, 3, callbacks=[checkpoint], val_check_interval=3, check_val_every_n_epoch=None)
+    trainer = cpu_trainer(3, callbacks=[checkpoint], val_check_interval=3, check_val_every_n_epoch=None)
     trainer.fit(module, datamodule=datamodule)
 
     assert trainer.global_step == 3
-    rows = _read_csv(tmp_path)
+    rows = metrics_rows()
     assert set(METRICS) <= set(rows[0])
     train_rows = [r for r in rows if r["loss"] != ""]
     assert [int(r["step"]) for r in train_rows] == [0, 1, 2]
     for row in train_rows:
         assert float(row["reward"]) == pytest.approx(0.5)  # only the first-completion reward pays
-        assert float(row["rewards/_reward_first_completion/mean"]) == pytest.approx(0.5)
+        assert float(row["rewards/alternating_reward/mean"]) == pytest.approx(0.5)
         assert 1 <= float(row["completions/mean_length"]) <= 8
         assert float(row["kl"]) >= 0 and float(row["entropy"]) > 0 and float(row["grad_norm"]) > 0
     assert float(train_rows[0]["kl"]) == pytest.approx(0.0, abs=1e-6)  # policy == reference before step 1
@@ -93,12 +73,12 @@ def test_three_steps_log_checkpoint_and_export(tmp_path, tiny_llama_path):
         torch.testing.assert_close(reloaded.state_dict()[name], value, rtol=0, atol=0)
 
 
-def test_rollout_uses_the_weights_of_the_previous_step(tmp_path, tiny_llama_path):
+def test_rollout_uses_the_weights_of_the_previous_step(tmp_path, tiny_llama_path, cpu_trainer):
     """Rollout k+1 must sample from the weights after step k: its old logprobs (computed right after the
     rollout) equal the logprobs under the weights recorded after step k."""
     recorder = StepRecorder()
     module = _module(tiny_llama_path, num_iterations=2)  # old logprobs are stored when num_iterations > 1
-    trainer = _trainer(tmp_path, 4, callbacks=[recorder], logger=False)
+    trainer = cpu_trainer(4, callbacks=[recorder], logger=False)
     trainer.fit(module, datamodule=PromptDataModule(prompts_per_step=2, val_size=0))
     firsts = [b for i, b in enumerate(recorder.batches) if i % 2 == 0]  # first micro-batch of rollouts 1 and 2
     assert len(recorder.batches) == 4 and recorder.steps == 4
@@ -117,16 +97,16 @@ def test_rollout_uses_the_weights_of_the_previous_step(tmp_path, tiny_llama_path
     assert (stale - firsts[1].old_logprobs)[firsts[1].completion_mask.bool()].abs().max() > 1e-4
 
 
-def test_one_step_raises_the_rewarded_completion(tmp_path, tiny_llama_path):
+def test_one_step_raises_the_rewarded_completion(tmp_path, tiny_llama_path, cpu_trainer):
     data = tmp_path / "one.jsonl"
     data.write_text(json.dumps({"question": "What is 1 + 1?", "answer": "2"}) + "\n")
     recorder = StepRecorder()
     module = GRPOModule(
-        tiny_llama_path, reward_funcs=[_reward_first_completion],
+        tiny_llama_path, reward_funcs=[alternating_reward],
         config=GRPOConfig(num_generations=2, max_new_tokens=8), learning_rate=1e-3,
     )
     before = AutoModelForCausalLM.from_pretrained(tiny_llama_path).eval()
-    trainer = _trainer(tmp_path, 1, callbacks=[recorder], logger=False)
+    trainer = cpu_trainer(1, callbacks=[recorder], logger=False)
     trainer.fit(module, datamodule=PromptDataModule(dataset=str(data), prompts_per_step=1, val_size=0))
     (batch,) = recorder.batches
     torch.testing.assert_close(batch.advantages, torch.tensor([0.7071, -0.7071]), atol=1e-3, rtol=0)
@@ -141,14 +121,14 @@ def test_one_step_raises_the_rewarded_completion(tmp_path, tiny_llama_path):
     assert summed_new[1] < summed_old[1] - 1e-3  # the other less likely
 
 
-def test_resume_runs_exactly_the_remaining_steps(tmp_path, tiny_llama_path):
+def test_resume_runs_exactly_the_remaining_steps(tmp_path, tiny_llama_path, cpu_trainer):
     checkpoint = ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), save_last=True, every_n_train_steps=1)
-    trainer = _trainer(tmp_path, 2, callbacks=[checkpoint], logger=False)
+    trainer = cpu_trainer(2, callbacks=[checkpoint], logger=False)
     trainer.fit(_module(tiny_llama_path), datamodule=PromptDataModule(prompts_per_step=2, val_size=0))
     assert trainer.global_step == 2
 
     recorder = StepRecorder()
-    resumed = _trainer(tmp_path, 4, callbacks=[recorder], logger=False)
+    resumed = cpu_trainer(4, callbacks=[recorder], logger=False)
     resumed.fit(
         _module(tiny_llama_path), datamodule=PromptDataModule(prompts_per_step=2, val_size=0),
         ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"),
@@ -160,10 +140,10 @@ def test_resume_runs_exactly_the_remaining_steps(tmp_path, tiny_llama_path):
     assert state["policy.model.embed_tokens.weight"].shape[0] > 0
 
 
-def test_accumulation_and_mini_batches_give_the_planned_number_of_steps(tmp_path, tiny_llama_path):
+def test_accumulation_and_mini_batches_give_the_planned_number_of_steps(tmp_path, tiny_llama_path, cpu_trainer):
     recorder = StepRecorder()
     module = _module(tiny_llama_path, mini_batch_size=4, num_iterations=2)  # 8 sequences -> 2 mini x 2 passes
-    trainer = _trainer(tmp_path, 4, callbacks=[recorder], logger=False, accumulate_grad_batches=2)
+    trainer = cpu_trainer(4, callbacks=[recorder], logger=False, accumulate_grad_batches=2)
     trainer.fit(module, datamodule=PromptDataModule(prompts_per_step=2, val_size=0))
     assert recorder.steps == 4 and len(recorder.batches) == 8
     assert [len(b) for b in recorder.batches] == [2] * 8
@@ -171,9 +151,9 @@ def test_accumulation_and_mini_batches_give_the_planned_number_of_steps(tmp_path
     assert all(b.loss_scale == 2.0 for b in recorder.batches)
 
 
-def test_mini_batch_size_must_divide_the_rollout(tmp_path, tiny_llama_path):
+def test_mini_batch_size_must_divide_the_rollout(tmp_path, tiny_llama_path, cpu_trainer):
     module = _module(tiny_llama_path, mini_batch_size=3)
-    trainer = _trainer(tmp_path, 1, logger=False)
+    trainer = cpu_trainer(1, logger=False)
     with pytest.raises(ValueError, match="mini_batch_size=3"):
         trainer.fit(module, datamodule=PromptDataModule(prompts_per_step=2, val_size=0))
 
@@ -182,10 +162,10 @@ def _first_step_weights_and_batches(tmp_path, tiny_llama_path, accumulate, **con
     recorder = StepRecorder()
     L.seed_everything(0)
     module = _module(tiny_llama_path, **config)
-    trainer = _trainer(tmp_path, 1, callbacks=[recorder], logger=CSVLogger(str(tmp_path), name="logs"),
-                       accumulate_grad_batches=accumulate)
+    trainer = make_cpu_trainer(tmp_path, 1, callbacks=[recorder], logger=CSVLogger(str(tmp_path), name="logs"),
+                               accumulate_grad_batches=accumulate)
     trainer.fit(module, datamodule=PromptDataModule(prompts_per_step=2, val_size=0))
-    grad_norm = float(next(r["grad_norm"] for r in _read_csv(tmp_path) if r.get("grad_norm")))
+    grad_norm = float(next(r["grad_norm"] for r in read_metrics_rows(tmp_path) if r.get("grad_norm")))
     return recorder, grad_norm
 
 
@@ -210,10 +190,10 @@ def test_token_budget_step_equals_the_fixed_count_step(tmp_path, tiny_llama_path
         torch.testing.assert_close(budget.grads[0][name], grad, atol=1e-7, rtol=1e-4, msg=name)
 
 
-def test_step_time_breakdown_is_logged(tmp_path, tiny_llama_path):
-    trainer = _trainer(tmp_path, 2, accumulate_grad_batches=2)
+def test_step_time_breakdown_is_logged(tmp_path, tiny_llama_path, cpu_trainer, metrics_rows):
+    trainer = cpu_trainer(2, accumulate_grad_batches=2)
     trainer.fit(_module(tiny_llama_path), datamodule=PromptDataModule(prompts_per_step=2, val_size=0))
-    rows = [r for r in _read_csv(tmp_path) if r.get("timing/step_s")]
+    rows = [r for r in metrics_rows() if r.get("timing/step_s")]
     assert len(rows) == 2
     parts = ["rollout_s", "scoring_s", "logprobs_s", "sync_s", "forward_s", "backward_s", "optimizer_s"]
     for row in rows:
@@ -226,10 +206,10 @@ def test_step_time_breakdown_is_logged(tmp_path, tiny_llama_path):
         assert float(row["train_tokens"]) > float(row["generated_tokens"])
 
 
-def test_token_budget_resume_skips_the_drawn_prompt_batches(tmp_path, tiny_llama_path):
+def test_token_budget_resume_skips_the_drawn_prompt_batches(tmp_path, tiny_llama_path, cpu_trainer):
     checkpoint = ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), save_last=True, every_n_train_steps=1)
     config = {"max_tokens_per_microbatch": 64}
-    trainer = _trainer(tmp_path, 2, callbacks=[checkpoint], logger=False)
+    trainer = cpu_trainer(2, callbacks=[checkpoint], logger=False)
     trainer.fit(_module(tiny_llama_path, **config), datamodule=PromptDataModule(prompts_per_step=2, val_size=0))
     assert trainer.global_step == 2
     saved = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=False)
@@ -240,7 +220,7 @@ def test_token_budget_resume_skips_the_drawn_prompt_batches(tmp_path, tiny_llama
             self.drawn = trainer.fit_loop._data_fetcher.prompt_batches_drawn
 
     recorder = DrawnRecorder()
-    resumed = _trainer(tmp_path, 4, callbacks=[recorder], logger=False)
+    resumed = cpu_trainer(4, callbacks=[recorder], logger=False)
     module = _module(tiny_llama_path, **config)
     resumed.fit(module, datamodule=PromptDataModule(prompts_per_step=2, val_size=0),
                 ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"))
@@ -252,13 +232,13 @@ def test_token_budget_resume_skips_the_drawn_prompt_batches(tmp_path, tiny_llama
     del saved["loops"]["fit_loop"]["state_dict"]["prompt_batches_drawn"]
     torch.save(saved, tmp_path / "foreign.ckpt")
     with pytest.raises(ValueError, match="holds no 'prompt_batches_drawn'"):
-        _trainer(tmp_path, 4, logger=False).fit(_module(tiny_llama_path, **config),
+        cpu_trainer(4, logger=False).fit(_module(tiny_llama_path, **config),
                                                 datamodule=PromptDataModule(prompts_per_step=2, val_size=0),
                                                 ckpt_path=str(tmp_path / "foreign.ckpt"))
 
 
-def test_token_budget_needs_accumulate_grad_batches_1(tmp_path, tiny_llama_path):
-    trainer = _trainer(tmp_path, 1, logger=False, accumulate_grad_batches=2)
+def test_token_budget_needs_accumulate_grad_batches_1(tmp_path, tiny_llama_path, cpu_trainer):
+    trainer = cpu_trainer(1, logger=False, accumulate_grad_batches=2)
     with pytest.raises(ValueError, match=r"max_tokens_per_microbatch=64 .*accumulate_grad_batches=1\), not 2"):
         trainer.fit(_module(tiny_llama_path, max_tokens_per_microbatch=64),
                     datamodule=PromptDataModule(prompts_per_step=2, val_size=0))

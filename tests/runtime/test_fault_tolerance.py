@@ -1,7 +1,6 @@
 """Fault tolerance on a tiny random Llama: ckpt_path="last" without last.ckpt, atomic checkpoint saves, SIGTERM
 during a rollout and inside a step, non-finite losses and weights, and a step in which nothing was scored."""
 
-import csv
 import glob
 import os
 import signal
@@ -12,9 +11,9 @@ import tempfile
 import time
 from pathlib import Path
 
-import lightning as L
 import pytest
 import torch
+from _fixtures import alternating_reward, make_cpu_trainer
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.trainer.states import TrainerFn
@@ -37,19 +36,9 @@ from lightning_grpo.training.nonfinite import NonFiniteError
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _reward_even(prompts, completions, **kwargs):
-    return [1.0 if i % 2 == 0 else 0.0 for i in range(len(completions))]
-
-
-def _module(path, reward_funcs=(_reward_even,), **config):
+def _module(path, reward_funcs=(alternating_reward,), **config):
     config = {"num_generations": 4, "max_new_tokens": 8, "max_prompt_length": 256, **config}
     return GRPOModule(path, reward_funcs=list(reward_funcs), config=GRPOConfig(**config), learning_rate=1e-3)
-
-
-def _trainer(root, max_steps, **kwargs):
-    kwargs.setdefault("logger", False)
-    return L.Trainer(max_steps=max_steps, accelerator="cpu", devices=1, log_every_n_steps=1, enable_progress_bar=False,
-                     enable_model_summary=False, default_root_dir=str(root), **kwargs)
 
 
 def _data():
@@ -89,7 +78,8 @@ def _assert_all_finite_checkpoints(folder):
 # ---------------------------------------------------------------------------------------------- ckpt_path="last"
 def _resolve_last(folder, **checkpoint_kwargs):
     """What fit(ckpt_path="last") loads, through Lightning's own resolution (with the package's extension)."""
-    trainer = _trainer(folder, 1, callbacks=[GRPOModelCheckpoint(dirpath=str(folder), **checkpoint_kwargs)])
+    trainer = make_cpu_trainer(folder, 1, logger=False,
+                               callbacks=[GRPOModelCheckpoint(dirpath=str(folder), **checkpoint_kwargs)])
     return trainer._checkpoint_connector._select_ckpt_path(TrainerFn.FITTING, "last", model_provided=True,
                                                            model_connected=False)
 
@@ -99,13 +89,13 @@ def _touch_checkpoint(path, step, mtime):
     os.utime(path, (mtime, mtime))
 
 
-def test_importing_the_package_leaves_lightning_alone(tmp_path):
+def test_importing_the_package_leaves_lightning_alone(tmp_path, cpu_trainer):
     """No import-time patch: a plain ModelCheckpoint keeps Lightning's own resolution (no complete last.ckpt: a
     first run), and the CLI's helper upgrades only the given trainer's checkpoint callbacks."""
     assert "lightning_grpo" not in ModelCheckpoint._find_last_checkpoints.__module__
     _touch_checkpoint(tmp_path / "epoch=0-step=1.ckpt", 1, time.time())
-    plain = _trainer(tmp_path, 1, callbacks=[ModelCheckpoint(dirpath=str(tmp_path))])
-    other = _trainer(tmp_path, 1, callbacks=[ModelCheckpoint(dirpath=str(tmp_path))])
+    plain = cpu_trainer(1, logger=False, callbacks=[ModelCheckpoint(dirpath=str(tmp_path))])
+    other = cpu_trainer(1, logger=False, callbacks=[ModelCheckpoint(dirpath=str(tmp_path))])
     select = (TrainerFn.FITTING, "last")
     assert plain._checkpoint_connector._select_ckpt_path(*select, model_provided=True, model_connected=False) is None
     use_last_checkpoint_fallback(plain)
@@ -272,7 +262,7 @@ def test_vllm_engine_aborts_between_engine_steps(tiny_llama_path):
 
 # ---------------------------------------------------------------------------------------------- SIGTERM
 @pytest.mark.distributed  # a training process to send SIGTERM to
-def test_sigterm_during_a_rollout_saves_the_last_step_and_exits_fast(tmp_path, tiny_llama_path):
+def test_sigterm_during_a_rollout_saves_the_last_step_and_exits_fast(tmp_path, tiny_llama_path, cpu_trainer):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "_preemption_worker.py"), tiny_llama_path,
                              str(tmp_path)], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -310,8 +300,8 @@ def test_sigterm_during_a_rollout_saves_the_last_step_and_exits_fast(tmp_path, t
 
     # resuming from it ("last") runs exactly the remaining steps from those weights
     recorder = Recorder()
-    resumed = _trainer(tmp_path, 3, callbacks=[recorder, ModelCheckpoint(dirpath=str(tmp_path / "ckpt"),
-                                                                         save_last="link")])
+    resumed = cpu_trainer(3, logger=False, callbacks=[recorder, ModelCheckpoint(dirpath=str(tmp_path / "ckpt"),
+                                                                                save_last="link")])
     resumed.fit(_module(tiny_llama_path), datamodule=_data(), ckpt_path="last")
     assert resumed.global_step == 3 and recorder.steps == 2
     for name, value in after_step1.items():
@@ -326,11 +316,11 @@ class _SigtermInsideStep(Callback):
             os.kill(os.getpid(), signal.SIGTERM)
 
 
-def test_sigterm_inside_a_step_stops_at_its_end(tmp_path, tiny_llama_path):
+def test_sigterm_inside_a_step_stops_at_its_end(tmp_path, tiny_llama_path, cpu_trainer):
     recorder = Recorder()
     checkpoint = ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), every_n_train_steps=100, save_on_exception=True)
-    trainer = _trainer(tmp_path, 4, accumulate_grad_batches=2,
-                       callbacks=[_SigtermInsideStep(), recorder, checkpoint])
+    trainer = cpu_trainer(4, logger=False, accumulate_grad_batches=2,
+                          callbacks=[_SigtermInsideStep(), recorder, checkpoint])
     handler = signal.getsignal(signal.SIGTERM)
     with pytest.raises(SIGTERMException):
         trainer.fit(_module(tiny_llama_path), datamodule=_data())
@@ -362,10 +352,10 @@ class _NaNInTrainingForward(Callback):
         module.policy.model.layers[0].register_forward_hook(poison)
 
 
-def test_nonfinite_loss_stops_the_run_before_the_step(tmp_path, tiny_llama_path):
+def test_nonfinite_loss_stops_the_run_before_the_step(tmp_path, tiny_llama_path, cpu_trainer):
     recorder = Recorder()
     checkpoint = ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), every_n_train_steps=1, save_top_k=-1)
-    trainer = _trainer(tmp_path, 3, callbacks=[_NaNInTrainingForward(), recorder, checkpoint])
+    trainer = cpu_trainer(3, logger=False, callbacks=[_NaNInTrainingForward(), recorder, checkpoint])
     module = _module(tiny_llama_path)
     with pytest.raises(NonFiniteError, match=r"optimizer step 2 \(global_step=1\): non-finite loss=nan, grad_norm=nan"):
         trainer.fit(module, datamodule=_data())
@@ -375,11 +365,11 @@ def test_nonfinite_loss_stops_the_run_before_the_step(tmp_path, tiny_llama_path)
     _assert_all_finite_checkpoints(tmp_path / "ckpt")
 
 
-def test_nonfinite_loss_is_skipped_with_on_nonfinite_skip(tmp_path, tiny_llama_path):
+def test_nonfinite_loss_is_skipped_with_on_nonfinite_skip(tmp_path, tiny_llama_path, cpu_trainer, metrics_rows):
     recorder = Recorder()
     checkpoint = ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), every_n_train_steps=1, save_top_k=-1)
-    trainer = _trainer(tmp_path, 3, callbacks=[_NaNInTrainingForward(), recorder, checkpoint],
-                       logger=CSVLogger(str(tmp_path), name="logs"))
+    trainer = cpu_trainer(3, callbacks=[_NaNInTrainingForward(), recorder, checkpoint],
+                          logger=CSVLogger(str(tmp_path), name="logs"))
     trainer.fit(_module(tiny_llama_path, on_nonfinite="skip"), datamodule=_data())
     assert type(trainer.strategy.checkpoint_io) is AtomicCheckpointIO  # installed by GRPOModule.setup
     assert trainer.global_step == 3 and len(recorder.after_step) == 3
@@ -391,8 +381,7 @@ def test_nonfinite_loss_is_skipped_with_on_nonfinite_skip(tmp_path, tiny_llama_p
     for index, state in recorder.adam[0].items():
         for key, value in state.items():
             assert torch.equal(recorder.adam[1][index][key], value), (index, key)
-    (path,) = glob.glob(str(tmp_path / "logs" / "**" / "metrics.csv"), recursive=True)
-    rows = [r for r in csv.DictReader(open(path)) if r.get("nonfinite_steps")]
+    rows = metrics_rows("nonfinite_steps")
     assert [float(r["nonfinite_steps"]) for r in rows] == [0.0, 1.0, 1.0]
     _assert_all_finite_checkpoints(tmp_path / "ckpt")
     assert torch.load(tmp_path / "ckpt" / "epoch=0-step=3.ckpt", weights_only=False)[
@@ -406,15 +395,15 @@ class _CorruptAfterStep1(Callback):
                 module.policy.model.layers[1].mlp.up_proj.weight[0, 0] = float("inf")
 
 
-def test_nonfinite_weights_are_never_sampled_from_or_saved(tmp_path, tiny_llama_path):
-    trainer = _trainer(tmp_path, 3, callbacks=[_CorruptAfterStep1()])
+def test_nonfinite_weights_are_never_sampled_from_or_saved(tmp_path, tiny_llama_path, cpu_trainer):
+    trainer = cpu_trainer(3, logger=False, callbacks=[_CorruptAfterStep1()])
     with pytest.raises(NonFiniteError, match=r"non-finite weights before sampling a rollout: "
                                              r"model\.layers\.1\.mlp\.up_proj\.weight \(1 tensors\)"):
         trainer.fit(_module(tiny_llama_path), datamodule=_data())
     assert trainer.global_step == 1
 
     checkpoint = ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), every_n_train_steps=1)
-    trainer = _trainer(tmp_path, 3, callbacks=[_CorruptAfterStep1(), checkpoint])
+    trainer = cpu_trainer(3, logger=False, callbacks=[_CorruptAfterStep1(), checkpoint])
     with pytest.raises(NonFiniteError, match=r"refusing to save a checkpoint with non-finite values in "
                                              r"state_dict\['policy\.model\.layers\.1\.mlp\.up_proj\.weight'\]"):
         trainer.fit(_module(tiny_llama_path), datamodule=_data())
@@ -426,12 +415,12 @@ def _reward_none(prompts, completions, **kwargs):
     return [None] * len(completions)
 
 
-def test_a_step_without_any_reward_logs_nan_reward_and_zero_tokens(tmp_path, tiny_llama_path, caplog):
-    trainer = _trainer(tmp_path, 1, logger=CSVLogger(str(tmp_path), name="logs"))
+def test_a_step_without_any_reward_logs_nan_reward_and_zero_tokens(tmp_path, tiny_llama_path, caplog, cpu_trainer,
+                                                                   metrics_rows):
+    trainer = cpu_trainer(1, logger=CSVLogger(str(tmp_path), name="logs"))
     with caplog.at_level("WARNING"):
         trainer.fit(_module(tiny_llama_path, reward_funcs=[_reward_none]), datamodule=_data())
-    (path,) = glob.glob(str(tmp_path / "logs" / "**" / "metrics.csv"), recursive=True)
-    (row,) = [r for r in csv.DictReader(open(path)) if r.get("loss")]
+    (row,) = metrics_rows("loss")
     for key in ("reward", "reward_std", "frac_reward_zero_std", "rewards/_reward_none/mean", "entropy",
                 "clip_ratio/region_mean"):
         assert row[key] == "nan", (key, row[key])

@@ -1,0 +1,189 @@
+"""RolloutWorker on its own: the weight-sync schedule (``engine.sync_every``, forced syncs, versions and events), the
+``prepare``/``awake`` contract (NaN check, wake, sync, sleep, ``sync_s``), the engine's declared capabilities and prompt
+encoding. A recording engine and a small module as the policy, no GRPOModule, no Trainer."""
+
+import pytest
+import torch
+from _algorithm_support import FixedRolloutEngine, fixed_completions
+from _engines import RecordingEngine, weights_of
+from torch import nn
+from transformers import AutoTokenizer
+
+from lightning_grpo import GRPOConfig
+from lightning_grpo.config import EngineConfig
+from lightning_grpo.rollout.base import CoreEngineAdapter, SamplingConfig
+from lightning_grpo.rollout.worker import RolloutWorker
+from lightning_grpo.training import metrics as metrics_module
+from lightning_grpo.training.metrics import StepTimer
+from lightning_grpo.training.nonfinite import NonFiniteError
+
+EOS = 2
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_llama_path):
+    return AutoTokenizer.from_pretrained(tiny_llama_path)
+
+
+def _worker(tokenizer, **config):
+    events = []
+    worker = RolloutWorker(GRPOConfig(**config), tokenizer, events=lambda name, payload: events.append((name, payload)))
+    return worker, events
+
+
+def _engine(**kwargs):
+    return RecordingEngine(fixed_completions([3, 2, 4, 1], 4, EOS), EOS, **kwargs)
+
+
+def _policy():
+    torch.manual_seed(0)
+    return nn.Linear(2, 2)
+
+
+def _step(worker, policy):
+    """An optimizer step: the policy's weights change and the worker's version goes up."""
+    with torch.no_grad():
+        policy.weight.add_(1.0)
+    worker.mark_stale()
+
+
+def _syncs(engine):
+    return [entry[1] for entry in engine.log if entry[0] == "sync"]
+
+
+def test_an_engine_with_its_own_weights_is_synced_every_sync_every_steps(tokenizer):
+    worker, events = _worker(tokenizer, engine=EngineConfig(sync_every=2))
+    policy, engine = _policy(), _engine()
+    worker.engine = engine
+    assert worker.engine is engine and worker.engine_version == -1  # never synced
+    worker.prepare(policy)  # the first rollout gets the policy's weights
+    first = weights_of(policy)
+    assert engine.log == [("wake_up",), ("sync", first)] and worker.engine_version == 0
+    _step(worker, policy)
+    worker.prepare(policy)  # 1 step behind < sync_every: no sync
+    assert _syncs(engine) == [first] and worker.engine_version == 0
+    _step(worker, policy)
+    worker.prepare(policy)  # 2 steps behind
+    assert _syncs(engine)[-1] == weights_of(policy) and worker.engine_version == worker.weights_version == 2
+    _step(worker, policy)
+    worker.prepare(policy, force_sync=True)  # forced (e.g. before validation): 1 step behind is enough
+    worker.prepare(policy, force_sync=True)  # nothing new: no sync
+    assert len(_syncs(engine)) == 3 and worker.engine_version == 3
+    assert events == [("on_weights_synced", 0), ("on_weights_synced", 2), ("on_weights_synced", 3)]
+    assert [entry[0] for entry in engine.log].count("wake_up") == 5  # every prepare wakes the engine
+
+
+def test_an_engine_that_is_the_policy_is_synced_at_the_first_rollout_after_each_step(tokenizer):
+    worker, events = _worker(tokenizer)
+    policy = _policy()
+    worker.engine = FixedRolloutEngine(fixed_completions([3], 4, EOS), EOS)  # uses_policy_parameters
+    assert worker.engine_version == 0
+    worker.prepare(policy)
+    assert events == []  # it generates with the policy itself: nothing to push before the first rollout
+    _step(worker, policy)
+    worker.prepare(policy)
+    worker.prepare(policy)
+    assert events == [("on_weights_synced", 1)]
+
+
+def test_awake_wakes_syncs_then_sleeps_on_exit_also_after_an_error(tokenizer):
+    worker, _ = _worker(tokenizer)
+    policy, engine = _policy(), _engine()
+    worker.engine = engine
+    with worker.awake(policy) as awake:
+        assert awake is engine and engine.log == [("wake_up",), ("sync", weights_of(policy))]
+    assert engine.log[-1] == ("sleep", 1)
+    with pytest.raises(KeyError):
+        with worker.awake(policy):
+            raise KeyError("in the rollout")
+    assert engine.log[-2:] == [("wake_up",), ("sleep", 1)]
+
+
+def test_a_policy_with_nonfinite_weights_is_never_sampled_from(tokenizer):
+    worker, events = _worker(tokenizer)
+    policy, engine = _policy(), _engine()
+    worker.engine = engine
+    with torch.no_grad():
+        policy.weight[0, 0] = float("inf")
+    with pytest.raises(NonFiniteError, match="before sampling a rollout: weight"):
+        worker.prepare(policy)
+    assert engine.log == [] and events == []  # not even woken
+
+
+class _Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def test_the_wake_up_and_sync_count_as_sync_s(tokenizer, monkeypatch):
+    clock = _Clock()
+    monkeypatch.setattr(metrics_module.time, "perf_counter", clock)
+
+    class Slow(RecordingEngine):
+        def wake_up(self):
+            clock.now += 1.0
+
+        def sync_weights(self, model):
+            clock.now += 2.0
+
+    worker, _ = _worker(tokenizer)
+    worker.engine = Slow(fixed_completions([3], 4, EOS), EOS)
+    timer = StepTimer()
+    worker.prepare(_policy(), timer=timer)
+    assert timer.get("sync_s") == 3.0 and timer.get("rollout_s") == 0.0
+
+
+class _CoreOnly:
+    """A user engine with only the core members."""
+
+    pad_token_id = EOS
+
+    def __init__(self):
+        self.synced = 0
+
+    def generate(self, prompt_ids, num_generations, sampling):
+        raise NotImplementedError
+
+    def sync_weights(self, model):
+        self.synced += 1
+
+
+def test_engine_capabilities_decide_the_sync_and_asynchronous_rollouts(tokenizer):
+    worker, _ = _worker(tokenizer)
+    user = _CoreOnly()
+    worker.engine = user  # adapted: lifecycle no-ops, its own weights
+    assert isinstance(worker.engine, CoreEngineAdapter) and worker.engine_version == -1
+    with worker.awake(_policy()):
+        pass
+    assert user.synced == 1
+    asynchronous, _ = _worker(tokenizer, max_staleness=2)
+    asynchronous.engine = _engine()  # its own weights: fine
+    with pytest.raises(ValueError, match="max_staleness=2 needs a rollout engine with its own copy of the weights"):
+        asynchronous.engine = FixedRolloutEngine(fixed_completions([3], 4, EOS), EOS)
+    with pytest.raises(TypeError, match="object is not a rollout engine: it lacks generate, sync_weights"):
+        worker.engine = object()
+
+
+def test_no_engine_before_start_and_start_keeps_a_given_engine(tokenizer):
+    worker, _ = _worker(tokenizer)
+    with pytest.raises(RuntimeError, match="the rollout engine is not started: call RolloutWorker.start"):
+        worker.prepare(_policy())
+    engine = _engine()
+    worker.engine = engine
+    worker.start(_policy(), model_path=None)  # idempotent: the engine is not replaced
+    assert worker.engine is engine
+
+
+def test_prompts_are_encoded_and_truncated_from_the_left_before_the_engine(tokenizer):
+    worker, _ = _worker(tokenizer, max_prompt_length=8)
+    engine = _engine()
+    worker.engine = engine
+    prompts = ["a short one", "one two three four five six seven eight nine ten eleven twelve"]
+    ids, truncated = worker.tokenize(prompts)
+    assert truncated == 1 and len(ids[1]) == 8
+    assert ids[0] == tokenizer(prompts[0])["input_ids"] and ids[1] == tokenizer(prompts[1])["input_ids"][-8:]
+    out = worker.generate(prompts, 2, SamplingConfig(max_new_tokens=4))
+    assert engine.prompts == [ids] and len(out.completions) == 4
