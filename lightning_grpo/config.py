@@ -6,6 +6,7 @@ Names follow TRL's ``GRPOConfig`` where they mean the same thing; docs/algorithm
 from __future__ import annotations
 
 import math
+import urllib.parse
 import warnings
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal, Optional, get_args, get_type_hints
@@ -41,6 +42,33 @@ def _check_fields(config: Any, prefix: str) -> None:
         choices = get_args(hints[f.name])
         if choices and all(isinstance(c, str) for c in choices) and value not in choices:
             _fail(prefix + f.name, value, f"choose one of {', '.join(choices)}")
+
+
+def parse_server_url(url: object) -> tuple[str, str, int]:
+    """``(scheme, host, port)`` of a rollout server's base URL ``http(s)://host[:port]`` (port 80 / 443 when left
+    out).
+
+    Raises:
+        ValueError: not a string, a scheme other than http/https, no host, a port that is not a number in
+            [1, 65535], or a path, query or fragment (the requirement is named; the caller names the field).
+    """
+    if not isinstance(url, str):
+        raise ValueError(f"{url!r} is not a URL string")
+    parts = urllib.parse.urlsplit(url.strip())
+    if parts.scheme not in ("http", "https"):
+        raise ValueError(f"{url!r} must start with http:// or https://")
+    try:
+        port = parts.port
+    except ValueError:
+        raise ValueError(f"{url!r} has port {parts.netloc.rpartition(':')[2]!r}: a port is a number in [1, 65535]") \
+            from None
+    if not parts.hostname:
+        raise ValueError(f"{url!r} names no host (expected http://HOST:PORT)")
+    if port == 0:
+        raise ValueError(f"{url!r} has port 0: a port is a number in [1, 65535]")
+    if parts.path.strip("/") or parts.query or parts.fragment:
+        raise ValueError(f"{url!r} has a path, query or fragment: give the server's base URL http://HOST:PORT")
+    return parts.scheme, parts.hostname, port or (443 if parts.scheme == "https" else 80)
 
 
 @dataclass
@@ -85,6 +113,10 @@ class EngineConfig:
     weight_sync_check: Optional[float] = None
     """"vllm_server": after each weight sync, fail if a server's teacher-forced logprobs of a fixed probe batch
     differ from the policy's by more than this (> 0; ~1e-4 for float32 on both sides); None = off."""
+    server_secret_file: Optional[str] = None
+    """"vllm_server": a file whose first line is the rollout servers' shared secret (``lightning-grpo serve
+    --secret-file``); None = the environment variable ``LIGHTNING_GRPO_SERVER_SECRET``, if set. Only the path is
+    stored here (and so in checkpoints): the secret itself is read when the engine is made and never logged."""
 
     def __post_init__(self) -> None:
         _check_fields(self, "engine.")
@@ -103,9 +135,11 @@ class EngineConfig:
         if self.name == "vllm_server" and not self.server_urls:
             _fail("engine.server_urls", self.server_urls, "engine.name='vllm_server' needs at least one URL")
         for url in self.server_urls:
-            if not isinstance(url, str) or not url.startswith(("http://", "https://")):
-                _fail("engine.server_urls", self.server_urls, f"{url!r} must start with http:// or https://")
-        if len(set(self.server_urls)) != len(self.server_urls):
+            try:
+                parse_server_url(url)
+            except ValueError as err:
+                _fail("engine.server_urls", self.server_urls, str(err))
+        if len({u.rstrip("/") for u in self.server_urls}) != len(self.server_urls):
             _fail("engine.server_urls", self.server_urls, "a server is listed twice")
         if not self.server_timeout > 0:
             _fail("engine.server_timeout", self.server_timeout, "must be > 0 seconds")

@@ -147,14 +147,21 @@ class VLLMRolloutEngine:
         if max_model_len is not None and max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {max_model_len}")
 
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(str(path))
+        except (OSError, ValueError) as err:
+            raise ValueError(f"model_path={str(model_path)!r} holds no tokenizer that transformers can load "
+                             f"(tokenizer.json / tokenizer_config.json): {err}") from err
+
         # In-process engine core: sync_weights passes tensors to the worker by reference.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         vllm = _import_vllm()
         self.on_cpu = vllm_on_cpu()
+        dtype = dtype or ("float32" if self.on_cpu else "auto")
         kwargs: dict[str, Any] = dict(
             model=str(path),
             tokenizer=str(path),
-            dtype=dtype or ("float32" if self.on_cpu else "auto"),
+            dtype=dtype,
             seed=seed,
             max_model_len=max_model_len,
             enforce_eager=self.on_cpu if enforce_eager is None else enforce_eager,
@@ -166,7 +173,9 @@ class VLLMRolloutEngine:
         if self.on_cpu:
             kwargs["kv_cache_memory_bytes"] = int(kv_cache_space_gib) * 2**30
             kwargs["enable_chunked_prefill"] = False  # per-request seeds on CPU (module docstring)
-            kwargs["max_num_batched_tokens"] = max(_CPU_MAX_NUM_BATCHED_TOKENS, max_model_len or 0)
+            # every prompt is prefilled in one step, so a step's budget must hold the longest sequence
+            longest = max_model_len or _model_max_len(str(path), dtype)
+            kwargs["max_num_batched_tokens"] = max(_CPU_MAX_NUM_BATCHED_TOKENS, longest)
         else:
             kwargs["enable_sleep_mode"] = enable_sleep_mode
         self.sleep_enabled = enable_sleep_mode and not self.on_cpu
@@ -175,7 +184,6 @@ class VLLMRolloutEngine:
         self.stop = stop if stop is not None else StopFlag()
         _abort_between_steps(self.llm.llm_engine, self.stop)
 
-        self.tokenizer = AutoTokenizer.from_pretrained(str(path))
         generation_config = None
         if (path / "generation_config.json").is_file():
             generation_config = GenerationConfig.from_pretrained(str(path))
@@ -361,6 +369,15 @@ class VLLMRolloutEngine:
             gc.collect()
             if self.on_cpu:
                 torch.set_num_threads = _TORCH_SET_NUM_THREADS
+
+
+def _model_max_len(path: str, dtype: str) -> int:
+    """The ``max_model_len`` vLLM derives for the model at ``path`` when none is given (its
+    ``max_position_embeddings`` or equivalent, with rope scaling), read through vLLM's own ``ModelConfig``."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    args = EngineArgs(model=path, tokenizer=path, dtype=dtype, generation_config="vllm")
+    return int(args.create_model_config().max_model_len)
 
 
 def _abort_between_steps(engine: Any, stop: StopFlag) -> None:
