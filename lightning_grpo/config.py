@@ -111,8 +111,9 @@ class EngineConfig:
     """"vllm_server": port the trainer's rank 0 listens on for the weight-sync groups of all rollout servers (TRL's
     default)."""
     weight_sync_check: Optional[float] = None
-    """"vllm_server": after each weight sync, fail if a server's teacher-forced logprobs of a fixed probe batch
-    differ from the policy's by more than this (> 0; ~1e-4 for float32 on both sides); None = off."""
+    """"vllm" and "vllm_server": after each weight sync, fail if the engine's (each server's) teacher-forced logprobs
+    of a fixed probe batch differ from the policy's by more than this (> 0; ~1e-4 for float32 on both sides); None =
+    off. It catches a sampler that is not the trained policy: a stale or mis-synced matrix (e.g. a tied lm_head)."""
     server_secret_file: Optional[str] = None
     """"vllm_server": a file whose first line is the rollout servers' shared secret (``lightning-grpo serve
     --secret-file``); None = the environment variable ``LIGHTNING_GRPO_SERVER_SECRET``, if set. Only the path is
@@ -321,6 +322,12 @@ class GRPOConfig:
     mini-batch is split into ``Trainer(accumulate_grad_batches)`` micro-batches, one ``training_step`` each."""
     shuffle_seed: int = 0
     """Seed of the mini-batch shuffling (combined with the step number)."""
+    disable_dropout: bool = False
+    """Set every dropout of the policy to 0 (``nn.Dropout`` modules, LoRA's ``lora_dropout`` included, and the
+    attention dropout of HF layers), as TRL's ``disable_dropout``. With the default (False) the training forward
+    passes use the model's dropout while the old logprobs of the ratio pi / pi_old are computed in eval mode without
+    it, so with several updates per rollout (``num_iterations > 1`` or mini-batches) the ratio is not 1 at the first
+    update; a warning says so when the policy has dropout."""
     max_tokens_per_microbatch: Optional[int] = None
     """Form each mini-batch's micro-batches by a token budget instead of a count: sequences (real prompt +
     completion tokens) are packed into micro-batches of at most this many tokens, balanced

@@ -23,8 +23,10 @@ from lightning_grpo.data.source import EvalSource, PromptSource
 from lightning_grpo.evaluation.evaluator import Evaluator
 from lightning_grpo.experience_maker import ExperienceMaker, RolloutContext
 from lightning_grpo.loop.fit_loop import install_loop
+from lightning_grpo.models.dropout import disable_dropout, warn_dropout_with_reused_rollouts
 from lightning_grpo.models.lora import (
     check_quantized_engine,
+    check_tied_head,
     export_policy,
     load_lora_policy,
     lora_settings,
@@ -117,6 +119,8 @@ class GRPOModule(L.LightningModule):
                                             primary=self.config.primary_reward, accuracy=accuracy_reward)
         self.policy, self.tokenizer, self.model_path = load_lora_policy(model, tokenizer, dtype,
                                                                         gradient_checkpointing, settings)
+        if self.config.disable_dropout:
+            disable_dropout(self.policy)
         self._reference = reference_for(self.policy, self.config.beta)  # outside the module tree; LoRA: adapters off
         trim_frozen_weights(self)  # LoRA: checkpoints hold the adapters only
         self.backend: ParallelBackend = LocalBackend()  # the trainer's backend from configure_model on
@@ -160,6 +164,10 @@ class GRPOModule(L.LightningModule):
             install_loop(self.trainer)
         self.rollout.start(self.policy, self.model_path)
         check_quantized_engine(self._lora_settings, self.rollout.require_engine())
+        check_tied_head(self.policy, self.rollout.require_engine())
+        if stage == "fit":
+            updates = self.steps_per_rollout() if isinstance(self.trainer.datamodule, PromptSource) else 1
+            warn_dropout_with_reused_rollouts(self.policy, max(updates, self.config.num_iterations))
         self.preemption.attach(self.trainer)
         use_atomic_checkpoint_io(self.trainer.strategy)
         warn_untyped_event_hooks(self.trainer.callbacks)

@@ -47,9 +47,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_grpo.functional import token_logprobs
 from lightning_grpo.rollout.base import RolloutOutput, SamplingConfig, StopFlag
-from lightning_grpo.rollout.engines.hf_weights import hf_weights
+from lightning_grpo.rollout.engines.hf_weights import check_syncable, hf_weights
+from lightning_grpo.rollout.engines.probe import policy_probe_logprobs, probe_sequences, probe_vocab_size
 from lightning_grpo.rollout.engines.rows import check_prompts, request_seeds, rollout_from_rows
 from lightning_grpo.rollout.registry import EngineSpec
 from lightning_grpo.rollout.server.client import RolloutServerError, ServerClient
@@ -57,10 +57,6 @@ from lightning_grpo.rollout.server.security import read_secret
 from lightning_grpo.rollout.server.weight_sync import group_prefix, host_store, make_group, send_weights
 
 log = logging.getLogger(__name__)
-
-#: The post-sync probe: this many sequences of this many token ids, drawn once from a generator seeded with 0.
-PROBE_SEQUENCES, PROBE_LENGTH = 4, 16
-
 
 @dataclass
 class Instance:
@@ -82,25 +78,6 @@ def split_evenly(count: int, parts: int) -> list[tuple[int, int]]:
     for i in range(parts):
         bounds.append(bounds[-1] + base + (1 if i < extra else 0))
     return list(zip(bounds[:-1], bounds[1:], strict=True))
-
-
-def probe_sequences(vocab_size: int) -> list[list[int]]:
-    """The fixed probe batch of the post-sync check: :data:`PROBE_SEQUENCES` sequences of :data:`PROBE_LENGTH`
-    token ids in ``[0, vocab_size)``, the same on every call."""
-    generator = torch.Generator().manual_seed(0)
-    return torch.randint(0, vocab_size, (PROBE_SEQUENCES, PROBE_LENGTH), generator=generator).tolist()
-
-
-@torch.no_grad()
-def policy_probe_logprobs(model: nn.Module, sequences: Sequence[Sequence[int]]) -> torch.Tensor:
-    """``(S, L - 1)`` float32 logprobs of each token of ``sequences`` (equal lengths) given the ones before it, under
-    ``model`` (temperature 1, no truncation): what the server's ``/probe_logprobs`` computes. A forward pass of
-    ``model`` (a collective under FSDP: every rank calls it)."""
-    device = next(model.parameters()).device
-    ids = torch.tensor(list(sequences), dtype=torch.long, device=device)
-    logits = model(input_ids=ids).logits[:, :-1]
-    logprobs, _ = token_logprobs(logits, ids[:, 1:])
-    return logprobs.float().cpu()
 
 
 def is_sharded(model: nn.Module) -> bool:
@@ -322,6 +299,7 @@ class VLLMServerEngine:
     # ------------------------------------------------------------------ weights
     def _push(self, instances: Sequence[Instance], model: nn.Module, deadline: float) -> int:
         """Stream ``model``'s weights to ``instances`` as version ``self.version`` (rank 0)."""
+        check_syncable(model, self.tie_word_embeddings)  # before the servers start waiting for a stream
         device = next(model.parameters()).device if self.backend == "nccl" else torch.device("cpu")
         with concurrent.futures.ThreadPoolExecutor(len(instances)) as pool:
             answers = [pool.submit(inst.client.request, "POST", "/update_weights", {"version": self.version},
@@ -387,8 +365,7 @@ class VLLMServerEngine:
     def _check(self, model: nn.Module) -> tuple[float, str]:
         """The largest |server - policy| probe logprob difference over the instances (rank 0; 0 elsewhere), and
         which instance has it."""
-        vocab = min(len(self.tokenizer), int(getattr(getattr(model, "config", None), "vocab_size", 0) or 1 << 62))
-        sequences = probe_sequences(vocab)
+        sequences = probe_sequences(probe_vocab_size(model, len(self.tokenizer)))
         ours = policy_probe_logprobs(model, sequences)
         worst, where = 0.0, ""
         if self.rank == 0:

@@ -57,6 +57,12 @@ from transformers import AutoTokenizer, GenerationConfig
 from lightning_grpo.models.lora import base_model
 from lightning_grpo.rollout.base import RolloutInterrupted, RolloutOutput, SamplingConfig, StopFlag, eos_token_ids_from
 from lightning_grpo.rollout.engines.hf_weights import hf_weights, merged_state_dict
+from lightning_grpo.rollout.engines.probe import (
+    WeightSyncCheckError,
+    policy_probe_logprobs,
+    probe_sequences,
+    probe_vocab_size,
+)
 from lightning_grpo.rollout.engines.rows import check_prompts, request_seeds, rollout_from_rows
 from lightning_grpo.rollout.registry import EngineSpec
 
@@ -112,6 +118,8 @@ class VLLMRolloutEngine:
             ``"auto"`` on GPU.
         enforce_eager: skip torch.compile / CUDA graphs. ``None``: True on CPU (fast start), False on GPU.
         enable_prefix_caching: reuse the KV cache of shared prompt prefixes (cleared on every sync).
+        weight_sync_check: after each :meth:`sync_weights`, the largest difference allowed between the engine's and
+            the policy's logprobs of a fixed probe batch (``engine.weight_sync_check``); None = no check.
         stop: polled before every engine step (one token for every running request); once set, ``generate``
             aborts its requests and raises :class:`~lightning_grpo.rollout.base.RolloutInterrupted`.
         engine_kwargs: more keyword arguments of ``vllm.LLM`` (the rollout server passes its
@@ -134,6 +142,7 @@ class VLLMRolloutEngine:
         dtype: Optional[str] = None,
         enforce_eager: Optional[bool] = None,
         enable_prefix_caching: bool = True,
+        weight_sync_check: Optional[float] = None,
         stop: Optional[StopFlag] = None,
         **engine_kwargs: Any,
     ) -> None:
@@ -181,6 +190,7 @@ class VLLMRolloutEngine:
         self.sleep_enabled = enable_sleep_mode and not self.on_cpu
         self.sleeping = False
         self.llm = vllm.LLM(**kwargs, **engine_kwargs)
+        self.weight_sync_check = weight_sync_check
         self.stop = stop if stop is not None else StopFlag()
         _abort_between_steps(self.llm.llm_engine, self.stop)
 
@@ -340,6 +350,27 @@ class VLLMRolloutEngine:
         weights = hf_weights(model, self.tie_word_embeddings)
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
         self.llm.reset_prefix_cache()
+        if self.weight_sync_check is not None:
+            self.check_weights(model)
+
+    def check_weights(self, model: torch.nn.Module) -> float:
+        """The post-sync check (:mod:`lightning_grpo.rollout.engines.probe`): the largest absolute difference between
+        this engine's teacher-forced logprobs of the probe batch and ``model``'s (a forward pass: a collective under
+        FSDP, every rank calls it).
+
+        Raises:
+            WeightSyncCheckError: the difference is over ``weight_sync_check`` (both are named).
+        """
+        sequences = probe_sequences(probe_vocab_size(model, len(self.tokenizer)))
+        ours = policy_probe_logprobs(model, sequences)
+        theirs = torch.tensor(self.teacher_forced_logprobs(sequences), dtype=torch.float32)
+        worst = float((theirs - ours).abs().max())
+        if self.weight_sync_check is not None and worst > self.weight_sync_check:
+            raise WeightSyncCheckError(
+                f"post-sync check failed: the colocated vLLM engine's logprobs of the probe batch differ from the "
+                f"policy's by up to {worst:.3g} > engine.weight_sync_check={self.weight_sync_check:g}: the engine is "
+                "not generating with the trained weights")
+        return worst
 
     def sleep(self, level: int = 1) -> None:
         """Free accelerator memory between rollouts (vLLM sleep mode). Level 1 offloads the weights to CPU
@@ -416,5 +447,6 @@ def make(spec: EngineSpec) -> VLLMRolloutEngine:
         max_model_len=config.max_prompt_length + max(config.max_new_tokens, config.eval.max_new_tokens or 0),
         enable_sleep_mode=engine.enable_sleep_mode,
         dtype=str(next(policy.parameters()).dtype).removeprefix("torch."),
+        weight_sync_check=engine.weight_sync_check,
         stop=spec.stop,
     )
