@@ -50,6 +50,7 @@ from lightning_grpo.data.presets import (  # noqa: F401  (re-exported: the prese
 from lightning_grpo.data.sampler import EpochShuffleSampler
 from lightning_grpo.data.synthetic import ARITHMETIC_INSTRUCTION, SYNTHETIC_NAME, arithmetic_splits
 from lightning_grpo.rewards.gsm8k import gold_answer
+from lightning_grpo.rewards.numbers import normalize_number
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +64,10 @@ _HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")
 
 
 def gsm8k_final_answer(text: str) -> str:
-    """The gold answer of a GSM8K solution: the text after the last ``####``, stripped, commas removed.
+    """The gold answer of a GSM8K solution: the text after the last ``####``, stripped, in canonical number form
+    when it is a number (:func:`lightning_grpo.rewards.numbers.normalize_number`), else unchanged: the gold keeps its
+    meaning (``"1,200"`` -> ``"1200"``, but ``"1,5"`` stays ``"1,5"``, never ``"15"``; the GSM8K reward then refuses it
+    as no numeric gold).
 
     ``"...\\n#### 1,200"`` -> ``"1200"``.
 
@@ -72,7 +76,8 @@ def gsm8k_final_answer(text: str) -> str:
     """
     if "####" not in text:
         raise ValueError(f"GSM8K answer has no '####' final-answer marker: {text!r}")
-    answer = gold_answer(text).replace(",", "")
+    answer = gold_answer(text)
+    answer = normalize_number(answer) or answer
     if not answer:
         raise ValueError(f"GSM8K answer has nothing after '####': {text!r}")
     return answer
