@@ -20,7 +20,7 @@ from lightning_grpo.algorithm import ObjectiveOutput, grpo_objective
 from lightning_grpo.callbacks.base import forward_event, warn_untyped_event_hooks
 from lightning_grpo.config import GRPOConfig
 from lightning_grpo.data.source import EvalSource, PromptSource
-from lightning_grpo.evaluation.evaluator import Evaluator
+from lightning_grpo.evaluation.evaluator import EVAL_INDEX, Evaluator, counted_rows
 from lightning_grpo.experience_maker import ExperienceMaker, RolloutContext
 from lightning_grpo.loop.fit_loop import install_loop
 from lightning_grpo.models.dropout import disable_dropout, warn_dropout_with_reused_rollouts
@@ -431,6 +431,9 @@ class GRPOModule(L.LightningModule):
         dataset = names[dataloader_idx] if 0 < dataloader_idx < len(names) else None
         with self.preemption.exit_on_stop():
             out = self.experience_maker.evaluate(batch, self.policy, accuracy=self.rewards.accuracy_for(dataset))
+        if EVAL_INDEX in batch:  # count each prompt once over the processes (a distributed sampler pads)
+            sampler = self.trainer.distributed_sampler_kwargs or {}
+            out.counted = counted_rows(batch[EVAL_INDEX], sampler.get("num_replicas", 1), sampler.get("rank", 0))
         for key, (metric, size, attribute) in self.evaluator.update(stage, dataset, out).items():
             self.log(key, metric, on_step=False, on_epoch=True, prog_bar=key.endswith("/accuracy"), batch_size=size,
                      add_dataloader_idx=False, metric_attribute=f"evaluator.{attribute}")

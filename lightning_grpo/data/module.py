@@ -49,6 +49,7 @@ from lightning_grpo.data.presets import (  # noqa: F401  (re-exported: the prese
 )
 from lightning_grpo.data.sampler import EpochShuffleSampler
 from lightning_grpo.data.synthetic import ARITHMETIC_INSTRUCTION, SYNTHETIC_NAME, arithmetic_splits
+from lightning_grpo.evaluation.evaluator import EVAL_INDEX
 from lightning_grpo.rewards.gsm8k import gold_answer
 from lightning_grpo.rewards.numbers import normalize_number
 
@@ -412,6 +413,10 @@ class PromptDataModule(L.LightningDataModule):
             if len(val) < self.val_size:
                 log.info("val split %r has %d prompts (< val_size=%d); using all", val_split, len(val), self.val_size)
             val = val.select(range(min(self.val_size, len(val))))
+            if EVAL_INDEX in val.column_names:
+                raise ValueError(f"dataset={self.dataset!r}: the column {EVAL_INDEX!r} is reserved (each val prompt's "
+                                 "position, which counts every prompt once under a distributed sampler)")
+            val = val.add_column(EVAL_INDEX, list(range(len(val))))
         self.train_dataset, self.val_dataset = train, val
         log.info("dataset=%r: %d train prompts (%s), %d val prompts (%s)",
                  self.dataset, len(train), self.train_split, 0 if val is None else len(val), val_split)

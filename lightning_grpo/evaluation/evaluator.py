@@ -16,7 +16,9 @@ For one prompt with ``n`` sampled completions of which ``c`` are correct (a rewa
 * mean@k: the mean reward of the ``n`` completions (the mean of the raw values, not thresholded).
 
 Each metric's state is a sum and a count (``dist_reduce_fx="sum"``), so under DDP it is the mean over all
-processes' prompts.
+processes' prompts, each prompt counted once: Lightning's ``DistributedSampler`` pads the evaluation set to a
+multiple of the process count by repeating its first prompts, and those repeats are generated (the processes stay
+in step) but not counted (:func:`counted_rows`).
 """
 
 from __future__ import annotations
@@ -34,6 +36,21 @@ from lightning_grpo.rewards.math import equivalent_answers
 
 #: Rewards above this count as correct for pass@k and maj@k.
 CORRECT_THRESHOLD = 0.5
+#: The batch column holding each evaluation prompt's position in its dataset (added by the data module).
+EVAL_INDEX = "eval_index"
+
+
+def counted_rows(indices: Sequence[int], num_replicas: int, rank: int) -> Tensor:
+    """``(B,)`` bool: which rows of an evaluation batch this process counts, so that every prompt is counted by
+    exactly one process: the prompt at dataset position ``i`` by process ``i % num_replicas``.
+
+    Why that is right: torch's ``DistributedSampler`` (which Lightning puts in front of the evaluation loaders,
+    ``shuffle=False``) gives process ``r`` the positions ``r, r + W, r + 2W, ...`` of the dataset followed by its
+    first ``pad`` prompts again (``W`` processes, ``pad < W``), so the original of prompt ``i`` goes to process
+    ``i % W`` and its repeat, at position ``N + i`` with ``N % W != 0``, to another one. Without a distributed
+    sampler every process sees every prompt and each is still counted once over the processes.
+    """
+    return torch.tensor([int(i) % num_replicas == rank for i in indices], dtype=torch.bool)
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -188,12 +205,24 @@ class EvalBatch:
         lengths: ``(B,)`` long greedy completion lengths in tokens.
         samples: ``(B, n)`` float32 sampled completions' scores (NaN unscored), or None without samples.
         answers: the samples' extracted answers (:func:`answer_key`), ``B`` lists of ``n``.
+        counted: ``(B,)`` bool, the rows this process counts (:func:`counted_rows`; the others are a distributed
+            sampler's padding), or None for all.
     """
 
     greedy: Tensor
     lengths: Tensor
     samples: Optional[Tensor] = None
     answers: list[list[Optional[str]]] = field(default_factory=list)
+    counted: Optional[Tensor] = None
+
+    def only_counted(self) -> "EvalBatch":
+        """The batch without its uncounted rows."""
+        if self.counted is None:
+            return self
+        keep = self.counted.to(self.greedy.device)
+        rows = keep.nonzero().flatten().tolist()
+        return EvalBatch(self.greedy[keep], self.lengths[keep], None if self.samples is None else self.samples[keep],
+                         [self.answers[i] for i in rows] if self.answers else [])
 
 
 class Evaluator(nn.Module):
@@ -227,7 +256,8 @@ class Evaluator(nn.Module):
         """Update the metrics of ``stage`` ("val" or "test") and ``dataset`` (None: the first) with ``out``;
         returns ``{name: (metric, batch size, its attribute path under this module)}`` to log."""
         prefix = stage if dataset is None else f"{stage}/{dataset}"
-        device, size = out.greedy.device, len(out.greedy)
+        out = out.only_counted()
+        device, size = out.greedy.device, max(1, len(out.greedy))
         logged: dict[str, tuple[Metric, int, str]] = {}
 
         def add(name: str, make: type, *args) -> Metric:

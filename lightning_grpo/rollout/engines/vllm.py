@@ -56,7 +56,7 @@ from transformers import AutoTokenizer, GenerationConfig
 
 from lightning_grpo.models.lora import base_model
 from lightning_grpo.rollout.base import RolloutInterrupted, RolloutOutput, SamplingConfig, StopFlag, eos_token_ids_from
-from lightning_grpo.rollout.engines.hf_weights import hf_weights, merged_state_dict
+from lightning_grpo.rollout.engines.hf_weights import check_syncable, hf_weights, merged_state_dict
 from lightning_grpo.rollout.engines.probe import (
     WeightSyncCheckError,
     policy_probe_logprobs,
@@ -345,8 +345,11 @@ class VLLMRolloutEngine:
                 FSDP2 / ``torch.compile`` / activation checkpointing / DDP.
 
         Raises:
-            ValueError: from vLLM's loader when a name does not belong to the engine's model.
+            ValueError: from vLLM's loader when a name does not belong to the engine's model; a policy with a
+                separately trained head for this tied engine (before anything is loaded).
+            WeightSyncCheckError: with ``weight_sync_check``, the post-sync check failed (:meth:`check_weights`).
         """
+        check_syncable(model, self.tie_word_embeddings)  # before the reload starts: a failed one breaks the engine
         weights = hf_weights(model, self.tie_word_embeddings)
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
         self.llm.reset_prefix_cache()
