@@ -247,13 +247,18 @@ class GRPOModule(L.LightningModule):
             return self.experience_maker.make(batch, self.policy, self.ref_model, next_prompt_batch=next_prompt_batch,
                                               prefetched=prefetched)
 
-    def rollouts_ahead(self) -> int:
+    def rollouts_ahead(self, prompt_batches: Optional[int] = None) -> int:
         """Rollouts generated in the background ahead of the one being trained: ``max_staleness //
         steps_per_rollout`` (the weights of a rollout started at a rollout boundary are then at most
         ``max_staleness`` optimizer steps old when it is trained); 0 = synchronous rollouts.
 
+        Args:
+            prompt_batches: rollout batches per epoch (the loop's loader length), None when unknown.
+
         Raises:
-            ValueError: ``0 < max_staleness < steps_per_rollout`` (no rollout could be generated ahead).
+            ValueError: ``0 < max_staleness < steps_per_rollout`` (no rollout could be generated ahead), or as many
+                rollouts ahead as the epoch has batches or more: the whole epoch would be generated at its start and
+                held in memory and in every checkpoint.
         """
         k = self.config.max_staleness
         if k == 0:
@@ -263,7 +268,13 @@ class GRPOModule(L.LightningModule):
             raise ValueError(f"GRPOConfig.max_staleness={k} is less than the {steps} optimizer steps of one rollout "
                              f"(num_iterations * mini-batches): no rollout can be generated ahead; use max_staleness "
                              f">= {steps} or 0")
-        return k // steps
+        ahead = k // steps
+        if prompt_batches is not None and ahead >= prompt_batches:
+            raise ValueError(f"GRPOConfig.max_staleness={k} generates {ahead} rollouts ahead ({steps} optimizer "
+                             f"step(s) per rollout), but an epoch has only {prompt_batches} rollout batches: the "
+                             "whole epoch would be generated at its start and held in memory and in every checkpoint. "
+                             f"Use max_staleness < {prompt_batches * steps} (at most {prompt_batches - 1} rollouts ahead)")
+        return ahead
 
     def prefetch_rollout(self, batch: dict[str, list]) -> PrefetchedRollout:
         """Start generating ``batch``'s rollout in the background from the current weights

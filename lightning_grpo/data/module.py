@@ -94,7 +94,7 @@ def default_data_dirs() -> list[Path]:
     if env:
         candidates.append(Path(env).expanduser())
     candidates.append(Path.cwd().parent / "shared" / "data")
-    candidates.append(Path(__file__).resolve().parents[1].parent / "shared" / "data")
+    candidates.append(Path(__file__).resolve().parents[2].parent / "shared" / "data")  # <repo>/lightning_grpo/data
     unique: list[Path] = []
     for path in candidates:
         path = path.resolve()

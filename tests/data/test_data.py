@@ -73,6 +73,8 @@ def test_default_data_dirs(monkeypatch, tmp_path):
     dirs = default_data_dirs()
     assert dirs[0] == tmp_path.resolve()
     assert SHARED_DATA.resolve() in dirs  # repo-relative ../shared/data
+    monkeypatch.chdir(tmp_path)  # from any working directory: <repo root>/../shared/data by the package's path
+    assert SHARED_DATA.resolve() in default_data_dirs()
 
 
 def test_gsm8k_sizes_and_first_row(gsm8k, gsm8k_rows):
