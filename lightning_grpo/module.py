@@ -272,8 +272,9 @@ class GRPOModule(L.LightningModule):
         if prompt_batches is not None and ahead >= prompt_batches:
             raise ValueError(f"GRPOConfig.max_staleness={k} generates {ahead} rollouts ahead ({steps} optimizer "
                              f"step(s) per rollout), but an epoch has only {prompt_batches} rollout batches: the "
-                             "whole epoch would be generated at its start and held in memory and in every checkpoint. "
-                             f"Use max_staleness < {prompt_batches * steps} (at most {prompt_batches - 1} rollouts ahead)")
+                             "whole epoch would be generated at its start and held in memory and in every "
+                             f"checkpoint. Use max_staleness < {prompt_batches * steps} (at most "
+                             f"{prompt_batches - 1} rollouts ahead)")
         return ahead
 
     def prefetch_rollout(self, batch: dict[str, list]) -> PrefetchedRollout:
