@@ -61,7 +61,7 @@ def start_server(model: str, core: int, port: int, log: Path) -> subprocess.Pope
         if proc.poll() is not None:
             raise RuntimeError(f"the rollout server exited with {proc.returncode}; see {log}")
         try:
-            ServerClient(f"http://127.0.0.1:{port}", 2).request("GET", "/health", retry=False)
+            ServerClient(f"http://127.0.0.1:{port}", 2).request("GET", "/health", idempotent=False)
             return proc
         except RolloutServerError:
             time.sleep(1)

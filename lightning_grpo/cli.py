@@ -20,8 +20,10 @@ from __future__ import annotations
 import argparse
 import sys
 import warnings
+from pathlib import Path
 from typing import Any, Optional, Sequence
 
+import torch
 from jsonargparse import DefaultHelpFormatter, set_parsing_settings
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from typing_extensions import override
@@ -52,8 +54,40 @@ def _max_prompt_length(config: object) -> int:
     return int(getattr(config, "max_prompt_length", GRPOConfig().max_prompt_length))
 
 
+#: The hyperparameters of a checkpoint that ``validate`` / ``test`` / ``predict --ckpt_path`` take: the ones that
+#: define the weights (what the state dict is loaded into). Everything else (rewards, generation and evaluation
+#: settings, the engine) comes from the config and command line given, which is what is being evaluated.
+WEIGHT_HPARAMS = ("model", "lora", "dtype", "quantization")
+
+
 class GRPOCLI(LightningCLI):
-    """LightningCLI with the GRPO module and prompt data module as the defaults."""
+    """LightningCLI with the GRPO module and prompt data module as the defaults.
+
+    ``--ckpt_path``: Lightning applies the checkpoint's hyperparameters over the parsed config. ``reward_weights`` is
+    never taken from the checkpoint (it belongs with ``reward_funcs``, which checkpoints do not hold: a checkpoint of
+    two weighted rewards evaluated with one reward would otherwise fail); ``validate``, ``test`` and ``predict`` take
+    only :data:`WEIGHT_HPARAMS`, so ``--config recipes/eval.yaml`` evaluates with its own settings.
+    """
+
+    @override
+    def _parse_ckpt_path(self) -> None:
+        subcommand = self.config.get("subcommand")
+        ckpt_path = self.config[subcommand].get("ckpt_path") if subcommand else None
+        if not ckpt_path or not Path(ckpt_path).is_file():
+            return  # "last"/"best" and missing files are Lightning's to resolve later
+        hparams = torch.load(ckpt_path, weights_only=True, map_location="cpu", mmap=True).get("hyper_parameters", {})
+        if "_class_path" in hparams:  # a subclass of the module: Lightning's own handling
+            super()._parse_ckpt_path()
+            return
+        hparams = {k: v for k, v in hparams.items() if k not in ("_instantiator", "reward_weights")}
+        if subcommand != "fit":
+            hparams = {k: v for k, v in hparams.items() if k in WEIGHT_HPARAMS}
+        if hparams:
+            try:
+                self.config = self.parser.parse_object({subcommand: {"model": hparams}}, self.config)
+            except SystemExit:
+                sys.stderr.write("Parsing of ckpt_path hyperparameters failed!\n")
+                raise
 
     @override
     def init_parser(self, **kwargs: Any) -> LightningArgumentParser:

@@ -6,6 +6,7 @@ Names follow TRL's ``GRPOConfig`` where they mean the same thing; docs/algorithm
 from __future__ import annotations
 
 import math
+import urllib.parse
 import warnings
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal, Optional, Union, get_args, get_type_hints
@@ -41,6 +42,33 @@ def _check_fields(config: Any, prefix: str) -> None:
         choices = get_args(hints[f.name])
         if choices and all(isinstance(c, str) for c in choices) and value not in choices:
             _fail(prefix + f.name, value, f"choose one of {', '.join(choices)}")
+
+
+def parse_server_url(url: object) -> tuple[str, str, int]:
+    """``(scheme, host, port)`` of a rollout server's base URL ``http(s)://host[:port]`` (port 80 / 443 when left
+    out).
+
+    Raises:
+        ValueError: not a string, a scheme other than http/https, no host, a port that is not a number in
+            [1, 65535], or a path, query or fragment (the requirement is named; the caller names the field).
+    """
+    if not isinstance(url, str):
+        raise ValueError(f"{url!r} is not a URL string")
+    parts = urllib.parse.urlsplit(url.strip())
+    if parts.scheme not in ("http", "https"):
+        raise ValueError(f"{url!r} must start with http:// or https://")
+    try:
+        port = parts.port
+    except ValueError:
+        raise ValueError(f"{url!r} has port {parts.netloc.rpartition(':')[2]!r}: a port is a number in [1, 65535]") \
+            from None
+    if not parts.hostname:
+        raise ValueError(f"{url!r} names no host (expected http://HOST:PORT)")
+    if port == 0:
+        raise ValueError(f"{url!r} has port 0: a port is a number in [1, 65535]")
+    if parts.path.strip("/") or parts.query or parts.fragment:
+        raise ValueError(f"{url!r} has a path, query or fragment: give the server's base URL http://HOST:PORT")
+    return parts.scheme, parts.hostname, port or (443 if parts.scheme == "https" else 80)
 
 
 @dataclass
@@ -86,8 +114,13 @@ class EngineConfig:
     """"vllm_server": port the trainer's rank 0 listens on for the weight-sync groups of all rollout servers (TRL's
     default)."""
     weight_sync_check: Optional[float] = None
-    """"vllm_server": after each weight sync, fail if a server's teacher-forced logprobs of a fixed probe batch
-    differ from the policy's by more than this (> 0; ~1e-4 for float32 on both sides); None = off."""
+    """"vllm" and "vllm_server": after each weight sync, fail if the engine's (each server's) teacher-forced logprobs
+    of a fixed probe batch differ from the policy's by more than this (> 0; ~1e-4 for float32 on both sides); None =
+    off. It catches a sampler that is not the trained policy: a stale or mis-synced matrix (e.g. a tied lm_head)."""
+    server_secret_file: Optional[str] = None
+    """"vllm_server": a file whose first line is the rollout servers' shared secret (``lightning-grpo serve
+    --secret-file``); None = the environment variable ``LIGHTNING_GRPO_SERVER_SECRET``, if set. Only the path is
+    stored here (and so in checkpoints): the secret itself is read when the engine is made and never logged."""
 
     def __post_init__(self) -> None:
         _check_fields(self, "engine.")
@@ -107,9 +140,11 @@ class EngineConfig:
         if self.name == "vllm_server" and not self.server_urls:
             _fail("engine.server_urls", self.server_urls, "engine.name='vllm_server' needs at least one URL")
         for url in self.server_urls:
-            if not isinstance(url, str) or not url.startswith(("http://", "https://")):
-                _fail("engine.server_urls", self.server_urls, f"{url!r} must start with http:// or https://")
-        if len(set(self.server_urls)) != len(self.server_urls):
+            try:
+                parse_server_url(url)
+            except ValueError as err:
+                _fail("engine.server_urls", self.server_urls, str(err))
+        if len({u.rstrip("/") for u in self.server_urls}) != len(self.server_urls):
             _fail("engine.server_urls", self.server_urls, "a server is listed twice")
         if not self.server_timeout > 0:
             _fail("engine.server_timeout", self.server_timeout, "must be > 0 seconds")
@@ -291,6 +326,12 @@ class GRPOConfig:
     mini-batch is split into ``Trainer(accumulate_grad_batches)`` micro-batches, one ``training_step`` each."""
     shuffle_seed: int = 0
     """Seed of the mini-batch shuffling (combined with the step number)."""
+    disable_dropout: bool = False
+    """Set every dropout of the policy to 0 (``nn.Dropout`` modules, LoRA's ``lora_dropout`` included, and the
+    attention dropout of HF layers), as TRL's ``disable_dropout``. With the default (False) the training forward
+    passes use the model's dropout while the old logprobs of the ratio pi / pi_old are computed in eval mode without
+    it, so with several updates per rollout (``num_iterations > 1`` or mini-batches) the ratio is not 1 at the first
+    update; a warning says so when the policy has dropout."""
     max_tokens_per_microbatch: Union[int, Literal["auto"], None] = None
     """Form each mini-batch's micro-batches by a token budget instead of a count: sequences (real prompt +
     completion tokens) are packed into micro-batches of at most this many tokens, balanced

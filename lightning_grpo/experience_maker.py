@@ -25,7 +25,7 @@ from lightning_grpo import functional as F
 from lightning_grpo.algorithm import DynamicSampler, ScoredRollout
 from lightning_grpo.algorithm.shaping import overlong_penalty, sequence_kl, transform_rewards
 from lightning_grpo.config import GRPOConfig
-from lightning_grpo.evaluation.evaluator import EvalBatch, answer_key
+from lightning_grpo.evaluation.evaluator import EVAL_INDEX, EvalBatch, answer_key
 from lightning_grpo.events import ON_EXPERIENCE, ON_ROLLOUT_END, EventSink, ExperienceReady, RolloutEnd
 from lightning_grpo.rewards import RewardSet, StartedScores
 from lightning_grpo.rollout.base import RolloutInterrupted, RolloutOutput, SamplingConfig
@@ -388,7 +388,7 @@ class ExperienceMaker:
         reward set's accuracy function). The engine gets the current weights first. Tensors on the context's
         device."""
         cfg, accuracy, device = self.config, accuracy or self.rewards.accuracy, self.context.device
-        columns = {k: v for k, v in batch.items() if k != "prompt"}
+        columns = {k: v for k, v in batch.items() if k not in ("prompt", EVAL_INDEX)}
 
         def score(prompts: list, completions: list[str], repeat: int) -> Tensor:
             cols = {k: [x for x in v for _ in range(repeat)] for k, v in columns.items()}

@@ -21,11 +21,13 @@ from lightning_grpo.algorithm import ObjectiveOutput, grpo_objective
 from lightning_grpo.callbacks.base import forward_event, warn_untyped_event_hooks
 from lightning_grpo.config import GRPOConfig
 from lightning_grpo.data.source import EvalSource, PromptSource
-from lightning_grpo.evaluation.evaluator import Evaluator
+from lightning_grpo.evaluation.evaluator import EVAL_INDEX, Evaluator, counted_rows
 from lightning_grpo.experience_maker import ExperienceMaker, RolloutContext
 from lightning_grpo.loop.fit_loop import install_loop
+from lightning_grpo.models.dropout import disable_dropout, warn_dropout_with_reused_rollouts
 from lightning_grpo.models.lora import (
     check_quantized_engine,
+    check_tied_head,
     export_policy,
     load_lora_policy,
     lora_settings,
@@ -127,6 +129,8 @@ class GRPOModule(L.LightningModule):
                                             pool_width=self.config.reward_num_workers)
         self.policy, self.tokenizer, self.model_path = load_lora_policy(model, tokenizer, dtype,
                                                                         gradient_checkpointing, settings)
+        if self.config.disable_dropout:
+            disable_dropout(self.policy)
         self._reference = reference_for(self.policy, self.config.beta)  # outside the module tree; LoRA: adapters off
         trim_frozen_weights(self)  # LoRA: checkpoints hold the adapters only
         self.backend: ParallelBackend = LocalBackend()  # the trainer's backend from configure_model on
@@ -176,6 +180,10 @@ class GRPOModule(L.LightningModule):
         self.rollout.start(self.policy, self.model_path, rollout_prompts=prompts)  # (sizes an "auto" KV cache)
         check_quantized_engine(self._lora_settings, self.rollout.require_engine())
         self.rewards.setup(self.trainer.strategy.root_device)  # e.g. a reward model's device="auto": this rank's
+        check_tied_head(self.policy, self.rollout.require_engine())
+        if stage == "fit":
+            updates = self.steps_per_rollout() if isinstance(self.trainer.datamodule, PromptSource) else 1
+            warn_dropout_with_reused_rollouts(self.policy, max(updates, self.config.num_iterations))
         self.preemption.attach(self.trainer)
         use_atomic_checkpoint_io(self.trainer.strategy)
         warn_untyped_event_hooks(self.trainer.callbacks)
@@ -255,13 +263,18 @@ class GRPOModule(L.LightningModule):
             return self.experience_maker.make(batch, self.policy, self.ref_model, next_prompt_batch=next_prompt_batch,
                                               prefetched=prefetched)
 
-    def rollouts_ahead(self) -> int:
+    def rollouts_ahead(self, prompt_batches: Optional[int] = None) -> int:
         """Rollouts generated in the background ahead of the one being trained: ``max_staleness //
         steps_per_rollout`` (the weights of a rollout started at a rollout boundary are then at most
         ``max_staleness`` optimizer steps old when it is trained); 0 = synchronous rollouts.
 
+        Args:
+            prompt_batches: rollout batches per epoch (the loop's loader length), None when unknown.
+
         Raises:
-            ValueError: ``0 < max_staleness < steps_per_rollout`` (no rollout could be generated ahead).
+            ValueError: ``0 < max_staleness < steps_per_rollout`` (no rollout could be generated ahead), or as many
+                rollouts ahead as the epoch has batches or more: the whole epoch would be generated at its start and
+                held in memory and in every checkpoint.
         """
         k = self.config.max_staleness
         if k == 0:
@@ -271,7 +284,14 @@ class GRPOModule(L.LightningModule):
             raise ValueError(f"GRPOConfig.max_staleness={k} is less than the {steps} optimizer steps of one rollout "
                              f"(num_iterations * mini-batches): no rollout can be generated ahead; use max_staleness "
                              f">= {steps} or 0")
-        return k // steps
+        ahead = k // steps
+        if prompt_batches is not None and ahead >= prompt_batches:
+            raise ValueError(f"GRPOConfig.max_staleness={k} generates {ahead} rollouts ahead ({steps} optimizer "
+                             f"step(s) per rollout), but an epoch has only {prompt_batches} rollout batches: the "
+                             "whole epoch would be generated at its start and held in memory and in every "
+                             f"checkpoint. Use max_staleness < {prompt_batches * steps} (at most "
+                             f"{prompt_batches - 1} rollouts ahead)")
+        return ahead
 
     def prefetch_rollout(self, batch: dict[str, list]) -> PrefetchedRollout:
         """Start generating ``batch``'s rollout in the background from the current weights
@@ -489,6 +509,9 @@ class GRPOModule(L.LightningModule):
         dataset = names[dataloader_idx] if 0 < dataloader_idx < len(names) else None
         with self.preemption.exit_on_stop():
             out = self.experience_maker.evaluate(batch, self.policy, accuracy=self.rewards.accuracy_for(dataset))
+        if EVAL_INDEX in batch:  # count each prompt once over the processes (a distributed sampler pads)
+            sampler = self.trainer.distributed_sampler_kwargs or {}
+            out.counted = counted_rows(batch[EVAL_INDEX], sampler.get("num_replicas", 1), sampler.get("rank", 0))
         for key, (metric, size, attribute) in self.evaluator.update(stage, dataset, out).items():
             self.log(key, metric, on_step=False, on_epoch=True, prog_bar=key.endswith("/accuracy"), batch_size=size,
                      add_dataloader_idx=False, metric_attribute=f"evaluator.{attribute}")

@@ -28,7 +28,7 @@ from transformers import AutoConfig  # noqa: E402
 
 from lightning_grpo import GRPOConfig, GRPOModule  # noqa: E402
 from lightning_grpo.callbacks import CompletionTable  # noqa: E402
-from lightning_grpo.config import EngineConfig
+from lightning_grpo.config import EngineConfig, EvalConfig
 from lightning_grpo.data import PromptDataModule  # noqa: E402
 from lightning_grpo.data.module import collate_prompts
 from lightning_grpo.rollout.engines.hf_weights import checkpoint_name  # noqa: E402
@@ -331,7 +331,31 @@ def server_run(cfg: dict) -> None:
     torch.save(result, rank_file(out, "server_run", trainer.global_rank))
 
 
-SCENARIOS = {"fixed_step": fixed_step, "grpo_run": grpo_run, "server_run": server_run}
+def answer_is_one(prompts, completions, answer, **columns):
+    """1 for the prompts whose gold is "1", else 0, whatever the completion: the evaluation metrics' true values
+    are then fractions of prompts."""
+    return [float(a == "1") for a in answer]
+
+
+def eval_padding(cfg: dict) -> None:
+    """``trainer.validate`` on 2 processes of 3 prompts (golds 1, 0, 0; Lightning's DistributedSampler pads rank 1
+    with prompt 0 again) with 2 samples per prompt: each rank saves the logged metrics."""
+    out = cfg["out"]
+    data = os.path.join(out, "prompts.jsonl")
+    with open(data, "w") as f:
+        for i, gold in enumerate(["1", "0", "0"]):
+            f.write(json.dumps({"question": f"What is {i} + 0?", "answer": gold}) + "\n")
+    config = GRPOConfig(num_generations=2, max_new_tokens=4, eval=EvalConfig(num_samples=2))
+    module = GRPOModule(cfg["model"], reward_funcs=[answer_is_one], config=config, export_dir="")
+    trainer = L.Trainer(accelerator="cpu", devices=cfg.get("devices", 2), strategy="ddp", logger=False,
+                        enable_progress_bar=False, enable_model_summary=False, default_root_dir=out)
+    trainer.validate(module, datamodule=PromptDataModule(dataset=data, prompts_per_step=1, val_split="train",
+                                                         val_size=3, val_batch_size=1))
+    metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
+    torch.save(metrics, rank_file(out, "eval_padding", trainer.global_rank))
+
+
+SCENARIOS = {"fixed_step": fixed_step, "grpo_run": grpo_run, "server_run": server_run, "eval_padding": eval_padding}
 
 if __name__ == "__main__":
     torch.set_num_threads(1)

@@ -14,6 +14,7 @@ import torch
 from _dist_utils import free_port
 
 from lightning_grpo.rollout.server.client import RolloutServerError, ServerClient
+from lightning_grpo.rollout.server.security import SECRET_ENV
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -21,8 +22,8 @@ REPO = Path(__file__).resolve().parents[1]
 class Server:
     """``python -m lightning_grpo.cli serve`` on a free port, its output in ``log``."""
 
-    def __init__(self, model: str, log: Path) -> None:
-        self.model, self.log, self.port = model, log, free_port()
+    def __init__(self, model: str, log: Path, *options: str) -> None:
+        self.model, self.log, self.port, self.options = model, log, free_port(), list(options)
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen | None = None
         self.start()
@@ -31,7 +32,7 @@ class Server:
         env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
                "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
         command = [sys.executable, "-m", "lightning_grpo.cli", "serve", "--model", self.model, "--host", "127.0.0.1",
-                   "--port", str(self.port), "--kv-cache-space-gib", "1", "--max-model-len", "512"]
+                   "--port", str(self.port), "--kv-cache-space-gib", "1", "--max-model-len", "512", *self.options]
         self.proc = subprocess.Popen(command, cwd=str(REPO), env=env, stdout=open(self.log, "a"),
                                      stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 300
@@ -39,16 +40,19 @@ class Server:
             if self.proc.poll() is not None:
                 raise AssertionError(f"the server exited with {self.proc.returncode}:\n{self.log.read_text()[-6000:]}")
             try:
-                return ServerClient(self.url, 2).request("GET", "/health", retry=False)
+                return self.client(2).request("GET", "/health", idempotent=False)
             except RolloutServerError:
                 time.sleep(0.5)
         raise AssertionError(f"the server did not start within 300 s:\n{self.log.read_text()[-6000:]}")
 
+    def client(self, timeout_s: float = 60) -> ServerClient:
+        return ServerClient(self.url, timeout_s, os.environ.get(SECRET_ENV))
+
     def health(self) -> dict:
-        return ServerClient(self.url, 30).request("GET", "/health")
+        return self.client(30).request("GET", "/health")
 
     def probe(self, sequences) -> torch.Tensor:
-        answer = ServerClient(self.url, 60).request("POST", "/probe_logprobs", {"sequences": sequences})
+        answer = self.client(60).request("POST", "/probe_logprobs", {"sequences": sequences})
         return torch.tensor(answer["logprobs"])
 
     def kill(self) -> None:

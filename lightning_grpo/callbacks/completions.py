@@ -9,7 +9,8 @@ Where the rows go (history kept: each logged step adds rows, nothing is overwrit
   tab keeps every step);
 * ``WandbLogger``: a ``wandb.Table`` logged as ``completions`` at the step;
 * ``MLFlowLogger``: an artifact ``completions/step_<step>.jsonl``;
-* with ``print_every_n_steps``: a few rows as a rich table on the console.
+* with ``print_every_n_steps``: a few rows on the console, each cut to a few lines that fit the terminal's width
+  (80 columns without one), so the progress and the summary stay readable (:func:`format_rows`).
 """
 
 from __future__ import annotations
@@ -17,12 +18,12 @@ from __future__ import annotations
 import csv
 import json
 import os
+import shutil
+import textwrap
 from typing import Any, Optional
 
 import lightning as L
 from lightning.pytorch.loggers import CSVLogger, MLFlowLogger, TensorBoardLogger, WandbLogger
-from rich.console import Console
-from rich.table import Table
 from typing_extensions import override
 
 from lightning_grpo.callbacks.base import GRPOCallback
@@ -52,7 +53,7 @@ class CompletionTable(GRPOCallback):
     Args:
         every_n_steps: log the rollout trained on at optimizer steps 0, N, 2N, ... (>= 1).
         max_rows: rows per logged step (the first groups' completions), None for all.
-        print_every_n_steps: also print ``print_rows`` rows on the console (rich) every this many steps; 0: never.
+        print_every_n_steps: also print ``print_rows`` rows on the console every this many steps; 0: never.
         print_rows: rows printed.
         filename: the base name of the JSONL and CSV files in ``trainer.log_dir``.
 
@@ -140,10 +141,37 @@ def _log_table(logger: Any, step: int, columns: list[str], rows: list[list]) -> 
         return  # CSV: the files next to metrics.csv are the table
 
 
-def _print_rows(step: int, columns: list[str], rows: list[list]) -> None:
-    table = Table(title=f"completions at step {step}", show_lines=True)
-    for column in columns:
-        table.add_column(column, overflow="fold")
+#: Console lines of one printed row's prompt and completion (each cut with "…" beyond).
+PROMPT_LINES, COMPLETION_LINES = 2, 4
+
+
+def _clip(text: str, width: int, lines: int, indent: str = "") -> list[str]:
+    """``text`` with its whitespace collapsed, wrapped to ``width`` columns after ``indent`` (continuation lines two
+    spaces deeper), at most ``lines`` lines, the last one ending in "…" when cut."""
+    wrapped = textwrap.wrap(" ".join(str(text).split()), width=width, initial_indent=indent,
+                            subsequent_indent=indent + "  ") or [indent]
+    if len(wrapped) > lines:
+        wrapped = wrapped[:lines]
+        wrapped[-1] = wrapped[-1][: width - 1] + "…"
+    return wrapped
+
+
+def format_rows(step: int, columns: list[str], rows: list[list], width: int) -> list[str]:
+    """The console form of a few rows, every line at most ``width`` characters (at least 40): a title, then per row a
+    line of its numbers (the reward functions' values, reward, advantage, length) and the prompt and completion cut
+    to :data:`PROMPT_LINES` and :data:`COMPLETION_LINES` lines. The whole rows are in the CSV/JSONL files."""
+    width = max(40, width)
+    lines = [f"completions at step {step} ({len(rows)} shown; all rows in completions.csv)"[:width]]
+    values = columns[len(LEADING):]
     for row in rows:
-        table.add_row(*("" if v is None else str(v) for v in row))
-    Console().print(table)
+        cells = dict(zip(columns, row, strict=True))
+        numbers = ", ".join(f"{name}={'' if cells[name] is None else cells[name]}" for name in values)
+        lines += _clip(f"- group {cells['group']}: {numbers}", width, 2)
+        lines += _clip(f"prompt: {cells['prompt']}", width, PROMPT_LINES, indent="  ")
+        lines += _clip(f"completion: {cells['completion']}", width, COMPLETION_LINES, indent="  ")
+    return lines
+
+
+def _print_rows(step: int, columns: list[str], rows: list[list]) -> None:
+    width = shutil.get_terminal_size(fallback=(80, 24)).columns  # $COLUMNS first; 80 without a terminal
+    print("\n".join(format_rows(step, columns, rows, width)), flush=True)

@@ -54,7 +54,9 @@ from lightning_grpo.data.presets import (  # noqa: F401  (re-exported: the prese
 )
 from lightning_grpo.data.sampler import EpochShuffleSampler
 from lightning_grpo.data.synthetic import ARITHMETIC_INSTRUCTION, SYNTHETIC_NAME, arithmetic_splits
+from lightning_grpo.evaluation.evaluator import EVAL_INDEX
 from lightning_grpo.rewards.gsm8k import gold_answer
+from lightning_grpo.rewards.numbers import normalize_number
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +70,10 @@ _HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")
 
 
 def gsm8k_final_answer(text: str) -> str:
-    """The gold answer of a GSM8K solution: the text after the last ``####``, stripped, commas removed.
+    """The gold answer of a GSM8K solution: the text after the last ``####``, stripped, in canonical number form
+    when it is a number (:func:`lightning_grpo.rewards.numbers.normalize_number`), else unchanged: the gold keeps its
+    meaning (``"1,200"`` -> ``"1200"``, but ``"1,5"`` stays ``"1,5"``, never ``"15"``; the GSM8K reward then refuses it
+    as no numeric gold).
 
     ``"...\\n#### 1,200"`` -> ``"1200"``.
 
@@ -77,7 +82,8 @@ def gsm8k_final_answer(text: str) -> str:
     """
     if "####" not in text:
         raise ValueError(f"GSM8K answer has no '####' final-answer marker: {text!r}")
-    answer = gold_answer(text).replace(",", "")
+    answer = gold_answer(text)
+    answer = normalize_number(answer) or answer
     if not answer:
         raise ValueError(f"GSM8K answer has nothing after '####': {text!r}")
     return answer
@@ -93,7 +99,7 @@ def default_data_dirs() -> list[Path]:
     if env:
         candidates.append(Path(env).expanduser())
     candidates.append(Path.cwd().parent / "shared" / "data")
-    candidates.append(Path(__file__).resolve().parents[1].parent / "shared" / "data")
+    candidates.append(Path(__file__).resolve().parents[2].parent / "shared" / "data")  # <repo>/lightning_grpo/data
     unique: list[Path] = []
     for path in candidates:
         path = path.resolve()
@@ -416,6 +422,10 @@ class PromptDataModule(L.LightningDataModule):
             if len(val) < self.val_size:
                 log.info("val split %r has %d prompts (< val_size=%d); using all", val_split, len(val), self.val_size)
             val = val.select(range(min(self.val_size, len(val))))
+            if EVAL_INDEX in val.column_names:
+                raise ValueError(f"dataset={self.dataset!r}: the column {EVAL_INDEX!r} is reserved (each val prompt's "
+                                 "position, which counts every prompt once under a distributed sampler)")
+            val = val.add_column(EVAL_INDEX, list(range(len(val))))
         self.train_dataset, self.val_dataset = train, val
         log.info("dataset=%r: %d train prompts (%s), %d val prompts (%s)",
                  self.dataset, len(train), self.train_split, 0 if val is None else len(val), val_split)

@@ -7,30 +7,50 @@ For one prompt with ``n`` sampled completions of which ``c`` are correct (a rewa
   ``1 - C(n - c, k) / C(n, k)``, an unbiased estimator for ``n >= k``; computed as the stable product
   ``1 - prod_{i = n - c + 1}^{n} (1 - k / i)`` (the paper's numpy form).
 * maj@k (majority voting, "self-consistency", Wang et al. 2023): the ``k`` (= ``n``) completions vote with their
-  extracted final answers (:func:`answer_key`; a completion without one abstains); the most frequent answer wins
-  and the prompt scores that answer's correctness (the mean reward of the completions that gave it). A tie
-  scores the mean over the tied answers, i.e. the expected score of a uniformly random tie-break; no vote at all
+  extracted final answers (:func:`answer_key`; a completion without one abstains); answers are grouped by
+  mathematical equivalence (:func:`same_answer`: numbers by exact value, other LaTeX answers by math-verify, so
+  ``\\boxed{2\\sqrt{2}}`` and ``\\boxed{\\sqrt{8}}`` are one vote and ``\\boxed{2\\sqrt{2}}`` is not the number 2); the
+  largest group wins and the prompt scores that group's correctness (the mean reward of the completions in it). A tie
+  scores the mean over the tied groups, i.e. the expected score of a uniformly random tie-break; no vote at all
   scores 0.
 * mean@k: the mean reward of the ``n`` completions (the mean of the raw values, not thresholded).
 
 Each metric's state is a sum and a count (``dist_reduce_fx="sum"``), so under DDP it is the mean over all
-processes' prompts.
+processes' prompts, each prompt counted once: Lightning's ``DistributedSampler`` pads the evaluation set to a
+multiple of the process count by repeating its first prompts, and those repeats are generated (the processes stay
+in step) but not counted (:func:`counted_rows`).
 """
 
 from __future__ import annotations
 
-from collections import Counter
+import re
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
 from torchmetrics import MeanMetric, Metric
 
-from lightning_grpo.rewards.gsm8k import extract_answer
+from lightning_grpo.rewards.gsm8k import boxed_contents, boxed_number, extract_answer
+from lightning_grpo.rewards.math import equivalent_answers
 
 #: Rewards above this count as correct for pass@k and maj@k.
 CORRECT_THRESHOLD = 0.5
+#: The batch column holding each evaluation prompt's position in its dataset (added by the data module).
+EVAL_INDEX = "eval_index"
+
+
+def counted_rows(indices: Sequence[int], num_replicas: int, rank: int) -> Tensor:
+    """``(B,)`` bool: which rows of an evaluation batch this process counts, so that every prompt is counted by
+    exactly one process: the prompt at dataset position ``i`` by process ``i % num_replicas``.
+
+    Why that is right: torch's ``DistributedSampler`` (which Lightning puts in front of the evaluation loaders,
+    ``shuffle=False``) gives process ``r`` the positions ``r, r + W, r + 2W, ...`` of the dataset followed by its
+    first ``pad`` prompts again (``W`` processes, ``pad < W``), so the original of prompt ``i`` goes to process
+    ``i % W`` and its repeat, at position ``N + i`` with ``N % W != 0``, to another one. Without a distributed
+    sampler every process sees every prompt and each is still counted once over the processes.
+    """
+    return torch.tensor([int(i) % num_replicas == rank for i in indices], dtype=torch.bool)
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -49,44 +69,62 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - result
 
 
-def majority_score(answers: Sequence[Optional[str]], rewards: Sequence[float]) -> float:
-    """maj@k of one prompt: the winning answer's mean reward, ties averaged (see the module docstring).
+#: A canonical number (:func:`lightning_grpo.rewards.numbers.canonical`): ``-12.5``, ``1/3``.
+_CANONICAL = re.compile(r"-?\d+(?:\.\d+)?(?:/\d+)?")
+
+
+def same_answer(a: str, b: str) -> bool:
+    """Whether two extracted answers (:func:`answer_key`) are the same mathematical value: equal texts; two numbers
+    (canonical forms) only when equal, i.e. exact values; otherwise math-verify's ``verify`` of the two parsed as
+    LaTeX (:func:`lightning_grpo.rewards.math.equivalent_answers`), as the MATH reward compares a completion with its
+    gold."""
+    if a == b:
+        return True
+    if _CANONICAL.fullmatch(a) and _CANONICAL.fullmatch(b):
+        return False
+    return equivalent_answers(a, b)
+
+
+def majority_score(answers: Sequence[Optional[str]], rewards: Sequence[float],
+                   equivalent: Callable[[str, str], bool] = same_answer) -> float:
+    """maj@k of one prompt: the largest group of equivalent answers' mean reward, ties averaged (see the module
+    docstring).
 
     Args:
         answers: the ``k`` completions' extracted answers (None: abstains).
         rewards: their ``k`` reward values.
+        equivalent: whether two distinct answers are one vote (:func:`same_answer`); each distinct answer joins the
+            first group it is equivalent to.
 
     Raises:
         ValueError: ``answers`` and ``rewards`` differ in length.
     """
     if len(answers) != len(rewards):
         raise ValueError(f"maj@k got {len(answers)} answers for {len(rewards)} rewards")
-    votes = Counter(a for a in answers if a is not None)
-    if not votes:
+    groups: list[list[str]] = []  # distinct answers, grouped
+    for answer in dict.fromkeys(a for a in answers if a is not None):
+        group = next((g for g in groups if any(equivalent(answer, other) for other in g)), None)
+        if group is None:
+            groups.append([answer])
+        else:
+            group.append(answer)
+    if not groups:
         return 0.0
-    top = max(votes.values())
-    winners = [a for a, count in votes.items() if count == top]
-    scores = []
-    for winner in winners:
-        values = [float(r) for a, r in zip(answers, rewards, strict=True) if a == winner]
-        scores.append(sum(values) / len(values))
+    members = [[float(r) for a, r in zip(answers, rewards, strict=True) if a in group] for group in groups]
+    top = max(len(m) for m in members)
+    scores = [sum(m) / len(m) for m in members if len(m) == top]
     return sum(scores) / len(scores)
 
 
 def answer_key(completion: str) -> Optional[str]:
-    """The final answer a completion votes with: the GSM8K extraction (``#### N``, ``\\boxed{N}``, "the answer is
-    N", the last number; canonical number form), else the last ``\\boxed{...}``'s text without spaces, else None."""
-    answer = extract_answer(completion)
-    if answer is not None:
-        return answer
-    start = completion.rfind("\\boxed{")
-    if start < 0:
-        return None
-    depth, end = 1, start + len("\\boxed{")
-    while end < len(completion) and depth:
-        depth += {"{": 1, "}": -1}.get(completion[end], 0)
-        end += 1
-    return "".join(completion[start + len("\\boxed{"): end - 1 if depth == 0 else end].split()) or None
+    """The final answer a completion votes with. With a ``\\boxed{...}``, the last box read whole: its number in
+    canonical form (:func:`lightning_grpo.rewards.gsm8k.boxed_number`) or else its LaTeX without spaces
+    (``\\boxed{2\\sqrt{2}}`` votes ``2\\sqrt{2}``, not 2); without a box, the GSM8K extraction (``#### N``, "the answer
+    is N", the last number); None when there is none."""
+    boxes = boxed_contents(completion)
+    if boxes:
+        return boxed_number(boxes[-1]) or "".join(boxes[-1].split()) or None
+    return extract_answer(completion)
 
 
 class _MeanOverPrompts(Metric):
@@ -167,12 +205,24 @@ class EvalBatch:
         lengths: ``(B,)`` long greedy completion lengths in tokens.
         samples: ``(B, n)`` float32 sampled completions' scores (NaN unscored), or None without samples.
         answers: the samples' extracted answers (:func:`answer_key`), ``B`` lists of ``n``.
+        counted: ``(B,)`` bool, the rows this process counts (:func:`counted_rows`; the others are a distributed
+            sampler's padding), or None for all.
     """
 
     greedy: Tensor
     lengths: Tensor
     samples: Optional[Tensor] = None
     answers: list[list[Optional[str]]] = field(default_factory=list)
+    counted: Optional[Tensor] = None
+
+    def only_counted(self) -> "EvalBatch":
+        """The batch without its uncounted rows."""
+        if self.counted is None:
+            return self
+        keep = self.counted.to(self.greedy.device)
+        rows = keep.nonzero().flatten().tolist()
+        return EvalBatch(self.greedy[keep], self.lengths[keep], None if self.samples is None else self.samples[keep],
+                         [self.answers[i] for i in rows] if self.answers else [])
 
 
 class Evaluator(nn.Module):
@@ -206,7 +256,8 @@ class Evaluator(nn.Module):
         """Update the metrics of ``stage`` ("val" or "test") and ``dataset`` (None: the first) with ``out``;
         returns ``{name: (metric, batch size, its attribute path under this module)}`` to log."""
         prefix = stage if dataset is None else f"{stage}/{dataset}"
-        device, size = out.greedy.device, len(out.greedy)
+        out = out.only_counted()
+        device, size = out.greedy.device, max(1, len(out.greedy))
         logged: dict[str, tuple[Metric, int, str]] = {}
 
         def add(name: str, make: type, *args) -> Metric:

@@ -43,8 +43,9 @@ class ExperienceSource(Protocol):
         ``prefetch_rollout`` started for it."""
         ...
 
-    def rollouts_ahead(self) -> int:
-        """Rollouts generated in the background ahead of the one being trained; 0 = synchronous."""
+    def rollouts_ahead(self, prompt_batches: Optional[int] = None) -> int:
+        """Rollouts generated in the background ahead of the one being trained; 0 = synchronous. Raises ValueError
+        when they would not fit in an epoch of ``prompt_batches`` rollout batches (None: unknown)."""
         ...
 
     def prefetch_rollout(self, batch: Any) -> PrefetchedRollout:
@@ -105,6 +106,7 @@ class ExperienceFetcher(_DataFetcher):
         self._ahead: Optional[int] = None  # rollouts generated ahead (source.rollouts_ahead, asked once)
         self._prefetched: deque[tuple[int, PrefetchedRollout]] = deque()  # (prompt batches drawn before, rollout)
         self._exhausted = False  # the epoch's prompt batches are all drawn
+        self._prompt_batches: Optional[int] = None  # prompt batches per epoch, when the loader knows
 
     @property
     def prompt_batches_drawn(self) -> int:
@@ -128,6 +130,7 @@ class ExperienceFetcher(_DataFetcher):
     @override
     def reset(self) -> None:
         super().reset()
+        self._prompt_batches = self.length
         if self.length is not None:
             if self.micro_batches_per_rollout is None:
                 self.length = None
@@ -167,7 +170,7 @@ class ExperienceFetcher(_DataFetcher):
 
     def _new_rollout(self) -> None:
         if self._ahead is None:
-            self._ahead = self.source.rollouts_ahead()
+            self._ahead = self.source.rollouts_ahead(self._prompt_batches)
         if self._ahead > 0:
             self._new_prefetched_rollout(self._ahead)
             return

@@ -28,6 +28,7 @@ Backends: single device, DDP and FSDP2; FSDP1 and Megatron raise (see the strate
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import logging
 import os
@@ -40,7 +41,13 @@ from transformers import PreTrainedTokenizerBase
 
 from lightning_grpo.models.loading import FrozenReference, load_policy, save_policy
 from lightning_grpo.rollout.base import RolloutEngine
-from lightning_grpo.rollout.engines.hf_weights import lora_layers, merged_state_dict
+from lightning_grpo.rollout.engines.hf_weights import (
+    PEFT_PREFIX,
+    check_syncable,
+    checkpoint_name,
+    lora_layers,
+    merged_state_dict,
+)
 
 log = logging.getLogger(__name__)
 
@@ -50,18 +57,44 @@ QUANTIZATIONS = {"4bit": 4, "8bit": 8}
 MERGED_SUBFOLDER = "merged"
 
 
+#: Common misnamings of LoraConfig fields, named in the error.
+_LORA_ALIASES = {"rank": "r", "alpha": "lora_alpha", "dropout": "lora_dropout", "target": "target_modules",
+                 "targets": "target_modules", "modules": "target_modules"}
+
+
+def _lora_fields(lora: dict) -> dict:
+    """The fields of a LoRA dict that ``LoraConfig`` takes; the bookkeeping keys ``LoraConfig.to_dict`` adds
+    (``peft_type``, ``peft_version``, ``auto_mapping``: a checkpoint's stored config) are dropped.
+
+    Raises:
+        ValueError: a key that is neither (the key, the field it probably means, and the fields are named).
+    """
+    names = {f.name for f in dataclasses.fields(LoraConfig)}
+    bookkeeping = (set(LoraConfig().to_dict()) - names) | {"peft_type", "auto_mapping"}
+    unknown = sorted(k for k in lora if k not in names and k not in bookkeeping)
+    if unknown:
+        hints = []
+        for key in unknown:
+            guess = _LORA_ALIASES.get(key) or next(iter(difflib.get_close_matches(key, names, 1)), None)
+            hints.append(f"{key!r}" + (f" (did you mean {guess!r}?)" if guess else ""))
+        raise ValueError(f"lora: unknown LoraConfig field(s) {', '.join(hints)}; peft would train its defaults for "
+                         "them. Common fields: r, lora_alpha, lora_dropout, target_modules, modules_to_save, "
+                         "use_rslora")
+    return {k: v for k, v in lora.items() if k in names and k not in ("peft_type", "auto_mapping")}
+
+
 def as_lora_config(lora: Union[LoraConfig, dict, None]) -> Optional[LoraConfig]:
     """``lora`` as a ``peft.LoraConfig`` (a dict, e.g. the plain data a checkpoint stores, is passed to it) with
     ``task_type="CAUSAL_LM"`` when unset (``PeftModelForCausalLM``); a copy: the caller's config is not changed.
 
     Raises:
         TypeError: neither a LoraConfig, a dict nor None.
+        ValueError: a dict key that is not a LoraConfig field (e.g. ``rank`` for ``r``).
     """
     if lora is None:
         return None
     if isinstance(lora, dict):
-        names = {f.name for f in dataclasses.fields(LoraConfig)}
-        lora = LoraConfig(**{k: v for k, v in lora.items() if k in names and k not in ("peft_type", "auto_mapping")})
+        lora = LoraConfig(**_lora_fields(lora))
     if not isinstance(lora, LoraConfig):
         raise TypeError(f"lora must be a peft.LoraConfig, a dict of its fields or None, got {type(lora).__name__}")
     lora = dataclasses.replace(lora)
@@ -149,6 +182,19 @@ def check_quantized_engine(settings: LoraSettings, engine: RolloutEngine) -> Non
                          "weights cannot sample from it: use GRPOConfig.engine.name='hf'")
 
 
+def check_tied_head(policy: nn.Module, engine: RolloutEngine) -> None:
+    """At setup: an engine with its own weights (vLLM, the rollout servers) is loaded from the policy's checkpoint,
+    so it ties ``lm_head`` to the embedding when the checkpoint's config does; a policy that trains a separate head
+    then cannot be synced exactly (:data:`~lightning_grpo.rollout.engines.hf_weights.TIED_HEAD_ERROR`).
+
+    Raises:
+        ValueError: the checkpoint ties, the policy has a separate head and ``engine`` holds its own weights.
+    """
+    tied = bool(getattr(getattr(base_model(policy), "config", None), "tie_word_embeddings", False))
+    if not engine.uses_policy_parameters:
+        check_syncable(policy, tied)
+
+
 def load_lora_policy(model: Union[str, nn.Module, None], tokenizer: Union[str, PreTrainedTokenizerBase, None],
                      dtype: str, gradient_checkpointing: Union[bool, str],
                      settings: LoraSettings) -> tuple[nn.Module, PreTrainedTokenizerBase, Optional[str]]:
@@ -170,7 +216,37 @@ def load_lora_policy(model: Union[str, nn.Module, None], tokenizer: Union[str, P
         policy = prepare_model_for_kbit_training(policy, use_gradient_checkpointing=bool(gradient_checkpointing))
     adapted = get_peft_model(policy, settings.config)
     adapted.train(policy.training)
+    check_lora_targets(adapted, settings.config)
     return adapted, tokenizer, path
+
+
+def _matches(name: str, target: str) -> bool:
+    """PEFT's matching of a module name against a name in a list of targets: the name or its last parts."""
+    return name == target or name.endswith("." + target)
+
+
+def check_lora_targets(adapted: nn.Module, config: LoraConfig) -> None:
+    """Every name listed in ``target_modules`` and ``modules_to_save`` matched a module of the policy (PEFT fails
+    only when none of them matches, so a misspelt one beside a right one would leave its layers untrained).
+
+    Raises:
+        ValueError: naming the names that matched nothing and the layer names the model has.
+    """
+    modules = [checkpoint_name(n).removeprefix(PEFT_PREFIX) for n, _ in adapted.named_modules()]
+    targeted = list(getattr(adapted.base_model, "targeted_module_names", []))
+    problems = []
+    if isinstance(config.target_modules, (list, set, tuple, frozenset)):
+        missing = sorted(t for t in config.target_modules if not any(_matches(n, t) for n in targeted))
+        if missing:
+            problems.append(f"target_modules {missing} match no module")
+    for name in config.modules_to_save or ():
+        if not any(_matches(n, name) for n in modules):
+            problems.append(f"modules_to_save entry {name!r} matches no module")
+    if problems:
+        leaves = sorted({n.rsplit(".", 1)[-1] for n, m in adapted.get_base_model().named_modules()
+                         if isinstance(m, nn.Linear)})
+        raise ValueError(f"lora: {'; '.join(problems)} (a misspelling would leave those layers untrained); the "
+                         f"model's linear layers are named {leaves}")
 
 
 def base_model(policy: nn.Module) -> nn.Module:

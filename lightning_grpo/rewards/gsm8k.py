@@ -5,12 +5,15 @@ line ``#### <number>``; the gold answer is that number. A completion's final ans
 from:
 
 1. the last ``#### N``;
-2. the last ``\\boxed{N}`` (braces matched, so ``\\boxed{\\text{42 apples}}`` works);
+2. the last ``\\boxed{...}`` (braces matched), read whole: it must hold one number, optionally after ``x =`` and
+   before a unit or words (``\\boxed{\\text{42 apples}}``, ``\\boxed{50\\%}``), else the completion has no numeric
+   answer (``\\boxed{2\\sqrt{2}}`` is not 2, ``\\boxed{3\\pi}`` is not 3, ``\\boxed{5 - 2}`` is not 5) and nothing
+   later in this list is tried: the box is the completion's final answer;
 3. the last "the (final) answer is N" (case-insensitive; ``:``, ``$``, ``*`` and spaces may sit between);
 4. if ``last_number_fallback``, the last number anywhere in the text.
 
-A pattern counts only when a number directly follows its marker (after ``$``, ``\\$``, ``*``, ``:`` and
-spaces); otherwise the next pattern is tried. What a number is, and its exact value, comes from
+A ``####`` or "the answer is" counts only when a number directly follows it (after ``$``, ``\\$``, ``*``, ``:``
+and spaces); otherwise the next pattern is tried. What a number is, and its exact value, comes from
 :mod:`lightning_grpo.rewards.numbers` (its table :data:`~lightning_grpo.rewards.numbers.NUMBER_FORMS` lists every
 accepted form): ``-3``/``−3`` (U+2212 and other Unicode minus signs), ``+5``, ``.5``, ``1,000``/``1 000``/
 ``1{,}000``/``1_000``, ``$18``/``€5``, ``5.0``, ``3/4``, ``\\frac{3}{4}``/``\\dfrac``/``\\tfrac`` (value from
@@ -42,12 +45,20 @@ _LEAD = r"[\s:*$\\]*"
 _HASHES = re.compile(r"####" + _LEAD + "(" + NUMBER_PATTERN + ")")
 _ANSWER_IS = re.compile(r"the\s+(?:final\s+)?answer\s+is" + _LEAD + "(" + NUMBER_PATTERN + ")", re.IGNORECASE)
 _BOXED_OPEN = re.compile(r"\\boxed\s*\{")
-_BOXED_LEAD = re.compile(r"^(?:\s|\\\$|\$|\\text\{|\\mathrm\{|\\textbf\{)*(" + NUMBER_PATTERN + ")")
+# Text wrappers inside a box (their content is kept), LaTeX spaces, and an "x =" before the number.
+_BOX_WRAPPER = re.compile(r"\\(?:text|mathrm|textbf|textit|mbox|mathbf)\s*\{([^{}]*)\}")
+_BOX_SPACES = re.compile(r"\\[,;:! ]|\\quad|\\qquad|~")
+_BOX_DOLLAR = re.compile(r"(?<!\\)\$")  # math delimiters (``\\$`` is currency: the number pattern reads it)
+_BOX_VARIABLE = re.compile(r"^[A-Za-z]\w*\s*=\s*")
+_BOX_NUMBER = re.compile("(" + NUMBER_PATTERN + ")")
+# What may follow the number in a box: a percent sign, a full stop, then words (units) after a space; no digit, no
+# operator, no LaTeX command, no letter touching the number (``3x``).
+_BOX_TAIL = re.compile(r"\s*(?:\\?%)?\.?(?:\s+[A-Za-z][A-Za-z\s./'-]*)?\s*")
 # A gold: one number, then optionally a percent sign (a unit, dropped) and a full stop.
 _GOLD = re.compile(r"(" + NUMBER_PATTERN + r")\s*(?:\\?%)?\.?")
 
 
-def _boxed_contents(text: str) -> list[str]:
+def boxed_contents(text: str) -> list[str]:
     """Contents of every ``\\boxed{...}`` in ``text`` (braces matched; an unclosed box runs to the end)."""
     contents = []
     for match in _BOXED_OPEN.finditer(text):
@@ -58,6 +69,22 @@ def _boxed_contents(text: str) -> list[str]:
             end += 1
         contents.append(text[start : end - 1 if depth == 0 else end])
     return contents
+
+
+def boxed_number(content: str) -> Optional[str]:
+    """The canonical number a box's content is, read whole (see the module docstring, rule 2), or None.
+
+    Examples: ``"\\text{42 apples}"`` -> ``"42"``, ``"x = 5"`` -> ``"5"``, ``"\\frac{2}{6}"`` -> ``"1/3"``;
+    ``"2\\sqrt{2}"``, ``"3\\pi"``, ``"5 - 2"``, ``"1,5"`` -> None.
+    """
+    text = content
+    for _ in range(3):  # nested wrappers
+        text = _BOX_WRAPPER.sub(lambda m: f" {m.group(1)} ", text)
+    text = _BOX_VARIABLE.sub("", _BOX_SPACES.sub(" ", _BOX_DOLLAR.sub("", text)).strip())
+    match = _BOX_NUMBER.match(text)
+    if not match or not _BOX_TAIL.fullmatch(text[match.end() :]):
+        return None
+    return normalize_number(match.group(1))
 
 
 def extract_answer(text: str, last_number_fallback: bool = True) -> Optional[str]:
@@ -75,11 +102,9 @@ def extract_answer(text: str, last_number_fallback: bool = True) -> Optional[str
     hashes = _HASHES.findall(text)
     if hashes:
         return normalize_number(hashes[-1])
-    for content in reversed(_boxed_contents(text)):
-        match = _BOXED_LEAD.match(content)
-        if match:
-            return normalize_number(match.group(1))
-        break  # only the last box counts
+    boxes = boxed_contents(text)
+    if boxes:  # the last box is the final answer, a number or not
+        return boxed_number(boxes[-1])
     answer_is = _ANSWER_IS.findall(text)
     if answer_is:
         return normalize_number(answer_is[-1])

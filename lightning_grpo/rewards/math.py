@@ -56,6 +56,13 @@ def parse_completion(completion: str, timeout_seconds: Optional[int] = 5) -> lis
     return parse(completion, extraction_config=_EXTRACTION, parsing_timeout=_timeout(timeout_seconds))
 
 
+def equivalent_answers(first: str, second: str, timeout_seconds: Optional[int] = 5) -> bool:
+    """Whether two LaTeX answers (raw, without ``$`` or ``\\boxed``, e.g. two completions' boxes) are equivalent by
+    math-verify: both parsed as golds (:func:`parse_gold`) and ``verify``-ed; False when either does not parse."""
+    a, b = parse_gold(first, timeout_seconds), parse_gold(second, timeout_seconds)
+    return bool(a) and bool(b) and bool(verify(a, b, timeout_seconds=_timeout(timeout_seconds)))
+
+
 def make_math_accuracy(timeout_seconds: Optional[int] = 5) -> Callable[..., list[float]]:
     """Build the MATH accuracy reward.
 

@@ -235,3 +235,25 @@ def test_an_event_hook_on_a_plain_callback_is_reported_at_setup(tmp_path, tiny_l
                                          "GRPOCallback"):
         trainer.fit(module, datamodule=PromptDataModule(prompts_per_step=1, val_size=0))
     assert trainer.global_step == 1
+
+
+def test_printed_completions_fit_an_80_column_console_without_a_terminal(capsys, monkeypatch):
+    """The recipe's ``print_every_n_steps`` table on a non-TTY at 80 columns: 2 rows of a long one-shot prompt
+    and a long completion take at most 2 + 2 * (2 + 2 + 4) lines, none wider than 80, and keep every number."""
+    from lightning_grpo.callbacks.completions import COMPLETION_LINES, PROMPT_LINES, _print_rows
+
+    monkeypatch.setenv("COLUMNS", "80")
+    columns = ["step", "group", "prompt", "completion", "gsm8k_accuracy", "gsm8k_format", "reward", "advantage",
+               "length"]
+    prompt = "Question: Natalia sold clips to 48 of her friends in April. " * 30 + "\nAnswer step by step."
+    rows = [[5, 0, prompt, "Let us think step by step. " * 60, 1.0, 0.0, 1.0, 0.8734, 160],
+            [5, 0, prompt, "#### 72", 0.0, None, 0.0, -0.25, 3]]
+    _print_rows(5, columns, rows)
+    lines = capsys.readouterr().out.splitlines()
+    assert max(len(line) for line in lines) <= 80
+    assert len(lines) <= 1 + 2 * (2 + PROMPT_LINES + COMPLETION_LINES)
+    text = "\n".join(lines)
+    for value in ("gsm8k_accuracy=1.0", "advantage=0.8734", "length=160", "advantage=-0.25", "gsm8k_format=,",
+                  "completion: #### 72"):
+        assert value in text, value
+    assert text.count("…") == 3  # both prompts and the long completion were cut

@@ -60,6 +60,8 @@ def test_gsm8k_final_answer():
     assert gsm8k_final_answer("Natalia sold 48/2 = <<48/2=24>>24 clips.\n#### 72") == "72"
     assert gsm8k_final_answer("...\n#### 1,200") == "1200"
     assert gsm8k_final_answer("a #### 3 then\n#### -5") == "-5"
+    assert gsm8k_final_answer("...\n#### 1,5") == "1,5"  # keeps its meaning: not 15 (nor 1.5)
+    assert gsm8k_final_answer("...\n#### $1,000.50") == "1000.5"
     with pytest.raises(ValueError, match="no '####'"):
         gsm8k_final_answer("The answer is 5")
     with pytest.raises(ValueError, match="nothing after"):
@@ -71,6 +73,8 @@ def test_default_data_dirs(monkeypatch, tmp_path):
     dirs = default_data_dirs()
     assert dirs[0] == tmp_path.resolve()
     assert SHARED_DATA.resolve() in dirs  # repo-relative ../shared/data
+    monkeypatch.chdir(tmp_path)  # from any working directory: <repo root>/../shared/data by the package's path
+    assert SHARED_DATA.resolve() in default_data_dirs()
 
 
 def test_gsm8k_sizes_and_first_row(gsm8k, gsm8k_rows):
@@ -189,7 +193,7 @@ def test_local_folder_with_splits_and_gsm8k_format(tmp_path):
     _write_jsonl(folder / "test.jsonl", [{"question": "t", "answer": "so\n#### 7"}])
     dm = PromptDataModule(str(folder), answer_format="gsm8k", prompts_per_step=4, val_size=5)
     dm.setup("fit")
-    assert dm.train_dataset["answer"] == ["0000", "1000", "2000", "3000"]
+    assert dm.train_dataset["answer"] == ["0", "1000", "2000", "3000"]  # "0,000" is the number 0
     assert dm.val_dataset["answer"] == ["7"] and dm.val_dataset["solution"] == ["so\n#### 7"]
 
 

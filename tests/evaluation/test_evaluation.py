@@ -8,7 +8,15 @@ import random
 import pytest
 import torch
 
-from lightning_grpo.evaluation.evaluator import MajAtK, MeanAtK, PassAtK, answer_key, majority_score, pass_at_k
+from lightning_grpo.evaluation.evaluator import (
+    MajAtK,
+    MeanAtK,
+    PassAtK,
+    answer_key,
+    majority_score,
+    pass_at_k,
+    same_answer,
+)
 
 
 @pytest.mark.parametrize("k, expected", [(1, 2 / 5), (2, 7 / 10), (3, 9 / 10), (4, 1.0), (5, 1.0)])
@@ -49,6 +57,21 @@ def test_answer_key_reads_hashes_boxed_and_numbers():
     assert answer_key("The answer is $1,000.") == "1000"
     assert answer_key("hence \\boxed{\\frac{\\pi}{2}}") == "\\frac{\\pi}{2}"
     assert answer_key("no idea") is None
+    assert answer_key("\\boxed{2\\sqrt{2}}") == "2\\sqrt{2}"  # read whole, not 2
+    assert answer_key("\\boxed{3 \\pi}") == "3\\pi"
+    assert answer_key("\\boxed{\\frac{1}{2}}") == "0.5"
+
+
+def test_maj_at_k_groups_answers_by_mathematical_equivalence():
+    """2 sqrt 2 and sqrt 8 are one answer (3 votes with 2\\sqrt 2) and beat 2 (2 votes); by a leading number all
+    five would have voted "2" and scored 3/5."""
+    completions = ["\\boxed{2\\sqrt{2}}", "\\boxed{\\sqrt{8}}", "\\boxed{2}", "\\boxed{2.0}", "\\boxed{2\\sqrt 2}"]
+    answers = [answer_key(c) for c in completions]
+    assert answers == ["2\\sqrt{2}", "\\sqrt{8}", "2", "2", "2\\sqrt2"]
+    assert majority_score(answers, [1.0, 1.0, 0.0, 0.0, 1.0]) == 1.0
+    assert same_answer("0.5", "\\frac{1}{2}") and same_answer("\\sqrt{8}", "2\\sqrt{2}")
+    assert not same_answer("0.33", "1/3") and not same_answer("2", "2\\sqrt{2}")
+    assert majority_score(["1/3", "0.33", "0.33"], [1.0, 0.0, 0.0]) == 0.0  # numbers: exact values
 
 
 def test_metrics_accumulate_over_batches():

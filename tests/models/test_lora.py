@@ -26,7 +26,7 @@ from lightning_grpo import GRPOConfig, GRPOModule
 from lightning_grpo.cli import GRPOCLI
 from lightning_grpo.data import PromptDataModule
 from lightning_grpo.models.loading import load_policy
-from lightning_grpo.models.lora import AdapterDisabledReference, LoraSettings, check_quantized_engine
+from lightning_grpo.models.lora import AdapterDisabledReference, LoraSettings, as_lora_config, check_quantized_engine
 from lightning_grpo.rollout.base import SamplingConfig, StopFlag, as_rollout_engine
 from lightning_grpo.rollout.engines.hf import HFRolloutEngine
 from lightning_grpo.rollout.engines.hf_weights import hf_weights, merged_state_dict
@@ -296,3 +296,59 @@ def test_fsdp1_and_megatron_refuse_lora(tiny_llama_path):
 
     with pytest.raises(ValueError, match=r"lora=.* not supported with MegatronStrategy"):
         MegatronPolicy.from_hf(policy)
+
+
+@pytest.mark.parametrize("lora, message", [
+    (dict(rank=8, target_modules=["q_proj"]), r"unknown LoraConfig field\(s\) 'rank' \(did you mean 'r'\?\)"),
+    (dict(r=4, lora_alpah=8, target_modules=["q_proj"]), r"'lora_alpah' \(did you mean 'lora_alpha'\?\)"),
+])
+def test_an_unknown_lora_key_is_an_error_not_peft_defaults(tiny_llama_path, lora, message):
+    with pytest.raises(ValueError, match=message):
+        GRPOModule(tiny_llama_path, reward_funcs=[by_position], lora=lora, export_dir="")
+    stored = LoraSettings(as_lora_config(LORA)).hparams  # a checkpoint's stored config (peft_type, ...) loads back
+    assert as_lora_config(stored).r == 4 and as_lora_config(stored).lora_alpha == 8
+
+
+@pytest.mark.parametrize("lora, message", [
+    (dict(r=4, target_modules=["q_proj", "v_porj"]), r"target_modules \['v_porj'\] match no module"),
+    (dict(r=4, target_modules=["q_proj"], modules_to_save=["lm_haed"]),
+     r"modules_to_save entry 'lm_haed' matches no module"),
+])
+def test_a_lora_target_that_matches_nothing_is_an_error(tiny_llama_path, lora, message):
+    with pytest.raises(ValueError, match=rf"lora: {message} .* linear layers are named \[.*'v_proj'"):
+        GRPOModule(tiny_llama_path, reward_funcs=[by_position], lora=lora, export_dir="")
+
+
+def _train_adapters(policy: nn.Module) -> None:
+    """B = 0.1 (PEFT starts B at 0, where dropout on the adapter's input has no effect)."""
+    with torch.no_grad():
+        for name, param in policy.named_parameters():
+            if "lora_B" in name:
+                param.fill_(0.1)
+
+
+def test_disable_dropout_makes_the_training_forward_the_old_logprobs_forward(tiny_llama_path, caplog):
+    """lora_dropout 0.5 with 2 updates per rollout: by default a warning says the first ratio is not 1 (a train-mode
+    forward differs from the eval-mode old logprobs); with ``disable_dropout`` every dropout is 0 and the two
+    forwards are equal, so the ratio starts at exactly 1."""
+    lora = dict(r=4, lora_alpha=8, lora_dropout=0.5, target_modules=["q_proj", "v_proj"])
+    ids = torch.randint(100, 1000, (2, 12), generator=torch.Generator().manual_seed(0))
+    default = GRPOModule(tiny_llama_path, reward_funcs=[by_position], lora=lora, export_dir="",
+                         config=GRPOConfig(num_iterations=2))
+    _train_adapters(default.policy)
+    default.policy.train()
+    with torch.no_grad():
+        assert not torch.equal(default.policy(input_ids=ids).logits, _logits(default.policy, ids))
+    from lightning_grpo.models.dropout import dropout_rates, warn_dropout_with_reused_rollouts
+
+    assert set(dropout_rates(default.policy).values()) == {0.5} and len(dropout_rates(default.policy)) == 4
+    with caplog.at_level("WARNING"):
+        warn_dropout_with_reused_rollouts(default.policy, 2)
+    assert "4 dropout layers with p > 0" in caplog.text and "GRPOConfig.disable_dropout=True" in caplog.text
+    off = GRPOModule(tiny_llama_path, reward_funcs=[by_position], lora=lora, export_dir="",
+                     config=GRPOConfig(num_iterations=2, disable_dropout=True))
+    assert dropout_rates(off.policy) == {}
+    _train_adapters(off.policy)
+    off.policy.train()
+    with torch.no_grad():
+        assert torch.equal(off.policy(input_ids=ids).logits, _logits(off.policy, ids))

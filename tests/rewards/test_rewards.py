@@ -84,6 +84,34 @@ def test_extract_answer_patterns(text, expected):
     assert extract_answer(text) == expected
 
 
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("\\boxed{2\\sqrt{2}}", None),  # not 2
+        ("\\boxed{3\\pi}", None),  # not 3
+        ("\\boxed{5 - 2}", None),
+        ("\\boxed{5x}", None),
+        ("\\boxed{1,5}", None),
+        ("The answer is 7, so \\boxed{2\\sqrt{2}}", None),  # the box is final: not 7, not its leading 2
+        ("\\boxed{x = 5}", "5"),
+        ("\\boxed{50\\%}", "50"),
+        ("\\boxed{18 \\text{ dollars}}", "18"),
+        ("\\boxed{5 m/s}", "5"),
+        ("\\boxed{\\dfrac{3}{4}}", "0.75"),
+    ],
+)
+def test_a_boxed_answer_is_read_whole(text, expected):
+    assert extract_answer(text) == expected
+
+
+def test_gsm8k_accuracy_does_not_read_a_leading_number_of_a_box():
+    assert _acc("\\boxed{2\\sqrt{2}}", "2") == 0.0
+    assert _acc("\\boxed{3\\pi}", "3") == 0.0
+    assert _acc("\\boxed{3}", "3") == 1.0
+    with pytest.raises(ValueError, match="has no numeric gold"):
+        _acc("#### 15", "1,5")  # a gold keeps its meaning
+
+
 def test_extract_answer_marker_without_number_falls_through():
     # "####" followed by a word does not count; the next patterns (here: the last number) decide.
     assert extract_answer("it is 8\n#### eight") == "8"

@@ -257,6 +257,11 @@ def test_bad_settings_raise_clear_errors(tmp_path, tiny_llama_path, data_file):
         module.rollout.start(module.policy, module.model_path)
     with pytest.raises(ValueError, match=r"max_staleness=1 is less than the 2 optimizer steps of one rollout"):
         _fit(tiny_llama_path, data_file, tmp_path, max_staleness=1, mini_batch_size=4)
+    # 4 rollout batches per epoch: 4 rollouts ahead would prefetch the whole epoch (into memory and checkpoints)
+    with pytest.raises(ValueError, match=r"max_staleness=4 generates 4 rollouts ahead \(1 optimizer step\(s\) per "
+                       r"rollout\), but an epoch has only 4 rollout batches: .* Use max_staleness < 4 \(at most 3 "
+                       r"rollouts ahead\)"):
+        _fit(tiny_llama_path, data_file, tmp_path / "far", max_staleness=4)
 
 
 def test_per_request_seed_bases_are_disjoint_per_process(tiny_llama_path):

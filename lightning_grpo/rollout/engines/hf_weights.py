@@ -157,6 +157,41 @@ def merged_state_dict(model: nn.Module, state_dict: Mapping[str, Tensor] | None 
     return dict(merge_lora(state, lora_layers(model), state.__getitem__))
 
 
+def has_separate_head(model: nn.Module) -> bool:
+    """Whether ``model`` has an ``lm_head.weight`` of its own under its plain HF names (a parameter that is not the
+    input embedding's tensor, e.g. the trained copy of LoRA's ``modules_to_save=["lm_head"]``); a tied head is the
+    embedding's parameter, listed once."""
+    for name, _ in model.named_parameters():
+        parts = checkpoint_name(name).removeprefix(PEFT_PREFIX).split(".")
+        if "original_module" in parts:
+            continue
+        if "modules_to_save" in parts:
+            i = parts.index("modules_to_save")
+            parts = parts[:i] + parts[i + 2 :]
+        if ".".join(parts) == "lm_head.weight":
+            return True
+    return False
+
+
+#: Why a separately trained head cannot be synced into an engine that ties it.
+TIED_HEAD_ERROR = (
+    "the engine's model ties lm_head to the input embedding (tie_word_embeddings=True, one matrix) but the policy "
+    "trains a separate lm_head (e.g. LoRA modules_to_save=['lm_head'] on a tied checkpoint): the engine would "
+    "sample from a head that is not the one trained. Keep the head tied (LoraConfig(ensure_weight_tying=True) or "
+    "leave lm_head out of modules_to_save), or generate with the policy itself (GRPOConfig.engine.name='hf')"
+)
+
+
+def check_syncable(model: nn.Module, tie_word_embeddings: bool) -> None:
+    """Refuse weights that an engine with ``tie_word_embeddings`` cannot hold exactly.
+
+    Raises:
+        ValueError: :data:`TIED_HEAD_ERROR` when the engine ties and ``model`` has a separate head.
+    """
+    if tie_word_embeddings and has_separate_head(model):
+        raise ValueError(TIED_HEAD_ERROR)
+
+
 def hf_weights(model: torch.nn.Module, tie_word_embeddings: bool) -> Iterator[tuple[str, Tensor]]:
     """Yield every parameter and persistent buffer of ``model`` as ``(hf_name, tensor)``, one at a time (so
     FSDP2 gathers one parameter at a time, never the whole model at once).
@@ -179,11 +214,13 @@ def hf_weights(model: torch.nn.Module, tie_word_embeddings: bool) -> Iterator[tu
         model; vLLM casts on load).
 
     Raises:
-        ValueError: if ``tie_word_embeddings`` is set and the model has no ``model.embed_tokens.weight``.
+        ValueError: if ``tie_word_embeddings`` is set and the model has no ``model.embed_tokens.weight``, or has a
+            separately trained ``lm_head`` (:func:`check_syncable`; raised before anything is yielded).
     """
     if isinstance(model, HFWeightSource):  # the declared seam: e.g. the Megatron policy gathers its shards
         yield from model.hf_weights()
         return
+    check_syncable(model, tie_word_embeddings)
     persistent = set(model.state_dict().keys())
     tensors = {checkpoint_name(name): param for name, param in model.named_parameters()}
     tensors.update({checkpoint_name(name): b for name, b in model.named_buffers() if name in persistent})

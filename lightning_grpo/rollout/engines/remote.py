@@ -24,6 +24,13 @@
   restarts between syncs is then an error. Unreachable servers are retried with backoff
   (:class:`~lightning_grpo.rollout.server.client.ServerClient`); after ``engine.server_timeout`` seconds the error
   names the URL and the timeout. The process groups have the same timeout: nothing waits forever.
+* **Security**: every request carries the servers' shared secret (``$LIGHTNING_GRPO_SERVER_SECRET`` or
+  ``engine.server_secret_file``, read here and never logged or stored in the config); the weight-sync store listens
+  on ``engine.server_group_host`` only, and each group's key prefix is random and sent only in the authenticated
+  ``/init_weight_sync`` (:mod:`lightning_grpo.rollout.server.weight_sync`).
+* **Request size**: a server takes at most its ``max_request_tokens`` of work per request (``/health``); an
+  instance's part of a call is sent as consecutive requests that each fit (the per-completion seeds are unchanged,
+  so the completions are the same).
 """
 
 from __future__ import annotations
@@ -40,19 +47,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_grpo.functional import token_logprobs
 from lightning_grpo.rollout.base import RolloutOutput, SamplingConfig, StopFlag
-from lightning_grpo.rollout.engines.hf_weights import HFWeightSource, hf_weights
+from lightning_grpo.rollout.engines.hf_weights import HFWeightSource, check_syncable, hf_weights
+from lightning_grpo.rollout.engines.probe import policy_probe_logprobs, probe_sequences, probe_vocab_size
 from lightning_grpo.rollout.engines.rows import check_prompts, request_seeds, rollout_from_rows
 from lightning_grpo.rollout.registry import EngineSpec
 from lightning_grpo.rollout.server.client import RolloutServerError, ServerClient
-from lightning_grpo.rollout.server.weight_sync import host_store, make_group, send_weights
+from lightning_grpo.rollout.server.security import read_secret
+from lightning_grpo.rollout.server.weight_sync import group_prefix, host_store, make_group, send_weights
 
 log = logging.getLogger(__name__)
-
-#: The post-sync probe: this many sequences of this many token ids, drawn once from a generator seeded with 0.
-PROBE_SEQUENCES, PROBE_LENGTH = 4, 16
-
 
 @dataclass
 class Instance:
@@ -76,27 +80,6 @@ def split_evenly(count: int, parts: int) -> list[tuple[int, int]]:
     return list(zip(bounds[:-1], bounds[1:], strict=True))
 
 
-def probe_sequences(vocab_size: int) -> list[list[int]]:
-    """The fixed probe batch of the post-sync check: :data:`PROBE_SEQUENCES` sequences of :data:`PROBE_LENGTH`
-    token ids in ``[0, vocab_size)``, the same on every call."""
-    generator = torch.Generator().manual_seed(0)
-    return torch.randint(0, vocab_size, (PROBE_SEQUENCES, PROBE_LENGTH), generator=generator).tolist()
-
-
-@torch.no_grad()
-def policy_probe_logprobs(model: nn.Module, sequences: Sequence[Sequence[int]]) -> torch.Tensor:
-    """``(S, L - 1)`` float32 logprobs of each token of ``sequences`` (equal lengths) given the ones before it, under
-    ``model`` (temperature 1, no truncation): what the server's ``/probe_logprobs`` computes. A forward pass of
-    ``model`` (a collective under FSDP and for an :class:`HFWeightSource`: every rank calls it)."""
-    if isinstance(model, HFWeightSource):
-        return model.teacher_forced_logprobs(sequences)
-    device = next(model.parameters()).device
-    ids = torch.tensor(list(sequences), dtype=torch.long, device=device)
-    logits = model(input_ids=ids).logits[:, :-1]
-    logprobs, _ = token_logprobs(logits, ids[:, 1:])
-    return logprobs.float().cpu()
-
-
 def is_sharded(model: nn.Module) -> bool:
     """Whether ``model``'s full weights only a collective gathers: DTensor (FSDP2) parameters, or an
     :class:`HFWeightSource` (Megatron's tensor/pipeline shards)."""
@@ -113,18 +96,21 @@ class VLLMServerEngine:
         group_host: the address of this trainer's global rank 0 that the servers connect to for the weight-sync
             groups; None = ``$MASTER_ADDR``, else 127.0.0.1.
         group_port: the port rank 0 listens on for them (one for every instance).
-        engine.weight_sync_check: bound on the max absolute difference of the probe logprobs after a sync; None = off.
+        weight_sync_check: bound on the max absolute difference of the probe logprobs after a sync; None = off.
+        secret: the servers' shared secret (None: servers without one, on the loopback interface).
         stop: polled while waiting for the servers; once set, ``generate`` raises
             :class:`~lightning_grpo.rollout.base.RolloutInterrupted` (the servers finish and are ignored).
 
     Raises:
-        ValueError: no URL, a URL given twice, or instances that disagree on the tokenizer ids or lengths (named).
-        RolloutServerError: an instance does not answer within ``timeout_s``.
+        ValueError: no URL, a malformed URL or one given twice (``engine.server_urls``), a group port in use
+            (``engine.server_group_port``), or instances that disagree on the tokenizer ids or lengths (named).
+        RolloutServerError: an instance does not answer within ``timeout_s`` or refuses the secret.
     """
 
     def __init__(self, urls: Sequence[str], tokenizer: Any, *, timeout_s: float = 600.0,
                  group_host: Optional[str] = None, group_port: int = 51216,
-                 weight_sync_check: Optional[float] = None, stop: Optional[StopFlag] = None) -> None:
+                 weight_sync_check: Optional[float] = None, secret: Optional[str] = None,
+                 stop: Optional[StopFlag] = None) -> None:
         if not urls:
             raise ValueError("urls is empty: give the rollout servers' URLs (GRPOConfig.engine.server_urls)")
         if len({u.rstrip("/") for u in urls}) != len(urls):
@@ -134,9 +120,12 @@ class VLLMServerEngine:
         self.weight_sync_check = weight_sync_check
         self.stop = stop if stop is not None else StopFlag()
         self.rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-        self.instances = [Instance(ServerClient(url, timeout_s)) for url in urls]
+        self.instances = [Instance(ServerClient(url, timeout_s, secret)) for url in urls]
         self.version = 0
         self._model: Optional[nn.Module] = None
+        self.group_host = group_host or os.environ.get("MASTER_ADDR", "127.0.0.1")
+        self.group_port = int(group_port)
+        self._store = host_store(self.group_host, self.group_port, self.timeout_s) if self.rank == 0 else None
         deadline = time.monotonic() + self.timeout_s
         infos = [inst.client.request("GET", "/health", deadline=deadline) for inst in self.instances]
         for key in ("eos_token_ids", "pad_token_id", "max_model_len", "tie_word_embeddings", "device"):
@@ -148,10 +137,8 @@ class VLLMServerEngine:
         self.pad_token_id = int(info["pad_token_id"])
         self.max_model_len = int(info["max_model_len"])
         self.tie_word_embeddings = bool(info["tie_word_embeddings"])
+        self.max_request_tokens = min(int(i["max_request_tokens"]) for i in infos)
         self.backend = "nccl" if info["device"] == "cuda" and torch.cuda.is_available() else "gloo"
-        self.group_host = group_host or os.environ.get("MASTER_ADDR", "127.0.0.1")
-        self.group_port = int(group_port)
-        self._store = host_store(self.group_port, self.timeout_s) if self.rank == 0 else None
         for inst, inst_info in zip(self.instances, infos, strict=True):
             inst.instance_id, inst.version = inst_info["instance_id"], int(inst_info["version"])
             if self.rank == 0:
@@ -212,16 +199,46 @@ class VLLMServerEngine:
                      seeds: Optional[list[int]]) -> dict:
         fields = dict(max_new_tokens=sampling.max_new_tokens, temperature=sampling.temperature, top_p=sampling.top_p,
                       top_k=sampling.top_k, min_p=sampling.min_p, greedy=sampling.greedy)
-        body = dict(prompts=prompts, num_generations=num_generations, sampling=fields, seeds=seeds)
         deadline = inst.client.deadline()
-        while True:
-            self._ensure_current(inst, deadline)
-            answer = inst.client.request("POST", "/generate", body, deadline)
-            if answer["instance_id"] == inst.instance_id and int(answer["version"]) == self.version:
-                return answer
-            log.warning("rollout server %s changed while generating (instance %s, version %s; expected %s, %s): "
-                        "generating again", inst.client.url, answer["instance_id"], answer["version"],
-                        inst.instance_id, self.version)
+        answers = []
+        for a, b in self._request_parts([len(p) for p in prompts], num_generations, sampling.max_new_tokens):
+            body = dict(prompts=prompts[a:b], num_generations=num_generations, sampling=fields,
+                        seeds=None if seeds is None else seeds[a:b])
+            while True:
+                self._ensure_current(inst, deadline)
+                answer = inst.client.request("POST", "/generate", body, deadline)
+                if answer["instance_id"] == inst.instance_id and int(answer["version"]) == self.version:
+                    break
+                log.warning("rollout server %s changed while generating (instance %s, version %s; expected %s, %s): "
+                            "generating again", inst.client.url, answer["instance_id"], answer["version"],
+                            inst.instance_id, self.version)
+            answers.append(answer)
+        return dict(token_ids=[ids for answer in answers for ids in answer["token_ids"]],
+                    logprobs=[lp for answer in answers for lp in answer["logprobs"]], version=answers[0]["version"],
+                    instance_id=answers[0]["instance_id"])
+
+    def _request_parts(self, lengths: Sequence[int], num_generations: int,
+                       max_new_tokens: int) -> list[tuple[int, int]]:
+        """Consecutive ``[start, stop)`` ranges of the prompts, each as many prompts as fit in the servers'
+        ``max_request_tokens`` of work (``num_generations * (prompt + max_new_tokens)`` per prompt).
+
+        Raises:
+            ValueError: one prompt alone is over the limit (its index, work and the limit are named).
+        """
+        parts, start, work = [], 0, 0
+        for i, length in enumerate(lengths):
+            cost = num_generations * (length + max_new_tokens)
+            if cost > self.max_request_tokens:
+                raise ValueError(f"prompt_ids[{i}]: {num_generations} completions x ({length} prompt tokens + "
+                                 f"max_new_tokens={max_new_tokens}) = {cost} tokens of work, over the rollout "
+                                 f"servers' max_request_tokens={self.max_request_tokens} (lightning-grpo serve "
+                                 "--max-request-tokens)")
+            if work + cost > self.max_request_tokens:
+                parts.append((start, i))
+                start, work = i, 0
+            work += cost
+        parts.append((start, len(lengths)))
+        return parts
 
     # ------------------------------------------------------------------ restarts
     def _ensure_current(self, inst: Instance, deadline: float) -> None:
@@ -267,14 +284,13 @@ class VLLMServerEngine:
         process does."""
         assert self._store is not None
         inst.groups_made += 1
-        index = self.instances.index(inst)
-        prefix = f"lightning_grpo/{index}/{info['instance_id']}/{inst.groups_made}"
+        prefix = group_prefix(self.instances.index(inst))
         timeout = max(1.0, deadline - time.monotonic())
         world_size = 1 + int(info["world_size"])
         body = dict(host=self.group_host, port=self.group_port, prefix=prefix, world_size=world_size,
                     backend=self.backend, timeout_s=timeout)
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            answer = pool.submit(inst.client.request, "POST", "/init_weight_sync", body, deadline, False)
+            answer = pool.submit(inst.client.request, "POST", "/init_weight_sync", body, deadline, idempotent=False)
             try:
                 group = make_group(self._store, prefix, 0, world_size, self.backend, timeout)
             except Exception as err:
@@ -289,10 +305,11 @@ class VLLMServerEngine:
     # ------------------------------------------------------------------ weights
     def _push(self, instances: Sequence[Instance], model: nn.Module, deadline: float) -> int:
         """Stream ``model``'s weights to ``instances`` as version ``self.version`` (rank 0)."""
+        check_syncable(model, self.tie_word_embeddings)  # before the servers start waiting for a stream
         device = next(model.parameters()).device if self.backend == "nccl" else torch.device("cpu")
         with concurrent.futures.ThreadPoolExecutor(len(instances)) as pool:
             answers = [pool.submit(inst.client.request, "POST", "/update_weights", {"version": self.version},
-                                   deadline, False) for inst in instances]
+                                   deadline, idempotent=False) for inst in instances]
             try:
                 count = send_weights([inst.group for inst in instances], hf_weights(model, self.tie_word_embeddings),
                                      device)
@@ -354,8 +371,7 @@ class VLLMServerEngine:
     def _check(self, model: nn.Module) -> tuple[float, str]:
         """The largest |server - policy| probe logprob difference over the instances (rank 0; 0 elsewhere), and
         which instance has it."""
-        vocab = min(len(self.tokenizer), int(getattr(getattr(model, "config", None), "vocab_size", 0) or 1 << 62))
-        sequences = probe_sequences(vocab)
+        sequences = probe_sequences(probe_vocab_size(model, len(self.tokenizer)))
         ours = policy_probe_logprobs(model, sequences)
         worst, where = 0.0, ""
         if self.rank == 0:
@@ -387,8 +403,7 @@ class VLLMServerEngine:
         if self.rank == 0:
             for inst in self.instances:
                 try:
-                    inst.client.request("POST", "/close_weight_sync", {}, time.monotonic() + min(5.0, self.timeout_s),
-                                        retry=False)
+                    inst.client.request("POST", "/close_weight_sync", {}, time.monotonic() + min(5.0, self.timeout_s))
                 except RolloutServerError as err:
                     log.warning("closing the weight-sync group of %s: %s", inst.client.url, err)
                 inst.group = None
@@ -399,6 +414,7 @@ def make(spec: EngineSpec) -> VLLMServerEngine:
     """The "vllm_server" engine of the registry: the rollout servers at ``config.engine.server_urls``, which get the
     weights by :meth:`VLLMServerEngine.sync_weights` (before the first rollout too)."""
     engine = spec.config.engine
+    secret = read_secret(engine.server_secret_file, "engine.server_secret_file")
     return VLLMServerEngine(engine.server_urls, spec.tokenizer, timeout_s=engine.server_timeout,
                             group_host=engine.server_group_host, group_port=engine.server_group_port,
-                            weight_sync_check=engine.weight_sync_check, stop=spec.stop)
+                            weight_sync_check=engine.weight_sync_check, secret=secret, stop=spec.stop)

@@ -56,8 +56,14 @@ from transformers import AutoTokenizer, GenerationConfig
 
 from lightning_grpo.models.lora import base_model
 from lightning_grpo.rollout.base import RolloutInterrupted, RolloutOutput, SamplingConfig, StopFlag, eos_token_ids_from
-from lightning_grpo.rollout.engines.hf_weights import hf_weights, merged_state_dict
+from lightning_grpo.rollout.engines.hf_weights import check_syncable, hf_weights, merged_state_dict
 from lightning_grpo.rollout.engines.kv_cache import kv_cache_space_gib
+from lightning_grpo.rollout.engines.probe import (
+    WeightSyncCheckError,
+    policy_probe_logprobs,
+    probe_sequences,
+    probe_vocab_size,
+)
 from lightning_grpo.rollout.engines.rows import check_prompts, request_seeds, rollout_from_rows
 from lightning_grpo.rollout.registry import EngineSpec
 
@@ -114,6 +120,8 @@ class VLLMRolloutEngine:
             ``"auto"`` on GPU.
         enforce_eager: skip torch.compile / CUDA graphs. ``None``: True on CPU (fast start), False on GPU.
         enable_prefix_caching: reuse the KV cache of shared prompt prefixes (cleared on every sync).
+        weight_sync_check: after each :meth:`sync_weights`, the largest difference allowed between the engine's and
+            the policy's logprobs of a fixed probe batch (``engine.weight_sync_check``); None = no check.
         stop: polled before every engine step (one token for every running request); once set, ``generate``
             aborts its requests and raises :class:`~lightning_grpo.rollout.base.RolloutInterrupted`.
         engine_kwargs: more keyword arguments of ``vllm.LLM`` (the rollout server passes its
@@ -136,6 +144,7 @@ class VLLMRolloutEngine:
         dtype: Optional[str] = None,
         enforce_eager: Optional[bool] = None,
         enable_prefix_caching: bool = True,
+        weight_sync_check: Optional[float] = None,
         stop: Optional[StopFlag] = None,
         **engine_kwargs: Any,
     ) -> None:
@@ -149,14 +158,21 @@ class VLLMRolloutEngine:
         if max_model_len is not None and max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {max_model_len}")
 
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(str(path))
+        except (OSError, ValueError) as err:
+            raise ValueError(f"model_path={str(model_path)!r} holds no tokenizer that transformers can load "
+                             f"(tokenizer.json / tokenizer_config.json): {err}") from err
+
         # In-process engine core: sync_weights passes tensors to the worker by reference.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         vllm = _import_vllm()
         self.on_cpu = vllm_on_cpu()
+        dtype = dtype or ("float32" if self.on_cpu else "auto")
         kwargs: dict[str, Any] = dict(
             model=str(path),
             tokenizer=str(path),
-            dtype=dtype or ("float32" if self.on_cpu else "auto"),
+            dtype=dtype,
             seed=seed,
             max_model_len=max_model_len,
             enforce_eager=self.on_cpu if enforce_eager is None else enforce_eager,
@@ -168,16 +184,18 @@ class VLLMRolloutEngine:
         if self.on_cpu:
             kwargs["kv_cache_memory_bytes"] = int(kv_cache_space_gib * 2**30)
             kwargs["enable_chunked_prefill"] = False  # per-request seeds on CPU (module docstring)
-            kwargs["max_num_batched_tokens"] = max(_CPU_MAX_NUM_BATCHED_TOKENS, max_model_len or 0)
+            # every prompt is prefilled in one step, so a step's budget must hold the longest sequence
+            longest = max_model_len or _model_max_len(str(path), dtype)
+            kwargs["max_num_batched_tokens"] = max(_CPU_MAX_NUM_BATCHED_TOKENS, longest)
         else:
             kwargs["enable_sleep_mode"] = enable_sleep_mode
         self.sleep_enabled = enable_sleep_mode and not self.on_cpu
         self.sleeping = False
         self.llm = vllm.LLM(**kwargs, **engine_kwargs)
+        self.weight_sync_check = weight_sync_check
         self.stop = stop if stop is not None else StopFlag()
         _abort_between_steps(self.llm.llm_engine, self.stop)
 
-        self.tokenizer = AutoTokenizer.from_pretrained(str(path))
         generation_config = None
         if (path / "generation_config.json").is_file():
             generation_config = GenerationConfig.from_pretrained(str(path))
@@ -334,11 +352,35 @@ class VLLMRolloutEngine:
                 FSDP2 / ``torch.compile`` / activation checkpointing / DDP.
 
         Raises:
-            ValueError: from vLLM's loader when a name does not belong to the engine's model.
+            ValueError: from vLLM's loader when a name does not belong to the engine's model; a policy with a
+                separately trained head for this tied engine (before anything is loaded).
+            WeightSyncCheckError: with ``weight_sync_check``, the post-sync check failed (:meth:`check_weights`).
         """
+        check_syncable(model, self.tie_word_embeddings)  # before the reload starts: a failed one breaks the engine
         weights = hf_weights(model, self.tie_word_embeddings)
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
         self.llm.reset_prefix_cache()
+        if self.weight_sync_check is not None:
+            self.check_weights(model)
+
+    def check_weights(self, model: torch.nn.Module) -> float:
+        """The post-sync check (:mod:`lightning_grpo.rollout.engines.probe`): the largest absolute difference between
+        this engine's teacher-forced logprobs of the probe batch and ``model``'s (a forward pass: a collective under
+        FSDP, every rank calls it).
+
+        Raises:
+            WeightSyncCheckError: the difference is over ``weight_sync_check`` (both are named).
+        """
+        sequences = probe_sequences(probe_vocab_size(model, len(self.tokenizer)))
+        ours = policy_probe_logprobs(model, sequences)
+        theirs = torch.tensor(self.teacher_forced_logprobs(sequences), dtype=torch.float32)
+        worst = float((theirs - ours).abs().max())
+        if self.weight_sync_check is not None and worst > self.weight_sync_check:
+            raise WeightSyncCheckError(
+                f"post-sync check failed: the colocated vLLM engine's logprobs of the probe batch differ from the "
+                f"policy's by up to {worst:.3g} > engine.weight_sync_check={self.weight_sync_check:g}: the engine is "
+                "not generating with the trained weights")
+        return worst
 
     def sleep(self, level: int = 1) -> None:
         """Free accelerator memory between rollouts (vLLM sleep mode). Level 1 offloads the weights to CPU
@@ -368,6 +410,15 @@ class VLLMRolloutEngine:
             gc.collect()
             if self.on_cpu:
                 torch.set_num_threads = _TORCH_SET_NUM_THREADS
+
+
+def _model_max_len(path: str, dtype: str) -> int:
+    """The ``max_model_len`` vLLM derives for the model at ``path`` when none is given (its
+    ``max_position_embeddings`` or equivalent, with rope scaling), read through vLLM's own ``ModelConfig``."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    args = EngineArgs(model=path, tokenizer=path, dtype=dtype, generation_config="vllm")
+    return int(args.create_model_config().max_model_len)
 
 
 def _abort_between_steps(engine: Any, stop: StopFlag) -> None:
@@ -407,5 +458,6 @@ def make(spec: EngineSpec) -> VLLMRolloutEngine:
         max_model_len=config.max_prompt_length + max(config.max_new_tokens, config.eval.max_new_tokens or 0),
         enable_sleep_mode=engine.enable_sleep_mode,
         dtype=str(next(policy.parameters()).dtype).removeprefix("torch."),
+        weight_sync_check=engine.weight_sync_check,
         stop=spec.stop,
     )

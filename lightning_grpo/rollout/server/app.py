@@ -1,7 +1,9 @@
-"""The rollout server: vLLM's own engine in a process of its own, answering the trainer over HTTP.
+"""The rollout server: vLLM's engine in a process of its own, answering the trainer over HTTP (FastAPI on uvicorn).
 
-    lightning-grpo serve --model PATH --port 8000 [--host 0.0.0.0] [--kv-cache-space-gib 2] [--max-model-len N]
-                         [--seed 0] [--dtype float32] [--gpu-memory-utilization 0.9] [--tensor-parallel-size 1]
+    lightning-grpo serve --model PATH --port 8000 [--host 127.0.0.1] [--secret-file FILE] [--max-model-len N]
+                         [--kv-cache-space-gib 2] [--seed 0] [--dtype float32] [--gpu-memory-utilization 0.9]
+                         [--tensor-parallel-size 1] [--max-request-tokens N] [--max-queued-requests 64]
+                         [--max-body-mib 64]
 
 The engine is the colocated engine's (:class:`~lightning_grpo.rollout.engines.vllm.VLLMRolloutEngine`, same sampling
 parameters, same processed sampler logprobs, same per-request seeds) with the worker extension
@@ -9,14 +11,23 @@ parameters, same processed sampler logprobs, same per-request seeds) with the wo
 weights over a ``torch.distributed`` group (:mod:`lightning_grpo.rollout.server.weight_sync`). The trainer's side is
 :class:`~lightning_grpo.rollout.engines.remote.VLLMServerEngine` (``engine.name="vllm_server"``).
 
-Endpoints (JSON bodies and answers; an error answers 400 for bad input, 500 otherwise, ``{"error": message}``):
+Security: it listens on 127.0.0.1 unless ``--host`` says otherwise, and another address needs a shared secret
+(``$LIGHTNING_GRPO_SERVER_SECRET`` or ``--secret-file``), which every request must then carry
+(:mod:`lightning_grpo.rollout.server.security`); the HTTP layer's limits and status codes are in
+:mod:`lightning_grpo.rollout.server.asgi`.
+
+Endpoints (JSON bodies and answers; errors are ``{"error": message}``: 400 bad input naming the field, 401 no or a
+wrong secret, 404/405, 408/413 body too slow/large, 503 queue full, 500 otherwise):
 
 * ``GET /health``: ``instance_id`` (new at every start: the trainer notices a restart), ``version`` (of the
-  weights: 0 = the checkpoint, then what the last ``/update_weights`` set), ``eos_token_ids``, ``pad_token_id``,
-  ``max_model_len``, ``tie_word_embeddings``, ``world_size`` (the engine's workers), ``device``, ``model``.
+  weights: 0 = the checkpoint, then what the trainer's last ``/update_weights`` set), ``eos_token_ids``,
+  ``pad_token_id``, ``max_model_len``, ``vocab_size``, ``tie_word_embeddings``, ``world_size`` (the engine's
+  workers), ``device``, ``model``, ``max_request_tokens``.
 * ``POST /generate``: ``prompts`` (token-id lists), ``num_generations``, ``sampling`` (the fields of
   :class:`~lightning_grpo.rollout.base.SamplingConfig` but ``seed``), ``seeds`` (one per prompt, or null) ->
   ``token_ids`` and ``logprobs`` (one list per completion, prompt-major, unpadded), ``version``, ``instance_id``.
+  Its work, ``sum over prompts of num_generations * (prompt tokens + max_new_tokens)``, may be at most
+  ``--max-request-tokens`` (the trainer splits its calls to fit).
 * ``POST /probe_logprobs``: ``sequences`` -> ``logprobs`` (teacher-forced, temperature 1, ``L - 1`` per
   sequence), ``version``, ``instance_id``.
 * ``POST /init_weight_sync``: ``host``, ``port``, ``prefix``, ``world_size``, ``backend``, ``timeout_s``: the
@@ -24,181 +35,267 @@ Endpoints (JSON bodies and answers; an error answers 400 for bad input, 500 othe
 * ``POST /update_weights``: ``version``: the workers receive the streamed weights and load them; the prefix
   cache is dropped; answers ``num_tensors`` and the new ``version``.
 * ``POST /close_weight_sync``: the workers leave the group.
-
-Requests are served one at a time on the engine (a lock); ``/health`` never waits for it.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import signal
-import threading
+import errno
+import socket
+import sys
 import uuid
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Callable, Optional, Sequence
+from typing import Optional, Sequence
 
 from lightning_grpo.rollout.base import SamplingConfig
 from lightning_grpo.rollout.engines.rows import check_prompts
-from lightning_grpo.rollout.engines.vllm import VLLMRolloutEngine
+from lightning_grpo.rollout.server.schema import GenerateRequest, InitWeightSyncRequest, ProbeRequest
+from lightning_grpo.rollout.server.security import check_bind, read_secret
 
 WORKER_EXTENSION = "lightning_grpo.rollout.server.vllm_extension.WeightSyncWorkerExtension"
+#: Default ``--max-request-tokens``: 2**22 (e.g. 512 prompts x 16 completions x 512 tokens).
+MAX_REQUEST_TOKENS = 2**22
+
+
+def request_work(prompt_lengths: Sequence[int], num_generations: int, max_new_tokens: int) -> int:
+    """The work of a generate request in tokens: ``sum_i num_generations * (prompt_lengths[i] + max_new_tokens)``
+    (every completion's prompt and generation budget)."""
+    return sum(num_generations * (length + max_new_tokens) for length in prompt_lengths)
+
+
+def check_token_ids(rows: Sequence[Sequence[int]], vocab_size: int, field: str) -> None:
+    """Every id in ``[0, vocab_size)``.
+
+    Raises:
+        ValueError: naming the first id out of range (``prompts[1][3]=99999``) and the vocabulary size.
+    """
+    for i, row in enumerate(rows):
+        for j, token in enumerate(row):
+            if not 0 <= token < vocab_size:
+                raise ValueError(f"{field}[{i}][{j}]={token} is not a token id of this model (vocabulary of "
+                                 f"{vocab_size})")
 
 
 class RolloutServer:
-    """The engine and the state behind the endpoints (``instance_id``, ``version``), without the HTTP layer.
+    """The engine and the state behind the endpoints (``instance_id``, ``version``), without the HTTP layer
+    (:func:`lightning_grpo.rollout.server.asgi.create_app`). ``prepare_*`` check a request without the engine;
+    the engine calls run one at a time on the app's engine thread.
 
     Args:
         model: folder of the HF checkpoint (weights, config, tokenizer) the engine starts from.
         kv_cache_space_gib, max_model_len, seed, dtype, gpu_memory_utilization: as
             :class:`~lightning_grpo.rollout.engines.vllm.VLLMRolloutEngine`.
         tensor_parallel_size: vLLM workers per instance (GPU); each joins the weight-sync group.
+        max_request_tokens: the most work (:func:`request_work`) of one generate or probe request.
+
+    Raises:
+        ValueError: ``model`` is not a model folder or holds no tokenizer (the folder is named), or an option is
+            out of range.
     """
 
     def __init__(self, model: str, *, kv_cache_space_gib: float = 2, max_model_len: Optional[int] = None,
                  seed: int = 0, dtype: Optional[str] = None, gpu_memory_utilization: float = 0.9,
-                 tensor_parallel_size: int = 1) -> None:
+                 tensor_parallel_size: int = 1, max_request_tokens: int = MAX_REQUEST_TOKENS) -> None:
+        from lightning_grpo.rollout.engines.vllm import VLLMRolloutEngine
+
+        if max_request_tokens < 1:
+            raise ValueError(f"--max-request-tokens must be >= 1, got {max_request_tokens}")
         self.model = model
+        self.max_request_tokens = int(max_request_tokens)
         self.engine = VLLMRolloutEngine(model, kv_cache_space_gib=kv_cache_space_gib, max_model_len=max_model_len,
                                         seed=seed, dtype=dtype, gpu_memory_utilization=gpu_memory_utilization,
                                         worker_extension_cls=WORKER_EXTENSION,
                                         tensor_parallel_size=tensor_parallel_size)
-        self.world_size = int(self.engine.llm.llm_engine.vllm_config.parallel_config.world_size)
+        vllm_config = self.engine.llm.llm_engine.vllm_config
+        self.world_size = int(vllm_config.parallel_config.world_size)
+        self.vocab_size = int(vllm_config.model_config.get_vocab_size())
         self.instance_id = uuid.uuid4().hex
         self.version = 0
-        self.lock = threading.Lock()
 
-    def health(self, body: Optional[dict] = None) -> dict:
+    def health(self) -> dict:
         engine = self.engine
         return dict(instance_id=self.instance_id, version=self.version, model=self.model,
                     eos_token_ids=list(engine.eos_token_ids), pad_token_id=engine.pad_token_id,
-                    max_model_len=engine.max_model_len, tie_word_embeddings=engine.tie_word_embeddings,
-                    world_size=self.world_size, device="cpu" if engine.on_cpu else "cuda")
+                    max_model_len=engine.max_model_len, vocab_size=self.vocab_size,
+                    tie_word_embeddings=engine.tie_word_embeddings, world_size=self.world_size,
+                    device="cpu" if engine.on_cpu else "cuda", max_request_tokens=self.max_request_tokens)
 
-    def generate(self, body: dict) -> dict:
-        sampling = SamplingConfig(**{k: v for k, v in body["sampling"].items() if k != "seed"})
-        num_generations = int(body["num_generations"])
-        prompts = check_prompts(body["prompts"], num_generations, sampling, self.engine.max_model_len)
-        seeds = body.get("seeds")
-        with self.lock:
-            rows = self.engine.generate_rows(prompts, num_generations, sampling, seeds)
-            version = self.version
-        return dict(token_ids=[ids for ids, _ in rows], logprobs=[lp for _, lp in rows], version=version,
+    # ------------------------------------------------------------------ generation
+    def prepare_generate(self, request: GenerateRequest) -> tuple:
+        """Checked arguments of :meth:`generate`.
+
+        Raises:
+            ValueError: bad sampling settings, prompts (empty, too long, ids outside the vocabulary), seeds of the
+                wrong count, or more work than ``max_request_tokens`` (the field and the limit are named).
+        """
+        sampling = SamplingConfig(**request.sampling.model_dump())
+        prompts = check_prompts(request.prompts, request.num_generations, sampling, self.engine.max_model_len)
+        check_token_ids(prompts, self.vocab_size, "prompts")
+        work = request_work([len(p) for p in prompts], request.num_generations, sampling.max_new_tokens)
+        if work > self.max_request_tokens:
+            raise ValueError(f"the request's work, num_generations x (prompt tokens + sampling.max_new_tokens) summed "
+                             f"over the {len(prompts)} prompts, is {work} tokens, over this server's "
+                             f"--max-request-tokens={self.max_request_tokens}: send fewer prompts or completions "
+                             "per request")
+        seeds = request.seeds
+        if seeds is not None and len(seeds) != len(prompts):
+            raise ValueError(f"seeds has {len(seeds)} entries for {len(prompts)} prompts")
+        return prompts, request.num_generations, sampling, seeds
+
+    def generate(self, prompts: list[list[int]], num_generations: int, sampling: SamplingConfig,
+                 seeds: Optional[list[int]]) -> dict:
+        rows = self.engine.generate_rows(prompts, num_generations, sampling, seeds)
+        return dict(token_ids=[ids for ids, _ in rows], logprobs=[lp for _, lp in rows], version=self.version,
                     instance_id=self.instance_id)
 
-    def probe_logprobs(self, body: dict) -> dict:
-        with self.lock:
-            logprobs = self.engine.teacher_forced_logprobs(body["sequences"])
-            version = self.version
-        return dict(logprobs=logprobs, version=version, instance_id=self.instance_id)
+    def prepare_probe(self, request: ProbeRequest) -> tuple:
+        """Checked arguments of :meth:`probe_logprobs`.
 
-    def init_weight_sync(self, body: dict) -> dict:
-        if int(body["world_size"]) != 1 + self.world_size:
-            raise ValueError(f"world_size={body['world_size']}: this instance has {self.world_size} workers, so "
-                             f"its group has {1 + self.world_size} ranks")
-        kwargs = {k: body[k] for k in ("host", "port", "prefix", "world_size", "backend", "timeout_s")}
-        with self.lock:
-            ranks = self.engine.llm.collective_rpc("init_weight_sync", kwargs=kwargs)
+        Raises:
+            ValueError: no sequence, ids outside the vocabulary, or more than ``max_request_tokens`` tokens in all.
+        """
+        if not request.sequences:
+            raise ValueError("sequences is empty: nothing to score")
+        check_token_ids(request.sequences, self.vocab_size, "sequences")
+        total = sum(len(s) for s in request.sequences)
+        if total > self.max_request_tokens:
+            raise ValueError(f"sequences hold {total} tokens, over this server's --max-request-tokens="
+                             f"{self.max_request_tokens}")
+        return (request.sequences,)
+
+    def probe_logprobs(self, sequences: list[list[int]]) -> dict:
+        logprobs = self.engine.teacher_forced_logprobs(sequences)
+        return dict(logprobs=logprobs, version=self.version, instance_id=self.instance_id)
+
+    # ------------------------------------------------------------------ weights
+    def prepare_init_weight_sync(self, request: InitWeightSyncRequest) -> tuple:
+        """Checked arguments of :meth:`init_weight_sync`.
+
+        Raises:
+            ValueError: a ``world_size`` other than ``1 +`` this instance's workers.
+        """
+        if request.world_size != 1 + self.world_size:
+            raise ValueError(f"world_size={request.world_size}: this instance has {self.world_size} workers, so its "
+                             f"group has {1 + self.world_size} ranks")
+        return (request.model_dump(),)
+
+    def init_weight_sync(self, kwargs: dict) -> dict:
+        ranks = self.engine.llm.collective_rpc("init_weight_sync", kwargs=kwargs)
         return dict(ranks=ranks, instance_id=self.instance_id)
 
-    def update_weights(self, body: dict) -> dict:
-        version = int(body["version"])
-        with self.lock:
-            counts = self.engine.llm.collective_rpc("receive_weights")
-            self.engine.llm.reset_prefix_cache()
-            self.version = version
-        return dict(version=version, num_tensors=int(counts[0]), instance_id=self.instance_id)
+    def update_weights(self, version: int) -> dict:
+        """Receive the weights the trainer streams now and serve them as ``version`` (the trainer numbers them;
+        only an authenticated trainer reaches this)."""
+        counts = self.engine.llm.collective_rpc("receive_weights")
+        self.engine.llm.reset_prefix_cache()
+        self.version = int(version)
+        return dict(version=self.version, num_tensors=int(counts[0]), instance_id=self.instance_id)
 
-    def close_weight_sync(self, body: Optional[dict] = None) -> dict:
-        with self.lock:
-            self.engine.llm.collective_rpc("close_weight_sync")
+    def close_weight_sync(self) -> dict:
+        self.engine.llm.collective_rpc("close_weight_sync")
         return dict(instance_id=self.instance_id)
-
-    def routes(self) -> dict[tuple[str, str], Callable[[dict], dict]]:
-        return {("GET", "/health"): self.health, ("POST", "/generate"): self.generate,
-                ("POST", "/probe_logprobs"): self.probe_logprobs, ("POST", "/init_weight_sync"): self.init_weight_sync,
-                ("POST", "/update_weights"): self.update_weights,
-                ("POST", "/close_weight_sync"): self.close_weight_sync}
 
     def close(self) -> None:
         self.engine.close()
 
 
-def http_server(server: RolloutServer, host: str, port: int) -> ThreadingHTTPServer:
-    """A threaded HTTP server (bound, not yet serving) that answers ``server``'s routes with JSON."""
-    routes = server.routes()
+def listen(host: str, port: int, backlog: int = 2048) -> socket.socket:
+    """A socket listening on ``host:port`` (bound before the engine loads, so a port in use fails at once).
 
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-
-        def _answer(self, method: str) -> None:
-            handler = routes.get((method, self.path))
-            length = int(self.headers.get("Content-Length") or 0)
-            raw = self.rfile.read(length) if length else b""
-            if handler is None:
-                code, answer = 404, {"error": f"LookupError: no endpoint {method} {self.path}"}
-            else:
-                try:
-                    code, answer = 200, handler(json.loads(raw or b"{}"))
-                except (ValueError, KeyError, TypeError) as err:  # bad input
-                    code, answer = 400, {"error": f"{type(err).__name__}: {err}"}
-                except Exception as err:  # noqa: BLE001 - every failure goes back to the trainer with its message
-                    code, answer = 500, {"error": f"{type(err).__name__}: {err}"}
-            data = json.dumps(answer).encode()
-            self.send_response(code)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        def do_GET(self) -> None:  # noqa: N802 - http.server's name
-            self._answer("GET")
-
-        def do_POST(self) -> None:  # noqa: N802
-            self._answer("POST")
-
-        def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - quiet: the trainer logs
-            pass
-
-    httpd = ThreadingHTTPServer((host, port), Handler)
-    httpd.daemon_threads = True
-    return httpd
+    Raises:
+        ValueError: the port is in use, or ``host`` is not an address of this machine.
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host.strip("[]"), port))
+        sock.listen(backlog)
+    except OSError as err:
+        sock.close()
+        if err.errno == errno.EADDRINUSE:
+            raise ValueError(f"--port {port} is in use on {host}: choose a free port") from None
+        raise ValueError(f"--host {host} --port {port}: cannot listen there ({err.strerror})") from None
+    return sock
 
 
-def serve_main(argv: Sequence[str]) -> None:
-    """``lightning-grpo serve``: start the engine, then answer until SIGTERM / SIGINT."""
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lightning-grpo serve", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", required=True, help="HF checkpoint folder (the trainer's starting weights)")
-    parser.add_argument("--host", default="0.0.0.0", help="address to listen on (default: every interface)")
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="address to listen on (default 127.0.0.1: this machine only; another address needs a "
+                             "shared secret)")
     parser.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
+    parser.add_argument("--secret-file", default=None,
+                        help="file whose first line is the shared secret every request must carry (default: "
+                             "$LIGHTNING_GRPO_SERVER_SECRET; none = loopback only)")
     parser.add_argument("--kv-cache-space-gib", type=float, default=2, help="CPU: KV-cache GiB, > 0 (default 2)")
-    parser.add_argument("--max-model-len", type=int, default=None, help="most prompt + completion tokens")
+    parser.add_argument("--max-model-len", type=int, default=None,
+                        help="most prompt + completion tokens (default: the model's)")
     parser.add_argument("--seed", type=int, default=0, help="the engine's seed (default 0)")
     parser.add_argument("--dtype", default=None, help="float32 / bfloat16 / auto (default: float32 on CPU)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="GPU: memory fraction")
     parser.add_argument("--tensor-parallel-size", type=int, default=1, help="GPU: workers per instance")
+    parser.add_argument("--max-request-tokens", type=int, default=MAX_REQUEST_TOKENS,
+                        help="most work of one request: completions x (prompt + max_new_tokens) tokens, summed "
+                             f"(default {MAX_REQUEST_TOKENS})")
+    parser.add_argument("--max-queued-requests", type=int, default=64,
+                        help="most requests waiting for the engine; more get HTTP 503 (default 64)")
+    parser.add_argument("--max-body-mib", type=float, default=64.0, help="largest request body in MiB (default 64)")
+    return parser
+
+
+def serve_main(argv: Sequence[str]) -> None:
+    """``lightning-grpo serve``: check the options, listen, start the engine, then answer until SIGTERM / SIGINT.
+    A bad option (a non-loopback ``--host`` without a secret, a port in use, a folder without a model or a
+    tokenizer) exits with status 2 and the reason."""
+    parser = _parser()
     args = parser.parse_args(list(argv))
-    server = RolloutServer(args.model, kv_cache_space_gib=args.kv_cache_space_gib, max_model_len=args.max_model_len,
-                           seed=args.seed, dtype=args.dtype, gpu_memory_utilization=args.gpu_memory_utilization,
-                           tensor_parallel_size=args.tensor_parallel_size)
-    httpd = http_server(server, args.host, args.port)
-
-    def stop(*_: Any) -> None:
-        threading.Thread(target=httpd.shutdown, daemon=True).start()
-
-    signal.signal(signal.SIGTERM, stop)
-    print(f"lightning-grpo serve: ready on http://{args.host}:{args.port} (instance {server.instance_id})",
-          flush=True)
     try:
-        httpd.serve_forever(poll_interval=0.2)
-    except KeyboardInterrupt:
-        pass
+        secret = read_secret(args.secret_file, "--secret-file")
+        check_bind(args.host, secret)
+        if args.max_queued_requests < 1 or not args.max_body_mib > 0:
+            raise ValueError("--max-queued-requests must be >= 1 and --max-body-mib > 0")
+        sock = listen(args.host, args.port)
+    except ValueError as err:
+        parser.error(str(err))
+    try:
+        server = RolloutServer(args.model, kv_cache_space_gib=args.kv_cache_space_gib,
+                               max_model_len=args.max_model_len, seed=args.seed, dtype=args.dtype,
+                               gpu_memory_utilization=args.gpu_memory_utilization,
+                               tensor_parallel_size=args.tensor_parallel_size,
+                               max_request_tokens=args.max_request_tokens)
+    except ValueError as err:
+        sock.close()
+        parser.error(str(err))
+    serve(server, sock, secret=secret, max_body_bytes=int(args.max_body_mib * 2**20),
+          max_queued=args.max_queued_requests)
+
+
+def serve(server: RolloutServer, sock: socket.socket, *, secret: Optional[str], max_body_bytes: int,
+          max_queued: int) -> None:
+    """Answer on ``sock`` with uvicorn until SIGTERM / SIGINT, then close the engine."""
+    import uvicorn
+    from vllm.exceptions import VLLMClientError
+
+    from lightning_grpo.rollout.server.asgi import create_app
+
+    app = create_app(server, secret=secret, max_body_bytes=max_body_bytes, max_queued=max_queued,
+                     client_errors=(VLLMClientError,))
+    host, port = sock.getsockname()[:2]
+    if secret is None:
+        print("lightning-grpo serve: no shared secret: any process on this machine can call this server and change "
+              "its weights (set LIGHTNING_GRPO_SERVER_SECRET or --secret-file to require one)", file=sys.stderr,
+              flush=True)
+    config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_keep_alive=5,
+                            limit_concurrency=max_queued + 64, server_header=False)
+    print(f"lightning-grpo serve: ready on http://{host}:{port} (instance {server.instance_id})", flush=True)
+    try:
+        uvicorn.Server(config).run(sockets=[sock])
     finally:
-        httpd.server_close()
+        app.state.queue.close()
         server.close()
+        sock.close()
 
 
 if __name__ == "__main__":
-    import sys
-
     serve_main(sys.argv[1:])

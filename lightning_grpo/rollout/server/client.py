@@ -1,9 +1,17 @@
 """JSON over HTTP to one rollout server (:mod:`lightning_grpo.rollout.server.app`), with retries and a deadline.
 
-A request that cannot reach the server (connection refused or reset, no answer) is retried with exponential
-backoff (0.1 s doubling to 2 s) until its deadline; every socket wait is bounded by the time left, so a server that
-accepts and never answers costs at most the deadline. An answer with an HTTP error status is the server's own
-error and is raised at once. Standard library only (``urllib``).
+* **Deadline**: a request gives up at its deadline (``engine.server_timeout`` from its start unless told
+  otherwise) whatever the server does: a watchdog closes the connection at that moment, so a server that accepts and
+  never answers, or answers slowly but steadily (a byte at a time), costs the deadline and not more.
+* **Retries**: a request that could not be delivered (connection refused, no route, the connect timed out) is
+  retried with exponential backoff (0.1 s doubling to 2 s) until the deadline, and so is one the server refused
+  as busy (HTTP 503: its queue was full; nothing was done). A request that was sent and then lost (reset, no answer)
+  is retried only when it is ``idempotent`` (generation, probes, health); weight-sync calls are not, since the
+  server may be half way through them.
+* **Errors**: any other HTTP error status is the server's own error and is raised at once with its message.
+* **Secret**: every request carries the shared secret (:mod:`lightning_grpo.rollout.server.security`).
+
+Standard library only (``http.client``).
 """
 
 from __future__ import annotations
@@ -11,14 +19,28 @@ from __future__ import annotations
 import http.client
 import json
 import socket
+import threading
 import time
-import urllib.error
-import urllib.request
 from typing import Any, Optional
+
+from lightning_grpo.config import parse_server_url
+from lightning_grpo.rollout.server.security import authorization_header
 
 
 class RolloutServerError(RuntimeError):
     """A rollout server answered with an error, did not answer in time, or lost its weight-sync group."""
+
+
+class _NotDelivered(Exception):
+    """The request never reached the server (safe to send again)."""
+
+
+class _Lost(Exception):
+    """The request was sent but no whole answer came back."""
+
+
+class _Expired(Exception):
+    """The deadline passed while waiting for the answer."""
 
 
 class ServerClient:
@@ -27,25 +49,32 @@ class ServerClient:
     Args:
         url: the server's base URL.
         timeout_s: the default deadline of a request, in seconds from its start (``engine.server_timeout``).
+        secret: the shared secret sent with every request, or None (a server without one).
+        field: the setting that gave ``url``, named in the errors.
 
     Raises:
-        ValueError: ``url`` not ``http(s)://...`` or ``timeout_s <= 0``.
+        ValueError: a malformed ``url`` (no http(s) scheme, no host, a port that is not a number in [1, 65535]) or
+            ``timeout_s <= 0``.
     """
 
-    def __init__(self, url: str, timeout_s: float) -> None:
-        if not url.startswith(("http://", "https://")):
-            raise ValueError(f"rollout server url {url!r} must start with http:// or https://")
+    def __init__(self, url: str, timeout_s: float, secret: Optional[str] = None,
+                 field: str = "engine.server_urls") -> None:
+        try:
+            self.scheme, self.host, self.port = parse_server_url(url)
+        except ValueError as err:
+            raise ValueError(f"{field}: rollout server url {err}") from None
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0 seconds, got {timeout_s}")
-        self.url = url.rstrip("/")
+        self.url = url.strip().rstrip("/")
         self.timeout_s = float(timeout_s)
+        self._headers = {"Content-Type": "application/json", **authorization_header(secret)}
 
     def deadline(self) -> float:
         """``time.monotonic()`` value at which a request started now gives up."""
         return time.monotonic() + self.timeout_s
 
     def request(self, method: str, path: str, body: Optional[dict] = None, deadline: Optional[float] = None,
-                retry: bool = True) -> dict[str, Any]:
+                idempotent: bool = True) -> dict[str, Any]:
         """Send ``body`` as JSON and return the JSON answer.
 
         Args:
@@ -53,38 +82,94 @@ class ServerClient:
             path: the endpoint, e.g. "/generate".
             body: the JSON body (POST).
             deadline: ``time.monotonic()`` value to give up at; default :meth:`deadline`.
-            retry: retry when the server cannot be reached (False for requests that must not run twice).
+            idempotent: whether the request may run twice (retried after a lost answer); False for the weight-sync
+                calls, which are retried only when they were not delivered or refused as busy.
 
         Raises:
             RolloutServerError: the server answered with an error status (its message is included), or gave no
                 answer before the deadline (the URL, the endpoint, ``engine.server_timeout`` and the last error
-                are named).
+                are named), or a non-idempotent request was lost.
         """
         deadline = self.deadline() if deadline is None else deadline
         data = None if body is None else json.dumps(body).encode()
         delay, last = 0.1, "none"
         while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise RolloutServerError(
-                    f"rollout server {self.url} did not answer {method} {path} within engine.server_timeout="
-                    f"{self.timeout_s:g} s (last error: {last}); is it running and reachable?")
-            request = urllib.request.Request(self.url + path, data=data, method=method,
-                                             headers={"Content-Type": "application/json"})
+            if deadline - time.monotonic() <= 0:
+                raise self._late(method, path, last)
             try:
-                with urllib.request.urlopen(request, timeout=remaining) as answer:
-                    return json.loads(answer.read())
-            except urllib.error.HTTPError as err:
-                try:
-                    message = json.loads(err.read()).get("error", "")
-                except (ValueError, OSError):
-                    message = str(err)
-                raise RolloutServerError(
-                    f"rollout server {self.url} answered {method} {path} with HTTP {err.code}: {message}") from err
-            except (urllib.error.URLError, http.client.HTTPException, ConnectionError, socket.timeout,
-                    TimeoutError, OSError) as err:
-                last = f"{type(err).__name__}: {getattr(err, 'reason', err)}"
-                if not retry:
-                    raise RolloutServerError(f"rollout server {self.url}: {method} {path} failed: {last}") from err
+                status, raw = self._exchange(method, path, data, deadline)
+            except _NotDelivered as err:
+                last = str(err)
+            except _Expired as err:
+                raise self._late(method, path, str(err)) from None
+            except _Lost as err:
+                last = str(err)
+                if not idempotent:
+                    raise RolloutServerError(f"rollout server {self.url}: {method} {path} failed: {last}; not "
+                                             "retried (it may have been half done)") from None
+            else:
+                if status < 300:
+                    return json.loads(raw)
+                message = _error_message(raw)
+                if status != 503:
+                    raise RolloutServerError(
+                        f"rollout server {self.url} answered {method} {path} with HTTP {status}: {message}")
+                last = f"HTTP 503: {message}"
             time.sleep(max(0.0, min(delay, deadline - time.monotonic())))
             delay = min(2 * delay, 2.0)
+
+    def _late(self, method: str, path: str, last: str) -> RolloutServerError:
+        return RolloutServerError(
+            f"rollout server {self.url} did not answer {method} {path} within engine.server_timeout="
+            f"{self.timeout_s:g} s (last error: {last}); is it running and reachable?")
+
+    def _exchange(self, method: str, path: str, data: Optional[bytes], deadline: float) -> tuple[int, bytes]:
+        """One request on a new connection, cut at ``deadline`` by a watchdog: ``(status, body)``."""
+        remaining = deadline - time.monotonic()
+        kind = http.client.HTTPSConnection if self.scheme == "https" else http.client.HTTPConnection
+        conn = kind(self.host, self.port, timeout=max(remaining, 1e-3))
+        expired = threading.Event()
+
+        def cut() -> None:
+            expired.set()
+            sock = conn.sock
+            if sock is not None:
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)  # wakes a blocked recv/send at once
+                except OSError:
+                    pass
+
+        watchdog = threading.Timer(max(remaining, 0.0), cut)
+        watchdog.daemon = True
+        watchdog.start()
+        try:
+            try:
+                conn.connect()
+            except (OSError, http.client.HTTPException) as err:
+                if expired.is_set():
+                    raise _Expired(f"connect: {_describe(err)}") from None
+                raise _NotDelivered(_describe(err)) from None
+            try:
+                conn.request(method, path, body=data, headers=self._headers)
+                response = conn.getresponse()
+                return response.status, response.read()
+            except (OSError, http.client.HTTPException) as err:
+                if expired.is_set():
+                    raise _Expired(f"the answer was cut at the deadline ({_describe(err)})") from None
+                raise _Lost(_describe(err)) from None
+        finally:
+            watchdog.cancel()
+            conn.close()
+
+
+def _describe(err: BaseException) -> str:
+    return f"{type(err).__name__}: {err}"
+
+
+def _error_message(raw: bytes) -> str:
+    """The ``error`` field of a JSON error answer, else the raw text (shortened)."""
+    try:
+        answer = json.loads(raw)
+        return str(answer.get("error", answer)) if isinstance(answer, dict) else str(answer)
+    except ValueError:
+        return raw.decode(errors="replace")[:500]

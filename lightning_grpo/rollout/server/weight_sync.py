@@ -5,6 +5,11 @@ are ranks ``1 .. W`` (``W`` = the instance's tensor/pipeline-parallel world size
 ``TCPStore`` that the trainer's rank 0 hosts (:func:`host_store`; one port for every instance, each group under
 its own key prefix), never through the trainer's default group: gloo on CPU, NCCL on CUDA.
 
+Rendezvous security: the store listens on the one address the trainer chose (``engine.server_group_host``), not on
+every interface, and each group's key prefix holds 128 random bits (:func:`group_prefix`) that travel only in the
+authenticated ``/init_weight_sync`` request: a process that reaches the store's port but did not get the prefix
+from the trainer cannot join a group (the store itself has no password; see docs/engines.md, "Security").
+
 Wire format: the trainer streams ``(name, tensor)`` pairs one at a time (the model is never held in one buffer);
 for each, three broadcasts from rank 0: a header (``HEADER_SLOTS`` int64: 1, dtype code, number of dims, name
 length in bytes, then up to ``MAX_DIMS`` sizes), the UTF-8 name (uint8), the tensor itself. A header whose first
@@ -15,6 +20,9 @@ model's weights once (under FSDP each parameter is gathered once).
 from __future__ import annotations
 
 import datetime
+import errno
+import secrets
+import socket
 from typing import Any, Iterable, Iterator, Sequence
 
 import torch
@@ -28,9 +36,39 @@ MAX_DIMS = 8
 HEADER_SLOTS = 4 + MAX_DIMS
 
 
-def host_store(port: int, timeout_s: float) -> dist.TCPStore:
-    """The ``TCPStore`` the trainer's rank 0 hosts on ``port`` (all interfaces) for every instance's group."""
-    return dist.TCPStore("0.0.0.0", port, None, True, datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
+def host_store(host: str, port: int, timeout_s: float) -> dist.TCPStore:
+    """The ``TCPStore`` the trainer's rank 0 hosts for every instance's group, listening on ``host:port`` only (a
+    socket bound here and handed to the store, which would otherwise listen on every interface).
+
+    Raises:
+        ValueError: the port is in use (``engine.server_group_port`` is named) or ``host`` is not an address of this
+            machine (``engine.server_group_host``).
+    """
+    listener = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((host, port))
+        listener.listen(128)
+    except OSError as err:
+        listener.close()
+        if err.errno == errno.EADDRINUSE:
+            raise ValueError(f"engine.server_group_port={port} is in use on {host}: another trainer or program "
+                             "listens there; choose a free port") from None
+        raise ValueError(f"engine.server_group_host={host!r}, engine.server_group_port={port}: cannot listen there "
+                         f"({err.strerror}); give an address of this machine that the servers reach") from None
+    try:
+        store = dist.TCPStore(host, port, None, True, datetime.timedelta(seconds=timeout_s),
+                              wait_for_workers=False, master_listen_fd=listener.fileno(), use_libuv=True)
+    except BaseException:
+        listener.close()
+        raise
+    listener.detach()  # the store owns the socket now and closes it when it is deleted
+    return store
+
+
+def group_prefix(index: int) -> str:
+    """A new, unguessable key prefix for the weight-sync group of instance ``index`` (128 random bits)."""
+    return f"lightning_grpo/{index}/{secrets.token_hex(16)}"
 
 
 def join_store(host: str, port: int, timeout_s: float) -> dist.TCPStore:

@@ -1,0 +1,66 @@
+"""The rollout server's request bodies (pydantic models): every field typed, unknown fields refused, so a bad body
+is an HTTP 400 naming the field (``body.sampling.top_p: Input should be a valid number``) before any work is done.
+
+Token ids are strict integers (``true`` or ``1.0`` is not a token id); ranges that depend on the model (token ids
+within the vocabulary, lengths within ``max_model_len``, the per-request work limit) are checked by the server
+(:class:`lightning_grpo.rollout.server.app.RolloutServer`), ranges of the sampling settings by
+:class:`lightning_grpo.rollout.base.SamplingConfig`.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class SamplingFields(_Body):
+    """:class:`~lightning_grpo.rollout.base.SamplingConfig`'s fields but ``seed`` (seeds travel per prompt)."""
+
+    max_new_tokens: StrictInt
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: StrictInt = 0
+    min_p: float = 0.0
+    greedy: StrictBool = False
+
+
+class GenerateRequest(_Body):
+    """``POST /generate``: ``num_generations`` completions of each prompt (token-id lists), completion ``j`` of
+    prompt ``i`` seeded with ``seeds[i] + j`` when ``seeds`` is given."""
+
+    prompts: list[list[StrictInt]]
+    num_generations: StrictInt
+    sampling: SamplingFields
+    seeds: Optional[list[StrictInt]] = None
+
+
+class ProbeRequest(_Body):
+    """``POST /probe_logprobs``: teacher-forced logprobs of each sequence (token-id lists)."""
+
+    sequences: list[list[StrictInt]]
+
+
+class InitWeightSyncRequest(_Body):
+    """``POST /init_weight_sync``: join the trainer's group ``prefix`` in its store at ``host:port``."""
+
+    host: str = Field(min_length=1, max_length=255)
+    port: StrictInt = Field(ge=1, le=65535)
+    prefix: str = Field(min_length=1, max_length=200)
+    world_size: StrictInt = Field(ge=2)
+    backend: Literal["gloo", "nccl"]
+    timeout_s: float = Field(gt=0, le=86400)
+
+
+class UpdateWeightsRequest(_Body):
+    """``POST /update_weights``: receive the weights streamed now and serve them as ``version``."""
+
+    version: StrictInt = Field(ge=0)
+
+
+class Empty(_Body):
+    """A body with no fields (``POST /close_weight_sync``)."""
