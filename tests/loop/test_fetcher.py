@@ -65,7 +65,7 @@ class Source:
     def prepare_step(self, members):
         self.log.append(("prepare", members))
 
-    def rollouts_ahead(self):
+    def rollouts_ahead(self, prompt_batches=None):
         return self.ahead
 
     def prefetch_rollout(self, batch):
