@@ -1,0 +1,79 @@
+"""Helpers of the multi-turn tests: a scripted engine (a stand-in for the model: its turns are given ids) and a
+scripted environment (a stand-in for a game: it answers every turn with a fixed observation for a fixed number of
+turns)."""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+
+from lightning_grpo.episodes import BaseEnvironment, EnvStep
+from lightning_grpo.rollout.base import RolloutOutput, SamplingConfig
+from lightning_grpo.rollout.engines.rows import rollout_from_rows
+
+
+class ScriptedEngine:
+    """A rollout engine whose model turns are ``script(call, row, prompt_ids) -> ids`` (cut at
+    ``sampling.max_new_tokens``; EOS where the script puts it), with sampler logprobs ``-0.01 * (position + 1)``.
+    Records every call: ``(prompt_ids, num_generations, sampling)``."""
+
+    uses_policy_parameters = True
+    seeds_per_request = False
+
+    def __init__(self, tokenizer, script: Callable[[int, int, list[int]], list[int]], eos: int = 2,
+                 weight_versions: Optional[list[int]] = None) -> None:
+        self.tokenizer, self.script, self.eos = tokenizer, script, eos
+        self.pad_token_id = eos
+        self.calls: list[tuple[list[list[int]], int, SamplingConfig]] = []
+        self.weight_versions = weight_versions
+
+    def generate(self, prompt_ids, num_generations: int, sampling: SamplingConfig) -> RolloutOutput:
+        call = len(self.calls)
+        self.calls.append(([list(p) for p in prompt_ids], num_generations, sampling))
+        rows = []
+        for i, prompt in enumerate(prompt_ids):
+            for j in range(num_generations):
+                ids = list(self.script(call, i * num_generations + j, list(prompt)))[: sampling.max_new_tokens]
+                rows.append((ids, [-0.01 * (k + 1) for k in range(len(ids))]))
+        version = None if self.weight_versions is None else self.weight_versions[call]
+        return rollout_from_rows(prompt_ids, rows, num_generations, self.pad_token_id, [self.eos], self.tokenizer,
+                                 weight_version=version)
+
+    def sync_weights(self, model: torch.nn.Module) -> None:
+        pass
+
+    def set_lockstep(self, enabled: bool) -> None:
+        pass
+
+    def wake_up(self) -> None:
+        pass
+
+    def sleep(self, level: int = 1) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class EchoEnvironment(BaseEnvironment):
+    """Answers each of the first ``turns - 1`` model turns with the observation ``"obs <n>"`` (role user), then ends
+    the episode with reward ``len(answer) / 100`` (the answer's characters). Counts its resets and closes."""
+
+    resets: list[dict] = []
+    closed = 0
+
+    def __init__(self, turns: int = 2) -> None:
+        self.turns, self.seen = turns, 0
+
+    def reset(self, **row) -> None:
+        EchoEnvironment.resets.append(row)
+
+    def step(self, turn: str) -> EnvStep:
+        self.seen += 1
+        if self.seen >= self.turns:
+            return EnvStep.finish(reward=len(turn) / 100)
+        return EnvStep.observe(f"obs {self.seen}")
+
+    def close(self) -> None:
+        EchoEnvironment.closed += 1
