@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 from typing import Callable, Union
 
+from lightning_grpo.rewards.episode import env_reward
 from lightning_grpo.rewards.format import gsm8k_format
 from lightning_grpo.rewards.gsm8k import gsm8k_accuracy, make_gsm8k_accuracy
 from lightning_grpo.rewards.math import math_accuracy
@@ -15,6 +16,7 @@ REWARD_FUNCTIONS: dict[str, Callable] = {
     "gsm8k_accuracy_strict": make_gsm8k_accuracy(last_number_fallback=False),
     "gsm8k_format": gsm8k_format,
     "math_accuracy": math_accuracy,
+    "env_reward": env_reward,  # multi-turn: the environment's reward (docs/multiturn.md)
 }
 
 

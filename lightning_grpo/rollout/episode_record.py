@@ -73,6 +73,24 @@ class EpisodeRecord:
                 return str(turn.messages[0]["content"]) if turn.messages else ""
         return ""
 
+    def transcript(self, trained: bool = True) -> str:
+        """The episode as text, one block per turn with its boundary marked: ``[model, 37 tokens, trained]`` or
+        ``[env, 15 tokens, context]`` and the turn's messages (an environment message as ``role (name): content``).
+        ``trained``: whether the row got a loss (False for a masked or unscored row: its model turns say
+        "not trained")."""
+        blocks = []
+        for turn in self.turns:
+            n = turn.end - turn.start
+            if turn.source == "model":
+                head = f"[model, {n} tokens, {'trained' if trained else 'not trained'}]"
+                body = "\n".join(str(m.get("content", "")) for m in turn.messages)
+            else:
+                head = f"[env, {n} tokens, context]"
+                body = "\n".join(f"{m.get('role', '')}" + (f" ({m['name']})" if m.get("name") else "")
+                                 + f": {m.get('content', '')}" for m in turn.messages)
+            blocks.append(f"{head}\n{body}")
+        return "\n".join(blocks)
+
     def state(self) -> dict[str, Any]:
         """As plain data (dicts, lists, numbers, strings)."""
         return asdict(self)
