@@ -98,3 +98,49 @@ def save_talkative_llama(dest, smollm2_path: str, eos_logit: float = 11.0) -> st
         model.lm_head.weight[eos, 0] = eos_logit / 8.0
     model.save_pretrained(path)
     return path
+
+
+class ServedModel:
+    """``python -m lightning_grpo.cli serve`` of ``model`` on a free 127.0.0.1 port (vLLM CPU, 1 GiB KV cache),
+    started and waited for; :meth:`stop` ends it."""
+
+    def __init__(self, model: str, log, port: int) -> None:
+        import os
+        import subprocess
+        import sys
+        import time
+        from pathlib import Path
+
+        from lightning_grpo.rollout.server.client import RolloutServerError, ServerClient
+
+        repo = Path(__file__).resolve().parents[1]
+        self.url = f"http://127.0.0.1:{port}"
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+               "PYTHONPATH": os.pathsep.join([str(repo), os.environ.get("PYTHONPATH", "")])}
+        command = [sys.executable, "-m", "lightning_grpo.cli", "serve", "--model", model, "--host", "127.0.0.1",
+                   "--port", str(port), "--kv-cache-space-gib", "1", "--max-model-len", "512"]
+        self.log = Path(log)
+        self.proc = subprocess.Popen(command, cwd=str(repo), env=env, stdout=open(self.log, "a"),
+                                     stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"the server exited with {self.proc.returncode}:\n{self.log.read_text()[-4000:]}")
+            try:
+                self.health = ServerClient(self.url, 2).request("GET", "/health", retry=False)
+                return
+            except RolloutServerError:
+                time.sleep(0.5)
+        self.stop()
+        raise AssertionError(f"the server did not start within 600 s:\n{self.log.read_text()[-4000:]}")
+
+    def stop(self) -> None:
+        import subprocess
+
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(30)
