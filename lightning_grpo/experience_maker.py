@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 from dataclasses import dataclass, field
 from typing import Callable, ContextManager, Optional
 
@@ -25,7 +26,7 @@ from lightning_grpo import functional as F
 from lightning_grpo.algorithm import DynamicSampler, ScoredRollout
 from lightning_grpo.algorithm.shaping import overlong_penalty, sequence_kl, transform_rewards
 from lightning_grpo.config import GRPOConfig
-from lightning_grpo.episodes.metrics import episode_columns, episode_metrics, max_turns
+from lightning_grpo.episodes.metrics import NO_CALLS_ZERO, episode_columns, episode_metrics, max_turns
 from lightning_grpo.evaluation.evaluator import EvalBatch, answer_key
 from lightning_grpo.events import ON_EXPERIENCE, ON_ROLLOUT_END, EventSink, ExperienceReady, RolloutEnd
 from lightning_grpo.rewards import RewardSet
@@ -289,6 +290,8 @@ class ExperienceMaker:
         if records is not None:
             metrics["turns/max"] = float(self.context.collectives.reduce_max(
                 max_turns(records).to(self.context.device)).item())
+            for key in NO_CALLS_ZERO:  # no tool call on any process: 0, as TRL's tools/failure_frequency
+                metrics[key] = 0.0 if math.isnan(metrics[key]) else metrics[key]
         metrics["tokens_per_s"] = collected.totals["generated_tokens"] / max(collected.generation_s, 1e-9)
         staleness = float(self.rollout.weights_version - collected.weights_version)
         metrics["rollout/staleness_mean"] = metrics["rollout/staleness_max"] = staleness

@@ -9,6 +9,8 @@ from torch import Tensor
 
 from lightning_grpo.rollout.episode_record import EpisodeRecord
 
+#: Rates over tool calls that are 0, not NaN, when no call was made (as TRL's ``tools/failure_frequency``).
+NO_CALLS_ZERO = ("tools/error_rate", "tools/timeout_rate")
 #: The columns the reward functions get from the episodes (besides the dataset's).
 EPISODE_COLUMNS = ("transcript", "env_reward")
 
@@ -38,10 +40,11 @@ def episode_metrics(records: Sequence[EpisodeRecord], completion_mask: Tensor,
 
     Returns:
         ``turns/mean`` (model turns per episode), ``tools/calls_per_episode``, ``tools/error_rate`` (failed calls /
-        calls; NaN without calls), ``tools/timeout_rate`` (timed-out calls / calls), ``tokens/env_fraction``
-        (environment tokens / all tokens after the prompts), ``episodes/budget_exceeded`` (the fraction of episodes
-        an observation that did not fit the token budget ended) and ``episodes/done`` (the fraction the
-        environment ended, e.g. with a final answer). ``turns/max`` is :func:`max_turns` (a max over processes).
+        calls; the experience maker logs 0 when no call was made), ``tools/timeout_rate`` (timed-out calls /
+        calls), ``tokens/env_fraction`` (environment tokens / all tokens after the prompts),
+        ``episodes/budget_exceeded`` (the fraction of episodes an observation that did not fit the token budget
+        ended) and ``episodes/done`` (the fraction the environment ended, e.g. with a final answer). ``turns/max``
+        is :func:`max_turns` (a max over processes).
     """
     n = float(len(records))
 
