@@ -329,7 +329,8 @@ class ExperienceMaker:
             sampling = self._sampling()
             try:
                 out: Optional[RolloutOutput] = self.rollout.sample(engine, prompt_ids, self.config.num_generations,
-                                                                   sampling, prompt_rows(batch))
+                                                                   sampling, prompt_rows(batch),
+                                                                   self.context.collectives)
             except RolloutInterrupted:
                 out = None
         return self._score(batch, out, num_truncated, int(engine.pad_token_id), totals, texts)
@@ -402,14 +403,15 @@ class ExperienceMaker:
         max_new = cfg.eval.max_new_tokens or cfg.max_new_tokens
         self.prefetcher.wait_idle()  # asynchronous rollouts: no sync while the engine generates
         with self.rollout.awake(policy, force_sync=True, collectives=self.context.collectives):
-            out = self.rollout.generate(batch["prompt"], 1, SamplingConfig(max_new_tokens=max_new, greedy=True), rows)
+            greedy = SamplingConfig(max_new_tokens=max_new, greedy=True)
+            out = self.rollout.generate(batch["prompt"], 1, greedy, rows, self.context.collectives)
             result = EvalBatch(score(batch["prompt"], out, 1), out.completion_mask.sum(dim=1).to(device))
             n = cfg.eval.num_samples
             if n:
                 with torch.random.fork_rng(devices=[]):
                     torch.manual_seed(cfg.shuffle_seed)
                     sampling = SamplingConfig(max_new_tokens=max_new, temperature=cfg.eval.temperature)
-                    sampled = self.rollout.generate(batch["prompt"], n, sampling, rows)
+                    sampled = self.rollout.generate(batch["prompt"], n, sampling, rows, self.context.collectives)
                 prompts = [p for p in batch["prompt"] for _ in range(n)]
                 result.samples = score(prompts, sampled, n).view(-1, n)
                 keys = [answer_key(c) for c in sampled.completions]

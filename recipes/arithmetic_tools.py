@@ -71,8 +71,8 @@ class ShortToolInstructions(HermesToolCallParser):
 
     def instructions(self, schemas: list[dict[str, Any]]) -> str:
         tools = "\n".join(f"- {s['function']['name']}: {s['function']['description']}" for s in schemas)
-        return (f"You can use these tools:\n{tools}\nTo use one, write exactly\n" + _call("<expression>")
-                + "\nand wait for its result.")
+        return (f"You can use these tools:\n{tools}\nTo use one, write it as in\n" + _call("12 * 34")
+                + "\nwith your own expression, and wait for its result.")
 
 
 def tool_arithmetic_rows(train_size: int, test_size: int, seed: int = 0) -> dict[str, list[dict]]:
@@ -148,15 +148,15 @@ def summarize(metrics_csv: Path, first: int = 5) -> dict[str, Any]:
 
 def table(summary: dict[str, Any], first: int = 5) -> str:
     """The printed before/after table."""
-    lines = [f"{'':40s}{'before':>10s}{'after':>10s}"]
+    lines = [f"{'':46s}{'before':>10s}{'after':>10s}"]
     for key, label in (("reward", "train reward"), ("tool_calls_per_episode", "tool calls per episode"),
                        ("tool_error_rate", "tool error rate"), ("turns", "model turns per episode")):
         values = summary[key]
-        lines.append(f"{f'{label} (first/last {first} steps)':40s}{values['first']:>10.3f}{values['last']:>10.3f}")
+        lines.append(f"{f'{label} (first/last {first} steps)':46s}{values['first']:>10.3f}{values['last']:>10.3f}")
     for key, label in (("heldout_accuracy", "held-out accuracy (greedy)"),
                        ("heldout_pass@1", "held-out pass@1 (sampled, T=train)")):
         values = summary[key]
-        lines.append(f"{label:40s}{values['before']:>10.3f}{values['after']:>10.3f}")
+        lines.append(f"{label:46s}{values['before']:>10.3f}{values['after']:>10.3f}")
     return "\n".join(lines)
 
 

@@ -21,6 +21,12 @@ a model turn is cut to what remains of the budget; a model turn without EOS (cut
 episode as truncated, and so does an observation that would leave no room for a model token (it is not
 appended); ``mask_truncated_completions`` then means what it means for single-turn completions.
 
+Processes in lockstep: an engine that generates with the policy's own parameters (HF) may be a collective per call
+(FSDP gathers the parameters around each ``generate``), so with ``any_process`` (the data-parallel agreement) every
+process runs as many turns as the process with the longest episodes: one whose episodes are all over joins each
+further turn with a one-token ``generate`` it discards, and a stop request is agreed on too. Engines with their own
+weights (vLLM, rollout servers) run each process's turns independently.
+
 Seeds (engines that ``seeds_per_request``): turn 0 seeds completion j of prompt i with ``seed + i * G + j`` as a
 single-turn rollout does; turn t > 0 seeds the r-th running episode with ``seed + t * N + r`` (N = B * G episodes),
 disjoint from every other turn's seeds, so a rollout is a function of its seed base and the weights and a resumed run
@@ -31,13 +37,13 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field, replace
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
 from lightning_grpo.episodes.chat import ChatFormat
 from lightning_grpo.episodes.environment import Environment, EnvironmentFactory, EnvStep, step_all
-from lightning_grpo.rollout.base import RolloutEngine, RolloutOutput, SamplingConfig, StopFlag
+from lightning_grpo.rollout.base import RolloutEngine, RolloutInterrupted, RolloutOutput, SamplingConfig, StopFlag
 from lightning_grpo.rollout.engines.hf import left_pad
 from lightning_grpo.rollout.episode_record import EpisodeRecord, Turn
 
@@ -57,6 +63,14 @@ class _Episode:
     running: bool = True
     pending: Optional[str] = None  # a finished model turn the environment has not answered yet
     versions: set = field(default_factory=set)
+
+
+def _close(episodes: list[_Episode]) -> None:
+    for e in episodes:
+        try:
+            e.env.close()
+        except Exception as err:  # noqa: BLE001 - a failing close must not hide the rollout's outcome
+            log.warning("closing an episode's environment failed: %s", err)
 
 
 class EpisodeRunner:
@@ -92,9 +106,12 @@ class EpisodeRunner:
         return self.chat.encode_prompts(prompts, max_prompt_length)
 
     def run(self, engine: RolloutEngine, prompt_ids: Sequence[Sequence[int]], num_generations: int,
-            sampling: SamplingConfig, rows: Optional[Sequence[dict[str, Any]]] = None) -> RolloutOutput:
+            sampling: SamplingConfig, rows: Optional[Sequence[dict[str, Any]]] = None,
+            any_process: Optional[Callable[[bool], bool]] = None) -> RolloutOutput:
         """The ``B * G`` episodes of ``B`` prompts (prompt-major, as a single-turn rollout), ``rows[i]`` the dataset
-        row of prompt i (``reset(**row)`` of its episodes' environments).
+        row of prompt i (``reset(**row)`` of its episodes' environments). ``any_process``: the data-parallel
+        agreement (:meth:`lightning_grpo.training.collectives.Collectives.any_process`), for engines that generate
+        with the policy's parameters (see the module docstring); None = this process alone.
 
         Returns:
             A :class:`RolloutOutput` with ``env_mask`` and ``episodes`` (one
@@ -116,18 +133,19 @@ class EpisodeRunner:
             raise ValueError(f"{len(rows)} dataset rows for {b} prompts: one row per prompt")
         episodes: list[_Episode] = []
         reported: list[bool] = []  # whether each turn's engine call reported sampler logprobs
+        lockstep = any_process is not None and engine.uses_policy_parameters
         try:
             for k in range(b * g):
                 episodes.append(_Episode([int(t) for t in prompt_ids[k // g]], self._environment(k, rows[k // g])))
             first = replace(sampling, max_new_tokens=min(per_turn, budget))
             reported.append(self._take(episodes, list(range(b * g)), engine.generate(prompt_ids, g, first), budget))
             turn = 1
-            while True:
-                self._answer(episodes, budget)
+            while self._more_turns(episodes, budget, any_process if lockstep else None):
                 running = [k for k, e in enumerate(episodes) if e.running]
-                if not running:
-                    break
-                self.stop.check("the episodes")
+                if not running:  # another process still generates: take part in its collective, discard the result
+                    engine.generate([list(prompt_ids[0])], 1, replace(sampling, max_new_tokens=1))
+                    turn += 1
+                    continue
                 room = max(budget - len(episodes[k].ids) for k in running)
                 seed = None if sampling.seed is None else sampling.seed + turn * b * g
                 turn_sampling = replace(sampling, max_new_tokens=min(per_turn, room), seed=seed)
@@ -135,12 +153,26 @@ class EpisodeRunner:
                 reported.append(self._take(episodes, running, engine.generate(prefixes, 1, turn_sampling), budget))
                 turn += 1
         finally:
-            for e in episodes:
-                try:
-                    e.env.close()
-                except Exception as err:  # noqa: BLE001 - a failing close must not hide the rollout's outcome
-                    log.warning("closing an episode's environment failed: %s", err)
+            _close(episodes)
         return self._output(episodes, prompt_ids, g, int(engine.pad_token_id), all(reported))
+
+    def _more_turns(self, episodes: list[_Episode], budget: int,
+                    any_process: Optional[Callable[[bool], bool]]) -> bool:
+        """Answer the finished model turns; whether another turn is generated (with ``any_process``: while any
+        process has a running episode, a stop request agreed on).
+
+        Raises:
+            RolloutInterrupted: the stop flag is set (on any process, with ``any_process``).
+        """
+        self._answer(episodes, budget)
+        running = any(e.running for e in episodes)
+        if any_process is None:
+            if running:
+                self.stop.check("the episodes")
+            return running
+        if any_process(self.stop.is_set()):
+            raise RolloutInterrupted("the episodes were stopped by a stop request (e.g. SIGTERM) before they finished")
+        return any_process(running)
 
     def _environment(self, k: int, row: dict[str, Any]) -> Environment:
         try:

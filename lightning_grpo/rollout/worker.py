@@ -118,20 +118,24 @@ class RolloutWorker:
         return encode_prompts(self.tokenizer, prompts, self.config.max_prompt_length)
 
     def sample(self, engine: RolloutEngine, prompt_ids: Sequence[Sequence[int]], num_generations: int,
-               sampling: SamplingConfig, rows: Optional[Sequence[dict[str, Any]]] = None) -> RolloutOutput:
+               sampling: SamplingConfig, rows: Optional[Sequence[dict[str, Any]]] = None,
+               collectives: Optional[Collectives] = None) -> RolloutOutput:
         """``num_generations`` completions of each prompt: ``engine.generate``, or with :attr:`episodes` the
         episodes of the turn loop (:meth:`lightning_grpo.episodes.runner.EpisodeRunner.run`; ``rows[i]``: the
-        dataset row of prompt i, for the environments' ``reset``)."""
+        dataset row of prompt i, for the environments' ``reset``; ``collectives``: the processes' agreement on the
+        number of turns, on the trainer's thread only)."""
         if self.episodes is not None:
-            return self.episodes.run(engine, prompt_ids, num_generations, sampling, rows)
+            any_process = None if collectives is None else collectives.any_process
+            return self.episodes.run(engine, prompt_ids, num_generations, sampling, rows, any_process)
         return engine.generate(prompt_ids, num_generations, sampling)
 
     def generate(self, prompts: Sequence[Any], num_generations: int, sampling: SamplingConfig,
-                 rows: Optional[Sequence[dict[str, Any]]] = None) -> RolloutOutput:
+                 rows: Optional[Sequence[dict[str, Any]]] = None,
+                 collectives: Optional[Collectives] = None) -> RolloutOutput:
         """Rollout with the engine's current weights: prompts (message lists or strings) -> ``RolloutOutput``
         (:meth:`sample`)."""
         ids, _ = self.tokenize(prompts)
-        return self.sample(self.require_engine(), ids, num_generations, sampling, rows)
+        return self.sample(self.require_engine(), ids, num_generations, sampling, rows, collectives)
 
     def require_engine(self) -> RolloutEngine:
         if self.engine is None:

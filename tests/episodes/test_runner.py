@@ -184,3 +184,35 @@ def test_stop_flag_and_environment_errors(tokenizer):
     with pytest.raises(ValueError, match="2 dataset rows for 1 prompts"):
         broken.run(ScriptedEngine(tokenizer, lambda t, k, p: call), prompt_ids, 2, SamplingConfig(max_new_tokens=64),
                    rows=[{}, {}])
+
+
+def test_lockstep_with_processes_whose_episodes_run_longer(tokenizer):
+    """An engine that generates with the policy's parameters may be a collective per call (FSDP): with the processes'
+    agreement this process keeps calling generate (one token, discarded) while another process still has running
+    episodes, and a stop request on any process stops all of them at the same turn."""
+    call, answer = encode(tokenizer, CALL) + [EOS], encode(tokenizer, "#### 1") + [EOS]
+    runner = tool_runner(tokenizer)
+    prompt_ids, _ = runner.encode_prompts(PROMPTS[:1], 1024)
+    engine = ScriptedEngine(tokenizer, lambda t, k, p: call if t == 0 else answer)
+    others = iter([False, True, False, True, False, True, False, False])  # (stop?, running?) of the other process
+    agreed = []
+
+    def any_process(flag):
+        agreed.append(flag)
+        other = next(others)
+        return flag or other
+
+    out = runner.run(engine, prompt_ids, 2, SamplingConfig(max_new_tokens=64), any_process=any_process)
+    # turn 1 is ours; the other process runs two more turns: two one-token calls from this one, then all stop
+    assert [(len(p), s.max_new_tokens) for p, _, s in engine.calls] == [(1, 64), (2, 64), (1, 1), (1, 1)]
+    assert agreed == [False, True, False, False, False, False, False, False]
+    assert [e.model_turns for e in out.episodes] == [2, 2]  # the extra calls changed nothing
+    # engines with their own weights do not need the agreement
+    own = ScriptedEngine(tokenizer, lambda t, k, p: call if t == 0 else answer)
+    own.uses_policy_parameters = False
+    runner.run(own, prompt_ids, 2, SamplingConfig(max_new_tokens=64), any_process=lambda flag: pytest.fail("asked"))
+    # a stop on another process
+    stopping = ScriptedEngine(tokenizer, lambda t, k, p: call if t == 0 else answer)
+    with pytest.raises(RolloutInterrupted):
+        runner.run(stopping, prompt_ids, 2, SamplingConfig(max_new_tokens=64), any_process=lambda flag: True)
+    assert len(stopping.calls) == 1
