@@ -24,7 +24,8 @@ class Experience:
         completion_ids: ``(N, T)`` long, right-padded.
         completion_mask: ``(N, T)`` long, 1 on tokens that get a loss (through the first EOS; all 0 for a
             completion that gets no loss: truncated under ``mask_truncated_completions``, or unscored). It is
-            also the attention mask of the completion in the training forward pass.
+            also the attention mask of the completion in the training forward pass (with ``env_mask``:
+            :attr:`completion_attention_mask`).
         advantages: ``(N,)`` float32.
         old_logprobs: ``(N, T)`` float32 behaviour-policy logprobs, stored when the policy changes before the
             rollout is used up (``num_iterations > 1`` or several mini-batches); else None.

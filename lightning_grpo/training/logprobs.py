@@ -7,7 +7,9 @@
   (:func:`lightning_grpo.training.packing.shared_prefix_rows`, a custom 4-D attention mask; sdpa/eager attention).
 
 All three give the same logprobs and gradients (tests assert 1e-5); only the completion positions' logits are
-computed on the padding-free paths. A model with its own ``completion_logprobs(batch, temperature, with_entropy)``
+computed on the padding-free paths. Multi-turn episodes lay out their environment tokens too
+(:attr:`~lightning_grpo.training.experience.Experience.completion_attention_mask`: attended to, their logprobs computed
+and masked out of the loss). A model with its own ``completion_logprobs(batch, temperature, with_entropy)``
 (the Megatron policy: vocab-parallel) computes them itself.
 """
 
