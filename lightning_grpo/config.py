@@ -186,6 +186,42 @@ class EvalConfig:
             _fail("eval.temperature", self.temperature, "must be > 0")
 
 
+# --- Multi-turn episodes (issue 21; lightning_grpo.episodes) ---------------------------------------------------------
+@dataclass
+class EpisodeConfig:
+    """Limits of multi-turn episodes (``GRPOConfig.episode``; ``--model.config.episode.<field>``), used when the
+    module has tools or an environment (``GRPOModule(tools=..., environment_factory=...)``, docs/multiturn.md).
+
+    Raises:
+        ValueError: on construction, a field out of range or not finite (the field and value are named).
+    """
+
+    max_turns: int = 8
+    """Most model turns per episode (>= 1); the episode ends after this many, whatever the last one said."""
+    max_tokens: Optional[int] = None
+    """Token budget of an episode after its prompt, model and environment tokens together (>= 1; None =
+    ``max_new_tokens``, as TRL's ``max_completion_length``); each model turn also stops at ``max_new_tokens``. A model
+    turn is cut to what remains; an observation that would leave no room for a model token ends the episode as
+    truncated (not appended; ``mask_truncated_completions`` applies)."""
+    tool_timeout_s: float = 10.0
+    """Most seconds one tool call may take (> 0); a call past it is an error result the model reads."""
+    env_workers: int = 1
+    """Environments (episodes' tool calls) stepped at once, in threads (>= 1); keep 1 for tools that share state
+    across episodes."""
+
+    def __post_init__(self) -> None:
+        _check_fields(self, "episode.")
+        if self.max_turns < 1:
+            _fail("episode.max_turns", self.max_turns, "must be >= 1")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            _fail("episode.max_tokens", self.max_tokens, "must be >= 1 or None (= max_new_tokens)")
+        if not self.tool_timeout_s > 0:
+            _fail("episode.tool_timeout_s", self.tool_timeout_s, "must be > 0 seconds")
+        if self.env_workers < 1:
+            _fail("episode.env_workers", self.env_workers, "must be >= 1")
+
+
+# --- end of multi-turn episodes -------------------------------------------------------------------------------------
 @dataclass
 class GRPOConfig:
     """Settings of the GRPO algorithm (DeepSeekMath, arXiv:2402.03300, sec. 4.1) and its variants.
@@ -382,6 +418,11 @@ class GRPOConfig:
     """The validation/test rollouts (:class:`EvalConfig`: ``max_new_tokens``, ``num_samples``, ``k``,
     ``temperature``)."""
 
+    # --- Multi-turn episodes (docs/multiturn.md) ---
+    episode: EpisodeConfig = field(default_factory=EpisodeConfig)
+    """Limits of multi-turn episodes with tools or an environment (:class:`EpisodeConfig`: ``max_turns``,
+    ``max_tokens``, ``tool_timeout_s``, ``env_workers``); unused by single-turn rollouts."""
+
     # --- Asynchronous rollouts (lightning_grpo.rollout.prefetch) ---
     max_staleness: int = 0
     """Bounded staleness (AReaL's eta, Fu et al. 2025, arXiv:2505.24298): rollouts are generated in a background
@@ -408,7 +449,7 @@ class GRPOConfig:
     Either way a policy with non-finite weights is never sampled from or saved (an error)."""
 
     def __post_init__(self) -> None:
-        for name, group in (("engine", EngineConfig), ("eval", EvalConfig)):
+        for name, group in _GROUPS:
             if not isinstance(getattr(self, name), group):
                 _fail(name, getattr(self, name), f"must be a {group.__name__} (GRPOConfig.from_dict builds one from a "
                       "dict)")
@@ -427,14 +468,14 @@ class GRPOConfig:
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> GRPOConfig:
-        """A config from plain data (``dataclasses.asdict`` of one, as checkpoints store it): the ``engine`` and
-        ``eval`` groups may be dicts.
+        """A config from plain data (``dataclasses.asdict`` of one, as checkpoints store it): the ``engine``,
+        ``eval`` and ``episode`` groups may be dicts.
 
         Raises:
             TypeError: an unknown field (named by the dataclass constructor).
         """
         values = dict(values)
-        for name, group in (("engine", EngineConfig), ("eval", EvalConfig)):
+        for name, group in _GROUPS:
             if isinstance(values.get(name), dict):
                 values[name] = group(**values[name])
         return cls(**values)
@@ -555,3 +596,7 @@ class GRPOConfig:
                 stacklevel=4,
             )
 
+
+
+#: The nested setting groups of :class:`GRPOConfig`: field name -> dataclass.
+_GROUPS: tuple[tuple[str, type], ...] = (("engine", EngineConfig), ("eval", EvalConfig), ("episode", EpisodeConfig))

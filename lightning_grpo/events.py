@@ -25,6 +25,7 @@ from typing import Any, Callable, Optional
 
 from torch import Tensor
 
+from lightning_grpo.rollout.episode_record import EpisodeRecord
 from lightning_grpo.training.experience import Experience
 
 #: The event names, in the order they occur for one rollout.
@@ -53,6 +54,10 @@ class RolloutEnd:
         num_generations: G.
         weights_version: optimizer steps taken by the weights that generated it (older than the trained weights by
             ``rollout/staleness_max`` with asynchronous rollouts), or None where unknown.
+        episodes: multi-turn rollouts: each row's :class:`~lightning_grpo.rollout.episode_record.EpisodeRecord`
+            (the whole transcript, turn by turn, with each turn's token span and whether the model wrote it);
+            ``completions`` are then the episodes' last model turns and ``lengths`` count the model's tokens. None
+            for single-turn rollouts.
     """
 
     prompts: list
@@ -65,6 +70,7 @@ class RolloutEnd:
     columns: dict[str, list] = field(default_factory=dict)
     num_generations: int = 1
     weights_version: Optional[int] = None
+    episodes: Optional[list[EpisodeRecord]] = None
 
 
 @dataclass

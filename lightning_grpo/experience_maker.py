@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 from dataclasses import dataclass, field
 from typing import Callable, ContextManager, Optional
 
@@ -25,12 +26,13 @@ from lightning_grpo import functional as F
 from lightning_grpo.algorithm import DynamicSampler, ScoredRollout
 from lightning_grpo.algorithm.shaping import overlong_penalty, sequence_kl, transform_rewards
 from lightning_grpo.config import GRPOConfig
+from lightning_grpo.episodes.metrics import NO_CALLS_ZERO, episode_columns, episode_metrics, max_turns
 from lightning_grpo.evaluation.evaluator import EVAL_INDEX, EvalBatch, answer_key
 from lightning_grpo.events import ON_EXPERIENCE, ON_ROLLOUT_END, EventSink, ExperienceReady, RolloutEnd
 from lightning_grpo.rewards import RewardSet, StartedScores
 from lightning_grpo.rollout.base import RolloutInterrupted, RolloutOutput, SamplingConfig
 from lightning_grpo.rollout.prefetch import PrefetchedRollout, RolloutPrefetcher
-from lightning_grpo.rollout.worker import RolloutWorker
+from lightning_grpo.rollout.worker import RolloutWorker, prompt_rows
 from lightning_grpo.training.collectives import Collectives
 from lightning_grpo.training.experience import Experience
 from lightning_grpo.training.logprobs import CompletionLogprobs
@@ -76,7 +78,7 @@ class _Collected:
     sampling_stats: Optional[dict]
     weights_version: int
     totals: dict[str, float]
-    texts: list[tuple]  # (prompt, completion, columns) of every row generated, found by ``rollout.row_index``
+    texts: list[tuple]  # (prompt, completion, columns, episode record or None) of every row generated, by row_index
     generation_s: float
     outcomes: dict[str, list[float]]  # "<reward>/<outcome>" -> [completions, of all completions] (pooled rewards)
 
@@ -153,6 +155,8 @@ class ExperienceMaker:
         if not self.rewards.has_pooled:
             return None
         prompts, columns = _expand(prefetched.batch, prefetched.num_generations)
+        if out.episodes is not None:  # multi-turn: the transcripts and the environments' rewards
+            columns.update(episode_columns(out.episodes, list(columns)))
         return self.rewards.start(prompts, out.completions, columns, prefetched.num_generations)
 
     @torch.no_grad()
@@ -214,11 +218,15 @@ class ExperienceMaker:
             completion_mask=rollout.completion_mask.to(ctx.device) * scored.unsqueeze(1),  # [N, T] through the EOS
             advantages=torch.zeros(len(rollout), device=ctx.device),
             sampler_logprobs=None if rollout.sampler_logprobs is None else rollout.sampler_logprobs.to(ctx.device),
+            env_mask=None if rollout.env_mask is None else rollout.env_mask.to(ctx.device) * scored.unsqueeze(1),
         )
         with ctx.timer.span("logprobs_s"):
             shaped = self._behaviour_logprobs(experience, shaped, scored, extra, policy, ref, len(batch["prompt"]))
         if self.config.mask_truncated_completions:
-            experience.completion_mask = experience.completion_mask * (~rollout.truncated.to(ctx.device)).unsqueeze(1)
+            kept = (~rollout.truncated.to(ctx.device)).unsqueeze(1)
+            experience.completion_mask = experience.completion_mask * kept
+            if experience.env_mask is not None:  # a row without loss tokens is not laid out at all
+                experience.env_mask = experience.env_mask * kept
         # 4. group advantages
         cfg = self.config
         experience.advantages = F.group_advantages(
@@ -294,24 +302,42 @@ class ExperienceMaker:
 
     def _metrics(self, collected: _Collected, extra: dict[str, tuple[Tensor, Tensor]]) -> dict[str, float]:
         """Step 5 of :meth:`make`: the rollout metrics (all processes), ``tokens_per_s`` and the staleness."""
+        records = self._records(collected)
+        if records is not None:  # multi-turn episodes
+            rollout = collected.rollout
+            assert rollout.env_mask is not None
+            extra.update(episode_metrics(records, rollout.completion_mask, rollout.env_mask))
         metrics = rollout_metrics(collected.rollout, self.rewards.names, extra, collected.totals,
                                   collected.sampling_stats, self.context.collectives)
+        if records is not None:
+            metrics["turns/max"] = float(self.context.collectives.reduce_max(
+                max_turns(records).to(self.context.device)).item())
+            for key in NO_CALLS_ZERO:  # no tool call on any process: 0, as TRL's tools/failure_frequency
+                metrics[key] = 0.0 if math.isnan(metrics[key]) else metrics[key]
         metrics["tokens_per_s"] = collected.totals["generated_tokens"] / max(collected.generation_s, 1e-9)
         staleness = float(self.rollout.weights_version - collected.weights_version)
         metrics["rollout/staleness_mean"] = metrics["rollout/staleness_max"] = staleness
         return metrics
 
+    @staticmethod
+    def _records(collected: _Collected) -> Optional[list]:
+        """The episode records of the rollout to be trained on (rows found by ``row_index``), None for single-turn."""
+        rollout = collected.rollout
+        if rollout.env_mask is None or rollout.row_index is None:
+            return None
+        return [collected.texts[i][3] for i in rollout.row_index.tolist()]
+
     def _rollout_event(self, collected: _Collected) -> RolloutEnd:
         """The texts and scores of the rollout to be trained on (rows found by ``row_index``)."""
         rollout = collected.rollout
         rows = [collected.texts[i] for i in rollout.row_index.tolist()] if rollout.row_index is not None else []
-        names = sorted({k for _, _, columns in rows for k in columns})
+        names = sorted({k for _, _, columns, _ in rows for k in columns})
         return RolloutEnd(
             prompts=[r[0] for r in rows], completions=[r[1] for r in rows], rewards=rollout.rewards,
             per_function=rollout.per_function, reward_names=list(self.rewards.names),
             lengths=rollout.completion_mask.sum(dim=1), truncated=rollout.truncated,
             columns={k: [r[2].get(k) for r in rows] for k in names}, num_generations=rollout.num_generations,
-            weights_version=collected.weights_version,
+            weights_version=collected.weights_version, episodes=self._records(collected),
         )
 
     def _generate_and_score(self, batch: PromptBatch, totals: dict[str, float], texts: list[tuple],
@@ -325,7 +351,9 @@ class ExperienceMaker:
             prompt_ids, num_truncated = self.rollout.tokenize(batch["prompt"])
             sampling = self._sampling()
             try:
-                out: Optional[RolloutOutput] = engine.generate(prompt_ids, self.config.num_generations, sampling)
+                out: Optional[RolloutOutput] = self.rollout.sample(engine, prompt_ids, self.config.num_generations,
+                                                                   sampling, prompt_rows(batch),
+                                                                   self.context.collectives)
             except RolloutInterrupted:
                 out = None
         return self._score(batch, out, num_truncated, int(engine.pad_token_id), totals, texts, outcomes)
@@ -346,6 +374,8 @@ class ExperienceMaker:
         g, timer = self.config.num_generations, self.context.timer
         prompts, columns = _expand(batch, g)
         if out is not None and not self.rollout.stop.is_set():
+            if out.episodes is not None:  # multi-turn: the transcripts and the environments' rewards
+                columns.update(episode_columns(out.episodes, list(columns)))
             with timer.span("scoring_s"):
                 scores = self.rewards.score(prompts, out.completions, columns, group_size=g, started=started)
             for name, seconds in scores.seconds.items():
@@ -363,7 +393,8 @@ class ExperienceMaker:
         totals["prompts/truncated"] += num_truncated
         totals["generated_tokens"] += float(out.completion_mask.sum())
         offset = len(texts)
-        texts.extend((p, c, {k: v[i] for k, v in columns.items()})
+        records = out.episodes or [None] * len(out.completions)
+        texts.extend((p, c, {k: v[i] for k, v in columns.items()}, records[i])
                      for i, (p, c) in enumerate(zip(prompts, out.completions, strict=True)))
         return ScoredRollout(
             prompt_ids=out.prompt_ids,
@@ -377,6 +408,7 @@ class ExperienceMaker:
             pad_token_id=pad_token_id,
             sampler_logprobs=out.sampler_logprobs,
             row_index=torch.arange(offset, len(texts)),
+            env_mask=out.env_mask,
         )
 
     @torch.no_grad()
@@ -390,24 +422,29 @@ class ExperienceMaker:
         cfg, accuracy, device = self.config, accuracy or self.rewards.accuracy, self.context.device
         columns = {k: v for k, v in batch.items() if k not in ("prompt", EVAL_INDEX)}
 
-        def score(prompts: list, completions: list[str], repeat: int) -> Tensor:
+        rows = prompt_rows(batch)
+
+        def score(prompts: list, out: RolloutOutput, repeat: int) -> Tensor:
             cols = {k: [x for x in v for _ in range(repeat)] for k, v in columns.items()}
-            values = accuracy(prompts, completions, **cols)
+            if out.episodes is not None:  # multi-turn: the transcripts and the environments' rewards
+                cols.update(episode_columns(out.episodes, list(cols)))
+            values = accuracy(prompts, out.completions, **cols)
             return torch.tensor([float("nan") if s is None else float(s) for s in values], device=device)
 
         max_new = cfg.eval.max_new_tokens or cfg.max_new_tokens
         self.prefetcher.wait_idle()  # asynchronous rollouts: no sync while the engine generates
         with self.rollout.awake(policy, force_sync=True, collectives=self.context.collectives):
-            out = self.rollout.generate(batch["prompt"], 1, SamplingConfig(max_new_tokens=max_new, greedy=True))
-            result = EvalBatch(score(batch["prompt"], out.completions, 1), out.completion_mask.sum(dim=1).to(device))
+            greedy = SamplingConfig(max_new_tokens=max_new, greedy=True)
+            out = self.rollout.generate(batch["prompt"], 1, greedy, rows, self.context.collectives)
+            result = EvalBatch(score(batch["prompt"], out, 1), out.completion_mask.sum(dim=1).to(device))
             n = cfg.eval.num_samples
             if n:
                 with torch.random.fork_rng(devices=[]):
                     torch.manual_seed(cfg.shuffle_seed)
                     sampling = SamplingConfig(max_new_tokens=max_new, temperature=cfg.eval.temperature)
-                    sampled = self.rollout.generate(batch["prompt"], n, sampling)
+                    sampled = self.rollout.generate(batch["prompt"], n, sampling, rows, self.context.collectives)
                 prompts = [p for p in batch["prompt"] for _ in range(n)]
-                result.samples = score(prompts, sampled.completions, n).view(-1, n)
+                result.samples = score(prompts, sampled, n).view(-1, n)
                 keys = [answer_key(c) for c in sampled.completions]
                 result.answers = [keys[i:i + n] for i in range(0, len(keys), n)]
         return result

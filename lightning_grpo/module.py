@@ -21,6 +21,9 @@ from lightning_grpo.algorithm import ObjectiveOutput, grpo_objective
 from lightning_grpo.callbacks.base import forward_event, warn_untyped_event_hooks
 from lightning_grpo.config import GRPOConfig
 from lightning_grpo.data.source import EvalSource, PromptSource
+from lightning_grpo.episodes import ToolCallParser, as_tools, episode_runner
+from lightning_grpo.episodes.environment import EnvironmentFactory
+from lightning_grpo.episodes.tools import ToolSpec
 from lightning_grpo.evaluation.evaluator import EVAL_INDEX, Evaluator, counted_rows
 from lightning_grpo.experience_maker import ExperienceMaker, RolloutContext
 from lightning_grpo.loop.fit_loop import install_loop
@@ -36,7 +39,7 @@ from lightning_grpo.models.lora import (
 )
 from lightning_grpo.rewards import RewardSet, RewardSpec
 from lightning_grpo.rewards.reward_model import resolve_reward_models
-from lightning_grpo.rollout.base import RolloutEngine, RolloutOutput, SamplingConfig
+from lightning_grpo.rollout.base import RolloutEngine, RolloutOutput, SamplingConfig, eos_token_ids_from
 from lightning_grpo.rollout.prefetch import PrefetchedRollout
 from lightning_grpo.rollout.worker import RolloutWorker
 from lightning_grpo.runtime.checkpointing import use_atomic_checkpoint_io
@@ -89,6 +92,14 @@ class GRPOModule(L.LightningModule):
             adapters.
         quantization: "4bit" or "8bit": a bitsandbytes-quantized frozen base for ``lora`` (CUDA only).
         export_merged: with ``lora``, also export the merged model to ``<export_dir>/merged``.
+        tools: multi-turn tool use (docs/multiturn.md): functions with type hints and a Google-style docstring, or
+            built-in tool names ("calculator"); the model's tool calls are run and their results appended as tool
+            turns until it answers without a call or a limit (``config.episode``) ends the episode.
+        environment_factory: multi-turn episodes with a stateful environment: a callable (e.g. a class) making one
+            :class:`lightning_grpo.episodes.Environment` per episode (``reset(**row)``, ``step(turn) -> EnvStep``,
+            ``close()``); with it, ``tools`` are only described in the prompt.
+        tool_parser: the tool-call format (:class:`lightning_grpo.episodes.ToolCallParser`); default the Hermes /
+            Qwen ``<tool_call>`` JSON format.
 
     Raises:
         ValueError: a bad argument (named in the message).
@@ -113,12 +124,16 @@ class GRPOModule(L.LightningModule):
         lora: Optional[LoraConfig] = None,
         quantization: Optional[Literal["4bit", "8bit"]] = None,
         export_merged: bool = False,
+        tools: Sequence[ToolSpec] = (),
+        environment_factory: Optional[EnvironmentFactory] = None,
+        tool_parser: Optional[ToolCallParser] = None,
     ) -> None:
         super().__init__()
         config = config or GRPOConfig()
         self.config = GRPOConfig.from_dict(config) if isinstance(config, dict) else copy.deepcopy(config)
         # hyperparameters are stored as plain data so checkpoints load with torch.load(weights_only=True)
-        self.save_hyperparameters(ignore=["model", "tokenizer", "reward_funcs", "accuracy_reward", "config", "lora"])
+        self.save_hyperparameters(ignore=["model", "tokenizer", "reward_funcs", "accuracy_reward", "config", "lora",
+                                          "tools", "environment_factory", "tool_parser"])
         self._lora_settings = settings = lora_settings(lora, quantization, dtype, export_merged)
         self.hparams.update(config=dataclasses.asdict(self.config), lora=settings.hparams)
         self.hparams["model"] = model if isinstance(model, str) or model is None else type(model).__name__
@@ -135,6 +150,11 @@ class GRPOModule(L.LightningModule):
         trim_frozen_weights(self)  # LoRA: checkpoints hold the adapters only
         self.backend: ParallelBackend = LocalBackend()  # the trainer's backend from configure_model on
         self.rollout = RolloutWorker(self.config, self.tokenizer, events=self._emit)
+        self.tools = as_tools(tools)  # multi-turn episodes (docs/multiturn.md)
+        self.hparams["tools"] = [t.name for t in self.tools]
+        eos = eos_token_ids_from(getattr(self.policy, "generation_config", None), self.tokenizer)
+        self.rollout.episodes = episode_runner(self.config, self.tokenizer, eos, self.tools, environment_factory,
+                                               tool_parser, self.rollout.stop)
         self.logprobs = CompletionLogprobs(self.config, is_sharded=lambda m: self.backend.is_sharded(m))
         self.experience_maker = ExperienceMaker(self.config, self.rollout, self.rewards, self.logprobs, self._emit)
         self.step_selection = StepSelection(self.config, self.logprobs)

@@ -355,7 +355,65 @@ def eval_padding(cfg: dict) -> None:
     torch.save(metrics, rank_file(out, "eval_padding", trainer.global_rank))
 
 
-SCENARIOS = {"fixed_step": fixed_step, "grpo_run": grpo_run, "server_run": server_run, "eval_padding": eval_padding}
+class RankEcho:
+    """Multi-turn episodes whose length depends on the rank: an observation after each model turn until 2 turns on
+    rank 0, 4 elsewhere (so the ranks need different numbers of turns)."""
+
+    def __init__(self) -> None:
+        self.seen, self.turns = 0, 2 if torch.distributed.get_rank() == 0 else 4
+
+    def reset(self, **row) -> None:
+        pass
+
+    def step(self, turn: str):
+        from lightning_grpo.episodes import EnvStep
+
+        self.seen += 1
+        return EnvStep.finish(reward=1.0) if self.seen >= self.turns else EnvStep.observe(f"more ({self.seen})")
+
+    def close(self) -> None:
+        pass
+
+
+def episodes_run(cfg: dict) -> None:
+    """2 GRPO steps on multi-turn episodes (HF engine) under ``cfg["strategy"]``, the ranks' episodes of different
+    lengths (:class:`RankEcho`): each rank saves its global step, its episodes' model turns per rollout and the
+    logged ``turns/max``."""
+    from lightning_grpo.callbacks import GRPOCallback
+    from lightning_grpo.config import EpisodeConfig
+
+    out = cfg["out"]
+    data = os.path.join(out, "prompts.jsonl")
+    with open(data, "w") as f:
+        for i in range(8):
+            f.write(json.dumps({"question": f"What is {i} + 0?", "answer": str(i), "index": i}) + "\n")
+    config = GRPOConfig(num_generations=2, max_new_tokens=6, episode=EpisodeConfig(max_turns=4, max_tokens=48))
+    module = GRPOModule(cfg["model"], reward_funcs=[index_reward], config=config, learning_rate=1e-3, export_dir="",
+                        environment_factory=RankEcho)
+
+    class Turns(GRPOCallback):
+        def __init__(self) -> None:
+            self.turns: list[list[int]] = []
+            self.turns_max: list[float] = []
+
+        def on_rollout_end(self, trainer, module, rollout):
+            self.turns.append([e.model_turns for e in rollout.episodes])
+
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            if batch.step_end:
+                self.turns_max.append(float(trainer.callback_metrics["turns/max"]))
+
+    turns = Turns()
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=make_strategy(cfg["strategy"]), max_steps=2,
+                        logger=False, callbacks=[turns], enable_progress_bar=False, enable_model_summary=False,
+                        enable_checkpointing=False, default_root_dir=out, limit_val_batches=0)
+    trainer.fit(module, datamodule=PromptDataModule(dataset=data, prompts_per_step=2, val_size=0))
+    result = {"global_step": trainer.global_step, "turns": turns.turns, "turns_max": turns.turns_max}
+    torch.save(result, rank_file(out, "episodes_run", trainer.global_rank))
+
+
+SCENARIOS = {"fixed_step": fixed_step, "grpo_run": grpo_run, "server_run": server_run, "eval_padding": eval_padding,
+             "episodes_run": episodes_run}
 
 if __name__ == "__main__":
     torch.set_num_threads(1)

@@ -2,9 +2,10 @@
 
 Usage: ``python tests/_resume_worker.py '<json spec>'``. Spec keys: ``model``, ``data``, ``out`` (folder: steps.jsonl
 gets one line per optimizer step, final.pt the final weights), ``ckpt`` (checkpoint folder), ``max_steps``,
-``accumulate``, ``config`` (GRPOConfig fields), ``lora`` (``peft.LoraConfig`` fields, optional), ``kill``
-(``{"at": "rollout" | "micro_batch" | "save" | "second_update", "step": k}`` or null) and ``resume`` (fit with
-``ckpt_path="last"``).
+``accumulate``, ``config`` (GRPOConfig fields), ``lora`` (``peft.LoraConfig`` fields, optional), ``episode_turns``
+(multi-turn episodes: each finished model turn gets an observation until this many turns, optional), ``kill``
+(``{"at": "rollout" | "env_step" | "micro_batch" | "save" | "second_update", "step": k}`` or null; "env_step": in the
+environment's step, between two turns of a multi-turn rollout) and ``resume`` (fit with ``ckpt_path="last"``).
 """
 
 import json
@@ -20,6 +21,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint  # noqa: E402
 
 from lightning_grpo import GRPOConfig, GRPOModule  # noqa: E402
 from lightning_grpo.data import PromptDataModule  # noqa: E402
+from lightning_grpo.episodes import BaseEnvironment, EnvStep  # noqa: E402
 
 STATE: dict = {"trainer": None, "kill": None}
 
@@ -39,6 +41,21 @@ def length_reward(prompts, completions, **kwargs):
     if _killing_now("rollout"):
         _die()
     return [(len(c) % 3) / 2 for c in completions]
+
+
+class Echo(BaseEnvironment):
+    """Multi-turn episodes: an observation after each finished model turn until ``turns`` turns, reward 1 / turn."""
+
+    def __init__(self, turns: int) -> None:
+        self.turns, self.seen = turns, 0
+
+    def step(self, turn: str) -> EnvStep:
+        if _killing_now("env_step") and self.seen == 1:
+            _die()
+        self.seen += 1
+        if self.seen >= self.turns:
+            return EnvStep.finish(reward=1.0 / self.seen)
+        return EnvStep.observe(f"go on ({self.seen})")
 
 
 class Recorder(Callback):
@@ -77,8 +94,9 @@ def main(spec: dict) -> None:
     STATE["kill"] = None if spec.get("resume") else spec.get("kill")
     L.seed_everything(0, verbose=False)
     config = GRPOConfig.from_dict({"num_generations": 4, "max_new_tokens": 8, "temperature": 1.0, **spec["config"]})
+    turns = spec.get("episode_turns")
     module = GRPOModule(spec["model"], reward_funcs=[length_reward], config=config, learning_rate=1e-3, export_dir="",
-                        lora=spec.get("lora"))
+                        lora=spec.get("lora"), environment_factory=(lambda: Echo(turns)) if turns else None)
     data = PromptDataModule(dataset=spec["data"], prompts_per_step=2, val_size=0, answer_format="raw",
                             system_prompt=None, seed=3)
     checkpoint = ModelCheckpoint(dirpath=spec["ckpt"], every_n_train_steps=1, save_last=True)

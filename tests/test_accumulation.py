@@ -13,13 +13,19 @@ Knobs that change the loss or which tokens get it, each listed below: ``loss_typ
 ``importance_sampling_mode``, ``importance_sampling_level`` (GSPO, GSPO-token), ``policy_loss_mode`` (Clip-Cov,
 KL-Cov), ``temperature``, ``top_k``/``top_p``/``min_p`` (the trainer scores the truncated distribution),
 ``padding_free``/``shared_prefix`` (the forward layout).
+
+Multi-turn episodes (issue 21): the same check on episodes of a scripted environment (every finished turn gets an
+observation, the second ends the episode), whose environment tokens are context without loss, for every
+``loss_type`` and the knobs that read token statistics.
 """
 
 import pytest
 import torch
 from _algorithm_support import FixedRolloutEngine, Recorder, fixed_completions, quiet_trainer, write_prompts
+from _episode_support import EchoEnvironment
 
 from lightning_grpo import GRPOConfig, GRPOModule
+from lightning_grpo.config import EpisodeConfig
 from lightning_grpo.data import PromptDataModule
 from lightning_grpo.training.experience import Experience
 
@@ -88,10 +94,11 @@ def prompt_file(tmp_path_factory):
     return write_prompts(tmp_path_factory.mktemp("prompts") / "prompts.jsonl")
 
 
-def _two_steps(path, root, prompt_file, accumulate, knobs):
+def _two_steps(path, root, prompt_file, accumulate, knobs, multiturn=False):
     config = GRPOConfig(num_generations=4, max_new_tokens=8, num_iterations=2, mask_truncated_completions=True,
-                        **knobs)
-    module = GRPOModule(path, reward_funcs=[by_position], config=config, learning_rate=1e-4, export_dir="")
+                        episode=EpisodeConfig(max_tokens=40), **knobs)
+    module = GRPOModule(path, reward_funcs=[by_position], config=config, learning_rate=1e-4, export_dir="",
+                        environment_factory=(lambda: EchoEnvironment(turns=2)) if multiturn else None)
     eos = module.tokenizer.eos_token_id
     lengths = [9, 3, 5, 1, 9, 2, 8, 4]  # 9 > 8: truncated (no EOS)
     offsets = 0.05 * torch.randn(8, 8, generator=torch.Generator().manual_seed(1))
@@ -108,6 +115,23 @@ def test_gradient_does_not_depend_on_accumulation(tiny_llama_path, tmp_path, pro
     split = _two_steps(tiny_llama_path, tmp_path / "four", prompt_file, 4, KNOBS[name])
     assert [len(b) for b in whole.batches] == [8, 8] and [len(b) for b in split.batches] == [2] * 8
     assert len(whole.grads) == len(split.grads) == 2
+    for step, (g1, g4) in enumerate(zip(whole.grads, split.grads, strict=True)):
+        assert g1.keys() == g4.keys() and max(g.abs().max().item() for g in g1.values()) > 1e-5, step
+        for key in g1:
+            torch.testing.assert_close(g4[key], g1[key], atol=1e-5, rtol=0, msg=f"step {step}: {key}")
+
+
+MULTITURN_KNOBS = ["grpo", "bnpo", "token_mean", "dapo", "dr_grpo", "cispo", "kl_k3", "kl_in_reward", "entropy_bonus",
+                   "top_entropy_quantile", "tis_token_truncate", "gspo", "clip_cov", "kl_cov", "padded_forward",
+                   "packed_forward"]
+
+
+@pytest.mark.parametrize("name", MULTITURN_KNOBS)
+def test_multiturn_gradient_does_not_depend_on_accumulation(tiny_llama_path, tmp_path, prompt_file, name):
+    whole = _two_steps(tiny_llama_path, tmp_path / "one", prompt_file, 1, KNOBS[name], multiturn=True)
+    split = _two_steps(tiny_llama_path, tmp_path / "four", prompt_file, 4, KNOBS[name], multiturn=True)
+    assert all(b.env_mask is not None for b in whole.batches + split.batches)
+    assert sum(int(b.env_mask.sum()) for b in whole.batches) > 0  # episodes with an observation were trained
     for step, (g1, g4) in enumerate(zip(whole.grads, split.grads, strict=True)):
         assert g1.keys() == g4.keys() and max(g.abs().max().item() for g in g1.values()) > 1e-5, step
         for key in g1:

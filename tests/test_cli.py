@@ -12,12 +12,12 @@ import pytest
 
 from lightning_grpo import config as config_module
 from lightning_grpo.cli import GRPOCLI, main
-from lightning_grpo.config import EngineConfig, EvalConfig, GRPOConfig
+from lightning_grpo.config import EngineConfig, EpisodeConfig, EvalConfig, GRPOConfig
 from lightning_grpo.data import PromptDataModule
 from lightning_grpo.module import GRPOModule
 
 #: The config groups: flag prefix -> dataclass (the nested groups are fields of GRPOConfig).
-GROUPS = {"": GRPOConfig, "engine.": EngineConfig, "eval.": EvalConfig}
+GROUPS = {"": GRPOConfig, "engine.": EngineConfig, "eval.": EvalConfig, "episode.": EpisodeConfig}
 
 
 def _field_docstrings(cls: type = GRPOConfig) -> dict[str, str]:

@@ -133,3 +133,39 @@ def test_eval_recipe_tests_the_embedded_model(tmp_path, smollm2_path):
     ])
     (row,) = [r for r in _rows(tmp_path) if r.get("test/accuracy")]
     assert float(row["test/accuracy"]) in (0.0, 0.5, 1.0) and row["test/math500/accuracy"] != ""
+
+
+def _tool_recipe():
+    spec = importlib.util.spec_from_file_location("arithmetic_tools", ROOT / "recipes" / "arithmetic_tools.py")
+    recipe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(recipe)
+    return recipe
+
+
+def test_tool_recipe_questions_are_seeded_disjoint_and_right():
+    recipe = _tool_recipe()
+    splits = recipe.tool_arithmetic_rows(200, 50, seed=3)
+    assert splits == recipe.tool_arithmetic_rows(200, 50, seed=3) and len(splits["train"]) == 200
+    questions = {split: {r["question"] for r in rows} for split, rows in splits.items()}
+    assert not questions["train"] & questions["test"] and len(questions["train"]) == 200
+    for row in splits["train"] + splits["test"]:
+        a, op, b = row["question"].removeprefix("What is ").removesuffix("?").split()
+        assert row["answer"] == str(int(a) * int(b) if op == "*" else int(a) + int(b))
+        assert (100 <= int(a) <= 999) if op == "*" else (1000 <= int(a) <= 9999)
+    assert "What is 314 * 271?" not in questions["train"] | questions["test"]  # the worked example
+    text = recipe.ShortToolInstructions().instructions([{"function": {"name": "calculator", "description": "d"}}])
+    assert "- calculator: d" in text and '"expression": "12 * 34"' in text
+
+
+@pytest.mark.slow
+def test_tool_recipe_validates_trains_validates_and_reports(tmp_path, smollm2_path, capsys):
+    summary = _tool_recipe().main(max_steps=2, prompts_per_step=2, num_generations=2, val_size=4, train_size=8,
+                                  eval_samples=0, engine="hf", root=str(tmp_path))
+    rows = _rows(tmp_path)
+    assert [int(r["step"]) for r in rows if r["val/accuracy"]] == [0, 1]
+    assert all(r["turns/mean"] and r["tools/calls_per_episode"] for r in rows if r["loss"])
+    assert summary["curve"]["step"] == [0, 1] and len(summary["curve"]["tool_calls_per_episode"]) == 2
+    with open(summary["completions"]) as f:
+        table = list(csv.DictReader(f))
+    assert table and all(r["completion"].startswith("[model, ") and r["turns"] for r in table)
+    assert "tool calls per episode" in capsys.readouterr().out

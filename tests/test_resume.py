@@ -4,7 +4,9 @@ per-step rewards and losses with the uninterrupted run (CPU, HF engine, tiny mod
 Each case runs tests/_resume_worker.py in a subprocess: once uninterrupted, once killed at a point, then resumed.
 Kill points: inside a reward function (mid-rollout), after a micro-batch that does not end an optimizer step,
 while a checkpoint is being built, and between the two updates of one rollout (``num_iterations=2``); in epoch 0
-and in epoch 1; with dynamic sampling and token-budget micro-batches too.
+and in epoch 1; with dynamic sampling and token-budget micro-batches too. Multi-turn episodes (a tiny Llama that ends
+its turns after a few tokens, a scripted environment): killed between two turns of a rollout, in a reward function
+and between micro-batches.
 """
 
 import json
@@ -100,6 +102,27 @@ def test_killed_and_resumed_runs_match_the_uninterrupted_run(case, tmp_path, tin
     if "lora" in settings:  # what was resumed from: adapters only (the base is rebuilt from the model folder)
         state = torch.load(tmp_path / "reference" / "ckpt" / "last.ckpt", weights_only=True)["state_dict"]
         assert len(state) == 13 and all("lora_" in key or "modules_to_save" in key for key in state)
+
+
+@pytest.fixture(scope="module")
+def talkative_llama(tmp_path_factory, smollm2_path) -> str:
+    from _episode_support import save_talkative_llama
+
+    return save_talkative_llama(tmp_path_factory.mktemp("talkative"), smollm2_path)
+
+
+MULTITURN = dict(max_steps=6, accumulate=2, episode_turns=3,
+                 config={"max_new_tokens": 6, "episode": {"max_turns": 3, "max_tokens": 40}})
+
+
+@pytest.mark.slow
+def test_multiturn_runs_killed_and_resumed_match_the_uninterrupted_run(tmp_path, talkative_llama, data_file):
+    reference = _train(tmp_path, "reference", talkative_llama, data_file, **MULTITURN)
+    assert len({round(r["reward"], 6) for r in reference[0].values()}) > 1
+    for i, kill in enumerate([{"at": "env_step", "step": 2}, {"at": "rollout", "step": 4},
+                              {"at": "micro_batch", "step": 5}]):
+        _assert_same_run(reference, _train(tmp_path, f"killed_{i}", talkative_llama, data_file, kill=kill,
+                                           **MULTITURN))
 
 
 @pytest.mark.slow

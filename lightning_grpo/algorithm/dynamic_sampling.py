@@ -31,6 +31,8 @@ class ScoredRollout:
         rewards: ``(N,)`` float32 weighted sum, NaN where every function is missing.
         sampler_logprobs: ``(N, T)`` float32 engine logprobs, or None.
         row_index: ``(N,)`` long, each row's position among all generated rows (to find its text), or None.
+        env_mask: ``(N, T)`` long, 1 on the environment's tokens of multi-turn episodes (``completion_mask`` is then
+            the model's tokens), or None (single-turn).
         num_generations: G.
         pad_token_id: id used to pad ``prompt_ids`` / ``completion_ids``.
     """
@@ -46,6 +48,7 @@ class ScoredRollout:
     pad_token_id: int
     sampler_logprobs: Optional[Tensor] = None
     row_index: Optional[Tensor] = None
+    env_mask: Optional[Tensor] = None
 
     def __len__(self) -> int:
         return self.completion_ids.shape[0]
@@ -83,6 +86,8 @@ class ScoredRollout:
                 raise ValueError("ScoredRollout.cat: parts differ in num_generations or number of reward functions")
             if (part.sampler_logprobs is None) != (first.sampler_logprobs is None):
                 raise ValueError("ScoredRollout.cat: some parts have sampler_logprobs and some do not")
+            if (part.env_mask is None) != (first.env_mask is None):
+                raise ValueError("ScoredRollout.cat: some parts are multi-turn (env_mask) and some are not")
         p = max(part.prompt_ids.shape[1] for part in parts)
         t = max(part.completion_ids.shape[1] for part in parts)
 
@@ -108,6 +113,8 @@ class ScoredRollout:
             else torch.cat([pad(x.sampler_logprobs, t, 0.0, False) for x in parts]),  # type: ignore[arg-type]
             row_index=None if any(x.row_index is None for x in parts)
             else torch.cat([x.row_index for x in parts]),  # type: ignore[misc]  # none is None here
+            env_mask=None if first.env_mask is None
+            else torch.cat([pad(x.env_mask, t, 0, False) for x in parts]),  # type: ignore[arg-type]
         )
 
 

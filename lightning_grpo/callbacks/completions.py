@@ -1,5 +1,8 @@
 """The completion table: prompt, completion, each reward function's value, reward, advantage and length, every N
-optimizer steps, through whatever loggers the trainer has.
+optimizer steps, through whatever loggers the trainer has. For multi-turn episodes the completion is the whole
+transcript, turn by turn, each turn's boundary marked with who wrote it, its tokens and whether they were trained
+(:meth:`lightning_grpo.rollout.episode_record.EpisodeRecord.transcript`), followed by ``turns``, ``tool_calls``,
+``tool_errors`` and ``env_tokens`` columns; ``length`` counts the model's tokens.
 
 Where the rows go (history kept: each logged step adds rows, nothing is overwritten):
 
@@ -33,6 +36,8 @@ from lightning_grpo.events import ExperienceReady
 LEADING = ("step", "group", "prompt", "completion")
 #: Table columns after them.
 TRAILING = ("reward", "advantage", "length")
+#: More columns for multi-turn episodes.
+EPISODE = ("turns", "tool_calls", "tool_errors", "env_tokens")
 
 
 def prompt_text(prompt: Any) -> str:
@@ -72,17 +77,24 @@ class CompletionTable(GRPOCallback):
 
     def rows(self, step: int, event: ExperienceReady) -> tuple[list[str], list[list]]:
         """``(columns, rows)`` of one rollout: ``step, group, prompt, completion, <reward fns>..., reward,
-        advantage, length``."""
-        rollout = event.rollout
-        columns = list(LEADING) + list(rollout.reward_names) + list(TRAILING)
+        advantage, length`` (multi-turn: then ``turns, tool_calls, tool_errors, env_tokens``)."""
+        rollout, episodes = event.rollout, event.rollout.episodes
+        columns = list(LEADING) + list(rollout.reward_names) + list(TRAILING) + (list(EPISODE) if episodes else [])
         per_function, rewards = rollout.per_function.tolist(), rollout.rewards.tolist()
         advantages, lengths = event.advantages.tolist(), rollout.lengths.tolist()
+        trained = event.experience.completion_mask.any(dim=1).tolist()
         n = len(rollout.completions) if self.max_rows is None else min(self.max_rows, len(rollout.completions))
-        rows = [
-            [step, i // rollout.num_generations, prompt_text(rollout.prompts[i]), rollout.completions[i]]
-            + [_number(v) for v in per_function[i]] + [_number(rewards[i]), _number(advantages[i]), int(lengths[i])]
-            for i in range(n)
-        ]
+        rows = []
+        for i in range(n):
+            completion = episodes[i].transcript(bool(trained[i])) if episodes else rollout.completions[i]
+            row = [step, i // rollout.num_generations, prompt_text(rollout.prompts[i]), completion]
+            row += [_number(v) for v in per_function[i]] + [_number(rewards[i]), _number(advantages[i]),
+                                                            int(lengths[i])]
+            if episodes:
+                e = episodes[i]
+                row += [e.model_turns, e.tool_calls, e.tool_errors, sum(t.end - t.start for t in e.turns
+                                                                        if t.source == "env")]
+            rows.append(row)
         return columns, rows
 
     @override

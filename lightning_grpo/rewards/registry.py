@@ -6,6 +6,7 @@ import importlib
 from typing import Callable, Union
 
 from lightning_grpo.rewards.code import CodeReward, code_block_format
+from lightning_grpo.rewards.episode import env_reward
 from lightning_grpo.rewards.format import gsm8k_format
 from lightning_grpo.rewards.gsm8k import gsm8k_accuracy, make_gsm8k_accuracy
 from lightning_grpo.rewards.math import math_accuracy
@@ -18,6 +19,7 @@ REWARD_FUNCTIONS: dict[str, Callable] = {
     "math_accuracy": math_accuracy,
     "code_pass_rate": CodeReward(),  # unit-test pass rate in the sandbox (default limits and isolation)
     "code_block_format": code_block_format,
+    "env_reward": env_reward,  # multi-turn: the environment's reward (docs/multiturn.md)
 }
 
 

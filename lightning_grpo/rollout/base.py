@@ -13,6 +13,7 @@ from typing import Any, Callable, Optional, Protocol, Sequence, runtime_checkabl
 import torch
 from torch import Tensor
 
+from lightning_grpo.rollout.episode_record import EpisodeRecord
 from lightning_grpo.rollout.sampling import sampling_errors
 
 
@@ -68,15 +69,24 @@ class RolloutOutput:
     Attributes:
         prompt_ids: ``(N, P)`` long, left-padded prompt ids repeated G times (N = num_prompts * G).
         prompt_mask: ``(N, P)`` long, 1 on real prompt tokens.
-        completion_ids: ``(N, T)`` long, right-padded generated ids.
-        completion_mask: ``(N, T)`` long, 1 up to and including the first EOS (any id in ``eos_token_ids``).
-        truncated: ``(N,)`` bool, True when no EOS was generated within ``max_new_tokens``.
-        completions: ``N`` decoded completion texts (special tokens skipped).
+        completion_ids: ``(N, T)`` long, right-padded generated ids (multi-turn: the whole episode after the prompt,
+            model and environment turns).
+        completion_mask: ``(N, T)`` long, 1 up to and including the first EOS (any id in ``eos_token_ids``);
+            multi-turn: 1 on the model's tokens only (every model turn through its EOS).
+        truncated: ``(N,)`` bool, True when no EOS was generated within ``max_new_tokens`` (multi-turn: the last
+            model turn has no EOS, or an observation did not fit the episode's token budget).
+        completions: ``N`` decoded completion texts (special tokens skipped); multi-turn: each episode's last model
+            turn.
         sampler_logprobs: ``(N, T)`` float32 logprobs of the generated tokens under the distribution the
             engine sampled them from (after temperature and truncation, see :class:`SamplingConfig`), 0 at
             masked positions; ``None`` when the engine does not report them (HF engine by default).
         weight_version: the version of the weights that sampled these completions, for engines that count their
             weight syncs (the rollout server: 0 = the checkpoint it loaded, +1 per sync); None for the others.
+        env_mask: multi-turn episodes (:mod:`lightning_grpo.episodes`): ``(N, T)`` long, 1 on the environment's
+            tokens (tool results, observations, the template's turn separators): attended to, never trained; the
+            real tokens of a row are ``completion_mask | env_mask``, a prefix. None for single-turn rollouts.
+        episodes: multi-turn: one :class:`~lightning_grpo.rollout.episode_record.EpisodeRecord` per row (turns, tool
+            counts, limits, the environment's reward); None for single-turn rollouts.
     """
 
     prompt_ids: Tensor
@@ -87,6 +97,8 @@ class RolloutOutput:
     completions: list[str]
     sampler_logprobs: Optional[Tensor] = None
     weight_version: Optional[int] = None
+    env_mask: Optional[Tensor] = None
+    episodes: Optional[list[EpisodeRecord]] = None
 
 
 class RolloutInterrupted(RuntimeError):

@@ -41,7 +41,8 @@ import torch
 from torch import nn
 
 from lightning_grpo.rollout.base import RolloutEngine, RolloutOutput, SamplingConfig
-from lightning_grpo.rollout.worker import RolloutWorker
+from lightning_grpo.rollout.episode_record import EpisodeRecord
+from lightning_grpo.rollout.worker import RolloutWorker, prompt_rows
 from lightning_grpo.training.collectives import Collectives
 from lightning_grpo.training.metrics import StepTimer
 
@@ -98,21 +99,27 @@ class PrefetchedRollout:
     def state(self) -> dict[str, Any]:
         """A finished rollout as plain data (CPU tensors, lists, numbers), for a checkpoint."""
         out = self.result()
+        output = {f.name: _to_cpu(getattr(out, f.name)) for f in fields(out)}
+        if out.episodes is not None:  # multi-turn: the episode records as plain data
+            output["episodes"] = [e.state() for e in out.episodes]
         return {
             "batch": self.batch, "num_truncated": self.num_truncated, "num_generations": self.num_generations,
             "sampling": {f.name: getattr(self.sampling, f.name) for f in fields(self.sampling)},
             "weights_version": self.weights_version, "generate_s": self.generate_s,
-            "output": {f.name: _to_cpu(getattr(out, f.name)) for f in fields(out)},
+            "output": output,
         }
 
     @classmethod
     def from_state(cls, state: dict[str, Any]) -> "PrefetchedRollout":
         """The finished rollout :meth:`state` saved."""
+        output = dict(state["output"])
+        if output.get("episodes") is not None:
+            output["episodes"] = [EpisodeRecord.from_state(e) for e in output["episodes"]]
         return cls(
             batch=state["batch"], num_truncated=int(state["num_truncated"]),
             num_generations=int(state["num_generations"]), sampling=SamplingConfig(**state["sampling"]),
             weights_version=int(state["weights_version"]), generate_s=float(state["generate_s"]),
-            output=RolloutOutput(**state["output"]),
+            output=RolloutOutput(**output),
         )
 
 
@@ -162,7 +169,7 @@ class RolloutPrefetcher:
         rollout = PrefetchedRollout(batch, num_truncated, num_generations, sampling(), self.worker.engine_version)
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lightning_grpo_rollout")
-        rollout.future = self._executor.submit(_generate, engine, prompt_ids, rollout, self.on_generated)
+        rollout.future = self._executor.submit(_generate, self.worker, engine, prompt_ids, rollout, self.on_generated)
         self._started.append(rollout)
         return rollout
 
@@ -197,11 +204,13 @@ class RolloutPrefetcher:
                 self._executor = None
 
 
-def _generate(engine: RolloutEngine, prompt_ids: Sequence[Sequence[int]], rollout: PrefetchedRollout,
+def _generate(worker: RolloutWorker, engine: RolloutEngine, prompt_ids: Sequence[Sequence[int]],
+              rollout: PrefetchedRollout,
               on_generated: Optional[Callable[[PrefetchedRollout, RolloutOutput], Any]]) -> RolloutOutput:
-    """The producer thread's work: one ``engine.generate`` call, timed, then ``on_generated``."""
+    """The producer thread's work: one ``engine.generate`` call (multi-turn: every turn of the rollout's episodes,
+    :meth:`lightning_grpo.rollout.worker.RolloutWorker.sample`), timed, then ``on_generated``."""
     start = time.perf_counter()
-    out = engine.generate(prompt_ids, rollout.num_generations, rollout.sampling)
+    out = worker.sample(engine, prompt_ids, rollout.num_generations, rollout.sampling, prompt_rows(rollout.batch))
     rollout.generate_s = time.perf_counter() - start
     if on_generated is not None:
         try:

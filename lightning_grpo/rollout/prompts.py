@@ -31,7 +31,8 @@ def adds_bos(tokenizer: PreTrainedTokenizerBase) -> bool:
     return len(ids) > 0 and int(ids[0]) == int(bos)
 
 
-def _chat_ids(tokenizer: PreTrainedTokenizerBase, messages: list, index: int) -> list[int]:
+def _chat_ids(tokenizer: PreTrainedTokenizerBase, messages: list, index: int,
+              tools: Optional[list[dict]] = None) -> list[int]:
     if getattr(tokenizer, "chat_template", None) is None:
         name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
         raise ValueError(
@@ -39,17 +40,20 @@ def _chat_ids(tokenizer: PreTrainedTokenizerBase, messages: list, index: int) ->
             "tokenizer.chat_template (a Jinja template, e.g. from the instruct version of the model) or give the "
             "prompts as raw strings"
         )
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    extra = {} if tools is None else {"tools": tools}
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **extra)
     if isinstance(ids, Mapping) or hasattr(ids, "keys"):
         ids = ids["input_ids"]
     return [int(t) for t in ids]
 
 
 def encode_prompt(
-    tokenizer: PreTrainedTokenizerBase, prompt: Any, index: int = 0, with_bos: Optional[bool] = None
+    tokenizer: PreTrainedTokenizerBase, prompt: Any, index: int = 0, with_bos: Optional[bool] = None,
+    tools: Optional[list[dict]] = None,
 ) -> list[int]:
     """Token ids of one prompt (a string or a list of ``{"role", "content"}`` messages), BOS as in the module
-    docstring, not truncated. ``with_bos``: whether a leading BOS is required; None = :func:`adds_bos`.
+    docstring, not truncated. ``with_bos``: whether a leading BOS is required; None = :func:`adds_bos`. ``tools``: JSON
+    schemas of tools the chat template renders (``apply_chat_template(tools=...)``; messages only).
 
     Raises:
         ValueError: messages with a tokenizer that has no chat template, or an empty message list.
@@ -60,7 +64,7 @@ def encode_prompt(
     elif isinstance(prompt, Sequence) and all(isinstance(m, Mapping) for m in prompt):
         if len(prompt) == 0:
             raise ValueError(f"prompts[{index}] is an empty list of chat messages")
-        ids = _chat_ids(tokenizer, list(prompt), index)
+        ids = _chat_ids(tokenizer, list(prompt), index, tools)
     else:
         raise TypeError(
             f"prompts[{index}] must be a string or a list of chat messages (dicts with 'role' and 'content'), "
@@ -78,7 +82,8 @@ def encode_prompt(
 
 
 def encode_prompts(
-    tokenizer: PreTrainedTokenizerBase, prompts: Sequence[Any], max_prompt_length: int
+    tokenizer: PreTrainedTokenizerBase, prompts: Sequence[Any], max_prompt_length: int,
+    tools: Optional[list[dict]] = None,
 ) -> tuple[list[list[int]], int]:
     """Encode rollout prompts: strings as text, message lists through the chat template
     (``apply_chat_template(add_generation_prompt=True)``), with exactly the BOS the model expects (one when the
@@ -89,6 +94,7 @@ def encode_prompts(
         tokenizer: the policy's tokenizer.
         prompts: strings or lists of ``{"role": ..., "content": ...}`` messages (may be mixed).
         max_prompt_length: most tokens per prompt (>= 1).
+        tools: JSON schemas of tools for the chat template to render (message-list prompts), or None.
 
     Returns:
         ``(ids, num_truncated)``: one token-id list per prompt, and how many prompts were left-truncated.
@@ -103,7 +109,7 @@ def encode_prompts(
     encoded: list[list[int]] = []
     truncated = 0
     for index, prompt in enumerate(prompts):
-        ids = encode_prompt(tokenizer, prompt, index, with_bos)
+        ids = encode_prompt(tokenizer, prompt, index, with_bos, tools)
         if len(ids) > max_prompt_length:
             truncated += 1
             if with_bos and max_prompt_length >= 2:  # ids[0] is the BOS

@@ -18,6 +18,7 @@ from torch import nn
 from transformers import PreTrainedTokenizerBase
 
 from lightning_grpo.config import GRPOConfig
+from lightning_grpo.episodes.runner import EpisodeRunner
 from lightning_grpo.events import ON_WEIGHTS_SYNCED, EventSink
 from lightning_grpo.rollout.base import RolloutEngine, RolloutOutput, SamplingConfig, StopFlag, as_rollout_engine
 from lightning_grpo.rollout.prompts import encode_prompts
@@ -25,6 +26,13 @@ from lightning_grpo.rollout.registry import EngineSpec, make_engine, resolve_eng
 from lightning_grpo.training.collectives import Collectives
 from lightning_grpo.training.metrics import StepTimer
 from lightning_grpo.training.nonfinite import check_finite_parameters
+
+
+def prompt_rows(batch: Any) -> list[dict[str, Any]]:
+    """A prompt batch (a dict of equal-length lists) as one dict per prompt, every column included (the rows the
+    environments of multi-turn episodes are reset with)."""
+    n = len(batch["prompt"])
+    return [{k: v[i] for k, v in batch.items()} for i in range(n)]
 
 
 class RolloutWorker:
@@ -43,6 +51,9 @@ class RolloutWorker:
         engine_version: the ``weights_version`` the engine generates with (-1: not yet synced).
         stop: the stop request the engine polls while generating (a stopped rollout raises
             :class:`~lightning_grpo.rollout.base.RolloutInterrupted`).
+        episodes: multi-turn rollouts (``GRPOModule(tools=..., environment_factory=...)``): the turn loop that
+            :meth:`sample` runs instead of one ``engine.generate``, and the prompts' encoding with their tools; None =
+            single-turn.
     """
 
     def __init__(self, config: GRPOConfig, tokenizer: PreTrainedTokenizerBase,
@@ -55,6 +66,7 @@ class RolloutWorker:
         self.weights_version = 0
         self.engine_version = 0
         self.stop = StopFlag()
+        self.episodes: Optional[EpisodeRunner] = None
 
     @property
     def engine(self) -> Optional[RolloutEngine]:
@@ -97,15 +109,35 @@ class RolloutWorker:
         """Encode prompts (:func:`lightning_grpo.rollout.prompts.encode_prompts`: chat template for message lists,
         exactly one BOS where the tokenizer uses one, left truncation to ``max_prompt_length``).
 
+        Multi-turn (:attr:`episodes`): message lists only, with the tools the prompt describes
+        (:meth:`lightning_grpo.episodes.chat.ChatFormat.encode_prompts`).
+
         Returns:
             ``(ids, num_truncated)``.
         """
+        if self.episodes is not None:
+            return self.episodes.encode_prompts(prompts, self.config.max_prompt_length)
         return encode_prompts(self.tokenizer, prompts, self.config.max_prompt_length)
 
-    def generate(self, prompts: Sequence[Any], num_generations: int, sampling: SamplingConfig) -> RolloutOutput:
-        """Rollout with the engine's current weights: prompts (message lists or strings) -> ``RolloutOutput``."""
+    def sample(self, engine: RolloutEngine, prompt_ids: Sequence[Sequence[int]], num_generations: int,
+               sampling: SamplingConfig, rows: Optional[Sequence[dict[str, Any]]] = None,
+               collectives: Optional[Collectives] = None) -> RolloutOutput:
+        """``num_generations`` completions of each prompt: ``engine.generate``, or with :attr:`episodes` the
+        episodes of the turn loop (:meth:`lightning_grpo.episodes.runner.EpisodeRunner.run`; ``rows[i]``: the
+        dataset row of prompt i, for the environments' ``reset``; ``collectives``: the processes' agreement on the
+        number of turns, on the trainer's thread only)."""
+        if self.episodes is not None:
+            any_process = None if collectives is None else collectives.any_process
+            return self.episodes.run(engine, prompt_ids, num_generations, sampling, rows, any_process)
+        return engine.generate(prompt_ids, num_generations, sampling)
+
+    def generate(self, prompts: Sequence[Any], num_generations: int, sampling: SamplingConfig,
+                 rows: Optional[Sequence[dict[str, Any]]] = None,
+                 collectives: Optional[Collectives] = None) -> RolloutOutput:
+        """Rollout with the engine's current weights: prompts (message lists or strings) -> ``RolloutOutput``
+        (:meth:`sample`)."""
         ids, _ = self.tokenize(prompts)
-        return self.require_engine().generate(ids, num_generations, sampling)
+        return self.sample(self.require_engine(), ids, num_generations, sampling, rows, collectives)
 
     def require_engine(self) -> RolloutEngine:
         if self.engine is None:

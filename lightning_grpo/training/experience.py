@@ -24,7 +24,8 @@ class Experience:
         completion_ids: ``(N, T)`` long, right-padded.
         completion_mask: ``(N, T)`` long, 1 on tokens that get a loss (through the first EOS; all 0 for a
             completion that gets no loss: truncated under ``mask_truncated_completions``, or unscored). It is
-            also the attention mask of the completion in the training forward pass.
+            also the attention mask of the completion in the training forward pass (with ``env_mask``:
+            :attr:`completion_attention_mask`).
         advantages: ``(N,)`` float32.
         old_logprobs: ``(N, T)`` float32 behaviour-policy logprobs, stored when the policy changes before the
             rollout is used up (``num_iterations > 1`` or several mini-batches); else None.
@@ -44,6 +45,10 @@ class Experience:
         metrics: rollout metrics (reward, lengths, timings), attached to step-end micro-batches.
         rows: ``(N,)`` long, the rows of the rollout's experience this micro-batch holds (a canonical order for
             step-level random choices), else None.
+        env_mask: multi-turn episodes: ``(N, T)`` long, 1 on the environment's tokens of the rows with loss tokens
+            (tool results, observations: context the forward pass attends to, with no loss and no gradient;
+            ``completion_mask`` holds the model's tokens only, so the loss, KL, entropy and every ``loss_type``'s
+            normalizer count those only); None for single-turn rollouts. See :attr:`completion_attention_mask`.
     """
 
     prompt_ids: Tensor
@@ -61,9 +66,18 @@ class Experience:
     on_policy: bool = True
     metrics: dict[str, float] = field(default_factory=dict)
     rows: Optional[Tensor] = None
+    env_mask: Optional[Tensor] = None
 
     def __len__(self) -> int:
         return self.completion_ids.shape[0]
+
+    @property
+    def completion_attention_mask(self) -> Tensor:
+        """``(N, T)`` long, the completion tokens the forward pass attends to: ``completion_mask``, and with
+        ``env_mask`` the environment's tokens too (a prefix mask in every row with loss tokens, all 0 in the others)."""
+        if self.env_mask is None:
+            return self.completion_mask
+        return (self.completion_mask.bool() | self.env_mask.bool()).long()
 
     def select(self, index: Tensor) -> "Experience":
         """Rows ``index`` (a 1-D long tensor), with all-padding columns trimmed away."""
@@ -83,7 +97,8 @@ class Experience:
         end = int(completion_keep[-1]) + 1 if completion_keep.numel() else 1
         updates: dict[str, Tensor] = {"prompt_ids": self.prompt_ids[:, start:],
                                       "prompt_mask": self.prompt_mask[:, start:]}
-        for name in ("completion_ids", "completion_mask", "old_logprobs", "ref_logprobs", "sampler_logprobs"):
+        for name in ("completion_ids", "completion_mask", "old_logprobs", "ref_logprobs", "sampler_logprobs",
+                     "env_mask"):
             value = getattr(self, name)
             if value is not None:
                 updates[name] = value[:, :end]
@@ -149,7 +164,7 @@ def micro_batches(
             f"token budget: set Trainer(accumulate_grad_batches=1), not {accumulate_grad_batches}"
         )
     micro_size = mini_batch_size // accumulate_grad_batches
-    counts = sequence_token_counts(experience.prompt_mask, experience.completion_mask).tolist()
+    counts = sequence_token_counts(experience.prompt_mask, experience.completion_attention_mask).tolist()
     step = 0
     for _ in range(num_iterations):
         order = torch.randperm(n, generator=generator)

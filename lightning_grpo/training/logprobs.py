@@ -10,8 +10,10 @@ All three give the same logprobs and gradients (tests assert 1e-5); only the com
 padding-free paths, and only the loss positions on the padded one. With ``GRPOConfig.lm_head_chunk_size`` (the
 default) the logprobs are computed from the output layer's input chunk by chunk
 (:mod:`lightning_grpo.training.logprob_head`): no ``[K, V]`` logits, in forward or backward; else from the logits.
-A model with its own ``completion_logprobs(batch, temperature, with_entropy)`` (the Megatron policy:
-vocab-parallel) computes them itself.
+Multi-turn episodes lay out their environment tokens too
+(:attr:`~lightning_grpo.training.experience.Experience.completion_attention_mask`: attended to, their logprobs computed
+and masked out of the loss). A model with its own ``completion_logprobs(batch, temperature, with_entropy)`` (the
+Megatron policy: vocab-parallel) computes them itself.
 """
 
 from __future__ import annotations
@@ -105,7 +107,7 @@ class CompletionLogprobs:
         ``forward_context()`` (the trainer's precision context)."""
         budget = self.config.max_tokens_per_microbatch
         if budget is not None and budget != "auto":  # "auto" before it is chosen (at the start of training)
-            counts = sequence_token_counts(experience.prompt_mask, experience.completion_mask).tolist()
+            counts = sequence_token_counts(experience.prompt_mask, experience.completion_attention_mask).tolist()
             parts = [torch.tensor(p, dtype=torch.long) for p in token_budget_partition(counts, budget)]
         else:
             parts = list(torch.arange(len(experience)).split(max(1, micro_batch_size)))
@@ -127,7 +129,7 @@ class CompletionLogprobs:
         if not (self.config.padding_free and batch.completion_mask.any()):
             return int(batch.prompt_ids.numel() + batch.completion_ids.numel())
         has_loss = batch.completion_mask.any(dim=1)
-        completion_tokens = int(batch.completion_mask.sum())
+        completion_tokens = int(batch.completion_attention_mask.sum())
         if self.shared_prefix(model):
             prompts = {tuple(ids[mask.bool()].tolist())
                        for ids, mask in zip(batch.prompt_ids[has_loss], batch.prompt_mask[has_loss], strict=True)}
@@ -144,7 +146,7 @@ class CompletionLogprobs:
         self, model: nn.Module, batch: Experience, with_entropy: bool, entropy_grad: bool
     ) -> tuple[Tensor, Optional[Tensor]]:
         input_ids = torch.cat([batch.prompt_ids, batch.completion_ids], dim=1)  # [B, P+T]
-        attention_mask = torch.cat([batch.prompt_mask, batch.completion_mask], dim=1)  # [B, P+T]
+        attention_mask = torch.cat([batch.prompt_mask, batch.completion_attention_mask], dim=1)  # [B, P+T]
         position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)  # [B, P+T]
         t = batch.completion_ids.shape[1]
         inputs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
@@ -163,8 +165,8 @@ class CompletionLogprobs:
     def _packed(
         self, model: nn.Module, batch: Experience, with_entropy: bool, entropy_grad: bool
     ) -> tuple[Tensor, Optional[Tensor]]:
-        mask = batch.completion_mask
-        has_loss = mask.any(dim=1).nonzero().flatten()
+        mask = batch.completion_attention_mask  # the tokens laid out (multi-turn: model and environment tokens)
+        has_loss = batch.completion_mask.any(dim=1).nonzero().flatten()
         if has_loss.numel() == 0:
             # no loss token in the batch: the padded forward keeps the graph (and the collectives) as on other ranks
             return self._padded(model, batch, with_entropy, entropy_grad)
@@ -185,8 +187,9 @@ class CompletionLogprobs:
         self, model: nn.Module, batch: Experience, with_entropy: bool, entropy_grad: bool
     ) -> tuple[Tensor, Optional[Tensor]]:
         dtype = next(model.parameters()).dtype
-        groups = shared_prefix_rows(batch.prompt_ids, batch.prompt_mask, batch.completion_ids, batch.completion_mask,
-                                    dtype if dtype.is_floating_point else torch.float32)
+        mask_dtype = dtype if dtype.is_floating_point else torch.float32
+        groups = shared_prefix_rows(batch.prompt_ids, batch.prompt_mask, batch.completion_ids,
+                                    batch.completion_attention_mask, mask_dtype)
         sizes = [g.input_ids.shape[1] for g in groups]
         passes: list[Pass] = []
         for part in token_budget_partition(sizes, self._row_tokens(model, sizes)):

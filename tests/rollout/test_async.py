@@ -12,7 +12,8 @@ checked, by value:
   weights of a stale step equal a hand computation from the sampler logprobs and the current policy's logprobs;
 * a run is reproducible (same seed -> equal metrics and weights, also with checkpoints written, which wait for the
   generations in flight), and a run resumed from a mid-run checkpoint (two prefetched rollouts of two weight
-  versions in it) continues exactly like the uninterrupted one;
+  versions in it) continues exactly like the uninterrupted one; multi-turn episodes too (prefetched episodes,
+  their records included, are checkpointed and trained the same after the resume);
 * bad settings raise clear errors.
 """
 
@@ -34,7 +35,7 @@ from test_resume import QUESTIONS, _assert_same_run  # noqa: E402
 
 from lightning_grpo import GRPOConfig, GRPOModule  # noqa: E402
 from lightning_grpo.callbacks import GRPOCallback
-from lightning_grpo.config import EngineConfig
+from lightning_grpo.config import EngineConfig, EpisodeConfig
 from lightning_grpo.data import PromptDataModule  # noqa: E402
 
 STEPS = 6
@@ -79,12 +80,13 @@ def data_file(tmp_path_factory) -> str:
 
 
 def _fit(model: str, data: str, root: Path, *, ckpt_dir=None, resume_from=None, mini_batch_size=None,
-         **config) -> tuple[Recorder, dict, GRPOModule]:
+         environment_factory=None, **config) -> tuple[Recorder, dict, GRPOModule]:
     """One run; ``(recorder, final weights, module)``. The vLLM engine is closed at the end."""
     L.seed_everything(0, verbose=False)
     cfg = GRPOConfig(num_generations=4, max_new_tokens=8, engine=EngineConfig(name="vllm", kv_cache_space_gib=1),
                      max_prompt_length=128, mini_batch_size=mini_batch_size, **config)
-    module = GRPOModule(model, reward_funcs=[length_reward], config=cfg, learning_rate=2e-2, export_dir="")
+    module = GRPOModule(model, reward_funcs=[length_reward], config=cfg, learning_rate=2e-2, export_dir="",
+                        environment_factory=environment_factory)
     recorder = Recorder()
     callbacks: list = [recorder]
     if ckpt_dir is not None:
@@ -292,3 +294,24 @@ def test_per_request_seed_bases_are_disjoint_per_process(tiny_llama_path):
     assert seeds == [base, base + 2**32, base + 3 * 2**32]
     worker.engine = FixedRolloutEngine(torch.zeros(1, 1, dtype=torch.long), 0)  # declares no per-request seeds
     assert maker._sampling().seed is None  # the HF engine samples from the global generator itself
+
+
+def test_multiturn_prefetched_episodes_resume_exactly(tmp_path_factory, smollm2_path, data_file):
+    """Episodes of a tiny Llama that ends its turns after a few tokens, answered by a scripted environment, generated
+    two rollouts ahead: the checkpoint after 2 steps holds them with their episode records; the resumed run matches
+    the uninterrupted one."""
+    from _episode_support import EchoEnvironment, save_talkative_llama
+
+    model = save_talkative_llama(tmp_path_factory.mktemp("talkative"), smollm2_path)
+    root, ckpt_dir = tmp_path_factory.mktemp("multiturn_runs"), tmp_path_factory.mktemp("multiturn_ckpt")
+    kwargs = dict(max_staleness=2, episode=EpisodeConfig(max_turns=3, max_tokens=40),
+                  environment_factory=lambda: EchoEnvironment(turns=3))
+    plain, plain_weights, _ = _fit(model, data_file, root / "plain", ckpt_dir=ckpt_dir, **kwargs)
+    assert all(plain.steps[s]["turns/mean"] > 1 for s in range(STEPS))
+    ckpt = ckpt_dir / "epoch=0-step=2.ckpt"
+    state = torch.load(ckpt, weights_only=True)["loops"]["fit_loop"]["state_dict"]["prefetched_rollouts"][0]
+    output = state[0]["rollout"]["output"]
+    assert output["env_mask"].sum() > 0 and len(output["episodes"]) == 8 and output["episodes"][0]["turns"]
+    resumed, resumed_weights, _ = _fit(model, data_file, root / "resumed", resume_from=str(ckpt), **kwargs)
+    _assert_same_run(({s: r for s, r in plain.steps.items() if s >= 2}, plain_weights),
+                     (resumed.steps, resumed_weights))

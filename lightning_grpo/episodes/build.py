@@ -1,0 +1,39 @@
+"""The turn loop of a run, from ``GRPOModule``'s ``tools``, ``environment_factory`` and ``tool_parser``."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Optional, Sequence
+
+from lightning_grpo.config import GRPOConfig
+from lightning_grpo.episodes.chat import ChatFormat
+from lightning_grpo.episodes.environment import EnvironmentFactory, ToolEnvironment
+from lightning_grpo.episodes.parsers import HermesToolCallParser, ToolCallParser
+from lightning_grpo.episodes.runner import EpisodeRunner
+from lightning_grpo.episodes.tools import Tool
+from lightning_grpo.rollout.base import StopFlag
+
+
+def episode_runner(config: GRPOConfig, tokenizer: Any, eos_token_ids: Sequence[int], tools: Sequence[Tool],
+                   environment_factory: Optional[EnvironmentFactory], parser: Optional[ToolCallParser],
+                   stop: StopFlag) -> Optional[EpisodeRunner]:
+    """The :class:`EpisodeRunner` of a run, or None (single-turn) without tools and environment.
+
+    With ``tools`` alone each episode gets a :class:`ToolEnvironment` of them (``parser``, default
+    :class:`HermesToolCallParser`; ``episode.tool_timeout_s``). With ``environment_factory`` each episode gets
+    ``environment_factory()``; ``tools`` are then only described in the prompt (the environment runs them, e.g. as a
+    :class:`ToolEnvironment` subclass).
+
+    Raises:
+        ValueError: the tokenizer has no chat template; ``parser`` without tools or environment.
+    """
+    if not tools and environment_factory is None:
+        if parser is not None:
+            raise ValueError("GRPOModule(tool_parser=...) needs tools or an environment_factory")
+        return None
+    parser = parser or HermesToolCallParser()
+    episode = config.episode
+    if environment_factory is None:
+        environment_factory = functools.partial(ToolEnvironment, list(tools), parser, episode.tool_timeout_s)
+    chat = ChatFormat(tokenizer, eos_token_ids, [t.schema for t in tools], parser)
+    return EpisodeRunner(chat, environment_factory, episode.max_turns, episode.max_tokens, episode.env_workers, stop)

@@ -1,0 +1,276 @@
+"""The turn loop: G episodes per prompt, batched by turn over every running episode, token-exact.
+
+Each turn is one ``engine.generate`` over all the rollout's running episodes (turn 0: the prompts, G samples each;
+turn t > 0: every running episode's whole sequence so far, one sample each), so the HF engine runs one batched
+``generate`` per turn and vLLM (colocated or on a rollout server) schedules them together, its prefix cache reusing
+each episode's earlier turns. Between turns every finished model turn goes to its episode's environment
+(:func:`lightning_grpo.episodes.environment.step_all`) and each observation is encoded once
+(:meth:`lightning_grpo.episodes.chat.ChatFormat.env_turn_ids`) and appended.
+
+The trained sequence of an episode is its prompt's ids, then exactly the ids each model turn sampled (through its
+EOS; never decoded and encoded again), then each observation's ids, ...: ``completion_ids`` of the
+:class:`~lightning_grpo.rollout.base.RolloutOutput` is everything after the prompt, ``completion_mask`` is 1 on the
+model's tokens (the loss, KL, entropy and every ``loss_type``'s normalizer count those only) and ``env_mask`` 1 on
+the environment's (context: attended to, never trained), ``sampler_logprobs`` the engine's logprobs of the model's
+tokens (0 on the environment's).
+
+Limits (``GRPOConfig.episode``): at most ``max_turns`` model turns; one budget of ``max_tokens`` tokens (None:
+the sampling's ``max_new_tokens``, i.e. ``GRPOConfig.max_new_tokens`` in training and ``eval.max_new_tokens`` in
+evaluation) for all model and environment tokens after the prompt, and at most ``max_new_tokens`` per model turn:
+a model turn is cut to what remains of the budget; a model turn without EOS (cut, or at ``max_new_tokens``) ends the
+episode as truncated, and so does an observation that would leave no room for a model token (it is not
+appended); ``mask_truncated_completions`` then means what it means for single-turn completions.
+
+Processes in lockstep: an engine that generates with the policy's own parameters (HF) may be a collective per call
+(FSDP gathers the parameters around each ``generate``), so with ``any_process`` (the data-parallel agreement) every
+process runs as many turns as the process with the longest episodes: one whose episodes are all over joins each
+further turn with a one-token ``generate`` it discards, and a stop request is agreed on too. Engines with their own
+weights (vLLM, rollout servers) run each process's turns independently.
+
+Seeds (engines that ``seeds_per_request``): turn 0 seeds completion j of prompt i with ``seed + i * G + j`` as a
+single-turn rollout does; turn t > 0 seeds the r-th running episode with ``seed + t * N + r`` (N = B * G episodes),
+disjoint from every other turn's seeds, so a rollout is a function of its seed base and the weights and a resumed run
+regenerates it.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+
+from lightning_grpo.episodes.chat import ChatFormat
+from lightning_grpo.episodes.environment import Environment, EnvironmentFactory, EnvStep, step_all
+from lightning_grpo.rollout.base import RolloutEngine, RolloutInterrupted, RolloutOutput, SamplingConfig, StopFlag
+from lightning_grpo.rollout.engines.hf import left_pad
+from lightning_grpo.rollout.episode_record import EpisodeRecord, Turn
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Episode:
+    """One episode while it runs."""
+
+    prompt: list[int]
+    env: Environment
+    ids: list[int] = field(default_factory=list)
+    model: list[int] = field(default_factory=list)  # 1 = sampled by the model
+    logprobs: list[float] = field(default_factory=list)
+    record: EpisodeRecord = field(default_factory=EpisodeRecord)
+    running: bool = True
+    pending: Optional[str] = None  # a finished model turn the environment has not answered yet
+    versions: set = field(default_factory=set)
+
+
+def _close(episodes: list[_Episode]) -> None:
+    for e in episodes:
+        try:
+            e.env.close()
+        except Exception as err:  # noqa: BLE001 - a failing close must not hide the rollout's outcome
+            log.warning("closing an episode's environment failed: %s", err)
+
+
+class EpisodeRunner:
+    """Runs the episodes of a rollout (see the module docstring).
+
+    Args:
+        chat: the chat template's prompt and turn encoding (with the tools the prompt describes).
+        environment_factory: makes one episode's environment (called once per episode).
+        max_turns: most model turns per episode (``episode.max_turns``).
+        max_tokens: the token budget of an episode after its prompt (``episode.max_tokens``; None = the sampling's
+            ``max_new_tokens``, which is also the most tokens of one model turn).
+        env_workers: environments stepped at once (``episode.env_workers``).
+        stop: polled between turns (the engines poll it while they generate).
+
+    Raises:
+        ValueError: a limit below 1.
+    """
+
+    def __init__(self, chat: ChatFormat, environment_factory: EnvironmentFactory, max_turns: int,
+                 max_tokens: Optional[int] = None, env_workers: int = 1, stop: Optional[StopFlag] = None) -> None:
+        for name, value in (("max_turns", max_turns), ("env_workers", env_workers), ("max_tokens", max_tokens or 1)):
+            if value < 1:
+                raise ValueError(f"EpisodeRunner {name}={value!r} must be >= 1")
+        self.chat = chat
+        self.environment_factory = environment_factory
+        self.max_turns = max_turns
+        self.max_tokens = max_tokens
+        self.env_workers = env_workers
+        self.stop = stop if stop is not None else StopFlag()
+
+    def encode_prompts(self, prompts: Sequence[Any], max_prompt_length: int) -> tuple[list[list[int]], int]:
+        """The prompts' ids with their tools (:meth:`ChatFormat.encode_prompts`): ``(ids, num_truncated)``."""
+        return self.chat.encode_prompts(prompts, max_prompt_length)
+
+    def run(self, engine: RolloutEngine, prompt_ids: Sequence[Sequence[int]], num_generations: int,
+            sampling: SamplingConfig, rows: Optional[Sequence[dict[str, Any]]] = None,
+            any_process: Optional[Callable[[bool], bool]] = None) -> RolloutOutput:
+        """The ``B * G`` episodes of ``B`` prompts (prompt-major, as a single-turn rollout), ``rows[i]`` the dataset
+        row of prompt i (``reset(**row)`` of its episodes' environments). ``any_process``: the data-parallel
+        agreement (:meth:`lightning_grpo.training.collectives.Collectives.any_process`), for engines that generate
+        with the policy's parameters (see the module docstring); None = this process alone.
+
+        Returns:
+            A :class:`RolloutOutput` with ``env_mask`` and ``episodes`` (one
+            :class:`~lightning_grpo.rollout.episode_record.EpisodeRecord` each) set; ``completions`` are each episode's
+            last model turn (its answer); ``weight_version`` the engine's (all turns of a rollout are sampled by the
+            same weights: no sync happens inside a rollout).
+
+        Raises:
+            RolloutInterrupted: the stop flag was set.
+            RuntimeError: an environment's ``reset``/``step`` raised (the episode is named; tools never raise), or
+                the turns of one episode report different weight versions.
+            ValueError: ``rows`` does not have one entry per prompt.
+        """
+        b, g = len(prompt_ids), num_generations
+        per_turn = sampling.max_new_tokens
+        budget = self.max_tokens or per_turn
+        rows = [{} for _ in range(b)] if rows is None else list(rows)
+        if len(rows) != b:
+            raise ValueError(f"{len(rows)} dataset rows for {b} prompts: one row per prompt")
+        episodes: list[_Episode] = []
+        reported: list[bool] = []  # whether each turn's engine call reported sampler logprobs
+        lockstep = any_process is not None and engine.uses_policy_parameters
+        try:
+            for k in range(b * g):
+                episodes.append(_Episode([int(t) for t in prompt_ids[k // g]], self._environment(k, rows[k // g])))
+            first = replace(sampling, max_new_tokens=min(per_turn, budget))
+            reported.append(self._take(episodes, list(range(b * g)), engine.generate(prompt_ids, g, first), budget))
+            turn = 1
+            while self._more_turns(episodes, budget, any_process if lockstep else None):
+                running = [k for k, e in enumerate(episodes) if e.running]
+                if not running:  # another process still generates: take part in its collective, discard the result
+                    engine.generate([list(prompt_ids[0])], 1, replace(sampling, max_new_tokens=1))
+                    turn += 1
+                    continue
+                room = max(budget - len(episodes[k].ids) for k in running)
+                seed = None if sampling.seed is None else sampling.seed + turn * b * g
+                turn_sampling = replace(sampling, max_new_tokens=min(per_turn, room), seed=seed)
+                prefixes = [episodes[k].prompt + episodes[k].ids for k in running]
+                reported.append(self._take(episodes, running, engine.generate(prefixes, 1, turn_sampling), budget))
+                turn += 1
+        finally:
+            _close(episodes)
+        return self._output(episodes, prompt_ids, g, int(engine.pad_token_id), all(reported))
+
+    def _more_turns(self, episodes: list[_Episode], budget: int,
+                    any_process: Optional[Callable[[bool], bool]]) -> bool:
+        """Answer the finished model turns; whether another turn is generated (with ``any_process``: while any
+        process has a running episode, a stop request agreed on).
+
+        Raises:
+            RolloutInterrupted: the stop flag is set (on any process, with ``any_process``).
+        """
+        self._answer(episodes, budget)
+        running = any(e.running for e in episodes)
+        if any_process is None:
+            if running:
+                self.stop.check("the episodes")
+            return running
+        if any_process(self.stop.is_set()):
+            raise RolloutInterrupted("the episodes were stopped by a stop request (e.g. SIGTERM) before they finished")
+        return any_process(running)
+
+    def _environment(self, k: int, row: dict[str, Any]) -> Environment:
+        try:
+            env = self.environment_factory()
+            env.reset(**row)
+        except Exception as err:
+            raise RuntimeError(f"episode {k}: making or resetting its environment failed: {err}") from err
+        return env
+
+    def _take(self, episodes: list[_Episode], index: list[int], out: RolloutOutput, budget: int) -> bool:
+        """Append one model turn to each episode ``index[r]`` from row r of ``out``, cut to its budget; whether
+        ``out`` has sampler logprobs."""
+        tokenizer = self.chat.tokenizer
+        for r, k in enumerate(index):
+            e = episodes[k]
+            n = int(out.completion_mask[r].sum())
+            room = budget - len(e.ids)
+            ids = [int(t) for t in out.completion_ids[r, : min(n, room)].tolist()]
+            finished = not bool(out.truncated[r]) and n <= room
+            logprobs = [] if out.sampler_logprobs is None else out.sampler_logprobs[r, : len(ids)].tolist()
+            start = len(e.ids)
+            e.ids += ids
+            e.model += [1] * len(ids)
+            e.logprobs += logprobs if out.sampler_logprobs is not None else [0.0] * len(ids)
+            text = tokenizer.decode(ids, skip_special_tokens=True)
+            e.record.turns.append(Turn("model", start, len(e.ids), [{"role": "assistant", "content": text}]))
+            e.record.model_turns += 1
+            if out.weight_version is not None:
+                e.versions.add(int(out.weight_version))
+            if finished:
+                e.pending = text
+            else:
+                e.running, e.record.truncated = False, True
+        return out.sampler_logprobs is not None
+
+    def _answer(self, episodes: list[_Episode], budget: int) -> None:
+        """Step the environment of every episode with a finished model turn; append the observations that fit."""
+        waiting = [k for k, e in enumerate(episodes) if e.running and e.pending is not None]
+        if not waiting:
+            return
+        try:
+            steps = step_all([episodes[k].env for k in waiting], [episodes[k].pending or "" for k in waiting],
+                             self.env_workers)
+        except Exception as err:
+            raise RuntimeError(f"an environment's step raised (episodes {waiting}): {err}") from err
+        for k, step in zip(waiting, steps, strict=True):
+            self._observe(episodes[k], step, budget)
+
+    def _observe(self, e: _Episode, step: EnvStep, budget: int) -> None:
+        e.pending = None
+        record = e.record
+        record.tool_calls += step.tool_calls
+        record.tool_errors += step.tool_errors
+        record.tool_timeouts += step.tool_timeouts
+        if step.reward is not None:
+            record.env_reward = float(step.reward)
+        if step.done:
+            e.running, record.done = False, True
+            return
+        if record.model_turns >= self.max_turns:
+            e.running = False
+            return
+        ids = self.chat.env_turn_ids(step.messages)
+        if len(e.ids) + len(ids) >= budget:  # no room for a model token after it: the episode is cut here
+            e.running, record.truncated, record.budget_exceeded = False, True, True
+            return
+        start = len(e.ids)
+        e.ids += ids
+        e.model += [0] * len(ids)
+        e.logprobs += [0.0] * len(ids)
+        record.turns.append(Turn("env", start, len(e.ids), [dict(m) for m in step.messages]))
+
+    def _output(self, episodes: list[_Episode], prompt_ids: Sequence[Sequence[int]], g: int, pad: int,
+                reports_logprobs: bool) -> RolloutOutput:
+        n, t = len(episodes), max(1, max(len(e.ids) for e in episodes))
+        completion_ids = torch.full((n, t), pad, dtype=torch.long)
+        model = torch.zeros((n, t), dtype=torch.long)
+        logprobs = torch.zeros((n, t), dtype=torch.float32)
+        for i, e in enumerate(episodes):
+            completion_ids[i, : len(e.ids)] = torch.tensor(e.ids, dtype=torch.long)
+            model[i, : len(e.ids)] = torch.tensor(e.model, dtype=torch.long)
+            logprobs[i, : len(e.ids)] = torch.tensor(e.logprobs, dtype=torch.float32)
+        env = torch.zeros_like(model)
+        for i, e in enumerate(episodes):
+            env[i, : len(e.ids)] = 1 - model[i, : len(e.ids)]
+        versions = set().union(*(e.versions for e in episodes))
+        for i, e in enumerate(episodes):
+            if len(e.versions) > 1:
+                raise RuntimeError(f"episode {i} was sampled by weight versions {sorted(e.versions)}: every turn of an "
+                                   "episode must come from one weight version")
+            e.record.weight_version = next(iter(e.versions)) if e.versions else None
+        ids, mask = left_pad([list(p) for p in prompt_ids], pad, torch.device("cpu"))
+        return RolloutOutput(
+            prompt_ids=ids.repeat_interleave(g, dim=0), prompt_mask=mask.repeat_interleave(g, dim=0),
+            completion_ids=completion_ids, completion_mask=model, env_mask=env,
+            truncated=torch.tensor([e.record.truncated for e in episodes], dtype=torch.bool),
+            completions=[e.record.final_text for e in episodes],
+            sampler_logprobs=logprobs if reports_logprobs else None,
+            weight_version=min(versions) if versions else None,
+            episodes=[e.record for e in episodes],
+        )

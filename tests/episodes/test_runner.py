@@ -1,0 +1,218 @@
+"""The turn loop on a scripted model: the trained ids are exactly the prompt, the sampled turns and the observations'
+ids; sampled ids are kept even where decoding and encoding them again gives other ids; limits, batching by turn,
+seeds, weight versions, errors."""
+
+import pytest
+import torch
+from _episode_support import EchoEnvironment, ScriptedEngine
+from transformers import AutoTokenizer
+
+from lightning_grpo.config import EpisodeConfig, GRPOConfig
+from lightning_grpo.episodes import ChatFormat, EpisodeRunner, HermesToolCallParser, as_tools, episode_runner
+from lightning_grpo.rollout.base import RolloutInterrupted, SamplingConfig, StopFlag
+
+EOS = 2
+CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "123 * 456"}}\n</tool_call>'
+PROMPTS = [[{"role": "user", "content": "What is 123 * 456?"}], [{"role": "user", "content": "And 2 + 2?"}]]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm2_path):
+    return AutoTokenizer.from_pretrained(smollm2_path)
+
+
+def encode(tokenizer, text):
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def tool_runner(tokenizer, max_tokens=200, max_turns=8, max_new_tokens=64):
+    config = GRPOConfig(num_generations=2, max_new_tokens=max_new_tokens,
+                        episode=EpisodeConfig(max_tokens=max_tokens, max_turns=max_turns))
+    return episode_runner(config, tokenizer, [EOS], as_tools(["calculator"]), None, None, StopFlag())
+
+
+def test_trained_ids_are_prompt_sampled_turns_and_observations(tokenizer):
+    call, answer = encode(tokenizer, CALL) + [EOS], encode(tokenizer, "56088\n#### 56088") + [EOS]
+    engine = ScriptedEngine(tokenizer, lambda t, k, p: call if t == 0 else answer)
+    runner = tool_runner(tokenizer)
+    prompt_ids, _ = runner.encode_prompts(PROMPTS, 1024)
+    out = runner.run(engine, prompt_ids, 2, SamplingConfig(max_new_tokens=64))
+    observation = runner.chat.env_turn_ids([{"role": "tool", "name": "calculator", "content": "56088"}])
+    expected = call + observation + answer
+    assert observation == encode(tokenizer, "\n<|im_start|>tool\n56088<|im_end|>\n<|im_start|>assistant\n")
+    for row in range(4):
+        prompt = out.prompt_ids[row][out.prompt_mask[row].bool()].tolist()
+        assert prompt == prompt_ids[row // 2]
+        assert out.completion_ids[row, : len(expected)].tolist() == expected
+        assert out.completion_mask[row].tolist() == [1] * len(call) + [0] * len(observation) + [1] * len(answer)
+        assert out.env_mask[row].tolist() == [0] * len(call) + [1] * len(observation) + [0] * len(answer)
+        model = [-0.01 * (k + 1) for k in range(len(call))] + [0.0] * len(observation) + \
+                [-0.01 * (k + 1) for k in range(len(answer))]
+        torch.testing.assert_close(out.sampler_logprobs[row], torch.tensor(model))
+    # one batched generate per turn, the second over every running episode's whole sequence, one sample each
+    assert [(len(p), g) for p, g, _ in engine.calls] == [(2, 2), (4, 1)]
+    assert engine.calls[1][0][1] == prompt_ids[0] + call + observation
+    record = out.episodes[0]
+    assert (record.model_turns, record.tool_calls, record.tool_errors, record.done, record.truncated) == (2, 1, 0,
+                                                                                                          True, False)
+    assert [(t.source, t.start, t.end) for t in record.turns] == [
+        ("model", 0, len(call)), ("env", len(call), len(call) + len(observation)),
+        ("model", len(call) + len(observation), len(expected))]
+    assert record.messages == [{"role": "assistant", "content": CALL},
+                               {"role": "tool", "name": "calculator", "content": "56088"},
+                               {"role": "assistant", "content": "56088\n#### 56088"}]
+    assert out.completions == ["56088\n#### 56088"] * 4 and not out.truncated.any()
+
+
+def test_sampled_ids_are_trained_when_decode_then_encode_differs(tokenizer):
+    """The model sampled "calculator" letter by letter: decoding and encoding its turn again merges the letters into
+    other ids. The episode keeps the sampled ids (verifiers PR #497's bug class)."""
+    letters = [i for ch in "calculator" for i in encode(tokenizer, ch)]
+    sampled = encode(tokenizer, CALL) + [EOS]
+    answer = encode(tokenizer, "I used the ") + letters + [EOS]
+    assert encode(tokenizer, tokenizer.decode(answer[:-1])) != answer[:-1]  # the premise: retokenizing changes ids
+    engine = ScriptedEngine(tokenizer, lambda t, k, p: sampled if t == 0 else answer)
+    runner = tool_runner(tokenizer)
+    prompt_ids, _ = runner.encode_prompts(PROMPTS[:1], 1024)
+    out = runner.run(engine, prompt_ids, 2, SamplingConfig(max_new_tokens=64))
+    n = int(out.env_mask[0].sum()) + len(sampled)
+    assert out.completion_ids[0, n: n + len(answer)].tolist() == answer
+    # and the next turn's prompt held the first turn's sampled ids, not a re-encoding
+    assert engine.calls[1][0][0][len(prompt_ids[0]): len(prompt_ids[0]) + len(sampled)] == sampled
+
+
+def test_budget_cuts_a_turn_and_drops_an_observation_that_does_not_fit(tokenizer):
+    call = encode(tokenizer, CALL) + [EOS]  # 37 tokens; the observation is 15
+    long_answer = encode(tokenizer, "x " * 40) + [EOS]
+
+    def engine():
+        return ScriptedEngine(tokenizer, lambda t, k, p: call if t == 0 else long_answer)
+
+    prompt_ids, _ = tool_runner(tokenizer).encode_prompts(PROMPTS[:1], 1024)
+    # budget 60: call (37) + observation (15) fit, the answer is cut to the 8 tokens left: truncated
+    out = tool_runner(tokenizer, max_tokens=60).run(engine(), prompt_ids, 2, SamplingConfig(max_new_tokens=64))
+    assert int((out.completion_mask[0] + out.env_mask[0]).sum()) == 60 and out.truncated.all()
+    assert out.episodes[0].model_turns == 2 and not out.episodes[0].budget_exceeded
+    assert out.completion_ids[0, 52:60].tolist() == long_answer[:8]
+    # budget 52: the observation would leave no room for a model token: not appended, truncated, one turn
+    out = tool_runner(tokenizer, max_tokens=52).run(engine(), prompt_ids, 2, SamplingConfig(max_new_tokens=64))
+    assert out.completion_ids.shape[1] == len(call) and out.env_mask.sum() == 0 and out.truncated.all()
+    assert out.episodes[0].budget_exceeded and out.episodes[0].model_turns == 1 and out.episodes[0].tool_calls == 1
+    # per turn at most max_new_tokens, the rest of the budget stays for later turns
+    scripted = engine()
+    tool_runner(tokenizer, max_tokens=70, max_new_tokens=40).run(scripted, prompt_ids, 2,
+                                                                 SamplingConfig(max_new_tokens=40))
+    assert [s.max_new_tokens for _, _, s in scripted.calls] == [40, 70 - 52]
+
+
+def test_max_turns_and_errors_are_observations(tokenizer):
+    bad = encode(tokenizer, '<tool_call>{"name": "calculator", "arguments": {"expression": "1/0"}}</tool_call>')
+    engine = ScriptedEngine(tokenizer, lambda t, k, p: bad + [EOS])
+    runner = tool_runner(tokenizer, max_tokens=1000, max_turns=3)
+    prompt_ids, _ = runner.encode_prompts(PROMPTS, 1024)
+    out = runner.run(engine, prompt_ids, 2, SamplingConfig(max_new_tokens=64))
+    record = out.episodes[0]
+    assert record.model_turns == 3 and not record.done and not record.truncated
+    assert record.tool_calls == 3 and record.tool_errors == 3  # the last turn's call ran too; its result is not shown
+    assert [t.source for t in record.turns] == ["model", "env", "model", "env", "model"]
+    assert '{"error": "CalculatorError: division by zero"}' in record.turns[1].messages[0]["content"]
+    assert len(engine.calls) == 3
+
+
+def test_an_environment_with_state_and_reward(tokenizer):
+    EchoEnvironment.resets.clear()
+    EchoEnvironment.closed = 0
+    chat = ChatFormat(tokenizer, [EOS], [], HermesToolCallParser())
+    runner = EpisodeRunner(chat, lambda: EchoEnvironment(turns=3), max_turns=8, max_tokens=200)
+    engine = ScriptedEngine(tokenizer, lambda t, k, p: encode(tokenizer, f"turn {t} of {k}") + [EOS])
+    prompt_ids, _ = runner.encode_prompts(PROMPTS, 1024)
+    rows = [{"prompt": PROMPTS[0], "answer": "56088"}, {"prompt": PROMPTS[1], "answer": "4"}]
+    out = runner.run(engine, prompt_ids, 2, SamplingConfig(max_new_tokens=16), rows)
+    assert EchoEnvironment.resets == [rows[0], rows[0], rows[1], rows[1]] and EchoEnvironment.closed == 4
+    assert [e.env_reward for e in out.episodes] == [len(f"turn 2 of {k}") / 100 for k in range(4)]
+    assert [e.model_turns for e in out.episodes] == [3] * 4 and all(e.done for e in out.episodes)
+    assert out.episodes[1].messages[1] == {"role": "user", "content": "obs 1"}
+    assert out.completions == [f"turn 2 of {k}" for k in range(4)]
+
+
+def test_episodes_end_at_different_turns_and_seeds_per_turn(tokenizer):
+    """Episodes 0 and 2 answer at once, 1 and 3 call a tool first: the second turn generates for the running ones
+    only, with seeds seed + t * N + r (disjoint from turn 0's seed + i * G + j)."""
+    call, answer = encode(tokenizer, CALL) + [EOS], encode(tokenizer, "#### 1") + [EOS]
+    engine = ScriptedEngine(tokenizer, lambda t, k, p: call if (t == 0 and k % 2) else answer)
+    runner = tool_runner(tokenizer)
+    prompt_ids, _ = runner.encode_prompts(PROMPTS, 1024)
+    out = runner.run(engine, prompt_ids, 2, SamplingConfig(max_new_tokens=64, seed=1000))
+    assert [e.model_turns for e in out.episodes] == [1, 2, 1, 2]
+    assert [s.seed for _, _, s in engine.calls] == [1000, 1000 + 1 * 4]
+    assert len(engine.calls[1][0]) == 2  # episodes 1 and 3
+    assert out.completion_mask[0].sum() == len(answer) and out.env_mask[0].sum() == 0
+
+
+def test_weight_versions_are_recorded_and_must_agree(tokenizer):
+    call, answer = encode(tokenizer, CALL) + [EOS], encode(tokenizer, "#### 1") + [EOS]
+    prompt_ids, _ = tool_runner(tokenizer).encode_prompts(PROMPTS[:1], 1024)
+    same = ScriptedEngine(tokenizer, lambda t, k, p: call if t == 0 else answer, weight_versions=[5, 5])
+    out = tool_runner(tokenizer).run(same, prompt_ids, 2, SamplingConfig(max_new_tokens=64))
+    assert out.weight_version == 5 and [e.weight_version for e in out.episodes] == [5, 5]
+    mixed = ScriptedEngine(tokenizer, lambda t, k, p: call if t == 0 else answer, weight_versions=[5, 6])
+    with pytest.raises(RuntimeError, match=r"weight versions \[5, 6\]"):
+        tool_runner(tokenizer).run(mixed, prompt_ids, 2, SamplingConfig(max_new_tokens=64))
+
+
+def test_stop_flag_and_environment_errors(tokenizer):
+    call = encode(tokenizer, CALL) + [EOS]
+    runner = tool_runner(tokenizer)
+    prompt_ids, _ = runner.encode_prompts(PROMPTS[:1], 1024)
+
+    def stop_after_first(t, k, p):
+        runner.stop.set()
+        return call
+
+    with pytest.raises(RolloutInterrupted):
+        runner.run(ScriptedEngine(tokenizer, stop_after_first), prompt_ids, 2, SamplingConfig(max_new_tokens=64))
+    runner.stop.clear()
+
+    class Broken(EchoEnvironment):
+        def step(self, turn):
+            raise OSError("the game server is down")
+
+    chat = ChatFormat(tokenizer, [EOS], [], HermesToolCallParser())
+    broken = EpisodeRunner(chat, Broken, max_turns=4, max_tokens=200)
+    with pytest.raises(RuntimeError, match=r"an environment's step raised \(episodes \[0, 1\]\): the game server"):
+        broken.run(ScriptedEngine(tokenizer, lambda t, k, p: call), prompt_ids, 2, SamplingConfig(max_new_tokens=64))
+    with pytest.raises(ValueError, match="2 dataset rows for 1 prompts"):
+        broken.run(ScriptedEngine(tokenizer, lambda t, k, p: call), prompt_ids, 2, SamplingConfig(max_new_tokens=64),
+                   rows=[{}, {}])
+
+
+def test_lockstep_with_processes_whose_episodes_run_longer(tokenizer):
+    """An engine that generates with the policy's parameters may be a collective per call (FSDP): with the processes'
+    agreement this process keeps calling generate (one token, discarded) while another process still has running
+    episodes, and a stop request on any process stops all of them at the same turn."""
+    call, answer = encode(tokenizer, CALL) + [EOS], encode(tokenizer, "#### 1") + [EOS]
+    runner = tool_runner(tokenizer)
+    prompt_ids, _ = runner.encode_prompts(PROMPTS[:1], 1024)
+    engine = ScriptedEngine(tokenizer, lambda t, k, p: call if t == 0 else answer)
+    others = iter([False, True, False, True, False, True, False, False])  # (stop?, running?) of the other process
+    agreed = []
+
+    def any_process(flag):
+        agreed.append(flag)
+        other = next(others)
+        return flag or other
+
+    out = runner.run(engine, prompt_ids, 2, SamplingConfig(max_new_tokens=64), any_process=any_process)
+    # turn 1 is ours; the other process runs two more turns: two one-token calls from this one, then all stop
+    assert [(len(p), s.max_new_tokens) for p, _, s in engine.calls] == [(1, 64), (2, 64), (1, 1), (1, 1)]
+    assert agreed == [False, True, False, False, False, False, False, False]
+    assert [e.model_turns for e in out.episodes] == [2, 2]  # the extra calls changed nothing
+    # engines with their own weights do not need the agreement
+    own = ScriptedEngine(tokenizer, lambda t, k, p: call if t == 0 else answer)
+    own.uses_policy_parameters = False
+    runner.run(own, prompt_ids, 2, SamplingConfig(max_new_tokens=64), any_process=lambda flag: pytest.fail("asked"))
+    # a stop on another process
+    stopping = ScriptedEngine(tokenizer, lambda t, k, p: call if t == 0 else answer)
+    with pytest.raises(RolloutInterrupted):
+        runner.run(stopping, prompt_ids, 2, SamplingConfig(max_new_tokens=64), any_process=lambda flag: True)
+    assert len(stopping.calls) == 1
