@@ -180,9 +180,10 @@ def grpo_objective(
         current, old, mask, row_advantages, config, generator, covariance_stats, clip_cov_selected
     )
     weights = None
-    if sampler_logprobs is not None and config.tis_cap() is not None:
+    cap = config.tis_cap()
+    if sampler_logprobs is not None and cap is not None:
         weights = rollout_importance_weights(
-            old, sampler_logprobs, mask, config.tis_cap(),
+            old, sampler_logprobs, mask, cap,
             config.rollout_importance_sampling_level, config.importance_sampling_mode,
         )
         per_token = per_token * weights
