@@ -10,7 +10,8 @@ pytest.importorskip("vllm")
 import lightning as L  # noqa: E402
 from _algorithm_support import Recorder, write_prompts  # noqa: E402
 from _dist_utils import free_port  # noqa: E402
-from _episode_support import EchoEnvironment, ServedModel, save_talkative_llama  # noqa: E402
+from _episode_support import EchoEnvironment, save_talkative_llama  # noqa: E402
+from _rollout_server import Server  # noqa: E402
 
 from lightning_grpo import GRPOConfig, GRPOModule  # noqa: E402
 from lightning_grpo.callbacks import GRPOCallback  # noqa: E402
@@ -78,7 +79,7 @@ def test_colocated_vllm_episodes_are_sampled_by_the_trained_policy(talkative_lla
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_rollout_server_episodes_sync_and_async(talkative_llama, prompt_file, tmp_path):
-    server = ServedModel(talkative_llama, tmp_path / "server.log", free_port())
+    server = Server(talkative_llama, tmp_path / "server.log")
     try:
         recorder, rollouts = _fit(talkative_llama, prompt_file, tmp_path / "sync", name="vllm_server",
                                   server_urls=[server.url])
