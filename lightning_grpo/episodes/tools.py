@@ -21,6 +21,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 from transformers.utils import get_json_schema
 
 from lightning_grpo.episodes.calculator import calculator
+from lightning_grpo.episodes.python_tool import python_tool
 
 
 @dataclass(frozen=True)
@@ -143,7 +144,9 @@ class Tool:
 
 
 #: Built-in tools by name (``GRPOModule(tools=["calculator"])``, YAML ``tools: [calculator]``).
-BUILTIN_TOOLS: dict[str, Callable[[], Callable[..., Any]]] = {"calculator": lambda: calculator}
+#: Tools by name (``tools=["calculator", "python"]``, also in YAML): the safe calculator, and the Python tool in a
+#: :class:`lightning_grpo.sandbox.Sandbox` with its default limits (a new one per ``as_tools`` call).
+BUILTIN_TOOLS: dict[str, Callable[[], Callable[..., Any]]] = {"calculator": lambda: calculator, "python": python_tool}
 
 ToolSpec = Union[Tool, Callable[..., Any], str]
 

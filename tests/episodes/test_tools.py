@@ -162,6 +162,8 @@ def _check_python_tool(sandbox):
 def test_python_tool_in_the_sandbox():
     _check_python_tool(Sandbox())
     _check_python_tool(None)  # the default: a Sandbox with its default limits
+    (by_name,) = as_tools(["python"])  # the built-in name: the same tool on a default Sandbox
+    assert by_name.name == "python" and by_name({"code": "print(6 * 7)"}, 30.0).content == "42\n"
     timed = Tool(python_tool(Sandbox(SandboxLimits(wall_s=0.5))))({"code": "import time; time.sleep(30)"}, 30.0)
     assert timed.error and "timeout" in timed.content
     with pytest.raises(TypeError, match="run_python"):
