@@ -148,8 +148,9 @@ class StopFlag:
 class RolloutEngine(Protocol):
     """What the trainer needs from a generator: every member the rest of the package uses on an engine.
 
-    An engine says what it is through two capabilities, which the backends, the worker and the experience maker read
-    instead of asking for its type: :attr:`uses_policy_parameters` and :attr:`seeds_per_request`. A user engine may
+    An engine says what it is through capabilities, which the backends, the worker and the experience maker read
+    instead of asking for its type: :attr:`uses_policy_parameters`, :attr:`seeds_per_request`,
+    :attr:`sync_is_collective` and :attr:`reads_weight_sources`. A user engine may
     implement only the core (:class:`CoreRolloutEngine`: ``generate``, ``sync_weights``, ``pad_token_id``):
     :func:`as_rollout_engine` adds the rest with neutral defaults.
     """
@@ -187,6 +188,14 @@ class RolloutEngine(Protocol):
     def sync_is_collective(self) -> bool:
         """Whether :meth:`sync_weights` must be called by every trainer process together (the rollout servers:
         global rank 0 streams the weights, the others wait); False: each process syncs its own engine."""
+        ...
+
+    @property
+    def reads_weight_sources(self) -> bool:
+        """Whether :meth:`sync_weights` also takes an :class:`~lightning_grpo.rollout.engines.hf_weights.
+        HFWeightSource` (a policy that is no transformers module and gives its weights one gathered tensor at a time:
+        the Megatron policy) and reads it to the end, every tensor (colocated vLLM, the rollout servers). False: it
+        is given a transformers module (the Megatron backend refreshes an HF copy of the policy for it)."""
         ...
 
     def set_lockstep(self, enabled: bool) -> None:
@@ -356,6 +365,11 @@ class EngineWrapper:
         """``engine.sync_is_collective``."""
         return self.engine.sync_is_collective
 
+    @property
+    def reads_weight_sources(self) -> bool:
+        """``engine.reads_weight_sources``."""
+        return self.engine.reads_weight_sources
+
 
 class CoreEngineAdapter(EngineWrapper):
     """A user engine with only the core members (:class:`CoreRolloutEngine`) as a full :class:`RolloutEngine`:
@@ -391,4 +405,9 @@ class CoreEngineAdapter(EngineWrapper):
     @property
     def sync_is_collective(self) -> bool:
         """False: each process syncs its own engine."""
+        return False
+
+    @property
+    def reads_weight_sources(self) -> bool:
+        """False: a user engine is given a transformers module."""
         return False

@@ -117,6 +117,7 @@ class _Engine:
     uses_policy_parameters = False
     seeds_per_request = True
     sync_is_collective = False
+    reads_weight_sources = False
 
     def __init__(self):
         self.calls = []

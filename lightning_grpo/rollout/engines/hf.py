@@ -156,6 +156,11 @@ class HFRolloutEngine:
         """False: nothing to sync."""
         return False
 
+    @property
+    def reads_weight_sources(self) -> bool:
+        """False: it generates with the policy module itself."""
+        return False
+
     def set_lockstep(self, enabled: bool) -> None:
         """``generate(synced_gpus=True)`` when enabled (FSDP1 with nested units: every forward is a collective)."""
         self.synced_gpus = True if enabled else None

@@ -160,6 +160,11 @@ class VLLMServerEngine:
         """True: every trainer process calls :meth:`sync_weights` (global rank 0 streams, the others wait)."""
         return True
 
+    @property
+    def reads_weight_sources(self) -> bool:
+        """True: the weights are streamed by name from ``hf_weights``."""
+        return True
+
     def set_lockstep(self, enabled: bool) -> None:
         """Nothing to do: the servers' forward passes are their own."""
 

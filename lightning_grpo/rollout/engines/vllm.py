@@ -225,6 +225,11 @@ class VLLMRolloutEngine:
         """False: each process's engine gets its own copy."""
         return False
 
+    @property
+    def reads_weight_sources(self) -> bool:
+        """True: it loads the weights by name from the stream of ``hf_weights``."""
+        return True
+
     def set_lockstep(self, enabled: bool) -> None:
         """Nothing to do: the engine's forward passes are its own."""
 

@@ -18,9 +18,13 @@ model-parallel group):
   ``sync_weights`` with the policy (global rank 0 streams the gathered tensors to the servers while the others
   gather along; the post-sync probe is scored by the shards).
 
+- any other engine: the HF copy is refreshed as for HF ``generate`` (every rank) and handed to its
+  ``sync_weights`` on the generating rank.
+
 Which path an engine takes is read from its declared capabilities (``uses_policy_parameters``: the HF copy;
-``sync_is_collective``: every rank syncs; otherwise the generating rank's engine gets the policy, an
-:class:`~lightning_grpo.rollout.engines.hf_weights.HFWeightSource` whose tensors are gathered as they are read).
+``sync_is_collective``: every rank syncs; ``reads_weight_sources``: the generating rank's engine gets the policy, an
+:class:`~lightning_grpo.rollout.engines.hf_weights.HFWeightSource` whose tensors are gathered as they are read, which
+it reads to the end while the other ranks gather along; else the HF copy).
 
 The generating rank's :class:`~lightning_grpo.rollout.base.RolloutOutput` is broadcast over a process group of the
 model-parallel group's ranks made for rollouts only, so every rank trains on the same completions; data-parallel
@@ -67,11 +71,17 @@ class TensorParallelRolloutEngine(EngineWrapper):
             self._sync_hf_model()
         elif self.engine.sync_is_collective:  # the rollout servers: rank 0 streams, the others gather along
             self.engine.sync_weights(self.policy)
-        elif self.generates:  # an engine of this process (colocated vLLM): the policy as an HFWeightSource
-            self.engine.sync_weights(self.policy)
-        else:
-            for _ in self.policy.iter_hf_weights():  # the gathers are collectives
-                pass
+        elif self.engine.reads_weight_sources:  # colocated vLLM: the policy as an HFWeightSource, read to the end
+            if self.generates:
+                self.engine.sync_weights(self.policy)
+            else:
+                for _ in self.policy.iter_hf_weights():  # the gathers are collectives
+                    pass
+        else:  # another engine: the refreshed HF copy (a collective), handed to it on the generating rank
+            self._sync_hf_model()
+            if self.generates:
+                assert self.policy.hf_model is not None
+                self.engine.sync_weights(self.policy.hf_model)
 
     def wake_up(self) -> None:
         """Refresh the HF copy if the weights changed (HF engine; a collective over the model-parallel group), then
