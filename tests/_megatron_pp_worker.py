@@ -50,7 +50,7 @@ class ChosenOptimizerModule(GRPOModule):
         return torch.optim.AdamW(params, lr=self.hparams.learning_rate, betas=(0.9, 0.99))
 
 
-def make_module(model_path: str, optimizer: str, engine: str, **config: Any) -> ChosenOptimizerModule:
+def make_module(model_path: str, optimizer: str, engine_kind: str, **config: Any) -> ChosenOptimizerModule:
     """beta 0.04 (reference logprobs), G=4, two optimizer steps per rollout over the whole batch (the second one
     off-policy: old logprobs), a fixed rollout engine (the same experience in every layout) or HF ``generate``."""
     config = {"num_generations": 4, "max_new_tokens": 6, "beta": 0.04, "temperature": 0.8, "loss_type": "bnpo",
@@ -58,7 +58,7 @@ def make_module(model_path: str, optimizer: str, engine: str, **config: Any) -> 
     module = ChosenOptimizerModule(model_path, reward_funcs=[char_sum_reward], config=GRPOConfig.from_dict(config),
                                    learning_rate=LEARNING_RATES[optimizer], export_dir="")
     module.optimizer_kind = optimizer
-    if engine == "fixed":
+    if engine_kind == "fixed":  # else the engine group of ``config`` (``{"engine": {"name": ...}}``)
         module.rollout_engine = FixedRolloutEngine(module.tokenizer.eos_token_id, module.tokenizer.pad_token_id)
     return module
 
