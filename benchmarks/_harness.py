@@ -282,7 +282,7 @@ def start_server(model: str, cpus: str, threads: int, kv_cache_gib: float, max_m
         if proc.poll() is not None:
             raise RuntimeError(f"the rollout server exited with {proc.returncode}; see {log_path}")
         try:
-            ServerClient(url, 2).request("GET", "/health", retry=False)
+            ServerClient(url, 2).request("GET", "/health")
             return proc, url
         except RolloutServerError:
             time.sleep(1)

@@ -63,6 +63,7 @@ machine and its load: run on a quiet machine; nothing here asserts on them.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import sys
@@ -140,6 +141,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--data-dir", default=None, help="folder holding gsm8k/train.jsonl (default: ../shared/data)")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     parser.add_argument("--workdir", default=None, help="keep worker specs/logs/results here (default: a temp dir)")
+    parser.add_argument("--resume", action="store_true",
+                        help="with --workdir: reuse the runs an earlier invocation there finished (their results "
+                             "are marked reused_from_earlier_invocation)")
     parser.add_argument("--verbose", action="store_true", help="stream the workers' output")
     args = parser.parse_args(argv)
     if args.kv_cache_gib != "auto":
@@ -357,6 +361,12 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     for round_index in range(args.rounds):
         for name in args.engines:
             label = f"{name}_round{round_index + 1}"
+            kept = os.path.join(workdir, f"{label}.result.json")
+            if args.resume and os.path.exists(kept):  # finished by an earlier invocation in this workdir
+                with open(kept) as handle:
+                    results[name].append({**json.load(handle), "reused_from_earlier_invocation": True})
+                print(f"reused {label} ({TRAINERS[name]}) from {kept}", flush=True)
+                continue
             print(f"running {label} ({TRAINERS[name]}) ...", flush=True)
             server, url = None, None
             if name == "async":

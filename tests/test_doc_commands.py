@@ -45,8 +45,14 @@ def lightning_grpo(args: list[str], cwd: Path, timeout: float = 900) -> str:
     command = [str(script)] if script.exists() else [sys.executable, "-m", "lightning_grpo.cli"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get(
         "PYTHONPATH", "")]), "COLUMNS": "80", "LIGHTNING_GRPO_DATA_DIR": _data_dir()}
-    proc = subprocess.run([*command, *args], cwd=str(cwd), env=env, capture_output=True, text=True, timeout=timeout)
-    output = proc.stdout + proc.stderr
+    for _attempt in range(2):
+        proc = subprocess.run([*command, *args], cwd=str(cwd), env=env, capture_output=True, text=True,
+                              timeout=timeout)
+        output = proc.stdout + proc.stderr
+        # A multi-process run's rendezvous port (Lightning picks a free one, torch binds it later) can be taken in
+        # between by another socket on the machine: then once more, on a newly picked port; any other failure fails.
+        if proc.returncode == 0 or "EADDRINUSE" not in output:
+            break
     assert proc.returncode == 0, f"lightning-grpo {' '.join(args)} failed ({proc.returncode}):\n{output[-6000:]}"
     return output
 

@@ -105,6 +105,7 @@ def test_arithmetic_recipe_validates_trains_validates_and_reports(tmp_path, smol
 def test_arithmetic_yaml_recipe_one_step_on_smollm2(tmp_path, smollm2_path):
     cli_main([
         "fit", "--config", str(ROOT / "recipes" / "arithmetic_grpo.yaml"), "--trainer.max_steps", "1",
+        "--trainer.val_check_interval", "1",  # the recipe's interval is its last step (30); here that is step 1
         "--trainer.default_root_dir", str(tmp_path), "--trainer.logger.init_args.save_dir", str(tmp_path),
         "--data.prompts_per_step", "1", "--data.val_size", "2", "--data.val_batch_size", "2",
         "--model.config.num_generations", "2", "--model.config.max_new_tokens", "8",
