@@ -34,7 +34,7 @@ from recipes.arithmetic_tools import main, parse_args, table  # noqa: E402
 RESULTS = REPO_ROOT / "benchmarks" / "results"
 #: The recorded run's settings: recipes/arithmetic_tools.py's defaults (8 prompts x 8 episodes, <= 3 model turns of
 #: <= 48 tokens in <= 160 tokens per episode, lr 1e-5, T 1.0, 100 held-out questions, 2 samples each) but 10 steps
-#: instead of 30: a step takes about 95 s on this 2-core CPU (170 s on one core), and 30 did not fit the time there was.
+#: instead of 30: a step took about 170 s on one core of this CPU, and 30 did not fit the time there was.
 BENCHMARK_ARGS: list[str] = ["--max-steps", "10"]
 
 
