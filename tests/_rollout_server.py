@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import http.client
 import os
 import signal
 import subprocess
@@ -67,3 +68,21 @@ class Server:
                 self.proc.wait(60)
             except subprocess.TimeoutExpired:
                 self.kill()
+
+
+def raw_request(url: str, method: str, path: str, body: bytes = b"", headers: dict | None = None,
+                timeout: float = 10.0) -> tuple[int, str]:
+    """One HTTP request to ``url`` (``http://host:port``) with exactly these headers: ``(status, body)``."""
+    host, port = url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=timeout)
+    conn.putrequest(method, path, skip_accept_encoding=True)
+    for key, value in (headers or {}).items():
+        conn.putheader(key, value)
+    conn.endheaders()
+    if body:
+        conn.send(body)
+    try:
+        response = conn.getresponse()
+        return response.status, response.read().decode()
+    finally:
+        conn.close()

@@ -12,7 +12,6 @@
 
 from __future__ import annotations
 
-import http.client
 import json
 import socket
 import subprocess
@@ -25,6 +24,7 @@ from pathlib import Path
 import pytest
 import uvicorn
 from _dist_utils import free_port
+from _rollout_server import raw_request
 
 from lightning_grpo.config import EngineConfig
 from lightning_grpo.rollout.server.app import listen
@@ -112,23 +112,6 @@ def serving(endpoints, secret=SECRET, max_body_bytes=4096, max_queued=64):
         sock.close()
 
 
-def raw(url: str, method: str, path: str, body: bytes = b"", headers: dict | None = None) -> tuple[int, str]:
-    """One request with exactly these headers: ``(status, body)``."""
-    host, port = url.removeprefix("http://").split(":")
-    conn = http.client.HTTPConnection(host, int(port), timeout=10)
-    conn.putrequest(method, path, skip_accept_encoding=True)
-    for key, value in (headers or {}).items():
-        conn.putheader(key, value)
-    conn.endheaders()
-    if body:
-        conn.send(body)
-    response = conn.getresponse()
-    try:
-        return response.status, response.read().decode()
-    finally:
-        conn.close()
-
-
 def test_every_endpoint_refuses_a_request_without_the_secret_and_runs_nothing():
     recorder = Recorder()
     with serving(recorder) as url:
@@ -136,7 +119,7 @@ def test_every_endpoint_refuses_a_request_without_the_secret_and_runs_nothing():
                         {"Authorization": f"Basic {SECRET}"}):
             for method, path, body in ENDPOINTS:
                 data = b"" if body is None else json.dumps(body).encode()
-                status, text = raw(url, method, path, data, {**headers, "Content-Length": str(len(data))})
+                status, text = raw_request(url, method, path, data, {**headers, "Content-Length": str(len(data))})
                 assert status == 401, (headers, path, status, text)
                 assert "shared secret is missing or wrong" in json.loads(text)["error"]
         assert recorder.calls == []  # nothing ran: no weights, no version, no generation
@@ -156,8 +139,8 @@ def test_every_endpoint_refuses_a_request_without_the_secret_and_runs_nothing():
 ])
 def test_a_malformed_or_huge_content_length_is_a_4xx_and_the_server_keeps_serving(length, status, message):
     with serving(Recorder()) as url:
-        got, text = raw(url, "POST", "/generate", b"", {"Authorization": f"Bearer {SECRET}",
-                                                         "Content-Length": length})
+        got, text = raw_request(url, "POST", "/generate", b"", {"Authorization": f"Bearer {SECRET}",
+                                                                 "Content-Length": length})
         assert got == status and message in text
         assert ServerClient(url, 10, SECRET).request("GET", "/health") == {"version": 0}
 
@@ -183,7 +166,7 @@ def test_bad_bodies_are_400_naming_the_field_and_the_server_keeps_serving():
         for body, status, message in cases:
             path = "/update_weights" if b"version" in body else "/generate"
             chunked = {**auth, "Transfer-Encoding": "chunked"}
-            got, text = raw(url, "POST", path, b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body), chunked)
+            got, text = raw_request(url, "POST", path, b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body), chunked)
             assert got == status and message in json.loads(text)["error"], (body[:60], got, text)
         assert recorder.calls == []
         answer = ServerClient(url, 10, SECRET).request("POST", "/generate", GENERATE)
@@ -199,9 +182,9 @@ def test_twenty_concurrent_requests_are_served_in_order_or_refused_with_503():
         def one(i: int) -> None:
             body = json.dumps({**GENERATE, "prompts": [[i]]}).encode()
             try:
-                results[i] = raw(url, "POST", "/generate", body, {"Authorization": f"Bearer {SECRET}",
-                                                                  "Content-Type": "application/json",
-                                                                  "Content-Length": str(len(body))})[0]
+                results[i] = raw_request(url, "POST", "/generate", body, {"Authorization": f"Bearer {SECRET}",
+                                                                          "Content-Type": "application/json",
+                                                                          "Content-Length": str(len(body))})[0]
             except OSError as err:  # a reset or a refused connection
                 results[i] = repr(err)
 

@@ -39,7 +39,7 @@ import lightning as L  # noqa: E402
 import torch  # noqa: E402
 from _checkpoint_generation import trainer_logprobs  # noqa: E402
 from _dist_utils import free_port, load, run_worker  # noqa: E402
-from _rollout_server import REPO, Server  # noqa: E402
+from _rollout_server import REPO, Server, raw_request  # noqa: E402
 from lightning.pytorch.callbacks import Callback  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
@@ -333,24 +333,6 @@ def test_a_killed_and_restarted_server_is_picked_up_again(untied_server, tiny_ll
         engine.close()
 
 
-def _raw(url: str, method: str, path: str, body: bytes = b"", headers: dict | None = None) -> tuple[int, str]:
-    import http.client
-
-    host, port = url.removeprefix("http://").split(":")
-    conn = http.client.HTTPConnection(host, int(port), timeout=60)
-    conn.putrequest(method, path, skip_accept_encoding=True)
-    for key, value in (headers or {}).items():
-        conn.putheader(key, value)
-    conn.endheaders()
-    if body:
-        conn.send(body)
-    try:
-        response = conn.getresponse()
-        return response.status, response.read().decode()
-    finally:
-        conn.close()
-
-
 def test_without_the_secret_nothing_changes_and_a_foreign_sync_group_is_refused(untied_server, tiny_llama_path):
     """An attacker on the network (here: 127.0.0.1) without the secret: every endpoint answers 401; its own
     weight-sync group (a store it hosts, a model with other weights) is never joined, its version never set; the
@@ -373,8 +355,9 @@ def test_without_the_secret_nothing_changes_and_a_foreign_sync_group_is_refused(
         for headers in ({}, {"Authorization": "Bearer not-the-secret-at-all-00000"}):
             for method, path, body in attack:
                 data = json.dumps(body).encode() if method == "POST" else b""
-                status, text = _raw(untied_server.url, method, path, data,
-                                    {**headers, "Content-Type": "application/json", "Content-Length": str(len(data))})
+                status, text = raw_request(untied_server.url, method, path, data,
+                                           {**headers, "Content-Type": "application/json",
+                                            "Content-Length": str(len(data))}, timeout=60)
                 assert status == 401, (path, status, text)
         del attacker_store
         assert untied_server.health()["version"] == version == 1
@@ -397,7 +380,7 @@ def test_twenty_concurrent_generate_requests_are_answered_or_refused(untied_serv
 
     def one(i: int) -> None:
         try:
-            status, text = _raw(untied_server.url, "POST", "/generate", body, headers)
+            status, text = raw_request(untied_server.url, "POST", "/generate", body, headers, timeout=60)
             results[i] = (status, json.loads(text).get("token_ids"))
         except OSError as err:  # reset or refused
             results[i] = (repr(err), None)
@@ -437,8 +420,8 @@ def test_bad_requests_are_400_and_the_server_keeps_serving(untied_server, tiny_l
     with pytest.raises(RolloutServerError, match=r"HTTP 400: ValueError: sequences\[0\] has 1 tokens"):
         client.request("POST", "/probe_logprobs", {"sequences": [[5]]})
     for length in ("abc", "-1", str(10**12)):
-        status, _ = _raw(untied_server.url, "POST", "/generate", b"", {"Authorization": f"Bearer {SECRET}",
-                                                                       "Content-Length": length})
+        status, _ = raw_request(untied_server.url, "POST", "/generate", b"", {"Authorization": f"Bearer {SECRET}",
+                                                                              "Content-Length": length}, timeout=60)
         assert status in (400, 413), (length, status)
     answer = client.request("POST", "/generate", {"prompts": [[5, 6]], "num_generations": 2, "sampling": sampling})
     assert len(answer["token_ids"]) == 2
