@@ -234,11 +234,13 @@ class GRPOModule(L.LightningModule):
 
     @override
     def teardown(self, stage: str) -> None:
-        """Stop background rollouts; plain HF models again (Megatron converts back); a finished module holds no
-        trainer's backend."""
+        """Stop background rollouts; plain HF models again (Megatron converts back); close the rollout engine the
+        module made from ``config.engine`` (a given engine is kept; the next fit, validate or test makes a new one);
+        a finished module holds no trainer's backend."""
         self.experience_maker.close()
         self._set_models(self.backend.restore(GRPOModels(self.policy, self.ref_model, self.rollout.engine)))
         self.backend = LocalBackend()
+        self.rollout.close()
 
     @override
     def on_fit_start(self) -> None:

@@ -20,7 +20,8 @@ def weights_of(model: torch.nn.Module) -> float:
 class RecordingEngine(FixedRolloutEngine):
     """An engine with its own weights (``uses_policy_parameters`` False) that seeds per request and records its calls
     in ``log``: ``("wake_up",)``, ``("sync", weights)``, ``("generate", weights, seed, thread name)``,
-    ``("generated", weights)``, ``("sleep", level)``; ``prompts`` holds the prompt ids of each ``generate``.
+    ``("generated", weights)``, ``("sleep", level)``, ``("close",)``; ``prompts`` holds the prompt ids of each
+    ``generate``.
 
     Args:
         completion_ids, eos_id: as :class:`FixedRolloutEngine`.
@@ -44,6 +45,9 @@ class RecordingEngine(FixedRolloutEngine):
 
     def sleep(self, level: int = 1) -> None:
         self.log.append(("sleep", level))
+
+    def close(self) -> None:
+        self.log.append(("close",))
 
     def sync_weights(self, model: torch.nn.Module) -> None:
         self.weights = weights_of(model)

@@ -63,6 +63,7 @@ class RolloutWorker:
         self.tokenizer = tokenizer
         resolve_engine_name(config.engine.name)  # an unknown engine name fails here, when the module is built
         self._engine: Optional[RolloutEngine] = None
+        self._made: Optional[RolloutEngine] = None  # the engine start() made, which close() releases
         self.weights_version = 0
         self.engine_version = 0
         self.stop = StopFlag()
@@ -96,6 +97,20 @@ class RolloutWorker:
         if self._engine is None:
             self.engine = make_engine(EngineSpec(self.config, policy, self.tokenizer, model_path, self.stop,
                                                  rollout_prompts))
+            self._made = self._engine
+
+    def close(self) -> None:
+        """Release the engine :meth:`start` made (``engine.close()``: vLLM's KV cache and weights, the
+        ``torch.distributed`` default group vLLM's in-process worker created, the rollout server's weight-sync
+        group); the next :meth:`start` makes a new one, which gets the policy's weights before its first rollout.
+        An engine given to the worker (the ``engine`` setter, ``GRPOModule.rollout_engine = ...``) is the caller's:
+        it is kept and not closed. Idempotent."""
+        made, self._made = self._made, None
+        if made is None:
+            return
+        if self._engine is made:
+            self._engine = None
+        made.close()
 
     def _check_capabilities(self, engine: RolloutEngine) -> None:
         if self.config.max_staleness > 0 and engine.uses_policy_parameters:

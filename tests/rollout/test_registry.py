@@ -4,6 +4,7 @@ members (adapted, and trained with end to end), and capability-driven behaviour 
 import pytest
 import torch
 from _algorithm_support import FixedRolloutEngine, Recorder, fixed_completions, quiet_trainer, write_prompts
+from _engines import RecordingEngine, weights_of
 
 import lightning_grpo.rollout.registry as registry
 from lightning_grpo import EngineConfig, GRPOConfig, GRPOModule
@@ -109,3 +110,41 @@ def test_a_user_engine_with_only_the_core_members_trains(tiny_llama_path, tmp_pa
     assert all(m["loss"] == m["loss"] and m["reward"] == pytest.approx(0.4375) for m in recorder.metrics)
     changed = [n for n, p in module.policy.named_parameters() if not torch.equal(p, before[n])]
     assert changed, "the policy did not train"
+    # the engine was given: the module keeps it after the fit (the caller closes it)
+    assert isinstance(module.rollout_engine, CoreEngineAdapter) and module.rollout_engine.engine is user
+
+
+def test_the_engine_the_module_made_is_closed_when_the_fit_ends_and_made_anew_after(tiny_llama_path, tmp_path,
+                                                                                   monkeypatch):
+    """An engine made from ``config.engine`` lives for one fit (or validate/test): teardown closes it, so a finished
+    fit holds no engine memory (nor the default process group an in-process vLLM makes); the next stage makes a new
+    engine, which gets the trained weights before its first rollout."""
+    monkeypatch.setattr(registry, "_REGISTERED", {})
+    made = []
+
+    def factory(spec: EngineSpec) -> RecordingEngine:
+        eos = spec.tokenizer.eos_token_id
+        made.append(RecordingEngine(fixed_completions([9, 3, 5, 1, 9, 2, 8, 4], 8, eos), eos))
+        return made[-1]
+
+    register_engine("mine", factory)
+    module = GRPOModule(tiny_llama_path, reward_funcs=[_reward], export_dir="", learning_rate=1e-3,
+                        config=GRPOConfig(num_generations=4, max_new_tokens=8, engine=EngineConfig(name="mine")))
+    prompts = write_prompts(tmp_path / "prompts.jsonl")
+    quiet_trainer(tmp_path, 1).fit(module, datamodule=PromptDataModule(dataset=prompts, prompts_per_step=2,
+                                                                       val_size=0))
+    (first,) = made
+    assert first.log[-1] == ("close",) and [e[0] for e in first.log].count("close") == 1
+    assert module.rollout_engine is None
+    trained = weights_of(module.policy)
+    module.rollout.close()  # idempotent
+    assert [e[0] for e in first.log].count("close") == 1
+
+    quiet_trainer(tmp_path, 1, limit_val_batches=1).validate(
+        module, datamodule=PromptDataModule(dataset=prompts, prompts_per_step=2, val_split="train", val_size=2,
+                                   val_batch_size=2))
+    second = made[1]
+    assert second is not first and len(made) == 2
+    kinds = [e[0] for e in second.log]
+    assert kinds.index("sync") < kinds.index("generate") and second.log[kinds.index("sync")][1] == trained
+    assert kinds[-1] == "close" and module.rollout_engine is None

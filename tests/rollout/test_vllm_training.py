@@ -47,6 +47,9 @@ def test_three_steps_with_vllm_rollouts(tmp_path, tiny_tied_llama_path, top_p, c
     torch.testing.assert_close(
         module.policy.lm_head.weight, module.policy.model.embed_tokens.weight, rtol=0, atol=0
     )
+    # the module made the engine, so the fit's end closed it: no vLLM engine, nor the default process group its
+    # in-process worker made, is left in the process (a later init_process_group, e.g. megatron's, works)
+    assert module.rollout_engine is None and not torch.distributed.is_initialized()
 
 
 class OnPolicyLogprobs(Callback):

@@ -40,7 +40,9 @@ kernels add their own non-determinism (batching, atomics); expect statistically,
 
 Side effects on this process (CPU build): vLLM binds its memory to NUMA node 0, replaces
 ``torch.set_num_threads`` with a no-op while an engine lives (restored by :meth:`VLLMRolloutEngine.close`)
-and re-seeds the global generators at construction. Several engines can live in one process.
+and re-seeds the global generators at construction; when no ``torch.distributed`` default group exists, its worker
+makes one (world size 1), which the last engine's :meth:`~VLLMRolloutEngine.close` destroys again; a group the caller
+made is kept (:mod:`~lightning_grpo.rollout.engines.vllm_groups`). Several engines can live in one process.
 """
 
 from __future__ import annotations
@@ -65,6 +67,7 @@ from lightning_grpo.rollout.engines.probe import (
     probe_vocab_size,
 )
 from lightning_grpo.rollout.engines.rows import check_prompts, request_seeds, rollout_from_rows
+from lightning_grpo.rollout.engines.vllm_groups import GroupLease
 from lightning_grpo.rollout.registry import EngineSpec
 
 #: torch's own ``set_num_threads``: vLLM's CPU worker replaces it with a no-op for the life of the process
@@ -191,7 +194,9 @@ class VLLMRolloutEngine:
             kwargs["enable_sleep_mode"] = enable_sleep_mode
         self.sleep_enabled = enable_sleep_mode and not self.on_cpu
         self.sleeping = False
+        self._groups = GroupLease()
         self.llm = vllm.LLM(**kwargs, **engine_kwargs)
+        self._groups.built()
         self.weight_sync_check = weight_sync_check
         self.stop = stop if stop is not None else StopFlag()
         _abort_between_steps(self.llm.llm_engine, self.stop)
@@ -407,10 +412,12 @@ class VLLMRolloutEngine:
         """Shut the engine down and release its memory (KV cache, weights). The engine is unusable after.
 
         On CPU this also restores ``torch.set_num_threads``, which vLLM's CPU worker turns into a no-op while
-        an engine lives in the process."""
+        an engine lives in the process. The ``torch.distributed`` default group survives unless this engine's
+        worker made it and no other engine lives (:mod:`~lightning_grpo.rollout.engines.vllm_groups`)."""
         llm = getattr(self, "llm", None)
         if llm is not None:
-            llm.llm_engine.engine_core.shutdown()
+            with self._groups.guard():  # what of torch.distributed it may destroy: vllm_groups
+                llm.llm_engine.engine_core.shutdown()
             del self.llm
             gc.collect()
             if self.on_cpu:
