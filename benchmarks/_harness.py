@@ -488,10 +488,7 @@ def run_ours(spec: dict) -> dict:
         num_sanity_val_steps=0,
         default_root_dir=spec["workdir"],
     )
-    trainer.fit(module, datamodule=FixedPrompts(batches))
-    engine = getattr(module, "engine.name", None)
-    if engine is not None and hasattr(engine, "close"):
-        engine.close()
+    trainer.fit(module, datamodule=FixedPrompts(batches))  # its end closes the engine the module made
 
     step_metrics = [m for _, m in sorted(logger.by_step.items()) if "timing/rollout_s" in m]
     generated = [

@@ -307,6 +307,15 @@ class WeightsPerStep(Callback):
             self.weights.append({k: v.detach().cpu().clone() for k, v in module.policy.state_dict().items()})
 
 
+class EngineVersion(Callback):
+    """The rollout engine's weights version when training ends (the fit's teardown closes the engine after)."""
+
+    version: int = -1
+
+    def on_train_end(self, trainer: L.Trainer, module: GRPOModule) -> None:
+        self.version = module.rollout_engine.version
+
+
 def server_run(cfg: dict) -> None:
     """2 GRPO steps under DDP with rollouts from the rollout server at ``cfg["url"]`` (``engine.name=
     "vllm_server"``, the post-sync check on at 1e-4): each rank saves its global step, losses, engine's weights
@@ -321,12 +330,13 @@ def server_run(cfg: dict) -> None:
                                             server_group_port=cfg["group_port"], server_timeout=120.0,
                                             weight_sync_check=1e-4))
     module = GRPOModule(cfg["model"], reward_funcs=[index_reward], config=config, learning_rate=1e-2, export_dir="")
-    recorder, weights = StepRecorder(), WeightsPerStep()
+    recorder, weights, version = StepRecorder(), WeightsPerStep(), EngineVersion()
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=2, logger=False,
-                        callbacks=[recorder, weights], enable_progress_bar=False, enable_model_summary=False,
+                        callbacks=[recorder, weights, version], enable_progress_bar=False, enable_model_summary=False,
                         enable_checkpointing=False, default_root_dir=out, limit_val_batches=0)
     trainer.fit(module, datamodule=PromptDataModule(dataset=data, prompts_per_step=2, val_size=0))
-    result = {"global_step": trainer.global_step, "engine_version": module.rollout_engine.version,
+    assert module.rollout_engine is None  # the fit's end closed the engine the module made
+    result = {"global_step": trainer.global_step, "engine_version": version.version,
               "losses": [r["metrics"]["loss"] for r in recorder.records], "weights": weights.weights}
     torch.save(result, rank_file(out, "server_run", trainer.global_rank))
 

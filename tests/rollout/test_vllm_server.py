@@ -257,8 +257,8 @@ def _fit(path: str, engine: str, tmp: Path, url: str = "", colocated=None):
     L.seed_everything(7)
     trainer.fit(module, datamodule=PromptDataModule(prompts_per_step=2, val_size=0))
     weights = {k: v.detach().clone() for k, v in module.policy.state_dict().items()}
-    if engine == "vllm_server":
-        module.rollout_engine.close()
+    # the fit's end closed the engine the module made (leaving the server's weight-sync group); a given one is kept
+    assert module.rollout_engine is colocated
     return steps.metrics, weights
 
 
