@@ -24,7 +24,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from lightning_grpo.rollout.base import RolloutEngine, SamplingConfig
+from lightning_grpo.protocols.engine import RolloutEngine
+from lightning_grpo.protocols.sampling import SamplingConfig
 
 
 def gsm8k_questions(path: Optional[str], count: int) -> list[str]:

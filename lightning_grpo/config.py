@@ -11,7 +11,7 @@ import warnings
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal, Optional, Union, get_args, get_type_hints
 
-from lightning_grpo.rollout.sampling import sampling_errors
+from lightning_grpo.protocols.sampling import sampling_errors
 
 LossType = Literal["grpo", "bnpo", "token_mean", "dapo", "dr_grpo", "cispo"]
 KLEstimator = Literal["k1", "k2", "k3"]

@@ -1,8 +1,10 @@
 """Rollout events: what the experience maker and the rollout worker tell an optional event sink.
 
 The components never import Lightning; they call ``sink(name, payload)``. :class:`lightning_grpo.GRPOModule`
-forwards each event to every callback in ``trainer.callbacks`` that defines a method of that name, as
-``callback.<name>(trainer, pl_module, payload)`` (:func:`lightning_grpo.callbacks.base.forward_event`).
+forwards each event to the typed hook of that name of every :class:`~lightning_grpo.callbacks.GRPOCallback` in
+``trainer.callbacks``, as ``callback.<name>(trainer, pl_module, payload)``
+(:func:`lightning_grpo.callbacks.base.forward_event`; a plain ``Callback`` with such a method gets nothing, and is
+warned about at setup).
 
 Order within one optimizer step's rollout (documented and tested):
 
@@ -25,7 +27,7 @@ from typing import Any, Callable, Optional
 
 from torch import Tensor
 
-from lightning_grpo.rollout.episode_record import EpisodeRecord
+from lightning_grpo.protocols.episode import EpisodeRecord
 from lightning_grpo.training.experience import Experience
 
 #: The event names, in the order they occur for one rollout.
@@ -54,7 +56,7 @@ class RolloutEnd:
         num_generations: G.
         weights_version: optimizer steps taken by the weights that generated it (older than the trained weights by
             ``rollout/staleness_max`` with asynchronous rollouts), or None where unknown.
-        episodes: multi-turn rollouts: each row's :class:`~lightning_grpo.rollout.episode_record.EpisodeRecord`
+        episodes: multi-turn rollouts: each row's :class:`~lightning_grpo.protocols.episode.EpisodeRecord`
             (the whole transcript, turn by turn, with each turn's token span and whether the model wrote it);
             ``completions`` are then the episodes' last model turns and ``lengths`` count the model's tokens. None
             for single-turn rollouts.

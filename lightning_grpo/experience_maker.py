@@ -26,14 +26,16 @@ from lightning_grpo import functional as F
 from lightning_grpo.algorithm import DynamicSampler, ScoredRollout
 from lightning_grpo.algorithm.shaping import overlong_penalty, sequence_kl, transform_rewards
 from lightning_grpo.config import GRPOConfig
+from lightning_grpo.data.source import EVAL_INDEX
 from lightning_grpo.episodes.metrics import NO_CALLS_ZERO, episode_columns, episode_metrics, max_turns
-from lightning_grpo.evaluation.evaluator import EVAL_INDEX, EvalBatch, answer_key
+from lightning_grpo.evaluation.evaluator import EvalBatch, answer_key
 from lightning_grpo.events import ON_EXPERIENCE, ON_ROLLOUT_END, EventSink, ExperienceReady, RolloutEnd
+from lightning_grpo.protocols.collectives import Collectives
+from lightning_grpo.protocols.rollout import RolloutInterrupted, RolloutOutput
+from lightning_grpo.protocols.sampling import SamplingConfig
 from lightning_grpo.rewards import RewardSet, StartedScores
-from lightning_grpo.rollout.base import RolloutInterrupted, RolloutOutput, SamplingConfig
 from lightning_grpo.rollout.prefetch import PrefetchedRollout, RolloutPrefetcher
 from lightning_grpo.rollout.worker import RolloutWorker, prompt_rows
-from lightning_grpo.training.collectives import Collectives
 from lightning_grpo.training.experience import Experience
 from lightning_grpo.training.logprobs import CompletionLogprobs
 from lightning_grpo.training.metrics import REWARD_TIMING_PREFIX, StepTimer, rollout_metrics
@@ -348,7 +350,7 @@ class ExperienceMaker:
         _check_prompt_column(batch)
         engine = self.rollout.require_engine()
         with self.context.timer.span("rollout_s"):
-            prompt_ids, num_truncated = self.rollout.tokenize(batch["prompt"])
+            prompt_ids, num_truncated = self.rollout.encode_prompts(batch["prompt"])
             sampling = self._sampling()
             try:
                 out: Optional[RolloutOutput] = self.rollout.sample(engine, prompt_ids, self.config.num_generations,
@@ -435,14 +437,15 @@ class ExperienceMaker:
         self.prefetcher.wait_idle()  # asynchronous rollouts: no sync while the engine generates
         with self.rollout.awake(policy, force_sync=True, collectives=self.context.collectives):
             greedy = SamplingConfig(max_new_tokens=max_new, greedy=True)
-            out = self.rollout.generate(batch["prompt"], 1, greedy, rows, self.context.collectives)
+            out = self.rollout.sample_prompts(batch["prompt"], 1, greedy, rows, self.context.collectives)
             result = EvalBatch(score(batch["prompt"], out, 1), out.completion_mask.sum(dim=1).to(device))
             n = cfg.eval.num_samples
             if n:
                 with torch.random.fork_rng(devices=[]):
                     torch.manual_seed(cfg.shuffle_seed)
                     sampling = SamplingConfig(max_new_tokens=max_new, temperature=cfg.eval.temperature)
-                    sampled = self.rollout.generate(batch["prompt"], n, sampling, rows, self.context.collectives)
+                    sampled = self.rollout.sample_prompts(batch["prompt"], n, sampling, rows,
+                                                          self.context.collectives)
                 prompts = [p for p in batch["prompt"] for _ in range(n)]
                 result.samples = score(prompts, sampled, n).view(-1, n)
                 keys = [answer_key(c) for c in sampled.completions]

@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from lightning_grpo.rollout.sampling import check_truncation, sampling_logits, sampling_removed  # noqa: F401 (API)
+from lightning_grpo.protocols.sampling import check_truncation, sampling_logits, sampling_removed  # noqa: F401 (API)
 
 LOG_RATIO_CLAMP = 20.0
 """Log-ratios are clamped to +-20 before any ``exp``: exp(20) = 4.9e8 is finite in float32 and bfloat16."""

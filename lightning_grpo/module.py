@@ -20,11 +20,11 @@ from typing_extensions import override
 from lightning_grpo.algorithm import ObjectiveOutput, grpo_objective
 from lightning_grpo.callbacks.base import forward_event, warn_untyped_event_hooks
 from lightning_grpo.config import GRPOConfig
-from lightning_grpo.data.source import EvalSource, PromptSource
-from lightning_grpo.episodes import ToolCallParser, as_tools, episode_runner
+from lightning_grpo.data.source import EVAL_INDEX, EvalSource, PromptSource
+from lightning_grpo.episodes import ToolCallParser, as_tools, rollout_path
 from lightning_grpo.episodes.environment import EnvironmentFactory
 from lightning_grpo.episodes.tools import ToolSpec
-from lightning_grpo.evaluation.evaluator import EVAL_INDEX, Evaluator, counted_rows
+from lightning_grpo.evaluation.evaluator import Evaluator, counted_rows
 from lightning_grpo.experience_maker import ExperienceMaker, RolloutContext
 from lightning_grpo.loop.fit_loop import install_loop
 from lightning_grpo.models.dropout import disable_dropout, warn_dropout_with_reused_rollouts
@@ -37,9 +37,9 @@ from lightning_grpo.models.lora import (
     reference_for,
     trim_frozen_weights,
 )
+from lightning_grpo.protocols import Collectives, RolloutEngine, RolloutOutput, SamplingConfig, StopFlag
 from lightning_grpo.rewards import RewardSet, RewardSpec
 from lightning_grpo.rewards.reward_model import resolve_reward_models
-from lightning_grpo.rollout.base import RolloutEngine, RolloutOutput, SamplingConfig, eos_token_ids_from
 from lightning_grpo.rollout.prefetch import PrefetchedRollout
 from lightning_grpo.rollout.worker import RolloutWorker
 from lightning_grpo.runtime.checkpointing import use_atomic_checkpoint_io
@@ -47,7 +47,6 @@ from lightning_grpo.runtime.preemption import Preemption
 from lightning_grpo.strategies import backend_for
 from lightning_grpo.strategies.base import GRPOModels, ParallelBackend
 from lightning_grpo.strategies.local import LocalBackend
-from lightning_grpo.training.collectives import Collectives
 from lightning_grpo.training.experience import Experience, micro_batches
 from lightning_grpo.training.logprobs import CompletionLogprobs
 from lightning_grpo.training.metrics import StepMetrics, StepTimer
@@ -149,12 +148,13 @@ class GRPOModule(L.LightningModule):
         self._reference = reference_for(self.policy, self.config.beta)  # outside the module tree; LoRA: adapters off
         trim_frozen_weights(self)  # LoRA: checkpoints hold the adapters only
         self.backend: ParallelBackend = LocalBackend()  # the trainer's backend from configure_model on
-        self.rollout = RolloutWorker(self.config, self.tokenizer, events=self._emit)
         self.tools = as_tools(tools)  # multi-turn episodes (docs/multiturn.md)
         self.hparams["tools"] = [t.name for t in self.tools]
-        eos = eos_token_ids_from(getattr(self.policy, "generation_config", None), self.tokenizer)
-        self.rollout.episodes = episode_runner(self.config, self.tokenizer, eos, self.tools, environment_factory,
-                                               tool_parser, self.rollout.stop)
+        stop = StopFlag()  # polled by the engine and the sampler (with tools or an environment: the turn loop)
+        prompts, sampler = rollout_path(self.config, self.tokenizer, self.policy, self.tools, environment_factory,
+                                        tool_parser, stop)
+        self.rollout = RolloutWorker(self.config, self.tokenizer, self._emit, prompts=prompts, sampler=sampler,
+                                     stop=stop)
         self.logprobs = CompletionLogprobs(self.config, is_sharded=lambda m: self.backend.is_sharded(m))
         self.experience_maker = ExperienceMaker(self.config, self.rollout, self.rewards, self.logprobs, self._emit)
         self.step_selection = StepSelection(self.config, self.logprobs)
@@ -169,7 +169,7 @@ class GRPOModule(L.LightningModule):
         self._step_outputs: deque[ObjectiveOutput] = deque()  # a whole-step backend's outputs not yet logged
 
     def _emit(self, name: str, payload: Any) -> None:
-        """Rollout events (:mod:`lightning_grpo.events`) to the trainer's callbacks that define ``name``."""
+        """Rollout events (:mod:`lightning_grpo.events`) to the ``name`` hook of the trainer's ``GRPOCallback``s."""
         forward_event(self._trainer, self, name, payload)
 
     @property
@@ -338,13 +338,10 @@ class GRPOModule(L.LightningModule):
             max_tokens_per_microbatch=cfg.max_tokens_per_microbatch,
         )
 
-    def tokenize_prompts(self, prompts: Sequence[Any]) -> tuple[list[list[int]], int]:
-        """Encode prompts (:meth:`lightning_grpo.rollout.worker.RolloutWorker.tokenize`): ``(ids, num_truncated)``."""
-        return self.rollout.tokenize(prompts)
-
     def generate(self, prompts: Sequence[Any], num_generations: int, sampling: SamplingConfig) -> RolloutOutput:
-        """Rollout with the engine's current weights (:meth:`lightning_grpo.rollout.worker.RolloutWorker.generate`)."""
-        return self.rollout.generate(prompts, num_generations, sampling)
+        """Rollout from raw prompts with the engine's current weights
+        (:meth:`lightning_grpo.rollout.worker.RolloutWorker.sample_prompts`)."""
+        return self.rollout.sample_prompts(prompts, num_generations, sampling)
 
     def completion_logprobs(
         self, model: nn.Module, batch: Experience, with_entropy: bool = False, entropy_grad: bool = False
@@ -527,10 +524,11 @@ class GRPOModule(L.LightningModule):
 
     def _evaluate(self, batch: dict[str, list], dataloader_idx: int, stage: str) -> None:
         data = self.trainer.datamodule
-        names = data.eval_names if isinstance(data, EvalSource) else [None]
-        dataset = names[dataloader_idx] if 0 < dataloader_idx < len(names) else None
+        names, checks = (data.eval_names, data.eval_accuracy) if isinstance(data, EvalSource) else ([None], [None])
+        named = 0 < dataloader_idx < len(names)  # the first dataset is the training one: the module's accuracy
+        dataset, check = (names[dataloader_idx], checks[dataloader_idx]) if named else (None, None)
         with self.preemption.exit_on_stop():
-            out = self.experience_maker.evaluate(batch, self.policy, accuracy=self.rewards.accuracy_for(dataset))
+            out = self.experience_maker.evaluate(batch, self.policy, accuracy=self.rewards.accuracy_for(check))
         if EVAL_INDEX in batch:  # count each prompt once over the processes (a distributed sampler pads)
             sampler = self.trainer.distributed_sampler_kwargs or {}
             out.counted = counted_rows(batch[EVAL_INDEX], sampler.get("num_replicas", 1), sampler.get("rank", 0))

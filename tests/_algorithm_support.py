@@ -12,8 +12,8 @@ import torch
 from _fixtures import make_cpu_trainer
 from lightning.pytorch.callbacks import Callback
 
-from lightning_grpo.rollout.base import RolloutOutput, SamplingConfig, completion_mask_from_eos
-from lightning_grpo.rollout.engines.hf import left_pad
+from lightning_grpo.protocols.rollout import RolloutOutput, completion_mask_from_eos, left_pad
+from lightning_grpo.protocols.sampling import SamplingConfig
 
 
 def fixed_completions(lengths: Sequence[int], width: int, eos_id: int, seed: int = 0) -> torch.Tensor:
@@ -28,7 +28,7 @@ def fixed_completions(lengths: Sequence[int], width: int, eos_id: int, seed: int
 
 
 class FixedRolloutEngine:
-    """A :class:`~lightning_grpo.rollout.base.RolloutEngine` whose completions are fixed ids (the same at every
+    """A :class:`~lightning_grpo.protocols.engine.RolloutEngine` whose completions are fixed ids (the same at every
     call), so that two runs train on the same experience. ``sampler_offsets`` (``(N, T)``) makes it report
     sampler logprobs = ``logprob_fn(...) + offsets`` like an engine whose numerics differ from the trainer's. It stands
     in for the HF engine: it declares ``uses_policy_parameters`` (nothing to sync) and no per-request seeds."""

@@ -9,7 +9,8 @@ from typing import Optional
 import torch
 from _algorithm_support import FixedRolloutEngine
 
-from lightning_grpo.rollout.base import RolloutInterrupted, RolloutOutput, SamplingConfig, StopFlag
+from lightning_grpo.protocols.rollout import RolloutInterrupted, RolloutOutput, StopFlag
+from lightning_grpo.protocols.sampling import SamplingConfig
 
 
 def weights_of(model: torch.nn.Module) -> float:

@@ -9,7 +9,8 @@ from typing import Callable, Optional
 import torch
 
 from lightning_grpo.episodes import BaseEnvironment, EnvStep
-from lightning_grpo.rollout.base import RolloutOutput, SamplingConfig
+from lightning_grpo.protocols.rollout import RolloutOutput
+from lightning_grpo.protocols.sampling import SamplingConfig
 from lightning_grpo.rollout.engines.rows import rollout_from_rows
 
 

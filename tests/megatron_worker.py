@@ -85,8 +85,7 @@ class FixedRolloutEngine:
         pass
 
     def generate(self, prompt_ids: Sequence[Sequence[int]], num_generations: int, sampling: Any) -> Any:
-        from lightning_grpo.rollout.base import RolloutOutput, completion_mask_from_eos
-        from lightning_grpo.rollout.engines.hf import left_pad
+        from lightning_grpo.protocols.rollout import RolloutOutput, completion_mask_from_eos, left_pad
 
         rows = []
         for prompt in prompt_ids:

@@ -1,10 +1,13 @@
 """The package's imports point one way: down the layer table of docs/architecture.md, and never in a cycle.
 
-Every import of a ``lightning_grpo`` module counts: top-level, function-local and ``TYPE_CHECKING`` ones.
+Every import of a ``lightning_grpo`` module counts: top-level, function-local and ``TYPE_CHECKING`` ones. The graph
+is checked twice: module by module (no cycle) and collapsed to folders (each top-level folder, or top-level file, is
+one node and one row of the layer table: no cycle, and no folder importing a folder of a higher layer).
 """
 
 import ast
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -52,53 +55,91 @@ def imports_of(path: Path, name: str = "") -> set[str]:
     return found
 
 
+def folder_of(module: str) -> str:
+    """The top-level folder (or top-level file) a module is in: ``lightning_grpo.rollout.engines.hf`` -> ``rollout``,
+    ``lightning_grpo.config`` -> ``config``; the package's own ``__init__`` is ``lightning_grpo``."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def folder_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """``graph`` collapsed to folders: folder a -> folder b when a module of a imports a module of b (a != b)."""
+    folders: dict[str, set[str]] = {}
+    for module, imported in graph.items():
+        mine = folder_of(module)
+        folders.setdefault(mine, set()).update(folder_of(m) for m in imported if folder_of(m) != mine)
+    return folders
+
+
 def layer_table() -> dict[str, int]:
-    """``module prefix -> layer`` from the table under "## Layers" in docs/architecture.md."""
+    """``folder -> layer`` from the table under "## Layers" in docs/architecture.md (rows ``| <layer> | <folders> |
+    ... |``; folders sharing a layer may not import each other)."""
     text = (ROOT / "docs" / "architecture.md").read_text()
+    section = text.split("## Layers", 1)[1].split("\n## ", 1)[0]
     table = {}
-    for layer, modules in re.findall(r"^\| (\d) [^|]*\| ([^|]+) \|$", text, flags=re.MULTILINE):
-        for name in modules.split(","):
-            name = name.strip()
-            table[name if name == "lightning_grpo" else f"lightning_grpo.{name}"] = int(layer)
+    for layer, folders in re.findall(r"^\| (\d+) \| ([\w, ]+) \|", section, flags=re.MULTILINE):
+        for name in folders.split(","):
+            table[name.strip()] = int(layer)
     return table
 
 
 def layer_of(module: str, table: dict[str, int]) -> int:
-    """The layer of the most specific row naming ``module`` or a package above it; the ``lightning_grpo`` row is the
-    package's own ``__init__`` only, so a module that no row names is an error."""
-    name = module
-    while name not in table:
-        if name.count(".") < 1 or name.rsplit(".", 1)[0] == "lightning_grpo":
-            raise AssertionError(f"{module} is in no layer of docs/architecture.md: add it to the table")
-        name = name.rsplit(".", 1)[0]
-    return table[name]
+    """The layer of ``module``'s folder; a folder that no row names is an error."""
+    folder = folder_of(module)
+    if folder not in table:
+        raise AssertionError(f"{module}: its folder {folder!r} is in no layer of docs/architecture.md: add a row")
+    return table[folder]
 
 
 GRAPH = {name: imports_of(path) for name, path in MODULES.items()}
+FOLDERS = folder_graph(GRAPH)
 
 
-def test_the_layer_table_covers_every_module():
+def upward_imports(graph: dict[str, set[str]], table: dict[str, int]) -> list[str]:
+    """Every import of a module of another folder of the same or a higher layer, as ``a (layer) -> b (layer)``."""
+    found = []
+    for module, imported in sorted(graph.items()):
+        mine = layer_of(module, table)
+        found += [f"{module} (layer {mine}) -> {m} (layer {layer_of(m, table)})" for m in sorted(imported)
+                  if folder_of(m) != folder_of(module) and layer_of(m, table) >= mine]
+    return found
+
+
+def test_the_layer_table_names_every_folder_once():
     table = layer_table()
-    assert len(table) > 10, table
-    for module in MODULES:
-        layer_of(module, table)
+    assert set(table) == set(FOLDERS), (f"folders without a row: {sorted(set(FOLDERS) - set(table))}; rows without "
+                                        f"a folder: {sorted(set(table) - set(FOLDERS))}")
+    assert table["protocols"] == 0 and all(layer > 0 for name, layer in table.items() if name != "protocols")
 
 
 def test_a_module_in_no_row_fails():
-    """The coverage check can fail: a new top-level module, or one in a new folder, is in no row."""
+    """The coverage check can fail: a module of a new folder, or a new top-level module, is in no row."""
     table = layer_table()
     for unlisted in ("lightning_grpo.unlisted", "lightning_grpo.newroom.thing"):
         with pytest.raises(AssertionError, match="is in no layer"):
             layer_of(unlisted, table)
-    assert layer_of("lightning_grpo", table) == 4
+    assert layer_of("lightning_grpo", table) == max(table.values())
 
 
-@pytest.mark.parametrize("module", sorted(MODULES))
-def test_imports_point_down_the_layers(module):
+@pytest.mark.parametrize("folder", sorted(FOLDERS))
+def test_folders_import_down_the_layers(folder):
     table = layer_table()
-    mine = layer_of(module, table)
-    upward = sorted(f"{m} (layer {layer_of(m, table)})" for m in GRAPH[module] if layer_of(m, table) > mine)
-    assert not upward, f"{module} (layer {mine}) imports upward: {upward}"
+    mine = {m: imported for m, imported in GRAPH.items() if folder_of(m) == folder}
+    upward = upward_imports(mine, table)
+    assert not upward, f"{folder} (layer {table[folder]}) imports its own layer or a higher one: {upward}"
+
+
+def test_protocols_import_only_torch_and_the_standard_library():
+    """The shared vocabulary is a leaf: no package module outside it, no third-party package but torch."""
+    allowed = set(sys.stdlib_module_names) | {"torch", "lightning_grpo"}
+    for name, path in MODULES.items():
+        if folder_of(name) != "protocols":
+            continue
+        assert all(folder_of(m) == "protocols" for m in GRAPH[name]), (name, GRAPH[name])
+        for node in ast.walk(ast.parse(path.read_text())):
+            roots = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+            assert all(root.split(".")[0] in allowed for root in roots), (name, roots)
 
 
 def find_cycle(graph: dict[str, set[str]]) -> list[str]:
@@ -129,13 +170,29 @@ def test_no_import_cycle():
     assert not cycle, "import cycle: " + " -> ".join(cycle)
 
 
+def test_no_folder_cycle():
+    cycle = find_cycle(FOLDERS)
+    assert not cycle, "folder cycle: " + " -> ".join(cycle)
+
+
 def test_the_checker_finds_an_upward_import_and_a_cycle(tmp_path):
-    """The checks can fail: a pure module importing the LightningModule is flagged, and so is a two-file cycle."""
+    """The checks can fail: a protocols module importing the LightningModule is flagged, a two-file cycle is found,
+    and a cycle between folders (modules acyclic) is found once the graph is collapsed to folders."""
     table = layer_table()
     bad = tmp_path / "probe.py"
-    bad.write_text("def f():\n    from lightning_grpo.module import GRPOModule\n    from . import shaping\n")
-    assert imports_of(bad, "lightning_grpo.algorithm.probe") == {"lightning_grpo.module",
-                                                                  "lightning_grpo.algorithm.shaping"}
-    assert layer_of("lightning_grpo.module", table) > layer_of("lightning_grpo.functional", table)
+    bad.write_text("def f():\n    from lightning_grpo.module import GRPOModule\n    from . import engine\n")
+    assert imports_of(bad, "lightning_grpo.protocols.probe") == {"lightning_grpo.module",
+                                                                  "lightning_grpo.protocols.engine"}
+    planted = {"lightning_grpo.protocols.probe": imports_of(bad, "lightning_grpo.protocols.probe")}
+    assert upward_imports(planted, table) == [
+        f"lightning_grpo.protocols.probe (layer 0) -> lightning_grpo.module (layer {table['module']})"]
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) == []
+    # the old knot: the worker imports the turn loop, the turn loop the engine protocol in rollout/ (no module cycle)
+    knot = {"lightning_grpo.rollout.worker": {"lightning_grpo.episodes.runner"},
+            "lightning_grpo.episodes.runner": {"lightning_grpo.rollout.base"}, "lightning_grpo.rollout.base": set()}
+    assert find_cycle(knot) == []
+    assert find_cycle(folder_graph(knot)) == ["episodes", "rollout", "episodes"]
+    assert upward_imports(knot, table) == [
+        f"lightning_grpo.rollout.worker (layer {table['rollout']}) -> lightning_grpo.episodes.runner "
+        f"(layer {table['episodes']})"]

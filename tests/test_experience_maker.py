@@ -13,8 +13,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from lightning_grpo import GRPOConfig
 from lightning_grpo.events import ExperienceReady, RolloutEnd
 from lightning_grpo.experience_maker import ExperienceMaker, RolloutContext
+from lightning_grpo.protocols.rollout import RolloutInterrupted
 from lightning_grpo.rewards import RewardSet
-from lightning_grpo.rollout.base import RolloutInterrupted
 from lightning_grpo.rollout.worker import RolloutWorker
 from lightning_grpo.training.logprobs import CompletionLogprobs
 from lightning_grpo.training.metrics import StepTimer

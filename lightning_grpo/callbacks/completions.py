@@ -1,7 +1,7 @@
 """The completion table: prompt, completion, each reward function's value, reward, advantage and length, every N
 optimizer steps, through whatever loggers the trainer has. For multi-turn episodes the completion is the whole
 transcript, turn by turn, each turn's boundary marked with who wrote it, its tokens and whether they were trained
-(:meth:`lightning_grpo.rollout.episode_record.EpisodeRecord.transcript`), followed by ``turns``, ``tool_calls``,
+(:meth:`lightning_grpo.protocols.episode.EpisodeRecord.transcript`), followed by ``turns``, ``tool_calls``,
 ``tool_errors`` and ``env_tokens`` columns; ``length`` counts the model's tokens.
 
 Where the rows go (history kept: each logged step adds rows, nothing is overwritten):

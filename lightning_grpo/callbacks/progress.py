@@ -7,7 +7,7 @@ step), prints a total of ``-1`` epochs for a step-limited run, shows a meaningle
 a rollout generates. This one is a :class:`~lightning.pytorch.callbacks.TQDMProgressBar` whose main bar advances
 once per optimizer step; a background thread refreshes its description every ``refresh_s`` seconds with the phase
 (``rollout``, ``scoring`` (rewards, old/ref logprobs, advantages), ``training``, ``validation``), its elapsed
-seconds and, during a rollout, ``~N tok`` (the engine's count, :attr:`lightning_grpo.rollout.base.StopFlag.ticks`).
+seconds and, during a rollout, ``~N tok`` (the engine's count, :attr:`lightning_grpo.protocols.rollout.StopFlag.ticks`).
 """
 
 from __future__ import annotations

@@ -53,8 +53,8 @@ from lightning_grpo.data.presets import (  # noqa: F401  (re-exported: the prese
     Preset,
 )
 from lightning_grpo.data.sampler import EpochShuffleSampler
+from lightning_grpo.data.source import EVAL_INDEX
 from lightning_grpo.data.synthetic import ARITHMETIC_INSTRUCTION, SYNTHETIC_NAME, arithmetic_splits
-from lightning_grpo.evaluation.evaluator import EVAL_INDEX
 from lightning_grpo.rewards.gsm8k import gold_answer
 from lightning_grpo.rewards.numbers import normalize_number
 
@@ -449,6 +449,13 @@ class PromptDataModule(L.LightningDataModule):
     def eval_names(self) -> list[str]:
         """The evaluated datasets, one per validation/test dataloader: this one, then ``eval_datasets``."""
         return [self.dataset, *self.eval_datasets]
+
+    @property
+    def eval_accuracy(self) -> list[Optional[str]]:
+        """The answer check of each evaluated dataset (:attr:`eval_names`): None (the module's ``accuracy_reward``)
+        for this one and any non-preset, a preset's own for a preset (``math500``: ``math_accuracy``)."""
+        presets = [PRESETS.get(name) or _PRESETS_BY_HUB_ID.get(name) for name in self.eval_datasets]
+        return [None, *(None if preset is None else preset.accuracy_reward for preset in presets)]
 
     @override
     def test_dataloader(self) -> DataLoader | list:

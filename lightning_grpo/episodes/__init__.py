@@ -7,7 +7,7 @@ sequence is the prompt's ids, the sampled ids of every model turn and the enviro
 (:mod:`lightning_grpo.episodes.runner`); only the model's tokens get a loss.
 """
 
-from lightning_grpo.episodes.build import episode_runner
+from lightning_grpo.episodes.build import episode_runner, rollout_path
 from lightning_grpo.episodes.calculator import CalculatorError, calculator
 from lightning_grpo.episodes.chat import ChatFormat
 from lightning_grpo.episodes.environment import BaseEnvironment, Environment, EnvStep, ToolEnvironment
@@ -15,7 +15,7 @@ from lightning_grpo.episodes.parsers import HermesToolCallParser, ToolCallParser
 from lightning_grpo.episodes.python_tool import PythonSandbox, python_tool
 from lightning_grpo.episodes.runner import EpisodeRunner
 from lightning_grpo.episodes.tools import BUILTIN_TOOLS, Tool, ToolCall, ToolResult, as_tools
-from lightning_grpo.rollout.episode_record import EpisodeRecord, Turn
+from lightning_grpo.protocols.episode import EpisodeRecord, Turn
 
 __all__ = [
     "BUILTIN_TOOLS",
@@ -38,4 +38,5 @@ __all__ = [
     "calculator",
     "episode_runner",
     "python_tool",
+    "rollout_path",
 ]

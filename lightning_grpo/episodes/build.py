@@ -1,4 +1,6 @@
-"""The turn loop of a run, from ``GRPOModule``'s ``tools``, ``environment_factory`` and ``tool_parser``."""
+"""The rollout path of a run (:class:`~lightning_grpo.protocols.sampler.PromptEncoder` and
+:class:`~lightning_grpo.protocols.sampler.Sampler`), from ``GRPOModule``'s ``tools``, ``environment_factory`` and
+``tool_parser``: the turn loop with them, the single-turn path without."""
 
 from __future__ import annotations
 
@@ -11,7 +13,10 @@ from lightning_grpo.episodes.environment import EnvironmentFactory, ToolEnvironm
 from lightning_grpo.episodes.parsers import HermesToolCallParser, ToolCallParser
 from lightning_grpo.episodes.runner import EpisodeRunner
 from lightning_grpo.episodes.tools import Tool
-from lightning_grpo.rollout.base import StopFlag
+from lightning_grpo.protocols.rollout import StopFlag, eos_token_ids_from
+from lightning_grpo.protocols.sampler import PromptEncoder, Sampler
+from lightning_grpo.rollout.prompts import TemplatePrompts
+from lightning_grpo.rollout.single_turn import SingleTurnSampler
 
 
 def episode_runner(config: GRPOConfig, tokenizer: Any, eos_token_ids: Sequence[int], tools: Sequence[Tool],
@@ -37,3 +42,18 @@ def episode_runner(config: GRPOConfig, tokenizer: Any, eos_token_ids: Sequence[i
         environment_factory = functools.partial(ToolEnvironment, list(tools), parser, episode.tool_timeout_s)
     chat = ChatFormat(tokenizer, eos_token_ids, [t.schema for t in tools], parser)
     return EpisodeRunner(chat, environment_factory, episode.max_turns, episode.max_tokens, episode.env_workers, stop)
+
+
+def rollout_path(config: GRPOConfig, tokenizer: Any, policy: Any, tools: Sequence[Tool],
+                 environment_factory: Optional[EnvironmentFactory], parser: Optional[ToolCallParser],
+                 stop: StopFlag) -> tuple[PromptEncoder, Sampler]:
+    """The prompt encoding and the sampler of a run's rollouts (what ``GRPOModule`` gives its
+    :class:`~lightning_grpo.rollout.worker.RolloutWorker`): the :func:`episode_runner`, both, with tools or an
+    environment (a model turn ends at the EOS ids of ``policy``'s ``generation_config`` and the tokenizer); else the
+    single-turn ones (:class:`~lightning_grpo.rollout.prompts.TemplatePrompts`,
+    :class:`~lightning_grpo.rollout.single_turn.SingleTurnSampler`). Raises as :func:`episode_runner`."""
+    eos_token_ids = eos_token_ids_from(getattr(policy, "generation_config", None), tokenizer)
+    runner = episode_runner(config, tokenizer, eos_token_ids, tools, environment_factory, parser, stop)
+    if runner is None:
+        return TemplatePrompts(tokenizer), SingleTurnSampler()
+    return runner, runner

@@ -7,7 +7,7 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor
 
-from lightning_grpo.rollout.episode_record import EpisodeRecord
+from lightning_grpo.protocols.episode import EpisodeRecord
 
 #: Rates over tool calls that are 0, not NaN, when no call was made (as TRL's ``tools/failure_frequency``).
 NO_CALLS_ZERO = ("tools/error_rate", "tools/timeout_rate")

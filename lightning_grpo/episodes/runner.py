@@ -9,7 +9,7 @@ each episode's earlier turns. Between turns every finished model turn goes to it
 
 The trained sequence of an episode is its prompt's ids, then exactly the ids each model turn sampled (through its
 EOS; never decoded and encoded again), then each observation's ids, ...: ``completion_ids`` of the
-:class:`~lightning_grpo.rollout.base.RolloutOutput` is everything after the prompt, ``completion_mask`` is 1 on the
+:class:`~lightning_grpo.protocols.rollout.RolloutOutput` is everything after the prompt, ``completion_mask`` is 1 on the
 model's tokens (the loss, KL, entropy and every ``loss_type``'s normalizer count those only) and ``env_mask`` 1 on
 the environment's (context: attended to, never trained), ``sampler_logprobs`` the engine's logprobs of the model's
 tokens (0 on the environment's).
@@ -37,15 +37,16 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 
 from lightning_grpo.episodes.chat import ChatFormat
 from lightning_grpo.episodes.environment import Environment, EnvironmentFactory, EnvStep, step_all
-from lightning_grpo.rollout.base import RolloutEngine, RolloutInterrupted, RolloutOutput, SamplingConfig, StopFlag
-from lightning_grpo.rollout.engines.hf import left_pad
-from lightning_grpo.rollout.episode_record import EpisodeRecord, Turn
+from lightning_grpo.protocols.engine import RolloutEngine
+from lightning_grpo.protocols.episode import EpisodeRecord, Turn
+from lightning_grpo.protocols.rollout import RolloutInterrupted, RolloutOutput, StopFlag, left_pad
+from lightning_grpo.protocols.sampling import SamplingConfig
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +75,9 @@ def _close(episodes: list[_Episode]) -> None:
 
 
 class EpisodeRunner:
-    """Runs the episodes of a rollout (see the module docstring).
+    """Runs the episodes of a rollout (see the module docstring): the multi-turn
+    :class:`~lightning_grpo.protocols.sampler.Sampler` and its
+    :class:`~lightning_grpo.protocols.sampler.PromptEncoder` (the prompts with their tools).
 
     Args:
         chat: the chat template's prompt and turn encoding (with the tools the prompt describes).
@@ -105,17 +108,17 @@ class EpisodeRunner:
         """The prompts' ids with their tools (:meth:`ChatFormat.encode_prompts`): ``(ids, num_truncated)``."""
         return self.chat.encode_prompts(prompts, max_prompt_length)
 
-    def run(self, engine: RolloutEngine, prompt_ids: Sequence[Sequence[int]], num_generations: int,
-            sampling: SamplingConfig, rows: Optional[Sequence[dict[str, Any]]] = None,
-            any_process: Optional[Callable[[bool], bool]] = None) -> RolloutOutput:
+    def sample(self, engine: RolloutEngine, prompt_ids: Sequence[Sequence[int]], num_generations: int,
+               sampling: SamplingConfig, rows: Optional[Sequence[Mapping[str, Any]]] = None,
+               any_process: Optional[Callable[[bool], bool]] = None) -> RolloutOutput:
         """The ``B * G`` episodes of ``B`` prompts (prompt-major, as a single-turn rollout), ``rows[i]`` the dataset
         row of prompt i (``reset(**row)`` of its episodes' environments). ``any_process``: the data-parallel
-        agreement (:meth:`lightning_grpo.training.collectives.Collectives.any_process`), for engines that generate
+        agreement (:meth:`lightning_grpo.protocols.collectives.Collectives.any_process`), for engines that generate
         with the policy's parameters (see the module docstring); None = this process alone.
 
         Returns:
             A :class:`RolloutOutput` with ``env_mask`` and ``episodes`` (one
-            :class:`~lightning_grpo.rollout.episode_record.EpisodeRecord` each) set; ``completions`` are each episode's
+            :class:`~lightning_grpo.protocols.episode.EpisodeRecord` each) set; ``completions`` are each episode's
             last model turn (its answer); ``weight_version`` the engine's (all turns of a rollout are sampled by the
             same weights: no sync happens inside a rollout).
 
@@ -128,7 +131,7 @@ class EpisodeRunner:
         b, g = len(prompt_ids), num_generations
         per_turn = sampling.max_new_tokens
         budget = self.max_tokens or per_turn
-        rows = [{} for _ in range(b)] if rows is None else list(rows)
+        rows = [{} for _ in range(b)] if rows is None else [dict(row) for row in rows]
         if len(rows) != b:
             raise ValueError(f"{len(rows)} dataset rows for {b} prompts: one row per prompt")
         episodes: list[_Episode] = []
@@ -174,7 +177,7 @@ class EpisodeRunner:
             raise RolloutInterrupted("the episodes were stopped by a stop request (e.g. SIGTERM) before they finished")
         return any_process(running)
 
-    def _environment(self, k: int, row: dict[str, Any]) -> Environment:
+    def _environment(self, k: int, row: Mapping[str, Any]) -> Environment:
         try:
             env = self.environment_factory()
             env.reset(**row)

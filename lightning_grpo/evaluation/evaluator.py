@@ -36,8 +36,6 @@ from lightning_grpo.rewards.math import equivalent_answers
 
 #: Rewards above this count as correct for pass@k and maj@k.
 CORRECT_THRESHOLD = 0.5
-#: The batch column holding each evaluation prompt's position in its dataset (added by the data module).
-EVAL_INDEX = "eval_index"
 
 
 def counted_rows(indices: Sequence[int], num_replicas: int, rank: int) -> Tensor:

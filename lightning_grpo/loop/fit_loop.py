@@ -42,7 +42,7 @@ from lightning_grpo.loop.resume import (
     rng_states,
     this_process,
 )
-from lightning_grpo.training.collectives import gather_per_process
+from lightning_grpo.protocols.collectives import gather_per_process
 
 
 class GRPOFitLoop(_FitLoop):

@@ -15,7 +15,7 @@ adapters are PEFT's own (``peft.get_peft_model``); this module only connects the
   model folder;
 * rollouts: the HF engine generates with the adapted model; the vLLM engine gets merged weights
   ``W0 + scaling * B A`` computed from the tensors, never merging into the trained module
-  (:func:`lightning_grpo.rollout.engines.hf_weights.merge_lora`);
+  (:func:`lightning_grpo.models.hf_weights.merge_lora`);
 * export: the adapter folder (``PeftModel.save_pretrained``: ``adapter_config.json``,
   ``adapter_model.safetensors``, loadable with ``PeftModel.from_pretrained``) and, with ``export_merged``, the
   merged plain model in ``<export>/merged`` (:func:`export_policy`);
@@ -39,15 +39,15 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from torch import nn
 from transformers import PreTrainedTokenizerBase
 
-from lightning_grpo.models.loading import FrozenReference, load_policy, save_policy
-from lightning_grpo.rollout.base import RolloutEngine
-from lightning_grpo.rollout.engines.hf_weights import (
+from lightning_grpo.models.hf_weights import (
     PEFT_PREFIX,
     check_syncable,
     checkpoint_name,
     lora_layers,
     merged_state_dict,
 )
+from lightning_grpo.models.loading import FrozenReference, load_policy, save_policy
+from lightning_grpo.protocols.engine import RolloutEngine
 
 log = logging.getLogger(__name__)
 
@@ -185,7 +185,7 @@ def check_quantized_engine(settings: LoraSettings, engine: RolloutEngine) -> Non
 def check_tied_head(policy: nn.Module, engine: RolloutEngine) -> None:
     """At setup: an engine with its own weights (vLLM, the rollout servers) is loaded from the policy's checkpoint,
     so it ties ``lm_head`` to the embedding when the checkpoint's config does; a policy that trains a separate head
-    then cannot be synced exactly (:data:`~lightning_grpo.rollout.engines.hf_weights.TIED_HEAD_ERROR`).
+    then cannot be synced exactly (:data:`~lightning_grpo.models.hf_weights.TIED_HEAD_ERROR`).
 
     Raises:
         ValueError: the checkpoint ties, the policy has a separate head and ``engine`` holds its own weights.

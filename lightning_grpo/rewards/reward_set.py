@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence, Union
 
-from lightning_grpo.data.presets import PRESETS
 from lightning_grpo.rewards.pool import PooledReward, RewardPool
 from lightning_grpo.rewards.registry import resolve_reward_function
 from lightning_grpo.rewards.scoring import (
@@ -82,11 +81,14 @@ class RewardSet:
             pool=RewardPool(pool_width),
         )
 
-    def accuracy_for(self, dataset: Optional[str]) -> Callable:
-        """The correctness check of an evaluation dataset: ``accuracy`` for the training dataset (None), the
-        preset's own for another preset (``math500``: ``math_accuracy``), else ``accuracy``."""
-        preset = PRESETS.get(dataset) if dataset is not None else None
-        return resolve_reward_function(preset.accuracy_reward) if preset is not None else self.accuracy
+    def accuracy_for(self, check: Optional[RewardSpec]) -> Callable:
+        """The correctness check an evaluation dataset names (a reward function, a registered name or an import
+        path: the datamodule's :attr:`~lightning_grpo.data.source.EvalSource.eval_accuracy`); None: ``accuracy``.
+
+        Raises:
+            ValueError: a name that does not resolve (see :func:`resolve_reward_function`).
+        """
+        return self.accuracy if check is None else resolve_reward_function(check)
 
     @property
     def has_pooled(self) -> bool:

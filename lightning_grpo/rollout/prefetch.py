@@ -14,7 +14,7 @@ prompts, the weight sync, the per-request seed, scoring (collecting those calls)
 * collectives (the NaN check's agreement, FSDP gathers, a server engine's weight broadcast) stay on the trainer's
   thread, in the same order on every process.
 
-Any :class:`~lightning_grpo.rollout.base.RolloutEngine` whose weights are its own (a colocated vLLM engine, a
+Any :class:`~lightning_grpo.protocols.engine.RolloutEngine` whose weights are its own (a colocated vLLM engine, a
 remote server) works; the HF engine generates with the training model itself and is refused by
 ``GRPOConfig.max_staleness``. Which rollouts are started when (the staleness schedule) is the loop's business
 (:class:`lightning_grpo.loop.fetcher.ExperienceFetcher`).
@@ -37,13 +37,13 @@ from concurrent.futures import wait as wait_for
 from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Optional, Sequence
 
-import torch
 from torch import nn
 
-from lightning_grpo.rollout.base import RolloutEngine, RolloutOutput, SamplingConfig
-from lightning_grpo.rollout.episode_record import EpisodeRecord
+from lightning_grpo.protocols.collectives import Collectives
+from lightning_grpo.protocols.engine import RolloutEngine
+from lightning_grpo.protocols.rollout import RolloutOutput
+from lightning_grpo.protocols.sampling import SamplingConfig
 from lightning_grpo.rollout.worker import RolloutWorker, prompt_rows
-from lightning_grpo.training.collectives import Collectives
 from lightning_grpo.training.metrics import StepTimer
 
 log = logging.getLogger(__name__)
@@ -98,33 +98,22 @@ class PrefetchedRollout:
 
     def state(self) -> dict[str, Any]:
         """A finished rollout as plain data (CPU tensors, lists, numbers), for a checkpoint."""
-        out = self.result()
-        output = {f.name: _to_cpu(getattr(out, f.name)) for f in fields(out)}
-        if out.episodes is not None:  # multi-turn: the episode records as plain data
-            output["episodes"] = [e.state() for e in out.episodes]
         return {
             "batch": self.batch, "num_truncated": self.num_truncated, "num_generations": self.num_generations,
             "sampling": {f.name: getattr(self.sampling, f.name) for f in fields(self.sampling)},
             "weights_version": self.weights_version, "generate_s": self.generate_s,
-            "output": output,
+            "output": self.result().state(),
         }
 
     @classmethod
     def from_state(cls, state: dict[str, Any]) -> "PrefetchedRollout":
         """The finished rollout :meth:`state` saved."""
-        output = dict(state["output"])
-        if output.get("episodes") is not None:
-            output["episodes"] = [EpisodeRecord.from_state(e) for e in output["episodes"]]
         return cls(
             batch=state["batch"], num_truncated=int(state["num_truncated"]),
             num_generations=int(state["num_generations"]), sampling=SamplingConfig(**state["sampling"]),
             weights_version=int(state["weights_version"]), generate_s=float(state["generate_s"]),
-            output=RolloutOutput(**output),
+            output=RolloutOutput.from_state(state["output"]),
         )
-
-
-def _to_cpu(value: Any) -> Any:
-    return value.detach().cpu() if isinstance(value, torch.Tensor) else value
 
 
 class RolloutPrefetcher:
@@ -163,7 +152,7 @@ class RolloutPrefetcher:
         Raises:
             NonFiniteError: ``policy`` has a NaN or infinite weight (nothing is sampled from it).
         """
-        prompt_ids, num_truncated = self.worker.tokenize(batch["prompt"])
+        prompt_ids, num_truncated = self.worker.encode_prompts(batch["prompt"])
         self.wait_idle(timer)
         engine = self.worker.prepare(policy, force_sync=True, timer=timer, collectives=collectives)
         rollout = PrefetchedRollout(batch, num_truncated, num_generations, sampling(), self.worker.engine_version)
@@ -207,8 +196,8 @@ class RolloutPrefetcher:
 def _generate(worker: RolloutWorker, engine: RolloutEngine, prompt_ids: Sequence[Sequence[int]],
               rollout: PrefetchedRollout,
               on_generated: Optional[Callable[[PrefetchedRollout, RolloutOutput], Any]]) -> RolloutOutput:
-    """The producer thread's work: one ``engine.generate`` call (multi-turn: every turn of the rollout's episodes,
-    :meth:`lightning_grpo.rollout.worker.RolloutWorker.sample`), timed, then ``on_generated``."""
+    """The producer thread's work: the worker's sampler (one ``engine.generate`` call; multi-turn: every turn of the
+    rollout's episodes; :meth:`lightning_grpo.rollout.worker.RolloutWorker.sample`), timed, then ``on_generated``."""
     start = time.perf_counter()
     out = worker.sample(engine, prompt_ids, rollout.num_generations, rollout.sampling, prompt_rows(rollout.batch))
     rollout.generate_s = time.perf_counter() - start

@@ -118,3 +118,19 @@ def encode_prompts(
                 ids = ids[len(ids) - max_prompt_length :]
         encoded.append(ids)
     return encoded, truncated
+
+
+class TemplatePrompts:
+    """The single-turn prompt encoding (a :class:`~lightning_grpo.protocols.sampler.PromptEncoder`):
+    :func:`encode_prompts` with ``tokenizer``, strings as text and message lists through its chat template.
+
+    Args:
+        tokenizer: the policy's tokenizer.
+    """
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
+        self.tokenizer = tokenizer
+
+    def encode_prompts(self, prompts: Sequence[Any], max_prompt_length: int) -> tuple[list[list[int]], int]:
+        """:func:`encode_prompts`: ``(ids, num_truncated)``; raises as it."""
+        return encode_prompts(self.tokenizer, prompts, max_prompt_length)

@@ -3,7 +3,7 @@
 Adding an engine (SGLang, say) is a file in :mod:`lightning_grpo.rollout.engines` with a factory
 ``make(spec: EngineSpec) -> RolloutEngine`` plus a line in :data:`BUILTIN_ENGINES` (or, from user code, one call of
 :func:`register_engine`). Nothing outside the engine's own file and this registry asks which engine it is: the
-rest of the package reads the engine's declared capabilities (:class:`~lightning_grpo.rollout.base.RolloutEngine`'s
+rest of the package reads the engine's declared capabilities (:class:`~lightning_grpo.protocols.engine.RolloutEngine`'s
 ``uses_policy_parameters`` and ``seeds_per_request``). Built-in factories are imported on first use, so
 ``import lightning_grpo`` never imports vLLM.
 """
@@ -19,7 +19,8 @@ from typing import Any, Callable, Optional
 from torch import nn
 
 from lightning_grpo.config import GRPOConfig
-from lightning_grpo.rollout.base import RolloutEngine, StopFlag
+from lightning_grpo.protocols.engine import RolloutEngine
+from lightning_grpo.protocols.rollout import StopFlag
 
 log = logging.getLogger(__name__)
 

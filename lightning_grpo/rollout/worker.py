@@ -1,10 +1,15 @@
-"""The rollout worker: owns the rollout engine, the prompt encoding and the weight versions.
+"""The rollout worker: owns the rollout engine, the rollout path (prompt encoding and sampler) and the weight versions.
 
 The trainer's weights change at every optimizer step (:meth:`RolloutWorker.mark_stale`); the engine gets them at
 the next :meth:`RolloutWorker.awake` when ``engine.sync_every`` steps have passed (always when forced, e.g. before
 validation). An engine that generates with the policy's own parameters (HF) needs no sync.
 
-The worker's :class:`~lightning_grpo.rollout.base.StopFlag` (``stop``) is polled by its engine while it generates
+Every rollout goes through the :class:`~lightning_grpo.protocols.sampler.PromptEncoder` and
+:class:`~lightning_grpo.protocols.sampler.Sampler` the worker is made with: single-turn (the chat template, one
+``engine.generate``) and multi-turn (the prompts with their tools, the turn loop of
+:class:`~lightning_grpo.episodes.runner.EpisodeRunner`) alike.
+
+The worker's :class:`~lightning_grpo.protocols.rollout.StopFlag` (``stop``) is polled by its engine while it generates
 (preemption: ``GRPOModule`` sets it to watch ``trainer.received_sigterm``), and the policy's weights are checked for
 NaN/inf before every rollout (:func:`lightning_grpo.training.nonfinite.check_finite_parameters`).
 """
@@ -18,12 +23,16 @@ from torch import nn
 from transformers import PreTrainedTokenizerBase
 
 from lightning_grpo.config import GRPOConfig
-from lightning_grpo.episodes.runner import EpisodeRunner
 from lightning_grpo.events import ON_WEIGHTS_SYNCED, EventSink
-from lightning_grpo.rollout.base import RolloutEngine, RolloutOutput, SamplingConfig, StopFlag, as_rollout_engine
-from lightning_grpo.rollout.prompts import encode_prompts
+from lightning_grpo.protocols.collectives import Collectives
+from lightning_grpo.protocols.engine import RolloutEngine
+from lightning_grpo.protocols.rollout import RolloutOutput, StopFlag
+from lightning_grpo.protocols.sampler import PromptEncoder, Sampler
+from lightning_grpo.protocols.sampling import SamplingConfig
+from lightning_grpo.rollout.adapter import as_rollout_engine
+from lightning_grpo.rollout.prompts import TemplatePrompts
 from lightning_grpo.rollout.registry import EngineSpec, make_engine, resolve_engine_name
-from lightning_grpo.training.collectives import Collectives
+from lightning_grpo.rollout.single_turn import SingleTurnSampler
 from lightning_grpo.training.metrics import StepTimer
 from lightning_grpo.training.nonfinite import check_finite_parameters
 
@@ -36,38 +45,44 @@ def prompt_rows(batch: Any) -> list[dict[str, Any]]:
 
 
 class RolloutWorker:
-    """The engine's lifecycle (make, wake, sync, sleep), prompt encoding and weight versions.
+    """The engine's lifecycle (make, wake, sync, sleep), the rollout path and weight versions.
 
     Args:
         config: the algorithm settings (``engine``, ``max_prompt_length``, ``engine.sync_every``, ...).
-        tokenizer: the policy's tokenizer (chat template for message-list prompts).
+        tokenizer: the policy's tokenizer (the engine's; the default prompt encoding's).
         events: called as ``events("on_weights_synced", weights_version)`` after each sync
             (:mod:`lightning_grpo.events`).
+        prompts: how prompts become token ids; default :class:`~lightning_grpo.rollout.prompts.TemplatePrompts`
+            (the tokenizer's chat template).
+        sampler: how token ids become a rollout; default
+            :class:`~lightning_grpo.rollout.single_turn.SingleTurnSampler` (one ``engine.generate``). Multi-turn:
+            the :class:`~lightning_grpo.episodes.runner.EpisodeRunner` is both (``lightning_grpo.episodes.build``).
+        stop: the stop flag (default a new one); the sampler's, when it polls one, is this one.
 
     Attributes:
         engine: the rollout engine, None before :meth:`start` (a backend may replace it with a wrapper).
         weights_version: optimizer steps taken so far (the trainer's ``global_step``; ``GRPOModule`` sets it when
             training starts, also after a resume).
         engine_version: the ``weights_version`` the engine generates with (-1: not yet synced).
-        stop: the stop request the engine polls while generating (a stopped rollout raises
-            :class:`~lightning_grpo.rollout.base.RolloutInterrupted`).
-        episodes: multi-turn rollouts (``GRPOModule(tools=..., environment_factory=...)``): the turn loop that
-            :meth:`sample` runs instead of one ``engine.generate``, and the prompts' encoding with their tools; None =
-            single-turn.
+        stop: the stop request the engine and the sampler poll (a stopped rollout raises
+            :class:`~lightning_grpo.protocols.rollout.RolloutInterrupted`).
+        prompts, sampler: the rollout path (see the arguments).
     """
 
-    def __init__(self, config: GRPOConfig, tokenizer: PreTrainedTokenizerBase,
-                 events: Optional[EventSink] = None) -> None:
+    def __init__(self, config: GRPOConfig, tokenizer: PreTrainedTokenizerBase, events: Optional[EventSink] = None, *,
+                 prompts: Optional[PromptEncoder] = None, sampler: Optional[Sampler] = None,
+                 stop: Optional[StopFlag] = None) -> None:
         self.config = config
         self.events = events
         self.tokenizer = tokenizer
+        self.prompts: PromptEncoder = prompts if prompts is not None else TemplatePrompts(tokenizer)
+        self.sampler: Sampler = sampler if sampler is not None else SingleTurnSampler()
         resolve_engine_name(config.engine.name)  # an unknown engine name fails here, when the module is built
         self._engine: Optional[RolloutEngine] = None
         self._made: Optional[RolloutEngine] = None  # the engine start() made, which close() releases
         self.weights_version = 0
         self.engine_version = 0
-        self.stop = StopFlag()
-        self.episodes: Optional[EpisodeRunner] = None
+        self.stop = stop if stop is not None else StopFlag()
 
     @property
     def engine(self) -> Optional[RolloutEngine]:
@@ -76,9 +91,9 @@ class RolloutWorker:
 
     @engine.setter
     def engine(self, engine: Any) -> None:
-        """Set the engine: a :class:`~lightning_grpo.rollout.base.RolloutEngine`, or a user engine with only the core
-        members (adapted by :func:`~lightning_grpo.rollout.base.as_rollout_engine`; a TypeError names what it lacks).
-        An engine with its own weights gets the policy's before its first rollout."""
+        """Set the engine: a :class:`~lightning_grpo.protocols.engine.RolloutEngine`, or a user engine with only the
+        core members (adapted by :func:`~lightning_grpo.rollout.adapter.as_rollout_engine`; a TypeError names what it
+        lacks). An engine with its own weights gets the policy's before its first rollout."""
         self._engine = None if engine is None else as_rollout_engine(engine)
         if self._engine is not None:
             self._check_capabilities(self._engine)
@@ -120,38 +135,32 @@ class RolloutWorker:
                 "generates with the training model itself, so it cannot generate while the trainer trains; use "
                 "max_staleness=0")
 
-    def tokenize(self, prompts: Sequence[Any]) -> tuple[list[list[int]], int]:
-        """Encode prompts (:func:`lightning_grpo.rollout.prompts.encode_prompts`: chat template for message lists,
-        exactly one BOS where the tokenizer uses one, left truncation to ``max_prompt_length``).
-
-        Multi-turn (:attr:`episodes`): message lists only, with the tools the prompt describes
-        (:meth:`lightning_grpo.episodes.chat.ChatFormat.encode_prompts`).
+    def encode_prompts(self, prompts: Sequence[Any]) -> tuple[list[list[int]], int]:
+        """The prompts' token ids (:attr:`prompts`; single-turn: :func:`lightning_grpo.rollout.prompts.encode_prompts`,
+        the chat template for message lists, exactly one BOS where the tokenizer uses one, left truncation to
+        ``max_prompt_length``).
 
         Returns:
             ``(ids, num_truncated)``.
         """
-        if self.episodes is not None:
-            return self.episodes.encode_prompts(prompts, self.config.max_prompt_length)
-        return encode_prompts(self.tokenizer, prompts, self.config.max_prompt_length)
+        return self.prompts.encode_prompts(prompts, self.config.max_prompt_length)
 
     def sample(self, engine: RolloutEngine, prompt_ids: Sequence[Sequence[int]], num_generations: int,
-               sampling: SamplingConfig, rows: Optional[Sequence[dict[str, Any]]] = None,
+               sampling: SamplingConfig, rows: Sequence[dict[str, Any]],
                collectives: Optional[Collectives] = None) -> RolloutOutput:
-        """``num_generations`` completions of each prompt: ``engine.generate``, or with :attr:`episodes` the
-        episodes of the turn loop (:meth:`lightning_grpo.episodes.runner.EpisodeRunner.run`; ``rows[i]``: the
-        dataset row of prompt i, for the environments' ``reset``; ``collectives``: the processes' agreement on the
-        number of turns, on the trainer's thread only)."""
-        if self.episodes is not None:
-            any_process = None if collectives is None else collectives.any_process
-            return self.episodes.run(engine, prompt_ids, num_generations, sampling, rows, any_process)
-        return engine.generate(prompt_ids, num_generations, sampling)
+        """``num_generations`` completions of each of the encoded prompts (:attr:`sampler`: one ``engine.generate``,
+        or the episodes of the turn loop; ``rows[i]``: the dataset row of prompt i; ``collectives``: the processes'
+        agreement, on the trainer's thread only)."""
+        any_process = None if collectives is None else collectives.any_process
+        return self.sampler.sample(engine, prompt_ids, num_generations, sampling, rows, any_process)
 
-    def generate(self, prompts: Sequence[Any], num_generations: int, sampling: SamplingConfig,
-                 rows: Optional[Sequence[dict[str, Any]]] = None,
-                 collectives: Optional[Collectives] = None) -> RolloutOutput:
-        """Rollout with the engine's current weights: prompts (message lists or strings) -> ``RolloutOutput``
-        (:meth:`sample`)."""
-        ids, _ = self.tokenize(prompts)
+    def sample_prompts(self, prompts: Sequence[Any], num_generations: int, sampling: SamplingConfig,
+                       rows: Optional[Sequence[dict[str, Any]]] = None,
+                       collectives: Optional[Collectives] = None) -> RolloutOutput:
+        """Rollout from raw prompts (message lists or strings) with the engine's current weights:
+        :meth:`encode_prompts`, then :meth:`sample` (``rows``: default, an empty row per prompt)."""
+        ids, _ = self.encode_prompts(prompts)
+        rows = [{} for _ in ids] if rows is None else rows
         return self.sample(self.require_engine(), ids, num_generations, sampling, rows, collectives)
 
     def require_engine(self) -> RolloutEngine:

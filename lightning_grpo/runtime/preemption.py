@@ -27,7 +27,7 @@ from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from lightning_grpo.rollout.base import RolloutInterrupted, StopFlag
+from lightning_grpo.protocols.rollout import RolloutInterrupted, StopFlag
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,9 @@ from typing import Any, Iterator, Sequence
 
 from torch import Tensor, nn
 
-from lightning_grpo.rollout.base import EngineWrapper, RolloutEngine, RolloutOutput, SamplingConfig
+from lightning_grpo.protocols.engine import EngineWrapper, RolloutEngine
+from lightning_grpo.protocols.rollout import RolloutOutput
+from lightning_grpo.protocols.sampling import SamplingConfig
 
 #: Attribute set on every module :func:`lightning_grpo.strategies.fsdp.shard_model` shards: its
 #: ``reshard_after_forward`` (restored after a rollout).
@@ -109,7 +111,7 @@ class GatheredGenerationEngine(EngineWrapper):
             parameters outside it are flat local shards; FSDP2 ``DTensor`` parameters gather themselves).
 
     ``wake_up``, ``sleep``, ``close`` and ``pad_token_id`` are those of ``engine``
-    (:class:`~lightning_grpo.rollout.base.EngineWrapper`).
+    (:class:`~lightning_grpo.protocols.engine.EngineWrapper`).
     """
 
     def __init__(self, engine: RolloutEngine, model: nn.Module, gather_for_sync: bool = False) -> None:

@@ -18,8 +18,8 @@ from torch.optim import Optimizer
 
 from lightning_grpo.algorithm import ObjectiveOutput
 from lightning_grpo.config import GRPOConfig
-from lightning_grpo.rollout.base import RolloutEngine
-from lightning_grpo.training.collectives import Collectives
+from lightning_grpo.protocols.collectives import Collectives
+from lightning_grpo.protocols.engine import RolloutEngine
 from lightning_grpo.training.experience import Experience
 
 #: ``LightningModule.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)``: Lightning's own
@@ -98,7 +98,7 @@ class ParallelBackend(Protocol):
         ...
 
     def collectives(self, device: torch.device) -> Collectives:
-        """:meth:`reduce_sum` and :meth:`reduce_max` as one :class:`~lightning_grpo.training.collectives.Collectives`
+        """:meth:`reduce_sum` and :meth:`reduce_max` as one :class:`~lightning_grpo.protocols.collectives.Collectives`
         record whose flags are reduced on ``device``: what the components get instead of the backend."""
         ...
 

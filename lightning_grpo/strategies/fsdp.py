@@ -24,7 +24,7 @@ What :class:`FSDP2Backend` (the backend of any ``ModelParallelStrategy``) does t
   (``set_reshard_after_forward(False)``), and frees them after (``FSDPModule.reshard``): one all-gather per
   group per rollout, and no collective inside ``generate``.
   :class:`~lightning_grpo.strategies._gather.GatheredGenerationEngine` wraps the HF engine with it.
-* The vLLM engine gets full weights from :func:`lightning_grpo.rollout.engines.hf_weights.hf_weights` (one
+* The vLLM engine gets full weights from :func:`lightning_grpo.models.hf_weights.hf_weights` (one
   ``DTensor.full_tensor()`` per parameter, so never the whole model at once);
   :func:`~lightning_grpo.strategies._gather.full_state_dict` gathers
   the whole state dict (HF export).

@@ -16,8 +16,8 @@ from torch.optim import Optimizer
 
 from lightning_grpo.algorithm import ObjectiveOutput
 from lightning_grpo.config import GRPOConfig
+from lightning_grpo.protocols.collectives import Collectives
 from lightning_grpo.strategies.base import ClipFallback, GRPOModels, StepObjective
-from lightning_grpo.training.collectives import Collectives
 from lightning_grpo.training.experience import Experience
 
 

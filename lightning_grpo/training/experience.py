@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from lightning_grpo.functional import loss_normalizer
-from lightning_grpo.training.collectives import Collectives
+from lightning_grpo.protocols.collectives import Collectives
 from lightning_grpo.training.packing import sequence_token_counts, token_budget_partition
 
 

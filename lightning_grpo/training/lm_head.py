@@ -2,7 +2,7 @@
 the ``[K, V]`` logits of the K scored tokens never exist at once, neither in the forward pass nor in backward.
 
 For each chunk of C tokens: ``logits = h W^T (+ b)`` -> ``z = logits.float() / temperature`` -> min-p / top-k /
-top-p truncation (:func:`lightning_grpo.rollout.sampling.sampling_removed`, the label kept) -> ``log p(y) = z_y -
+top-p truncation (:func:`lightning_grpo.protocols.sampling.sampling_removed`, the label kept) -> ``log p(y) = z_y -
 logsumexp(z)`` and ``H = logsumexp(z) - sum_v p_v z_v``. Only ``h`` (``[K, H]``), the weight and the targets are
 saved for backward, which recomputes each chunk's logits and accumulates
 
@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 from torch.nn import functional as F
 
-from lightning_grpo.rollout.sampling import check_truncation, sampling_removed
+from lightning_grpo.protocols.sampling import check_truncation, sampling_removed
 
 #: Tokens per chunk by default (prime-rl's ``fused_lm_head_token_chunk_size``); top-p sorts the vocabulary and uses
 #: chunks 8 times smaller, as :func:`lightning_grpo.functional.token_logprobs`.
@@ -171,7 +171,7 @@ def chunked_token_logprobs(
         labels: ``(K,)`` long target ids in ``[0, V)``.
         bias: ``(V,)`` output-layer bias or None.
         temperature: > 0.
-        top_k, top_p, min_p: the rollout's truncation (:func:`lightning_grpo.rollout.sampling.sampling_removed`).
+        top_k, top_p, min_p: the rollout's truncation (:func:`lightning_grpo.protocols.sampling.sampling_removed`).
         with_entropy: also return the per-token entropy (nats) of the truncated distribution.
         entropy_grad: the entropy is differentiable (an entropy bonus); else it carries no gradient.
         chunk_size: tokens per chunk (>= 1); top-p uses chunks 8 times smaller (it sorts the vocabulary).

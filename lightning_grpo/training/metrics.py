@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from lightning_grpo.algorithm import ObjectiveOutput, ScoredRollout
-from lightning_grpo.training.collectives import Collectives
+from lightning_grpo.protocols.collectives import Collectives
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ from typing import Any, Iterable, Iterator, Optional
 import torch
 from torch import Tensor, nn
 
-from lightning_grpo.training.collectives import Collectives
+from lightning_grpo.protocols.collectives import Collectives
 
 log = logging.getLogger(__name__)
 

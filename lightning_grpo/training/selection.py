@@ -29,7 +29,7 @@ from lightning_grpo.algorithm.covariance import (
 )
 from lightning_grpo.algorithm.entropy import entropy_threshold
 from lightning_grpo.config import GRPOConfig
-from lightning_grpo.training.collectives import Collectives, gather_per_process
+from lightning_grpo.protocols.collectives import Collectives, gather_per_process
 from lightning_grpo.training.experience import Experience
 from lightning_grpo.training.logprobs import CompletionLogprobs
 

@@ -35,7 +35,7 @@ from lightning_grpo.episodes import (  # noqa: E402
     as_tools,
     calculator,
 )
-from lightning_grpo.rollout.base import SamplingConfig  # noqa: E402
+from lightning_grpo.protocols.sampling import SamplingConfig  # noqa: E402
 
 EOS = 2
 QUESTIONS = ["What is 123 * 456?", "Say 7.", "What is (2 + 2) * 5?"]
@@ -99,7 +99,7 @@ def test_completion_ids_and_tool_mask_equal_trls(tiny_llama_path, qwen_tokenizer
                            max_tokens=256)
     prompt_ids, _ = runner.encode_prompts([[{"role": "user", "content": q}] for q in QUESTIONS], 4096)
     engine = ScriptedEngine(qwen_tokenizer, lambda call, row, prefix: next_turn(qwen_tokenizer, prefix))
-    out = runner.run(engine, prompt_ids, 2, SamplingConfig(max_new_tokens=256))
+    out = runner.sample(engine, prompt_ids, 2, SamplingConfig(max_new_tokens=256))
 
     assert [len(p) for p, _, _ in engine.calls] == [3, 4, 2] and trl_calls == [6, 4, 2]  # one generate per turn
     assert [e.model_turns for e in out.episodes] == [2, 2, 1, 1, 3, 3]

@@ -102,9 +102,9 @@ def test_the_episode_ids_are_what_the_engine_sampled(talkative_llama, prompt_fil
     engine.generate = recording
     batch = {"prompt": [[{"role": "user", "content": "hello"}]], "answer": ["1"]}
     torch.manual_seed(0)
-    out = module.rollout.generate(batch["prompt"], 2, module.experience_maker._sampling(), [{"answer": "1"}])
+    out = module.rollout.sample_prompts(batch["prompt"], 2, module.experience_maker._sampling(), [{"answer": "1"}])
     assert any(r.model_turns > 1 for r in out.episodes) and len(turns) > 1
-    chat = module.rollout.episodes.chat
+    chat = module.rollout.sampler.chat
     for row, record in enumerate(out.episodes):
         expected, model_turn = [], 0
         for turn in record.turns:

@@ -52,6 +52,7 @@ def test_cli_test_subcommand_evaluates_gsm8k_and_math500_from_the_eval_recipe(tm
                                            "--trainer.logger.init_args.save_dir", str(tmp_path),
                                            "--trainer.enable_progress_bar", "false"], run=False)
     assert cli.datamodule.eval_names == ["gsm8k", "math500"]
+    assert cli.datamodule.eval_accuracy == [None, "math_accuracy"]  # the module's for the first, the preset's
     gsm8k, math500 = cli.trainer.test(cli.model, datamodule=cli.datamodule)  # one dict per dataset
     assert {"test/accuracy", "test/pass@1", "test/mean_length"} <= set(gsm8k)
     assert {"test/math500/accuracy", "test/math500/pass@1"} <= set(math500)

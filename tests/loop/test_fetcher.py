@@ -15,7 +15,8 @@ from lightning_grpo.data.module import collate_prompts
 from lightning_grpo.loop.fetcher import ExperienceFetcher
 from lightning_grpo.loop.fit_loop import GRPOFitLoop, install_loop
 from lightning_grpo.loop.resume import PARTIAL_KEY, PREFETCHED_KEY, PROMPT_BATCHES_KEY, RNG_KEY, ResumeState, rng_states
-from lightning_grpo.rollout.base import RolloutInterrupted, RolloutOutput, SamplingConfig
+from lightning_grpo.protocols.rollout import RolloutInterrupted, RolloutOutput
+from lightning_grpo.protocols.sampling import SamplingConfig
 from lightning_grpo.rollout.prefetch import PrefetchedRollout
 from lightning_grpo.training.experience import Experience, micro_batches
 

@@ -25,11 +25,13 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from lightning_grpo import GRPOConfig, GRPOModule
 from lightning_grpo.cli import GRPOCLI
 from lightning_grpo.data import PromptDataModule
+from lightning_grpo.models.hf_weights import hf_weights, merged_state_dict
 from lightning_grpo.models.loading import load_policy
 from lightning_grpo.models.lora import AdapterDisabledReference, LoraSettings, as_lora_config, check_quantized_engine
-from lightning_grpo.rollout.base import SamplingConfig, StopFlag, as_rollout_engine
+from lightning_grpo.protocols.rollout import StopFlag
+from lightning_grpo.protocols.sampling import SamplingConfig
+from lightning_grpo.rollout.adapter import as_rollout_engine
 from lightning_grpo.rollout.engines.hf import HFRolloutEngine
-from lightning_grpo.rollout.engines.hf_weights import hf_weights, merged_state_dict
 from lightning_grpo.rollout.registry import EngineSpec, make_engine
 from lightning_grpo.strategies import FSDP1Backend, GRPOModels
 from lightning_grpo.training.experience import Experience

@@ -11,6 +11,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from lightning_grpo.rewards import (  # noqa: E402
     REWARD_FUNCTIONS,
+    RewardSet,
     extract_answer,
     gold_answer,
     gsm8k_accuracy,
@@ -241,6 +242,17 @@ def test_resolve_reward_function():
     assert resolve_reward_function("lightning_grpo.rewards.format.gsm8k_format") is gsm8k_format
     assert set(REWARD_FUNCTIONS) >= {"gsm8k_accuracy", "gsm8k_format", "math_accuracy"}
     assert REWARD_FUNCTIONS["gsm8k_accuracy_strict"].__name__ == "gsm8k_accuracy_strict"
+
+
+def test_an_evaluation_set_names_its_accuracy_check():
+    """``RewardSet.accuracy_for``: the check a datamodule names for an evaluation set (``EvalSource.eval_accuracy``),
+    else the module's ``accuracy_reward``; rewards never look datasets up themselves."""
+    rewards = RewardSet.from_specs([gsm8k_format, "gsm8k_accuracy"], accuracy="gsm8k_accuracy")
+    assert rewards.accuracy_for(None) is gsm8k_accuracy
+    assert rewards.accuracy_for("math_accuracy") is math_accuracy
+    assert RewardSet.from_specs([gsm8k_format]).accuracy_for(None) is gsm8k_format  # default: the first function
+    with pytest.raises(ValueError, match="unknown reward function 'no_such_check'"):
+        rewards.accuracy_for("no_such_check")
 
 
 @pytest.mark.parametrize(

@@ -225,7 +225,7 @@ def test_per_request_seeds_on_vllm_cpu_do_not_depend_on_the_batch_or_the_global_
     4096-token budget, which with chunked prefill made seeded requests fail on CPU ("CPU Generator does not use
     offset"); without it each completion depends only on its seed: a prompt generated alone with its seed gives the
     same completions and logprobs as inside the batch, whatever torch's global generator holds."""
-    from lightning_grpo.rollout.base import SamplingConfig
+    from lightning_grpo.protocols.sampling import SamplingConfig
     from lightning_grpo.rollout.engines.vllm import VLLMRolloutEngine
 
     engine = VLLMRolloutEngine(tiny_llama_path, kv_cache_space_gib=1, max_model_len=512, dtype="float32")

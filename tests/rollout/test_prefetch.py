@@ -13,7 +13,8 @@ from torch import nn
 from transformers import AutoTokenizer
 
 from lightning_grpo import GRPOConfig
-from lightning_grpo.rollout.base import RolloutInterrupted, SamplingConfig
+from lightning_grpo.protocols.rollout import RolloutInterrupted
+from lightning_grpo.protocols.sampling import SamplingConfig
 from lightning_grpo.rollout.prefetch import PrefetchedRollout, RolloutPrefetcher
 from lightning_grpo.rollout.worker import RolloutWorker
 from lightning_grpo.training.metrics import StepTimer
@@ -64,7 +65,7 @@ def test_start_returns_at_once_and_generates_on_the_background_thread(parts, tok
     (generate,) = [entry for entry in engine.log if entry[0] == "generate"]
     assert generate[1] == weights_of(policy) and generate[2] == 101
     assert generate[3].startswith("lightning_grpo_rollout") and generate[3] != threading.current_thread().name
-    assert engine.prompts == [worker.tokenize(BATCH["prompt"])[0]]
+    assert engine.prompts == [worker.encode_prompts(BATCH["prompt"])[0]]
     assert out.completion_ids.shape == (4, 4) and out.completions == [f"completion {i}" for i in range(4)]
     assert rollout.generate_s > 0
 

@@ -9,7 +9,9 @@ from _engines import RecordingEngine, weights_of
 import lightning_grpo.rollout.registry as registry
 from lightning_grpo import EngineConfig, GRPOConfig, GRPOModule
 from lightning_grpo.data import PromptDataModule
-from lightning_grpo.rollout.base import CoreEngineAdapter, RolloutEngine, StopFlag, as_rollout_engine
+from lightning_grpo.protocols.engine import RolloutEngine
+from lightning_grpo.protocols.rollout import StopFlag
+from lightning_grpo.rollout.adapter import CoreEngineAdapter, as_rollout_engine
 from lightning_grpo.rollout.engines.hf import HFRolloutEngine
 from lightning_grpo.rollout.registry import EngineSpec, engine_names, make_engine, register_engine
 from lightning_grpo.rollout.worker import RolloutWorker

@@ -18,7 +18,7 @@ from _checkpoint_generation import SAMPLING_FIELDS, copy_with_generation_config,
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lightning_grpo import GRPOConfig
-from lightning_grpo.rollout.base import SamplingConfig
+from lightning_grpo.protocols.sampling import SamplingConfig
 from lightning_grpo.rollout.engines.hf import HFRolloutEngine
 
 ATOL = 1e-4  # float32 KV-cached generate vs a float32 full forward; observed ~2e-6

@@ -15,7 +15,7 @@ import torch
 from _dist_utils import free_port
 
 from lightning_grpo.config import EngineConfig, GRPOConfig
-from lightning_grpo.rollout.base import SamplingConfig
+from lightning_grpo.protocols.sampling import SamplingConfig
 from lightning_grpo.rollout.engines.probe import probe_sequences
 from lightning_grpo.rollout.engines.remote import VLLMServerEngine, split_evenly
 from lightning_grpo.rollout.engines.rows import request_seeds, rollout_from_rows

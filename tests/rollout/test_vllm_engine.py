@@ -34,9 +34,9 @@ from transformers import AutoModelForCausalLM, TopPLogitsWarper  # noqa: E402
 
 from lightning_grpo import GRPOConfig, GRPOModule  # noqa: E402
 from lightning_grpo.algorithm.importance import rollout_importance_weights  # noqa: E402
-from lightning_grpo.rollout.base import SamplingConfig  # noqa: E402
+from lightning_grpo.models.hf_weights import checkpoint_name, hf_weights  # noqa: E402
+from lightning_grpo.protocols.sampling import SamplingConfig  # noqa: E402
 from lightning_grpo.rollout.engines.hf import HFRolloutEngine  # noqa: E402
-from lightning_grpo.rollout.engines.hf_weights import checkpoint_name, hf_weights  # noqa: E402
 from lightning_grpo.rollout.engines.vllm import VLLMRolloutEngine  # noqa: E402
 from lightning_grpo.training.experience import Experience  # noqa: E402
 
@@ -409,8 +409,8 @@ def test_a_separately_trained_head_of_a_tied_model_is_refused_or_synced_exactly(
     hold: the sync refuses before sending anything (the engine keeps its weights), and at setup ``check_tied_head``
     refuses any engine with its own weights. With ``ensure_weight_tying=True`` embedding and head stay one trained
     matrix, which syncs exactly (the post-sync check at 1e-4 passes)."""
+    from lightning_grpo.models.hf_weights import TIED_HEAD_ERROR
     from lightning_grpo.models.lora import check_tied_head
-    from lightning_grpo.rollout.engines.hf_weights import TIED_HEAD_ERROR
 
     engine = tied.engine
     engine.sync_weights(tied.model)

@@ -11,7 +11,7 @@ pytest.importorskip("vllm")
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from lightning_grpo.rollout.base import SamplingConfig  # noqa: E402
+from lightning_grpo.protocols.sampling import SamplingConfig  # noqa: E402
 from lightning_grpo.rollout.engines import vllm_groups  # noqa: E402
 from lightning_grpo.rollout.engines.vllm import VLLMRolloutEngine  # noqa: E402
 

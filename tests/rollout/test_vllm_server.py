@@ -46,7 +46,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 from lightning_grpo import GRPOConfig, GRPOModule  # noqa: E402
 from lightning_grpo.config import EngineConfig
 from lightning_grpo.data import PromptDataModule  # noqa: E402
-from lightning_grpo.rollout.base import SamplingConfig  # noqa: E402
+from lightning_grpo.protocols.sampling import SamplingConfig  # noqa: E402
 from lightning_grpo.rollout.engines.probe import policy_probe_logprobs, probe_sequences  # noqa: E402
 from lightning_grpo.rollout.engines.remote import VLLMServerEngine  # noqa: E402
 from lightning_grpo.rollout.engines.vllm import VLLMRolloutEngine  # noqa: E402

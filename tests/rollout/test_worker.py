@@ -11,7 +11,9 @@ from transformers import AutoTokenizer
 
 from lightning_grpo import GRPOConfig
 from lightning_grpo.config import EngineConfig
-from lightning_grpo.rollout.base import CoreEngineAdapter, SamplingConfig
+from lightning_grpo.protocols.collectives import Collectives
+from lightning_grpo.protocols.sampling import SamplingConfig
+from lightning_grpo.rollout.adapter import CoreEngineAdapter
 from lightning_grpo.rollout.worker import RolloutWorker
 from lightning_grpo.training import metrics as metrics_module
 from lightning_grpo.training.metrics import StepTimer
@@ -182,8 +184,39 @@ def test_prompts_are_encoded_and_truncated_from_the_left_before_the_engine(token
     engine = _engine()
     worker.engine = engine
     prompts = ["a short one", "one two three four five six seven eight nine ten eleven twelve"]
-    ids, truncated = worker.tokenize(prompts)
+    ids, truncated = worker.encode_prompts(prompts)
     assert truncated == 1 and len(ids[1]) == 8
     assert ids[0] == tokenizer(prompts[0])["input_ids"] and ids[1] == tokenizer(prompts[1])["input_ids"][-8:]
-    out = worker.generate(prompts, 2, SamplingConfig(max_new_tokens=4))
+    out = worker.sample_prompts(prompts, 2, SamplingConfig(max_new_tokens=4))
     assert engine.prompts == [ids] and len(out.completions) == 4
+
+
+class _Encoder:
+    def encode_prompts(self, prompts, max_prompt_length):
+        return [[len(p), max_prompt_length] for p in prompts], 0
+
+
+class _Sampler:
+    def __init__(self):
+        self.calls = []
+
+    def sample(self, engine, prompt_ids, num_generations, sampling, rows, any_process=None):
+        self.calls.append((prompt_ids, num_generations, list(rows), any_process))
+        return engine.generate(prompt_ids, num_generations, sampling)
+
+
+def test_every_rollout_goes_through_the_prompt_encoder_and_sampler_it_was_made_with(tokenizer):
+    """The rollout path is given at construction (single-turn by default); the worker passes the dataset rows and,
+    on the trainer's thread, the processes' agreement."""
+    default = RolloutWorker(GRPOConfig(), tokenizer)
+    assert type(default.prompts).__name__ == "TemplatePrompts" and type(default.sampler).__name__ == "SingleTurnSampler"
+    sampler = _Sampler()
+    worker = RolloutWorker(GRPOConfig(max_prompt_length=9), tokenizer, prompts=_Encoder(), sampler=sampler)
+    engine = _engine()
+    worker.engine = engine
+    agree = Collectives()
+    worker.sample_prompts(["ab", "abc"], 2, SamplingConfig(max_new_tokens=4), [{"x": 1}, {"x": 2}], agree)
+    worker.sample_prompts(["abcd"], 1, SamplingConfig(max_new_tokens=4))
+    assert engine.prompts == [[[2, 9], [3, 9]], [[4, 9]]]
+    assert sampler.calls == [([[2, 9], [3, 9]], 2, [{"x": 1}, {"x": 2}], agree.any_process),
+                             ([[4, 9]], 1, [{}], None)]

@@ -22,7 +22,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lightning_grpo import GRPOConfig, GRPOModule
 from lightning_grpo.data import PromptDataModule
-from lightning_grpo.rollout.base import RolloutInterrupted, SamplingConfig, StopFlag
+from lightning_grpo.protocols.rollout import RolloutInterrupted, StopFlag
+from lightning_grpo.protocols.sampling import SamplingConfig
 from lightning_grpo.rollout.engines.hf import HFRolloutEngine
 from lightning_grpo.runtime.checkpointing import (
     PARTIAL_SUFFIX,

@@ -10,7 +10,8 @@ import torch
 from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy, SingleDeviceStrategy
 from lightning.pytorch.utilities.enums import GradClipAlgorithmType
 
-from lightning_grpo.rollout.base import EngineWrapper, RolloutOutput
+from lightning_grpo.protocols.engine import EngineWrapper
+from lightning_grpo.protocols.rollout import RolloutOutput
 from lightning_grpo.strategies import (
     FSDP1Backend,
     FSDP2Backend,

@@ -4,7 +4,7 @@ rollout's micro-batches (fixed counts), worked by hand."""
 import pytest
 import torch
 
-from lightning_grpo.training.collectives import Collectives
+from lightning_grpo.protocols.collectives import Collectives
 from lightning_grpo.training.experience import Experience, micro_batches
 
 

@@ -9,8 +9,8 @@ import torch
 
 from lightning_grpo import functional as F
 from lightning_grpo.algorithm import ObjectiveOutput, ScoredRollout
+from lightning_grpo.protocols.collectives import Collectives
 from lightning_grpo.training import metrics as metrics_module
-from lightning_grpo.training.collectives import Collectives
 from lightning_grpo.training.metrics import TIMING_KEYS, StepMetrics, StepTimer, rollout_metrics
 
 T, F_ = True, False

@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_grpo.training.collectives import Collectives
+from lightning_grpo.protocols.collectives import Collectives
 from lightning_grpo.training.nonfinite import (
     NonFiniteError,
     NonFiniteGuard,

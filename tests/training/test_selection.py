@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM
 from lightning_grpo import GRPOConfig
 from lightning_grpo.algorithm import selection_count, token_covariance
 from lightning_grpo.algorithm.entropy import entropy_threshold
-from lightning_grpo.training.collectives import Collectives
+from lightning_grpo.protocols.collectives import Collectives
 from lightning_grpo.training.experience import Experience, micro_batches
 from lightning_grpo.training.logprobs import CompletionLogprobs
 from lightning_grpo.training.selection import StepSelection, needs_step_selection

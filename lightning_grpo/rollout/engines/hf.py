@@ -29,15 +29,16 @@ from transformers import (
 
 from lightning_grpo.functional import sampling_logits
 from lightning_grpo.models.lora import base_model
-from lightning_grpo.rollout.base import (
+from lightning_grpo.protocols.rollout import (
     RolloutInterrupted,
     RolloutOutput,
-    SamplingConfig,
     StopFlag,
     completion_mask_from_eos,
     eos_token_ids_from,
     finish_rollout,
+    left_pad,
 )
+from lightning_grpo.protocols.sampling import SamplingConfig
 from lightning_grpo.rollout.registry import EngineSpec
 
 
@@ -45,20 +46,6 @@ def eos_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) ->
     """Every id that ends a completion: the model's ``generation_config.eos_token_id`` (an int or a list) and the
     tokenizer's ``eos_token_id``."""
     return eos_token_ids_from(getattr(model, "generation_config", None), tokenizer)
-
-
-def left_pad(
-    sequences: Sequence[Sequence[int]], pad_id: int, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-pad token-id lists into ``(B, L)`` long ids and a ``(B, L)`` long attention mask."""
-    length = max(len(s) for s in sequences)
-    ids = torch.full((len(sequences), length), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(sequences), length), dtype=torch.long)
-    for row, seq in enumerate(sequences):
-        if len(seq):
-            ids[row, length - len(seq) :] = torch.as_tensor(list(seq), dtype=torch.long)
-            mask[row, length - len(seq) :] = 1
-    return ids.to(device), mask.to(device)
 
 
 def neutral_generation_config(model_config: Optional[GenerationConfig], **fields: Any) -> GenerationConfig:
@@ -206,7 +193,7 @@ class HFRolloutEngine:
     def generate(
         self, prompt_ids: Sequence[Sequence[int]], num_generations: int, sampling: SamplingConfig
     ) -> RolloutOutput:
-        """See :class:`lightning_grpo.rollout.base.RolloutEngine`. ``sampler_logprobs`` are reported when the
+        """See :class:`lightning_grpo.protocols.engine.RolloutEngine`. ``sampler_logprobs`` are reported when the
         engine was built with ``report_logprobs``.
 
         Raises:

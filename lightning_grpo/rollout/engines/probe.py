@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from lightning_grpo.functional import token_logprobs
-from lightning_grpo.rollout.engines.hf_weights import HFWeightSource
+from lightning_grpo.protocols.weights import HFWeightSource
 
 #: The post-sync probe: this many sequences of this many token ids, drawn once from a generator seeded with 0.
 PROBE_SEQUENCES, PROBE_LENGTH = 4, 16
@@ -33,7 +33,7 @@ def probe_sequences(vocab_size: int) -> list[list[int]]:
 def policy_probe_logprobs(model: nn.Module, sequences: Sequence[Sequence[int]]) -> torch.Tensor:
     """``(S, L - 1)`` float32 logprobs of each token of ``sequences`` (equal lengths) given the ones before it, under
     ``model`` (temperature 1, no truncation): what an engine's teacher-forced logprobs compute. A forward pass of
-    ``model`` (a collective under FSDP and for an :class:`~lightning_grpo.rollout.engines.hf_weights.HFWeightSource`
+    ``model`` (a collective under FSDP and for an :class:`~lightning_grpo.protocols.weights.HFWeightSource`
     such as the Megatron policy: every rank calls it)."""
     if isinstance(model, HFWeightSource):
         return model.teacher_forced_logprobs(sequences)

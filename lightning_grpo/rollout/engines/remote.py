@@ -8,7 +8,7 @@
   are the server engine's processed logprobs (:mod:`lightning_grpo.rollout.engines.vllm`). Each rollout carries the
   version of the weights that produced it (``RolloutOutput.weight_version``).
 * **Weight sync** (:meth:`VLLMServerEngine.sync_weights`, every ``engine.sync_every`` optimizer steps): the
-  trainer's global rank 0 streams :func:`lightning_grpo.rollout.engines.hf_weights.hf_weights` (FSDP full tensors
+  trainer's global rank 0 streams :func:`lightning_grpo.models.hf_weights.hf_weights` (FSDP full tensors
   gathered
   one at a time, LoRA merged, ``lm_head`` sent for tied embeddings, as the colocated engine) to every instance
   over its own ``torch.distributed`` group (:mod:`lightning_grpo.rollout.server.weight_sync`); the version goes up by
@@ -47,8 +47,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_grpo.rollout.base import RolloutOutput, SamplingConfig, StopFlag
-from lightning_grpo.rollout.engines.hf_weights import HFWeightSource, check_syncable, hf_weights
+from lightning_grpo.models.hf_weights import check_syncable, hf_weights
+from lightning_grpo.protocols.rollout import RolloutOutput, StopFlag
+from lightning_grpo.protocols.sampling import SamplingConfig
+from lightning_grpo.protocols.weights import HFWeightSource
 from lightning_grpo.rollout.engines.probe import policy_probe_logprobs, probe_sequences, probe_vocab_size
 from lightning_grpo.rollout.engines.rows import check_prompts, request_seeds, rollout_from_rows
 from lightning_grpo.rollout.registry import EngineSpec
@@ -87,7 +89,7 @@ def is_sharded(model: nn.Module) -> bool:
 
 
 class VLLMServerEngine:
-    """A :class:`~lightning_grpo.rollout.base.RolloutEngine` whose rollouts come from rollout servers.
+    """A :class:`~lightning_grpo.protocols.engine.RolloutEngine` whose rollouts come from rollout servers.
 
     Args:
         urls: the servers' base URLs (``http://host:port``), one per instance.
@@ -99,7 +101,7 @@ class VLLMServerEngine:
         weight_sync_check: bound on the max absolute difference of the probe logprobs after a sync; None = off.
         secret: the servers' shared secret (None: servers without one, on the loopback interface).
         stop: polled while waiting for the servers; once set, ``generate`` raises
-            :class:`~lightning_grpo.rollout.base.RolloutInterrupted` (the servers finish and are ignored).
+            :class:`~lightning_grpo.protocols.rollout.RolloutInterrupted` (the servers finish and are ignored).
 
     Raises:
         ValueError: no URL, a malformed URL or one given twice (``engine.server_urls``), a group port in use

@@ -11,8 +11,8 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from lightning_grpo.rollout.base import RolloutOutput, SamplingConfig, completion_mask_from_eos, finish_rollout
-from lightning_grpo.rollout.engines.hf import left_pad
+from lightning_grpo.protocols.rollout import RolloutOutput, completion_mask_from_eos, finish_rollout, left_pad
+from lightning_grpo.protocols.sampling import SamplingConfig
 
 
 def check_prompts(prompt_ids: Sequence[Sequence[int]], num_generations: int, sampling: SamplingConfig,

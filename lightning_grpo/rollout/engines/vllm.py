@@ -19,7 +19,7 @@ How it relates to the trainer:
   (wrong for T != 1) and no mode returns the untruncated tempered logprobs. For greedy decoding they are
   ``log_softmax(logits)`` (temperature 1). On CUDA, vLLM's Triton top-k/top-p kernel defines the same sets; ties
   at the boundary may fall differently.
-* Only :class:`~lightning_grpo.rollout.base.SamplingConfig` shapes the distribution: every request passes explicit
+* Only :class:`~lightning_grpo.protocols.sampling.SamplingConfig` shapes the distribution: every request passes explicit
   ``SamplingParams`` (vLLM's neutral defaults for all else: no repetition / presence / frequency penalty, no
   min-tokens, no bad words), and the engine is built with ``generation_config="vllm"`` so that the checkpoint's
   ``generation_config.json`` sampling defaults are not even the engine's defaults. Its EOS ids are used to stop.
@@ -56,9 +56,10 @@ from typing import Any, Optional, Sequence
 import torch
 from transformers import AutoTokenizer, GenerationConfig
 
+from lightning_grpo.models.hf_weights import check_syncable, hf_weights, merged_state_dict
 from lightning_grpo.models.lora import base_model
-from lightning_grpo.rollout.base import RolloutInterrupted, RolloutOutput, SamplingConfig, StopFlag, eos_token_ids_from
-from lightning_grpo.rollout.engines.hf_weights import check_syncable, hf_weights, merged_state_dict
+from lightning_grpo.protocols.rollout import RolloutInterrupted, RolloutOutput, StopFlag, eos_token_ids_from
+from lightning_grpo.protocols.sampling import SamplingConfig
 from lightning_grpo.rollout.engines.kv_cache import kv_cache_space_gib
 from lightning_grpo.rollout.engines.probe import (
     WeightSyncCheckError,
@@ -104,7 +105,7 @@ def vllm_on_cpu() -> bool:
 
 
 class VLLMRolloutEngine:
-    """A :class:`~lightning_grpo.rollout.base.RolloutEngine` backed by an in-process ``vllm.LLM``.
+    """A :class:`~lightning_grpo.protocols.engine.RolloutEngine` backed by an in-process ``vllm.LLM``.
 
     Args:
         model_path: folder with the HF checkpoint (``config.json``, safetensors) and the tokenizer; the
@@ -126,7 +127,7 @@ class VLLMRolloutEngine:
         weight_sync_check: after each :meth:`sync_weights`, the largest difference allowed between the engine's and
             the policy's logprobs of a fixed probe batch (``engine.weight_sync_check``); None = no check.
         stop: polled before every engine step (one token for every running request); once set, ``generate``
-            aborts its requests and raises :class:`~lightning_grpo.rollout.base.RolloutInterrupted`.
+            aborts its requests and raises :class:`~lightning_grpo.protocols.rollout.RolloutInterrupted`.
         engine_kwargs: more keyword arguments of ``vllm.LLM`` (the rollout server passes its
             ``worker_extension_cls`` and ``tensor_parallel_size``).
 
@@ -355,7 +356,7 @@ class VLLMRolloutEngine:
         the CPU backend's GEMM weight pre-packing) through ``LLM.collective_rpc``. Weights are streamed one
         parameter at a time; FSDP2 ``DTensor`` parameters are all-gathered with ``full_tensor()``, a
         collective, so under FSDP2 every rank must call this method. With tied embeddings
-        ``lm_head.weight`` is sent explicitly (see :func:`lightning_grpo.rollout.engines.hf_weights.hf_weights`).
+        ``lm_head.weight`` is sent explicitly (see :func:`lightning_grpo.models.hf_weights.hf_weights`).
 
         Args:
             model: the HF causal LM being trained (same architecture as ``model_path``), possibly wrapped by

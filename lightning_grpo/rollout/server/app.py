@@ -24,7 +24,7 @@ wrong secret, 404/405, 408/413 body too slow/large, 503 queue full, 500 otherwis
   ``pad_token_id``, ``max_model_len``, ``vocab_size``, ``tie_word_embeddings``, ``world_size`` (the engine's
   workers), ``device``, ``model``, ``max_request_tokens``.
 * ``POST /generate``: ``prompts`` (token-id lists), ``num_generations``, ``sampling`` (the fields of
-  :class:`~lightning_grpo.rollout.base.SamplingConfig` but ``seed``), ``seeds`` (one per prompt, or null) ->
+  :class:`~lightning_grpo.protocols.sampling.SamplingConfig` but ``seed``), ``seeds`` (one per prompt, or null) ->
   ``token_ids`` and ``logprobs`` (one list per completion, prompt-major, unpadded), ``version``, ``instance_id``.
   Its work, ``sum over prompts of num_generations * (prompt tokens + max_new_tokens)``, may be at most
   ``--max-request-tokens`` (the trainer splits its calls to fit).
@@ -46,7 +46,7 @@ import sys
 import uuid
 from typing import Optional, Sequence
 
-from lightning_grpo.rollout.base import SamplingConfig
+from lightning_grpo.protocols.sampling import SamplingConfig
 from lightning_grpo.rollout.engines.rows import check_prompts
 from lightning_grpo.rollout.server.schema import GenerateRequest, InitWeightSyncRequest, ProbeRequest
 from lightning_grpo.rollout.server.security import check_bind, read_secret

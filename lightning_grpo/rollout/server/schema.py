@@ -4,7 +4,7 @@ is an HTTP 400 naming the field (``body.sampling.top_p: Input should be a valid 
 Token ids are strict integers (``true`` or ``1.0`` is not a token id); ranges that depend on the model (token ids
 within the vocabulary, lengths within ``max_model_len``, the per-request work limit) are checked by the server
 (:class:`lightning_grpo.rollout.server.app.RolloutServer`), ranges of the sampling settings by
-:class:`lightning_grpo.rollout.base.SamplingConfig`.
+:class:`lightning_grpo.protocols.sampling.SamplingConfig`.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ class _Body(BaseModel):
 
 
 class SamplingFields(_Body):
-    """:class:`~lightning_grpo.rollout.base.SamplingConfig`'s fields but ``seed`` (seeds travel per prompt)."""
+    """:class:`~lightning_grpo.protocols.sampling.SamplingConfig`'s fields but ``seed`` (seeds travel per prompt)."""
 
     max_new_tokens: StrictInt
     temperature: float = 1.0

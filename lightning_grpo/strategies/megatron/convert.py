@@ -271,7 +271,7 @@ def iter_hf_weights(model: torch.nn.Module, arch: Architecture) -> Iterator[tupl
     """Yield ``(hf_name, full_tensor)`` for every HF tensor of the whole model, on every rank, one parameter at a
     time (so at most one full parameter is gathered at once): each is all-gathered over the TP group of the
     pipeline stage that holds it and broadcast from that stage over the PP group. With tied embeddings
-    ``lm_head.weight`` comes last (as :func:`lightning_grpo.rollout.engines.hf_weights.hf_weights` does, for vLLM's
+    ``lm_head.weight`` comes last (as :func:`lightning_grpo.models.hf_weights.hf_weights` does, for vLLM's
     sake).
 
     A collective over the model-parallel (TP x PP) group: every rank of it must iterate it to the end.

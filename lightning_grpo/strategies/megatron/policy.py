@@ -6,7 +6,7 @@
 forward-only pipeline schedule whose result every stage gets), and the HF model it was converted from is kept
 (outside the module tree, so neither optimized nor checkpointed twice) as the rollout/export copy that
 :meth:`MegatronPolicy.sync_hf_model` refreshes from the trained weights. As an
-:class:`~lightning_grpo.rollout.engines.hf_weights.HFWeightSource` it streams its weights in HF names to the engines
+:class:`~lightning_grpo.protocols.weights.HFWeightSource` it streams its weights in HF names to the engines
 that load them by name (colocated vLLM, the rollout servers), gathered one tensor at a time.
 """
 
@@ -18,7 +18,8 @@ from typing import Any, Iterator, Optional, Sequence
 import torch
 from torch import Tensor, nn
 
-from lightning_grpo.rollout.engines.hf_weights import HFWeightSource, lora_layers
+from lightning_grpo.models.hf_weights import lora_layers
+from lightning_grpo.protocols.weights import HFWeightSource
 from lightning_grpo.strategies.megatron.convert import current_stage, iter_hf_weights, load_hf_state_dict, param_maps
 from lightning_grpo.strategies.megatron.logprobs import vocab_parallel_logprobs
 from lightning_grpo.strategies.megatron.model import Architecture, StageLayout, build_gpt_model
@@ -219,7 +220,7 @@ class MegatronPolicy(nn.Module, HFWeightSource):
         return iter_hf_weights(self.model, self.arch)
 
     def hf_weights(self) -> Iterator[tuple[str, Tensor]]:
-        """:meth:`iter_hf_weights` (:class:`~lightning_grpo.rollout.engines.hf_weights.HFWeightSource`)."""
+        """:meth:`iter_hf_weights` (:class:`~lightning_grpo.protocols.weights.HFWeightSource`)."""
         return self.iter_hf_weights()
 
     @torch.no_grad()

@@ -23,10 +23,10 @@ model-parallel group):
 
 Which path an engine takes is read from its declared capabilities (``uses_policy_parameters``: the HF copy;
 ``sync_is_collective``: every rank syncs; ``reads_weight_sources``: the generating rank's engine gets the policy, an
-:class:`~lightning_grpo.rollout.engines.hf_weights.HFWeightSource` whose tensors are gathered as they are read, which
+:class:`~lightning_grpo.protocols.weights.HFWeightSource` whose tensors are gathered as they are read, which
 it reads to the end while the other ranks gather along; else the HF copy).
 
-The generating rank's :class:`~lightning_grpo.rollout.base.RolloutOutput` is broadcast over a process group of the
+The generating rank's :class:`~lightning_grpo.protocols.rollout.RolloutOutput` is broadcast over a process group of the
 model-parallel group's ranks made for rollouts only, so every rank trains on the same completions; data-parallel
 replicas generate on their own prompts. With asynchronous rollouts (``max_staleness > 0``) ``generate`` runs on a
 background thread: it then only generates and broadcasts (on that dedicated group, never interleaved with the
@@ -42,7 +42,9 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from lightning_grpo.rollout.base import EngineWrapper, RolloutEngine, RolloutOutput, SamplingConfig
+from lightning_grpo.protocols.engine import EngineWrapper, RolloutEngine
+from lightning_grpo.protocols.rollout import RolloutOutput
+from lightning_grpo.protocols.sampling import SamplingConfig
 from lightning_grpo.strategies.megatron.policy import MegatronPolicy
 
 

@@ -62,6 +62,7 @@ from torch.optim import Optimizer
 
 from lightning_grpo.algorithm import ObjectiveOutput
 from lightning_grpo.config import GRPOConfig
+from lightning_grpo.protocols.collectives import Collectives
 from lightning_grpo.strategies.base import ClipFallback, GRPOModels, StepObjective, clips_by_norm
 from lightning_grpo.strategies.megatron import checkpoint, convert, cpu_shims
 from lightning_grpo.strategies.megatron.model import recompute_settings
@@ -74,7 +75,6 @@ from lightning_grpo.strategies.megatron.optimizer import (
 from lightning_grpo.strategies.megatron.pipeline import detached, run_schedule
 from lightning_grpo.strategies.megatron.policy import MegatronPolicy
 from lightning_grpo.strategies.megatron.rollout import TensorParallelRolloutEngine
-from lightning_grpo.training.collectives import Collectives
 from lightning_grpo.training.experience import Experience
 from lightning_grpo.training.logprobs import check_untruncated_scoring
 

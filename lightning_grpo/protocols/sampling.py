@@ -1,8 +1,10 @@
-"""The sampling distribution of a rollout as logits: temperature, then min-p, top-k and top-p truncation (vLLM's
-order), the behaviour policy that both engines sample from and the trainer scores (docs/algorithm.md)."""
+"""The sampling distribution of a rollout: :class:`SamplingConfig` (what a rollout asks an engine for) and the
+distribution as logits (temperature, then min-p, top-k and top-p truncation, vLLM's order), the behaviour policy that
+both engines sample from and the trainer scores (docs/algorithm.md)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -12,7 +14,7 @@ from torch import Tensor
 def sampling_errors(temperature: Optional[float], top_p: float, top_k: int,
                     min_p: float) -> list[tuple[str, float, str]]:
     """The sampling settings out of range, as ``(name, value, requirement)``: the one place that says which values
-    the sampling distribution takes (``GRPOConfig``, :class:`~lightning_grpo.rollout.base.SamplingConfig` and the
+    the sampling distribution takes (``GRPOConfig``, :class:`SamplingConfig` and the
     logprob functions format the error). ``temperature`` None: not checked (greedy decoding)."""
     errors = []
     if temperature is not None and not temperature > 0:
@@ -96,3 +98,47 @@ def sampling_logits(
     z = logits.float() / temperature
     removed = sampling_removed(z, top_k, top_p, min_p)
     return z if removed is None else z.masked_fill(removed, float("-inf"))
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """How completions are sampled: the *only* settings that shape the sampled distribution. A checkpoint's
+    ``generation_config.json`` (repetition penalty, no-repeat n-grams, bad words, its own temperature / top-k /
+    top-p / min-p, ...) never changes a rollout; repetition, frequency and presence penalties are not supported.
+
+    Unless ``greedy``, every engine samples from :func:`sampling_logits` of the policy's
+    logits: ``logits / temperature``, then min-p, top-k and top-p (vLLM's order), renormalized over the kept
+    tokens. The trainer's logprobs (:func:`lightning_grpo.functional.token_logprobs` with the same four values)
+    score exactly that distribution.
+
+    Attributes:
+        max_new_tokens: most tokens generated per completion (>= 1).
+        temperature: softmax temperature (> 0); ignored when ``greedy``.
+        top_p: nucleus mass in (0, 1]; 1.0 disables it.
+        top_k: keep the k most likely tokens (>= 0); 0 disables it.
+        min_p: keep the tokens whose probability is at least ``min_p`` times the largest one, in [0, 1]; 0
+            disables it.
+        greedy: argmax decoding (evaluation); sampler logprobs are then those of ``log_softmax(logits)``.
+        seed: base of per-request seeds (completion ``j`` of prompt ``i`` gets ``seed + i * G + j``, G completions
+            per prompt) for engines whose sampling can be seeded per request (vLLM, colocated or on a rollout
+            server, GPU and CPU), so a resumed run regenerates the same rollouts; None = the engine's own
+            generator. The HF engine, which samples from torch's global generator, ignores it.
+
+    Raises:
+        ValueError: a field out of range (named in the message).
+    """
+
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    greedy: bool = False
+    seed: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"sampling.max_new_tokens={self.max_new_tokens!r} is invalid: must be >= 1")
+        temperature = None if self.greedy else self.temperature
+        for name, value, requirement in sampling_errors(temperature, self.top_p, self.top_k, self.min_p):
+            raise ValueError(f"sampling.{name}={value!r} is invalid: {requirement}")

@@ -1,8 +1,9 @@
 """The policy's weights as ``(hf_name, full_tensor)`` pairs, the form vLLM's checkpoint loader reads.
 
-Used by :meth:`lightning_grpo.rollout.engines.vllm.VLLMRolloutEngine.sync_weights` to push trained weights into a
-running engine. Names are the Hugging Face checkpoint names (``model.layers.0.self_attn.q_proj.weight``,
-``lm_head.weight``), which vLLM's ``load_weights`` maps onto its fused layers (qkv, gate_up) itself.
+Used by :meth:`lightning_grpo.rollout.engines.vllm.VLLMRolloutEngine.sync_weights` (and the rollout servers' client)
+to push trained weights into a running engine. Names are the Hugging Face checkpoint names
+(``model.layers.0.self_attn.q_proj.weight``, ``lm_head.weight``), which vLLM's ``load_weights`` maps onto its fused
+layers (qkv, gate_up) itself.
 
 A PEFT LoRA policy (:mod:`lightning_grpo.models.lora`) is sent merged: each LoRA-adapted linear layer as
 ``W0 + scaling * B @ A`` (Hu et al. 2021, "LoRA", arXiv:2106.09685, eq. 3), computed from the weights without
@@ -12,11 +13,12 @@ sent. The same function gives the merged HF export.
 
 from __future__ import annotations
 
-import abc
-from typing import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Callable, Iterable, Iterator, Mapping
 
 import torch
 from torch import Tensor, nn
+
+from lightning_grpo.protocols.weights import HFWeightSource
 
 #: Name pieces added by wrappers around the HF module, removed so names match the checkpoint:
 #: ``torch.compile`` (``_orig_mod``), activation checkpointing (``_checkpoint_wrapped_module``),
@@ -29,28 +31,6 @@ ADAPTER_NAME_PARTS = frozenset(
 )
 #: Prefix of a ``peft.PeftModel``'s names in front of the base model's own.
 PEFT_PREFIX = "base_model.model."
-
-
-class HFWeightSource(abc.ABC):
-    """A policy that is not a transformers module but gives its weights under HF checkpoint names (the Megatron
-    policy, whose tensor- and pipeline-parallel shards are gathered one tensor at a time). The engines that load
-    weights by name (colocated vLLM, the rollout servers) take such a policy wherever they take an HF model: they
-    iterate :meth:`hf_weights` instead of the module's parameters, and the servers' post-sync check scores its
-    probe batch with :meth:`teacher_forced_logprobs`.
-
-    Both methods are collectives over the policy's model-parallel group: every rank of it calls them, in the same
-    order (so the rollout server engine makes every rank iterate the weights while rank 0 sends them).
-    """
-
-    @abc.abstractmethod
-    def hf_weights(self) -> Iterator[tuple[str, Tensor]]:
-        """Yield ``(hf_name, full_tensor)`` for every tensor of the HF checkpoint, one at a time, with
-        ``lm_head.weight`` (the embedding's value) last when the embeddings are tied. Iterate it to the end."""
-
-    @abc.abstractmethod
-    def teacher_forced_logprobs(self, sequences: Sequence[Sequence[int]]) -> Tensor:
-        """``(S, L - 1)`` float32 CPU logprobs (temperature 1, no truncation) of each token of the ``S`` sequences of
-        ``L`` token ids given the tokens before it: what ``policy(ids).logits`` gives an HF model."""
 
 
 def checkpoint_name(name: str) -> str:

@@ -1,0 +1,49 @@
+"""The package's shared vocabulary: the records and protocols that the rollout, training, episodes and backends all
+speak, and nothing else (this folder imports only torch and the standard library; every other folder may import it).
+
+* :mod:`~lightning_grpo.protocols.sampling`: the sampling distribution and :class:`SamplingConfig`;
+* :mod:`~lightning_grpo.protocols.rollout`: :class:`RolloutOutput`, its layout
+  (:func:`left_pad`, :func:`completion_mask_from_eos`, :func:`eos_token_ids_from`), :class:`StopFlag`,
+  :class:`RolloutInterrupted`;
+* :mod:`~lightning_grpo.protocols.engine`: :class:`RolloutEngine`, :class:`CoreRolloutEngine`, :class:`EngineWrapper`;
+* :mod:`~lightning_grpo.protocols.sampler`: :class:`Sampler` and :class:`PromptEncoder`, the rollout path a worker is
+  given;
+* :mod:`~lightning_grpo.protocols.episode`: :class:`EpisodeRecord` and :class:`Turn` (what a multi-turn episode was);
+* :mod:`~lightning_grpo.protocols.weights`: :class:`HFWeightSource`;
+* :mod:`~lightning_grpo.protocols.collectives`: :class:`Collectives` over the data-parallel processes.
+"""
+
+from lightning_grpo.protocols.collectives import Collectives
+from lightning_grpo.protocols.engine import CoreRolloutEngine, EngineWrapper, RolloutEngine
+from lightning_grpo.protocols.episode import EpisodeRecord, Turn
+from lightning_grpo.protocols.rollout import (
+    RolloutInterrupted,
+    RolloutOutput,
+    StopFlag,
+    completion_mask_from_eos,
+    eos_token_ids_from,
+    left_pad,
+)
+from lightning_grpo.protocols.sampler import AnyProcess, PromptEncoder, Sampler
+from lightning_grpo.protocols.sampling import SamplingConfig
+from lightning_grpo.protocols.weights import HFWeightSource
+
+__all__ = [
+    "AnyProcess",
+    "Collectives",
+    "CoreRolloutEngine",
+    "EngineWrapper",
+    "EpisodeRecord",
+    "HFWeightSource",
+    "PromptEncoder",
+    "RolloutEngine",
+    "RolloutInterrupted",
+    "RolloutOutput",
+    "Sampler",
+    "SamplingConfig",
+    "StopFlag",
+    "Turn",
+    "completion_mask_from_eos",
+    "eos_token_ids_from",
+    "left_pad",
+]

@@ -1,0 +1,171 @@
+"""The rollout-engine protocols: token ids in; completions, masks and optional sampler logprobs out.
+
+Every engine (HF ``generate`` in :mod:`lightning_grpo.rollout.engines.hf`, vLLM in
+:mod:`lightning_grpo.rollout.engines.vllm`, the rollout servers' client in :mod:`lightning_grpo.rollout.engines.remote`)
+implements :class:`RolloutEngine`; a user's engine may implement only :class:`CoreRolloutEngine`
+(:func:`lightning_grpo.rollout.adapter.as_rollout_engine` adds the rest). :class:`EngineWrapper` is the base of the
+engines that wrap another (the backends' gathering and tensor-parallel wrappers). The trainer never depends on an
+engine's internals.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, Sequence, runtime_checkable
+
+import torch
+
+from lightning_grpo.protocols.rollout import RolloutOutput
+from lightning_grpo.protocols.sampling import SamplingConfig
+
+
+@runtime_checkable
+class RolloutEngine(Protocol):
+    """What the trainer needs from a generator: every member the rest of the package uses on an engine.
+
+    An engine says what it is through capabilities, which the backends, the worker and the experience maker read
+    instead of asking for its type: :attr:`uses_policy_parameters`, :attr:`seeds_per_request`,
+    :attr:`sync_is_collective` and :attr:`reads_weight_sources`. A user engine may
+    implement only the core (:class:`CoreRolloutEngine`: ``generate``, ``sync_weights``, ``pad_token_id``):
+    :func:`lightning_grpo.rollout.adapter.as_rollout_engine` adds the rest with neutral defaults.
+    """
+
+    def generate(
+        self, prompt_ids: Sequence[Sequence[int]], num_generations: int, sampling: SamplingConfig
+    ) -> RolloutOutput:
+        """Sample ``num_generations`` completions for each prompt (given as token ids, no padding)."""
+        ...
+
+    def sync_weights(self, model: torch.nn.Module) -> None:
+        """Make the engine generate with ``model``'s current weights (called after optimizer steps)."""
+        ...
+
+    @property
+    def pad_token_id(self) -> int:
+        """The id that pads prompts (left) and completions (right) in :class:`RolloutOutput`."""
+        ...
+
+    @property
+    def uses_policy_parameters(self) -> bool:
+        """True: the engine generates with the policy module itself (HF ``generate``): its weights are always the
+        trainer's, a sharding backend gathers the parameters around :meth:`generate`, and it cannot generate while
+        the trainer trains (no asynchronous rollouts). False: it holds its own copy, updated by
+        :meth:`sync_weights`."""
+        ...
+
+    @property
+    def seeds_per_request(self) -> bool:
+        """Whether ``SamplingConfig.seed`` seeds each request (completion j of prompt i with ``seed + i*G + j``), so
+        a rollout is reproducible whatever the batch; False: the engine samples from torch's global generator."""
+        ...
+
+    @property
+    def sync_is_collective(self) -> bool:
+        """Whether :meth:`sync_weights` must be called by every trainer process together (the rollout servers:
+        global rank 0 streams the weights, the others wait); False: each process syncs its own engine."""
+        ...
+
+    @property
+    def reads_weight_sources(self) -> bool:
+        """Whether :meth:`sync_weights` also takes an :class:`~lightning_grpo.protocols.weights.HFWeightSource` (a
+        policy that is no transformers module and gives its weights one gathered tensor at a time: the Megatron
+        policy) and reads it to the end, every tensor (colocated vLLM, the rollout servers). False: it
+        is given a transformers module (the Megatron backend refreshes an HF copy of the policy for it)."""
+        ...
+
+    def set_lockstep(self, enabled: bool) -> None:
+        """With ``enabled``, every process runs as many forward passes per :meth:`generate` as the longest one
+        (transformers' ``synced_gpus``): needed where each forward of the policy is a collective (FSDP1 with nested
+        units). A no-op for engines that do not use the policy's parameters."""
+        ...
+
+    def wake_up(self) -> None:
+        """Bring the engine's weights and cache back onto the accelerator before a rollout (no-op if never slept)."""
+        ...
+
+    def sleep(self, level: int = 1) -> None:
+        """Free the engine's accelerator memory until the next :meth:`wake_up` (vLLM sleep mode; a no-op where the
+        engine keeps nothing between rollouts)."""
+        ...
+
+    def close(self) -> None:
+        """Release the engine (processes, memory); it is not used afterwards."""
+        ...
+
+
+@runtime_checkable
+class CoreRolloutEngine(Protocol):
+    """The least a user's engine implements: ``generate``, ``sync_weights`` and ``pad_token_id`` (as in
+    :class:`RolloutEngine`)."""
+
+    def generate(
+        self, prompt_ids: Sequence[Sequence[int]], num_generations: int, sampling: SamplingConfig
+    ) -> RolloutOutput: ...
+
+    def sync_weights(self, model: torch.nn.Module) -> None: ...
+
+    @property
+    def pad_token_id(self) -> int: ...
+
+
+class EngineWrapper:
+    """Base of engines that wrap another engine (FSDP's gathered generation, Megatron's tensor-parallel
+    broadcast): forwards each :class:`RolloutEngine` member to ``self.engine`` explicitly; subclasses override
+    what they change.
+
+    Args:
+        engine: the wrapped engine.
+    """
+
+    def __init__(self, engine: RolloutEngine) -> None:
+        self.engine = engine
+
+    def generate(
+        self, prompt_ids: Sequence[Sequence[int]], num_generations: int, sampling: SamplingConfig
+    ) -> RolloutOutput:
+        """``engine.generate``."""
+        return self.engine.generate(prompt_ids, num_generations, sampling)
+
+    def sync_weights(self, model: torch.nn.Module) -> None:
+        """``engine.sync_weights``."""
+        self.engine.sync_weights(model)
+
+    def wake_up(self) -> None:
+        """``engine.wake_up()``."""
+        self.engine.wake_up()
+
+    def sleep(self, level: int = 1) -> None:
+        """``engine.sleep(level)``."""
+        self.engine.sleep(level)
+
+    def close(self) -> None:
+        """``engine.close()``."""
+        self.engine.close()
+
+    def set_lockstep(self, enabled: bool) -> None:
+        """``engine.set_lockstep(enabled)``."""
+        self.engine.set_lockstep(enabled)
+
+    @property
+    def pad_token_id(self) -> int:
+        """``engine.pad_token_id``."""
+        return self.engine.pad_token_id
+
+    @property
+    def uses_policy_parameters(self) -> bool:
+        """``engine.uses_policy_parameters``."""
+        return self.engine.uses_policy_parameters
+
+    @property
+    def seeds_per_request(self) -> bool:
+        """``engine.seeds_per_request``."""
+        return self.engine.seeds_per_request
+
+    @property
+    def sync_is_collective(self) -> bool:
+        """``engine.sync_is_collective``."""
+        return self.engine.sync_is_collective
+
+    @property
+    def reads_weight_sources(self) -> bool:
+        """``engine.reads_weight_sources``."""
+        return self.engine.reads_weight_sources

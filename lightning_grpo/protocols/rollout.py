@@ -1,0 +1,186 @@
+"""What a rollout gives back: :class:`RolloutOutput` (token ids in a fixed layout, masks, sampler logprobs, episode
+records), how that layout is built (:func:`left_pad`, :func:`completion_mask_from_eos`,
+:func:`finish_rollout`), and the stop request every engine and sampler polls (:class:`StopFlag`,
+:class:`RolloutInterrupted`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from lightning_grpo.protocols.episode import EpisodeRecord
+
+
+@dataclass
+class RolloutOutput:
+    """The completions of one rollout, in prompt-major order (the G completions of prompt i are rows
+    ``i*G .. i*G+G-1``).
+
+    Attributes:
+        prompt_ids: ``(N, P)`` long, left-padded prompt ids repeated G times (N = num_prompts * G).
+        prompt_mask: ``(N, P)`` long, 1 on real prompt tokens.
+        completion_ids: ``(N, T)`` long, right-padded generated ids (multi-turn: the whole episode after the prompt,
+            model and environment turns).
+        completion_mask: ``(N, T)`` long, 1 up to and including the first EOS (any id in ``eos_token_ids``);
+            multi-turn: 1 on the model's tokens only (every model turn through its EOS).
+        truncated: ``(N,)`` bool, True when no EOS was generated within ``max_new_tokens`` (multi-turn: the last
+            model turn has no EOS, or an observation did not fit the episode's token budget).
+        completions: ``N`` decoded completion texts (special tokens skipped); multi-turn: each episode's last model
+            turn.
+        sampler_logprobs: ``(N, T)`` float32 logprobs of the generated tokens under the distribution the
+            engine sampled them from (after temperature and truncation, see
+            :class:`~lightning_grpo.protocols.sampling.SamplingConfig`), 0 at masked positions; ``None`` when the
+            engine does not report them (HF engine by default).
+        weight_version: the version of the weights that sampled these completions, for engines that count their
+            weight syncs (the rollout server: 0 = the checkpoint it loaded, +1 per sync); None for the others.
+        env_mask: multi-turn episodes (:mod:`lightning_grpo.episodes`): ``(N, T)`` long, 1 on the environment's
+            tokens (tool results, observations, the template's turn separators): attended to, never trained; the
+            real tokens of a row are ``completion_mask | env_mask``, a prefix. None for single-turn rollouts.
+        episodes: multi-turn: one :class:`~lightning_grpo.protocols.episode.EpisodeRecord` per row (turns, tool
+            counts, limits, the environment's reward); None for single-turn rollouts.
+    """
+
+    prompt_ids: Tensor
+    prompt_mask: Tensor
+    completion_ids: Tensor
+    completion_mask: Tensor
+    truncated: Tensor
+    completions: list[str]
+    sampler_logprobs: Optional[Tensor] = None
+    weight_version: Optional[int] = None
+    env_mask: Optional[Tensor] = None
+    episodes: Optional[list[EpisodeRecord]] = None
+
+    def state(self) -> dict[str, Any]:
+        """As plain data (CPU tensors, lists, numbers, strings), for a checkpoint that loads with
+        ``torch.load(weights_only=True)``."""
+        state = {f.name: _to_cpu(getattr(self, f.name)) for f in fields(self)}
+        state["episodes"] = None if self.episodes is None else [e.state() for e in self.episodes]
+        return state
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> "RolloutOutput":
+        """The output :meth:`state` returned."""
+        values = dict(state)
+        if values.get("episodes") is not None:
+            values["episodes"] = [EpisodeRecord.from_state(e) for e in values["episodes"]]
+        return cls(**values)
+
+
+def _to_cpu(value: Any) -> Any:
+    return value.detach().cpu() if isinstance(value, Tensor) else value
+
+
+class RolloutInterrupted(RuntimeError):
+    """A rollout was stopped by its :class:`StopFlag` (e.g. on SIGTERM) before it finished; nothing of it is
+    returned, and the caller discards it."""
+
+
+class StopFlag:
+    """A request to stop the rollout in progress, polled by the engines while they generate (the HF engine at
+    every generated token, vLLM between engine steps); a stopped ``generate`` raises :class:`RolloutInterrupted`.
+
+    The flag is set by :meth:`set` or whenever the ``watch``-ed predicate (e.g. ``lambda: trainer.received_sigterm``)
+    returns True. Polling it neither consumes nor reseeds any random number generator. The engines also count the
+    tokens they are generating on it (:meth:`tick`, ``ticks``: an estimate, one per running sequence per decoding
+    step), which a progress bar can read while a rollout runs.
+    """
+
+    def __init__(self) -> None:
+        self._set = False
+        self._predicate: Optional[Callable[[], bool]] = None
+        self.ticks = 0
+
+    def tick(self, tokens: int) -> None:
+        """Count ``tokens`` more tokens generated (progress only; never reset, read differences)."""
+        self.ticks += tokens
+
+    def set(self) -> None:
+        self._set = True
+
+    def clear(self) -> None:
+        self._set = False
+
+    def watch(self, predicate: Optional[Callable[[], bool]]) -> None:
+        """Also count as set while ``predicate()`` is True (None: stop watching)."""
+        self._predicate = predicate
+
+    def is_set(self) -> bool:
+        return self._set or (self._predicate is not None and bool(self._predicate()))
+
+    def check(self, what: str = "the rollout") -> None:
+        """Raise :class:`RolloutInterrupted` if the flag is set."""
+        if self.is_set():
+            raise RolloutInterrupted(f"{what} was stopped by a stop request (e.g. SIGTERM) before it finished")
+
+
+def left_pad(
+    sequences: Sequence[Sequence[int]], pad_id: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-pad token-id lists into ``(B, L)`` long ids and a ``(B, L)`` long attention mask (the prompt layout of
+    :class:`RolloutOutput`)."""
+    length = max(len(s) for s in sequences)
+    ids = torch.full((len(sequences), length), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(sequences), length), dtype=torch.long)
+    for row, seq in enumerate(sequences):
+        if len(seq):
+            ids[row, length - len(seq) :] = torch.as_tensor(list(seq), dtype=torch.long)
+            mask[row, length - len(seq) :] = 1
+    return ids.to(device), mask.to(device)
+
+
+def completion_mask_from_eos(completion_ids: Tensor, eos_token_ids: Sequence[int]) -> tuple[Tensor, Tensor]:
+    """Mask of the tokens up to and including the first EOS of each row.
+
+    Works when pad == eos (SmolLM2, Qwen): the first EOS is found by position, not by comparing with pad.
+
+    Args:
+        completion_ids: ``(N, T)`` long generated ids (right-padded).
+        eos_token_ids: every id that ends a completion (``generation_config.eos_token_id`` may be a list).
+
+    Returns:
+        ``(mask, truncated)``: ``(N, T)`` long mask and ``(N,)`` bool, True where no EOS occurs.
+
+    Raises:
+        ValueError: if ``eos_token_ids`` is empty.
+    """
+    if len(eos_token_ids) == 0:
+        raise ValueError("eos_token_ids is empty: the tokenizer/generation_config defines no EOS token")
+    is_eos = torch.isin(completion_ids, torch.as_tensor(list(eos_token_ids), device=completion_ids.device))
+    n, t = completion_ids.shape
+    has_eos = is_eos.any(dim=1)
+    first = torch.where(has_eos, is_eos.int().argmax(dim=1), torch.full((n,), t, device=completion_ids.device))
+    positions = torch.arange(t, device=completion_ids.device).expand(n, t)
+    mask = (positions <= first.unsqueeze(1)).long()
+    return mask, ~has_eos
+
+
+def finish_rollout(prompt_ids: Tensor, prompt_mask: Tensor, num_generations: int, completion_ids: Tensor,
+                   completion_mask: Tensor, truncated: Tensor, sampler_logprobs: Optional[Tensor], tokenizer: Any,
+                   pad_token_id: int, weight_version: Optional[int] = None) -> RolloutOutput:
+    """The :class:`RolloutOutput` of ``B`` left-padded prompts (``(B, P)`` ids and mask, repeated G times here) and
+    their ``B * G`` completions; the texts are decoded with ``tokenizer`` from the masked ids (pad where masked,
+    special tokens skipped)."""
+    texts = tokenizer.batch_decode((completion_ids * completion_mask + pad_token_id * (1 - completion_mask)).tolist(),
+                                   skip_special_tokens=True)
+    return RolloutOutput(prompt_ids=prompt_ids.repeat_interleave(num_generations, dim=0),
+                         prompt_mask=prompt_mask.repeat_interleave(num_generations, dim=0),
+                         completion_ids=completion_ids, completion_mask=completion_mask, truncated=truncated,
+                         completions=texts, sampler_logprobs=sampler_logprobs, weight_version=weight_version)
+
+
+def eos_token_ids_from(generation_config: Any, tokenizer: Any) -> list[int]:
+    """Every id that ends a completion: ``generation_config.eos_token_id`` (an int or a list) plus the
+    tokenizer's ``eos_token_id``, sorted."""
+    ids: set[int] = set()
+    configured = getattr(generation_config, "eos_token_id", None)
+    if isinstance(configured, int):
+        ids.add(configured)
+    elif configured is not None:
+        ids.update(int(i) for i in configured)
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return sorted(ids)
