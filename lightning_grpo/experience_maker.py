@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 from dataclasses import dataclass, field
 from typing import Callable, ContextManager, Optional
 
@@ -27,13 +26,13 @@ from lightning_grpo.algorithm import DynamicSampler, ScoredRollout
 from lightning_grpo.algorithm.shaping import overlong_penalty, sequence_kl, transform_rewards
 from lightning_grpo.config import GRPOConfig
 from lightning_grpo.data.source import EVAL_INDEX
-from lightning_grpo.episodes.metrics import NO_CALLS_ZERO, episode_columns, episode_metrics, max_turns
 from lightning_grpo.evaluation.evaluator import EvalBatch, answer_key
 from lightning_grpo.events import ON_EXPERIENCE, ON_ROLLOUT_END, EventSink, ExperienceReady, RolloutEnd
 from lightning_grpo.protocols.collectives import Collectives
 from lightning_grpo.protocols.rollout import RolloutInterrupted, RolloutOutput
 from lightning_grpo.protocols.sampling import SamplingConfig
 from lightning_grpo.rewards import RewardSet, StartedScores
+from lightning_grpo.rollout.collected import RolloutRows, reward_columns
 from lightning_grpo.rollout.prefetch import PrefetchedRollout, RolloutPrefetcher
 from lightning_grpo.rollout.worker import RolloutWorker, prompt_rows
 from lightning_grpo.training.experience import Experience
@@ -80,7 +79,7 @@ class _Collected:
     sampling_stats: Optional[dict]
     weights_version: int
     totals: dict[str, float]
-    texts: list[tuple]  # (prompt, completion, columns, episode record or None) of every row generated, by row_index
+    rows: RolloutRows  # every row generated, by row_index
     generation_s: float
     outcomes: dict[str, list[float]]  # "<reward>/<outcome>" -> [completions, of all completions] (pooled rewards)
 
@@ -157,9 +156,7 @@ class ExperienceMaker:
         if not self.rewards.has_pooled:
             return None
         prompts, columns = _expand(prefetched.batch, prefetched.num_generations)
-        if out.episodes is not None:  # multi-turn: the transcripts and the environments' rewards
-            columns.update(episode_columns(out.episodes, list(columns)))
-        return self.rewards.start(prompts, out.completions, columns, prefetched.num_generations)
+        return self.rewards.start(prompts, out.completions, reward_columns(columns, out), prefetched.num_generations)
 
     @torch.no_grad()
     def make(self, batch: PromptBatch, policy: nn.Module, ref: Optional[nn.Module], *,
@@ -254,7 +251,7 @@ class ExperienceMaker:
         """Step 1 of :meth:`make`: the scored completions of the rollout, with what its metrics need."""
         ctx, cfg = self.context, self.config
         sampler = DynamicSampler(len(batch["prompt"]), self.rewards.primary_index, cfg.dynamic_sampling)
-        texts: list[tuple] = []
+        rows = RolloutRows()
         outcomes: dict[str, list[float]] = {}
         totals = {"prompts/truncated": 0.0, "generated_tokens": 0.0}
         rollout_s_before = ctx.timer.get("rollout_s")
@@ -265,14 +262,14 @@ class ExperienceMaker:
                 except RolloutInterrupted:
                     out = None
             pad = int(self.rollout.require_engine().pad_token_id)
-            sampler.add(self._score(batch, out, prefetched.num_truncated, pad, totals, texts, outcomes,
+            sampler.add(self._score(batch, out, prefetched.num_truncated, pad, totals, rows, outcomes,
                                     prefetched.started_rewards))
             version = prefetched.weights_version
         else:
             with self.rollout.awake(policy, timer=ctx.timer, collectives=ctx.collectives):
                 version = self.rollout.engine_version
                 while True:
-                    sampler.add(self._generate_and_score(batch, totals, texts, outcomes))
+                    sampler.add(self._generate_and_score(batch, totals, rows, outcomes))
                     if not cfg.dynamic_sampling or sampler.gen_batches >= cfg.max_num_gen_batches:
                         break
                     if not ctx.collectives.any_process(sampler.need_more):
@@ -286,7 +283,7 @@ class ExperienceMaker:
         generation_s = ctx.timer.get("rollout_s") - rollout_s_before  # this rollout's generation time, all rounds
         if prefetched is not None:  # the engine's own time, not the wait for it
             generation_s = prefetched.generate_s
-        return _Collected(rollout, sampling_stats if cfg.dynamic_sampling else None, version, totals, texts,
+        return _Collected(rollout, sampling_stats if cfg.dynamic_sampling else None, version, totals, rows,
                           generation_s, outcomes)
 
     def _shaped_rewards(self, rollout: ScoredRollout, extra: dict[str, tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
@@ -303,46 +300,30 @@ class ExperienceMaker:
         return transform_rewards(shaped, cfg.reward_scale, cfg.reward_bias, cfg.reward_clip), scored
 
     def _metrics(self, collected: _Collected, extra: dict[str, tuple[Tensor, Tensor]]) -> dict[str, float]:
-        """Step 5 of :meth:`make`: the rollout metrics (all processes), ``tokens_per_s`` and the staleness."""
-        records = self._records(collected)
-        if records is not None:  # multi-turn episodes
-            rollout = collected.rollout
-            assert rollout.env_mask is not None
-            extra.update(episode_metrics(records, rollout.completion_mask, rollout.env_mask))
-        metrics = rollout_metrics(collected.rollout, self.rewards.names, extra, collected.totals,
-                                  collected.sampling_stats, self.context.collectives)
-        if records is not None:
-            metrics["turns/max"] = float(self.context.collectives.reduce_max(
-                max_turns(records).to(self.context.device)).item())
-            for key in NO_CALLS_ZERO:  # no tool call on any process: 0, as TRL's tools/failure_frequency
-                metrics[key] = 0.0 if math.isnan(metrics[key]) else metrics[key]
+        """Step 5 of :meth:`make`: the rollout metrics (all processes; with the sampler's per-row metrics of the rows
+        trained on, e.g. multi-turn ``turns/*``), ``tokens_per_s`` and the staleness."""
+        rollout = collected.rollout
+        metrics = rollout_metrics(rollout, self.rewards.names, extra, collected.totals, collected.sampling_stats,
+                                  self.context.collectives, collected.rows.metrics(rollout.row_index))
         metrics["tokens_per_s"] = collected.totals["generated_tokens"] / max(collected.generation_s, 1e-9)
         staleness = float(self.rollout.weights_version - collected.weights_version)
         metrics["rollout/staleness_mean"] = metrics["rollout/staleness_max"] = staleness
         return metrics
 
-    @staticmethod
-    def _records(collected: _Collected) -> Optional[list]:
-        """The episode records of the rollout to be trained on (rows found by ``row_index``), None for single-turn."""
-        rollout = collected.rollout
-        if rollout.env_mask is None or rollout.row_index is None:
-            return None
-        return [collected.texts[i][3] for i in rollout.row_index.tolist()]
-
     def _rollout_event(self, collected: _Collected) -> RolloutEnd:
         """The texts and scores of the rollout to be trained on (rows found by ``row_index``)."""
         rollout = collected.rollout
-        rows = [collected.texts[i] for i in rollout.row_index.tolist()] if rollout.row_index is not None else []
-        names = sorted({k for _, _, columns, _ in rows for k in columns})
+        rows = collected.rows.select(rollout.row_index)
+        names = sorted({k for row in rows for k in row.columns})
         return RolloutEnd(
-            prompts=[r[0] for r in rows], completions=[r[1] for r in rows], rewards=rollout.rewards,
+            prompts=[r.prompt for r in rows], completions=[r.completion for r in rows], rewards=rollout.rewards,
             per_function=rollout.per_function, reward_names=list(self.rewards.names),
             lengths=rollout.completion_mask.sum(dim=1), truncated=rollout.truncated,
-            columns={k: [r[2].get(k) for r in rows] for k in names}, num_generations=rollout.num_generations,
-            weights_version=collected.weights_version, episodes=self._records(collected),
+            columns={k: [r.columns.get(k) for r in rows] for k in names}, num_generations=rollout.num_generations,
+            weights_version=collected.weights_version, episodes=collected.rows.episodes(rollout.row_index),
         )
 
-    def _generate_and_score(self, batch: PromptBatch, totals: dict[str, float], texts: list[tuple],
+    def _generate_and_score(self, batch: PromptBatch, totals: dict[str, float], rows: RolloutRows,
                             outcomes: dict[str, list[float]]) -> ScoredRollout:
         """Generate G completions for each prompt of ``batch`` and score them (one generation round). A stopped
         round raises :class:`RolloutInterrupted` on every process together (so that no process is left waiting in
@@ -358,7 +339,7 @@ class ExperienceMaker:
                                                                    self.context.collectives)
             except RolloutInterrupted:
                 out = None
-        return self._score(batch, out, num_truncated, int(engine.pad_token_id), totals, texts, outcomes)
+        return self._score(batch, out, num_truncated, int(engine.pad_token_id), totals, rows, outcomes)
 
     def _sampling(self) -> SamplingConfig:
         """The rollouts' sampling settings, with a per-request seed base (:meth:`_request_seed`)."""
@@ -367,17 +348,16 @@ class ExperienceMaker:
                               top_k=cfg.top_k, min_p=cfg.min_p, seed=self._request_seed())
 
     def _score(self, batch: PromptBatch, out: Optional[RolloutOutput], num_truncated: int, pad_token_id: int,
-               totals: dict[str, float], texts: list[tuple], outcomes: dict[str, list[float]],
+               totals: dict[str, float], rows: RolloutRows, outcomes: dict[str, list[float]],
                started: Optional[StartedScores] = None) -> ScoredRollout:
         """Score one generation round's completions (``out`` None: it was interrupted, which every process then
-        raises as :class:`RolloutInterrupted`); their texts go into ``texts``. ``started``: its slow rewards,
+        raises as :class:`RolloutInterrupted`); its rows go into ``rows``. ``started``: its slow rewards,
         started when it was generated. Adds ``timing/reward_<name>_s`` to the timer and the pooled rewards' outcome
         counts to ``outcomes``."""
         g, timer = self.config.num_generations, self.context.timer
         prompts, columns = _expand(batch, g)
         if out is not None and not self.rollout.stop.is_set():
-            if out.episodes is not None:  # multi-turn: the transcripts and the environments' rewards
-                columns.update(episode_columns(out.episodes, list(columns)))
+            columns = reward_columns(columns, out)
             with timer.span("scoring_s"):
                 scores = self.rewards.score(prompts, out.completions, columns, group_size=g, started=started)
             for name, seconds in scores.seconds.items():
@@ -394,10 +374,7 @@ class ExperienceMaker:
             log.warning("every reward function returned None for completions %s: they get no loss", unscored)
         totals["prompts/truncated"] += num_truncated
         totals["generated_tokens"] += float(out.completion_mask.sum())
-        offset = len(texts)
-        records = out.episodes or [None] * len(out.completions)
-        texts.extend((p, c, {k: v[i] for k, v in columns.items()}, records[i])
-                     for i, (p, c) in enumerate(zip(prompts, out.completions, strict=True)))
+        row_index = rows.add(prompts, columns, out)
         return ScoredRollout(
             prompt_ids=out.prompt_ids,
             prompt_mask=out.prompt_mask,
@@ -409,7 +386,7 @@ class ExperienceMaker:
             num_generations=g,
             pad_token_id=pad_token_id,
             sampler_logprobs=out.sampler_logprobs,
-            row_index=torch.arange(offset, len(texts)),
+            row_index=row_index,
             env_mask=out.env_mask,
         )
 
@@ -428,9 +405,7 @@ class ExperienceMaker:
 
         def score(prompts: list, out: RolloutOutput, repeat: int) -> Tensor:
             cols = {k: [x for x in v for _ in range(repeat)] for k, v in columns.items()}
-            if out.episodes is not None:  # multi-turn: the transcripts and the environments' rewards
-                cols.update(episode_columns(out.episodes, list(cols)))
-            values = accuracy(prompts, out.completions, **cols)
+            values = accuracy(prompts, out.completions, **reward_columns(cols, out))
             return torch.tensor([float("nan") if s is None else float(s) for s in values], device=device)
 
         max_new = cfg.eval.max_new_tokens or cfg.max_new_tokens

@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from lightning_grpo import GRPOConfig
 from lightning_grpo.events import ExperienceReady, RolloutEnd
 from lightning_grpo.experience_maker import ExperienceMaker, RolloutContext
-from lightning_grpo.protocols.rollout import RolloutInterrupted
+from lightning_grpo.protocols.rollout import RolloutInterrupted, RowMetric
 from lightning_grpo.rewards import RewardSet
 from lightning_grpo.rollout.worker import RolloutWorker
 from lightning_grpo.training.logprobs import CompletionLogprobs
@@ -212,3 +212,71 @@ def test_a_batch_without_prompts_is_refused_naming_its_columns(tokenizer, policy
     parts = _Parts(tokenizer)
     with pytest.raises(KeyError, match=r"prompt batches need a 'prompt' column, got columns \['question'\]"):
         parts.maker.make({"question": ["1 + 1"]}, policy, None)
+
+
+class TaggingSampler:
+    """A sampler of one's own (the ``Sampler`` seam): ``engine.generate``, plus a reward column and per-row metrics;
+    records what it was called with."""
+
+    def __init__(self):
+        self.calls = []
+
+    def sample(self, engine, prompt_ids, num_generations, sampling, rows, any_process=None):
+        self.calls.append((list(rows), any_process))
+        out = engine.generate(prompt_ids, num_generations, sampling)
+        lengths = out.completion_mask.sum(dim=1).double()
+        out.columns = {"tag": [f"tag {i}" for i in range(len(out.completions))]}
+        out.metrics = {"tags/length": RowMetric(lengths), "tags/longest": RowMetric(lengths, reduce="max"),
+                       "tags/rate": RowMetric(torch.zeros_like(lengths), torch.zeros_like(lengths), empty=0.0)}
+        return out
+
+
+def tag_reward(prompts, completions, tag, **kwargs):
+    return [float(int(t.split()[1]) % 3 == 0) for t in tag]
+
+
+def test_a_sampler_given_to_the_worker_makes_every_rollout_and_adds_columns_and_metrics(tokenizer, policy):
+    """One rollout path: the experience maker treats a sampler's output alike whatever made it; the sampler's reward
+    columns reach the reward functions and the rollout event, its per-row metrics the logs (hand-worked values)."""
+    parts = _Parts(tokenizer, reward_funcs=(tag_reward,))
+    sampler = TaggingSampler()
+    parts.worker = RolloutWorker(parts.config, tokenizer, sampler=sampler)
+    parts.worker.engine = parts.engine
+    parts.maker = ExperienceMaker(parts.config, parts.worker, RewardSet.from_specs([tag_reward]),
+                                  CompletionLogprobs(parts.config), events=parts._record)
+    collectives = parts.maker.context.collectives
+    experience = parts.maker.make(BATCH, policy, None)
+    assert sampler.calls == [([{"prompt": "first prompt", "answer": "1"}, {"prompt": "second prompt", "answer": "2"}],
+                              collectives.any_process)]
+    # tags 0..7: rewards 1 for tags 0, 3, 6
+    assert experience.metrics["reward"] == pytest.approx(3 / 8)
+    assert experience.metrics["tags/length"] == pytest.approx((6 + 2 + 5 + 5 + 3 + 3 + 3 + 6) / 8)
+    assert experience.metrics["tags/longest"] == 6.0 and experience.metrics["tags/rate"] == 0.0
+    rollout = parts.events[-2][1]
+    assert rollout.columns["tag"] == [f"tag {i}" for i in range(8)] and rollout.episodes is None
+    with pytest.raises(ValueError, match=r"the dataset has column\(s\) \['tag'\], which the rollout's sampler fills"):
+        parts.maker.make({**BATCH, "tag": ["a", "b"]}, policy, None)
+
+
+def test_the_sampler_metrics_are_those_of_the_rows_dynamic_sampling_keeps(tokenizer, policy):
+    """Two generation rounds; the per-row metric is reduced over the rows trained on, found by row index."""
+    lengths = (3, 3, 3, 3, 2, 5, 2, 5)  # round 1: group 1 all equal (dropped), group 2 varies; round 2 the same
+
+    def by_length(prompts, completions, **kwargs):
+        return [float(int(c.split()[1]) % 8 in (5, 7)) for c in completions]
+
+    eos = tokenizer.eos_token_id
+    parts = _Parts(tokenizer, reward_funcs=(by_length,), engine=FixedRolloutEngine(fixed_completions(lengths, 6, eos),
+                                                                                   eos),
+                   dynamic_sampling=True, max_num_gen_batches=2)
+    sampler = TaggingSampler()
+    parts.worker = RolloutWorker(parts.config, tokenizer, sampler=sampler)
+    parts.worker.engine = parts.engine
+    parts.maker = ExperienceMaker(parts.config, parts.worker, RewardSet.from_specs([by_length]),
+                                  CompletionLogprobs(parts.config), events=parts._record)
+    batches = iter([BATCH])
+    experience = parts.maker.make(BATCH, policy, None, next_prompt_batch=lambda: next(batches, None))
+    assert len(sampler.calls) == 2
+    # kept: the informative group of each round (rows 4..7 of both), lengths 2, 5, 2, 5 twice
+    assert experience.metrics["tags/length"] == pytest.approx(3.5)
+    assert experience.metrics["tags/longest"] == 5.0

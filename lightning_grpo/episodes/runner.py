@@ -43,6 +43,7 @@ import torch
 
 from lightning_grpo.episodes.chat import ChatFormat
 from lightning_grpo.episodes.environment import Environment, EnvironmentFactory, EnvStep, step_all
+from lightning_grpo.episodes.metrics import episode_columns, episode_metrics
 from lightning_grpo.protocols.engine import RolloutEngine
 from lightning_grpo.protocols.episode import EpisodeRecord, Turn
 from lightning_grpo.protocols.rollout import RolloutInterrupted, RolloutOutput, StopFlag, left_pad
@@ -118,9 +119,10 @@ class EpisodeRunner:
 
         Returns:
             A :class:`RolloutOutput` with ``env_mask`` and ``episodes`` (one
-            :class:`~lightning_grpo.protocols.episode.EpisodeRecord` each) set; ``completions`` are each episode's
-            last model turn (its answer); ``weight_version`` the engine's (all turns of a rollout are sampled by the
-            same weights: no sync happens inside a rollout).
+            :class:`~lightning_grpo.protocols.episode.EpisodeRecord` each) set, the reward functions' ``transcript``
+            and ``env_reward`` columns and the episodes' metrics (:mod:`lightning_grpo.episodes.metrics`);
+            ``completions`` are each episode's last model turn (its answer); ``weight_version`` the engine's (all
+            turns of a rollout are sampled by the same weights: no sync happens inside a rollout).
 
         Raises:
             RolloutInterrupted: the stop flag was set.
@@ -268,6 +270,7 @@ class EpisodeRunner:
                                    "episode must come from one weight version")
             e.record.weight_version = next(iter(e.versions)) if e.versions else None
         ids, mask = left_pad([list(p) for p in prompt_ids], pad, torch.device("cpu"))
+        records = [e.record for e in episodes]
         return RolloutOutput(
             prompt_ids=ids.repeat_interleave(g, dim=0), prompt_mask=mask.repeat_interleave(g, dim=0),
             completion_ids=completion_ids, completion_mask=model, env_mask=env,
@@ -275,5 +278,5 @@ class EpisodeRunner:
             completions=[e.record.final_text for e in episodes],
             sampler_logprobs=logprobs if reports_logprobs else None,
             weight_version=min(versions) if versions else None,
-            episodes=[e.record for e in episodes],
+            episodes=records, columns=episode_columns(records), metrics=episode_metrics(records, model, env),
         )

@@ -2,7 +2,7 @@
 speak, and nothing else (this folder imports only torch and the standard library; every other folder may import it).
 
 * :mod:`~lightning_grpo.protocols.sampling`: the sampling distribution and :class:`SamplingConfig`;
-* :mod:`~lightning_grpo.protocols.rollout`: :class:`RolloutOutput`, its layout
+* :mod:`~lightning_grpo.protocols.rollout`: :class:`RolloutOutput` (and its per-row :class:`RowMetric`), its layout
   (:func:`left_pad`, :func:`completion_mask_from_eos`, :func:`eos_token_ids_from`), :class:`StopFlag`,
   :class:`RolloutInterrupted`;
 * :mod:`~lightning_grpo.protocols.engine`: :class:`RolloutEngine`, :class:`CoreRolloutEngine`, :class:`EngineWrapper`;
@@ -19,6 +19,7 @@ from lightning_grpo.protocols.episode import EpisodeRecord, Turn
 from lightning_grpo.protocols.rollout import (
     RolloutInterrupted,
     RolloutOutput,
+    RowMetric,
     StopFlag,
     completion_mask_from_eos,
     eos_token_ids_from,
@@ -39,6 +40,7 @@ __all__ = [
     "RolloutEngine",
     "RolloutInterrupted",
     "RolloutOutput",
+    "RowMetric",
     "Sampler",
     "SamplingConfig",
     "StopFlag",

@@ -1,17 +1,67 @@
-"""What a rollout gives back: :class:`RolloutOutput` (token ids in a fixed layout, masks, sampler logprobs, episode
-records), how that layout is built (:func:`left_pad`, :func:`completion_mask_from_eos`,
+"""What a rollout gives back: :class:`RolloutOutput` (token ids in a fixed layout, masks, sampler logprobs, and what
+a sampler adds per row), how that layout is built (:func:`left_pad`, :func:`completion_mask_from_eos`,
 :func:`finish_rollout`), and the stop request every engine and sampler polls (:class:`StopFlag`,
 :class:`RolloutInterrupted`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
-from typing import Any, Callable, Optional, Sequence
+import math
+from dataclasses import dataclass, field, fields
+from typing import Any, Callable, Literal, Optional, Sequence
 
 import torch
 from torch import Tensor
 
 from lightning_grpo.protocols.episode import EpisodeRecord
+
+
+@dataclass(frozen=True)
+class RowMetric:
+    """A metric a sampler reports for each row of its rollout (e.g. the model turns of each episode); the experience
+    maker logs it over the rows it trains on, all processes together.
+
+    Attributes:
+        values: ``(N,)`` float64, each row's value (a mean's numerator, or what a max is taken over).
+        counts: ``(N,)`` float64, each row's weight in a mean (its denominator: e.g. the row's tool calls, for an
+            error rate over calls); None = 1 per row (a mean over rows). Unused by "max".
+        reduce: "mean": ``sum(values) / sum(counts)`` over the trained rows of every process; "max": their largest
+            value.
+        empty: what is logged when there is nothing to average (``sum(counts)`` is 0 on every process): NaN by default,
+            0 for a rate over events that did not happen (as TRL's ``tools/failure_frequency``).
+
+    Raises:
+        ValueError: ``values`` is not one-dimensional, ``counts`` has another shape, or ``reduce`` is unknown.
+    """
+
+    values: Tensor
+    counts: Optional[Tensor] = None
+    reduce: Literal["mean", "max"] = "mean"
+    empty: float = math.nan
+
+    def __post_init__(self) -> None:
+        if self.values.dim() != 1:
+            raise ValueError(f"RowMetric.values must be (N,), got shape {tuple(self.values.shape)}")
+        if self.counts is not None and self.counts.shape != self.values.shape:
+            raise ValueError(f"RowMetric.counts has shape {tuple(self.counts.shape)}, values "
+                             f"{tuple(self.values.shape)}: one count per row")
+        if self.reduce not in ("mean", "max"):
+            raise ValueError(f"RowMetric.reduce={self.reduce!r} is invalid: 'mean' or 'max'")
+
+    def weights(self) -> Tensor:
+        """``(N,)`` float64: :attr:`counts`, or 1 per row."""
+        return torch.ones_like(self.values) if self.counts is None else self.counts
+
+    def select(self, rows: Tensor) -> "RowMetric":
+        """The metric of the rows ``rows`` (``(M,)`` long indices), in that order."""
+        return RowMetric(self.values[rows], None if self.counts is None else self.counts[rows], self.reduce, self.empty)
+
+    @staticmethod
+    def cat(metrics: Sequence["RowMetric"]) -> "RowMetric":
+        """One metric over the rows of ``metrics`` (one rollout's generation rounds) in order; the first one's
+        ``reduce`` and ``empty``."""
+        first = metrics[0]
+        counts = None if all(m.counts is None for m in metrics) else torch.cat([m.weights() for m in metrics])
+        return RowMetric(torch.cat([m.values for m in metrics]), counts, first.reduce, first.empty)
 
 
 @dataclass
@@ -41,6 +91,11 @@ class RolloutOutput:
             real tokens of a row are ``completion_mask | env_mask``, a prefix. None for single-turn rollouts.
         episodes: multi-turn: one :class:`~lightning_grpo.protocols.episode.EpisodeRecord` per row (turns, tool
             counts, limits, the environment's reward); None for single-turn rollouts.
+        columns: more columns for the reward functions, ``name -> N values`` (multi-turn: ``transcript`` and
+            ``env_reward``), next to the dataset's; empty for single-turn rollouts.
+        metrics: the sampler's per-row metrics (:class:`RowMetric`; multi-turn: ``turns/*``, ``tools/*``, ...),
+            logged over the rows trained on; every process's sampler reports the same names. Empty for single-turn
+            rollouts.
     """
 
     prompt_ids: Tensor
@@ -53,12 +108,16 @@ class RolloutOutput:
     weight_version: Optional[int] = None
     env_mask: Optional[Tensor] = None
     episodes: Optional[list[EpisodeRecord]] = None
+    columns: dict[str, list[Any]] = field(default_factory=dict)
+    metrics: dict[str, RowMetric] = field(default_factory=dict)
 
     def state(self) -> dict[str, Any]:
         """As plain data (CPU tensors, lists, numbers, strings), for a checkpoint that loads with
         ``torch.load(weights_only=True)``."""
         state = {f.name: _to_cpu(getattr(self, f.name)) for f in fields(self)}
         state["episodes"] = None if self.episodes is None else [e.state() for e in self.episodes]
+        state["metrics"] = {name: {f.name: _to_cpu(getattr(m, f.name)) for f in fields(m)}
+                            for name, m in self.metrics.items()}
         return state
 
     @classmethod
@@ -67,6 +126,7 @@ class RolloutOutput:
         values = dict(state)
         if values.get("episodes") is not None:
             values["episodes"] = [EpisodeRecord.from_state(e) for e in values["episodes"]]
+        values["metrics"] = {name: RowMetric(**m) for name, m in values.get("metrics", {}).items()}
         return cls(**values)
 
 

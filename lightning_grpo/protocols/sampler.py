@@ -61,7 +61,8 @@ class Sampler(Protocol):
                 ``uses_policy_parameters`` under FSDP) agrees with it on how many engine calls every process makes.
 
         Returns:
-            The :class:`~lightning_grpo.protocols.rollout.RolloutOutput`.
+            The :class:`~lightning_grpo.protocols.rollout.RolloutOutput` (its ``columns`` and ``metrics`` say what
+            the sampler adds for the reward functions and the logs).
 
         Raises:
             RolloutInterrupted: the stop flag was set while sampling.

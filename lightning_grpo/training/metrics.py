@@ -22,6 +22,7 @@ from torch import Tensor
 
 from lightning_grpo.algorithm import ObjectiveOutput, ScoredRollout
 from lightning_grpo.protocols.collectives import Collectives
+from lightning_grpo.protocols.rollout import RowMetric
 
 log = logging.getLogger(__name__)
 
@@ -131,8 +132,10 @@ def rollout_metrics(
     totals: dict[str, float],
     sampling_stats: Optional[dict[str, float]],
     collectives: Collectives,
+    row_metrics: Optional[dict[str, RowMetric]] = None,
 ) -> dict[str, float]:
-    """A rollout's metrics, averaged over every process with one stacked all-reduce.
+    """A rollout's metrics, averaged over every process with one stacked all-reduce (and one all-reduce max per
+    "max" row metric, in name order).
 
     Args:
         rollout: the scored rollout (``rewards`` NaN where no reward function scored a completion).
@@ -141,12 +144,17 @@ def rollout_metrics(
         totals: ``prompts/truncated`` (summed over processes and reported as a total).
         sampling_stats: :meth:`DynamicSampler.batch` statistics, or None without dynamic sampling.
         collectives: the data-parallel reductions (the sum over processes, on ``collectives.device``).
+        row_metrics: the sampler's per-row metrics of the rollout's rows
+            (:class:`~lightning_grpo.protocols.rollout.RowMetric`; multi-turn: ``turns/*``, ``tools/*``, ...): a
+            mean's values and counts summed with the rest, a max reduced on its own; ``empty`` where a mean's counts
+            sum to 0.
 
     Returns:
         ``reward``, ``reward_std`` (mean of the per-group stds, as TRL, over the groups with a scored completion),
         ``frac_reward_zero_std``,
         ``frac_reward_unscored``, ``completions/{mean,min,max}_length``, ``completions/clipped_ratio``,
-        ``rewards/<name>/mean``, ``prompts/truncated``, ``dynamic_sampling/*`` and the ``extra`` keys.
+        ``rewards/<name>/mean``, ``prompts/truncated``, ``dynamic_sampling/*``, the ``extra`` and ``row_metrics``
+        keys.
         ``completions/{min,max}_length`` are this process's. A mean over nothing (e.g. ``reward`` when no
         completion of the rollout was scored on any process) is NaN, and that case logs a warning.
     """
@@ -176,6 +184,10 @@ def rollout_metrics(
         counts[f"rewards/{name}/mean"] = present.sum()
     for key, (total, number) in extra.items():
         sums[key], counts[key] = total, number
+    row_metrics = row_metrics or {}
+    means = {k: m for k, m in row_metrics.items() if m.reduce == "mean"}
+    for key, metric in means.items():
+        sums[key], counts[key] = metric.values.sum(), metric.weights().sum()
     # summed over processes, reported as totals (count 1 per process, so "mean" keys are per-process means)
     summed = {"prompts/truncated": totals["prompts/truncated"]}
     if sampling_stats is not None:
@@ -191,12 +203,17 @@ def rollout_metrics(
     metrics = {}
     for i, key in enumerate(keys):
         total, number = float(reduced[i]), float(reduced[len(keys) + i])
-        metrics[key] = total if key in summed else (total / number if number > 0 else math.nan)
+        empty = means[key].empty if key in means else math.nan
+        metrics[key] = total if key in summed else (total / number if number > 0 else empty)
     if math.isnan(metrics["reward"]):
         log.warning("no completion of this rollout was scored on any process (every reward function returned None "
                     "for all of them): it trains nothing; its reward metrics are NaN")
     metrics["completions/max_length"] = float(lengths.max())
     metrics["completions/min_length"] = float(lengths.min())
+    for key in sorted(k for k, m in row_metrics.items() if m.reduce == "max"):
+        values = row_metrics[key].values
+        local = values.max() if values.numel() else torch.tensor(row_metrics[key].empty, dtype=torch.float64)
+        metrics[key] = float(collectives.reduce_max(local.reshape(1).to(collectives.device)).item())
     return metrics
 
 

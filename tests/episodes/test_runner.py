@@ -150,6 +150,33 @@ def test_episodes_end_at_different_turns_and_seeds_per_turn(tokenizer):
     assert out.completion_mask[0].sum() == len(answer) and out.env_mask[0].sum() == 0
 
 
+def test_the_episodes_reward_columns_and_per_row_metrics(tokenizer):
+    """The turn loop puts what it adds on its output: the reward functions' ``transcript`` and ``env_reward`` columns
+    and each row's share of the multi-turn metrics (hand-worked from the script: episodes 1 and 3 make a good and a
+    failing call, 0 and 2 answer at once)."""
+    bad = encode(tokenizer, '<tool_call>{"name": "calculator", "arguments": {"expression": "1/0"}}</tool_call>')
+    good, answer = encode(tokenizer, CALL), encode(tokenizer, "#### 1") + [EOS]
+    script = {0: [answer, None], 1: [good + bad + [EOS], answer], 2: [answer, None], 3: [bad + [EOS], answer]}
+    engine = ScriptedEngine(tokenizer, lambda t, k, p: script[k][0] if t == 0 else answer)
+    runner = tool_runner(tokenizer, max_tokens=400)
+    prompt_ids, _ = runner.encode_prompts(PROMPTS, 1024)
+    out = runner.sample(engine, prompt_ids, 2, SamplingConfig(max_new_tokens=96))
+    assert out.columns == {"transcript": [e.messages for e in out.episodes], "env_reward": [None] * 4}
+    assert [(e.model_turns, e.tool_calls, e.tool_errors) for e in out.episodes] == [(1, 0, 0), (2, 2, 1), (1, 0, 0),
+                                                                                    (2, 1, 1)]
+    metrics = out.metrics
+    assert metrics["turns/mean"].values.tolist() == [1, 2, 1, 2] and metrics["turns/mean"].counts is None
+    assert metrics["turns/max"].reduce == "max"
+    assert metrics["tools/error_rate"].values.tolist() == [0, 1, 0, 1]
+    assert metrics["tools/error_rate"].counts.tolist() == [0, 2, 0, 1] and metrics["tools/error_rate"].empty == 0.0
+    env = out.env_mask.sum(dim=1).double()
+    assert torch.equal(metrics["tokens/env_fraction"].values, env)
+    assert torch.equal(metrics["tokens/env_fraction"].counts, env + out.completion_mask.sum(dim=1).double())
+    assert metrics["episodes/done"].values.tolist() == [1, 1, 1, 1]
+    assert set(metrics) == {"turns/mean", "turns/max", "tools/calls_per_episode", "tools/error_rate",
+                            "tools/timeout_rate", "tokens/env_fraction", "episodes/budget_exceeded", "episodes/done"}
+
+
 def test_weight_versions_are_recorded_and_must_agree(tokenizer):
     call, answer = encode(tokenizer, CALL) + [EOS], encode(tokenizer, "#### 1") + [EOS]
     prompt_ids, _ = tool_runner(tokenizer).encode_prompts(PROMPTS[:1], 1024)

@@ -13,7 +13,8 @@ from torch import nn
 from transformers import AutoTokenizer
 
 from lightning_grpo import GRPOConfig
-from lightning_grpo.protocols.rollout import RolloutInterrupted
+from lightning_grpo.protocols.episode import EpisodeRecord, Turn
+from lightning_grpo.protocols.rollout import RolloutInterrupted, RolloutOutput, RowMetric
 from lightning_grpo.protocols.sampling import SamplingConfig
 from lightning_grpo.rollout.prefetch import PrefetchedRollout, RolloutPrefetcher
 from lightning_grpo.rollout.worker import RolloutWorker
@@ -140,3 +141,26 @@ def test_a_finished_rollout_round_trips_through_a_weights_only_checkpoint(parts)
     for name in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "truncated"):
         assert torch.equal(getattr(again, name), getattr(out, name)), name
     assert again.completions == out.completions and again.sampler_logprobs is None
+
+
+def test_a_rollout_with_episodes_columns_and_row_metrics_round_trips_through_a_weights_only_checkpoint():
+    """What a multi-turn sampler adds (records, reward columns, per-row metrics) is plain data in a checkpoint."""
+    record = EpisodeRecord([Turn("model", 0, 2, [{"role": "assistant", "content": "hi"}])], model_turns=1, done=True)
+    out = RolloutOutput(torch.ones(1, 2, dtype=torch.long), torch.ones(1, 2, dtype=torch.long),
+                        torch.ones(1, 3, dtype=torch.long), torch.ones(1, 3, dtype=torch.long), torch.tensor([False]),
+                        ["hi"], env_mask=torch.zeros(1, 3, dtype=torch.long), episodes=[record],
+                        columns={"transcript": [record.messages], "env_reward": [None]},
+                        metrics={"turns/max": RowMetric(torch.tensor([1.0], dtype=torch.float64), reduce="max"),
+                                 "tools/error_rate": RowMetric(torch.zeros(1, dtype=torch.float64),
+                                                               torch.zeros(1, dtype=torch.float64), empty=0.0)})
+    buffer = io.BytesIO()
+    torch.save(out.state(), buffer)
+    buffer.seek(0)
+    again = RolloutOutput.from_state(torch.load(buffer, weights_only=True))
+    assert again.episodes == [record] and again.columns == out.columns
+    assert again.metrics.keys() == out.metrics.keys()
+    for name, metric in out.metrics.items():
+        restored = again.metrics[name]
+        assert torch.equal(restored.values, metric.values) and restored.reduce == metric.reduce
+        assert str(restored.empty) == str(metric.empty)  # nan stays nan
+        assert (restored.counts is None) == (metric.counts is None)

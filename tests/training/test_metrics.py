@@ -10,6 +10,7 @@ import torch
 from lightning_grpo import functional as F
 from lightning_grpo.algorithm import ObjectiveOutput, ScoredRollout
 from lightning_grpo.protocols.collectives import Collectives
+from lightning_grpo.protocols.rollout import RowMetric
 from lightning_grpo.training import metrics as metrics_module
 from lightning_grpo.training.metrics import TIMING_KEYS, StepMetrics, StepTimer, rollout_metrics
 
@@ -150,6 +151,24 @@ def test_rollout_metrics_of_an_unscored_rollout_are_nan_and_warn(caplog):
     assert math.isnan(result["reward"]) and math.isnan(result["reward_std"]) and math.isnan(result["rewards/acc/mean"])
     assert result["frac_reward_unscored"] == 1.0 and result["completions/mean_length"] == 9 / 4
     assert "no completion of this rollout was scored" in caplog.text
+
+
+def test_row_metrics_are_reduced_over_the_rows_and_processes_golden():
+    """A sampler's per-row metrics: a mean is sum(values) / sum(counts), a max the largest value over the processes,
+    ``empty`` where the counts sum to 0."""
+    f64 = dict(dtype=torch.float64)
+    rows = {"turns/mean": RowMetric(torch.tensor([1.0, 3.0, 2.0, 2.0], **f64)),
+            "turns/max": RowMetric(torch.tensor([1.0, 3.0, 2.0, 2.0], **f64), reduce="max"),
+            "tools/error_rate": RowMetric(torch.tensor([1.0, 0.0, 1.0, 0.0], **f64),
+                                          torch.tensor([2.0, 0.0, 1.0, 1.0], **f64), empty=0.0),
+            "tools/timeout_rate": RowMetric(torch.zeros(4, **f64), torch.zeros(4, **f64), empty=0.0),
+            "tokens/nothing": RowMetric(torch.zeros(4, **f64), torch.zeros(4, **f64))}
+    one = rollout_metrics(_rollout(), ["acc", "fmt"], {}, {"prompts/truncated": 0}, None, Collectives(), rows)
+    assert (one["turns/mean"], one["turns/max"], one["tools/error_rate"]) == (8 / 4, 3.0, 2 / 4)
+    assert one["tools/timeout_rate"] == 0.0 and math.isnan(one["tokens/nothing"])
+    elsewhere = Collectives(reduce_sum=lambda t: t + t, reduce_max=lambda t: torch.maximum(t, torch.full_like(t, 5.0)))
+    two = rollout_metrics(_rollout(), ["acc", "fmt"], {}, {"prompts/truncated": 0}, None, elsewhere, rows)
+    assert (two["turns/mean"], two["turns/max"], two["tools/error_rate"]) == (8 / 4, 5.0, 2 / 4)
 
 
 class _Clock:
