@@ -15,7 +15,7 @@ from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 
-# the helpers (_algorithm_support, _dist_utils, megatron_worker, ...) live in tests/; the tests mirror the package in
+# the helpers live in tests/support/ (imported as `support.<name>`); the tests mirror the package in
 # tests/<subpackage>/ and import them by name
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -65,8 +65,8 @@ def tiny_reward_model_path(tmp_path_factory, smollm2_path) -> str:
 def cpu_trainer(tmp_path):
     """A factory ``cpu_trainer(max_steps=-1, root=tmp_path, **trainer_kwargs) -> L.Trainer``: one CPU process, no
     progress bar or model summary, a ``CSVLogger(root, name="logs")`` logging every step unless ``logger`` is given
-    (:func:`_fixtures.make_cpu_trainer`)."""
-    from _fixtures import make_cpu_trainer
+    (:func:`support.fixtures.make_cpu_trainer`)."""
+    from support.fixtures import make_cpu_trainer
 
     def make(max_steps: int = -1, root=None, **kwargs):
         return make_cpu_trainer(tmp_path if root is None else root, max_steps, **kwargs)
@@ -77,8 +77,9 @@ def cpu_trainer(tmp_path):
 @pytest.fixture
 def metrics_rows(tmp_path):
     """A reader ``metrics_rows(where=None, root=tmp_path) -> list[dict]``: the rows of the one ``metrics.csv`` under
-    ``root``, only those with a value in the column ``where`` when given (:func:`_fixtures.read_metrics_rows`)."""
-    from _fixtures import read_metrics_rows
+    ``root``, only those with a value in the column ``where`` when given
+    (:func:`support.fixtures.read_metrics_rows`)."""
+    from support.fixtures import read_metrics_rows
 
     def read(where=None, root=None):
         return read_metrics_rows(tmp_path if root is None else root, where)
@@ -88,8 +89,8 @@ def metrics_rows(tmp_path):
 
 @pytest.fixture
 def alternating_reward():
-    """The reward function 1, 0, 1, 0, ... by position (:func:`_fixtures.alternating_reward`; its metrics are named
-    ``rewards/alternating_reward/mean``)."""
-    from _fixtures import alternating_reward as reward
+    """The reward function 1, 0, 1, 0, ... by position (:func:`support.fixtures.alternating_reward`; its metrics are
+    named ``rewards/alternating_reward/mean``)."""
+    from support.fixtures import alternating_reward as reward
 
     return reward

@@ -1,7 +1,7 @@
 """A run killed with SIGKILL and resumed with ``ckpt_path="last"`` continues exactly: bitwise-equal final weights and
 per-step rewards and losses with the uninterrupted run (CPU, HF engine, tiny model).
 
-Each case runs tests/_resume_worker.py in a subprocess: once uninterrupted, once killed at a point, then resumed.
+Each case runs tests/support/resume_worker.py in a subprocess: once uninterrupted, once killed at a point, then resumed.
 Kill points: inside a reward function (mid-rollout), after a micro-batch that does not end an optimizer step,
 while a checkpoint is being built, and between the two updates of one rollout (``num_iterations=2``); in epoch 0
 and in epoch 1; with dynamic sampling and token-budget micro-batches too. Multi-turn episodes (a tiny Llama that ends
@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
-WORKER = Path(__file__).with_name("_resume_worker.py")
-ROOT = WORKER.parents[1]
+WORKER = Path(__file__).parent / "support" / "resume_worker.py"
+ROOT = WORKER.parents[2]
 #: 8 prompts, 2 per rollout batch: 4 prompt batches per epoch.
 QUESTIONS = ["Add 2 and 3.", "What is 7 times 6?", "Name a colour.", "Count to four.", "Say hello.",
              "What is 10 minus 4?", "Spell cat.", "Is 9 odd?"]
@@ -106,7 +106,7 @@ def test_killed_and_resumed_runs_match_the_uninterrupted_run(case, tmp_path, tin
 
 @pytest.fixture(scope="module")
 def talkative_llama(tmp_path_factory, smollm2_path) -> str:
-    from _episode_support import save_talkative_llama
+    from support.episodes import save_talkative_llama
 
     return save_talkative_llama(tmp_path_factory.mktemp("talkative"), smollm2_path)
 

@@ -10,7 +10,6 @@ import warnings
 import lightning as L
 import pytest
 import torch
-from _fixtures import alternating_reward
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from torch.utils.data import DataLoader, Dataset
@@ -21,6 +20,7 @@ from lightning_grpo.callbacks import CompletionTable, GRPOCallback, GRPOProgress
 from lightning_grpo.data import PromptDataModule
 from lightning_grpo.data.module import collate_prompts
 from lightning_grpo.events import ExperienceReady, RolloutEnd
+from support.fixtures import alternating_reward
 
 
 def _length(prompts, completions, **kwargs):

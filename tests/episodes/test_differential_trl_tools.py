@@ -21,7 +21,6 @@ trl = pytest.importorskip("trl", reason="trl is not installed: pip install -e '.
 if not trl.__version__.startswith("1.16."):
     pytest.skip(f"these tests pin TRL's 1.16 code; trl {trl.__version__} is installed", allow_module_level=True)
 
-from _episode_support import ScriptedEngine  # noqa: E402
 from datasets import Dataset  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 from trl import GRPOConfig as TRLConfig  # noqa: E402
@@ -36,6 +35,7 @@ from lightning_grpo.episodes import (  # noqa: E402
     calculator,
 )
 from lightning_grpo.rollout.base import SamplingConfig  # noqa: E402
+from support.episodes import ScriptedEngine  # noqa: E402
 
 EOS = 2
 QUESTIONS = ["What is 123 * 456?", "Say 7.", "What is (2 + 2) * 5?"]

@@ -16,7 +16,6 @@ import io
 import lightning as L
 import pytest
 import torch
-from _algorithm_support import FixedRolloutEngine, fixed_completions, write_prompts
 from lightning.pytorch.callbacks import ModelCheckpoint
 from peft import LoraConfig, PeftModel, get_peft_model
 from torch import nn
@@ -33,6 +32,7 @@ from lightning_grpo.rollout.engines.hf_weights import hf_weights, merged_state_d
 from lightning_grpo.rollout.registry import EngineSpec, make_engine
 from lightning_grpo.strategies import FSDP1Backend, GRPOModels
 from lightning_grpo.training.experience import Experience
+from support.algorithm import FixedRolloutEngine, fixed_completions, write_prompts
 
 LORA = dict(r=4, lora_alpha=8, lora_dropout=0.1, target_modules=["q_proj", "v_proj", "up_proj"],
             modules_to_save=["lm_head"])

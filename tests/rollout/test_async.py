@@ -29,7 +29,6 @@ pytest.importorskip("vllm")
 
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
-from _checkpoint_generation import trainer_logprobs  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 from test_resume import QUESTIONS, _assert_same_run  # noqa: E402
 
@@ -37,6 +36,7 @@ from lightning_grpo import GRPOConfig, GRPOModule  # noqa: E402
 from lightning_grpo.callbacks import GRPOCallback
 from lightning_grpo.config import EngineConfig, EpisodeConfig
 from lightning_grpo.data import PromptDataModule  # noqa: E402
+from support.checkpoint_generation import trainer_logprobs  # noqa: E402
 
 STEPS = 6
 #: Left out of the equality checks: metrics that measure time, and the two counts the module logs after the
@@ -269,13 +269,13 @@ def test_bad_settings_raise_clear_errors(tmp_path, tiny_llama_path, data_file):
 def test_per_request_seed_bases_are_disjoint_per_process(tiny_llama_path):
     """Processes seeded alike (``seed_everything`` on every rank) draw the same base from torch's global generator;
     rank r's base is offset by r * 2**32, so no two processes sample with the same per-request seed."""
-    from _algorithm_support import FixedRolloutEngine
     from transformers import AutoTokenizer
 
     from lightning_grpo.experience_maker import ExperienceMaker, RolloutContext
     from lightning_grpo.rewards import RewardSet
     from lightning_grpo.rollout.worker import RolloutWorker
     from lightning_grpo.training.logprobs import CompletionLogprobs
+    from support.algorithm import FixedRolloutEngine
 
     class Seeded(FixedRolloutEngine):
         seeds_per_request = True  # as vLLM's engines declare
@@ -300,7 +300,7 @@ def test_multiturn_prefetched_episodes_resume_exactly(tmp_path_factory, smollm2_
     """Episodes of a tiny Llama that ends its turns after a few tokens, answered by a scripted environment, generated
     two rollouts ahead: the checkpoint after 2 steps holds them with their episode records; the resumed run matches
     the uninterrupted one."""
-    from _episode_support import EchoEnvironment, save_talkative_llama
+    from support.episodes import EchoEnvironment, save_talkative_llama
 
     model = save_talkative_llama(tmp_path_factory.mktemp("talkative"), smollm2_path)
     root, ckpt_dir = tmp_path_factory.mktemp("multiturn_runs"), tmp_path_factory.mktemp("multiturn_ckpt")

@@ -29,7 +29,6 @@ import pytest
 pytest.importorskip("vllm")
 
 import torch  # noqa: E402
-from _checkpoint_generation import SAMPLING_FIELDS, copy_with_generation_config, trainer_logprobs  # noqa: E402
 from transformers import AutoModelForCausalLM, TopPLogitsWarper  # noqa: E402
 
 from lightning_grpo import GRPOConfig, GRPOModule  # noqa: E402
@@ -39,6 +38,7 @@ from lightning_grpo.rollout.engines.hf import HFRolloutEngine  # noqa: E402
 from lightning_grpo.rollout.engines.hf_weights import checkpoint_name, hf_weights  # noqa: E402
 from lightning_grpo.rollout.engines.vllm import VLLMRolloutEngine  # noqa: E402
 from lightning_grpo.training.experience import Experience  # noqa: E402
+from support.checkpoint_generation import SAMPLING_FIELDS, copy_with_generation_config, trainer_logprobs  # noqa: E402
 
 ATOL = 1e-4  # float32 engine vs float32 HF; observed differences are ~1e-6
 

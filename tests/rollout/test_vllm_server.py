@@ -37,9 +37,6 @@ pytest.importorskip("vllm")
 
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
-from _checkpoint_generation import trainer_logprobs  # noqa: E402
-from _dist_utils import free_port, load, run_worker  # noqa: E402
-from _rollout_server import REPO, Server, raw_request  # noqa: E402
 from lightning.pytorch.callbacks import Callback  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
@@ -53,6 +50,9 @@ from lightning_grpo.rollout.engines.vllm import VLLMRolloutEngine  # noqa: E402
 from lightning_grpo.rollout.server.client import RolloutServerError, ServerClient  # noqa: E402
 from lightning_grpo.rollout.server.security import SECRET_ENV  # noqa: E402
 from lightning_grpo.rollout.server.weight_sync import host_store  # noqa: E402
+from support.checkpoint_generation import trainer_logprobs  # noqa: E402
+from support.dist import free_port, load, run_worker  # noqa: E402
+from support.rollout_server import REPO, Server, raw_request  # noqa: E402
 
 pytestmark = pytest.mark.distributed  # rollout servers in subprocesses
 ATOL = 1e-4

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from _fixtures import alternating_reward, make_cpu_trainer
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.trainer.states import TrainerFn
@@ -32,6 +31,7 @@ from lightning_grpo.runtime.checkpointing import (
     use_last_checkpoint_fallback,
 )
 from lightning_grpo.training.nonfinite import NonFiniteError
+from support.fixtures import alternating_reward, make_cpu_trainer
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -264,7 +264,7 @@ def test_vllm_engine_aborts_between_engine_steps(tiny_llama_path):
 @pytest.mark.distributed  # a training process to send SIGTERM to
 def test_sigterm_during_a_rollout_saves_the_last_step_and_exits_fast(tmp_path, tiny_llama_path, cpu_trainer):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "_preemption_worker.py"), tiny_llama_path,
+    proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "support" / "preemption_worker.py"), tiny_llama_path,
                              str(tmp_path)], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
     marker = tmp_path / "rollout2_started"

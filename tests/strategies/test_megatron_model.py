@@ -8,12 +8,12 @@ import torch
 
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install megatron-core)")
 
-from megatron_worker import save_tiny_model  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 from lightning_grpo import GRPOConfig, GRPOModule, functional  # noqa: E402
 from lightning_grpo.strategies.megatron import convert, cpu_shims  # noqa: E402
 from lightning_grpo.training.experience import Experience  # noqa: E402
+from support.megatron_worker import save_tiny_model  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,5 @@
 """MegatronStrategy with pipeline parallelism and the distributed optimizer, on CPU processes (gloo, real
-megatron-core schedules, launched with torchrun running ``tests/_megatron_pp_worker.py``), against the plain HF
+megatron-core schedules, launched with torchrun running ``tests/support/megatron_pp_worker.py``), against the plain HF
 GRPOModule and MegatronStrategy at TP=1/PP=1 in this process.
 
 Every run trains two optimizer steps on one fixed rollout (two passes over it: the second step is off-policy, with
@@ -17,10 +17,9 @@ import torch
 
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install megatron-core)")
 
-import _megatron_pp_worker  # noqa: E402
-import megatron_worker  # noqa: E402
-
 from lightning_grpo.strategies.megatron.strategy import MegatronStrategy  # noqa: E402
+from support import megatron_pp_worker as _megatron_pp_worker  # noqa: E402
+from support import megatron_worker  # noqa: E402
 
 WORKER = str(Path(_megatron_pp_worker.__file__).resolve())
 CLIP = 0.05  # well below the gradient norms (about 3 and 1.5): clipping by the full norm is active

@@ -1,5 +1,5 @@
 """MegatronStrategy end to end: tensor parallelism on 2 CPU processes (gloo, real megatron-core, launched with
-torchrun running ``tests/megatron_worker.py``) against transformers and the plain GRPOModule."""
+torchrun running ``tests/support/megatron_worker.py``) against transformers and the plain GRPOModule."""
 
 import json
 import os
@@ -12,10 +12,10 @@ import torch
 
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install megatron-core)")
 
-import megatron_worker  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 from lightning_grpo.strategies.megatron.strategy import MegatronStrategy  # noqa: E402
+from support import megatron_worker  # noqa: E402
 
 WORKER = str(Path(megatron_worker.__file__).resolve())
 CLIP = 0.05  # gradient_clip_val of the one-step runs: well below the gradient norm, so clipping is active

@@ -12,12 +12,12 @@ import time
 from pathlib import Path
 
 import torch
-from _dist_utils import free_port
 
 from lightning_grpo.rollout.server.client import RolloutServerError, ServerClient
 from lightning_grpo.rollout.server.security import SECRET_ENV
+from support.dist import free_port
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 class Server:

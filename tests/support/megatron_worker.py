@@ -1,7 +1,7 @@
 """Multi-process scenarios for the Megatron tests, run under ``torchrun`` (2 CPU processes, gloo) by
 ``tests/test_megatron_*.py``; each writes its results as JSON into the output folder, which the tests check.
 
-    python -m torch.distributed.run --standalone --nproc_per_node=2 tests/megatron_worker.py OUT SCENARIO...
+    python -m torch.distributed.run --standalone --nproc_per_node=2 tests/support/megatron_worker.py OUT SCENARIO...
 
 Also holds the helpers the tests share with the workers: the tiny GQA models and a deterministic rollout engine.
 """
@@ -424,5 +424,5 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path[:0] = [str(Path(__file__).resolve().parents[i]) for i in (2, 1)]  # the checkout, tests/ (for support.*)
     main(sys.argv[1:])
