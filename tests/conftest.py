@@ -94,3 +94,48 @@ def alternating_reward():
     from support.fixtures import alternating_reward as reward
 
     return reward
+
+
+@pytest.fixture(scope="session")
+def vllm_engine():
+    """A factory ``vllm_engine(path, reload=True) -> VLLMRolloutEngine``: the session's colocated vLLM engine for that
+    model folder (:mod:`support.vllm_pool`: built once, handed out holding the folder's weights). Tests using it are
+    marked ``engine``. Give it to a fit with ``module.rollout_engine = engine``: the fit keeps it open."""
+    pytest.importorskip("vllm")
+    from support.vllm_pool import POOL
+
+    return POOL.get
+
+
+def pytest_collection_modifyitems(items):
+    """Tests that use the pooled vLLM engine are in the ``engine`` lane."""
+    for item in items:
+        if "vllm_engine" in item.fixturenames:
+            item.add_marker(pytest.mark.engine)
+
+
+def pytest_runtest_setup(item):
+    """Close the pooled vLLM engines before a test that neither uses them nor is marked ``engine``: vLLM's in-process
+    worker holds the default process group, which the tests that make their own must not find. The running test is
+    what :mod:`support.lanes` checks an engine build or a server start against."""
+    from support import lanes
+    from support.vllm_pool import POOL
+
+    lanes.CURRENT = item
+    lanes.watch_vllm_constructions()
+    if POOL.engines and item.get_closest_marker("engine") is None:
+        POOL.close()
+
+
+def pytest_runtest_teardown(item, nextitem):
+    from support import lanes
+
+    lanes.CURRENT = item
+
+
+def pytest_sessionfinish(session, exitstatus):
+    from support import lanes
+    from support.vllm_pool import POOL
+
+    lanes.CURRENT = None
+    POOL.close()

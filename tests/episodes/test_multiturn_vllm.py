@@ -7,6 +7,8 @@ import pytest
 
 pytest.importorskip("vllm")
 
+pytestmark = pytest.mark.engine
+
 import lightning as L  # noqa: E402
 
 from lightning_grpo import GRPOConfig, GRPOModule  # noqa: E402

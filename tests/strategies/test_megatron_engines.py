@@ -59,6 +59,7 @@ def _check_probes(results: list[dict]) -> None:
 
 @pytest.mark.distributed
 @pytest.mark.slow
+@pytest.mark.engine
 def test_colocated_vllm_with_a_tp2_policy_samples_from_the_trained_shards(tmp_path, files):
     results = _run(tmp_path, files, {"engine": {"name": "vllm", "kv_cache_space_gib": 1}})
     _check_probes(results)
@@ -66,6 +67,7 @@ def test_colocated_vllm_with_a_tp2_policy_samples_from_the_trained_shards(tmp_pa
 
 @pytest.mark.distributed
 @pytest.mark.slow
+@pytest.mark.engine
 def test_rollout_server_with_a_tp2_policy_passes_the_post_sync_check(tmp_path, files):
     server = Server(files["model"], tmp_path / "server.log")
     try:
