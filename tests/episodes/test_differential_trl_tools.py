@@ -59,8 +59,8 @@ def next_turn(tokenizer, prefix: list[int]) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def qwen_tokenizer(tiny_llama_path):
-    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_path)
+def qwen_tokenizer(tiny_llama_full_vocab_path):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_full_vocab_path)
     tokenizer.chat_template = (Path(trl.__file__).parent / "chat_templates" / "qwen2_5.jinja").read_text()
     return tokenizer
 
@@ -87,9 +87,9 @@ def trl_episodes(path, tokenizer, tmp_path, prompts):
     return prompt_ids, completion_ids, tool_mask, calls
 
 
-def test_completion_ids_and_tool_mask_equal_trls(tiny_llama_path, qwen_tokenizer, tmp_path):
+def test_completion_ids_and_tool_mask_equal_trls(tiny_llama_full_vocab_path, qwen_tokenizer, tmp_path):
     prompts = [[{"role": "user", "content": q}] for q in QUESTIONS for _ in range(2)]  # G = 2, prompt-major
-    trl_prompts, trl_completions, trl_mask, trl_calls = trl_episodes(tiny_llama_path, qwen_tokenizer, tmp_path,
+    trl_prompts, trl_completions, trl_mask, trl_calls = trl_episodes(tiny_llama_full_vocab_path, qwen_tokenizer, tmp_path,
                                                                       prompts)
 
     tools = as_tools(["calculator"])

@@ -18,7 +18,7 @@ from lightning_grpo.rollout.engines.vllm import VLLMRolloutEngine  # noqa: E402
 pytestmark = pytest.mark.engine
 
 GREEDY = SamplingConfig(max_new_tokens=6, greedy=True)
-PROMPTS = [[1, 17, 300, 4000], [1, 99, 12]]
+PROMPTS = [[1, 17, 300, 1900], [1, 99, 12]]
 
 
 def _engine(path):
