@@ -89,8 +89,8 @@ def trl_episodes(path, tokenizer, tmp_path, prompts):
 
 def test_completion_ids_and_tool_mask_equal_trls(tiny_llama_full_vocab_path, qwen_tokenizer, tmp_path):
     prompts = [[{"role": "user", "content": q}] for q in QUESTIONS for _ in range(2)]  # G = 2, prompt-major
-    trl_prompts, trl_completions, trl_mask, trl_calls = trl_episodes(tiny_llama_full_vocab_path, qwen_tokenizer, tmp_path,
-                                                                      prompts)
+    trl_prompts, trl_completions, trl_mask, trl_calls = trl_episodes(tiny_llama_full_vocab_path, qwen_tokenizer,
+                                                                      tmp_path, prompts)
 
     tools = as_tools(["calculator"])
     parser = HermesToolCallParser()

@@ -148,7 +148,8 @@ def test_a_cut_tokenizer_keeps_the_first_tokens_the_specials_and_the_template(tm
     full = AutoTokenizer.from_pretrained(smollm2_path)
     cut = AutoTokenizer.from_pretrained(save_tiny_tokenizer(smollm2_path, tmp_path / "cut", 300))
     assert len(cut) == 300 and cut.get_vocab() == {t: i for t, i in full.get_vocab().items() if i < 300}
-    assert (cut.eos_token_id, cut.pad_token_id, cut.bos_token_id) == (full.eos_token_id, full.pad_token_id, 1) == (2, 2, 1)
+    specials = (cut.eos_token_id, cut.pad_token_id, cut.bos_token_id)
+    assert specials == (full.eos_token_id, full.pad_token_id, full.bos_token_id) == (2, 2, 1)
     text = "Janet’s ducks lay 16 eggs per day — 🦆 #### 18"
     ids = cut(text)["input_ids"]
     assert cut.decode(ids) == text and max(ids) < 300 and len(ids) > len(full(text)["input_ids"])
