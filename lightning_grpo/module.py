@@ -197,6 +197,8 @@ class GRPOModule(L.LightningModule):
             install_loop(self.trainer)
         data = self.trainer.datamodule
         prompts = data.prompts_per_step if isinstance(data, PromptSource) else None
+        if stage == "fit" and prompts is not None:
+            self.rollouts_ahead()  # a max_staleness that cannot run ahead is refused before an engine is built
         self.rollout.start(self.policy, self.model_path, rollout_prompts=prompts)  # (sizes an "auto" KV cache)
         check_quantized_engine(self._lora_settings, self.rollout.require_engine())
         self.rewards.setup(self.trainer.strategy.root_device)  # e.g. a reward model's device="auto": this rank's

@@ -89,13 +89,13 @@ def table(summary: dict[str, Any], first: int = 5) -> str:
 def main(max_steps: int = 30, prompts_per_step: int = 8, num_generations: int = 8, max_new_tokens: int = 64,
          learning_rate: float = 1e-5, val_size: int = 130, level: int = 1, temperature: float = 1.2,
          eval_samples: int = 4, loss_type: str = "grpo", engine: Optional[str] = None,
-         root: str = "outputs/arithmetic_grpo", seed: int = 42) -> dict[str, Any]:
+         root: str = "outputs/arithmetic_grpo", model: str = "embedded", seed: int = 42) -> dict[str, Any]:
     """Validate, train ``max_steps`` GRPO steps, validate again; print the table and paths; return the summary
     (:func:`summarize` plus ``seconds``, ``plot``, ``completions``, ``log_dir``)."""
     start = time.perf_counter()
     L.seed_everything(seed)
     module = GRPOModule(
-        model="embedded",
+        model=model,
         reward_funcs=REWARDS,
         reward_weights=WEIGHTS,
         config=GRPOConfig(num_generations=num_generations, max_prompt_length=128, max_new_tokens=max_new_tokens,

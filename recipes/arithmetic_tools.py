@@ -167,14 +167,15 @@ MICRO_BATCHES = 4
 def main(max_steps: int = 30, prompts_per_step: int = 8, num_generations: int = 8, max_new_tokens: int = 48,
          max_tokens: int = 160, max_turns: int = 3, learning_rate: float = 1e-5, val_size: int = 100,
          train_size: int = 2000, temperature: float = 1.0, eval_samples: int = 2, loss_type: str = "grpo",
-         engine: Optional[str] = None, root: str = "outputs/arithmetic_tools", seed: int = 42) -> dict[str, Any]:
+         engine: Optional[str] = None, root: str = "outputs/arithmetic_tools", model: str = "embedded",
+         seed: int = 42) -> dict[str, Any]:
     """Validate, train ``max_steps`` GRPO steps on tool episodes, validate again; print the table and paths; return
     the summary (:func:`summarize` plus ``seconds``, ``plot``, ``completions``, ``log_dir``, ``settings``)."""
     start = time.perf_counter()
     L.seed_everything(seed)
     data_dir = write_splits(Path(root) / "data", train_size, val_size, seed)
     module = GRPOModule(
-        model="embedded",
+        model=model,
         reward_funcs=REWARDS,
         reward_weights=WEIGHTS,
         tools=["calculator"],

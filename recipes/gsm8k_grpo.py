@@ -21,14 +21,15 @@ from lightning_grpo.evaluation.report import fit_report
 
 
 def main(max_steps: int = 10, prompts_per_step: int = 4, num_generations: int = 8, max_new_tokens: int = 160,
-         val_size: int = 50, accumulate_grad_batches: int = 4, root: str = "outputs/gsm8k_grpo_py") -> L.Trainer:
+         val_size: int = 50, accumulate_grad_batches: int = 4, root: str = "outputs/gsm8k_grpo_py",
+         model: str = "embedded", engine: str = "auto") -> L.Trainer:
     L.seed_everything(42)
     module = GRPOModule(
-        model="embedded",
+        model=model,
         reward_funcs=["gsm8k_accuracy", "gsm8k_format"],
         reward_weights=[1.0, 0.2],
         config=GRPOConfig(num_generations=num_generations, max_prompt_length=512, max_new_tokens=max_new_tokens,
-                          beta=0.0, eval=EvalConfig(max_new_tokens=200), engine=EngineConfig(name="auto")),
+                          beta=0.0, eval=EvalConfig(max_new_tokens=200), engine=EngineConfig(name=engine)),
         learning_rate=1e-5,
     )
     data = PromptDataModule("gsm8k", prompts_per_step=prompts_per_step, val_size=val_size, val_batch_size=50,

@@ -56,11 +56,11 @@ def split_math500(root: Path, val_size: int, seed: int) -> Path:
 
 def main(max_steps: int = 5, prompts_per_step: int = 2, num_generations: int = 4, max_new_tokens: int = 256,
          val_size: int = 50, learning_rate: float = 1e-6, engine: str = "auto", dataset: Optional[str] = None,
-         root: str = "outputs/math_grpo", seed: int = 42) -> L.Trainer:
+         root: str = "outputs/math_grpo", model: str = "embedded", seed: int = 42) -> L.Trainer:
     L.seed_everything(seed)
     folder = dataset or str(split_math500(Path(root) / "data", val_size, seed))
     module = GRPOModule(
-        model="embedded",
+        model=model,
         reward_funcs=["math_accuracy", boxed_format],
         reward_weights=[1.0, 0.1],
         config=GRPOConfig(num_generations=num_generations, max_prompt_length=512, max_new_tokens=max_new_tokens,

@@ -10,16 +10,13 @@ if [ "$#" -eq 0 ]; then
   .venv/bin/ruff check .
   .venv/bin/mypy
 fi
+# One torch thread per process: the two pytest workers below and every process a test starts (torch's threads collapse
+# on 2 cores when anything else runs; tests/README.md).
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 if [ "$#" -gt 0 ]; then
   exec .venv/bin/python -m pytest -q -p no:cacheprovider "$@"
 fi
-# The whole suite in three pytest processes: one process's resident memory only grows with every in-process vLLM
-# engine and model the tests build (18 GiB by 83 % of the suite in one process on a 24 GiB machine); each part starts
-# afresh. Together they collect every test once: the engine folders, every other folder of tests/, the top-level files.
-ENGINES="tests/rollout tests/episodes tests/strategies tests/rewards"
-REST=$(for d in tests/*/; do d=${d%/}; case " $ENGINES " in *" $d "*) ;; *) [ "$(basename "$d")" = __pycache__ ] || echo "$d";; esac; done)
-status=0
-.venv/bin/python -m pytest -q -p no:cacheprovider $ENGINES || status=$?
-.venv/bin/python -m pytest -q -p no:cacheprovider $REST || status=$?
-.venv/bin/python -m pytest -q -p no:cacheprovider tests/test_*.py || status=$?
-exit $status
+# The whole suite in one pytest run on two workers (pytest-xdist), a test file per worker at a time (its module
+# fixtures built once); the 25 slowest tests are listed at the end (tests/README.md keeps that table).
+exec .venv/bin/python -m pytest -q -p no:cacheprovider -n "${LIGHTNING_GRPO_TEST_WORKERS:-2}" --dist loadfile \
+  --durations=25

@@ -15,7 +15,7 @@ from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 
-# the helpers (_algorithm_support, _dist_utils, megatron_worker, ...) live in tests/; the tests mirror the package in
+# the helpers live in tests/support/ (imported as `support.<name>`); the tests mirror the package in
 # tests/<subpackage>/ and import them by name
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -32,18 +32,36 @@ def smollm2_path() -> str:
     return default_model_path()
 
 
+#: The tiny Llamas' vocabulary: SmolLM2's tokenizer cut to its first 2,048 tokens (its special tokens, chat template
+#: and byte alphabet kept): with all 49,152 the output layer is ~97 % of a tiny Llama's FLOPs (a step ~18x slower).
+TINY_VOCAB = 2048
+
+
 def _save_tiny_llama(root: Path, smollm2_path: str, tie_word_embeddings: bool) -> str:
     from lightning_grpo.models.testing import save_tiny_llama
 
     return save_tiny_llama(root, smollm2_path, hidden_size=64, intermediate_size=128, num_attention_heads=2,
-                           num_key_value_heads=1, head_dim=32, tie_word_embeddings=tie_word_embeddings)
+                           num_key_value_heads=1, head_dim=32, tie_word_embeddings=tie_word_embeddings,
+                           vocab_size=TINY_VOCAB)
 
 
 @pytest.fixture(scope="session")
 def tiny_llama_path(tmp_path_factory, smollm2_path) -> str:
     """A random 2-layer Llama (hidden 64, 2 heads of 32, 1 KV head, MLP 128, untied embeddings, seed 0) with
-    SmolLM2's tokenizer and vocabulary, saved with ``save_pretrained``; eos = pad = ``<|im_end|>``."""
+    SmolLM2's tokenizer cut to its first :data:`TINY_VOCAB` tokens (same chat template and special tokens), saved
+    with ``save_pretrained``; eos = pad = ``<|im_end|>``."""
     return _save_tiny_llama(tmp_path_factory.mktemp("tiny_llama"), smollm2_path, tie_word_embeddings=False)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_full_vocab_path(tmp_path_factory, smollm2_path) -> str:
+    """As :func:`tiny_llama_path` with SmolLM2's whole tokenizer (49,152 tokens), for the tests whose subject is
+    how real text tokenizes (the TRL differential tests of tool episodes)."""
+    from lightning_grpo.models.testing import save_tiny_llama
+
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny_llama_full_vocab"), smollm2_path, hidden_size=64,
+                           intermediate_size=128, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+                           tie_word_embeddings=False)
 
 
 @pytest.fixture(scope="session")
@@ -65,8 +83,8 @@ def tiny_reward_model_path(tmp_path_factory, smollm2_path) -> str:
 def cpu_trainer(tmp_path):
     """A factory ``cpu_trainer(max_steps=-1, root=tmp_path, **trainer_kwargs) -> L.Trainer``: one CPU process, no
     progress bar or model summary, a ``CSVLogger(root, name="logs")`` logging every step unless ``logger`` is given
-    (:func:`_fixtures.make_cpu_trainer`)."""
-    from _fixtures import make_cpu_trainer
+    (:func:`support.fixtures.make_cpu_trainer`)."""
+    from support.fixtures import make_cpu_trainer
 
     def make(max_steps: int = -1, root=None, **kwargs):
         return make_cpu_trainer(tmp_path if root is None else root, max_steps, **kwargs)
@@ -77,8 +95,9 @@ def cpu_trainer(tmp_path):
 @pytest.fixture
 def metrics_rows(tmp_path):
     """A reader ``metrics_rows(where=None, root=tmp_path) -> list[dict]``: the rows of the one ``metrics.csv`` under
-    ``root``, only those with a value in the column ``where`` when given (:func:`_fixtures.read_metrics_rows`)."""
-    from _fixtures import read_metrics_rows
+    ``root``, only those with a value in the column ``where`` when given
+    (:func:`support.fixtures.read_metrics_rows`)."""
+    from support.fixtures import read_metrics_rows
 
     def read(where=None, root=None):
         return read_metrics_rows(tmp_path if root is None else root, where)
@@ -88,8 +107,53 @@ def metrics_rows(tmp_path):
 
 @pytest.fixture
 def alternating_reward():
-    """The reward function 1, 0, 1, 0, ... by position (:func:`_fixtures.alternating_reward`; its metrics are named
-    ``rewards/alternating_reward/mean``)."""
-    from _fixtures import alternating_reward as reward
+    """The reward function 1, 0, 1, 0, ... by position (:func:`support.fixtures.alternating_reward`; its metrics are
+    named ``rewards/alternating_reward/mean``)."""
+    from support.fixtures import alternating_reward as reward
 
     return reward
+
+
+@pytest.fixture(scope="session")
+def vllm_engine():
+    """A factory ``vllm_engine(path, reload=True) -> VLLMRolloutEngine``: the session's colocated vLLM engine for that
+    model folder (:mod:`support.vllm_pool`: built once, handed out holding the folder's weights). Tests using it are
+    marked ``engine``. Give it to a fit with ``module.rollout_engine = engine``: the fit keeps it open."""
+    pytest.importorskip("vllm")
+    from support.vllm_pool import POOL
+
+    return POOL.get
+
+
+def pytest_collection_modifyitems(items):
+    """Tests that use the pooled vLLM engine are in the ``engine`` lane."""
+    for item in items:
+        if "vllm_engine" in item.fixturenames:
+            item.add_marker(pytest.mark.engine)
+
+
+def pytest_runtest_setup(item):
+    """Close the pooled vLLM engines before a test that neither uses them nor is marked ``engine``: vLLM's in-process
+    worker holds the default process group, which the tests that make their own must not find. The running test is
+    what :mod:`support.lanes` checks an engine build or a server start against."""
+    from support import lanes
+    from support.vllm_pool import POOL
+
+    lanes.CURRENT = item
+    lanes.watch_vllm_constructions()
+    if POOL.engines and item.get_closest_marker("engine") is None:
+        POOL.close()
+
+
+def pytest_runtest_teardown(item, nextitem):
+    from support import lanes
+
+    lanes.CURRENT = item
+
+
+def pytest_sessionfinish(session, exitstatus):
+    from support import lanes
+    from support.vllm_pool import POOL
+
+    lanes.CURRENT = None
+    POOL.close()

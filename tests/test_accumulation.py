@@ -21,13 +21,13 @@ observation, the second ends the episode), whose environment tokens are context 
 
 import pytest
 import torch
-from _algorithm_support import FixedRolloutEngine, Recorder, fixed_completions, quiet_trainer, write_prompts
-from _episode_support import EchoEnvironment
 
 from lightning_grpo import GRPOConfig, GRPOModule
 from lightning_grpo.config import EpisodeConfig
 from lightning_grpo.data import PromptDataModule
 from lightning_grpo.training.experience import Experience
+from support.algorithm import FixedRolloutEngine, Recorder, fixed_completions, quiet_trainer, write_prompts
+from support.episodes import EchoEnvironment
 
 KNOBS = {
     "grpo": dict(loss_type="grpo"),

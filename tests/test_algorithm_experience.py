@@ -9,11 +9,11 @@ import math
 
 import pytest
 import torch
-from _algorithm_support import FixedRolloutEngine, fixed_completions
 
 from lightning_grpo import GRPOConfig, GRPOModule
 from lightning_grpo import functional as F
 from lightning_grpo.algorithm import sequence_kl
+from support.algorithm import FixedRolloutEngine, fixed_completions
 
 PROMPTS = {"prompt": ["first prompt", "second prompt"], "answer": ["1", "2"]}
 

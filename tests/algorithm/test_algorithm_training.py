@@ -6,10 +6,10 @@ import math
 
 import pytest
 import torch
-from _algorithm_support import FixedRolloutEngine, Recorder, fixed_completions, quiet_trainer, write_prompts
 
 from lightning_grpo import GRPOConfig, GRPOModule
 from lightning_grpo.data import PromptDataModule
+from support.algorithm import FixedRolloutEngine, Recorder, fixed_completions, quiet_trainer, write_prompts
 
 
 def by_position(prompts, completions, **kwargs):

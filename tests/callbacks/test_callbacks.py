@@ -10,7 +10,6 @@ import warnings
 import lightning as L
 import pytest
 import torch
-from _fixtures import alternating_reward
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from torch.utils.data import DataLoader, Dataset
@@ -21,6 +20,7 @@ from lightning_grpo.callbacks import CompletionTable, GRPOCallback, GRPOProgress
 from lightning_grpo.data import PromptDataModule
 from lightning_grpo.data.module import collate_prompts
 from lightning_grpo.events import ExperienceReady, RolloutEnd
+from support.fixtures import alternating_reward
 
 
 def _length(prompts, completions, **kwargs):
@@ -187,7 +187,7 @@ def test_progress_bar_counts_optimizer_steps_and_phases(tmp_path, tiny_llama_pat
         def on_train_batch_start(self, trainer, module, batch, batch_idx):
             self.seen.append(self.bar.phase)
 
-    bar = GRPOProgressBar(refresh_s=0.05)
+    bar = GRPOProgressBar(refresh_s=0.05, interactive=True)
     phases = Phases(bar)
     trainer = cpu_trainer(2, callbacks=[bar, phases], enable_progress_bar=True, accumulate_grad_batches=2,
                        val_check_interval=4, check_val_every_n_epoch=None)
@@ -202,6 +202,27 @@ def test_progress_bar_counts_optimizer_steps_and_phases(tmp_path, tiny_llama_pat
     assert bar.description().startswith("rollout 0s ~0 tok")
     trainer.lightning_module.rollout.stop.tick(12)
     assert bar.description().endswith("~12 tok")
+
+
+def test_progress_bar_prints_one_line_per_optimizer_step_when_not_a_terminal(tiny_llama_path, cpu_trainer, capsys):
+    """Standard output is not a terminal under pytest (as in CI or ``train.sh > log``): no bar is drawn, no line is
+    written between steps; each optimizer step (2 micro-batches here) prints one line, each validation one."""
+    bar = GRPOProgressBar(refresh_s=0.01)  # a redrawn bar would write a line every 0.01 s
+    assert not bar.is_interactive
+    trainer = cpu_trainer(3, callbacks=[bar], enable_progress_bar=True, accumulate_grad_batches=2,
+                          val_check_interval=4, check_val_every_n_epoch=None)
+    trainer.fit(_module(tiny_llama_path), datamodule=PromptDataModule(prompts_per_step=2, val_size=2,
+                                                                      val_batch_size=2))
+    out = capsys.readouterr().out
+    assert "\r" not in out and "it/s" not in out
+    steps = [line for line in out.splitlines() if line.startswith("step ")]
+    assert [line.split(" | ")[0] for line in steps] == ["step 1/3", "step 2/3", "step 3/3"]
+    for line in steps:
+        fields = dict(part.rsplit(" ", 1) for part in line.split(" | ")[1:-1])
+        assert set(fields) >= {"reward", "loss"} and float(fields["reward"]) >= 0
+        assert [phase.split()[0] for phase in line.split(" | ")[-1].split(", ")] == ["rollout", "scoring", "training"]
+    (validation,) = [line for line in out.splitlines() if line.startswith("validation at step ")]  # not the sanity
+    assert validation.startswith("validation at step 2 | val/accuracy ")  # check's, which Lightning runs first
 
 
 def test_a_misspelled_event_hook_is_reported_when_the_class_is_defined():

@@ -21,7 +21,6 @@ trl = pytest.importorskip("trl", reason="trl is not installed: pip install -e '.
 if not trl.__version__.startswith("1.16."):
     pytest.skip(f"these tests pin TRL's 1.16 code; trl {trl.__version__} is installed", allow_module_level=True)
 
-from _episode_support import ScriptedEngine  # noqa: E402
 from datasets import Dataset  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 from trl import GRPOConfig as TRLConfig  # noqa: E402
@@ -36,6 +35,7 @@ from lightning_grpo.episodes import (  # noqa: E402
     calculator,
 )
 from lightning_grpo.protocols.sampling import SamplingConfig  # noqa: E402
+from support.episodes import ScriptedEngine  # noqa: E402
 
 EOS = 2
 QUESTIONS = ["What is 123 * 456?", "Say 7.", "What is (2 + 2) * 5?"]
@@ -59,8 +59,8 @@ def next_turn(tokenizer, prefix: list[int]) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def qwen_tokenizer(tiny_llama_path):
-    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_path)
+def qwen_tokenizer(tiny_llama_full_vocab_path):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_full_vocab_path)
     tokenizer.chat_template = (Path(trl.__file__).parent / "chat_templates" / "qwen2_5.jinja").read_text()
     return tokenizer
 
@@ -87,10 +87,10 @@ def trl_episodes(path, tokenizer, tmp_path, prompts):
     return prompt_ids, completion_ids, tool_mask, calls
 
 
-def test_completion_ids_and_tool_mask_equal_trls(tiny_llama_path, qwen_tokenizer, tmp_path):
+def test_completion_ids_and_tool_mask_equal_trls(tiny_llama_full_vocab_path, qwen_tokenizer, tmp_path):
     prompts = [[{"role": "user", "content": q}] for q in QUESTIONS for _ in range(2)]  # G = 2, prompt-major
-    trl_prompts, trl_completions, trl_mask, trl_calls = trl_episodes(tiny_llama_path, qwen_tokenizer, tmp_path,
-                                                                      prompts)
+    trl_prompts, trl_completions, trl_mask, trl_calls = trl_episodes(tiny_llama_full_vocab_path, qwen_tokenizer,
+                                                                      tmp_path, prompts)
 
     tools = as_tools(["calculator"])
     parser = HermesToolCallParser()

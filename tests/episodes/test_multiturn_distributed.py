@@ -3,8 +3,9 @@ ranks' episodes need different numbers of turns, so the rank that is done joins 
 collective per ``generate``) instead of leaving it waiting; the logged ``turns/max`` is the max over both ranks."""
 
 import pytest
-from _dist_utils import load, run_worker
-from _episode_support import save_talkative_llama
+
+from support.dist import load, run_worker
+from support.episodes import save_talkative_llama
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 

@@ -6,13 +6,13 @@ import json
 
 import pytest
 import torch
-from _algorithm_support import Recorder, quiet_trainer, write_prompts
-from _episode_support import EchoEnvironment, save_talkative_llama
 
 from lightning_grpo import GRPOConfig, GRPOModule
 from lightning_grpo.callbacks import CompletionTable, GRPOCallback
 from lightning_grpo.config import EpisodeConfig
 from lightning_grpo.data import PromptDataModule
+from support.algorithm import Recorder, quiet_trainer, write_prompts
+from support.episodes import EchoEnvironment, save_talkative_llama
 
 
 @pytest.fixture(scope="session")

@@ -7,16 +7,18 @@ import pytest
 
 pytest.importorskip("vllm")
 
+pytestmark = pytest.mark.engine
+
 import lightning as L  # noqa: E402
-from _algorithm_support import Recorder, write_prompts  # noqa: E402
-from _dist_utils import free_port  # noqa: E402
-from _episode_support import EchoEnvironment, save_talkative_llama  # noqa: E402
-from _rollout_server import Server  # noqa: E402
 
 from lightning_grpo import GRPOConfig, GRPOModule  # noqa: E402
 from lightning_grpo.callbacks import GRPOCallback  # noqa: E402
 from lightning_grpo.config import EngineConfig, EpisodeConfig  # noqa: E402
 from lightning_grpo.data import PromptDataModule  # noqa: E402
+from support.algorithm import Recorder, write_prompts  # noqa: E402
+from support.dist import free_port  # noqa: E402
+from support.episodes import EchoEnvironment, save_talkative_llama  # noqa: E402
+from support.rollout_server import Server  # noqa: E402
 
 
 @pytest.fixture(scope="module")

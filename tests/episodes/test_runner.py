@@ -4,13 +4,13 @@ seeds, weight versions, errors."""
 
 import pytest
 import torch
-from _episode_support import EchoEnvironment, ScriptedEngine
 from transformers import AutoTokenizer
 
 from lightning_grpo.config import EpisodeConfig, GRPOConfig
 from lightning_grpo.episodes import ChatFormat, EpisodeRunner, HermesToolCallParser, as_tools, episode_runner
 from lightning_grpo.protocols.rollout import RolloutInterrupted, StopFlag
 from lightning_grpo.protocols.sampling import SamplingConfig
+from support.episodes import EchoEnvironment, ScriptedEngine
 
 EOS = 2
 CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "123 * 456"}}\n</tool_call>'

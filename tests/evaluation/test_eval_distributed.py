@@ -1,4 +1,4 @@
-"""Distributed evaluation counts every prompt once (2 gloo processes, ``tests/_dist_worker.py``).
+"""Distributed evaluation counts every prompt once (2 gloo processes, ``tests/support/dist_worker.py``).
 
 3 prompts on 2 processes: Lightning's ``DistributedSampler`` gives rank 0 prompts 0 and 2 and rank 1 prompt 1 and
 prompt 0 again (padding). Only prompt 0 is correct (a reward that reads the gold, not the completion), so every
@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _dist_utils import load, run_worker
 
 from lightning_grpo.evaluation.evaluator import counted_rows
+from support.dist import load, run_worker
 
 pytestmark = pytest.mark.distributed
 

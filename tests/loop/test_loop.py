@@ -6,13 +6,13 @@ import os
 import lightning as L
 import pytest
 import torch
-from _fixtures import alternating_reward, make_cpu_trainer, read_metrics_rows
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from transformers import AutoModelForCausalLM
 
 from lightning_grpo import GRPOConfig, GRPOModule
 from lightning_grpo.data import PromptDataModule
+from support.fixtures import alternating_reward, make_cpu_trainer, read_metrics_rows
 
 METRICS = [
     "reward", "reward_std", "rewards/gsm8k_accuracy/mean", "rewards/gsm8k_format/mean", "frac_reward_zero_std",

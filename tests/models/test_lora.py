@@ -16,7 +16,6 @@ import io
 import lightning as L
 import pytest
 import torch
-from _algorithm_support import FixedRolloutEngine, fixed_completions, write_prompts
 from lightning.pytorch.callbacks import ModelCheckpoint
 from peft import LoraConfig, PeftModel, get_peft_model
 from torch import nn
@@ -35,13 +34,14 @@ from lightning_grpo.rollout.engines.hf import HFRolloutEngine
 from lightning_grpo.rollout.registry import EngineSpec, make_engine
 from lightning_grpo.strategies import FSDP1Backend, GRPOModels
 from lightning_grpo.training.experience import Experience
+from support.algorithm import FixedRolloutEngine, fixed_completions, write_prompts
 
 LORA = dict(r=4, lora_alpha=8, lora_dropout=0.1, target_modules=["q_proj", "v_proj", "up_proj"],
             modules_to_save=["lm_head"])
-#: Trainable tensors of LORA on the tiny Llama (hidden 64, 1 KV head of 32, MLP 128, 2 layers, vocabulary 49152):
+#: Trainable tensors of LORA on the tiny Llama (hidden 64, 1 KV head of 32, MLP 128, 2 layers, vocabulary 2048):
 #: per layer q_proj A (4x64) + B (64x4) = 512, v_proj A (4x64) + B (32x4) = 384, up_proj A (4x64) + B (128x4) = 768,
-#: so 2 * 1664 = 3328, plus the trainable copy of lm_head, 49152 x 64 = 3145728.
-ADAPTER_PARAMS = 2 * (512 + 384 + 768) + 49152 * 64
+#: so 2 * 1664 = 3328, plus the trainable copy of lm_head, 2048 x 64 = 131072.
+ADAPTER_PARAMS = 2 * (512 + 384 + 768) + 2048 * 64
 
 
 def by_position(prompts, completions, **kwargs):

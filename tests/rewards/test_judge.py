@@ -222,6 +222,7 @@ def vllm_judge(tiny_llama_path, tmp_path_factory):
 
 @pytest.mark.slow
 @pytest.mark.distributed
+@pytest.mark.engine
 def test_two_training_steps_with_a_judge_served_by_vllm(vllm_judge, tiny_llama_path, tmp_path):
     """GRPO trains two steps with a pointwise judge and a group-relative (RULER) judge served by vLLM (its answers
     guided to the format, the tiny model being random); the judge's scores equal a direct request's."""

@@ -4,10 +4,11 @@ own rollouts, with the scores of the model run by hand on those texts."""
 from pathlib import Path
 
 import pytest
-from _dist_utils import load, run_worker
 from test_reward_model import _by_hand
 
-WORKER = Path(__file__).resolve().parents[1] / "_reward_worker.py"
+from support.dist import load, run_worker
+
+WORKER = Path(__file__).resolve().parents[1] / "support" / "reward_worker.py"
 
 
 @pytest.mark.distributed

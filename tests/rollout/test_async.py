@@ -29,7 +29,6 @@ pytest.importorskip("vllm")
 
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
-from _checkpoint_generation import trainer_logprobs  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 from test_resume import QUESTIONS, _assert_same_run  # noqa: E402
 
@@ -37,6 +36,10 @@ from lightning_grpo import GRPOConfig, GRPOModule  # noqa: E402
 from lightning_grpo.callbacks import GRPOCallback
 from lightning_grpo.config import EngineConfig, EpisodeConfig
 from lightning_grpo.data import PromptDataModule  # noqa: E402
+from lightning_grpo.rollout.engines.vllm import VLLMRolloutEngine  # noqa: E402
+from support.checkpoint_generation import trainer_logprobs  # noqa: E402
+
+pytestmark = pytest.mark.engine
 
 STEPS = 6
 #: Left out of the equality checks: metrics that measure time, and the two counts the module logs after the
@@ -79,14 +82,17 @@ def data_file(tmp_path_factory) -> str:
     return str(path)
 
 
-def _fit(model: str, data: str, root: Path, *, ckpt_dir=None, resume_from=None, mini_batch_size=None,
+def _fit(model: str, data: str, root: Path, engine, *, ckpt_dir=None, resume_from=None, mini_batch_size=None,
          environment_factory=None, **config) -> tuple[Recorder, dict, GRPOModule]:
-    """One run; ``(recorder, final weights, module)``. The vLLM engine is closed at the end."""
-    L.seed_everything(0, verbose=False)
+    """One run on the given (pooled) vLLM engine, which the module syncs before its first rollout and keeps;
+    ``(recorder, final weights, module)``."""
     cfg = GRPOConfig(num_generations=4, max_new_tokens=8, engine=EngineConfig(name="vllm", kv_cache_space_gib=1),
                      max_prompt_length=128, mini_batch_size=mini_batch_size, **config)
+    L.seed_everything(0, verbose=False)
     module = GRPOModule(model, reward_funcs=[length_reward], config=cfg, learning_rate=2e-2, export_dir="",
                         environment_factory=environment_factory)
+    if engine is not None:
+        module.rollout_engine = engine
     recorder = Recorder()
     callbacks: list = [recorder]
     if ckpt_dir is not None:
@@ -96,27 +102,29 @@ def _fit(model: str, data: str, root: Path, *, ckpt_dir=None, resume_from=None, 
                         default_root_dir=str(root))
     data_module = PromptDataModule(dataset=data, prompts_per_step=2, val_size=0, answer_format="raw",
                                    system_prompt=None, seed=3)
-    try:
-        trainer.fit(module, datamodule=data_module, ckpt_path=resume_from)
-    finally:
-        if module.rollout.engine is not None:
-            module.rollout.engine.close()
+    trainer.fit(module, datamodule=data_module, ckpt_path=resume_from)
+    assert module.rollout_engine is engine  # a given engine is kept
     weights = {k: v.detach().clone() for k, v in module.policy.state_dict().items()}
     return recorder, weights, module
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, tiny_llama_path, data_file):
-    """Runs shared by the tests, made on first use."""
+def runs(tmp_path_factory, tiny_llama_path, data_file, vllm_engine):
+    """Runs shared by the tests, made on first use (on the pooled vLLM engine of the tiny Llama)."""
     cache: dict = {}
     root = tmp_path_factory.mktemp("async_runs")
 
     def get(name: str, **kwargs):
         if name not in cache:
-            cache[name] = _fit(tiny_llama_path, data_file, root / name, **kwargs)
+            cache[name] = _fit(tiny_llama_path, data_file, root / name, vllm_engine(tiny_llama_path, reload=False),
+                               **kwargs)
         return cache[name]
 
     return get
+
+
+def _no_engine_is_built(*args, **kwargs):
+    raise AssertionError("a vLLM engine was built before the bad setting was refused")
 
 
 def _staleness(recorder: Recorder) -> list[float]:
@@ -220,31 +228,29 @@ def test_several_steps_per_rollout_and_resume_inside_a_rollout(runs, tmp_path_fa
                      (resumed.steps, resumed_weights))
 
 
-def test_per_request_seeds_on_vllm_cpu_do_not_depend_on_the_batch_or_the_global_generator(tiny_llama_path):
+def test_per_request_seeds_on_vllm_cpu_do_not_depend_on_the_batch_or_the_global_generator(tiny_llama_path,
+                                                                                           vllm_engine):
     """Per-request seeds on CPU (what asynchronous rollouts rely on): 12 prompts of 400 tokens exceed one engine step's
     4096-token budget, which with chunked prefill made seeded requests fail on CPU ("CPU Generator does not use
     offset"); without it each completion depends only on its seed: a prompt generated alone with its seed gives the
     same completions and logprobs as inside the batch, whatever torch's global generator holds."""
     from lightning_grpo.protocols.sampling import SamplingConfig
-    from lightning_grpo.rollout.engines.vllm import VLLMRolloutEngine
 
-    engine = VLLMRolloutEngine(tiny_llama_path, kv_cache_space_gib=1, max_model_len=512, dtype="float32")
-    try:
-        generator = torch.Generator().manual_seed(0)
-        prompts = [torch.randint(0, 1000, (400,), generator=generator).tolist() for _ in range(12)]
-        sampling = SamplingConfig(max_new_tokens=6, seed=1234)
-        torch.manual_seed(1)
-        batch = engine.generate(prompts, 3, sampling)
-        torch.manual_seed(2)
-        alone = engine.generate(prompts[5:6], 3, SamplingConfig(max_new_tokens=6, seed=1234 + 5 * 3))
-        assert torch.equal(alone.completion_ids, batch.completion_ids[15:18, : alone.completion_ids.shape[1]])
-        assert torch.equal(alone.sampler_logprobs, batch.sampler_logprobs[15:18, : alone.completion_ids.shape[1]])
-        assert len({tuple(row) for row in batch.completion_ids.tolist()}) > 1
-    finally:
-        engine.close()
+    engine = vllm_engine(tiny_llama_path)
+    generator = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 1000, (400,), generator=generator).tolist() for _ in range(12)]
+    sampling = SamplingConfig(max_new_tokens=6, seed=1234)
+    torch.manual_seed(1)
+    batch = engine.generate(prompts, 3, sampling)
+    torch.manual_seed(2)
+    alone = engine.generate(prompts[5:6], 3, SamplingConfig(max_new_tokens=6, seed=1234 + 5 * 3))
+    assert torch.equal(alone.completion_ids, batch.completion_ids[15:18, : alone.completion_ids.shape[1]])
+    assert torch.equal(alone.sampler_logprobs, batch.sampler_logprobs[15:18, : alone.completion_ids.shape[1]])
+    assert len({tuple(row) for row in batch.completion_ids.tolist()}) > 1
 
 
-def test_bad_settings_raise_clear_errors(tmp_path, tiny_llama_path, data_file):
+
+def test_bad_settings_raise_clear_errors(tmp_path, tiny_llama_path, data_file, vllm_engine, monkeypatch):
     with pytest.raises(ValueError, match=r"max_staleness=-1 is invalid: must be an int >= 0"):
         GRPOConfig(max_staleness=-1)
     for bad in ({"dynamic_sampling": True}, {"engine": EngineConfig(name="vllm", sync_every=2)},
@@ -258,24 +264,26 @@ def test_bad_settings_raise_clear_errors(tmp_path, tiny_llama_path, data_file):
         module = GRPOModule(tiny_llama_path, config=GRPOConfig(max_staleness=1))
         module.rollout.start(module.policy, module.model_path)
     with pytest.raises(ValueError, match=r"max_staleness=1 is less than the 2 optimizer steps of one rollout"):
-        _fit(tiny_llama_path, data_file, tmp_path, max_staleness=1, mini_batch_size=4)
+        with monkeypatch.context() as patch:  # refused before the module builds its engine (engine.name="vllm")
+            patch.setattr(VLLMRolloutEngine, "__init__", _no_engine_is_built)
+            _fit(tiny_llama_path, data_file, tmp_path, None, max_staleness=1, mini_batch_size=4)
     # 4 rollout batches per epoch: 4 rollouts ahead would prefetch the whole epoch (into memory and checkpoints)
     with pytest.raises(ValueError, match=r"max_staleness=4 generates 4 rollouts ahead \(1 optimizer step\(s\) per "
                        r"rollout\), but an epoch has only 4 rollout batches: .* Use max_staleness < 4 \(at most 3 "
                        r"rollouts ahead\)"):
-        _fit(tiny_llama_path, data_file, tmp_path / "far", max_staleness=4)
+        _fit(tiny_llama_path, data_file, tmp_path / "far", vllm_engine(tiny_llama_path, reload=False), max_staleness=4)
 
 
 def test_per_request_seed_bases_are_disjoint_per_process(tiny_llama_path):
     """Processes seeded alike (``seed_everything`` on every rank) draw the same base from torch's global generator;
     rank r's base is offset by r * 2**32, so no two processes sample with the same per-request seed."""
-    from _algorithm_support import FixedRolloutEngine
     from transformers import AutoTokenizer
 
     from lightning_grpo.experience_maker import ExperienceMaker, RolloutContext
     from lightning_grpo.rewards import RewardSet
     from lightning_grpo.rollout.worker import RolloutWorker
     from lightning_grpo.training.logprobs import CompletionLogprobs
+    from support.algorithm import FixedRolloutEngine
 
     class Seeded(FixedRolloutEngine):
         seeds_per_request = True  # as vLLM's engines declare
@@ -296,22 +304,23 @@ def test_per_request_seed_bases_are_disjoint_per_process(tiny_llama_path):
     assert maker._sampling().seed is None  # the HF engine samples from the global generator itself
 
 
-def test_multiturn_prefetched_episodes_resume_exactly(tmp_path_factory, smollm2_path, data_file):
+def test_multiturn_prefetched_episodes_resume_exactly(tmp_path_factory, smollm2_path, data_file, vllm_engine):
     """Episodes of a tiny Llama that ends its turns after a few tokens, answered by a scripted environment, generated
     two rollouts ahead: the checkpoint after 2 steps holds them with their episode records; the resumed run matches
     the uninterrupted one."""
-    from _episode_support import EchoEnvironment, save_talkative_llama
+    from support.episodes import EchoEnvironment, save_talkative_llama
 
     model = save_talkative_llama(tmp_path_factory.mktemp("talkative"), smollm2_path)
     root, ckpt_dir = tmp_path_factory.mktemp("multiturn_runs"), tmp_path_factory.mktemp("multiturn_ckpt")
     kwargs = dict(max_staleness=2, episode=EpisodeConfig(max_turns=3, max_tokens=40),
                   environment_factory=lambda: EchoEnvironment(turns=3))
-    plain, plain_weights, _ = _fit(model, data_file, root / "plain", ckpt_dir=ckpt_dir, **kwargs)
+    engine = vllm_engine(model)
+    plain, plain_weights, _ = _fit(model, data_file, root / "plain", engine, ckpt_dir=ckpt_dir, **kwargs)
     assert all(plain.steps[s]["turns/mean"] > 1 for s in range(STEPS))
     ckpt = ckpt_dir / "epoch=0-step=2.ckpt"
     state = torch.load(ckpt, weights_only=True)["loops"]["fit_loop"]["state_dict"]["prefetched_rollouts"][0]
     output = state[0]["rollout"]["output"]
     assert output["env_mask"].sum() > 0 and len(output["episodes"]) == 8 and output["episodes"][0]["turns"]
-    resumed, resumed_weights, _ = _fit(model, data_file, root / "resumed", resume_from=str(ckpt), **kwargs)
+    resumed, resumed_weights, _ = _fit(model, data_file, root / "resumed", engine, resume_from=str(ckpt), **kwargs)
     _assert_same_run(({s: r for s, r in plain.steps.items() if s >= 2}, plain_weights),
                      (resumed.steps, resumed_weights))

@@ -25,7 +25,7 @@ from lightning_grpo import EngineConfig, GRPOConfig, GRPOModule  # noqa: E402
 from lightning_grpo.data import PromptDataModule  # noqa: E402
 from lightning_grpo.rewards import PooledReward, RewardChunk  # noqa: E402
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.engine]
 STEPS = 3
 UNCOMPARED = ("timing/", "tokens_per_s", "generated_tokens", "train_tokens")
 
@@ -86,33 +86,32 @@ def data_file(tmp_path_factory) -> str:
     return str(path)
 
 
-def _fit(model: str, data: str, root, reward, workers: int, callbacks=()):
+def _fit(model: str, data: str, root, reward, workers: int, engine, callbacks=()):
+    """One run on the given (pooled) vLLM engine, which the module syncs before its first rollout and keeps."""
     L.seed_everything(0, verbose=False)
     cfg = GRPOConfig(num_generations=4, max_new_tokens=8, engine=EngineConfig(name="vllm", kv_cache_space_gib=1),
                      max_prompt_length=128, max_staleness=1, reward_num_workers=workers)
     module = GRPOModule(model, reward_funcs=[reward], config=cfg, learning_rate=2e-2, export_dir="")
+    module.rollout_engine = engine
     metrics = Metrics()
     trainer = L.Trainer(max_steps=STEPS, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
                         enable_model_summary=False, enable_checkpointing=False, callbacks=[metrics, *callbacks],
                         default_root_dir=str(root))
     data_module = PromptDataModule(dataset=data, prompts_per_step=2, val_size=0, answer_format="raw",
                                    system_prompt=None, seed=3)
-    try:
-        trainer.fit(module, datamodule=data_module)
-    finally:
-        if module.rollout.engine is not None:
-            module.rollout.engine.close()
+    trainer.fit(module, datamodule=data_module)
     return metrics.steps, {k: v.detach().clone() for k, v in module.policy.state_dict().items()}
 
 
-def test_slow_rewards_overlap_training_and_the_width_changes_nothing(tmp_path, tiny_llama_path, data_file):
+def test_slow_rewards_overlap_training_and_the_width_changes_nothing(tmp_path, tiny_llama_path, data_file, vllm_engine):
+    engine = vllm_engine(tiny_llama_path, reload=False)
     reward = CountingReward()
     overlap = Overlap(reward)
-    wide, wide_weights = _fit(tiny_llama_path, data_file, tmp_path / "w4", reward, 4, [overlap])
+    wide, wide_weights = _fit(tiny_llama_path, data_file, tmp_path / "w4", reward, 4, engine, [overlap])
     assert overlap.started_during_step == [True] * (STEPS - 1)
     assert reward.threads and all(t.startswith("lightning_grpo_reward") for t in reward.threads)
-    narrow, narrow_weights = _fit(tiny_llama_path, data_file, tmp_path / "w1", CountingReward(), 1)
-    plain, plain_weights = _fit(tiny_llama_path, data_file, tmp_path / "plain", length_reward, 4)
+    narrow, narrow_weights = _fit(tiny_llama_path, data_file, tmp_path / "w1", CountingReward(), 1, engine)
+    plain, plain_weights = _fit(tiny_llama_path, data_file, tmp_path / "plain", length_reward, 4, engine)
     for other, weights in ((narrow, narrow_weights), (plain, plain_weights)):
         assert other == wide
         for name, value in wide_weights.items():

@@ -32,6 +32,7 @@ def test_config_checks_the_kv_cache_size():
 
 
 @pytest.mark.slow  # starts a vLLM engine
+@pytest.mark.engine
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed")
 def test_vllm_generates_with_an_auto_sized_fractional_cache(tiny_llama_path):
     from lightning_grpo.protocols.sampling import SamplingConfig

@@ -7,8 +7,6 @@ import threading
 
 import pytest
 import torch
-from _algorithm_support import fixed_completions
-from _engines import RecordingEngine, weights_of
 from torch import nn
 from transformers import AutoTokenizer
 
@@ -20,6 +18,8 @@ from lightning_grpo.rollout.prefetch import PrefetchedRollout, RolloutPrefetcher
 from lightning_grpo.rollout.worker import RolloutWorker
 from lightning_grpo.training.metrics import StepTimer
 from lightning_grpo.training.nonfinite import NonFiniteError
+from support.algorithm import fixed_completions
+from support.engines import RecordingEngine, weights_of
 
 EOS = 2
 BATCH = {"prompt": ["first prompt", "second prompt"], "answer": ["1", "2"]}

@@ -3,8 +3,6 @@ members (adapted, and trained with end to end), and capability-driven behaviour 
 
 import pytest
 import torch
-from _algorithm_support import FixedRolloutEngine, Recorder, fixed_completions, quiet_trainer, write_prompts
-from _engines import RecordingEngine, weights_of
 
 import lightning_grpo.rollout.registry as registry
 from lightning_grpo import EngineConfig, GRPOConfig, GRPOModule
@@ -15,6 +13,8 @@ from lightning_grpo.rollout.adapter import CoreEngineAdapter, as_rollout_engine
 from lightning_grpo.rollout.engines.hf import HFRolloutEngine
 from lightning_grpo.rollout.registry import EngineSpec, engine_names, make_engine, register_engine
 from lightning_grpo.rollout.worker import RolloutWorker
+from support.algorithm import FixedRolloutEngine, Recorder, fixed_completions, quiet_trainer, write_prompts
+from support.engines import RecordingEngine, weights_of
 
 
 class CoreOnly:

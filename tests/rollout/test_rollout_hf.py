@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _checkpoint_generation import SAMPLING_FIELDS, copy_with_generation_config, greedy_fields, trainer_logprobs
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lightning_grpo import GRPOConfig
 from lightning_grpo.protocols.sampling import SamplingConfig
 from lightning_grpo.rollout.engines.hf import HFRolloutEngine
+from support.checkpoint_generation import SAMPLING_FIELDS, copy_with_generation_config, greedy_fields, trainer_logprobs
 
 ATOL = 1e-4  # float32 KV-cached generate vs a float32 full forward; observed ~2e-6
 

@@ -12,7 +12,6 @@ import time
 
 import pytest
 import torch
-from _dist_utils import free_port
 
 from lightning_grpo.config import EngineConfig, GRPOConfig
 from lightning_grpo.protocols.sampling import SamplingConfig
@@ -29,6 +28,7 @@ from lightning_grpo.rollout.server.weight_sync import (
     receive_weights,
     send_weights,
 )
+from support.dist import free_port
 
 
 def test_split_evenly_gives_contiguous_near_equal_parts():

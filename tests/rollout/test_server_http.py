@@ -23,8 +23,6 @@ from pathlib import Path
 
 import pytest
 import uvicorn
-from _dist_utils import free_port
-from _rollout_server import raw_request
 
 from lightning_grpo.config import EngineConfig
 from lightning_grpo.rollout.server.app import listen
@@ -32,6 +30,8 @@ from lightning_grpo.rollout.server.asgi import create_app
 from lightning_grpo.rollout.server.client import RolloutServerError, ServerClient
 from lightning_grpo.rollout.server.security import SECRET_ENV, check_bind, is_loopback, read_secret
 from lightning_grpo.rollout.server.weight_sync import host_store
+from support.dist import free_port
+from support.rollout_server import raw_request
 
 SECRET = "0123456789abcdef0123456789abcdef"
 REPO = Path(__file__).resolve().parents[2]

@@ -16,8 +16,9 @@ Equalities between two real paths:
 * an engine on a checkpoint whose ``generation_config.json`` sets a repetition penalty and its own temperature /
   top-k / top-p / min-p samples the same completions and logprobs as the clean one (same weights, same seed).
 
-vLLM engines live in this process (several at once work); one per model, shared by the module and closed at
-its end. Each engine is paired with the HF model that holds the same weights, so test order does not matter.
+vLLM engines live in this process (several at once work); one per model, the session's pooled engine
+(``vllm_engine``: handed out holding the folder's weights), shared by the module. Each engine is paired with the HF
+model that holds the same weights, so test order does not matter.
 """
 
 from __future__ import annotations
@@ -29,7 +30,6 @@ import pytest
 pytest.importorskip("vllm")
 
 import torch  # noqa: E402
-from _checkpoint_generation import SAMPLING_FIELDS, copy_with_generation_config, trainer_logprobs  # noqa: E402
 from transformers import AutoModelForCausalLM, TopPLogitsWarper  # noqa: E402
 
 from lightning_grpo import GRPOConfig, GRPOModule  # noqa: E402
@@ -39,38 +39,36 @@ from lightning_grpo.protocols.sampling import SamplingConfig  # noqa: E402
 from lightning_grpo.rollout.engines.hf import HFRolloutEngine  # noqa: E402
 from lightning_grpo.rollout.engines.vllm import VLLMRolloutEngine  # noqa: E402
 from lightning_grpo.training.experience import Experience  # noqa: E402
+from support.checkpoint_generation import SAMPLING_FIELDS, copy_with_generation_config, trainer_logprobs  # noqa: E402
 
 ATOL = 1e-4  # float32 engine vs float32 HF; observed differences are ~1e-6
 
 
-class Pair:
-    """A vLLM engine and an HF model holding the same weights."""
+pytestmark = pytest.mark.engine
 
-    def __init__(self, path: str) -> None:
-        self.engine = VLLMRolloutEngine(path, kv_cache_space_gib=1, max_model_len=512, dtype="float32", seed=0)
+
+class Pair:
+    """A vLLM engine (the pooled one, holding the folder's weights) and an HF model holding the same weights."""
+
+    def __init__(self, path: str, engine: VLLMRolloutEngine) -> None:
+        self.engine = engine
         self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
         self.tokenizer = self.engine.tokenizer
 
 
-def _pair(path: str):
-    pair = Pair(path)
-    yield pair
-    pair.engine.close()
+@pytest.fixture(scope="module")
+def untied(tiny_llama_path, vllm_engine):
+    return Pair(tiny_llama_path, vllm_engine(tiny_llama_path))
 
 
 @pytest.fixture(scope="module")
-def untied(tiny_llama_path):
-    yield from _pair(tiny_llama_path)
+def tied(tiny_tied_llama_path, vllm_engine):
+    return Pair(tiny_tied_llama_path, vllm_engine(tiny_tied_llama_path))
 
 
 @pytest.fixture(scope="module")
-def tied(tiny_tied_llama_path):
-    yield from _pair(tiny_tied_llama_path)
-
-
-@pytest.fixture(scope="module")
-def smollm2(smollm2_path):
-    yield from _pair(smollm2_path)
+def smollm2(smollm2_path, vllm_engine):
+    return Pair(smollm2_path, vllm_engine(smollm2_path))
 
 
 def _chat_prompts(tokenizer, questions: list[str]) -> list[list[int]]:

@@ -15,8 +15,10 @@ from lightning_grpo.protocols.sampling import SamplingConfig  # noqa: E402
 from lightning_grpo.rollout.engines import vllm_groups  # noqa: E402
 from lightning_grpo.rollout.engines.vllm import VLLMRolloutEngine  # noqa: E402
 
+pytestmark = pytest.mark.engine
+
 GREEDY = SamplingConfig(max_new_tokens=6, greedy=True)
-PROMPTS = [[1, 17, 300, 4000], [1, 99, 12]]
+PROMPTS = [[1, 17, 300, 1900], [1, 99, 12]]
 
 
 def _engine(path):
@@ -36,6 +38,9 @@ def _caller_group():
 
 @pytest.fixture
 def no_group_before():
+    from support.vllm_pool import POOL
+
+    POOL.close()  # the session's pooled engines (the tests here count every live engine and group)
     assert not dist.is_initialized(), "a test before this one left torch.distributed's default group behind"
     assert vllm_groups.live_engines() == 0, "a test before this one left a vLLM engine unclosed"
     yield

@@ -37,9 +37,6 @@ pytest.importorskip("vllm")
 
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
-from _checkpoint_generation import trainer_logprobs  # noqa: E402
-from _dist_utils import free_port, load, run_worker  # noqa: E402
-from _rollout_server import REPO, Server, raw_request  # noqa: E402
 from lightning.pytorch.callbacks import Callback  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
@@ -49,12 +46,14 @@ from lightning_grpo.data import PromptDataModule  # noqa: E402
 from lightning_grpo.protocols.sampling import SamplingConfig  # noqa: E402
 from lightning_grpo.rollout.engines.probe import policy_probe_logprobs, probe_sequences  # noqa: E402
 from lightning_grpo.rollout.engines.remote import VLLMServerEngine  # noqa: E402
-from lightning_grpo.rollout.engines.vllm import VLLMRolloutEngine  # noqa: E402
 from lightning_grpo.rollout.server.client import RolloutServerError, ServerClient  # noqa: E402
 from lightning_grpo.rollout.server.security import SECRET_ENV  # noqa: E402
 from lightning_grpo.rollout.server.weight_sync import host_store  # noqa: E402
+from support.checkpoint_generation import trainer_logprobs  # noqa: E402
+from support.dist import free_port, load, run_worker  # noqa: E402
+from support.rollout_server import REPO, Server, raw_request  # noqa: E402
 
-pytestmark = pytest.mark.distributed  # rollout servers in subprocesses
+pytestmark = [pytest.mark.distributed, pytest.mark.engine]  # rollout servers in subprocesses
 ATOL = 1e-4
 SECRET = "test-secret-7f3a9c1e5b2d4f6a8c0e"
 
@@ -83,10 +82,8 @@ def tied_server(tiny_tied_llama_path, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def colocated(tiny_llama_path):
-    engine = VLLMRolloutEngine(tiny_llama_path, kv_cache_space_gib=1, max_model_len=512, dtype="float32", seed=0)
-    yield engine
-    engine.close()
+def colocated(tiny_llama_path, vllm_engine):
+    return vllm_engine(tiny_llama_path)
 
 
 def _engine(server: Server, tokenizer, **kwargs) -> VLLMServerEngine:

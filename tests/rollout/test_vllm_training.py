@@ -20,13 +20,19 @@ class Batches(Callback):
         self.batches.append(batch)
 
 
+@pytest.mark.engine
 @pytest.mark.parametrize("top_p", [1.0, 0.9])  # 0.9: the trainer scores the same truncated distribution (issue 12)
 def test_three_steps_with_vllm_rollouts(tmp_path, tiny_tied_llama_path, top_p, cpu_trainer, metrics_rows,
-                                        alternating_reward):
+                                        alternating_reward, vllm_engine):
+    """top_p=1: the module makes its engine from ``engine.name`` (and closes it at the fit's end); top_p=0.9: it is
+    given the pooled engine, which it keeps."""
     config = GRPOConfig(num_generations=4, max_new_tokens=8, engine=EngineConfig(name="vllm", kv_cache_space_gib=1),
                         importance_sampling_cap=2.0, max_prompt_length=256, top_p=top_p)
     module = GRPOModule(tiny_tied_llama_path, reward_funcs=["gsm8k_accuracy", alternating_reward], config=config,
                         learning_rate=1e-2)
+    given = vllm_engine(tiny_tied_llama_path, reload=False) if top_p < 1 else None
+    if given is not None:
+        module.rollout_engine = given
     recorder = Batches()
     trainer = cpu_trainer(3, callbacks=[recorder])
     trainer.fit(module, datamodule=PromptDataModule(prompts_per_step=2, val_size=0))
@@ -47,6 +53,9 @@ def test_three_steps_with_vllm_rollouts(tmp_path, tiny_tied_llama_path, top_p, c
     torch.testing.assert_close(
         module.policy.lm_head.weight, module.policy.model.embed_tokens.weight, rtol=0, atol=0
     )
+    if given is not None:  # a given engine is the caller's: kept open
+        assert module.rollout_engine is given and getattr(given, "llm", None) is not None
+        return
     # the module made the engine, so the fit's end closed it: no vLLM engine, nor the default process group its
     # in-process worker made, is left in the process (a later init_process_group, e.g. megatron's, works)
     assert module.rollout_engine is None and not torch.distributed.is_initialized()
@@ -68,7 +77,7 @@ class OnPolicyLogprobs(Callback):
 
 
 def test_lora_with_vllm_rollouts_samples_from_the_merged_adapted_policy(tmp_path, tiny_tied_llama_path, cpu_trainer,
-                                                                        alternating_reward):
+                                                                        alternating_reward, vllm_engine):
     """LoRA + vLLM: after each step the engine gets W0 + scaling * B A; the sampler logprobs of every rollout equal
     the trainer's logprobs of the adapted policy to 1e-4, while the adapters move and the base weights stay."""
     from peft import LoraConfig
@@ -78,6 +87,7 @@ def test_lora_with_vllm_rollouts_samples_from_the_merged_adapted_policy(tmp_path
     lora = LoraConfig(r=4, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "up_proj"])
     module = GRPOModule(tiny_tied_llama_path, reward_funcs=[alternating_reward], config=config, learning_rate=5e-2,
                         lora=lora, export_dir="")
+    module.rollout_engine = vllm_engine(tiny_tied_llama_path, reload=False)
     base = {n: p.detach().clone() for n, p in module.policy.named_parameters() if not p.requires_grad}
     probe = OnPolicyLogprobs()
     trainer = cpu_trainer(3, logger=False, callbacks=[probe])

@@ -4,8 +4,6 @@ encoding. A recording engine and a small module as the policy, no GRPOModule, no
 
 import pytest
 import torch
-from _algorithm_support import FixedRolloutEngine, fixed_completions
-from _engines import RecordingEngine, weights_of
 from torch import nn
 from transformers import AutoTokenizer
 
@@ -18,6 +16,8 @@ from lightning_grpo.rollout.worker import RolloutWorker
 from lightning_grpo.training import metrics as metrics_module
 from lightning_grpo.training.metrics import StepTimer
 from lightning_grpo.training.nonfinite import NonFiniteError
+from support.algorithm import FixedRolloutEngine, fixed_completions
+from support.engines import RecordingEngine, weights_of
 
 EOS = 2
 

@@ -5,15 +5,12 @@ import glob
 import os
 import signal
 import stat
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import pytest
 import torch
-from _fixtures import alternating_reward, make_cpu_trainer
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.trainer.states import TrainerFn
@@ -33,6 +30,8 @@ from lightning_grpo.runtime.checkpointing import (
     use_last_checkpoint_fallback,
 )
 from lightning_grpo.training.nonfinite import NonFiniteError
+from support import forked
+from support.fixtures import alternating_reward, make_cpu_trainer
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -239,14 +238,12 @@ def test_hf_engine_stops_within_one_token_and_samples_as_before(tiny_llama_path)
     assert torch.equal(watched.completion_ids, plain.completion_ids)
 
 
-def test_vllm_engine_aborts_between_engine_steps(tiny_llama_path):
-    pytest.importorskip("vllm")
-    from lightning_grpo.rollout.engines.vllm import VLLMRolloutEngine
-
+@pytest.mark.engine
+def test_vllm_engine_aborts_between_engine_steps(tiny_llama_path, vllm_engine):
+    """The pooled engine's own stop flag (what ``stop=`` sets at construction), watched from its 4th engine step."""
     polls = []
-    flag = StopFlag()
-    engine = VLLMRolloutEngine(tiny_llama_path, kv_cache_space_gib=1, max_model_len=512, dtype="float32", seed=0,
-                               stop=flag)
+    engine = vllm_engine(tiny_llama_path)
+    flag = engine.stop
     try:
         prompts = [engine.tokenizer("What is 2 + 2?")["input_ids"]] * 2
         flag.watch(lambda: polls.append(1) or len(polls) >= 4)  # set from the 4th engine step on
@@ -258,32 +255,35 @@ def test_vllm_engine_aborts_between_engine_steps(tiny_llama_path):
         out = engine.generate(prompts, 4, SamplingConfig(max_new_tokens=5))  # the engine works on
         assert out.completion_ids.shape[0] == 8 and out.completion_mask.sum(dim=1).max() <= 5
     finally:
-        engine.close()
+        flag.watch(None)
 
 
 # ---------------------------------------------------------------------------------------------- SIGTERM
 @pytest.mark.distributed  # a training process to send SIGTERM to
 def test_sigterm_during_a_rollout_saves_the_last_step_and_exits_fast(tmp_path, tiny_llama_path, cpu_trainer):
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "_preemption_worker.py"), tiny_llama_path,
-                             str(tmp_path)], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
+    log = tmp_path / "worker.log"  # the training process: forked from a parent with the libraries imported
+    proc = forked.start("support.preemption_worker:main", tiny_llama_path, str(tmp_path), log=log,
+                        env={"OMP_NUM_THREADS": "1"})
     marker = tmp_path / "rollout2_started"
     deadline = time.time() + 300
-    while not marker.exists() and proc.poll() is None and time.time() < deadline:
+    while not marker.exists() and proc.is_alive() and time.time() < deadline:
         time.sleep(0.2)
-    assert marker.exists(), proc.communicate(timeout=60)[0] if proc.poll() is not None else "no marker after 300 s"
+    if not marker.exists():
+        proc.kill()
+        proc.join()
+        raise AssertionError(f"no marker: {forked.tail(log)}")
     time.sleep(3)  # well inside the second rollout (100000 new tokens)
     sent = time.time()
-    proc.send_signal(signal.SIGTERM)
-    try:
-        output, _ = proc.communicate(timeout=60)
-    except subprocess.TimeoutExpired:
+    os.kill(proc.pid, signal.SIGTERM)
+    proc.join(60)
+    if proc.is_alive():
         proc.kill()
-        raise
+        proc.join()
+        raise AssertionError(f"still running 60 s after SIGTERM: {forked.tail(log)}")
     elapsed = time.time() - sent
+    output = log.read_text()
     assert elapsed < 30, (elapsed, output[-3000:])
-    assert proc.returncode == 0, output[-3000:]  # Lightning's SIGTERMException is a SystemExit
+    assert proc.exitcode == 0, output[-3000:]  # Lightning's SIGTERMException is a SystemExit
     assert not (tmp_path / "finished").exists()
     assert "SIGTERM: stopping at the end of the last finished optimizer step" in output
 

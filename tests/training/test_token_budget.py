@@ -14,13 +14,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from _algorithm_support import write_prompts
 
 from lightning_grpo import GRPOConfig
 from lightning_grpo.training.memory import GIB, MemoryLimit
 from lightning_grpo.training.token_budget import adamw_state_bytes, fit_budget
+from support.algorithm import write_prompts
 
-WORKER = Path(__file__).resolve().parents[1] / "_token_budget_worker.py"
+WORKER = Path(__file__).resolve().parents[1] / "support" / "token_budget_worker.py"
 
 
 def test_fit_budget_golden():

@@ -1,6 +1,6 @@
 """The plain functions behind the ``cpu_trainer``, ``metrics_rows`` and ``alternating_reward`` fixtures of
 ``conftest.py``, for code that cannot request a fixture (module-scoped fixtures, module-level ``_module`` helpers,
-``_algorithm_support.quiet_trainer``)."""
+``support.algorithm.quiet_trainer``)."""
 
 from __future__ import annotations
 

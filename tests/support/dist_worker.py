@@ -1,9 +1,9 @@
 """Multi-process GRPO runs for the distributed tests (FSDP2, DDP, FSDP1), run as a script.
 
-``python tests/_dist_worker.py <config.json>``; the config names a ``scenario`` (a function below) and its
+``python tests/support/dist_worker.py <config.json>``; the config names a ``scenario`` (a function below) and its
 arguments. Lightning's own launcher starts the other ranks (``Trainer(devices=2, accelerator="cpu")``
 re-runs this script with ``LOCAL_RANK`` set), and every rank writes ``<out>/<name>_rank<r>.pt``; the tests
-(``tests/_dist_utils.py``) read those files. Nothing here is mocked: the model, the strategies, the loop and
+(``tests/support/dist.py``) read those files. Nothing here is mocked: the model, the strategies, the loop and
 the collectives (gloo) are real; only the rollout is replaced by fixed experience in ``fixed_step``.
 """
 
@@ -17,7 +17,7 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path[:0] = [str(Path(__file__).resolve().parents[i]) for i in (2, 1)]  # the checkout, tests/ (for support.*)
 
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
@@ -28,9 +28,9 @@ from transformers import AutoConfig  # noqa: E402
 
 from lightning_grpo import GRPOConfig, GRPOModule  # noqa: E402
 from lightning_grpo.callbacks import CompletionTable  # noqa: E402
-from lightning_grpo.config import EngineConfig, EvalConfig
+from lightning_grpo.config import EngineConfig, EvalConfig  # noqa: E402
 from lightning_grpo.data import PromptDataModule  # noqa: E402
-from lightning_grpo.data.module import collate_prompts
+from lightning_grpo.data.module import collate_prompts  # noqa: E402
 from lightning_grpo.models.hf_weights import checkpoint_name  # noqa: E402
 from lightning_grpo.strategies import FSDP2Strategy, full_state_dict, is_fsdp1, is_fsdp2  # noqa: E402
 from lightning_grpo.training.experience import Experience  # noqa: E402

@@ -1,6 +1,6 @@
-"""A tiny-model GRPO fit for the SIGTERM test (tests/test_fault_tolerance.py), run as its own process.
+"""A tiny-model GRPO fit for the SIGTERM test (tests/runtime/test_fault_tolerance.py), run as its own process:
 
-    python tests/_preemption_worker.py <model_path> <out_dir>
+    forked.start("support.preemption_worker:main", model_path, out_dir, log=...)  (tests/support/forked.py)
 
 Step 1 is an ordinary step; after it the policy is saved to ``<out_dir>/after_step1.pt``, ``max_new_tokens`` is
 raised to 100000 (a rollout of many minutes on this model) and ``<out_dir>/rollout2_started`` is written just

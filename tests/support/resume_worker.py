@@ -1,6 +1,7 @@
 """A tiny-model GRPO run that can SIGKILL itself at a chosen point, then be resumed (tests/test_resume.py).
 
-Usage: ``python tests/_resume_worker.py '<json spec>'``. Spec keys: ``model``, ``data``, ``out`` (folder: steps.jsonl
+Usage: ``python tests/support/resume_worker.py '<json spec>'``.
+Spec keys: ``model``, ``data``, ``out`` (folder: steps.jsonl
 gets one line per optimizer step, final.pt the final weights), ``ckpt`` (checkpoint folder), ``max_steps``,
 ``accumulate``, ``config`` (GRPOConfig fields), ``lora`` (``peft.LoraConfig`` fields, optional), ``episode_turns``
 (multi-turn episodes: each finished model turn gets an observation until this many turns, optional), ``kill``

@@ -1,4 +1,4 @@
-"""A 2-process GRPO run with a reward model among the rewards, run as a script (``tests/_dist_utils.run_worker``):
+"""A 2-process GRPO run with a reward model among the rewards, run as a script (``tests/support/dist.py: run_worker``):
 each rank writes the texts of its own rollouts, the reward model's scores of them, and whether the model was loaded
 in that process, to ``<out>/reward_model_rank<r>.pt``."""
 
@@ -12,16 +12,15 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path[:0] = [str(Path(__file__).resolve().parents[i]) for i in (2, 1)]  # the checkout, tests/ (for support.*)
 
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
-from _dist_worker import make_strategy, rank_file  # noqa: E402
 
 from lightning_grpo import GRPOConfig, GRPOModule  # noqa: E402
 from lightning_grpo.callbacks import GRPOCallback  # noqa: E402
 from lightning_grpo.data import PromptDataModule  # noqa: E402
+from support.dist_worker import make_strategy, rank_file  # noqa: E402
 
 
 class Rollouts(GRPOCallback):

@@ -1,7 +1,7 @@
 """GRPO runs under MegatronStrategy with pipeline parallelism and the distributed optimizer, for
 ``tests/strategies/test_megatron_pipeline.py``; launched with torchrun (CPU processes, gloo):
 
-    python -m torch.distributed.run --standalone --nproc_per_node=N tests/_megatron_pp_worker.py OUT RUNS_JSON
+    python -m torch.distributed.run --standalone --nproc_per_node=N tests/support/megatron_pp_worker.py OUT RUNS_JSON
 
 ``RUNS_JSON`` is a list of :func:`run_steps` keyword arguments with a ``name``; each run writes
 ``OUT/<name>_rank<r>.json`` (per-step losses, gradient norms) and rank 0 ``OUT/<name>_weights.pt`` (the trained
@@ -23,16 +23,14 @@ import warnings  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any, Optional  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path[:0] = [str(Path(__file__).resolve().parents[i]) for i in (2, 1)]  # the checkout, tests/ (for support.*)
 
 import torch  # noqa: E402
 
 warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex|TE|apex).*")
 
-from megatron_worker import FixedRolloutEngine, LossRecorder, char_sum_reward  # noqa: E402
-
 from lightning_grpo import GRPOConfig, GRPOModule  # noqa: E402
+from support.megatron_worker import FixedRolloutEngine, LossRecorder, char_sum_reward  # noqa: E402
 
 LEARNING_RATES = {"sgd": 2.0, "adamw": 1e-3}
 

@@ -12,18 +12,20 @@ import time
 from pathlib import Path
 
 import torch
-from _dist_utils import free_port
 
 from lightning_grpo.rollout.server.client import RolloutServerError, ServerClient
 from lightning_grpo.rollout.server.security import SECRET_ENV
+from support.dist import free_port
+from support.lanes import require_engine_lane
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 class Server:
     """``python -m lightning_grpo.cli serve`` on a free port, its output in ``log``."""
 
     def __init__(self, model: str, log: Path, *options: str) -> None:
+        require_engine_lane("starts a rollout server")
         self.model, self.log, self.port, self.options = model, log, free_port(), list(options)
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen | None = None

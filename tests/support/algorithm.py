@@ -9,11 +9,11 @@ from typing import Optional, Sequence
 
 import lightning as L
 import torch
-from _fixtures import make_cpu_trainer
 from lightning.pytorch.callbacks import Callback
 
 from lightning_grpo.protocols.rollout import RolloutOutput, completion_mask_from_eos, left_pad
 from lightning_grpo.protocols.sampling import SamplingConfig
+from support.fixtures import make_cpu_trainer
 
 
 def fixed_completions(lengths: Sequence[int], width: int, eos_id: int, seed: int = 0) -> torch.Tensor:
@@ -88,7 +88,7 @@ def write_prompts(path: Path, count: int = 16) -> str:
 
 
 def quiet_trainer(root: Path, max_steps: int, **kwargs) -> L.Trainer:
-    """:func:`_fixtures.make_cpu_trainer` without a logger, checkpoints or sanity validation."""
+    """:func:`support.fixtures.make_cpu_trainer` without a logger, checkpoints or sanity validation."""
     kwargs.setdefault("logger", False)
     return make_cpu_trainer(root, max_steps, enable_checkpointing=False, num_sanity_val_steps=0, **kwargs)
 

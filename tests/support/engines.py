@@ -1,5 +1,5 @@
 """A rollout engine for the component tests (RolloutWorker, RolloutPrefetcher, ExperienceMaker): the fixed completions
-of :class:`_algorithm_support.FixedRolloutEngine`, its own copy of the weights, and a log of every call."""
+of :class:`support.algorithm.FixedRolloutEngine`, its own copy of the weights, and a log of every call."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ import threading
 from typing import Optional
 
 import torch
-from _algorithm_support import FixedRolloutEngine
 
 from lightning_grpo.protocols.rollout import RolloutInterrupted, RolloutOutput, StopFlag
 from lightning_grpo.protocols.sampling import SamplingConfig
+from support.algorithm import FixedRolloutEngine
 
 
 def weights_of(model: torch.nn.Module) -> float:

@@ -1,6 +1,7 @@
 """A tiny-model GRPO run under an address-space cap it sets on itself (tests/training/test_token_budget.py).
 
-Usage: ``python tests/_token_budget_worker.py '<json spec>'``. Spec keys: ``model``, ``data`` (prompt jsonl), ``out``
+Usage: ``python tests/support/token_budget_worker.py '<json spec>'``.
+Spec keys: ``model``, ``data`` (prompt jsonl), ``out``
 (result json), ``cap_bytes`` (``RLIMIT_AS`` = the process's address space after the model is loaded + this), ``budget``
 (``GRPOConfig.max_tokens_per_microbatch``: null = the whole rollout in one micro-batch, or "auto").
 
@@ -14,17 +15,19 @@ import json
 import os
 import resource
 import sys
+from pathlib import Path
 
+sys.path[:0] = [str(Path(__file__).resolve().parents[i]) for i in (2, 1)]  # the checkout, tests/ (for support.*)
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("MALLOC_ARENA_MAX", "2")
 
 import torch  # noqa: E402
-from _algorithm_support import FixedRolloutEngine, Recorder, fixed_completions, quiet_trainer  # noqa: E402
 
 from lightning_grpo import GRPOConfig, GRPOModule  # noqa: E402
 from lightning_grpo.data import PromptDataModule  # noqa: E402
 from lightning_grpo.training.token_budget import is_out_of_memory  # noqa: E402
+from support.algorithm import FixedRolloutEngine, Recorder, fixed_completions, quiet_trainer  # noqa: E402
 
 
 def constant_reward(prompts, completions, **kwargs):

@@ -1,7 +1,7 @@
 """Multi-process scenarios for the Megatron tests, run under ``torchrun`` (2 CPU processes, gloo) by
 ``tests/test_megatron_*.py``; each writes its results as JSON into the output folder, which the tests check.
 
-    python -m torch.distributed.run --standalone --nproc_per_node=2 tests/megatron_worker.py OUT SCENARIO...
+    python -m torch.distributed.run --standalone --nproc_per_node=2 tests/support/megatron_worker.py OUT SCENARIO...
 
 Also holds the helpers the tests share with the workers: the tiny GQA models and a deterministic rollout engine.
 """
@@ -30,11 +30,14 @@ VOCAB_RANGE = (200, 2000)  # completion tokens are drawn from ordinary (non-spec
 # ----------------------------------------------------------------------------------------------- shared helpers
 def save_tiny_model(root: str, tokenizer_path: str, tied: bool, model_type: str = "llama") -> str:
     """A random SmolLM2-like model: 2 layers, hidden 128, 4 query heads of 32, 2 KV heads (GQA), MLP 256,
-    SmolLM2's 49152-token vocabulary and tokenizer; Qwen2 gets random q/k/v biases. Saved with
-    ``save_pretrained`` into ``root``."""
+    SmolLM2's tokenizer cut to its first 2,048 tokens (``lightning_grpo.models.testing.save_tiny_tokenizer``: the
+    output layer no longer dominates the FLOPs); Qwen2 gets random q/k/v biases. Saved with ``save_pretrained`` into
+    ``root``."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+    from lightning_grpo.models.testing import save_tiny_tokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(save_tiny_tokenizer(tokenizer_path, root, 2048))
     qwen = model_type == "qwen2"
     config_cls, model_cls = (Qwen2Config, Qwen2ForCausalLM) if qwen else (LlamaConfig, LlamaForCausalLM)
     config = config_cls(
@@ -423,5 +426,5 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path[:0] = [str(Path(__file__).resolve().parents[i]) for i in (2, 1)]  # the checkout, tests/ (for support.*)
     main(sys.argv[1:])

@@ -1,4 +1,4 @@
-"""Run ``tests/_dist_worker.py`` scenarios in a fresh Python process and load what each rank wrote.
+"""Run ``tests/support/dist_worker.py`` scenarios in a fresh Python process and load what each rank wrote.
 
 The worker is started with ``sys.executable`` (the test's own interpreter); Lightning's launcher inside it
 starts the other ranks. Running it outside pytest's process avoids fork/spawn trouble with pytest.
@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
-WORKER = Path(__file__).resolve().parent / "_dist_worker.py"
-REPO = WORKER.parents[1]
+WORKER = Path(__file__).resolve().parent / "dist_worker.py"
+REPO = WORKER.parents[2]
 
 
 def free_port() -> int:
@@ -27,8 +27,8 @@ def free_port() -> int:
 
 
 def run_worker(config: dict, out: Path, timeout: float = 300, worker: Path = WORKER) -> None:
-    """Run the ``worker`` script (default ``tests/_dist_worker.py``) with ``config`` (``out`` is added); raise with
-    its output when it fails."""
+    """Run the ``worker`` script (default ``tests/support/dist_worker.py``) with ``config`` (``out`` is added);
+    raise with its output when it fails."""
     out.mkdir(parents=True, exist_ok=True)
     path = out / "config.json"
     path.write_text(json.dumps({**config, "out": str(out)}))
@@ -59,8 +59,7 @@ def reference_step(case: dict, model: str, tmp: Path) -> dict:
     in this process once per (case, model) and cached."""
     key = json.dumps({**case, "model": model}, sort_keys=True)
     if key not in _REFERENCES:
-        sys.path.insert(0, str(WORKER.parent))
-        import _dist_worker
+        from support import dist_worker as _dist_worker
 
         single = {**case, "strategy": {"name": "auto"}}
         out = tmp / f"reference_{len(_REFERENCES)}"
