@@ -49,7 +49,7 @@ def remove_stale_host_dirs(folder: Optional[str] = None) -> list[str]:
     PID namespace, no longer runs (a trainer killed before it could delete them). Returns the deleted paths."""
     folder = folder or tempfile.gettempdir()
     namespace = _pid_namespace()
-    removed = []
+    removed: list[str] = []
     try:
         entries = os.listdir(folder)
     except OSError:
