@@ -121,6 +121,19 @@ class CodeReward(PooledReward):
         Raises:
             ValueError: ``tests`` is empty or not a list of strings; ``entry_point`` is not a name or names.
         """
+        runs = self.run_processes(completion, tests, setup, entry_point)
+        return (0.0, "no_code") if runs is None else read_report(*runs, len(tests))
+
+    def run_processes(self, completion: str, tests: Sequence[str], setup: Optional[str] = None,
+                      entry_point: str | Sequence[str] | None = None
+                      ) -> Optional[tuple[SandboxResult, SandboxResult]]:
+        """What :meth:`run` scores: the checker's run and the program's run (their status, output, times), or None
+        for a completion without a code block. The checker runs on this thread, the program's process on a helper
+        thread, in two sandboxes connected by two pipes; the program's run is stopped when the checker's ends.
+
+        Raises:
+            ValueError: as :meth:`run`.
+        """
         if isinstance(tests, str) or not tests or not all(isinstance(t, str) for t in tests):
             raise ValueError(f"a code task's tests must be a non-empty list of strings, got {tests!r:.200}")
         entry_points = [entry_point] if isinstance(entry_point, str) else list(entry_point or [])
@@ -128,17 +141,12 @@ class CodeReward(PooledReward):
             raise ValueError(f"a code task's entry_point must be a name or a list of names, got {entry_point!r:.200}")
         code = extract_code(completion)
         if code is None:
-            return 0.0, "no_code"
+            return None
         program = f"{setup}\n{code}" if setup else code
-        task = {"program": program, "setup": setup or "", "tests": list(tests), "entry_points": entry_points,
-                "timeout": self.test_timeout_s, "max_message_bytes": self.sandbox.limits.output_bytes,
-                "mechanism": self.sandbox.mechanism}
-        checker, solution = self._run_connected(json.dumps(task).encode())
-        return read_report(checker, solution, len(tests))
-
-    def _run_connected(self, task: bytes) -> tuple[SandboxResult, SandboxResult]:
-        """The checker (this thread) and the program's process (a helper thread) in two sandboxes, connected by two
-        pipes; the program's run is stopped when the checker's ends."""
+        task = json.dumps({"program": program, "setup": setup or "", "tests": list(tests),
+                           "entry_points": entry_points, "timeout": self.test_timeout_s,
+                           "max_message_bytes": self.sandbox.limits.output_bytes,
+                           "mechanism": self.sandbox.mechanism}).encode()
         python = self.sandbox.python
         requests_r, requests_w = os.pipe()
         answers_r, answers_w = os.pipe()
@@ -156,7 +164,7 @@ class CodeReward(PooledReward):
         try:
             thread.start()
         except BaseException:
-            for fd in (requests_r, answers_w):
+            for fd in (requests_r, requests_w, answers_r, answers_w):
                 os.close(fd)
             raise
         try:

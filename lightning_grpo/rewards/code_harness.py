@@ -25,8 +25,9 @@ does:
   what the tests print goes to ``/dev/null``. The solution's output is never read as a report.
 
 Under the ``rlimits`` mechanism both processes share the machine's PID space (and, as root, the user ``nobody``):
-the checker makes itself undumpable (``PR_SET_DUMPABLE`` 0: no ``ptrace``, no ``/proc/<pid>/mem`` or ``fd``) before
-it sends the program, so the completion's code never runs while the checker can be reached that way.
+the checker makes itself undumpable (``PR_SET_DUMPABLE`` 0: no ``ptrace``, no ``/proc/<pid>/mem`` or ``fd``) as its
+first instruction, long before it sends the program, so the completion's code never runs while its checker can be
+reached that way (it can still send it signals: a killed checker reports nothing, which scores 0).
 
 Protocol on the two pipes (one JSON object per line, the checker's requests on one, the solution's answers on the
 other): ``{"program": source, "timeout": s}`` -> ``{"program": "pass" | "fail" | "timeout" | "memory"}``, then
@@ -136,9 +137,22 @@ _serve(int(_sys.argv[1]), int(_sys.argv[2]))
 CHECKER = r'''
 import sys as _sys
 _sys.path[:] = [p for p in _sys.path if p not in ("", ".")]
+
+
+def _undumpable():
+    try:
+        import ctypes
+        if ctypes.CDLL(None, use_errno=True).prctl(4, 0, 0, 0, 0) != 0:  # PR_SET_DUMPABLE
+            return OSError(ctypes.get_errno(), "prctl(PR_SET_DUMPABLE, 0)")
+    except Exception as err:
+        return err
+    return None
+
+
+_UNDUMPABLE = _undumpable()  # first, before the task is read
 ''' + _CODEC + r'''
 
-import builtins as _builtins, os as _os, random as _random, signal as _signal
+import builtins as _builtins, os as _os, random as _random, select as _select, signal as _signal
 
 GRACE_S = 1.0
 
@@ -157,6 +171,14 @@ class RemoteGone(Exception):
 
 def _alarm(signum, frame):
     raise _Timeout()
+
+
+class _Masked:
+    def __enter__(self):
+        _signal.pthread_sigmask(_signal.SIG_BLOCK, [_signal.SIGALRM])
+
+    def __exit__(self, *exc):
+        _signal.pthread_sigmask(_signal.SIG_UNBLOCK, [_signal.SIGALRM])
 
 
 class _Timer:
@@ -179,7 +201,7 @@ def _write(fd, message):
 class _Channel:
     def __init__(self, answers, requests, limit):
         self.answers, self.requests, self.limit = answers, requests, limit
-        self.buffer, self.last, self.waiting, self.state = bytearray(), 0, None, "open"
+        self.buffer, self.last, self.waiting, self.answered, self.state = bytearray(), 0, None, 0, "open"
 
     def fail(self, state, why):
         self.state = state
@@ -192,22 +214,29 @@ class _Channel:
             self.fail("closed", "the solution's process is gone")
 
     def receive(self):
+        # the test's timer may end the wait for an answer (select), never the step from read bytes to the buffer
+        # or from a line in the buffer to a noted answer: those run with SIGALRM blocked (it is handled after them)
         while True:
             end = self.buffer.find(b"\n")
             if 0 <= end <= self.limit:
                 break
             if end > self.limit or len(self.buffer) > self.limit:
                 self.fail("garbled", "an answer longer than %d bytes" % self.limit)
-            chunk = _os.read(self.answers, 65536)
+            _select.select([self.answers], [], [])
+            with _Masked():
+                chunk = _os.read(self.answers, 65536)
+                self.buffer += chunk
             if not chunk:
                 self.fail("closed", "the solution's process is gone")
-            self.buffer += chunk
-        line = bytes(self.buffer[:end])
-        del self.buffer[:end + 1]
-        try:
-            message = json.loads(line)
-        except (ValueError, RecursionError):
-            message = None
+        with _Masked():
+            line = bytes(self.buffer[:end])
+            del self.buffer[:end + 1]
+            try:
+                message = json.loads(line)
+            except (ValueError, RecursionError):
+                message = None
+            if type(message) is dict and type(message.get("id")) is int:
+                self.answered = max(self.answered, message["id"])
         if type(message) is not dict:
             self.fail("garbled", "an answer that is not a JSON object")
         return message
@@ -229,8 +258,8 @@ class _Channel:
     def settle(self):
         try:
             with _Timer(GRACE_S):
-                while self.receive().get("id") != self.waiting:
-                    pass
+                while self.answered < self.waiting:
+                    self.receive()
             self.waiting = None
         except _Timeout:
             self.state = "stuck"
@@ -318,16 +347,6 @@ def _stubs(setup):
     return found
 
 
-def _undumpable(required):
-    try:
-        import ctypes
-        if ctypes.CDLL(None, use_errno=True).prctl(4, 0, 0, 0, 0) != 0:  # PR_SET_DUMPABLE
-            raise OSError(ctypes.get_errno(), "prctl(PR_SET_DUMPABLE, 0)")
-    except Exception:
-        if required:
-            raise
-
-
 def _run(code, namespace, seconds):
     try:
         with _Timer(seconds):
@@ -345,7 +364,8 @@ def _check(answers, requests):
     report_fd = _os.dup(1)
     _os.dup2(_os.open(_os.devnull, _os.O_WRONLY), 1)  # what the tests print is not the report
     task = json.loads(_sys.stdin.read())
-    _undumpable(task["mechanism"] == "rlimits")
+    if _UNDUMPABLE is not None and task["mechanism"] == "rlimits":
+        raise _UNDUMPABLE
     timeout = task["timeout"]
     try:
         compile(task["program"], "solution.py", "exec")

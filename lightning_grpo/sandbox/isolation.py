@@ -42,7 +42,8 @@ BWRAP_WORKDIR = "/sandbox"
 #:   the CPU limit): forks the command, reaps every process of the namespace, and exits with the command's status
 #:   (128 + N for a signal N, as bubblewrap's init does);
 #: * ``supervise`` (the ``rlimits`` mechanism): becomes a child subreaper (``PR_SET_CHILD_SUBREAPER``: orphans of the
-#:   run become its children, even those that started a session of their own), forks the command, and when the
+#:   run become its children, even those that started a session of their own) and undumpable (``PR_SET_DUMPABLE``
+#:   0: the run's code, the same user, cannot ptrace it or open its ``/proc`` files), forks the command, and when the
 #:   command ends, or its parent dies (SIGTERM through ``PR_SET_PDEATHSIG``), kills every descendant (SIGKILL) and
 #:   reaps them; it ends as the command did (the same exit status, or killed by the same signal).
 LAUNCHER = r'''
@@ -109,6 +110,7 @@ if role == "guard":
 if role == "supervise":
     signal.signal(signal.SIGTERM, parent_died)
     prctl(36, 1)  # PR_SET_CHILD_SUBREAPER
+    prctl(4, 0)  # PR_SET_DUMPABLE: the run's code (same user) cannot ptrace it or open its /proc files
     prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     if os.getppid() != parent:
         parent_died(0, None)

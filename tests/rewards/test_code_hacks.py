@@ -159,3 +159,40 @@ def test_what_a_completion_prints_never_makes_the_scoring_raise(reward):
     for pool in (RewardPool(3), None):
         scores = score_completions([reward], [None] * 3, completions, columns, pool=pool)
         assert scores.per_function[:, 0].tolist() == [0.0, 0.0, 1.0]
+
+
+#: Looks for the checker among the processes it can see and tries to open its report, its input and its memory.
+REACH_THE_CHECKER = r"""
+import os, sys
+seen = []
+for pid in os.listdir("/proc"):
+    try:
+        with open("/proc/%s/cmdline" % pid, "rb") as f:
+            if b"_check(int(" not in f.read():
+                continue
+    except OSError:
+        continue
+    for target, mode in (("fd/1", os.O_WRONLY), ("fd/0", os.O_RDONLY), ("mem", os.O_RDWR)):
+        try:
+            os.close(os.open("/proc/%s/%s" % (pid, target), mode))
+            seen.append(target + ":opened")
+        except OSError as err:
+            seen.append(target + ":" + type(err).__name__)
+print("checker:", " ".join(seen) or "not visible")
+sys.stdout.flush()
+"""
+
+
+def test_the_checker_is_out_of_the_programs_reach(reward):
+    """The program's process cannot reach its checker: under bubblewrap and ``unshare`` it is in another PID
+    namespace (not visible); under ``rlimits`` it is visible (same PID space and, as root, the same user), and so
+    is the launcher that supervises it (whose command line holds the checker's), but both are undumpable: their
+    report, input and memory cannot be opened."""
+    checker, program = reward.run_processes(block(WRONG_ADD + REACH_THE_CHECKER), ADD_TESTS)
+    assert program.stdout.startswith("checker:"), program
+    if reward.sandbox.mechanism == "rlimits":
+        seen = program.stdout.split()[1:]
+        assert seen and len(seen) % 3 == 0 and all(s.endswith(":PermissionError") for s in seen), seen
+    else:
+        assert program.stdout.strip() == "checker: not visible"
+    assert checker.status == "ok" and '"result":"fail"' in checker.stdout
