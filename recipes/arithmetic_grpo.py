@@ -28,11 +28,10 @@ from pathlib import Path  # noqa: E402
 from typing import Any, Optional  # noqa: E402
 
 import lightning as L  # noqa: E402
-from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 from lightning.pytorch.loggers import CSVLogger  # noqa: E402
 
 from lightning_grpo import GRPOConfig, GRPOModule  # noqa: E402
-from lightning_grpo.callbacks import CompletionTable, GRPOProgressBar  # noqa: E402
+from lightning_grpo.callbacks import CompletionTable, GRPOModelCheckpoint, GRPOProgressBar  # noqa: E402
 from lightning_grpo.config import EngineConfig, EvalConfig
 from lightning_grpo.data import PromptDataModule  # noqa: E402
 from lightning_grpo.evaluation.plot import plot_metrics  # noqa: E402
@@ -117,7 +116,7 @@ def main(max_steps: int = 30, prompts_per_step: int = 8, num_generations: int = 
         check_val_every_n_epoch=None,
         num_sanity_val_steps=0,
         logger=logger,
-        callbacks=[ModelCheckpoint(save_last="link", every_n_train_steps=max_steps, save_on_exception=True),
+        callbacks=[GRPOModelCheckpoint(save_last="link", every_n_train_steps=max_steps, save_on_exception=True),
                    CompletionTable(every_n_steps=1, print_every_n_steps=10, print_rows=2), GRPOProgressBar()],
         default_root_dir=root,
         enable_model_summary=False,

@@ -10,11 +10,11 @@ path.
 import argparse
 
 import lightning as L
-from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
+from lightning.pytorch.callbacks import LearningRateMonitor
 from lightning.pytorch.loggers import CSVLogger
 
 from lightning_grpo import GRPOConfig, GRPOModule
-from lightning_grpo.callbacks import CompletionTable
+from lightning_grpo.callbacks import CompletionTable, GRPOModelCheckpoint
 from lightning_grpo.config import EngineConfig, EvalConfig
 from lightning_grpo.data import PromptDataModule
 from lightning_grpo.evaluation.report import fit_report
@@ -43,7 +43,7 @@ def main(max_steps: int = 10, prompts_per_step: int = 4, num_generations: int = 
         check_val_every_n_epoch=None,
         num_sanity_val_steps=0,
         logger=CSVLogger(root),
-        callbacks=[ModelCheckpoint(save_last="link", every_n_train_steps=max_steps, save_on_exception=True),
+        callbacks=[GRPOModelCheckpoint(save_last="link", every_n_train_steps=max_steps, save_on_exception=True),
                    LearningRateMonitor("step"), CompletionTable(every_n_steps=1)],
         default_root_dir=root,
     )

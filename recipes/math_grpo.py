@@ -20,11 +20,10 @@ from pathlib import Path
 from typing import Optional
 
 import lightning as L
-from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 
 from lightning_grpo import GRPOConfig, GRPOModule
-from lightning_grpo.callbacks import CompletionTable, GRPOProgressBar
+from lightning_grpo.callbacks import CompletionTable, GRPOModelCheckpoint, GRPOProgressBar
 from lightning_grpo.config import EngineConfig
 from lightning_grpo.data import PromptDataModule
 from lightning_grpo.data.module import MATH_INSTRUCTION, default_data_dirs
@@ -74,7 +73,7 @@ def main(max_steps: int = 5, prompts_per_step: int = 2, num_generations: int = 4
     trainer = L.Trainer(
         max_steps=max_steps, gradient_clip_val=1.0, log_every_n_steps=1, val_check_interval=max_steps,
         check_val_every_n_epoch=None, num_sanity_val_steps=0, logger=logger, default_root_dir=root,
-        callbacks=[ModelCheckpoint(save_last="link", every_n_train_steps=max_steps, save_on_exception=True),
+        callbacks=[GRPOModelCheckpoint(save_last="link", every_n_train_steps=max_steps, save_on_exception=True),
                    CompletionTable(), GRPOProgressBar()],
     )
     trainer.fit(module, datamodule=data)

@@ -69,10 +69,14 @@ class _Episode:
 
 def _close(episodes: list[_Episode]) -> None:
     for e in episodes:
-        try:
-            e.env.close()
-        except Exception as err:  # noqa: BLE001 - a failing close must not hide the rollout's outcome
-            log.warning("closing an episode's environment failed: %s", err)
+        _close_environment(e.env)
+
+
+def _close_environment(env: Environment) -> None:
+    try:
+        env.close()
+    except Exception as err:  # noqa: BLE001 - a failing close must not hide the rollout's outcome
+        log.warning("closing an episode's environment failed: %s", err)
 
 
 class EpisodeRunner:
@@ -180,11 +184,20 @@ class EpisodeRunner:
         return any_process(running)
 
     def _environment(self, k: int, row: Mapping[str, Any]) -> Environment:
+        """Make and reset episode ``k``'s environment; one whose ``reset`` raises is closed before the error is
+        raised (the environments made before it are closed by :meth:`run`), so every environment made is closed
+        exactly once."""
         try:
             env = self.environment_factory()
-            env.reset(**row)
         except Exception as err:
-            raise RuntimeError(f"episode {k}: making or resetting its environment failed: {err}") from err
+            raise RuntimeError(f"episode {k}: making its environment failed: {err}") from err
+        try:
+            env.reset(**row)
+        except BaseException as err:
+            _close_environment(env)
+            if not isinstance(err, Exception):
+                raise
+            raise RuntimeError(f"episode {k}: resetting its environment failed: {err}") from err
         return env
 
     def _take(self, episodes: list[_Episode], index: list[int], out: RolloutOutput, budget: int) -> bool:

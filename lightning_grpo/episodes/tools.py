@@ -1,6 +1,7 @@
 """Tools the model can call: plain Python functions with type hints and a Google-style docstring (as in TRL's
 ``GRPOTrainer(tools=[...])`` and transformers' chat templates), run with a timeout; whatever goes wrong becomes an
-error result the model reads, never an exception in the trainer.
+error result the model reads, never an exception in the trainer: an exception of any kind (``SystemExit`` and
+``KeyboardInterrupt`` included), a return value that cannot be written as text, a timeout.
 
 A tool's JSON schema (name, description, parameters) comes from :func:`transformers.utils.get_json_schema`, so the
 chat template sees exactly what it would see from ``apply_chat_template(tools=[fn])``. A call runs in a thread of
@@ -113,7 +114,8 @@ class Tool:
 
     def __call__(self, arguments: dict[str, Any], timeout_s: float) -> ToolResult:
         """Run the tool with ``arguments`` for at most ``timeout_s`` seconds (see the module docstring); never
-        raises: a failure is an error result."""
+        raises: a failure (any ``BaseException`` the call or the conversion of its value raises, or a timeout) is an
+        error result."""
         if not isinstance(arguments, dict):
             return error_result(self.name, f"the arguments must be a JSON object, got {type(arguments).__name__}")
         try:
@@ -125,13 +127,14 @@ class Tool:
         def target() -> None:
             try:
                 if inspect.iscoroutinefunction(self.function):
-                    outcome["value"] = asyncio.run(asyncio.wait_for(self.function(**arguments), timeout_s))
+                    value = asyncio.run(asyncio.wait_for(self.function(**arguments), timeout_s))
                 else:
-                    outcome["value"] = self.function(**arguments)
+                    value = self.function(**arguments)
+                outcome["text"] = result_text(value)  # here: a value whose conversion fails is the tool's failure
             except asyncio.TimeoutError:
                 outcome["timeout"] = True
-            except Exception as err:  # noqa: BLE001 - a tool's failure is the model's observation
-                outcome["error"] = f"{type(err).__name__}: {err}"
+            except BaseException as err:  # noqa: BLE001 - SystemExit, KeyboardInterrupt, ...: the model's observation
+                outcome["error"] = _describe(err)
 
         thread = threading.Thread(target=target, name=f"tool-{self.name}", daemon=True)
         thread.start()
@@ -140,7 +143,17 @@ class Tool:
             return error_result(self.name, f"{self.name} did not finish within {timeout_s:g} s", timed_out=True)
         if "error" in outcome:
             return error_result(self.name, outcome["error"])
-        return ToolResult(self.name, result_text(outcome.get("value")))
+        if "text" not in outcome:  # the thread ended without a result or an exception: not a success either
+            return error_result(self.name, f"{self.name} ended without a result")
+        return ToolResult(self.name, outcome["text"])
+
+
+def _describe(err: BaseException) -> str:
+    """``"<type>: <message>"`` of an exception, also when its ``__str__`` raises."""
+    try:
+        return f"{type(err).__name__}: {err}"
+    except BaseException:  # noqa: BLE001 - the message of an exception whose __str__ fails
+        return f"{type(err).__name__}: <the message could not be read>"
 
 
 #: Built-in tools by name (``GRPOModule(tools=["calculator"])``, YAML ``tools: [calculator]``).

@@ -1,106 +1,47 @@
 """Code rewards: the unit-test pass rate of a completion's code, run in the sandbox, and a code-block format check.
 
 A completion's code is its last fenced block (```` ```python ```` , ```` ```py ```` or a bare ```` ``` ````; an
-unclosed last block, e.g. a completion cut at ``max_new_tokens``, runs up to the end). The program run is the
-task's ``test_setup`` column (e.g. HumanEval's prompt: imports and the signature) followed by that code, so a
-completion may give the whole function or only its body. Each of the task's tests (``tests`` column: a list of
-Python snippets, e.g. ``assert add(2, 3) == 5``) then runs in the program's namespace under its own timer, in one
-sandboxed process per completion (:class:`lightning_grpo.sandbox.Sandbox`); the reward is passed tests / tests.
+unclosed last block, e.g. a completion cut at ``max_new_tokens``, runs up to the end). The program is the task's
+``test_setup`` column (e.g. HumanEval's prompt: imports and the signature) followed by that code, so a completion may
+give the whole function or only its body. The task's tests (``tests`` column: a list of Python snippets, e.g.
+``assert add(2, 3) == 5``) each run under their own timer; the reward is passed tests / tests.
 
-Reporting: the harness (trusted code, run before the completion's code in the same interpreter) prints one line per
-test, prefixed by a random token it read from standard input, and a final line when it is done; only lines with
-the token count, so a completion that exits early (``sys.exit(0)``, ``os._exit(0)``) or prints fake results passes
-nothing. This is a guard against the known early-exit hacks, not a proof: code in the same interpreter could find
-the token in memory, and a completion that, e.g., returns an object equal to everything passes ``==`` asserts (the
-"always equal" hack of code RL); docs/rewards.md says so.
+Where the checks run: never in the interpreter the completion's code runs in, which that code can rewrite. Each
+completion gets two sandboxed processes (:mod:`lightning_grpo.rewards.code_harness`): the program runs in one and
+answers calls; the tests run in the other, a checker the completion's code never ran in, whose calls of the
+program's functions (the task's ``entry_point`` and any name the tests use that the setup does not define) cross as
+plain data (:mod:`lightning_grpo.rewards.plain_data`). Only the checker's output is read, and strictly: what a
+completion prints, raises or writes cannot make a test pass or the scoring raise. docs/rewards.md ("Code reward")
+lists what this does and does not guarantee.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
-import secrets
-from typing import Optional, Sequence
+import threading
+from typing import Any, Optional, Sequence
 
+from lightning_grpo.rewards.code_harness import CHECKER, SOLUTION
 from lightning_grpo.rewards.pool import PooledReward, RewardChunk
 from lightning_grpo.sandbox import Sandbox, SandboxLimits, SandboxResult
 
-#: The last fenced code block (its language tag python/py/Python or none); an unclosed one runs to the end.
-_FENCE = re.compile(r"```[ \t]*(?:python3?|py|Python)?[ \t]*\n(.*?)(?:```|\Z)", re.DOTALL)
+#: The last fenced code block (its language tag python/py/Python or none); an unclosed one runs to the end. The
+#: quantifiers before the newline are possessive and cannot trade characters, so a fence followed by a long run of
+#: spaces costs linear time, not quadratic.
+_FENCE = re.compile(r"```[ \t]*+(?:(?:python3?|py|Python)[ \t]*+)?\n(.*?)(?:```|\Z)", re.DOTALL)
 
 #: Outcomes a completion's run is counted under (``rewards/<name>/<outcome>``), exactly one each: ``passed`` (every
 #: test), ``failed`` (some test failed or raised), ``no_code`` (no code block: not run, reward 0), ``syntax_error``,
 #: ``timeout`` (a test's timer or the sandbox's wall clock), ``cpu_limit``, ``memory`` (a ``MemoryError``: the
-#: address-space limit), ``output_limit`` (printed too much: killed), ``crashed`` (ended before the harness finished,
-#: e.g. ``os._exit`` or a signal).
+#: address-space limit), ``output_limit`` (printed too much: killed), ``crashed`` (the program's process ended or
+#: stopped answering before the tests were done, e.g. ``os._exit`` or a signal; or the checker gave no whole report).
 CODE_OUTCOMES = ("passed", "failed", "no_code", "syntax_error", "timeout", "cpu_limit", "memory", "output_limit",
                  "crashed")
 
-#: The harness: reads the token (first line of stdin) and the task (``task.json``: program, tests, per-test timeout;
-#: then deletes the file), compiles and runs the program, then each test, printing ``<token> <kind> <index>`` lines
-#: through its own reference to ``os.write`` (fd 1).
-HARNESS = r'''
-import json, os, signal, sys
-
-
-class _TestTimeout(BaseException):
-    pass
-
-
-def _alarm(signum, frame):
-    raise _TestTimeout()
-
-
-def _run(code, namespace, timeout):
-    signal.signal(signal.SIGALRM, _alarm)
-    signal.setitimer(signal.ITIMER_REAL, timeout)
-    try:
-        exec(code, namespace)
-        return "pass"
-    except _TestTimeout:
-        return "timeout"
-    except MemoryError:
-        return "memory"
-    except BaseException:
-        return "fail"
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-
-
-def _main(write=os.write):
-    token = sys.stdin.readline().strip()
-    with open("task.json") as f:
-        task = json.load(f)
-    os.remove("task.json")  # the completion's code cannot read the tests from the file
-
-    def report(kind, index=-1):
-        write(1, ("\n%s %s %d\n" % (token, kind, index)).encode())
-
-    try:
-        program = compile(task["program"], "solution.py", "exec")
-    except (SyntaxError, ValueError, OverflowError, RecursionError, MemoryError):
-        report("syntax_error")
-        return
-    tests, timeout = task["tests"], task["timeout"]
-    del task
-    namespace = {"__name__": "solution"}
-    kind = _run(program, namespace, timeout)
-    report("program_" + kind)
-    for index, test in enumerate(tests):
-        result = "fail"
-        if kind == "pass":
-            try:
-                code = compile(test, "test_%d.py" % index, "exec")
-            except (SyntaxError, ValueError, OverflowError, RecursionError, MemoryError):
-                code = None
-            if code is not None:
-                result = _run(code, namespace, timeout)
-        report(result, index)
-    report("done")
-
-
-_main()
-'''
+#: The kinds the checker reports for the program and for each test.
+_KINDS = ("pass", "fail", "timeout", "memory", "gone")
 
 
 def extract_code(completion: str) -> Optional[str]:
@@ -118,19 +59,25 @@ class CodeReward(PooledReward):
     """The unit-test pass rate of each completion's code, run in the sandbox (see the module docstring).
 
     Args:
-        sandbox: the sandbox the code runs in (default: ``Sandbox()``, its default limits and the strongest
-            isolation available, :mod:`lightning_grpo.sandbox`).
+        sandbox: the sandbox both processes of a completion run in (default: ``Sandbox()``, its default limits and
+            the strongest isolation available, :mod:`lightning_grpo.sandbox`); its ``output_bytes`` also caps one
+            answer of the program's process.
         tests_column: the column holding each task's tests (a list of Python snippets).
-        setup_column: the column holding code run before the completion's (None or a missing column: none).
-        test_timeout_s: seconds each test (and the program itself) may run before it counts as failed (a timer in
-            the harness; the sandbox's wall-clock limit bounds the whole run).
+        setup_column: the column holding code run before the completion's (None or a missing column: none); the
+            tests see the setup's own definitions, never the completion's versions of them.
+        entry_point_column: the column naming the function(s) under test (a name or a list of names; HumanEval's
+            ``entry_point``), which the tests call in the program even where the setup defines a stub of the same
+            name (None or a missing column: only the names the tests use that the setup does not define).
+        test_timeout_s: seconds each test (and the program itself, and each call) may run before it counts as
+            failed (a timer in each process; the sandbox's wall-clock limit bounds the whole run).
         name: the metric name.
 
     Rewards: passed tests / tests in [0, 1]; 0 for a completion without a code block, a syntax error, a crash, a
     timeout or a limit. Outcome metrics: ``rewards/<name>/<outcome>`` for :data:`CODE_OUTCOMES`.
 
     Raises:
-        ValueError (when scoring): a task without tests, or whose ``tests`` is not a list of strings.
+        ValueError (when scoring): a task without tests, or whose ``tests`` is not a list of strings, or an entry
+            point that is not a name or a list of names.
         RuntimeError (when scoring): no isolation mechanism works (:attr:`lightning_grpo.sandbox.Sandbox.mechanism`).
     """
 
@@ -138,13 +85,14 @@ class CodeReward(PooledReward):
     outcomes = CODE_OUTCOMES
 
     def __init__(self, sandbox: Optional[Sandbox] = None, tests_column: str = "tests",
-                 setup_column: Optional[str] = "test_setup", test_timeout_s: float = 3.0,
-                 name: str = "code_pass_rate") -> None:
+                 setup_column: Optional[str] = "test_setup", entry_point_column: Optional[str] = "entry_point",
+                 test_timeout_s: float = 3.0, name: str = "code_pass_rate") -> None:
         super().__init__(name)
         if not test_timeout_s > 0:
             raise ValueError(f"CodeReward test_timeout_s={test_timeout_s!r} must be > 0")
         self.sandbox = sandbox if sandbox is not None else Sandbox(SandboxLimits())
         self.tests_column, self.setup_column, self.test_timeout_s = tests_column, setup_column, test_timeout_s
+        self.entry_point_column = entry_point_column
 
     def score_chunk(self, prompts: list, completions: list[str], columns: dict[str, list]) -> RewardChunk:
         if self.tests_column not in columns:
@@ -153,52 +101,150 @@ class CodeReward(PooledReward):
         values = []
         for i, completion in enumerate(completions):
             tests = columns[self.tests_column][i]
-            setup = columns.get(self.setup_column, [None] * len(completions))[i] if self.setup_column else None
-            value, outcome = self.run(completion, tests, setup)
+            setup = _column(columns, self.setup_column, i)
+            value, outcome = self.run(completion, tests, setup, _column(columns, self.entry_point_column, i))
             values.append(value)
             outcomes[outcome] += 1
         return RewardChunk(values, outcomes)
 
-    def run(self, completion: str, tests: Sequence[str], setup: Optional[str] = None) -> tuple[float, str]:
+    def run(self, completion: str, tests: Sequence[str], setup: Optional[str] = None,
+            entry_point: str | Sequence[str] | None = None) -> tuple[float, str]:
         """The pass rate of ``completion``'s code on ``tests`` and its outcome (:data:`CODE_OUTCOMES`).
 
+        Args:
+            completion: the model's text.
+            tests: the task's tests.
+            setup: code run before the completion's (its definitions are the ones the tests see).
+            entry_point: the name(s) of the function(s) under test, called in the program even where ``setup``
+                defines a stub of that name.
+
         Raises:
-            ValueError: ``tests`` is empty or not a list of strings.
+            ValueError: ``tests`` is empty or not a list of strings; ``entry_point`` is not a name or names.
+        """
+        runs = self.run_processes(completion, tests, setup, entry_point)
+        return (0.0, "no_code") if runs is None else read_report(*runs, len(tests))
+
+    def run_processes(self, completion: str, tests: Sequence[str], setup: Optional[str] = None,
+                      entry_point: str | Sequence[str] | None = None
+                      ) -> Optional[tuple[SandboxResult, SandboxResult]]:
+        """What :meth:`run` scores: the checker's run and the program's run (their status, output, times), or None
+        for a completion without a code block. The checker runs on this thread, the program's process on a helper
+        thread, in two sandboxes connected by two pipes; the program's run is stopped when the checker's ends.
+
+        Raises:
+            ValueError: as :meth:`run`.
         """
         if isinstance(tests, str) or not tests or not all(isinstance(t, str) for t in tests):
             raise ValueError(f"a code task's tests must be a non-empty list of strings, got {tests!r:.200}")
+        entry_points = [entry_point] if isinstance(entry_point, str) else list(entry_point or [])
+        if not all(isinstance(e, str) and e.isidentifier() for e in entry_points):
+            raise ValueError(f"a code task's entry_point must be a name or a list of names, got {entry_point!r:.200}")
         code = extract_code(completion)
         if code is None:
-            return 0.0, "no_code"
+            return None
         program = f"{setup}\n{code}" if setup else code
-        token = secrets.token_hex(16)
-        task = {"program": program, "tests": list(tests), "timeout": self.test_timeout_s}
-        result = self.sandbox.run_python(HARNESS, stdin=f"{token}\n".encode(), files={"task.json": json.dumps(task)})
-        return _read_report(result, token, len(tests))
+        task = json.dumps({"program": program, "setup": setup or "", "tests": list(tests),
+                           "entry_points": entry_points, "timeout": self.test_timeout_s,
+                           "max_message_bytes": self.sandbox.limits.output_bytes,
+                           "mechanism": self.sandbox.mechanism}).encode()
+        python = self.sandbox.python
+        requests_r, requests_w = os.pipe()
+        answers_r, answers_w = os.pipe()
+        stop = threading.Event()
+        outcome: dict[str, Any] = {}
+
+        def serve() -> None:
+            try:
+                outcome["result"] = self.sandbox.run([python, "-s", "-c", SOLUTION, str(requests_r), str(answers_w)],
+                                                     pass_fds=(requests_r, answers_w), stop=stop)
+            except BaseException as err:  # noqa: BLE001 - re-raised on the caller's thread
+                outcome["error"] = err
+
+        thread = threading.Thread(target=serve, name="lightning_grpo_code_solution", daemon=True)
+        try:
+            thread.start()
+        except BaseException:
+            for fd in (requests_r, requests_w, answers_r, answers_w):
+                os.close(fd)
+            raise
+        try:
+            checker = self.sandbox.run([python, "-s", "-c", CHECKER, str(answers_r), str(requests_w)], stdin=task,
+                                       pass_fds=(answers_r, requests_w))
+        finally:
+            stop.set()
+            thread.join()
+        if "error" in outcome:
+            raise outcome["error"]
+        return checker, outcome["result"]
 
 
-def _read_report(result: SandboxResult, token: str, n_tests: int) -> tuple[float, str]:
-    """Pass rate and outcome from the harness's token lines and how the sandboxed run ended."""
-    kinds: dict[int, str] = {}
-    events: set[str] = set()
-    for line in result.stdout.splitlines():
-        parts = line.split(" ")
-        if len(parts) == 3 and parts[0] == token:
-            kind, index = parts[1], int(parts[2])
-            if index >= 0:
-                kinds.setdefault(index, kind)
-            else:
-                events.add(kind)
-    passed = sum(1 for i in range(n_tests) if kinds.get(i) == "pass")
-    rate = passed / n_tests
-    if "syntax_error" in events:
+def _column(columns: dict[str, list], name: Optional[str], i: int) -> Any:
+    return columns[name][i] if name is not None and name in columns else None
+
+
+def read_report(checker: SandboxResult, solution: SandboxResult, n_tests: int) -> tuple[float, str]:
+    """Pass rate and outcome (:data:`CODE_OUTCOMES`) from the checker's report and how both processes ended.
+
+    Only the checker's standard output is read (the program's output never is), line by line, each a JSON object of
+    :mod:`lightning_grpo.rewards.code_harness`'s report; a line that is not one of those makes the sample a failed
+    one (``(0.0, "crashed")``): a malformed report never raises here. A last line without its newline (the checker
+    was killed while writing it) is left out.
+    """
+    report = _parse_report(checker.stdout, n_tests)
+    if report is None:
+        return 0.0, "crashed"
+    if report["syntax_error"]:
         return 0.0, "syntax_error"
-    if result.status in ("timeout", "cpu_limit", "output_limit"):
-        return rate, result.status
-    if "done" not in events:
+    results = report["results"]
+    passed = sum(1 for i in range(n_tests) if results.get(i) == "pass")
+    rate = passed / n_tests
+    for run in (solution, checker):
+        if run.status in ("timeout", "cpu_limit", "output_limit"):
+            return rate, run.status
+    if not report["done"] or report["program"] in (None, "gone") or report["channel"] in ("closed", "garbled"):
         return rate, "crashed"
-    results = set(kinds.values()) | {e[len("program_"):] for e in events if e.startswith("program_")}
+    kinds = {report["program"], *results.values()}
     for outcome in ("memory", "timeout"):
-        if outcome in results:
+        if outcome in kinds:
             return rate, outcome
     return rate, "passed" if passed == n_tests else "failed"
+
+
+def _parse_report(stdout: str, n_tests: int) -> Optional[dict[str, Any]]:
+    """The checker's report lines gathered (``syntax_error``, ``program``, ``results``, ``done``, ``channel``), or
+    None when a whole line is not a report line."""
+    report: dict[str, Any] = {"syntax_error": False, "program": None, "results": {}, "done": False, "channel": None}
+    for line in stdout.split("\n")[:-1]:
+        entry = _entry(line, n_tests)
+        if entry is None:
+            return None
+        if "syntax_error" in entry:
+            report["syntax_error"] = True
+        elif "program" in entry:
+            report["program"] = entry["program"]
+        elif "test" in entry:
+            report["results"].setdefault(entry["test"], entry["result"])
+        else:
+            report["done"], report["channel"] = True, entry["channel"]
+    return report
+
+
+def _entry(line: str, n_tests: int) -> Optional[dict[str, Any]]:
+    """One line of the checker's report as a dict of the known shapes, or None."""
+    try:
+        entry = json.loads(line)
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(entry, dict):
+        return None
+    if entry == {"syntax_error": True}:
+        return entry
+    if set(entry) == {"program"} and entry["program"] in _KINDS:
+        return entry
+    if set(entry) == {"test", "result"} and type(entry["test"]) is int and 0 <= entry["test"] < n_tests \
+            and entry["result"] in _KINDS:
+        return entry
+    if set(entry) == {"done", "channel"} and entry["done"] is True \
+            and entry["channel"] in ("open", "closed", "garbled", "stuck"):
+        return entry
+    return None

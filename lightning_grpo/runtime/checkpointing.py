@@ -8,15 +8,17 @@ starts over.
   (``tempfile.mkstemp()``): a killed save leaves it there, and when the checkpoint folder is on another filesystem
   the final move is a copy that a kill can leave truncated. ``GRPOModule.setup`` installs this IO in place of that
   default (:func:`use_atomic_checkpoint_io`); a CheckpointIO the user chose is kept.
-* :func:`install_last_checkpoint_fallback` (run when ``lightning_grpo`` is imported) extends how Lightning
-  resolves ``fit(ckpt_path="last")``: Lightning looks only for ``last*.ckpt`` in each ``ModelCheckpoint``'s folder
-  and, finding none, warns and trains from scratch, although a kill between the step checkpoint and ``last.ckpt``
-  (or a ``save_last="link"`` link whose target was just replaced) leaves a valid checkpoint there. With the
-  extension, incomplete ``last`` files are ignored and, when no complete one exists, the newest complete
-  checkpoint of the folder is used (with a warning); when the folder holds checkpoints but none is complete, the run
-  stops with an error. A ``ModelCheckpoint`` without ``dirpath`` saves into the logger's version folder
+* :class:`GRPOModelCheckpoint` (``lightning_grpo.callbacks``) extends how Lightning resolves
+  ``fit(ckpt_path="last")``: Lightning looks only for ``last*.ckpt`` in each ``ModelCheckpoint``'s folder and,
+  finding none, warns and trains from scratch, although a kill between the step checkpoint and ``last.ckpt`` (or a
+  ``save_last="link"`` link whose target was just replaced) leaves a valid checkpoint there. With the extension,
+  incomplete ``last`` files are ignored and, when no complete one exists, the newest complete checkpoint of the
+  folder is used (with a warning); when the folder holds checkpoints but none is complete, the run stops with an
+  error. A ``ModelCheckpoint`` without ``dirpath`` saves into the logger's version folder
   (``<save_dir>/<name>/version_N/checkpoints``), which is new for every run: there "last" also looks in the other
   versions' ``checkpoints`` folders (the CLI recipe's layout). No checkpoint anywhere still means a first run.
+  Importing the package patches nothing: the recipes and docs/resume.md use ``GRPOModelCheckpoint``, and the CLI
+  gives its trainer's plain ``ModelCheckpoint``s the same behaviour (:func:`use_last_checkpoint_fallback`).
 
 "Complete" (:func:`is_complete_checkpoint`): a file in ``torch.save``'s zip format whose central directory (written
 last) is readable, or a sharded checkpoint folder with Lightning's ``meta.pt`` (written after every shard).

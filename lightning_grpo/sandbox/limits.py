@@ -10,8 +10,9 @@ MiB = 1 << 20
 
 #: How a run ended: ``ok`` (exit status 0), ``error`` (another exit status), ``timeout`` (the wall-clock limit: the
 #: process tree was killed), ``cpu_limit`` (SIGXCPU: ``RLIMIT_CPU``), ``output_limit`` (more than ``output_bytes``
-#: of output: killed), ``signal`` (killed by another signal, e.g. SIGSEGV or the kernel's SIGKILL).
-Status = Literal["ok", "error", "timeout", "cpu_limit", "output_limit", "signal"]
+#: of output: killed), ``signal`` (killed by another signal, e.g. SIGSEGV or the kernel's SIGKILL), ``stopped`` (the
+#: caller's ``stop`` request: killed, see :meth:`lightning_grpo.sandbox.Sandbox.run`).
+Status = Literal["ok", "error", "timeout", "cpu_limit", "output_limit", "signal", "stopped"]
 
 
 @dataclass(frozen=True)

@@ -6,14 +6,9 @@ import contextlib
 import logging
 import os
 import re
-import selectors
 import shutil
-import signal
-import subprocess
 import sys
-import tempfile
 import threading
-import time
 from collections.abc import Mapping, Sequence
 from typing import Literal, Optional
 
@@ -26,7 +21,9 @@ from lightning_grpo.sandbox.isolation import (
     launcher_argv,
     unshare_argv,
 )
-from lightning_grpo.sandbox.limits import SandboxLimits, SandboxResult, Status
+from lightning_grpo.sandbox.limits import SandboxLimits, SandboxResult
+from lightning_grpo.sandbox.process import execute
+from lightning_grpo.sandbox.workdir import make_host_dir
 
 log = logging.getLogger(__name__)
 
@@ -35,8 +32,6 @@ Isolation = Literal["auto", "bwrap", "unshare", "rlimits"]
 #: ``nobody``: the user a root trainer's sandboxed code runs as.
 NOBODY = 65534
 _FILE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
-_READ_CHUNK = 1 << 16
-_REAP_WAIT_S = 2.0  # for the leader to reap its killed namespace
 #: How long the probe run of a mechanism may take (the first run of a process pays it once per mechanism); generous,
 #: so that a loaded machine never falls back to a weaker mechanism for want of time.
 _PROBE_WALL_S = 120.0
@@ -124,7 +119,8 @@ class Sandbox:
             return _probed[key]
 
     def run(self, argv: Sequence[str], files: Mapping[str, str | bytes] = {},  # noqa: B006 - read only
-            stdin: bytes = b"") -> SandboxResult:
+            stdin: bytes = b"", pass_fds: Sequence[int] = (), stop: Optional[threading.Event] = None
+            ) -> SandboxResult:
         """Run ``argv`` (an absolute executable path first) in a fresh sandbox.
 
         Args:
@@ -132,17 +128,29 @@ class Sandbox:
             files: ``name -> content`` put in the working directory first (plain names: letters, digits, ``_``,
                 ``.``, ``-``; text is written as UTF-8).
             stdin: its standard input.
+            pass_fds: file descriptors of this process the command inherits under the same numbers (e.g. the ends
+                of pipes to another run); they are handed over: closed in this process once the command has
+                started (or failed to), also when this raises.
+            stop: when set (by another thread), the run is killed unless it ends by itself within half a second
+                (status ``"stopped"``).
 
         Raises:
             ValueError: a file name that is not plain, or an ``argv`` whose first entry is not an absolute path.
             RuntimeError: no isolation mechanism works (see :attr:`mechanism`).
         """
-        if not argv or not os.path.isabs(argv[0]):
-            raise ValueError(f"sandbox argv must start with an absolute executable path, got {list(argv)[:1]}")
-        for name in files:
-            if not _FILE_NAME.fullmatch(name):
-                raise ValueError(f"sandbox file name {name!r} must be a plain name (letters, digits, _ . -)")
-        return self._run(self.mechanism, list(argv), files, stdin, self.limits)
+        try:
+            if not argv or not os.path.isabs(argv[0]):
+                raise ValueError(f"sandbox argv must start with an absolute executable path, got {list(argv)[:1]}")
+            for name in files:
+                if not _FILE_NAME.fullmatch(name):
+                    raise ValueError(f"sandbox file name {name!r} must be a plain name (letters, digits, _ . -)")
+            mechanism = self.mechanism
+        except BaseException:
+            for fd in pass_fds:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+            raise
+        return self._run(mechanism, list(argv), files, stdin, self.limits, tuple(pass_fds), stop)
 
     def run_python(self, source: str, stdin: bytes = b"", files: Mapping[str, str | bytes] = {}  # noqa: B006
                    ) -> SandboxResult:
@@ -151,37 +159,54 @@ class Sandbox:
 
     # ------------------------------------------------------------------ one run
     def _run(self, mechanism: Mechanism, argv: list[str], files: Mapping[str, str | bytes], stdin: bytes,
-             limits: SandboxLimits) -> SandboxResult:
-        host_dir = tempfile.mkdtemp(prefix="lightning_grpo_sandbox_")
+             limits: SandboxLimits, pass_fds: tuple[int, ...] = (), stop: Optional[threading.Event] = None
+             ) -> SandboxResult:
+        host_dir: Optional[str] = None
         fds: dict[str, int] = {}
         try:
-            for name, content in files.items():
-                path = os.path.join(host_dir, name)
-                with open(path, "wb") as f:
-                    f.write(content.encode() if isinstance(content, str) else content)
-                if mechanism == "bwrap":
-                    fds[name] = os.open(path, os.O_RDONLY)
             as_root = os.geteuid() == 0
-            if as_root and mechanism != "bwrap":  # the code's working directory is the host folder
-                for entry in [host_dir, *(os.path.join(host_dir, n) for n in files)]:
-                    os.chown(entry, self.uid, self.gid)
+            if mechanism == "bwrap":  # the files are copied into its tmpfs from anonymous memory: nothing on disk
+                for name, content in files.items():
+                    fds[name] = os.memfd_create(name)
+                    _write_all(fds[name], content.encode() if isinstance(content, str) else content)
+                    os.lseek(fds[name], 0, os.SEEK_SET)
+            else:  # the code's working directory is a host folder
+                host_dir = make_host_dir()
+                for name, content in files.items():
+                    with open(os.path.join(host_dir, name), "wb") as f:
+                        f.write(content.encode() if isinstance(content, str) else content)
+                if as_root:
+                    for entry in [host_dir, *(os.path.join(host_dir, n) for n in files)]:
+                        os.chown(entry, self.uid, self.gid)
             workdir = BWRAP_WORKDIR if mechanism == "bwrap" else host_dir
+            assert workdir is not None
             env = {"PATH": "/usr/bin:/bin", "HOME": workdir, "LANG": "C.UTF-8", "PYTHONHASHSEED": "0",
                    "PYTHONDONTWRITEBYTECODE": "1", "TMPDIR": "/tmp" if mechanism == "bwrap" else workdir}
-            launcher = launcher_argv(self.python, limits.rlimits(), argv, init=mechanism == "unshare")
+            rlimits, trainer = limits.rlimits(), os.getpid()
             if mechanism == "bwrap":
                 command = bwrap_argv(_require("bwrap"), self.python, self.uid, self.gid, limits.file_bytes, fds,
-                                     env, launcher)
-            elif mechanism == "unshare":
-                command = unshare_argv(_require("unshare"), self.uid, launcher)
+                                     env, launcher_argv(self.python, rlimits, argv))
+            elif mechanism == "unshare":  # the guard makes unshare, and with it the namespace, die with this process
+                inner = unshare_argv(_require("unshare"), self.uid, launcher_argv(self.python, rlimits, argv, "init"))
+                command = launcher_argv(self.python, {}, inner, "guard", trainer)
             else:
-                command = launcher
+                command = launcher_argv(self.python, rlimits, argv, "supervise", trainer)
             drop = {"user": self.uid, "group": self.gid, "extra_groups": []} if as_root else {}
-            return _execute(command, host_dir, env, stdin, limits, mechanism, list(fds.values()), drop)
+            handed, pass_fds = pass_fds, ()
+            return execute(command, host_dir or "/", env, stdin, limits, mechanism, [*fds.values(), *handed], drop,
+                           stop, hand_over=handed)
         finally:
-            for fd in fds.values():
-                os.close(fd)
-            shutil.rmtree(host_dir, ignore_errors=True)
+            for fd in (*fds.values(), *pass_fds):
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+            if host_dir is not None:
+                shutil.rmtree(host_dir, ignore_errors=True)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
 
 
 def _require(name: str) -> str:
@@ -189,150 +214,3 @@ def _require(name: str) -> str:
     if path is None:
         raise FileNotFoundError(f"{name} is not installed")
     return path
-
-
-def _execute(command: list[str], cwd: str, env: dict[str, str], stdin: bytes, limits: SandboxLimits,
-             mechanism: str, pass_fds: list[int], drop: dict) -> SandboxResult:
-    """Start ``command`` in a new session, feed ``stdin``, read at most ``output_bytes``, kill the session at the
-    wall-clock limit; the process tree is always killed before returning."""
-    start = time.monotonic()
-    deadline = start + limits.wall_s
-    proc = subprocess.Popen(command, cwd=cwd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, start_new_session=True, pass_fds=pass_fds, **drop)
-    try:
-        out, err, ended = _communicate(proc, stdin, limits.output_bytes, deadline)
-        if ended is None:
-            try:
-                proc.wait(timeout=max(deadline - time.monotonic(), 0.0))
-            except subprocess.TimeoutExpired:
-                ended = "timeout"
-    finally:
-        _kill_tree(proc, namespaced=mechanism != "rlimits")
-    returncode = None if ended is not None else proc.returncode
-    status: Status = ended or _status(returncode, mechanism)
-    return SandboxResult(status, returncode, out.decode("utf-8", "replace"), err.decode("utf-8", "replace"),
-                         time.monotonic() - start, mechanism)
-
-
-def _status(returncode: Optional[int], mechanism: str) -> Status:
-    if returncode == 0:
-        return "ok"
-    assert returncode is not None
-    namespaced = mechanism in ("bwrap", "unshare")  # their PID namespace's init reports a signal N as 128 + N
-    signum = -returncode if returncode < 0 else (returncode - 128 if namespaced and returncode > 128 else 0)
-    if signum == signal.SIGXCPU:
-        return "cpu_limit"
-    return "signal" if signum > 0 else "error"
-
-
-def _communicate(proc: subprocess.Popen, stdin: bytes, limit: int, deadline: float
-                 ) -> tuple[bytes, bytes, Optional[Literal["timeout", "output_limit"]]]:
-    """Write ``stdin`` and read stdout and stderr until both close, the deadline passes (``"timeout"``) or more
-    than ``limit`` bytes arrive in all (``"output_limit"``; the first ``limit`` are kept)."""
-    assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
-    buffers = {proc.stdout.fileno(): bytearray(), proc.stderr.fileno(): bytearray()}
-    selector = selectors.DefaultSelector()
-    for fd in buffers:
-        selector.register(fd, selectors.EVENT_READ)
-    if stdin:
-        os.set_blocking(proc.stdin.fileno(), False)
-        selector.register(proc.stdin.fileno(), selectors.EVENT_WRITE)
-    else:
-        proc.stdin.close()
-    written, total = 0, 0
-    ended: Optional[Literal["timeout", "output_limit"]] = None
-    try:
-        while selector.get_map() and ended is None:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                ended = "timeout"
-                break
-            for key, _ in selector.select(remaining):
-                if key.fd in buffers:
-                    total += _read_into(key.fd, buffers[key.fd], limit - total, selector)
-                    continue
-                written = _feed(key.fd, stdin, written)
-                if written >= len(stdin):
-                    selector.unregister(key.fd)
-                    proc.stdin.close()
-            if total > limit:
-                ended = "output_limit"
-    finally:
-        selector.close()
-        if not proc.stdin.closed:
-            proc.stdin.close()
-    return bytes(buffers[proc.stdout.fileno()]), bytes(buffers[proc.stderr.fileno()]), ended
-
-
-def _read_into(fd: int, buffer: bytearray, room: int, selector: selectors.BaseSelector) -> int:
-    """Read what ``fd`` has, keep at most ``room`` bytes of it in ``buffer``; the bytes read (0 at the end of the
-    stream, which unregisters ``fd``)."""
-    data = os.read(fd, _READ_CHUNK)
-    if not data:
-        selector.unregister(fd)
-    buffer += data[:max(room, 0)]
-    return len(data)
-
-
-def _children(pid: int) -> list[int]:
-    """The direct children of ``pid`` (``/proc/<pid>/task/*/children``; empty where the kernel lacks it)."""
-    found: list[int] = []
-    try:
-        for task in os.listdir(f"/proc/{pid}/task"):
-            with open(f"/proc/{pid}/task/{task}/children") as f:
-                found += [int(x) for x in f.read().split()]
-    except OSError:
-        pass
-    return found
-
-
-def _feed(fd: int, data: bytes, written: int) -> int:
-    """Write the next piece of ``data`` to the non-blocking ``fd``; the bytes written so far (all of them once the
-    reader has closed its end)."""
-    try:
-        return written + os.write(fd, data[written:written + _READ_CHUNK])
-    except BlockingIOError:
-        return written
-    except BrokenPipeError:
-        return len(data)
-
-
-def _live_members(pgid: int) -> bool:
-    """Some process of the process group ``pgid`` is not yet a zombie (a scan of ``/proc/<pid>/stat``)."""
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()  # after "pid (comm)": state ppid pgrp ...
-        except (OSError, IndexError):
-            continue
-        if int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
-            return True
-    return False
-
-
-def _kill_tree(proc: subprocess.Popen, namespaced: bool) -> None:
-    """SIGKILL the run's process tree and reap it.
-
-    With a PID namespace (bubblewrap, ``unshare``) the namespace's init (the leader's child) is killed first, which
-    kills every process of the namespace, and the leader reaps it and exits; then the leader's session (process
-    group) is killed, which is the whole run in the ``rlimits`` fallback (processes it orphaned are reaped by the
-    system's init)."""
-    if namespaced and proc.poll() is None:
-        for child in _children(proc.pid):
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(child, signal.SIGKILL)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=_REAP_WAIT_S)
-    deadline = time.monotonic() + _REAP_WAIT_S
-    while True:  # again while live members remain (a fork in flight; SIGKILLed ones that have not exited yet)
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        if namespaced or not _live_members(proc.pid) or time.monotonic() > deadline:
-            break
-        time.sleep(0.01)
-    proc.wait()
-    for stream in (proc.stdout, proc.stderr):
-        if stream is not None:
-            stream.close()

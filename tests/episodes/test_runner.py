@@ -7,7 +7,7 @@ import torch
 from transformers import AutoTokenizer
 
 from lightning_grpo.config import EpisodeConfig, GRPOConfig
-from lightning_grpo.episodes import ChatFormat, EpisodeRunner, HermesToolCallParser, as_tools, episode_runner
+from lightning_grpo.episodes import ChatFormat, EnvStep, EpisodeRunner, HermesToolCallParser, as_tools, episode_runner
 from lightning_grpo.protocols.rollout import RolloutInterrupted, StopFlag
 from lightning_grpo.protocols.sampling import SamplingConfig
 from support.episodes import EchoEnvironment, ScriptedEngine
@@ -212,6 +212,59 @@ def test_stop_flag_and_environment_errors(tokenizer):
     with pytest.raises(ValueError, match="2 dataset rows for 1 prompts"):
         broken.sample(ScriptedEngine(tokenizer, lambda t, k, p: call), prompt_ids, 2, SamplingConfig(max_new_tokens=64),
                    rows=[{}, {}])
+
+
+class Counted(EchoEnvironment):
+    """Records, per environment made, how often it was reset and closed; ``fail`` makes one part raise."""
+
+    made: list["Counted"] = []
+    fail: dict[str, int] = {}  # "reset" / "step" -> the index (in making order) of the environment that raises
+
+    def __init__(self) -> None:
+        super().__init__(turns=2)
+        self.index, self.resets, self.closes = len(Counted.made), 0, 0
+        Counted.made.append(self)
+
+    def reset(self, **row) -> None:
+        self.resets += 1
+        if Counted.fail.get("reset") == self.index:
+            raise ConnectionError("the container did not start")
+
+    def step(self, turn: str) -> EnvStep:
+        if Counted.fail.get("step") == self.index:
+            raise OSError("the game server is down")
+        return super().step(turn)
+
+    def close(self) -> None:
+        self.closes += 1
+
+
+@pytest.mark.parametrize("case", ["normal", "step_error", "stop_request", "reset_error"])
+def test_every_environment_made_is_closed_exactly_once(tokenizer, case):
+    """Whatever its factory acquired (a container, a sandbox, a socket) is released: after a normal episode, a step
+    that raises, a stop request between turns, and a reset that raises (the third of four environments: the two made
+    before it and itself are closed, the fourth is never made)."""
+    Counted.made.clear()
+    Counted.fail = {"step_error": {"step": 1}, "reset_error": {"reset": 2}}.get(case, {})
+    chat = ChatFormat(tokenizer, [EOS], [], HermesToolCallParser())
+    runner = EpisodeRunner(chat, Counted, max_turns=4, max_tokens=200)
+    prompt_ids, _ = runner.encode_prompts(PROMPTS, 1024)
+
+    def script(t, k, p):
+        if case == "stop_request":
+            runner.stop.set()
+        return encode(tokenizer, f"turn {t}") + [EOS]
+
+    engine = ScriptedEngine(tokenizer, script)
+    expected = {"normal": None, "step_error": RuntimeError, "stop_request": RolloutInterrupted,
+                "reset_error": RuntimeError}[case]
+    if expected is None:
+        runner.run(engine, prompt_ids, 2, SamplingConfig(max_new_tokens=16))
+    else:
+        with pytest.raises(expected):
+            runner.run(engine, prompt_ids, 2, SamplingConfig(max_new_tokens=16))
+    made = 3 if case == "reset_error" else 4
+    assert [(e.resets, e.closes) for e in Counted.made] == [(1, 1)] * made
 
 
 def test_lockstep_with_processes_whose_episodes_run_longer(tokenizer):

@@ -83,6 +83,70 @@ def test_call_results_and_errors():
     assert raised.message == {"role": "tool", "name": "failing", "content": raised.content}
 
 
+class Unprintable:
+    def __str__(self):
+        raise RuntimeError("no text")
+
+
+class UnprintableError(Exception):
+    def __str__(self):
+        raise RuntimeError("no text")
+
+
+class Abort(BaseException):
+    pass
+
+
+def _raiser(error: BaseException):
+    def leave(x: str) -> str:
+        """Fails in its own way.
+
+        Args:
+            x: anything.
+        """
+        raise error
+
+    return leave
+
+
+async def exits_async(x: str) -> str:
+    """Calls sys.exit from a coroutine.
+
+    Args:
+        x: anything.
+    """
+    raise SystemExit(3)
+
+
+def unprintable(x: str) -> object:
+    """Returns a value that is neither JSON nor printable.
+
+    Args:
+        x: anything.
+    """
+    return Unprintable()
+
+
+@pytest.mark.parametrize("function, message", [
+    (_raiser(SystemExit(0)), "SystemExit: 0"),
+    (_raiser(SystemExit("bye")), "SystemExit: bye"),
+    (_raiser(KeyboardInterrupt()), "KeyboardInterrupt: "),
+    (_raiser(GeneratorExit()), "GeneratorExit: "),
+    (_raiser(Abort("x")), "Abort: x"),
+    (_raiser(UnprintableError()), "UnprintableError: <the message could not be read>"),
+    (exits_async, "SystemExit: 3"),
+    (unprintable, "RuntimeError: no text"),
+])
+def test_every_way_a_tool_fails_is_an_error_result(function, message):
+    """``sys.exit`` in a tool, any other ``BaseException``, an exception that cannot be printed, a value that cannot
+    be written as text: an error result the model reads, counted as an error of the turn (docs/multiturn.md)."""
+    result = Tool(function)({"x": "a"}, 5.0)
+    assert result.error and not result.timed_out and json.loads(result.content) == {"error": message}
+    env = ToolEnvironment([Tool(function, name="leave")], timeout_s=5.0)
+    step = env.step('<tool_call>{"name": "leave", "arguments": {"x": "a"}}</tool_call>')
+    assert (step.tool_calls, step.tool_errors, step.messages[0]["content"]) == (1, 1, result.content)
+
+
 @pytest.mark.parametrize("function", [slow, slow_async])
 def test_timeout_is_an_error_result_not_a_hang(function):
     tool = Tool(function)

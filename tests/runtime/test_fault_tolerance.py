@@ -105,6 +105,33 @@ def test_importing_the_package_leaves_lightning_alone(tmp_path, cpu_trainer):
     assert resolved == str(tmp_path / "epoch=0-step=1.ckpt")
 
 
+def test_the_documented_path_resumes_when_a_kill_left_no_last_checkpoint(tmp_path, monkeypatch):
+    """docs/resume.md's example, run up to its ``fit``, resolves ``ckpt_path="last"`` to an earlier run's step
+    checkpoint when that run was killed before it wrote ``last.ckpt`` (a plain ``ModelCheckpoint`` would start
+    again from step 0); and every Python recipe checkpoints with ``GRPOModelCheckpoint``."""
+    import ast
+
+    text = (ROOT / "docs" / "resume.md").read_text()
+    (block,) = [b.split("\n", 1)[1] for b in text.split("```python")[1:] if "trainer.fit(" in b.split("```")[0]]
+    module = ast.parse(block.split("```")[0])
+    fit = module.body.pop()
+    assert ast.unparse(fit).startswith("trainer.fit("), "the example ends with its fit"
+    monkeypatch.chdir(tmp_path)  # the example's default_root_dir: lightning_logs/version_N
+    earlier = tmp_path / "lightning_logs" / "version_0" / "checkpoints"
+    earlier.mkdir(parents=True)
+    _touch_checkpoint(earlier / "epoch=0-step=10.ckpt", 10, time.time() - 60)
+    namespace: dict = {}
+    exec(compile(module, "docs/resume.md", "exec"), namespace)
+    with pytest.warns(UserWarning, match="no complete last checkpoint"):
+        resolved = namespace["trainer"]._checkpoint_connector._select_ckpt_path(
+            TrainerFn.FITTING, "last", model_provided=True, model_connected=False)
+    assert resolved == str(earlier / "epoch=0-step=10.ckpt")
+    for recipe in sorted((ROOT / "recipes").glob("*.py")):
+        calls = [n.func.id for n in ast.walk(ast.parse(recipe.read_text())) if isinstance(n, ast.Call)
+                 and isinstance(n.func, ast.Name) and n.func.id.endswith("ModelCheckpoint")]
+        assert set(calls) <= {"GRPOModelCheckpoint"}, (recipe.name, calls)
+
+
 def test_last_falls_back_to_the_newest_complete_checkpoint(tmp_path):
     now = time.time()
     _touch_checkpoint(tmp_path / "epoch=0-step=1.ckpt", 1, now - 30)

@@ -12,11 +12,16 @@ statement stays true.
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
+import shutil
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import time
 import uuid
 from pathlib import Path
 
@@ -24,6 +29,9 @@ import pytest
 
 from lightning_grpo.sandbox import Sandbox, SandboxLimits
 from lightning_grpo.sandbox.runner import _probed
+from lightning_grpo.sandbox.workdir import PREFIX
+
+ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="the sandbox is Linux-only")
 
@@ -81,6 +89,19 @@ def _processes_with(marker: str) -> list[int]:
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
                 if marker.encode() in f.read():
+                    found.append(int(pid))
+        except OSError:
+            continue
+    return found
+
+
+def _processes_running(command: bytes) -> list[int]:
+    """The processes whose command line is exactly ``command`` (its arguments joined by NUL)."""
+    found = []
+    for pid in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if f.read().rstrip(b"\0") == command:
                     found.append(int(pid))
         except OSError:
             continue
@@ -238,3 +259,115 @@ def test_bad_arguments_raise_clear_errors():
         Sandbox().run_python("pass", files={"../escape.py": "x"})
     with pytest.raises(ValueError, match="absolute executable"):
         Sandbox().run(["python3", "-c", "pass"])
+
+
+#: Run in the sandbox: every directory (but /proc and /sys) a file can be created in, and how many bytes fit there
+#: in files of 256 KiB (each under the per-file limit, so that only the folder's own bound can stop them), at most
+#: ``argv[1]`` bytes each.
+WRITABLE_PATHS = r"""
+import json, os, sys
+cap, chunk, found = int(sys.argv[1]), b"x" * (256 << 10), {}
+for root, dirs, files in os.walk("/"):
+    if root == "/":
+        dirs[:] = [d for d in dirs if d not in ("proc", "sys")]
+    try:
+        os.close(os.open(os.path.join(root, ".w"), os.O_CREAT | os.O_WRONLY | os.O_EXCL, 0o600))
+    except OSError:
+        continue
+    total = 0
+    while total < cap:
+        try:
+            with open(os.path.join(root, ".w%d" % total), "wb") as f:
+                f.write(chunk)
+        except OSError:
+            break
+        total += len(chunk)
+    found[root] = total
+print(json.dumps(found))
+"""
+
+
+def test_bubblewrap_writes_only_to_its_three_bounded_tmpfs():
+    """Under bubblewrap the root and /dev are read-only: the only writable places are the working directory,
+    /tmp and /dev/shm, each a tmpfs of ``file_bytes`` (here 1 MiB; a run that fills them gets "no space left",
+    never the machine's memory). The device nodes stay usable."""
+    if "bwrap" not in MECHANISMS:
+        pytest.skip("bubblewrap is not installed")
+    limits = SandboxLimits(wall_s=60.0, cpu_s=20, memory_bytes=256 << 20, file_bytes=1 << 20, output_bytes=64 << 10)
+    result = Sandbox(limits, isolation="bwrap").run_python(
+        WRITABLE_PATHS.replace("int(sys.argv[1])", str(2 * limits.file_bytes)) + "open('/dev/null', 'w').write('x')\n")
+    assert result.status == "ok", result
+    written = json.loads(result.stdout)
+    assert set(written) == {"/sandbox", "/tmp", "/dev/shm"}, written
+    for path, total in written.items():
+        assert 0 < total <= limits.file_bytes, (path, total)  # cap 2 MiB: stopped by the tmpfs's size
+
+
+@pytest.mark.parametrize("escape", ["", "    os.setsid()\n"], ids=["same_session", "own_session"])
+def test_a_child_is_killed_at_the_wall_clock_even_in_its_own_session(sandbox, escape):
+    """Under every mechanism, also ``rlimits`` (whose supervisor is a child subreaper: an orphan that started a
+    session of its own is still the run's)."""
+    sandbox = Sandbox(SHORT, isolation=sandbox.mechanism)
+    source = f"import os, time\nif os.fork() == 0:\n{escape}    time.sleep(600)\n    os._exit(0)\ntime.sleep(600)\n"
+    result = _run(sandbox, source)  # _run: no process with the run's marker is left
+    assert result.status == "timeout", result
+
+
+def _kill_a_trainer_during_a_run(sandbox: Sandbox, folder: Path) -> None:
+    """Fork a trainer whose temporary folder is ``folder``, let it start a run that sleeps forever with a child in a
+    session of its own, SIGKILL it, and wait (10 s at most) for the run's processes to be gone."""
+    folder.chmod(0o1777)
+    marker = f"lgs-{uuid.uuid4().hex}"
+    source = "import os, time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep(600)\ntime.sleep(600)\n"
+    long = SandboxLimits(wall_s=600.0, cpu_s=1, memory_bytes=256 << 20, max_processes=16, output_bytes=64 << 10)
+    trainer = os.fork()
+    if trainer == 0:  # the trainer: one sandboxed run, killed by the test while it runs
+        try:
+            tempfile.tempdir = str(folder)
+            Sandbox(long, isolation=sandbox.mechanism).run([sandbox.python, "-c", source, marker])
+        finally:
+            os._exit(0)
+    command = "\0".join([sandbox.python, "-c", source, marker]).encode()
+    try:
+        deadline = time.monotonic() + 30
+        while len(_processes_running(command)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(_processes_running(command)) == 2, "the program and its child did not start"
+    finally:
+        os.kill(trainer, signal.SIGKILL)
+        os.waitpid(trainer, 0)
+    deadline = time.monotonic() + 10
+    while _processes_with(marker) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    left = _processes_with(marker)
+    for pid in left:  # so that a failure leaves nothing behind either
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+    assert left == [], "the run outlived its trainer"
+
+
+def test_a_run_dies_with_its_trainer(sandbox):
+    """A trainer killed with SIGKILL takes its runs with it under every mechanism (bubblewrap's --die-with-parent;
+    ``unshare`` behind the launcher's PDEATHSIG guard, its --kill-child ending the PID namespace; the ``rlimits``
+    supervisor's PDEATHSIG): a program that sleeps forever, with a child in a session of its own, is gone within
+    seconds. Its working folder: none on the host under bubblewrap; under the fallbacks the first run of the next
+    process deletes it. Bounded: the trainer is a fork of this process, its run's wall clock 600 s, killed after
+    the run's two processes appear (30 s at most)."""
+    folder = Path(tempfile.mkdtemp(prefix="lightning_grpo_trainer_"))
+    try:
+        _kill_a_trainer_during_a_run(sandbox, folder)
+        left = os.listdir(folder)
+        if sandbox.mechanism == "bwrap":
+            assert left == []
+            return
+        assert len(left) == 1 and left[0].startswith(PREFIX), left
+        # a later process (a fresh interpreter: only the standard library and sandbox/workdir.py) makes its folder
+        workdir = ROOT / "lightning_grpo" / "sandbox" / "workdir.py"
+        probe = ("import importlib.util, sys\nspec = importlib.util.spec_from_file_location('workdir', sys.argv[1])\n"
+                 "module = importlib.util.module_from_spec(spec)\nspec.loader.exec_module(module)\n"
+                 "print(module.make_host_dir())\n")
+        made = subprocess.run([sys.executable, "-I", "-c", probe, str(workdir)], capture_output=True, text=True,
+                              env={**os.environ, "TMPDIR": str(folder)}, check=True, timeout=60).stdout.strip()
+        assert os.listdir(folder) == [os.path.basename(made)]
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)

@@ -1,8 +1,10 @@
 """JSON over HTTP to one rollout server (:mod:`lightning_grpo.rollout.server.app`), with retries and a deadline.
 
 * **Deadline**: a request gives up at its deadline (``engine.server_timeout`` from its start unless told
-  otherwise) whatever the server does: a watchdog closes the connection at that moment, so a server that accepts and
-  never answers, or answers slowly but steadily (a byte at a time), costs the deadline and not more.
+  otherwise) whatever the server does: a watchdog shuts the connection's socket at that moment, so a server that
+  accepts and never answers, or answers slowly but steadily (a byte at a time), costs the deadline and not more, on
+  every kind of answer (a ``Content-Length``, chunked, or read until the server closes: HTTP/1.0 or
+  ``Connection: close``).
 * **Retries**: a request that could not be delivered (connection refused, no route, the connect timed out) is
   retried with exponential backoff (0.1 s doubling to 2 s) until the deadline, and so is one the server refused
   as busy (HTTP 503: its queue was full; nothing was done). A request that was sent and then lost (reset, no answer)
@@ -124,42 +126,72 @@ class ServerClient:
             f"{self.timeout_s:g} s (last error: {last}); is it running and reachable?")
 
     def _exchange(self, method: str, path: str, data: Optional[bytes], deadline: float) -> tuple[int, bytes]:
-        """One request on a new connection, cut at ``deadline`` by a watchdog: ``(status, body)``."""
+        """One request on a new connection, cut at ``deadline`` by a :class:`_Watchdog`: ``(status, body)``."""
         remaining = deadline - time.monotonic()
         kind = http.client.HTTPSConnection if self.scheme == "https" else http.client.HTTPConnection
         conn = kind(self.host, self.port, timeout=max(remaining, 1e-3))
-        expired = threading.Event()
-
-        def cut() -> None:
-            expired.set()
-            sock = conn.sock
-            if sock is not None:
-                try:
-                    sock.shutdown(socket.SHUT_RDWR)  # wakes a blocked recv/send at once
-                except OSError:
-                    pass
-
-        watchdog = threading.Timer(max(remaining, 0.0), cut)
-        watchdog.daemon = True
-        watchdog.start()
+        watchdog = _Watchdog(conn, remaining)
         try:
             try:
                 conn.connect()
+                watchdog.hold()
             except (OSError, http.client.HTTPException) as err:
-                if expired.is_set():
+                if watchdog.expired.is_set():
                     raise _Expired(f"connect: {_describe(err)}") from None
                 raise _NotDelivered(_describe(err)) from None
             try:
                 conn.request(method, path, body=data, headers=self._headers)
                 response = conn.getresponse()
-                return response.status, response.read()
+                body = response.read()
             except (OSError, http.client.HTTPException) as err:
-                if expired.is_set():
+                if watchdog.expired.is_set():
                     raise _Expired(f"the answer was cut at the deadline ({_describe(err)})") from None
                 raise _Lost(_describe(err)) from None
+            if watchdog.expired.is_set():
+                raise _Expired(f"the answer was cut at the deadline ({len(body)} bytes of the body read)")
+            return response.status, body
         finally:
-            watchdog.cancel()
-            conn.close()
+            watchdog.close()
+
+
+class _Watchdog:
+    """Shuts the socket of ``conn`` down ``seconds`` from now, which wakes a blocked read or write at once.
+
+    It keeps its own reference to the socket (:meth:`hold`, after the connect): ``http.client`` drops the
+    connection's as soon as it has read the headers of an answer that ends with the connection (HTTP/1.0,
+    ``Connection: close``), whose body is then read until the server closes; a body read to its end after the cut
+    is such a body cut short, so the caller checks :attr:`expired` after the read too."""
+
+    def __init__(self, conn: http.client.HTTPConnection, seconds: float) -> None:
+        self.conn, self.expired = conn, threading.Event()
+        self._sock: Optional[socket.socket] = None
+        self._lock = threading.Lock()
+        self._timer = threading.Timer(max(seconds, 0.0), self._cut)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def hold(self) -> None:
+        """Keep the connected socket; raises OSError when the deadline passed while connecting."""
+        with self._lock:
+            self._sock = self.conn.sock
+            if self.expired.is_set():
+                raise OSError("the deadline passed while connecting")
+
+    def _cut(self) -> None:
+        with self._lock:
+            self.expired.set()
+            for sock in {id(s): s for s in (self._sock, self.conn.sock) if s is not None}.values():
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        """Stop the timer and close the connection and the socket."""
+        self._timer.cancel()
+        self.conn.close()
+        if self._sock is not None:
+            self._sock.close()
 
 
 def _describe(err: BaseException) -> str:
