@@ -37,12 +37,12 @@ def smollm2_path() -> str:
 TINY_VOCAB = 2048
 
 
-def _save_tiny_llama(root: Path, smollm2_path: str, tie_word_embeddings: bool) -> str:
+def _save_tiny_llama(root: Path, smollm2_path: str, tie_word_embeddings: bool, vocab_size=TINY_VOCAB) -> str:
     from lightning_grpo.models.testing import save_tiny_llama
 
     return save_tiny_llama(root, smollm2_path, hidden_size=64, intermediate_size=128, num_attention_heads=2,
                            num_key_value_heads=1, head_dim=32, tie_word_embeddings=tie_word_embeddings,
-                           vocab_size=TINY_VOCAB)
+                           vocab_size=vocab_size)
 
 
 @pytest.fixture(scope="session")
@@ -56,12 +56,16 @@ def tiny_llama_path(tmp_path_factory, smollm2_path) -> str:
 @pytest.fixture(scope="session")
 def tiny_llama_full_vocab_path(tmp_path_factory, smollm2_path) -> str:
     """As :func:`tiny_llama_path` with SmolLM2's whole tokenizer (49,152 tokens), for the tests whose subject is
-    how real text tokenizes (the TRL differential tests of tool episodes)."""
-    from lightning_grpo.models.testing import save_tiny_llama
+    how real text tokenizes (the TRL differential tests of tool episodes), the vocabulary's size (activation and
+    memory tests) or the shape of a near-uniform distribution over it (sampling truncations)."""
+    return _save_tiny_llama(tmp_path_factory.mktemp("tiny_llama_full_vocab"), smollm2_path, False, vocab_size=None)
 
-    return save_tiny_llama(tmp_path_factory.mktemp("tiny_llama_full_vocab"), smollm2_path, hidden_size=64,
-                           intermediate_size=128, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
-                           tie_word_embeddings=False)
+
+@pytest.fixture(scope="session")
+def tiny_tied_llama_full_vocab_path(tmp_path_factory, smollm2_path) -> str:
+    """As :func:`tiny_llama_full_vocab_path` with tied input/output embeddings."""
+    return _save_tiny_llama(tmp_path_factory.mktemp("tiny_tied_llama_full_vocab"), smollm2_path, True,
+                            vocab_size=None)
 
 
 @pytest.fixture(scope="session")

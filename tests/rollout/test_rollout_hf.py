@@ -29,6 +29,13 @@ def _load(path: str):
 
 
 @pytest.fixture(scope="module")
+def tiny_llama_path(tiny_llama_full_vocab_path):
+    """SmolLM2's whole vocabulary here: a truncation (top-k, top-p, min-p) of a random model's near-uniform
+    distribution over 49,152 tokens removes enough mass that every kept logprob rises by more than 1e-2."""
+    return tiny_llama_full_vocab_path
+
+
+@pytest.fixture(scope="module")
 def clean(tiny_llama_path):
     return _load(tiny_llama_path)
 

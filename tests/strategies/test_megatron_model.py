@@ -81,7 +81,7 @@ def test_logits_match_transformers(model_parallel, tiny_models, name):
     with torch.no_grad():
         expected = hf(input_ids).logits
         logits = policy(input_ids)
-    assert logits.shape == expected.shape == (2, 13, 2048)
+    assert logits.shape == expected.shape == (2, 13, 49152)
     torch.testing.assert_close(logits, expected, atol=1e-5, rtol=0)
     assert expected.abs().max() > 0.5  # not a degenerate comparison
 

@@ -30,14 +30,11 @@ VOCAB_RANGE = (200, 2000)  # completion tokens are drawn from ordinary (non-spec
 # ----------------------------------------------------------------------------------------------- shared helpers
 def save_tiny_model(root: str, tokenizer_path: str, tied: bool, model_type: str = "llama") -> str:
     """A random SmolLM2-like model: 2 layers, hidden 128, 4 query heads of 32, 2 KV heads (GQA), MLP 256,
-    SmolLM2's tokenizer cut to its first 2,048 tokens (``lightning_grpo.models.testing.save_tiny_tokenizer``: the
-    output layer no longer dominates the FLOPs); Qwen2 gets random q/k/v biases. Saved with ``save_pretrained`` into
-    ``root``."""
+    SmolLM2's 49152-token vocabulary and tokenizer; Qwen2 gets random q/k/v biases. Saved with
+    ``save_pretrained`` into ``root``."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-    from lightning_grpo.models.testing import save_tiny_tokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(save_tiny_tokenizer(tokenizer_path, root, 2048))
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
     qwen = model_type == "qwen2"
     config_cls, model_cls = (Qwen2Config, Qwen2ForCausalLM) if qwen else (LlamaConfig, LlamaForCausalLM)
     config = config_cls(

@@ -123,8 +123,10 @@ def _experience(vocab_size, seed=0):
 
 
 @pytest.fixture(scope="module", params=["tied", "untied"])
-def module(request, tiny_tied_llama_path, tiny_llama_path):
-    path = tiny_tied_llama_path if request.param == "tied" else tiny_llama_path
+def module(request, tiny_tied_llama_full_vocab_path, tiny_llama_full_vocab_path):
+    """A tiny Llama with SmolLM2's whole 49,152-token vocabulary: the memory the chunked path saves is the size of the
+    vocabulary (with 2,048 tokens, the hidden activations would be as large)."""
+    path = tiny_tied_llama_full_vocab_path if request.param == "tied" else tiny_llama_full_vocab_path
     module = GRPOModule(path, reward_funcs=["gsm8k_accuracy"], config=GRPOConfig())
     module.policy.eval()  # no dropout anyway; eval keeps the two passes identical
     return module

@@ -93,7 +93,9 @@ def _run(tiny_llama_path, tmp_path, budget, cap):
 
 
 @pytest.mark.distributed  # spawns processes
-def test_auto_budget_completes_a_run_that_dies_of_out_of_memory(tiny_llama_path, tmp_path):
+def test_auto_budget_completes_a_run_that_dies_of_out_of_memory(tiny_llama_full_vocab_path, tmp_path):
+    """SmolLM2's whole vocabulary: a micro-batch's memory is mostly its vocabulary-sized logits."""
+    tiny_llama_path = tiny_llama_full_vocab_path
     cap = 3 * GIB // 2  # the 8 sequences of ~540 tokens as one micro-batch need ~3 GiB (float32 logits + grads)
     whole = _run(tiny_llama_path, tmp_path, None, cap)
     assert not whole["ok"] and whole["steps"] == 0, whole
