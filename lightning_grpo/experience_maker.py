@@ -57,6 +57,9 @@ class RolloutContext:
             ``mini_batch_size // micro_batches_per_step`` sequences (the rollout batch without ``mini_batch_size``).
         rank: this process's global rank: per-request seeds of rank r are offset by r * 2**32, so processes seeded
             alike never sample with the same seeds.
+        token_budget: the micro-batch token budget (``max_tokens_per_microbatch`` as resolved,
+            :class:`~lightning_grpo.config.ResolvedConfig`): the logprob passes take that many tokens at a time; None:
+            ``micro_batches_per_step`` sequences.
     """
 
     collectives: Collectives = field(default_factory=Collectives)
@@ -64,6 +67,7 @@ class RolloutContext:
     forward_context: Callable[[], ContextManager] = contextlib.nullcontext
     micro_batches_per_step: int = 1
     rank: int = 0
+    token_budget: Optional[int] = None
 
     @property
     def device(self) -> torch.device:
@@ -456,9 +460,11 @@ class ExperienceMaker:
         forward_context = ctx.forward_context
         reused_later = cfg.num_iterations > 1 or (cfg.mini_batch_size or n) < n
         if reused_later or cfg.kl_in_reward:
-            experience.old_logprobs = self.logprobs.batched(policy, experience, micro_batch_size, forward_context)
+            experience.old_logprobs = self.logprobs.batched(policy, experience, micro_batch_size, forward_context,
+                                                            max_tokens=ctx.token_budget)
         if ref is not None:
-            experience.ref_logprobs = self.logprobs.batched(ref, experience, micro_batch_size, forward_context)
+            experience.ref_logprobs = self.logprobs.batched(ref, experience, micro_batch_size, forward_context,
+                                                            max_tokens=ctx.token_budget)
         if not cfg.kl_in_reward:
             return shaped
         assert experience.old_logprobs is not None and experience.ref_logprobs is not None

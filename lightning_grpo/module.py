@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import logging
 import os
 from collections import deque
@@ -18,9 +19,9 @@ from transformers import PreTrainedTokenizerBase
 from typing_extensions import override
 
 from lightning_grpo.algorithm import ObjectiveOutput, grpo_objective
-from lightning_grpo.callbacks.base import forward_event, warn_untyped_event_hooks
-from lightning_grpo.config import GRPOConfig
-from lightning_grpo.data.source import EVAL_INDEX, EvalSource, PromptSource
+from lightning_grpo.callbacks.base import EventRoute
+from lightning_grpo.config import GRPOConfig, ResolvedConfig
+from lightning_grpo.data.source import EVAL_INDEX, DataPlan
 from lightning_grpo.episodes import ToolCallParser, as_tools, rollout_path
 from lightning_grpo.episodes.environment import EnvironmentFactory
 from lightning_grpo.episodes.tools import ToolSpec
@@ -31,6 +32,7 @@ from lightning_grpo.models.dropout import disable_dropout, warn_dropout_with_reu
 from lightning_grpo.models.lora import (
     check_quantized_engine,
     check_tied_head,
+    engine_checkpoint,
     export_policy,
     load_lora_policy,
     lora_settings,
@@ -41,19 +43,22 @@ from lightning_grpo.protocols import Collectives, RolloutEngine, RolloutOutput, 
 from lightning_grpo.rewards import RewardSet, RewardSpec
 from lightning_grpo.rewards.reward_model import resolve_reward_models
 from lightning_grpo.rollout.prefetch import PrefetchedRollout
+from lightning_grpo.rollout.registry import resolve_engine_name
 from lightning_grpo.rollout.worker import RolloutWorker
 from lightning_grpo.runtime.checkpointing import use_atomic_checkpoint_io
+from lightning_grpo.runtime.cleanup import ReleaseOnException, install
 from lightning_grpo.runtime.preemption import Preemption
 from lightning_grpo.strategies import backend_for
 from lightning_grpo.strategies.base import GRPOModels, ParallelBackend
 from lightning_grpo.strategies.local import LocalBackend
+from lightning_grpo.training import schedule
 from lightning_grpo.training.experience import Experience, micro_batches
 from lightning_grpo.training.logprobs import CompletionLogprobs
 from lightning_grpo.training.metrics import StepMetrics, StepTimer
 from lightning_grpo.training.nonfinite import NonFiniteGuard, check_finite_checkpoint
 from lightning_grpo.training.optim import adamw_with_warmup, check_optimizer_arguments
 from lightning_grpo.training.selection import StepSelection
-from lightning_grpo.training.token_budget import adamw_state_bytes, choose_token_budget
+from lightning_grpo.training.token_budget import fit_token_budget
 
 log = logging.getLogger(__name__)
 
@@ -141,36 +146,54 @@ class GRPOModule(L.LightningModule):
         self.rewards = RewardSet.from_specs(reward_funcs, reward_weights, tolerant_reward_funcs,
                                             primary=self.config.primary_reward, accuracy=accuracy_reward,
                                             pool_width=self.config.reward_num_workers)
-        self.policy, self.tokenizer, self.model_path = load_lora_policy(model, tokenizer, dtype,
-                                                                        gradient_checkpointing, settings)
+        self._loaded = loaded = load_lora_policy(model, tokenizer, dtype, gradient_checkpointing, settings)
+        self.policy, self.tokenizer, self.model_path = loaded.policy, loaded.tokenizer, loaded.path
         if self.config.disable_dropout:
             disable_dropout(self.policy)
-        self._reference = reference_for(self.policy, self.config.beta)  # outside the module tree; LoRA: adapters off
-        trim_frozen_weights(self)  # LoRA: checkpoints hold the adapters only
-        self.backend: ParallelBackend = LocalBackend()  # the trainer's backend from configure_model on
+        self._reference = reference_for(loaded, self.config.beta)  # outside the module tree; LoRA: adapters off
+        trim_frozen_weights(self, loaded)  # LoRA: checkpoints hold the adapters only
         self.tools = as_tools(tools)  # multi-turn episodes (docs/multiturn.md)
         self.hparams["tools"] = [t.name for t in self.tools]
+        # the config's "auto" values as this run resolves them (the config itself never changes)
+        budget = self.config.max_tokens_per_microbatch
+        self.resolved = ResolvedConfig(resolve_engine_name(self.config.engine.name),
+                                       max_tokens_per_microbatch=None if budget == "auto" else budget)
+        self._record_resolved()
         stop = StopFlag()  # polled by the engine and the sampler (with tools or an environment: the turn loop)
         prompts, sampler = rollout_path(self.config, self.tokenizer, self.policy, self.tools, environment_factory,
                                         tool_parser, stop)
         self.rollout = RolloutWorker(self.config, self.tokenizer, self._emit, prompts=prompts, sampler=sampler,
                                      stop=stop)
-        self.logprobs = CompletionLogprobs(self.config, is_sharded=lambda m: self.backend.is_sharded(m))
+        self.logprobs = CompletionLogprobs(self.config)
         self.experience_maker = ExperienceMaker(self.config, self.rollout, self.rewards, self.logprobs, self._emit)
         self.step_selection = StepSelection(self.config, self.logprobs)
         self.step_metrics = StepMetrics(self.config.clip_ratio_c, self.config.tis_cap())
         self.timer = StepTimer()
-        self.experience_maker.bind(RolloutContext(timer=self.timer))  # one process until a trainer's backend
         self.nonfinite = NonFiniteGuard(self.config.on_nonfinite)
         self.preemption = Preemption(self.rollout.stop)
         self.evaluator = Evaluator(self.config.eval.k)
-        self.token_budget: Optional[int] = None  # with max_tokens_per_microbatch="auto": the budget chosen
+        self.data_plan = DataPlan()  # what the trainer's datamodule says, read at each setup
+        self._events = EventRoute()  # the trainer's GRPOCallbacks, picked at each setup
+        self._release_on_exception = ReleaseOnException(self.release)
         self._step_members: list[Experience] = []  # the micro-batches of the step being trained (prepare_step)
         self._step_outputs: deque[ObjectiveOutput] = deque()  # a whole-step backend's outputs not yet logged
+        self.backend: ParallelBackend = LocalBackend()  # the trainer's backend from configure_model on
+        self._set_models(self.backend.configure(self._models()))  # one process until a trainer's backend
+        self.experience_maker.bind(RolloutContext(timer=self.timer, token_budget=self.token_budget))
 
     def _emit(self, name: str, payload: Any) -> None:
         """Rollout events (:mod:`lightning_grpo.events`) to the ``name`` hook of the trainer's ``GRPOCallback``s."""
-        forward_event(self._trainer, self, name, payload)
+        self._events(self, name, payload)
+
+    def _record_resolved(self) -> None:
+        """The resolved values into the hyperparameters (beside the config as given) and the log."""
+        self.hparams["resolved"] = self.resolved.as_dict()
+        log.info("resolved settings: %s", self.resolved.as_dict())
+
+    @property
+    def token_budget(self) -> Optional[int]:
+        """The micro-batch token budget in effect (``resolved.max_tokens_per_microbatch``), None without one."""
+        return self.resolved.max_tokens_per_microbatch
 
     @property
     def generated_tokens_estimate(self) -> int:
@@ -193,29 +216,50 @@ class GRPOModule(L.LightningModule):
 
     @override
     def setup(self, stage: str) -> None:
+        """Read the datamodule (:class:`~lightning_grpo.data.source.DataPlan`); make the rollout engine, once: a
+        validation before the fit hands its engine to the fit (it is closed when the fit ends, when a run fails, or
+        by :meth:`close_rollout_engine`)."""
         if stage == "fit":
             install_loop(self.trainer)
-        data = self.trainer.datamodule
-        prompts = data.prompts_per_step if isinstance(data, PromptSource) else None
-        if stage == "fit" and prompts is not None:
+        self.data_plan = prompts = DataPlan.of(self.trainer.datamodule)
+        self._events = EventRoute.of(self.trainer)  # the trainer's GRPOCallbacks
+        if stage == "fit" and prompts.prompts_per_step is not None:
             self.rollouts_ahead()  # a max_staleness that cannot run ahead is refused before an engine is built
-        self.rollout.start(self.policy, self.model_path, rollout_prompts=prompts)  # (sizes an "auto" KV cache)
+        self.make_rollout_engine(prompts.prompts_per_step)
+        install(self.trainer, self._release_on_exception)  # no teardown runs after a failure
         check_quantized_engine(self._lora_settings, self.rollout.require_engine())
         self.rewards.setup(self.trainer.strategy.root_device)  # e.g. a reward model's device="auto": this rank's
-        check_tied_head(self.policy, self.rollout.require_engine())
+        check_tied_head(self.policy, self._loaded.base, self.rollout.require_engine())
         if stage == "fit":
-            updates = self.steps_per_rollout() if isinstance(self.trainer.datamodule, PromptSource) else 1
+            updates = self.steps_per_rollout() if prompts.prompts_per_step is not None else 1
             warn_dropout_with_reused_rollouts(self.policy, max(updates, self.config.num_iterations))
         self.preemption.attach(self.trainer)
         use_atomic_checkpoint_io(self.trainer.strategy)
-        warn_untyped_event_hooks(self.trainer.callbacks)
+
+    def make_rollout_engine(self, rollout_prompts: Optional[int] = None) -> RolloutEngine:
+        """Make the rollout engine ``config.engine`` names, once (``setup`` does; a made or given engine is kept),
+        resolving its "auto" settings into :attr:`resolved`. ``rollout_prompts``: prompts per rollout on this
+        process, when known (sizes ``engine.kv_cache_space_gib="auto"``). Returns the engine."""
+        checkpoint = functools.partial(engine_checkpoint, self._loaded)
+        self.resolved = self.rollout.start(self._loaded.base, checkpoint, self.resolved, rollout_prompts)
+        self._record_resolved()
+        return self.rollout.require_engine()
+
+    @property
+    def hf_model(self) -> nn.Module:
+        """The policy's transformers model: a PEFT policy's base model (whose layers carry the adapters), else the
+        policy (what the HF engine generates with)."""
+        return self._loaded.base
 
     @override
     def configure_model(self) -> None:
         """The trainer's backend shards or converts the policy, reference and engine (``strategies.backend_for``)."""
         self.backend = backend_for(self.trainer.strategy)
-        models = self.backend.configure(GRPOModels(self.policy, self.ref_model, self.rollout.engine))
-        self._set_models(models)
+        self._set_models(self.backend.configure(self._models()))
+
+    def _models(self) -> GRPOModels:
+        """The module's models for a backend: the engine as it was made or given, the policy's kind."""
+        return GRPOModels(self.policy, self.ref_model, self.rollout.own_engine, lora=self._loaded.lora)
 
     @property
     def collectives(self) -> Collectives:
@@ -224,24 +268,44 @@ class GRPOModule(L.LightningModule):
 
     def _bind_context(self) -> None:
         """The experience maker's :class:`~lightning_grpo.experience_maker.RolloutContext` for this run (the
-        backend, device and trainer settings are final once the fit, validation or test starts)."""
+        backend, device and trainer settings are final once the fit, validation or test starts; the token budget
+        once training starts)."""
         self.experience_maker.bind(RolloutContext(
             collectives=self.collectives, timer=self.timer,
             forward_context=self.trainer.precision_plugin.forward_context,
             micro_batches_per_step=self.trainer.accumulate_grad_batches, rank=self.global_rank,
+            token_budget=self.resolved.max_tokens_per_microbatch,
         ))
 
     def _set_models(self, models: GRPOModels) -> None:
-        self.policy, self.rollout.engine, self._reference.model = models.policy, models.engine, models.ref
+        """Take what the backend made: the models, the engine's wrapper and weights, the scorer and layout."""
+        self.policy, self._reference.model = models.policy, models.ref
+        self.rollout.attach(models.engine, models.weights)
+        self.logprobs.use(models.scorer, models.sharded)
 
     @override
     def teardown(self, stage: str) -> None:
-        """Stop background rollouts; plain HF models again (Megatron converts back); close the rollout engine the
-        module made from ``config.engine`` (a given engine is kept; the next fit, validate or test makes a new one);
-        a finished module holds no trainer's backend."""
+        """Stop background rollouts; plain HF models again (Megatron converts back); a finished module holds no
+        trainer's backend. The rollout engine stays for the next stage, except at the end of a fit, which closes an
+        engine the module made from ``config.engine`` (a given engine is the caller's, kept)."""
         self.experience_maker.close()
-        self._set_models(self.backend.restore(GRPOModels(self.policy, self.ref_model, self.rollout.engine)))
+        restored = self.backend.restore(GRPOModels(self.policy, self.ref_model))
+        self.rollout.detach()
         self.backend = LocalBackend()
+        self._set_models(self.backend.configure(dataclasses.replace(self._models(), policy=restored.policy,
+                                                                    ref=restored.ref)))
+        if stage == "fit":
+            self.rollout.close()
+
+    def release(self) -> None:
+        """Stop background rollouts and close the rollout engine the module made (what a failed run leaves:
+        :class:`~lightning_grpo.runtime.cleanup.ReleaseOnException`). Idempotent."""
+        self.experience_maker.close()
+        self.rollout.close()
+
+    def close_rollout_engine(self) -> None:
+        """Close the rollout engine the module made (a validation or test keeps it for a following stage; the end
+        of a fit closes it itself); the next stage makes a new one. A given engine is kept. Idempotent."""
         self.rollout.close()
 
     @override
@@ -259,21 +323,15 @@ class GRPOModule(L.LightningModule):
         self._bind_context()
 
     def micro_batches_per_rollout(self) -> Optional[int]:
-        """``training_step`` calls per rollout: num_iterations * mini-batches * accumulate_grad_batches; None with
-        ``max_tokens_per_microbatch`` (the token budget decides). Raises as :meth:`steps_per_rollout`."""
-        steps = self.steps_per_rollout()  # checks the datamodule
-        return None if self.config.max_tokens_per_microbatch else steps * self.trainer.accumulate_grad_batches
+        """``training_step`` calls per rollout (:func:`lightning_grpo.training.schedule.micro_batches_per_rollout`).
+        Raises as :meth:`steps_per_rollout`."""
+        return schedule.micro_batches_per_rollout(self.config, self.data_plan.prompts_per_step,
+                                                  self.trainer.accumulate_grad_batches)
 
     def steps_per_rollout(self) -> int:
-        """Optimizer steps per rollout: num_iterations * (rollout batch / mini_batch_size). Raises ValueError when the
-        datamodule does not say how many prompts a rollout batch has (``prompts_per_step``)."""
-        data = self.trainer.datamodule
-        if not isinstance(data, PromptSource):
-            raise ValueError("GRPO needs the datamodule's prompts_per_step (prompts per rollout batch): pass a "
-                             "lightning_grpo.data.PromptDataModule or a LightningDataModule with that attribute "
-                             "(lightning_grpo.data.source.PromptSource)")
-        n = data.prompts_per_step * self.config.num_generations
-        return self.config.num_iterations * (n // (self.config.mini_batch_size or n))
+        """Optimizer steps per rollout (:func:`lightning_grpo.training.schedule.steps_per_rollout`). Raises
+        ValueError when the datamodule does not say how many prompts a rollout batch has (``prompts_per_step``)."""
+        return schedule.steps_per_rollout(self.config, self.data_plan.prompts_per_step)
 
     def make_experience(
         self, batch: dict[str, list], next_prompt_batch: Optional[Callable[[], Optional[dict[str, list]]]] = None,
@@ -288,34 +346,10 @@ class GRPOModule(L.LightningModule):
                                               prefetched=prefetched)
 
     def rollouts_ahead(self, prompt_batches: Optional[int] = None) -> int:
-        """Rollouts generated in the background ahead of the one being trained: ``max_staleness //
-        steps_per_rollout`` (the weights of a rollout started at a rollout boundary are then at most
-        ``max_staleness`` optimizer steps old when it is trained); 0 = synchronous rollouts.
-
-        Args:
-            prompt_batches: rollout batches per epoch (the loop's loader length), None when unknown.
-
-        Raises:
-            ValueError: ``0 < max_staleness < steps_per_rollout`` (no rollout could be generated ahead), or as many
-                rollouts ahead as the epoch has batches or more: the whole epoch would be generated at its start and
-                held in memory and in every checkpoint.
-        """
-        k = self.config.max_staleness
-        if k == 0:
-            return 0
-        steps = self.steps_per_rollout()
-        if k < steps:
-            raise ValueError(f"GRPOConfig.max_staleness={k} is less than the {steps} optimizer steps of one rollout "
-                             f"(num_iterations * mini-batches): no rollout can be generated ahead; use max_staleness "
-                             f">= {steps} or 0")
-        ahead = k // steps
-        if prompt_batches is not None and ahead >= prompt_batches:
-            raise ValueError(f"GRPOConfig.max_staleness={k} generates {ahead} rollouts ahead ({steps} optimizer "
-                             f"step(s) per rollout), but an epoch has only {prompt_batches} rollout batches: the "
-                             "whole epoch would be generated at its start and held in memory and in every "
-                             f"checkpoint. Use max_staleness < {prompt_batches * steps} (at most "
-                             f"{prompt_batches - 1} rollouts ahead)")
-        return ahead
+        """Rollouts generated in the background ahead of the one being trained
+        (:func:`lightning_grpo.training.schedule.rollouts_ahead`; ``prompt_batches``: the loop's loader length, None
+        when unknown); 0 = synchronous rollouts. Raises ValueError as that function."""
+        return schedule.rollouts_ahead(self.config, self.data_plan.prompts_per_step, prompt_batches)
 
     def prefetch_rollout(self, batch: dict[str, list]) -> PrefetchedRollout:
         """Start generating ``batch``'s rollout in the background from the current weights
@@ -337,7 +371,7 @@ class GRPOModule(L.LightningModule):
             loss_type=cfg.loss_type, max_new_tokens=cfg.max_new_tokens,
             world_size=self.backend.data_parallel_size,  # processes that hold different data
             generator=torch.Generator().manual_seed(cfg.shuffle_seed + step), collectives=self.collectives,
-            max_tokens_per_microbatch=cfg.max_tokens_per_microbatch,
+            max_tokens_per_microbatch=self.resolved.max_tokens_per_microbatch,
         )
 
     def generate(self, prompts: Sequence[Any], num_generations: int, sampling: SamplingConfig) -> RolloutOutput:
@@ -426,8 +460,8 @@ class GRPOModule(L.LightningModule):
         norm = self.backend.grad_norm(self.policy)  # of the full gradient, also when sharded (a collective there)
         if norm is not None:
             self.log("grad_norm", norm, on_step=True, on_epoch=False, batch_size=1)
-        scaler = getattr(self.trainer.precision_plugin, "scaler", None)  # float16 AMP skips inf gradients itself
-        counts = self.nonfinite.before_optimizer_step(self.global_step, norm, optimizer, check_grad_norm=scaler is None)
+        scaled = self.trainer.precision == "16-mixed"  # float16 AMP's grad scaler skips inf gradients itself
+        counts = self.nonfinite.before_optimizer_step(self.global_step, norm, optimizer, check_grad_norm=not scaled)
         self.log_dict(counts, on_step=True, on_epoch=False, batch_size=1)
 
     @override
@@ -455,18 +489,18 @@ class GRPOModule(L.LightningModule):
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """The skipped-step count; the rollout worker's weight version (the checkpoint's optimizer steps)."""
         self.nonfinite.load_state_dict(checkpoint.get("lightning_grpo_nonfinite"))
-        self.rollout.weights_version = int(checkpoint.get("global_step", self.rollout.weights_version))
+        self.rollout.load_state_dict({"weights_version": checkpoint.get("global_step", self.rollout.weights_version)})
 
     @override
     def on_train_start(self) -> None:
-        if self.config.max_tokens_per_microbatch == "auto":
+        if self.config.max_tokens_per_microbatch == "auto" and self.resolved.max_tokens_per_microbatch is None:
             self._fit_token_budget()
         self.timer.start()
 
-    # --- memory: the auto token budget (lightning_grpo.training.token_budget) ---
     def _fit_token_budget(self) -> None:
-        """Set ``config.max_tokens_per_microbatch`` from probe steps (the smallest over processes) and log it as
-        ``token_budget``. Raises MemoryError as :func:`~lightning_grpo.training.token_budget.choose_token_budget`."""
+        """Choose ``max_tokens_per_microbatch="auto"`` from probe steps (the smallest over processes,
+        :func:`~lightning_grpo.training.token_budget.fit_token_budget`) into :attr:`resolved`; log it as
+        ``token_budget``. Raises MemoryError as that function."""
 
         def train_step(batch: Experience) -> None:
             with self.trainer.precision_plugin.forward_context():
@@ -474,19 +508,14 @@ class GRPOModule(L.LightningModule):
             loss.backward()
             self.policy.zero_grad(set_to_none=True)
 
-        optimizers = self.trainer.optimizers
-        budget = choose_token_budget(train_step, self.config, int(self.policy.config.vocab_size), self.device,
-                                     self.config.mini_batch_size or self._rollout_sequences(),
-                                     adamw_state_bytes(optimizers[0]) if optimizers else 0)
-        smallest = -self.backend.reduce_max(torch.tensor([-float(budget.tokens)], device=self.device))
-        self.config.max_tokens_per_microbatch = self.token_budget = int(smallest.item())
-        log.info("token budget: %s", budget.describe())
+        sequences = self.config.mini_batch_size or (self.data_plan.prompts_per_step or 1) * self.config.num_generations
+        tokens = fit_token_budget(train_step, self.config, int(self.policy.config.vocab_size), self.device, sequences,
+                                  self.trainer.optimizers, self.backend.reduce_max)
+        self.resolved = self.resolved.replace(max_tokens_per_microbatch=tokens)
+        self._record_resolved()
+        self._bind_context()  # the old/ref logprob passes take the budget too
         for logger in self.trainer.loggers:
-            logger.log_metrics({"token_budget": float(self.token_budget)}, step=self.global_step)
-
-    def _rollout_sequences(self) -> int:
-        data = self.trainer.datamodule
-        return (data.prompts_per_step if isinstance(data, PromptSource) else 1) * self.config.num_generations
+            logger.log_metrics({"token_budget": float(tokens)}, step=self.global_step)
 
     @override
     def on_before_backward(self, loss: Tensor) -> None:
@@ -497,15 +526,14 @@ class GRPOModule(L.LightningModule):
         self.timer.after_backward()
 
     @override
-    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(self, outputs: Any, batch: Experience, batch_idx: int) -> None:
         """After an optimizer step, log where its wall time went
         (:meth:`lightning_grpo.training.metrics.StepTimer.step_end`:
         ``timing/{rollout,scoring,logprobs,sync,forward,backward,optimizer,step,other,train}_s``, seconds) and
         ``generated_tokens``, ``train_tokens``."""
-        if isinstance(batch, Experience):
-            if batch.step_end:
-                self.log_dict(self.timer.step_end(), on_step=True, on_epoch=False, batch_size=1)
-            self.preemption.on_micro_batch_end(batch.step_end)  # SIGTERM inside a step waits for its end
+        if batch.step_end:  # the loop's batches are experience micro-batches
+            self.log_dict(self.timer.step_end(), on_step=True, on_epoch=False, batch_size=1)
+        self.preemption.on_micro_batch_end(batch.step_end)  # SIGTERM inside a step waits for its end
 
     @override
     def configure_optimizers(self) -> Any:
@@ -525,10 +553,7 @@ class GRPOModule(L.LightningModule):
         self._evaluate(batch, dataloader_idx, "test")
 
     def _evaluate(self, batch: dict[str, list], dataloader_idx: int, stage: str) -> None:
-        data = self.trainer.datamodule
-        names, checks = (data.eval_names, data.eval_accuracy) if isinstance(data, EvalSource) else ([None], [None])
-        named = 0 < dataloader_idx < len(names)  # the first dataset is the training one: the module's accuracy
-        dataset, check = (names[dataloader_idx], checks[dataloader_idx]) if named else (None, None)
+        dataset, check = self.data_plan.evaluated(dataloader_idx)  # the first is the training one: the module's
         with self.preemption.exit_on_stop():
             out = self.experience_maker.evaluate(batch, self.policy, accuracy=self.rewards.accuracy_for(check))
         if EVAL_INDEX in batch:  # count each prompt once over the processes (a distributed sampler pads)

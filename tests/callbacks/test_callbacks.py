@@ -59,7 +59,7 @@ class Recorder(GRPOCallback):
         self.calls.append(("optimizer_step", trainer.global_step))
 
 
-@pytest.mark.parametrize("engine", ["hf", "vllm"])
+@pytest.mark.parametrize("engine", ["hf", pytest.param("vllm", marks=pytest.mark.engine)])
 def test_hooks_are_called_in_the_documented_order_with_their_arguments(tmp_path, tiny_tied_llama_path, engine,
                                                                       cpu_trainer):
     if engine == "vllm":

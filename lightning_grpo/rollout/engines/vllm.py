@@ -49,24 +49,16 @@ from __future__ import annotations
 
 import gc
 import os
-import tempfile
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
 import torch
 from transformers import AutoTokenizer, GenerationConfig
 
-from lightning_grpo.models.hf_weights import check_syncable, hf_weights, merged_state_dict
-from lightning_grpo.models.lora import base_model
 from lightning_grpo.protocols.rollout import RolloutInterrupted, RolloutOutput, StopFlag, eos_token_ids_from
 from lightning_grpo.protocols.sampling import SamplingConfig
-from lightning_grpo.rollout.engines.kv_cache import kv_cache_space_gib
-from lightning_grpo.rollout.engines.probe import (
-    WeightSyncCheckError,
-    policy_probe_logprobs,
-    probe_sequences,
-    probe_vocab_size,
-)
+from lightning_grpo.protocols.weights import PolicyWeights, check_tied_engine
+from lightning_grpo.rollout.engines.probe import WeightSyncCheckError, probe_batch
 from lightning_grpo.rollout.engines.rows import check_prompts, request_seeds, rollout_from_rows
 from lightning_grpo.rollout.engines.vllm_groups import GroupLease
 from lightning_grpo.rollout.registry import EngineSpec
@@ -231,11 +223,6 @@ class VLLMRolloutEngine:
         """False: each process's engine gets its own copy."""
         return False
 
-    @property
-    def reads_weight_sources(self) -> bool:
-        """True: it loads the weights by name from the stream of ``hf_weights``."""
-        return True
-
     def set_lockstep(self, enabled: bool) -> None:
         """Nothing to do: the engine's forward passes are its own."""
 
@@ -348,42 +335,42 @@ class VLLMRolloutEngine:
 
     # ------------------------------------------------------------------ weights and memory
     @torch.no_grad()
-    def sync_weights(self, model: torch.nn.Module) -> None:
-        """Load ``model``'s current weights into the running engine (no restart), then drop the prefix
+    def sync_weights(self, weights: PolicyWeights) -> None:
+        """Load the policy's current weights into the running engine (no restart), then drop the prefix
         cache (its KV entries were computed with the old weights).
 
         Uses the worker's ``reload_weights`` (vLLM's in-place, layer-by-layer reload, which also redoes
-        the CPU backend's GEMM weight pre-packing) through ``LLM.collective_rpc``. Weights are streamed one
-        parameter at a time; FSDP2 ``DTensor`` parameters are all-gathered with ``full_tensor()``, a
-        collective, so under FSDP2 every rank must call this method. With tied embeddings
-        ``lm_head.weight`` is sent explicitly (see :func:`lightning_grpo.models.hf_weights.hf_weights`).
+        the CPU backend's GEMM weight pre-packing) through ``LLM.collective_rpc``, fed ``weights.tensors()`` one
+        tensor at a time (a collective when ``weights.collective``, e.g. FSDP2's gathered ``DTensor`` parameters: every
+        rank calls this method). With tied embeddings the stream holds ``lm_head.weight`` too, which refreshes the
+        CPU backend's pre-packed head.
 
         Args:
-            model: the HF causal LM being trained (same architecture as ``model_path``), possibly wrapped by
-                FSDP2 / ``torch.compile`` / activation checkpointing / DDP.
+            weights: the policy's weights in HF names (the trainer's backend makes them: LoRA merged, shards
+                gathered), for the same architecture as ``model_path``.
 
         Raises:
             ValueError: from vLLM's loader when a name does not belong to the engine's model; a policy with a
                 separately trained head for this tied engine (before anything is loaded).
             WeightSyncCheckError: with ``weight_sync_check``, the post-sync check failed (:meth:`check_weights`).
         """
-        check_syncable(model, self.tie_word_embeddings)  # before the reload starts: a failed one breaks the engine
-        weights = hf_weights(model, self.tie_word_embeddings)
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
+        check_tied_engine(weights, self.tie_word_embeddings)  # before the reload starts: a failed one breaks it
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights.tensors(),
+                                                          "is_checkpoint_format": True})
         self.llm.reset_prefix_cache()
         if self.weight_sync_check is not None:
-            self.check_weights(model)
+            self.check_weights(weights)
 
-    def check_weights(self, model: torch.nn.Module) -> float:
+    def check_weights(self, weights: PolicyWeights) -> float:
         """The post-sync check (:mod:`lightning_grpo.rollout.engines.probe`): the largest absolute difference between
-        this engine's teacher-forced logprobs of the probe batch and ``model``'s (a forward pass: a collective under
-        FSDP, every rank calls it).
+        this engine's teacher-forced logprobs of the probe batch and the policy's (``weights.probe_logprobs``: a
+        forward pass, a collective when ``weights.collective``, every rank calls it).
 
         Raises:
             WeightSyncCheckError: the difference is over ``weight_sync_check`` (both are named).
         """
-        sequences = probe_sequences(probe_vocab_size(model, len(self.tokenizer)))
-        ours = policy_probe_logprobs(model, sequences)
+        sequences = probe_batch(weights, len(self.tokenizer))
+        ours = weights.probe_logprobs(sequences)
         theirs = torch.tensor(self.teacher_forced_logprobs(sequences), dtype=torch.float32)
         worst = float((theirs - ours).abs().max())
         if self.weight_sync_check is not None and worst > self.weight_sync_check:
@@ -451,26 +438,17 @@ def _abort_between_steps(engine: Any, stop: StopFlag) -> None:
 
 
 def make(spec: EngineSpec) -> VLLMRolloutEngine:
-    """The "vllm" engine of the registry: a colocated engine loaded from ``spec.model_path``; a policy given as an
-    ``nn.Module`` without a folder is saved to a temporary one first (LoRA merged). Its weights follow by
-    :meth:`VLLMRolloutEngine.sync_weights` (before the first rollout too)."""
-    config, policy, tokenizer = spec.config, spec.policy, spec.tokenizer
-    path = spec.model_path
-    if path is None or not os.path.isdir(path):
-        model = base_model(policy)
-        path = tempfile.mkdtemp(prefix="lightning_grpo_vllm_")
-        model.config.save_pretrained(path)
-        model.save_pretrained(path, state_dict=merged_state_dict(policy) if model is not policy else None)
-        tokenizer.save_pretrained(path)
-    engine = config.engine
+    """The "vllm" engine of the registry: a colocated engine loaded from ``spec.checkpoint()`` (the policy's folder,
+    or a temporary one it is exported to), in the policy's dtype, with the resolved KV-cache size. Its weights
+    follow by :meth:`VLLMRolloutEngine.sync_weights` (before the first rollout too)."""
+    config, engine = spec.config, spec.config.engine
     return VLLMRolloutEngine(
-        path,
+        spec.checkpoint(),
         gpu_memory_utilization=engine.gpu_memory_utilization,
-        kv_cache_space_gib=kv_cache_space_gib(config, base_model(policy).config, next(policy.parameters()).itemsize,
-                                              spec.rollout_prompts),
+        kv_cache_space_gib=2.0 if spec.kv_cache_space_gib is None else spec.kv_cache_space_gib,
         max_model_len=config.max_prompt_length + max(config.max_new_tokens, config.eval.max_new_tokens or 0),
         enable_sleep_mode=engine.enable_sleep_mode,
-        dtype=str(next(policy.parameters()).dtype).removeprefix("torch."),
+        dtype=str(next(spec.model.parameters()).dtype).removeprefix("torch."),
         weight_sync_check=engine.weight_sync_check,
         stop=spec.stop,
     )

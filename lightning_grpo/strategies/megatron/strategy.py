@@ -63,7 +63,7 @@ from torch.optim import Optimizer
 from lightning_grpo.algorithm import ObjectiveOutput
 from lightning_grpo.config import GRPOConfig
 from lightning_grpo.protocols.collectives import Collectives
-from lightning_grpo.strategies.base import ClipFallback, GRPOModels, StepObjective, clips_by_norm
+from lightning_grpo.strategies.base import ClipFallback, GRPOModels, ParallelBackend, StepObjective, clips_by_norm
 from lightning_grpo.strategies.megatron import checkpoint, convert, cpu_shims
 from lightning_grpo.strategies.megatron.model import recompute_settings
 from lightning_grpo.strategies.megatron.optimizer import (
@@ -73,8 +73,9 @@ from lightning_grpo.strategies.megatron.optimizer import (
     wrap_ddp,
 )
 from lightning_grpo.strategies.megatron.pipeline import detached, run_schedule
-from lightning_grpo.strategies.megatron.policy import MegatronPolicy
+from lightning_grpo.strategies.megatron.policy import MegatronPolicy, MegatronWeights, score_completions
 from lightning_grpo.strategies.megatron.rollout import TensorParallelRolloutEngine
+from lightning_grpo.strategies.registry import backend_for
 from lightning_grpo.training.experience import Experience
 from lightning_grpo.training.logprobs import check_untruncated_scoring
 
@@ -152,6 +153,9 @@ class MegatronStrategy(DDPStrategy):
         self._shims_applied = False
         self._model_parallel_groups: list[Any] = []
         self._rollout_group: Any = None
+        self._policy: Optional[MegatronPolicy] = None  # what configure converted the module's policy into
+        self._ref: Optional[MegatronPolicy] = None  # ... and its reference policy
+        self._dist_optimizer: Optional[DistributedOptimizerAdapter] = None  # what setup_optimizers built
 
     # ------------------------------------------------------------------ environment
     @property
@@ -229,12 +233,12 @@ class MegatronStrategy(DDPStrategy):
         the policy's ``GPTModel`` is wrapped in megatron-core's ``DistributedDataParallel`` here (after it was moved
         to its device, before the optimizers are made); else the gradients are averaged in
         :meth:`reduce_gradients`."""
-        policy = self._megatron_policy()
+        policy = self._policy
         if self.use_distributed_optimizer and policy is not None and policy.ddp is None:
             policy.set_ddp(wrap_ddp(policy.model))
 
     def setup(self, trainer: "L.Trainer") -> None:
-        if self._megatron_policy() is None:
+        if self._policy is None:
             raise ValueError(
                 f"MegatronStrategy trains a GRPOModule's `policy`, converted by MegatronStrategy.configure from the "
                 f"module's configure_model; {type(self.lightning_module).__name__}.policy is not a MegatronPolicy"
@@ -255,25 +259,38 @@ class MegatronStrategy(DDPStrategy):
         if len(self.optimizers) != 1:
             raise ValueError(f"MegatronStrategy(use_distributed_optimizer=True) takes one optimizer from "
                              f"configure_optimizers, got {len(self.optimizers)}")
-        policy = self._megatron_policy()
+        policy = self._policy
         assert policy is not None and policy.ddp is not None
         hyper = self.optimizers[0]
         dtype = next(policy.model.parameters()).dtype
-        self.optimizers = [DistributedOptimizerAdapter(hyper, build_distributed_optimizer(hyper, policy.ddp, dtype),
-                                                       policy.ddp)]
+        self._dist_optimizer = DistributedOptimizerAdapter(hyper, build_distributed_optimizer(hyper, policy.ddp, dtype),
+                                                           policy.ddp)
+        self.optimizers = [self._dist_optimizer]
 
     # --------------------------------------------------------- ParallelBackend
     def configure(self, models: GRPOModels) -> GRPOModels:
         """Convert the HF policy (and reference policy) into megatron-core ones, this rank's pipeline stage and TP
-        shard; wrap the rollout engine (:class:`~lightning_grpo.strategies.megatron.rollout.
-        TensorParallelRolloutEngine`). Idempotent. Runs in ``configure_model``, after the process groups exist and
+        shard, kept in this strategy's fields; wrap the rollout engine (:class:`~lightning_grpo.strategies.megatron.
+        rollout.TensorParallelRolloutEngine`); the engines read the weights gathered from the shards
+        (:class:`~lightning_grpo.strategies.megatron.policy.MegatronWeights`) and the models score their completions
+        themselves (vocab-parallel). Idempotent. Runs in ``configure_model``, after the process groups exist and
         before a checkpoint is restored.
 
         Raises:
-            ValueError: a policy that cannot be converted (see :meth:`MegatronPolicy.from_hf`).
+            ValueError: a policy that cannot be converted (see :meth:`MegatronPolicy.from_hf`), a LoRA policy.
         """
-        if isinstance(models.policy, MegatronPolicy):
-            return models
+        if models.lora:
+            raise ValueError("GRPOModule(lora=...) is not supported with MegatronStrategy: the policy is converted to "
+                             "megatron-core layers, which carry no PEFT adapters; use strategy='grpo_fsdp2', 'ddp' "
+                             "or a single device")
+        if self._policy is None or models.policy is not self._policy:
+            self._policy, self._ref = self._convert(models)
+        policy = self._policy
+        engine = None if models.engine is None else TensorParallelRolloutEngine(models.engine, policy,
+                                                                                  self._rollout_group)
+        return GRPOModels(policy, self._ref, engine, weights=MegatronWeights(policy), scorer=score_completions)
+
+    def _convert(self, models: GRPOModels) -> tuple[MegatronPolicy, Optional[MegatronPolicy]]:
         args = (self.tensor_model_parallel_size, self.params_dtype, self.use_transformer_engine)
         recompute = self.activation_checkpointing
         if recompute is None:  # GRPOModule(gradient_checkpointing=True) enabled transformers' checkpointing
@@ -282,28 +299,20 @@ class MegatronStrategy(DDPStrategy):
             policy = MegatronPolicy.from_hf(models.policy, *args, **recompute_settings(recompute))
             policy.model.train(models.policy.training)
             ref = None if models.ref is None else MegatronPolicy.from_hf(models.ref, *args).eval().requires_grad_(False)
-        engine = models.engine
-        if engine is not None and not isinstance(engine, TensorParallelRolloutEngine):
-            engine = TensorParallelRolloutEngine(engine, policy, self._rollout_group)
         assert policy.hf_model is not None
         policy.hf_model.to(self.root_device)
         log.info("MegatronStrategy: converted the policy to megatron-core (TP=%d, PP=%d, stage %d)",
                  self.tensor_model_parallel_size, self.pipeline_model_parallel_size, policy.stage.pp_rank)
-        return GRPOModels(policy, ref, engine)
+        return policy, ref
 
     def restore(self, models: GRPOModels) -> GRPOModels:
-        """The HF models back (each ``MegatronPolicy``'s ``hf_model``, the unwrapped engine) when the HF policy
-        holds the trained weights (``on_train_end`` gathered them); else ``models`` unchanged."""
-        policy = models.policy
-        if not (isinstance(policy, MegatronPolicy) and policy.hf_model_is_current() and policy._hf_loaded):
+        """The HF models back (the ``hf_model`` of the policy and reference policy this strategy converted) when the
+        HF policy holds the trained weights (``on_train_end`` gathered them); else ``models`` unchanged."""
+        policy, ref = self._policy, self._ref
+        if policy is None or models.policy is not policy or not policy.hf_model_holds_weights():
             return models
-        ref, engine = models.ref, models.engine
-        return GRPOModels(policy.hf_model, ref.hf_model if isinstance(ref, MegatronPolicy) else ref,
-                          engine.engine if isinstance(engine, TensorParallelRolloutEngine) else engine)
-
-    def is_sharded(self, model: nn.Module) -> bool:
-        """False: a tensor-parallel forward gathers no parameters."""
-        return False
+        self._policy = self._ref = None
+        return GRPOModels(policy.hf_model, models.ref if ref is None else ref.hf_model)
 
     @property
     def runs_whole_step(self) -> bool:
@@ -322,7 +331,7 @@ class MegatronStrategy(DDPStrategy):
             ValueError: ``entropy_coef > 0`` or top-k / top-p / min-p (vocab-parallel logprobs score the untruncated
                 distribution without an entropy gradient).
         """
-        assert isinstance(policy, MegatronPolicy)
+        policy = self._require_policy()
         check_untruncated_scoring(config, "MegatronStrategy's vocab-parallel logprobs", config.entropy_coef > 0)
         scale = float(self.data_parallel_size)
 
@@ -346,10 +355,9 @@ class MegatronStrategy(DDPStrategy):
             param.grad = None
 
     def _distributed_optimizer(self) -> Optional[DistributedOptimizerAdapter]:
-        if not self.use_distributed_optimizer or not self.optimizers:
-            return None
-        optimizer = getattr(self.optimizers[0], "_optimizer", self.optimizers[0])
-        return optimizer if isinstance(optimizer, DistributedOptimizerAdapter) else None
+        """The distributed optimizer :meth:`setup_optimizers` built, while it is the strategy's optimizer."""
+        optimizer = self._dist_optimizer
+        return optimizer if optimizer is not None and self.optimizers and self.optimizers[0] is optimizer else None
 
     def backward(self, closure_loss: Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> Tensor:
         """A no-op: :meth:`train_step` ran the step's backward passes in the schedule (the module's returned loss
@@ -418,10 +426,6 @@ class MegatronStrategy(DDPStrategy):
         """:meth:`reduce_sum` and :meth:`reduce_max` over the data-parallel group, flags on ``device``."""
         return Collectives(self.reduce_sum, self.reduce_max, device)
 
-    def _megatron_policy(self) -> Optional[MegatronPolicy]:
-        policy = getattr(self.lightning_module, "policy", None)
-        return policy if isinstance(policy, MegatronPolicy) else None
-
     # --------------------------------------------------------------- communication
     def reduce(
         self, tensor: Tensor, group: Optional[Any] = None, reduce_op: Optional[Union[Any, str]] = "mean"
@@ -454,7 +458,7 @@ class MegatronStrategy(DDPStrategy):
             return result
 
         result = super().optimizer_step(optimizer, closure_then_reduce, model, **kwargs)
-        policy = self._megatron_policy()
+        policy = self._policy
         if policy is not None:
             policy.mark_updated()
         return result
@@ -477,7 +481,7 @@ class MegatronStrategy(DDPStrategy):
                 n = g.numel()
                 p.grad = flat[offset : offset + n].view_as(g).clone()
                 offset += n
-        policy = self._megatron_policy()
+        policy = self._policy
         if policy is None or not (policy.arch.tie_word_embeddings and self.pipeline_model_parallel_size > 1):
             return
         if not parallel_state.is_rank_in_embedding_group():
@@ -514,7 +518,7 @@ class MegatronStrategy(DDPStrategy):
         rank calls it (Lightning does, in ``dump_checkpoint``)."""
         module = self.lightning_module
         assert module is not None
-        policy = self._megatron_policy()
+        policy = self._policy
         if policy is None:
             return module.state_dict()
         state = {k: v for k, v in module.state_dict().items() if not k.startswith(_POLICY_PREFIX)}
@@ -526,7 +530,7 @@ class MegatronStrategy(DDPStrategy):
         """Load a state dict with the policy in HF names (a Megatron or a plain GRPOModule checkpoint)."""
         module = self.lightning_module
         assert module is not None
-        policy = self._megatron_policy()
+        policy = self._policy
         if policy is None:  # not converted (a module without configure_model): the policy is the HF model
             module.load_state_dict(checkpoint["state_dict"], strict=strict)
             return
@@ -566,15 +570,15 @@ class MegatronStrategy(DDPStrategy):
             checkpoint.load_hyperparameters(hyper.param_groups, saved)
 
     def _param_states(self, optimizer: Optimizer) -> tuple[checkpoint.ParamStates, Optimizer]:
-        """The per-parameter states of ``optimizer`` (Lightning's wrapper removed) and the optimizer holding the
+        """The per-parameter states of ``optimizer`` (one of :attr:`optimizers`) and the optimizer holding the
         hyper-parameters (the module's)."""
-        optimizer = getattr(optimizer, "_optimizer", optimizer)
-        if isinstance(optimizer, DistributedOptimizerAdapter):
-            return DistParamStates(optimizer.megatron), optimizer.hyper
+        distributed = self._distributed_optimizer()
+        if distributed is not None and optimizer is distributed:
+            return DistParamStates(distributed.megatron), distributed.hyper
         return checkpoint.TorchParamStates(optimizer), optimizer
 
     def _require_policy(self) -> MegatronPolicy:
-        policy = self._megatron_policy()
+        policy = self._policy
         if policy is None:
             raise RuntimeError("MegatronStrategy: the module's policy is not a MegatronPolicy (configure_model did "
                                "not convert it)")
@@ -584,7 +588,7 @@ class MegatronStrategy(DDPStrategy):
     def on_train_end(self) -> None:
         """Gather the trained weights into the HF policy copy on every rank (a collective), for the export and
         for :meth:`teardown` to hand the module back with an HF policy."""
-        policy = self._megatron_policy()
+        policy = self._policy
         if policy is not None and policy.hf_model is not None:
             policy.sync_hf_model(load=True)
 
@@ -593,9 +597,10 @@ class MegatronStrategy(DDPStrategy):
         then takes it back through :meth:`restore`), destroy megatron-core's model-parallel state and the process
         groups it created, remove the CPU shims. The default process group is Lightning's and lives as long as the
         process (as with ``DDPStrategy``), so a later ``fit`` can reuse it."""
-        policy = self._megatron_policy()
+        policy = self._policy
+        self._dist_optimizer = None
         if policy is not None and policy.hf_model is not None:
-            if policy.hf_model_is_current() and policy._hf_loaded:
+            if policy.hf_model_holds_weights():
                 policy.hf_model.cpu()
                 self.optimizers = []  # they hold the megatron-core parameters
             else:
@@ -613,6 +618,12 @@ class MegatronStrategy(DDPStrategy):
         if self._shims_applied:
             cpu_shims.remove()
             self._shims_applied = False
+
+
+@backend_for.register
+def _backend(strategy: MegatronStrategy) -> ParallelBackend:
+    """A ``MegatronStrategy`` is its own backend."""
+    return strategy
 
 
 @contextlib.contextmanager
