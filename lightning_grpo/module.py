@@ -1,69 +1,57 @@
 """GRPOModule: the LightningModule whose ``training_step`` is the GRPO loss on one experience micro-batch. Lightning
-wiring only: each hook calls a component that owns one concern (docs/architecture.md)."""
+wiring only: each hook calls a component that owns one concern (docs/architecture.md). The hooks of entering and
+leaving a stage (setup, the backend, the engine's lifetime, the export) are its base
+:class:`~lightning_grpo.lifecycle.RunLifecycle`'s; here are its construction, what the loop asks of it, the training
+step and the optimizer's hooks."""
 
 from __future__ import annotations
 
 import copy
 import dataclasses
-import functools
 import logging
-import os
 from collections import deque
 from typing import Any, Callable, Iterator, Literal, Optional, Sequence, Union
 
-import lightning as L
 import torch
 from peft import LoraConfig
 from torch import Tensor, nn
 from transformers import PreTrainedTokenizerBase
 from typing_extensions import override
 
-from lightning_grpo.algorithm import ObjectiveOutput, grpo_objective
+from lightning_grpo.algorithm import ObjectiveOutput
 from lightning_grpo.callbacks.base import EventRoute
 from lightning_grpo.config import GRPOConfig, ResolvedConfig
-from lightning_grpo.data.source import EVAL_INDEX, DataPlan
+from lightning_grpo.data.source import DataPlan
 from lightning_grpo.episodes import ToolCallParser, as_tools, rollout_path
 from lightning_grpo.episodes.environment import EnvironmentFactory
 from lightning_grpo.episodes.tools import ToolSpec
-from lightning_grpo.evaluation.evaluator import Evaluator, counted_rows
+from lightning_grpo.evaluation.evaluator import Evaluator
 from lightning_grpo.experience_maker import ExperienceMaker, RolloutContext
-from lightning_grpo.loop.fit_loop import install_loop
-from lightning_grpo.models.dropout import disable_dropout, warn_dropout_with_reused_rollouts
-from lightning_grpo.models.lora import (
-    check_quantized_engine,
-    check_tied_head,
-    engine_checkpoint,
-    export_policy,
-    load_lora_policy,
-    lora_settings,
-    reference_for,
-    trim_frozen_weights,
-)
-from lightning_grpo.protocols import Collectives, RolloutEngine, RolloutOutput, SamplingConfig, StopFlag
+from lightning_grpo.lifecycle import RunLifecycle
+from lightning_grpo.models.dropout import disable_dropout
+from lightning_grpo.models.lora import load_lora_policy, lora_settings, reference_for, trim_frozen_weights
+from lightning_grpo.protocols import RolloutOutput, SamplingConfig, StopFlag
 from lightning_grpo.rewards import RewardSet, RewardSpec
 from lightning_grpo.rewards.reward_model import resolve_reward_models
 from lightning_grpo.rollout.prefetch import PrefetchedRollout
 from lightning_grpo.rollout.registry import resolve_engine_name
 from lightning_grpo.rollout.worker import RolloutWorker
-from lightning_grpo.runtime.checkpointing import use_atomic_checkpoint_io
-from lightning_grpo.runtime.cleanup import ReleaseOnException, install
+from lightning_grpo.runtime.cleanup import ReleaseOnException
 from lightning_grpo.runtime.preemption import Preemption
-from lightning_grpo.strategies import backend_for
-from lightning_grpo.strategies.base import GRPOModels, ParallelBackend
+from lightning_grpo.strategies.base import ParallelBackend
 from lightning_grpo.strategies.local import LocalBackend
 from lightning_grpo.training import schedule
-from lightning_grpo.training.experience import Experience, micro_batches
+from lightning_grpo.training.experience import Experience
 from lightning_grpo.training.logprobs import CompletionLogprobs
 from lightning_grpo.training.metrics import StepMetrics, StepTimer
 from lightning_grpo.training.nonfinite import NonFiniteGuard, check_finite_checkpoint
 from lightning_grpo.training.optim import adamw_with_warmup, check_optimizer_arguments
 from lightning_grpo.training.selection import StepSelection
-from lightning_grpo.training.token_budget import fit_token_budget
 
 log = logging.getLogger(__name__)
 
 
-class GRPOModule(L.LightningModule):
+class GRPOModule(RunLifecycle):
     """GRPO (DeepSeekMath, arXiv:2402.03300, sec. 4) for a causal LM, as a LightningModule.
 
     Args:
@@ -185,16 +173,6 @@ class GRPOModule(L.LightningModule):
         """Rollout events (:mod:`lightning_grpo.events`) to the ``name`` hook of the trainer's ``GRPOCallback``s."""
         self._events(self, name, payload)
 
-    def _record_resolved(self) -> None:
-        """The resolved values into the hyperparameters (beside the config as given) and the log."""
-        self.hparams["resolved"] = self.resolved.as_dict()
-        log.info("resolved settings: %s", self.resolved.as_dict())
-
-    @property
-    def token_budget(self) -> Optional[int]:
-        """The micro-batch token budget in effect (``resolved.max_tokens_per_microbatch``), None without one."""
-        return self.resolved.max_tokens_per_microbatch
-
     @property
     def generated_tokens_estimate(self) -> int:
         """Tokens the engine has generated so far, all rollouts (the stop flag's count; the progress bar shows it)."""
@@ -204,134 +182,6 @@ class GRPOModule(L.LightningModule):
     def ref_model(self) -> Optional[nn.Module]:
         """The frozen reference policy (beta > 0), else None."""
         return self._reference.model
-
-    @property
-    def rollout_engine(self) -> Optional[RolloutEngine]:
-        """The rollout engine (made in ``setup``; a backend may wrap it)."""
-        return self.rollout.engine
-
-    @rollout_engine.setter
-    def rollout_engine(self, engine: Optional[RolloutEngine]) -> None:
-        self.rollout.engine = engine
-
-    @override
-    def setup(self, stage: str) -> None:
-        """Read the datamodule (:class:`~lightning_grpo.data.source.DataPlan`); make the rollout engine, once: a
-        validation before the fit hands its engine to the fit (it is closed when the fit ends, when a run fails, or
-        by :meth:`close_rollout_engine`)."""
-        if stage == "fit":
-            install_loop(self.trainer)
-        self.data_plan = prompts = DataPlan.of(self.trainer.datamodule)
-        self._events = EventRoute.of(self.trainer)  # the trainer's GRPOCallbacks
-        if stage == "fit" and prompts.prompts_per_step is not None:
-            self.rollouts_ahead()  # a max_staleness that cannot run ahead is refused before an engine is built
-        self.make_rollout_engine(prompts.prompts_per_step)
-        install(self.trainer, self._release_on_exception)  # no teardown runs after a failure
-        check_quantized_engine(self._lora_settings, self.rollout.require_engine())
-        self.rewards.setup(self.trainer.strategy.root_device)  # e.g. a reward model's device="auto": this rank's
-        check_tied_head(self.policy, self._loaded.base, self.rollout.require_engine())
-        if stage == "fit":
-            updates = self.steps_per_rollout() if prompts.prompts_per_step is not None else 1
-            warn_dropout_with_reused_rollouts(self.policy, max(updates, self.config.num_iterations))
-        self.preemption.attach(self.trainer)
-        use_atomic_checkpoint_io(self.trainer.strategy)
-
-    def make_rollout_engine(self, rollout_prompts: Optional[int] = None) -> RolloutEngine:
-        """Make the rollout engine ``config.engine`` names, once (``setup`` does; a made or given engine is kept),
-        resolving its "auto" settings into :attr:`resolved`. ``rollout_prompts``: prompts per rollout on this
-        process, when known (sizes ``engine.kv_cache_space_gib="auto"``). Returns the engine."""
-        checkpoint = functools.partial(engine_checkpoint, self._loaded)
-        self.resolved = self.rollout.start(self._loaded.base, checkpoint, self.resolved, rollout_prompts)
-        self._record_resolved()
-        return self.rollout.require_engine()
-
-    @property
-    def hf_model(self) -> nn.Module:
-        """The policy's transformers model: a PEFT policy's base model (whose layers carry the adapters), else the
-        policy (what the HF engine generates with)."""
-        return self._loaded.base
-
-    @override
-    def configure_model(self) -> None:
-        """The trainer's backend shards or converts the policy, reference and engine (``strategies.backend_for``)."""
-        self.backend = backend_for(self.trainer.strategy)
-        self._set_models(self.backend.configure(self._models()))
-
-    def _models(self) -> GRPOModels:
-        """The module's models for a backend: the engine as it was made or given, the policy's kind."""
-        return GRPOModels(self.policy, self.ref_model, self.rollout.own_engine, lora=self._loaded.lora)
-
-    @property
-    def collectives(self) -> Collectives:
-        """The trainer's data-parallel reductions (the backend's), flags on this module's device."""
-        return self.backend.collectives(self.device)
-
-    def _bind_context(self) -> None:
-        """The experience maker's :class:`~lightning_grpo.experience_maker.RolloutContext` for this run (the
-        backend, device and trainer settings are final once the fit, validation or test starts; the token budget
-        once training starts)."""
-        self.experience_maker.bind(RolloutContext(
-            collectives=self.collectives, timer=self.timer,
-            forward_context=self.trainer.precision_plugin.forward_context,
-            micro_batches_per_step=self.trainer.accumulate_grad_batches, rank=self.global_rank,
-            token_budget=self.resolved.max_tokens_per_microbatch,
-        ))
-
-    def _set_models(self, models: GRPOModels) -> None:
-        """Take what the backend made: the models, the engine's wrapper and weights, the scorer and layout."""
-        self.policy, self._reference.model = models.policy, models.ref
-        self.rollout.attach(models.engine, models.weights)
-        self.logprobs.use(models.scorer, models.sharded)
-
-    @override
-    def teardown(self, stage: str) -> None:
-        """Stop background rollouts; plain HF models again (Megatron converts back); a finished module holds no
-        trainer's backend. The rollout engine stays for the next stage, except at the end of a fit, which closes an
-        engine the module made from ``config.engine`` (a given engine is the caller's, kept)."""
-        self.experience_maker.close()
-        restored = self.backend.restore(GRPOModels(self.policy, self.ref_model))
-        self.rollout.detach()
-        self.backend = LocalBackend()
-        self._set_models(self.backend.configure(dataclasses.replace(self._models(), policy=restored.policy,
-                                                                    ref=restored.ref)))
-        if stage == "fit":
-            self.rollout.close()
-
-    def release(self) -> None:
-        """Stop background rollouts and close the rollout engine the module made (what a failed run leaves:
-        :class:`~lightning_grpo.runtime.cleanup.ReleaseOnException`). Idempotent."""
-        self.experience_maker.close()
-        self.rollout.close()
-
-    def close_rollout_engine(self) -> None:
-        """Close the rollout engine the module made (a validation or test keeps it for a following stage; the end
-        of a fit closes it itself); the next stage makes a new one. A given engine is kept. Idempotent."""
-        self.rollout.close()
-
-    @override
-    def on_fit_start(self) -> None:
-        if self.ref_model is not None:
-            self.ref_model.to(self.device)
-        self._bind_context()
-
-    @override
-    def on_validation_start(self) -> None:
-        self._bind_context()
-
-    @override
-    def on_test_start(self) -> None:
-        self._bind_context()
-
-    def micro_batches_per_rollout(self) -> Optional[int]:
-        """``training_step`` calls per rollout (:func:`lightning_grpo.training.schedule.micro_batches_per_rollout`).
-        Raises as :meth:`steps_per_rollout`."""
-        return schedule.micro_batches_per_rollout(self.config, self.data_plan.prompts_per_step,
-                                                  self.trainer.accumulate_grad_batches)
-
-    def steps_per_rollout(self) -> int:
-        """Optimizer steps per rollout (:func:`lightning_grpo.training.schedule.steps_per_rollout`). Raises
-        ValueError when the datamodule does not say how many prompts a rollout batch has (``prompts_per_step``)."""
-        return schedule.steps_per_rollout(self.config, self.data_plan.prompts_per_step)
 
     def make_experience(
         self, batch: dict[str, list], next_prompt_batch: Optional[Callable[[], Optional[dict[str, list]]]] = None,
@@ -345,12 +195,6 @@ class GRPOModule(L.LightningModule):
             return self.experience_maker.make(batch, self.policy, self.ref_model, next_prompt_batch=next_prompt_batch,
                                               prefetched=prefetched)
 
-    def rollouts_ahead(self, prompt_batches: Optional[int] = None) -> int:
-        """Rollouts generated in the background ahead of the one being trained
-        (:func:`lightning_grpo.training.schedule.rollouts_ahead`; ``prompt_batches``: the loop's loader length, None
-        when unknown); 0 = synchronous rollouts. Raises ValueError as that function."""
-        return schedule.rollouts_ahead(self.config, self.data_plan.prompts_per_step, prompt_batches)
-
     def prefetch_rollout(self, batch: dict[str, list]) -> PrefetchedRollout:
         """Start generating ``batch``'s rollout in the background from the current weights
         (:meth:`lightning_grpo.experience_maker.ExperienceMaker.prefetch`); the loop passes it to
@@ -362,17 +206,11 @@ class GRPOModule(L.LightningModule):
         self.experience_maker.wait_for_rollouts()
 
     def micro_batches(self, experience: Experience, step: Optional[int] = None) -> Iterator[Experience]:
-        """The loop's view of one rollout (:func:`lightning_grpo.training.experience.micro_batches`), shuffled with
-        ``shuffle_seed + step`` (default: the current optimizer step)."""
-        cfg, step = self.config, self.global_step if step is None else step
-        return micro_batches(
-            experience, mini_batch_size=cfg.mini_batch_size or len(experience),
-            accumulate_grad_batches=self.trainer.accumulate_grad_batches, num_iterations=cfg.num_iterations,
-            loss_type=cfg.loss_type, max_new_tokens=cfg.max_new_tokens,
-            world_size=self.backend.data_parallel_size,  # processes that hold different data
-            generator=torch.Generator().manual_seed(cfg.shuffle_seed + step), collectives=self.collectives,
-            max_tokens_per_microbatch=self.resolved.max_tokens_per_microbatch,
-        )
+        """The loop's view of one rollout (:func:`lightning_grpo.training.schedule.rollout_micro_batches`), shuffled
+        with ``shuffle_seed + step`` (default: the current optimizer step)."""
+        return schedule.rollout_micro_batches(experience, self.config, self.global_step if step is None else step,
+                                              self.trainer.accumulate_grad_batches, self.backend.data_parallel_size,
+                                              self.collectives, self.resolved.max_tokens_per_microbatch)
 
     def generate(self, prompts: Sequence[Any], num_generations: int, sampling: SamplingConfig) -> RolloutOutput:
         """Rollout from raw prompts with the engine's current weights
@@ -431,20 +269,9 @@ class GRPOModule(L.LightningModule):
 
     def objective(self, batch: Experience, logprobs: Tensor, entropy: Optional[Tensor]) -> ObjectiveOutput:
         """:func:`lightning_grpo.algorithm.grpo_objective` of ``batch`` given the policy's ``(B, T)`` float32 logprobs
-        and entropy (the step's statistics from :class:`~lightning_grpo.training.selection.StepSelection`).
-
-        Raises:
-            ValueError: ``batch`` is not ``on_policy`` but has no ``old_logprobs``; see also ``grpo_objective``.
-        """
-        cfg = self.config
-        if not batch.on_policy and batch.old_logprobs is None:
-            raise ValueError("an experience micro-batch after the rollout's first optimizer step needs old_logprobs")
-        return grpo_objective(
-            logprobs, batch.completion_mask, batch.advantages, cfg,
-            old_logprobs=None if batch.on_policy else batch.old_logprobs,
-            ref_logprobs=None if cfg.kl_in_reward else batch.ref_logprobs, sampler_logprobs=batch.sampler_logprobs,
-            entropy=entropy, normalizer=batch.loss_normalizer, **self.step_selection.objective_kwargs(),
-        )
+        and entropy, with the step's statistics (:meth:`lightning_grpo.training.selection.StepSelection.objective`,
+        which names the errors)."""
+        return self.step_selection.objective(batch, logprobs, entropy)
 
     @override
     def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: torch.optim.Optimizer) -> None:
@@ -492,32 +319,6 @@ class GRPOModule(L.LightningModule):
         self.rollout.load_state_dict({"weights_version": checkpoint.get("global_step", self.rollout.weights_version)})
 
     @override
-    def on_train_start(self) -> None:
-        if self.config.max_tokens_per_microbatch == "auto" and self.resolved.max_tokens_per_microbatch is None:
-            self._fit_token_budget()
-        self.timer.start()
-
-    def _fit_token_budget(self) -> None:
-        """Choose ``max_tokens_per_microbatch="auto"`` from probe steps (the smallest over processes,
-        :func:`~lightning_grpo.training.token_budget.fit_token_budget`) into :attr:`resolved`; log it as
-        ``token_budget``. Raises MemoryError as that function."""
-
-        def train_step(batch: Experience) -> None:
-            with self.trainer.precision_plugin.forward_context():
-                loss = self.compute_loss(batch).loss
-            loss.backward()
-            self.policy.zero_grad(set_to_none=True)
-
-        sequences = self.config.mini_batch_size or (self.data_plan.prompts_per_step or 1) * self.config.num_generations
-        tokens = fit_token_budget(train_step, self.config, int(self.policy.config.vocab_size), self.device, sequences,
-                                  self.trainer.optimizers, self.backend.reduce_max)
-        self.resolved = self.resolved.replace(max_tokens_per_microbatch=tokens)
-        self._record_resolved()
-        self._bind_context()  # the old/ref logprob passes take the budget too
-        for logger in self.trainer.loggers:
-            logger.log_metrics({"token_budget": float(tokens)}, step=self.global_step)
-
-    @override
     def on_before_backward(self, loss: Tensor) -> None:
         self.timer.before_backward()
 
@@ -540,40 +341,3 @@ class GRPOModule(L.LightningModule):
         hp = self.hparams
         return adamw_with_warmup((p for p in self.policy.parameters() if p.requires_grad), hp.learning_rate,
                                  hp.weight_decay, hp.adam_betas, hp.warmup_steps)
-
-    @override
-    def validation_step(self, batch: dict[str, list], batch_idx: int, dataloader_idx: int = 0) -> None:
-        """Greedy accuracy, and pass@k / maj@k / mean@k with ``eval.num_samples``, per dataset (torchmetrics
-        over all processes; names in :class:`lightning_grpo.evaluation.evaluator.Evaluator`)."""
-        self._evaluate(batch, dataloader_idx, "val")
-
-    @override
-    def test_step(self, batch: dict[str, list], batch_idx: int, dataloader_idx: int = 0) -> None:
-        """As :meth:`validation_step`, logged as ``test/...``."""
-        self._evaluate(batch, dataloader_idx, "test")
-
-    def _evaluate(self, batch: dict[str, list], dataloader_idx: int, stage: str) -> None:
-        dataset, check = self.data_plan.evaluated(dataloader_idx)  # the first is the training one: the module's
-        with self.preemption.exit_on_stop():
-            out = self.experience_maker.evaluate(batch, self.policy, accuracy=self.rewards.accuracy_for(check))
-        if EVAL_INDEX in batch:  # count each prompt once over the processes (a distributed sampler pads)
-            sampler = self.trainer.distributed_sampler_kwargs or {}
-            out.counted = counted_rows(batch[EVAL_INDEX], sampler.get("num_replicas", 1), sampler.get("rank", 0))
-        for key, (metric, size, attribute) in self.evaluator.update(stage, dataset, out).items():
-            self.log(key, metric, on_step=False, on_epoch=True, prog_bar=key.endswith("/accuracy"), batch_size=size,
-                     add_dataloader_idx=False, metric_attribute=f"evaluator.{attribute}")
-
-    @override
-    def on_fit_end(self) -> None:
-        path = self.export_path()
-        if path:
-            state_dict = self.backend.export_state_dict(self.policy)  # when sharded a collective: every rank gathers
-            if self.trainer.is_global_zero:
-                export_policy(self.policy, self.tokenizer, path, state_dict, merged=self.hparams.export_merged)
-
-    def export_path(self) -> Optional[str]:
-        """The HF export folder (see ``export_dir``), or None when disabled."""
-        export_dir = self.hparams.export_dir
-        if export_dir is not None:
-            return export_dir or None
-        return os.path.join(self.trainer.log_dir or self.trainer.default_root_dir, "hf_model")

