@@ -116,8 +116,14 @@ class GRPOCLI(LightningCLI):
     def before_validate(self) -> None:
         use_last_checkpoint_fallback(self.trainer)
 
+    def after_validate(self) -> None:
+        self.model.close_rollout_engine()  # a validation keeps its engine for a following fit: none follows here
+
     def before_test(self) -> None:
         use_last_checkpoint_fallback(self.trainer)
+
+    def after_test(self) -> None:
+        self.model.close_rollout_engine()
 
     def after_fit(self) -> None:
         report = fit_report(self.trainer)

@@ -23,16 +23,16 @@ from torch import Tensor, nn
 
 from lightning_grpo import functional as F
 from lightning_grpo.algorithm import DynamicSampler, ScoredRollout
-from lightning_grpo.algorithm.shaping import overlong_penalty, sequence_kl, transform_rewards
+from lightning_grpo.algorithm.shaping import batch_reward_std, overlong_penalty, sequence_kl, transform_rewards
 from lightning_grpo.config import GRPOConfig
-from lightning_grpo.data.source import EVAL_INDEX
-from lightning_grpo.evaluation.evaluator import EvalBatch, answer_key
+from lightning_grpo.evaluation.evaluator import EvalBatch
 from lightning_grpo.events import ON_EXPERIENCE, ON_ROLLOUT_END, EventSink, ExperienceReady, RolloutEnd
 from lightning_grpo.protocols.collectives import Collectives
 from lightning_grpo.protocols.rollout import RolloutInterrupted, RolloutOutput
 from lightning_grpo.protocols.sampling import SamplingConfig
 from lightning_grpo.rewards import RewardSet, StartedScores
 from lightning_grpo.rollout.collected import RolloutRows, reward_columns
+from lightning_grpo.rollout.evaluation import evaluate_batch
 from lightning_grpo.rollout.prefetch import PrefetchedRollout, RolloutPrefetcher
 from lightning_grpo.rollout.worker import RolloutWorker, prompt_rows
 from lightning_grpo.training.experience import Experience
@@ -57,6 +57,9 @@ class RolloutContext:
             ``mini_batch_size // micro_batches_per_step`` sequences (the rollout batch without ``mini_batch_size``).
         rank: this process's global rank: per-request seeds of rank r are offset by r * 2**32, so processes seeded
             alike never sample with the same seeds.
+        token_budget: the micro-batch token budget (``max_tokens_per_microbatch`` as resolved,
+            :class:`~lightning_grpo.config.ResolvedConfig`): the logprob passes take that many tokens at a time; None:
+            ``micro_batches_per_step`` sequences.
     """
 
     collectives: Collectives = field(default_factory=Collectives)
@@ -64,6 +67,7 @@ class RolloutContext:
     forward_context: Callable[[], ContextManager] = contextlib.nullcontext
     micro_batches_per_step: int = 1
     rank: int = 0
+    token_budget: Optional[int] = None
 
     @property
     def device(self) -> torch.device:
@@ -230,7 +234,8 @@ class ExperienceMaker:
         cfg = self.config
         experience.advantages = F.group_advantages(
             shaped, cfg.num_generations, cfg.scale_rewards, cfg.advantage_eps, estimator=cfg.advantage_estimator,
-            std_floor=cfg.advantage_std_floor, valid=scored, batch_std=self._batch_std(shaped, scored),
+            std_floor=cfg.advantage_std_floor, valid=scored,
+            batch_std=batch_reward_std(shaped, scored, ctx.collectives) if cfg.scale_rewards == "batch" else None,
         )
         # 5. rollout metrics, and a stop during the logprob passes still discards the rollout
         extra["reward_shaped"] = (shaped[scored].sum(), scored.sum().float())
@@ -390,42 +395,13 @@ class ExperienceMaker:
             env_mask=out.env_mask,
         )
 
-    @torch.no_grad()
     def evaluate(self, batch: PromptBatch, policy: nn.Module,
                  accuracy: Optional[Callable[..., list]] = None) -> EvalBatch:
-        """Greedy completions of a validation batch and, with ``eval.num_samples`` = n, n sampled ones per prompt
-        (temperature ``eval.temperature``, torch's generator forked and seeded with ``shuffle_seed``, so every
-        evaluation draws alike and training's random stream is untouched), scored by ``accuracy`` (default: the
-        reward set's accuracy function). The engine gets the current weights first. Tensors on the context's
-        device."""
-        cfg, accuracy, device = self.config, accuracy or self.rewards.accuracy, self.context.device
-        columns = {k: v for k, v in batch.items() if k not in ("prompt", EVAL_INDEX)}
-
-        rows = prompt_rows(batch)
-
-        def score(prompts: list, out: RolloutOutput, repeat: int) -> Tensor:
-            cols = {k: [x for x in v for _ in range(repeat)] for k, v in columns.items()}
-            values = accuracy(prompts, out.completions, **reward_columns(cols, out))
-            return torch.tensor([float("nan") if s is None else float(s) for s in values], device=device)
-
-        max_new = cfg.eval.max_new_tokens or cfg.max_new_tokens
-        self.prefetcher.wait_idle()  # asynchronous rollouts: no sync while the engine generates
-        with self.rollout.awake(policy, force_sync=True, collectives=self.context.collectives):
-            greedy = SamplingConfig(max_new_tokens=max_new, greedy=True)
-            out = self.rollout.sample_prompts(batch["prompt"], 1, greedy, rows, self.context.collectives)
-            result = EvalBatch(score(batch["prompt"], out, 1), out.completion_mask.sum(dim=1).to(device))
-            n = cfg.eval.num_samples
-            if n:
-                with torch.random.fork_rng(devices=[]):
-                    torch.manual_seed(cfg.shuffle_seed)
-                    sampling = SamplingConfig(max_new_tokens=max_new, temperature=cfg.eval.temperature)
-                    sampled = self.rollout.sample_prompts(batch["prompt"], n, sampling, rows,
-                                                          self.context.collectives)
-                prompts = [p for p in batch["prompt"] for _ in range(n)]
-                result.samples = score(prompts, sampled, n).view(-1, n)
-                keys = [answer_key(c) for c in sampled.completions]
-                result.answers = [keys[i:i + n] for i in range(0, len(keys), n)]
-        return result
+        """The evaluation rollouts of a validation batch (:func:`lightning_grpo.rollout.evaluation.evaluate_batch`),
+        scored by ``accuracy`` (default: the reward set's), once no background rollout runs (no sync while one does)."""
+        self.prefetcher.wait_idle()
+        return evaluate_batch(self.rollout, self.config, batch, policy, accuracy or self.rewards.accuracy,
+                              self.context.collectives)
 
     def _request_seed(self) -> Optional[int]:
         """A base for per-request seeds (engines that ``seeds_per_request``: vLLM, colocated or served), drawn from
@@ -456,9 +432,11 @@ class ExperienceMaker:
         forward_context = ctx.forward_context
         reused_later = cfg.num_iterations > 1 or (cfg.mini_batch_size or n) < n
         if reused_later or cfg.kl_in_reward:
-            experience.old_logprobs = self.logprobs.batched(policy, experience, micro_batch_size, forward_context)
+            experience.old_logprobs = self.logprobs.batched(policy, experience, micro_batch_size, forward_context,
+                                                            max_tokens=ctx.token_budget)
         if ref is not None:
-            experience.ref_logprobs = self.logprobs.batched(ref, experience, micro_batch_size, forward_context)
+            experience.ref_logprobs = self.logprobs.batched(ref, experience, micro_batch_size, forward_context,
+                                                            max_tokens=ctx.token_budget)
         if not cfg.kl_in_reward:
             return shaped
         assert experience.old_logprobs is not None and experience.ref_logprobs is not None
@@ -470,14 +448,3 @@ class ExperienceMaker:
         if not reused_later:
             experience.old_logprobs = None
         return shaped - cfg.beta * kl
-
-    def _batch_std(self, rewards: Tensor, valid: Tensor) -> Optional[float]:
-        """The unbiased std of the valid rewards over every process (``scale_rewards="batch"``), else None."""
-        if self.config.scale_rewards != "batch":
-            return None
-        values = rewards[valid].double()
-        moments = torch.stack([values.new_tensor(float(values.numel())), values.sum(), values.square().sum()])
-        count, total, squares = self.context.collectives.reduce_sum(moments.to(rewards.device)).tolist()
-        if count < 2:
-            return 0.0
-        return max(squares - total * total / count, 0.0) ** 0.5 / (count - 1) ** 0.5

@@ -1,64 +1,57 @@
 """GRPOModule: the LightningModule whose ``training_step`` is the GRPO loss on one experience micro-batch. Lightning
-wiring only: each hook calls a component that owns one concern (docs/architecture.md)."""
+wiring only: each hook calls a component that owns one concern (docs/architecture.md). The hooks of entering and
+leaving a stage (setup, the backend, the engine's lifetime, the export) are its base
+:class:`~lightning_grpo.lifecycle.RunLifecycle`'s; here are its construction, what the loop asks of it, the training
+step and the optimizer's hooks."""
 
 from __future__ import annotations
 
 import copy
 import dataclasses
 import logging
-import os
 from collections import deque
 from typing import Any, Callable, Iterator, Literal, Optional, Sequence, Union
 
-import lightning as L
 import torch
 from peft import LoraConfig
 from torch import Tensor, nn
 from transformers import PreTrainedTokenizerBase
 from typing_extensions import override
 
-from lightning_grpo.algorithm import ObjectiveOutput, grpo_objective
-from lightning_grpo.callbacks.base import forward_event, warn_untyped_event_hooks
-from lightning_grpo.config import GRPOConfig
-from lightning_grpo.data.source import EVAL_INDEX, EvalSource, PromptSource
+from lightning_grpo.algorithm import ObjectiveOutput
+from lightning_grpo.callbacks.base import EventRoute
+from lightning_grpo.config import GRPOConfig, ResolvedConfig
+from lightning_grpo.data.source import DataPlan
 from lightning_grpo.episodes import ToolCallParser, as_tools, rollout_path
 from lightning_grpo.episodes.environment import EnvironmentFactory
 from lightning_grpo.episodes.tools import ToolSpec
-from lightning_grpo.evaluation.evaluator import Evaluator, counted_rows
+from lightning_grpo.evaluation.evaluator import Evaluator
 from lightning_grpo.experience_maker import ExperienceMaker, RolloutContext
-from lightning_grpo.loop.fit_loop import install_loop
-from lightning_grpo.models.dropout import disable_dropout, warn_dropout_with_reused_rollouts
-from lightning_grpo.models.lora import (
-    check_quantized_engine,
-    check_tied_head,
-    export_policy,
-    load_lora_policy,
-    lora_settings,
-    reference_for,
-    trim_frozen_weights,
-)
-from lightning_grpo.protocols import Collectives, RolloutEngine, RolloutOutput, SamplingConfig, StopFlag
+from lightning_grpo.lifecycle import RunLifecycle
+from lightning_grpo.models.dropout import disable_dropout
+from lightning_grpo.models.lora import load_lora_policy, lora_settings, reference_for, trim_frozen_weights
+from lightning_grpo.protocols import RolloutOutput, SamplingConfig, StopFlag
 from lightning_grpo.rewards import RewardSet, RewardSpec
 from lightning_grpo.rewards.reward_model import resolve_reward_models
 from lightning_grpo.rollout.prefetch import PrefetchedRollout
+from lightning_grpo.rollout.registry import resolve_engine_name
 from lightning_grpo.rollout.worker import RolloutWorker
-from lightning_grpo.runtime.checkpointing import use_atomic_checkpoint_io
+from lightning_grpo.runtime.cleanup import ReleaseOnException
 from lightning_grpo.runtime.preemption import Preemption
-from lightning_grpo.strategies import backend_for
-from lightning_grpo.strategies.base import GRPOModels, ParallelBackend
+from lightning_grpo.strategies.base import ParallelBackend
 from lightning_grpo.strategies.local import LocalBackend
-from lightning_grpo.training.experience import Experience, micro_batches
+from lightning_grpo.training import schedule
+from lightning_grpo.training.experience import Experience
 from lightning_grpo.training.logprobs import CompletionLogprobs
 from lightning_grpo.training.metrics import StepMetrics, StepTimer
 from lightning_grpo.training.nonfinite import NonFiniteGuard, check_finite_checkpoint
 from lightning_grpo.training.optim import adamw_with_warmup, check_optimizer_arguments
 from lightning_grpo.training.selection import StepSelection
-from lightning_grpo.training.token_budget import adamw_state_bytes, choose_token_budget
 
 log = logging.getLogger(__name__)
 
 
-class GRPOModule(L.LightningModule):
+class GRPOModule(RunLifecycle):
     """GRPO (DeepSeekMath, arXiv:2402.03300, sec. 4) for a causal LM, as a LightningModule.
 
     Args:
@@ -141,36 +134,44 @@ class GRPOModule(L.LightningModule):
         self.rewards = RewardSet.from_specs(reward_funcs, reward_weights, tolerant_reward_funcs,
                                             primary=self.config.primary_reward, accuracy=accuracy_reward,
                                             pool_width=self.config.reward_num_workers)
-        self.policy, self.tokenizer, self.model_path = load_lora_policy(model, tokenizer, dtype,
-                                                                        gradient_checkpointing, settings)
+        self._loaded = loaded = load_lora_policy(model, tokenizer, dtype, gradient_checkpointing, settings)
+        self.policy, self.tokenizer, self.model_path = loaded.policy, loaded.tokenizer, loaded.path
         if self.config.disable_dropout:
             disable_dropout(self.policy)
-        self._reference = reference_for(self.policy, self.config.beta)  # outside the module tree; LoRA: adapters off
-        trim_frozen_weights(self)  # LoRA: checkpoints hold the adapters only
-        self.backend: ParallelBackend = LocalBackend()  # the trainer's backend from configure_model on
+        self._reference = reference_for(loaded, self.config.beta)  # outside the module tree; LoRA: adapters off
+        trim_frozen_weights(self, loaded)  # LoRA: checkpoints hold the adapters only
         self.tools = as_tools(tools)  # multi-turn episodes (docs/multiturn.md)
         self.hparams["tools"] = [t.name for t in self.tools]
+        # the config's "auto" values as this run resolves them (the config itself never changes)
+        budget = self.config.max_tokens_per_microbatch
+        self.resolved = ResolvedConfig(resolve_engine_name(self.config.engine.name),
+                                       max_tokens_per_microbatch=None if budget == "auto" else budget)
+        self._record_resolved()
         stop = StopFlag()  # polled by the engine and the sampler (with tools or an environment: the turn loop)
         prompts, sampler = rollout_path(self.config, self.tokenizer, self.policy, self.tools, environment_factory,
                                         tool_parser, stop)
         self.rollout = RolloutWorker(self.config, self.tokenizer, self._emit, prompts=prompts, sampler=sampler,
                                      stop=stop)
-        self.logprobs = CompletionLogprobs(self.config, is_sharded=lambda m: self.backend.is_sharded(m))
+        self.logprobs = CompletionLogprobs(self.config)
         self.experience_maker = ExperienceMaker(self.config, self.rollout, self.rewards, self.logprobs, self._emit)
         self.step_selection = StepSelection(self.config, self.logprobs)
         self.step_metrics = StepMetrics(self.config.clip_ratio_c, self.config.tis_cap())
         self.timer = StepTimer()
-        self.experience_maker.bind(RolloutContext(timer=self.timer))  # one process until a trainer's backend
         self.nonfinite = NonFiniteGuard(self.config.on_nonfinite)
         self.preemption = Preemption(self.rollout.stop)
         self.evaluator = Evaluator(self.config.eval.k)
-        self.token_budget: Optional[int] = None  # with max_tokens_per_microbatch="auto": the budget chosen
+        self.data_plan = DataPlan()  # what the trainer's datamodule says, read at each setup
+        self._events = EventRoute()  # the trainer's GRPOCallbacks, picked at each setup
+        self._release_on_exception = ReleaseOnException(self.release)
         self._step_members: list[Experience] = []  # the micro-batches of the step being trained (prepare_step)
         self._step_outputs: deque[ObjectiveOutput] = deque()  # a whole-step backend's outputs not yet logged
+        self.backend: ParallelBackend = LocalBackend()  # the trainer's backend from configure_model on
+        self._set_models(self.backend.configure(self._models()))  # one process until a trainer's backend
+        self.experience_maker.bind(RolloutContext(timer=self.timer, token_budget=self.token_budget))
 
     def _emit(self, name: str, payload: Any) -> None:
         """Rollout events (:mod:`lightning_grpo.events`) to the ``name`` hook of the trainer's ``GRPOCallback``s."""
-        forward_event(self._trainer, self, name, payload)
+        self._events(self, name, payload)
 
     @property
     def generated_tokens_estimate(self) -> int:
@@ -181,99 +182,6 @@ class GRPOModule(L.LightningModule):
     def ref_model(self) -> Optional[nn.Module]:
         """The frozen reference policy (beta > 0), else None."""
         return self._reference.model
-
-    @property
-    def rollout_engine(self) -> Optional[RolloutEngine]:
-        """The rollout engine (made in ``setup``; a backend may wrap it)."""
-        return self.rollout.engine
-
-    @rollout_engine.setter
-    def rollout_engine(self, engine: Optional[RolloutEngine]) -> None:
-        self.rollout.engine = engine
-
-    @override
-    def setup(self, stage: str) -> None:
-        if stage == "fit":
-            install_loop(self.trainer)
-        data = self.trainer.datamodule
-        prompts = data.prompts_per_step if isinstance(data, PromptSource) else None
-        if stage == "fit" and prompts is not None:
-            self.rollouts_ahead()  # a max_staleness that cannot run ahead is refused before an engine is built
-        self.rollout.start(self.policy, self.model_path, rollout_prompts=prompts)  # (sizes an "auto" KV cache)
-        check_quantized_engine(self._lora_settings, self.rollout.require_engine())
-        self.rewards.setup(self.trainer.strategy.root_device)  # e.g. a reward model's device="auto": this rank's
-        check_tied_head(self.policy, self.rollout.require_engine())
-        if stage == "fit":
-            updates = self.steps_per_rollout() if isinstance(self.trainer.datamodule, PromptSource) else 1
-            warn_dropout_with_reused_rollouts(self.policy, max(updates, self.config.num_iterations))
-        self.preemption.attach(self.trainer)
-        use_atomic_checkpoint_io(self.trainer.strategy)
-        warn_untyped_event_hooks(self.trainer.callbacks)
-
-    @override
-    def configure_model(self) -> None:
-        """The trainer's backend shards or converts the policy, reference and engine (``strategies.backend_for``)."""
-        self.backend = backend_for(self.trainer.strategy)
-        models = self.backend.configure(GRPOModels(self.policy, self.ref_model, self.rollout.engine))
-        self._set_models(models)
-
-    @property
-    def collectives(self) -> Collectives:
-        """The trainer's data-parallel reductions (the backend's), flags on this module's device."""
-        return self.backend.collectives(self.device)
-
-    def _bind_context(self) -> None:
-        """The experience maker's :class:`~lightning_grpo.experience_maker.RolloutContext` for this run (the
-        backend, device and trainer settings are final once the fit, validation or test starts)."""
-        self.experience_maker.bind(RolloutContext(
-            collectives=self.collectives, timer=self.timer,
-            forward_context=self.trainer.precision_plugin.forward_context,
-            micro_batches_per_step=self.trainer.accumulate_grad_batches, rank=self.global_rank,
-        ))
-
-    def _set_models(self, models: GRPOModels) -> None:
-        self.policy, self.rollout.engine, self._reference.model = models.policy, models.engine, models.ref
-
-    @override
-    def teardown(self, stage: str) -> None:
-        """Stop background rollouts; plain HF models again (Megatron converts back); close the rollout engine the
-        module made from ``config.engine`` (a given engine is kept; the next fit, validate or test makes a new one);
-        a finished module holds no trainer's backend."""
-        self.experience_maker.close()
-        self._set_models(self.backend.restore(GRPOModels(self.policy, self.ref_model, self.rollout.engine)))
-        self.backend = LocalBackend()
-        self.rollout.close()
-
-    @override
-    def on_fit_start(self) -> None:
-        if self.ref_model is not None:
-            self.ref_model.to(self.device)
-        self._bind_context()
-
-    @override
-    def on_validation_start(self) -> None:
-        self._bind_context()
-
-    @override
-    def on_test_start(self) -> None:
-        self._bind_context()
-
-    def micro_batches_per_rollout(self) -> Optional[int]:
-        """``training_step`` calls per rollout: num_iterations * mini-batches * accumulate_grad_batches; None with
-        ``max_tokens_per_microbatch`` (the token budget decides). Raises as :meth:`steps_per_rollout`."""
-        steps = self.steps_per_rollout()  # checks the datamodule
-        return None if self.config.max_tokens_per_microbatch else steps * self.trainer.accumulate_grad_batches
-
-    def steps_per_rollout(self) -> int:
-        """Optimizer steps per rollout: num_iterations * (rollout batch / mini_batch_size). Raises ValueError when the
-        datamodule does not say how many prompts a rollout batch has (``prompts_per_step``)."""
-        data = self.trainer.datamodule
-        if not isinstance(data, PromptSource):
-            raise ValueError("GRPO needs the datamodule's prompts_per_step (prompts per rollout batch): pass a "
-                             "lightning_grpo.data.PromptDataModule or a LightningDataModule with that attribute "
-                             "(lightning_grpo.data.source.PromptSource)")
-        n = data.prompts_per_step * self.config.num_generations
-        return self.config.num_iterations * (n // (self.config.mini_batch_size or n))
 
     def make_experience(
         self, batch: dict[str, list], next_prompt_batch: Optional[Callable[[], Optional[dict[str, list]]]] = None,
@@ -287,36 +195,6 @@ class GRPOModule(L.LightningModule):
             return self.experience_maker.make(batch, self.policy, self.ref_model, next_prompt_batch=next_prompt_batch,
                                               prefetched=prefetched)
 
-    def rollouts_ahead(self, prompt_batches: Optional[int] = None) -> int:
-        """Rollouts generated in the background ahead of the one being trained: ``max_staleness //
-        steps_per_rollout`` (the weights of a rollout started at a rollout boundary are then at most
-        ``max_staleness`` optimizer steps old when it is trained); 0 = synchronous rollouts.
-
-        Args:
-            prompt_batches: rollout batches per epoch (the loop's loader length), None when unknown.
-
-        Raises:
-            ValueError: ``0 < max_staleness < steps_per_rollout`` (no rollout could be generated ahead), or as many
-                rollouts ahead as the epoch has batches or more: the whole epoch would be generated at its start and
-                held in memory and in every checkpoint.
-        """
-        k = self.config.max_staleness
-        if k == 0:
-            return 0
-        steps = self.steps_per_rollout()
-        if k < steps:
-            raise ValueError(f"GRPOConfig.max_staleness={k} is less than the {steps} optimizer steps of one rollout "
-                             f"(num_iterations * mini-batches): no rollout can be generated ahead; use max_staleness "
-                             f">= {steps} or 0")
-        ahead = k // steps
-        if prompt_batches is not None and ahead >= prompt_batches:
-            raise ValueError(f"GRPOConfig.max_staleness={k} generates {ahead} rollouts ahead ({steps} optimizer "
-                             f"step(s) per rollout), but an epoch has only {prompt_batches} rollout batches: the "
-                             "whole epoch would be generated at its start and held in memory and in every "
-                             f"checkpoint. Use max_staleness < {prompt_batches * steps} (at most "
-                             f"{prompt_batches - 1} rollouts ahead)")
-        return ahead
-
     def prefetch_rollout(self, batch: dict[str, list]) -> PrefetchedRollout:
         """Start generating ``batch``'s rollout in the background from the current weights
         (:meth:`lightning_grpo.experience_maker.ExperienceMaker.prefetch`); the loop passes it to
@@ -328,17 +206,11 @@ class GRPOModule(L.LightningModule):
         self.experience_maker.wait_for_rollouts()
 
     def micro_batches(self, experience: Experience, step: Optional[int] = None) -> Iterator[Experience]:
-        """The loop's view of one rollout (:func:`lightning_grpo.training.experience.micro_batches`), shuffled with
-        ``shuffle_seed + step`` (default: the current optimizer step)."""
-        cfg, step = self.config, self.global_step if step is None else step
-        return micro_batches(
-            experience, mini_batch_size=cfg.mini_batch_size or len(experience),
-            accumulate_grad_batches=self.trainer.accumulate_grad_batches, num_iterations=cfg.num_iterations,
-            loss_type=cfg.loss_type, max_new_tokens=cfg.max_new_tokens,
-            world_size=self.backend.data_parallel_size,  # processes that hold different data
-            generator=torch.Generator().manual_seed(cfg.shuffle_seed + step), collectives=self.collectives,
-            max_tokens_per_microbatch=cfg.max_tokens_per_microbatch,
-        )
+        """The loop's view of one rollout (:func:`lightning_grpo.training.schedule.rollout_micro_batches`), shuffled
+        with ``shuffle_seed + step`` (default: the current optimizer step)."""
+        return schedule.rollout_micro_batches(experience, self.config, self.global_step if step is None else step,
+                                              self.trainer.accumulate_grad_batches, self.backend.data_parallel_size,
+                                              self.collectives, self.resolved.max_tokens_per_microbatch)
 
     def generate(self, prompts: Sequence[Any], num_generations: int, sampling: SamplingConfig) -> RolloutOutput:
         """Rollout from raw prompts with the engine's current weights
@@ -397,20 +269,9 @@ class GRPOModule(L.LightningModule):
 
     def objective(self, batch: Experience, logprobs: Tensor, entropy: Optional[Tensor]) -> ObjectiveOutput:
         """:func:`lightning_grpo.algorithm.grpo_objective` of ``batch`` given the policy's ``(B, T)`` float32 logprobs
-        and entropy (the step's statistics from :class:`~lightning_grpo.training.selection.StepSelection`).
-
-        Raises:
-            ValueError: ``batch`` is not ``on_policy`` but has no ``old_logprobs``; see also ``grpo_objective``.
-        """
-        cfg = self.config
-        if not batch.on_policy and batch.old_logprobs is None:
-            raise ValueError("an experience micro-batch after the rollout's first optimizer step needs old_logprobs")
-        return grpo_objective(
-            logprobs, batch.completion_mask, batch.advantages, cfg,
-            old_logprobs=None if batch.on_policy else batch.old_logprobs,
-            ref_logprobs=None if cfg.kl_in_reward else batch.ref_logprobs, sampler_logprobs=batch.sampler_logprobs,
-            entropy=entropy, normalizer=batch.loss_normalizer, **self.step_selection.objective_kwargs(),
-        )
+        and entropy, with the step's statistics (:meth:`lightning_grpo.training.selection.StepSelection.objective`,
+        which names the errors)."""
+        return self.step_selection.objective(batch, logprobs, entropy)
 
     @override
     def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: torch.optim.Optimizer) -> None:
@@ -426,8 +287,8 @@ class GRPOModule(L.LightningModule):
         norm = self.backend.grad_norm(self.policy)  # of the full gradient, also when sharded (a collective there)
         if norm is not None:
             self.log("grad_norm", norm, on_step=True, on_epoch=False, batch_size=1)
-        scaler = getattr(self.trainer.precision_plugin, "scaler", None)  # float16 AMP skips inf gradients itself
-        counts = self.nonfinite.before_optimizer_step(self.global_step, norm, optimizer, check_grad_norm=scaler is None)
+        scaled = self.trainer.precision == "16-mixed"  # float16 AMP's grad scaler skips inf gradients itself
+        counts = self.nonfinite.before_optimizer_step(self.global_step, norm, optimizer, check_grad_norm=not scaled)
         self.log_dict(counts, on_step=True, on_epoch=False, batch_size=1)
 
     @override
@@ -455,38 +316,7 @@ class GRPOModule(L.LightningModule):
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """The skipped-step count; the rollout worker's weight version (the checkpoint's optimizer steps)."""
         self.nonfinite.load_state_dict(checkpoint.get("lightning_grpo_nonfinite"))
-        self.rollout.weights_version = int(checkpoint.get("global_step", self.rollout.weights_version))
-
-    @override
-    def on_train_start(self) -> None:
-        if self.config.max_tokens_per_microbatch == "auto":
-            self._fit_token_budget()
-        self.timer.start()
-
-    # --- memory: the auto token budget (lightning_grpo.training.token_budget) ---
-    def _fit_token_budget(self) -> None:
-        """Set ``config.max_tokens_per_microbatch`` from probe steps (the smallest over processes) and log it as
-        ``token_budget``. Raises MemoryError as :func:`~lightning_grpo.training.token_budget.choose_token_budget`."""
-
-        def train_step(batch: Experience) -> None:
-            with self.trainer.precision_plugin.forward_context():
-                loss = self.compute_loss(batch).loss
-            loss.backward()
-            self.policy.zero_grad(set_to_none=True)
-
-        optimizers = self.trainer.optimizers
-        budget = choose_token_budget(train_step, self.config, int(self.policy.config.vocab_size), self.device,
-                                     self.config.mini_batch_size or self._rollout_sequences(),
-                                     adamw_state_bytes(optimizers[0]) if optimizers else 0)
-        smallest = -self.backend.reduce_max(torch.tensor([-float(budget.tokens)], device=self.device))
-        self.config.max_tokens_per_microbatch = self.token_budget = int(smallest.item())
-        log.info("token budget: %s", budget.describe())
-        for logger in self.trainer.loggers:
-            logger.log_metrics({"token_budget": float(self.token_budget)}, step=self.global_step)
-
-    def _rollout_sequences(self) -> int:
-        data = self.trainer.datamodule
-        return (data.prompts_per_step if isinstance(data, PromptSource) else 1) * self.config.num_generations
+        self.rollout.load_state_dict({"weights_version": checkpoint.get("global_step", self.rollout.weights_version)})
 
     @override
     def on_before_backward(self, loss: Tensor) -> None:
@@ -497,58 +327,17 @@ class GRPOModule(L.LightningModule):
         self.timer.after_backward()
 
     @override
-    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(self, outputs: Any, batch: Experience, batch_idx: int) -> None:
         """After an optimizer step, log where its wall time went
         (:meth:`lightning_grpo.training.metrics.StepTimer.step_end`:
         ``timing/{rollout,scoring,logprobs,sync,forward,backward,optimizer,step,other,train}_s``, seconds) and
         ``generated_tokens``, ``train_tokens``."""
-        if isinstance(batch, Experience):
-            if batch.step_end:
-                self.log_dict(self.timer.step_end(), on_step=True, on_epoch=False, batch_size=1)
-            self.preemption.on_micro_batch_end(batch.step_end)  # SIGTERM inside a step waits for its end
+        if batch.step_end:  # the loop's batches are experience micro-batches
+            self.log_dict(self.timer.step_end(), on_step=True, on_epoch=False, batch_size=1)
+        self.preemption.on_micro_batch_end(batch.step_end)  # SIGTERM inside a step waits for its end
 
     @override
     def configure_optimizers(self) -> Any:
         hp = self.hparams
         return adamw_with_warmup((p for p in self.policy.parameters() if p.requires_grad), hp.learning_rate,
                                  hp.weight_decay, hp.adam_betas, hp.warmup_steps)
-
-    @override
-    def validation_step(self, batch: dict[str, list], batch_idx: int, dataloader_idx: int = 0) -> None:
-        """Greedy accuracy, and pass@k / maj@k / mean@k with ``eval.num_samples``, per dataset (torchmetrics
-        over all processes; names in :class:`lightning_grpo.evaluation.evaluator.Evaluator`)."""
-        self._evaluate(batch, dataloader_idx, "val")
-
-    @override
-    def test_step(self, batch: dict[str, list], batch_idx: int, dataloader_idx: int = 0) -> None:
-        """As :meth:`validation_step`, logged as ``test/...``."""
-        self._evaluate(batch, dataloader_idx, "test")
-
-    def _evaluate(self, batch: dict[str, list], dataloader_idx: int, stage: str) -> None:
-        data = self.trainer.datamodule
-        names, checks = (data.eval_names, data.eval_accuracy) if isinstance(data, EvalSource) else ([None], [None])
-        named = 0 < dataloader_idx < len(names)  # the first dataset is the training one: the module's accuracy
-        dataset, check = (names[dataloader_idx], checks[dataloader_idx]) if named else (None, None)
-        with self.preemption.exit_on_stop():
-            out = self.experience_maker.evaluate(batch, self.policy, accuracy=self.rewards.accuracy_for(check))
-        if EVAL_INDEX in batch:  # count each prompt once over the processes (a distributed sampler pads)
-            sampler = self.trainer.distributed_sampler_kwargs or {}
-            out.counted = counted_rows(batch[EVAL_INDEX], sampler.get("num_replicas", 1), sampler.get("rank", 0))
-        for key, (metric, size, attribute) in self.evaluator.update(stage, dataset, out).items():
-            self.log(key, metric, on_step=False, on_epoch=True, prog_bar=key.endswith("/accuracy"), batch_size=size,
-                     add_dataloader_idx=False, metric_attribute=f"evaluator.{attribute}")
-
-    @override
-    def on_fit_end(self) -> None:
-        path = self.export_path()
-        if path:
-            state_dict = self.backend.export_state_dict(self.policy)  # when sharded a collective: every rank gathers
-            if self.trainer.is_global_zero:
-                export_policy(self.policy, self.tokenizer, path, state_dict, merged=self.hparams.export_merged)
-
-    def export_path(self) -> Optional[str]:
-        """The HF export folder (see ``export_dir``), or None when disabled."""
-        export_dir = self.hparams.export_dir
-        if export_dir is not None:
-            return export_dir or None
-        return os.path.join(self.trainer.log_dir or self.trainer.default_root_dir, "hf_model")

@@ -10,7 +10,6 @@ import re
 
 import pytest
 
-from lightning_grpo import config as config_module
 from lightning_grpo.cli import GRPOCLI, main
 from lightning_grpo.config import EngineConfig, EpisodeConfig, EvalConfig, GRPOConfig
 from lightning_grpo.data import PromptDataModule
@@ -22,7 +21,7 @@ GROUPS = {"": GRPOConfig, "engine.": EngineConfig, "eval.": EvalConfig, "episode
 
 def _field_docstrings(cls: type = GRPOConfig) -> dict[str, str]:
     """The string written below each field of ``cls``, read from the source (independently of jsonargparse)."""
-    tree = ast.parse(inspect.getsource(config_module))
+    tree = ast.parse(inspect.getsource(inspect.getmodule(cls)))
     body = next(node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == cls.__name__).body
     docs = {}
     for statement, following in zip(body, body[1:], strict=False):

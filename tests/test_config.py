@@ -81,3 +81,57 @@ def test_the_config_keeps_auto_and_validates_no_engine_name():
         GRPOConfig(engine={"name": "vllm"})
     with pytest.raises(TypeError, match="unexpected keyword argument 'rank'"):
         GRPOConfig.from_dict({"engine": {"name": "vllm", "rank": 3}})
+
+
+def _budget_recorder():
+    from lightning.pytorch.callbacks import Callback
+
+    from lightning_grpo.training.packing import sequence_token_counts
+
+    class Tokens(Callback):
+        def __init__(self):
+            self.micro_batches = []
+
+        def on_train_batch_start(self, trainer, module, batch, batch_idx):
+            self.micro_batches.append(int(sequence_token_counts(batch.prompt_mask,
+                                                                batch.completion_attention_mask).sum()))
+
+    return Tokens()
+
+
+def test_a_run_resolves_its_auto_values_and_leaves_the_config_as_given(tiny_llama_path, tmp_path, monkeypatch,
+                                                                      caplog):
+    """``GRPOConfig`` is the run's input: after a fit with ``max_tokens_per_microbatch="auto"`` and
+    ``engine.name="auto"`` (on a machine without vLLM: "hf") it equals what was given, field by field; the resolved
+    values are in ``module.resolved``, in the log and beside the config in the hyperparameters (and the checkpoint),
+    and the chosen budget is the one the micro-batches keep to."""
+    import torch
+
+    import lightning_grpo.rollout.registry as registry
+    from lightning_grpo.data import PromptDataModule
+    from support.algorithm import quiet_trainer, write_prompts
+
+    monkeypatch.setattr(registry.importlib.util, "find_spec", lambda name: None)  # "auto" -> "hf"
+    config = GRPOConfig(num_generations=4, max_new_tokens=8, max_prompt_length=64, max_tokens_per_microbatch="auto",
+                        engine=EngineConfig(name="auto"))
+    given = dataclasses.asdict(config)
+    module = GRPOModule(tiny_llama_path, reward_funcs=[lambda prompts, completions, **kw: [1.0, 0.0] * 4],
+                        config=config, export_dir="")
+    assert module.resolved.as_dict() == {"engine_name": "hf", "kv_cache_space_gib": None,
+                                         "max_tokens_per_microbatch": None}
+    tokens = _budget_recorder()
+    trainer = quiet_trainer(tmp_path, 1, callbacks=[tokens])
+    with caplog.at_level("INFO", logger="lightning_grpo"):
+        trainer.fit(module, datamodule=PromptDataModule(dataset=write_prompts(tmp_path / "prompts.jsonl"),
+                                                        prompts_per_step=2, val_size=0))
+    budget = module.resolved.max_tokens_per_microbatch
+    assert isinstance(budget, int) and budget > 0 and module.token_budget == budget
+    assert dataclasses.asdict(module.config) == given == dataclasses.asdict(config)
+    assert module.config.max_tokens_per_microbatch == "auto" and module.config.engine.name == "auto"
+    resolved = {"engine_name": "hf", "kv_cache_space_gib": None, "max_tokens_per_microbatch": budget}
+    assert module.hparams["resolved"] == resolved and module.hparams["config"] == given
+    assert f"resolved settings: {resolved}" in caplog.text
+    assert tokens.micro_batches and all(count <= budget for count in tokens.micro_batches)
+    trainer.save_checkpoint(tmp_path / "run.ckpt")
+    saved = torch.load(tmp_path / "run.ckpt", weights_only=True)["hyper_parameters"]
+    assert saved["resolved"] == resolved and saved["config"] == given

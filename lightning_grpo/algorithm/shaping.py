@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from lightning_grpo.functional import kl_penalty
+from lightning_grpo.protocols.collectives import Collectives
 
 
 def overlong_penalty(lengths: Tensor, max_new_tokens: int, overlong_buffer: int, penalty_factor: float = 1.0) -> Tensor:
@@ -90,3 +91,15 @@ def sequence_kl(logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor, estimator:
     ref_logprobs = torch.where(mask, ref_logprobs.float(), 0.0)
     per_token = kl_penalty(logprobs, ref_logprobs, estimator)  # [N, T]
     return torch.where(mask, per_token, 0.0).sum(dim=1).detach()
+
+
+def batch_reward_std(rewards: Tensor, valid: Tensor, collectives: Collectives) -> float:
+    """The unbiased std of the ``valid`` entries of ``rewards`` over every data-parallel process
+    (``scale_rewards="batch"``: one count, sum and sum of squares reduced, in float64); 0 for fewer than 2. A
+    collective."""
+    values = rewards[valid].double()
+    moments = torch.stack([values.new_tensor(float(values.numel())), values.sum(), values.square().sum()])
+    count, total, squares = collectives.reduce_sum(moments.to(rewards.device)).tolist()
+    if count < 2:
+        return 0.0
+    return max(squares - total * total / count, 0.0) ** 0.5 / (count - 1) ** 0.5

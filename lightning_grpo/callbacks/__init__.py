@@ -2,9 +2,9 @@
 the progress bar, and the checkpoint callback whose ``ckpt_path="last"`` falls back to the newest complete
 checkpoint."""
 
-from lightning_grpo.callbacks.base import GRPOCallback, forward_event
+from lightning_grpo.callbacks.base import EventRoute, GRPOCallback
 from lightning_grpo.callbacks.completions import CompletionTable
 from lightning_grpo.callbacks.progress import GRPOProgressBar
 from lightning_grpo.runtime.checkpointing import GRPOModelCheckpoint
 
-__all__ = ["CompletionTable", "GRPOCallback", "GRPOModelCheckpoint", "GRPOProgressBar", "forward_event"]
+__all__ = ["CompletionTable", "EventRoute", "GRPOCallback", "GRPOModelCheckpoint", "GRPOProgressBar"]

@@ -1,8 +1,9 @@
 """The rollout events (:mod:`lightning_grpo.events`) as typed Lightning callback hooks: :class:`GRPOCallback`.
 
 A callback that reacts to rollouts subclasses :class:`GRPOCallback` and overrides ``on_weights_synced``,
-``on_rollout_end`` or ``on_experience``; :func:`forward_event` calls them on every such callback of the trainer, in
-the order of ``trainer.callbacks``. A subclass method that starts with ``on_`` but is neither one of these nor a
+``on_rollout_end`` or ``on_experience``; an :class:`EventRoute` (the module makes one at each setup, picking the
+trainer's ``GRPOCallback`` s once) calls them on every such callback of the trainer, in the order of
+``trainer.callbacks``. A subclass method that starts with ``on_`` but is neither one of these nor a
 Lightning hook (``on_rolout_end``) is reported when the class is defined, so a misspelled hook does not silently
 never fire.
 """
@@ -10,7 +11,7 @@ never fire.
 from __future__ import annotations
 
 import warnings
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import lightning as L
 from lightning.pytorch.callbacks import Callback
@@ -48,27 +49,41 @@ _DISPATCH: dict[str, Callable[[GRPOCallback, L.Trainer, L.LightningModule, Any],
 }
 
 
-def forward_event(trainer: Optional[L.Trainer], pl_module: L.LightningModule, name: str, payload: Any) -> None:
-    """Call the hook ``name`` on every :class:`GRPOCallback` in ``trainer.callbacks`` (in their order); nothing
-    without a trainer.
+class EventRoute:
+    """The trainer's :class:`GRPOCallback` s, picked once (:meth:`of`, at the module's setup), that each rollout
+    event goes to (``route(pl_module, name, payload)``); a route without a trainer delivers nothing.
 
-    Raises:
-        KeyError: ``name`` is not a rollout event.
+    Args:
+        trainer: the trainer the callbacks belong to, or None.
+        callbacks: its ``GRPOCallback`` s, in the order of ``trainer.callbacks``.
     """
-    hook = _DISPATCH[name]
-    if trainer is None:
-        return
-    for callback in trainer.callbacks:
-        if isinstance(callback, GRPOCallback):
-            hook(callback, trainer, pl_module, payload)
 
+    def __init__(self, trainer: Optional[L.Trainer] = None, callbacks: Sequence[GRPOCallback] = ()) -> None:
+        self.trainer = trainer
+        self.callbacks = list(callbacks)
 
-def warn_untyped_event_hooks(callbacks: list[Callback]) -> None:
-    """Warn about callbacks that define a rollout-event method without subclassing :class:`GRPOCallback`: it is
-    never called."""
-    for callback in callbacks:
-        names = [name for name in _DISPATCH if name in vars(type(callback))]
-        if names and not isinstance(callback, GRPOCallback):
-            warnings.warn(f"{type(callback).__name__} defines {', '.join(names)} but is not a "
-                          "lightning_grpo.callbacks.GRPOCallback: rollout events reach GRPOCallback subclasses only",
-                          UserWarning, stacklevel=2)
+    @classmethod
+    def of(cls, trainer: L.Trainer) -> "EventRoute":
+        """Pick ``trainer.callbacks``' ``GRPOCallback`` s; warn about a plain ``Callback`` that defines a
+        rollout-event method (it would never be called)."""
+        typed = []
+        for callback in trainer.callbacks:
+            if isinstance(callback, GRPOCallback):  # the one probe: Lightning hands a list of Callbacks
+                typed.append(callback)
+            elif names := [name for name in _DISPATCH if name in vars(type(callback))]:
+                warnings.warn(f"{type(callback).__name__} defines {', '.join(names)} but is not a "
+                              "lightning_grpo.callbacks.GRPOCallback: rollout events reach GRPOCallback subclasses "
+                              "only", UserWarning, stacklevel=2)
+        return cls(trainer, typed)
+
+    def __call__(self, pl_module: L.LightningModule, name: str, payload: Any) -> None:
+        """Call the hook ``name`` on every picked callback, in order.
+
+        Raises:
+            KeyError: ``name`` is not a rollout event.
+        """
+        hook = _DISPATCH[name]
+        if self.trainer is None:
+            return
+        for callback in self.callbacks:
+            hook(callback, self.trainer, pl_module, payload)

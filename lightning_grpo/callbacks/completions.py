@@ -23,10 +23,10 @@ import json
 import os
 import shutil
 import textwrap
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import lightning as L
-from lightning.pytorch.loggers import CSVLogger, MLFlowLogger, TensorBoardLogger, WandbLogger
+from lightning.pytorch.loggers import MLFlowLogger, TensorBoardLogger, WandbLogger
 from typing_extensions import override
 
 from lightning_grpo.callbacks.base import GRPOCallback
@@ -74,6 +74,12 @@ class CompletionTable(GRPOCallback):
         self.every_n_steps, self.max_rows = every_n_steps, max_rows
         self.print_every_n_steps, self.print_rows = print_every_n_steps, print_rows
         self.filename = filename
+        self._writers: list[tuple[Any, TableWriter]] = []
+
+    @override
+    def setup(self, trainer: "L.Trainer", pl_module: "L.LightningModule", stage: str) -> None:
+        """Pick, once, how each of the trainer's loggers receives the table (:func:`table_writers`)."""
+        self._writers = table_writers(trainer.loggers)
 
     def rows(self, step: int, event: ExperienceReady) -> tuple[list[str], list[list]]:
         """``(columns, rows)`` of one rollout: ``step, group, prompt, completion, <reward fns>..., reward,
@@ -111,8 +117,8 @@ class CompletionTable(GRPOCallback):
         columns, rows = self.rows(step, event)
         if log_now:
             self._write_files(folder, columns, rows)
-            for logger in trainer.loggers:
-                _log_table(logger, step, columns, rows)
+            for logger, write in self._writers:
+                write(logger, step, columns, rows)
         if print_now:
             _print_rows(step, columns, rows[: self.print_rows])
 
@@ -141,16 +147,34 @@ def markdown_table(columns: list[str], rows: list[list]) -> str:
     return "\n".join(lines)
 
 
-def _log_table(logger: Any, step: int, columns: list[str], rows: list[list]) -> None:
-    if isinstance(logger, TensorBoardLogger):
-        logger.experiment.add_text("completions", markdown_table(columns, rows), global_step=step)
-    elif isinstance(logger, WandbLogger):
-        logger.log_table(key="completions", columns=columns, data=rows, step=step)
-    elif isinstance(logger, MLFlowLogger):
-        text = "".join(json.dumps(dict(zip(columns, r, strict=True)), ensure_ascii=False) + "\n" for r in rows)
-        logger.experiment.log_text(logger.run_id, text, f"completions/step_{step:06d}.jsonl")
-    elif not isinstance(logger, CSVLogger):
-        return  # CSV: the files next to metrics.csv are the table
+#: ``write(logger, step, columns, rows)``: one logger's way of receiving the table.
+TableWriter = Callable[[Any, int, list[str], list[list]], None]
+
+
+def _tensorboard(logger: Any, step: int, columns: list[str], rows: list[list]) -> None:
+    logger.experiment.add_text("completions", markdown_table(columns, rows), global_step=step)
+
+
+def _wandb(logger: Any, step: int, columns: list[str], rows: list[list]) -> None:
+    logger.log_table(key="completions", columns=columns, data=rows, step=step)
+
+
+def _mlflow(logger: Any, step: int, columns: list[str], rows: list[list]) -> None:
+    text = "".join(json.dumps(dict(zip(columns, r, strict=True)), ensure_ascii=False) + "\n" for r in rows)
+    logger.experiment.log_text(logger.run_id, text, f"completions/step_{step:06d}.jsonl")
+
+
+#: The loggers that receive the table, and how; others (``CSVLogger``: the files next to ``metrics.csv`` are the
+#: table) get nothing more.
+WRITERS: tuple[tuple[type, TableWriter], ...] = (
+    (TensorBoardLogger, _tensorboard), (WandbLogger, _wandb), (MLFlowLogger, _mlflow),
+)
+
+
+def table_writers(loggers: list[Any]) -> list[tuple[Any, TableWriter]]:
+    """``(logger, writer)`` for each of ``loggers`` that :data:`WRITERS` names (its first matching class)."""
+    picked = [(logger, next((w for cls, w in WRITERS if isinstance(logger, cls)), None)) for logger in loggers]
+    return [(logger, writer) for logger, writer in picked if writer is not None]
 
 
 #: Console lines of one printed row's prompt and completion (each cut with "…" beyond).

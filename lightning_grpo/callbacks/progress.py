@@ -19,7 +19,7 @@ from __future__ import annotations
 import sys
 import threading
 import time
-from typing import Any, Optional, Protocol, Union, runtime_checkable
+from typing import Any, Callable, Optional, Protocol, Union, runtime_checkable
 
 import lightning as L
 from lightning.pytorch.callbacks import TQDMProgressBar
@@ -28,6 +28,7 @@ from typing_extensions import override
 
 from lightning_grpo.callbacks.base import GRPOCallback
 from lightning_grpo.events import ExperienceReady, RolloutEnd
+from lightning_grpo.training.experience import Experience
 
 
 @runtime_checkable
@@ -38,6 +39,15 @@ class CountsGeneratedTokens(Protocol):
     def generated_tokens_estimate(self) -> int:
         """Tokens generated so far, all rollouts (an estimate; read differences)."""
         ...
+
+
+def token_counter(module: L.LightningModule) -> Callable[[], int]:
+    """How to read ``module``'s generated-token count (a :class:`CountsGeneratedTokens` module: ``GRPOModule``),
+    decided once; 0 for any other module."""
+    if isinstance(module, CountsGeneratedTokens):
+        counter: CountsGeneratedTokens = module
+        return lambda: counter.generated_tokens_estimate
+    return lambda: 0
 
 
 #: Metrics shown on the bar, in this order, when logged.
@@ -74,7 +84,7 @@ class GRPOProgressBar(TQDMProgressBar, GRPOCallback):
         self.interactive = interactive
         self._phase_seconds: dict[str, float] = {}
         self.phase, self._phase_start, self._ticks_start = "setup", time.monotonic(), 0
-        self._module: Optional[L.LightningModule] = None
+        self._tokens: Callable[[], int] = lambda: 0  # the module's generated-token count (picked at train start)
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
 
@@ -152,14 +162,13 @@ class GRPOProgressBar(TQDMProgressBar, GRPOCallback):
         return text
 
     def _ticks(self) -> int:
-        module = self._module
-        return module.generated_tokens_estimate if isinstance(module, CountsGeneratedTokens) else 0
+        return self._tokens()
 
     # ------------------------------------------------------------------ Lightning hooks
     @override
     def on_train_start(self, trainer: "L.Trainer", pl_module: "L.LightningModule") -> None:
         super().on_train_start(trainer, pl_module)
-        self._module = pl_module
+        self._tokens = token_counter(pl_module)
         self.train_progress_bar.reset(total=self.total_train_batches)
         self.train_progress_bar.initial = 0
         self.train_progress_bar.n = trainer.global_step
@@ -175,10 +184,10 @@ class GRPOProgressBar(TQDMProgressBar, GRPOCallback):
         self.train_progress_bar.set_description(f"Epoch {trainer.current_epoch}")
 
     @override
-    def on_train_batch_end(self, trainer: "L.Trainer", pl_module: "L.LightningModule", outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(self, trainer: "L.Trainer", pl_module: "L.LightningModule", outputs: Any,
+                           batch: Experience, batch_idx: int) -> None:
         bar = self.train_progress_bar
-        if getattr(batch, "step_end", True):
+        if batch.step_end:  # the GRPO loop's batches are experience micro-batches
             bar.n = trainer.global_step
             self.set_phase("rollout")
             if not self.is_interactive:

@@ -29,9 +29,6 @@ Presets (read offline from ``<data_dir>/<preset>/``; see :class:`PromptDataModul
 from __future__ import annotations
 
 import logging
-import os
-import re
-from pathlib import Path
 from typing import Any, Optional, Sequence
 
 import datasets
@@ -40,9 +37,14 @@ import torch
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
-from lightning_grpo.data.code_tasks import CODE_INSTRUCTION, CODE_SYSTEM_PROMPT, HUMANEVAL_NAME, humaneval_rows
+from lightning_grpo.data.code_tasks import CODE_INSTRUCTION, CODE_SYSTEM_PROMPT, HUMANEVAL_NAME
 from lightning_grpo.data.fewshot import fewshot_messages
-from lightning_grpo.data.files import load_local_files, load_local_folder
+from lightning_grpo.data.loading import (  # noqa: F401  (DATA_DIR_ENV, default_data_dirs: part of this module's API)
+    DATA_DIR_ENV,
+    PRESETS_BY_HUB_ID,
+    default_data_dirs,
+    load_splits,
+)
 from lightning_grpo.data.presets import (  # noqa: F401  (re-exported: the presets are part of this module's API)
     DEFAULT_SYSTEM_PROMPT,
     GSM8K_INSTRUCTION,
@@ -54,20 +56,11 @@ from lightning_grpo.data.presets import (  # noqa: F401  (re-exported: the prese
 )
 from lightning_grpo.data.sampler import EpochShuffleSampler
 from lightning_grpo.data.source import EVAL_INDEX
-from lightning_grpo.data.synthetic import ARITHMETIC_INSTRUCTION, SYNTHETIC_NAME, arithmetic_splits
+from lightning_grpo.data.synthetic import ARITHMETIC_INSTRUCTION, SYNTHETIC_NAME
 from lightning_grpo.rewards.gsm8k import gold_answer
 from lightning_grpo.rewards.numbers import normalize_number
 
 log = logging.getLogger(__name__)
-
-#: Environment variable naming the folder that holds the preset data (``<dir>/gsm8k/train.jsonl``, ...).
-DATA_DIR_ENV = "LIGHTNING_GRPO_DATA_DIR"
-#: File extensions read as local data files, with the ``datasets`` builder that reads them.
-LOCAL_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
-
-_PRESETS_BY_HUB_ID = {preset.hub_id: preset for preset in PRESETS.values()}
-_HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")
-
 
 def gsm8k_final_answer(text: str) -> str:
     """The gold answer of a GSM8K solution: the text after the last ``####``, stripped, in canonical number form
@@ -87,25 +80,6 @@ def gsm8k_final_answer(text: str) -> str:
     if not answer:
         raise ValueError(f"GSM8K answer has nothing after '####': {text!r}")
     return answer
-
-
-def default_data_dirs() -> list[Path]:
-    """Candidate folders for the preset data, in search order.
-
-    ``$LIGHTNING_GRPO_DATA_DIR`` (when set), ``<cwd>/../shared/data`` and ``<repo root>/../shared/data``.
-    """
-    candidates = []
-    env = os.environ.get(DATA_DIR_ENV)
-    if env:
-        candidates.append(Path(env).expanduser())
-    candidates.append(Path.cwd().parent / "shared" / "data")
-    candidates.append(Path(__file__).resolve().parents[2].parent / "shared" / "data")  # <repo>/lightning_grpo/data
-    unique: list[Path] = []
-    for path in candidates:
-        path = path.resolve()
-        if path not in unique:
-            unique.append(path)
-    return unique
 
 
 def collate_prompts(examples: list[dict[str, Any]]) -> dict[str, list[Any]]:
@@ -248,7 +222,7 @@ class PromptDataModule(L.LightningDataModule):
         self.dataset = dataset
         self.data_dir = data_dir
         self.dataset_config = dataset_config
-        self.preset = PRESETS.get(dataset) or _PRESETS_BY_HUB_ID.get(dataset)
+        self.preset = PRESETS.get(dataset) or PRESETS_BY_HUB_ID.get(dataset)
         preset = self.preset
         code = dataset == HUMANEVAL_NAME  # one "test" split, like MATH-500
         self.train_split = train_split or (preset.train_split if preset else "test" if code else "train")
@@ -271,57 +245,6 @@ class PromptDataModule(L.LightningDataModule):
         self.num_workers = num_workers
         self.train_dataset: Optional[datasets.Dataset] = None
         self.val_dataset: Optional[datasets.Dataset] = None
-
-    # ------------------------------------------------------------------ loading
-    def _load_preset(self, preset: Preset) -> datasets.DatasetDict:
-        dirs = [Path(self.data_dir).expanduser().resolve()] if self.data_dir is not None else default_data_dirs()
-        tried = []
-        for root in dirs:
-            files = {split: root / preset.folder / name for split, name in preset.files.items()}
-            tried.extend(str(path) for path in files.values())
-            if all(path.is_file() for path in files.values()):
-                log.info("Reading %s from %s", self.dataset, root / preset.folder)
-                return load_local_files("json", files)
-        if self.data_dir is not None:
-            raise FileNotFoundError(f"dataset={self.dataset!r}: data_dir={self.data_dir!r} lacks {tried}")
-        config = self.dataset_config or preset.hub_config
-        log.info("No offline copy of %s (tried %s); loading %s from the hub", self.dataset, tried, preset.hub_id)
-        try:
-            return datasets.load_dataset(preset.hub_id, config)
-        except Exception as err:  # offline, no network, ...
-            raise FileNotFoundError(
-                f"dataset={self.dataset!r}: no offline copy (tried {tried}; set data_dir or ${DATA_DIR_ENV}) and "
-                f"the hub fallback {preset.hub_id!r} (config {config!r}) failed: {err}"
-            ) from err
-
-    def _load(self) -> datasets.DatasetDict:
-        name = self.dataset
-        if SYNTHETIC_NAME.fullmatch(name):
-            splits = arithmetic_splits(name, self.seed).items()
-            return datasets.DatasetDict({k: datasets.Dataset.from_list(v) for k, v in splits})
-        if name == HUMANEVAL_NAME:
-            return datasets.DatasetDict({"test": datasets.Dataset.from_list(humaneval_rows())})
-        if name in PRESETS:
-            return self._load_preset(PRESETS[name])
-        path = Path(name).expanduser()
-        if path.is_file():
-            builder = LOCAL_BUILDERS.get(path.suffix.lower())
-            if builder is None:
-                raise ValueError(
-                    f"dataset={name!r}: unsupported file type {path.suffix!r}; use one of {sorted(LOCAL_BUILDERS)}"
-                )
-            return load_local_files(builder, {"train": path.resolve()})
-        if path.is_dir():
-            return load_local_folder(path.resolve())
-        looks_local = path.suffix.lower() in LOCAL_BUILDERS or name.startswith(("/", ".", "~"))
-        if looks_local:
-            raise FileNotFoundError(f"dataset={name!r}: no such file or folder (tried {str(path.resolve())!r})")
-        if _HUB_ID.fullmatch(name):
-            config = self.dataset_config or (self.preset.hub_config if self.preset else None)
-            log.info("Loading %s (config %s) from the hub", name, config)
-            return datasets.load_dataset(name, config)
-        raise ValueError(f"dataset={name!r} is not a preset ({sorted(PRESETS)}), not an existing file or folder "
-                         f"(tried {str(path.resolve())!r}), and not a hub id 'owner/name'")
 
     def _prepare_split(self, dataset: datasets.Dataset, split: str) -> datasets.Dataset:
         columns = dataset.column_names
@@ -388,7 +311,7 @@ class PromptDataModule(L.LightningDataModule):
     @override
     def prepare_data(self) -> None:
         """Download / cache the raw data once per node (hub datasets); local files need nothing."""
-        self._load()
+        load_splits(self.dataset, self.data_dir, self.dataset_config, self.preset, self.seed)
 
     @override
     def setup(self, stage: Optional[str] = None) -> None:
@@ -399,7 +322,7 @@ class PromptDataModule(L.LightningDataModule):
         """
         if self.train_dataset is not None:
             return
-        raw = self._load()
+        raw = load_splits(self.dataset, self.data_dir, self.dataset_config, self.preset, self.seed)
         splits = list(raw.keys())
         if self.train_split not in raw:
             raise ValueError(f"dataset={self.dataset!r}: train_split={self.train_split!r} not found; "
@@ -454,7 +377,7 @@ class PromptDataModule(L.LightningDataModule):
     def eval_accuracy(self) -> list[Optional[str]]:
         """The answer check of each evaluated dataset (:attr:`eval_names`): None (the module's ``accuracy_reward``)
         for this one and any non-preset, a preset's own for a preset (``math500``: ``math_accuracy``)."""
-        presets = [PRESETS.get(name) or _PRESETS_BY_HUB_ID.get(name) for name in self.eval_datasets]
+        presets = [PRESETS.get(name) or PRESETS_BY_HUB_ID.get(name) for name in self.eval_datasets]
         return [None, *(None if preset is None else preset.accuracy_reward for preset in presets)]
 
     @override

@@ -1,11 +1,12 @@
 """What ``GRPOModule`` reads from the trainer's datamodule: :class:`PromptSource` for training (any
 ``LightningDataModule`` with ``prompts_per_step``) and :class:`EvalSource` for per-dataset evaluation metrics;
-``PromptDataModule`` implements both. :data:`EVAL_INDEX` is the column of an evaluation batch that numbers its
-prompts."""
+``PromptDataModule`` implements both. They are read once per stage, at setup, into a :class:`DataPlan`.
+:data:`EVAL_INDEX` is the column of an evaluation batch that numbers its prompts."""
 
 from __future__ import annotations
 
-from typing import Optional, Protocol, runtime_checkable
+from dataclasses import dataclass, field
+from typing import Any, Optional, Protocol, runtime_checkable
 
 #: The batch column holding each evaluation prompt's position in its dataset (added by the data module; the module
 #: counts each prompt once over the processes with it, :func:`lightning_grpo.evaluation.evaluator.counted_rows`).
@@ -39,3 +40,36 @@ class EvalSource(Protocol):
         name or a ``"module:function"`` path (:data:`lightning_grpo.rewards.REWARD_FUNCTIONS`); None = the module's
         ``accuracy_reward`` (always for the first, the training dataset)."""
         ...
+
+
+@dataclass(frozen=True)
+class DataPlan:
+    """What the run knows of its datamodule, read once at setup (:meth:`of`).
+
+    Attributes:
+        prompts_per_step: prompts per rollout batch on each process (:class:`PromptSource`), None when the
+            datamodule does not say (then there is no training: ``steps_per_rollout`` raises).
+        eval_names: the evaluated datasets' names, one per validation/test DataLoader (:class:`EvalSource`); ``[None]``
+            without them (every DataLoader is the datamodule's own dataset).
+        eval_accuracy: each evaluated dataset's answer check (a reward function's name or path), as ``eval_names``;
+            None: the module's ``accuracy_reward``.
+    """
+
+    prompts_per_step: Optional[int] = None
+    eval_names: list[Optional[str]] = field(default_factory=lambda: [None])
+    eval_accuracy: list[Optional[str]] = field(default_factory=lambda: [None])
+
+    @classmethod
+    def of(cls, datamodule: Any) -> "DataPlan":
+        """Read ``datamodule`` (None: dataloaders given to the trainer directly) once."""
+        prompts = datamodule.prompts_per_step if isinstance(datamodule, PromptSource) else None
+        if not isinstance(datamodule, EvalSource):
+            return cls(prompts)
+        return cls(prompts, list(datamodule.eval_names), list(datamodule.eval_accuracy))
+
+    def evaluated(self, dataloader_idx: int) -> tuple[Optional[str], Optional[str]]:
+        """``(dataset name, answer check)`` of a validation/test DataLoader: ``(None, None)`` for the first (the
+        training dataset: the module's accuracy) and beyond the named ones."""
+        if 0 < dataloader_idx < len(self.eval_names):
+            return self.eval_names[dataloader_idx], self.eval_accuracy[dataloader_idx]
+        return None, None

@@ -24,6 +24,7 @@ logging, callbacks, checkpointing) is Lightning's own. ``GRPOModule.setup`` inst
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Optional
 
 import lightning as L
@@ -58,6 +59,7 @@ class GRPOFitLoop(_FitLoop):
         self.epoch_loop = source.epoch_loop
         self._data_source = source._data_source  # the Trainer attached the user's datamodule/dataloaders to it
         self.resume_state: Optional[ResumeState] = None  # the position of a loaded checkpoint
+        self._experience: Optional[ExperienceFetcher] = None  # the fetcher setup_data made
 
     @override
     def on_save_checkpoint(self) -> dict:
@@ -65,8 +67,8 @@ class GRPOFitLoop(_FitLoop):
         (those the current rollout started from while one is being made) and a partly used rollout. A collective
         under multi-process strategies (Lightning builds a checkpoint on every process)."""
         state_dict = super().on_save_checkpoint()
-        fetcher = self._data_fetcher
-        if isinstance(fetcher, ExperienceFetcher):
+        fetcher = self._experience
+        if fetcher is not None and fetcher is self._data_fetcher:  # not torn down
             fetcher.wait_for_rollouts()  # asynchronous: the prefetched rollouts and the RNG states are final now
             drawn, prefetched = fetcher.position()
             state_dict[PROMPT_BATCHES_KEY] = drawn
@@ -75,6 +77,10 @@ class GRPOFitLoop(_FitLoop):
             state_dict[PREFETCHED_KEY] = gather_per_process(prefetched)
             state_dict[REPLICAS_KEY] = gather_per_process(self._replica())
         return state_dict
+
+    def use_fetcher(self, fetcher: ExperienceFetcher) -> None:
+        """Fetch the epoch's micro-batches with ``fetcher`` (``setup_data`` makes it)."""
+        self._data_fetcher = self._experience = fetcher
 
     def _replica(self) -> Optional[list[int]]:
         """This process's data-parallel replica ``[sampler rank, replicas]``, None on one process."""
@@ -111,7 +117,7 @@ class GRPOFitLoop(_FitLoop):
         fetcher = ExperienceFetcher(source, per_rollout, self.resume_state)
         fetcher.setup(self._combined_loader)
         iter(fetcher)
-        self._data_fetcher = fetcher
+        self.use_fetcher(fetcher)
         if per_rollout is None:
             install_step_boundaries(self, fetcher)
             if self.max_batches != 0:
@@ -155,10 +161,15 @@ def install_step_boundaries(loop: GRPOFitLoop, fetcher: ExperienceFetcher) -> No
     accumulation._make_zero_grad_fn = make_zero_grad_fn  # type: ignore[method-assign]
 
 
-def install_loop(trainer: "L.Trainer") -> Optional[GRPOFitLoop]:
+#: The loop installed in each trainer (so that installing is idempotent without asking the trainer's loop its type).
+_INSTALLED: "weakref.WeakKeyDictionary[L.Trainer, GRPOFitLoop]" = weakref.WeakKeyDictionary()
+
+
+def install_loop(trainer: "L.Trainer") -> GRPOFitLoop:
     """Replace ``trainer.fit_loop`` with a :class:`GRPOFitLoop` (idempotent). Returns the installed loop."""
-    if isinstance(trainer.fit_loop, GRPOFitLoop):
-        return trainer.fit_loop
-    loop = GRPOFitLoop(trainer, trainer.fit_loop)
+    loop = _INSTALLED.get(trainer)
+    if loop is not None and trainer.fit_loop is loop:
+        return loop
+    loop = _INSTALLED[trainer] = GRPOFitLoop(trainer, trainer.fit_loop)
     trainer.fit_loop = loop
     return loop

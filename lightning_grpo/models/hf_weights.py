@@ -1,7 +1,8 @@
 """The policy's weights as ``(hf_name, full_tensor)`` pairs, the form vLLM's checkpoint loader reads.
 
-Used by :meth:`lightning_grpo.rollout.engines.vllm.VLLMRolloutEngine.sync_weights` (and the rollout servers' client)
-to push trained weights into a running engine. Names are the Hugging Face checkpoint names
+The backends stream them to the engines that hold their own copy of the weights (colocated vLLM, the rollout servers:
+:class:`lightning_grpo.strategies.weights.ModuleWeights`, a :class:`~lightning_grpo.protocols.weights.PolicyWeights`).
+Names are the Hugging Face checkpoint names
 (``model.layers.0.self_attn.q_proj.weight``, ``lm_head.weight``), which vLLM's ``load_weights`` maps onto its fused
 layers (qkv, gate_up) itself.
 
@@ -18,7 +19,7 @@ from typing import Callable, Iterable, Iterator, Mapping
 import torch
 from torch import Tensor, nn
 
-from lightning_grpo.protocols.weights import HFWeightSource
+from lightning_grpo.protocols.weights import TIED_HEAD_ERROR
 
 #: Name pieces added by wrappers around the HF module, removed so names match the checkpoint:
 #: ``torch.compile`` (``_orig_mod``), activation checkpointing (``_checkpoint_wrapped_module``),
@@ -153,15 +154,6 @@ def has_separate_head(model: nn.Module) -> bool:
     return False
 
 
-#: Why a separately trained head cannot be synced into an engine that ties it.
-TIED_HEAD_ERROR = (
-    "the engine's model ties lm_head to the input embedding (tie_word_embeddings=True, one matrix) but the policy "
-    "trains a separate lm_head (e.g. LoRA modules_to_save=['lm_head'] on a tied checkpoint): the engine would "
-    "sample from a head that is not the one trained. Keep the head tied (LoraConfig(ensure_weight_tying=True) or "
-    "leave lm_head out of modules_to_save), or generate with the policy itself (GRPOConfig.engine.name='hf')"
-)
-
-
 def check_syncable(model: nn.Module, tie_word_embeddings: bool) -> None:
     """Refuse weights that an engine with ``tie_word_embeddings`` cannot hold exactly.
 
@@ -176,8 +168,7 @@ def hf_weights(model: torch.nn.Module, tie_word_embeddings: bool) -> Iterator[tu
     """Yield every parameter and persistent buffer of ``model`` as ``(hf_name, tensor)``, one at a time (so
     FSDP2 gathers one parameter at a time, never the whole model at once).
 
-    A PEFT LoRA model is yielded merged, under the base model's names (:func:`merge_lora`). An
-    :class:`HFWeightSource` yields its own :meth:`HFWeightSource.hf_weights` (a collective).
+    A PEFT LoRA model is yielded merged, under the base model's names (:func:`merge_lora`).
 
     Tied parameters appear once in ``named_parameters`` (as ``model.embed_tokens.weight``). When the
     checkpoint ties embeddings, ``lm_head.weight`` is yielded explicitly as well, with the embedding's
@@ -187,7 +178,8 @@ def hf_weights(model: torch.nn.Module, tie_word_embeddings: bool) -> Iterator[tu
     Args:
         model: the Hugging Face causal LM being trained (``transformers.PreTrainedModel``), possibly wrapped
             by FSDP2, ``torch.compile``, activation checkpointing or DDP.
-        tie_word_embeddings: whether the engine's model ties ``lm_head`` to the input embedding.
+        tie_word_embeddings: whether the model ties ``lm_head`` to the input embedding (its checkpoint's config;
+            an engine loaded from that checkpoint ties them too).
 
     Yields:
         ``(name, tensor)`` with the checkpoint name and the full, detached tensor (dtype and device of the
@@ -197,9 +189,6 @@ def hf_weights(model: torch.nn.Module, tie_word_embeddings: bool) -> Iterator[tu
         ValueError: if ``tie_word_embeddings`` is set and the model has no ``model.embed_tokens.weight``, or has a
             separately trained ``lm_head`` (:func:`check_syncable`; raised before anything is yielded).
     """
-    if isinstance(model, HFWeightSource):  # the declared seam: e.g. the Megatron policy gathers its shards
-        yield from model.hf_weights()
-        return
     check_syncable(model, tie_word_embeddings)
     persistent = set(model.state_dict().keys())
     tensors = {checkpoint_name(name): param for name, param in model.named_parameters()}

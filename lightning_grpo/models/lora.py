@@ -32,6 +32,7 @@ import difflib
 import json
 import logging
 import os
+import tempfile
 from typing import Any, Optional, Union
 
 import torch
@@ -182,26 +183,51 @@ def check_quantized_engine(settings: LoraSettings, engine: RolloutEngine) -> Non
                          "weights cannot sample from it: use GRPOConfig.engine.name='hf'")
 
 
-def check_tied_head(policy: nn.Module, engine: RolloutEngine) -> None:
+def check_tied_head(policy: nn.Module, base: nn.Module, engine: RolloutEngine) -> None:
     """At setup: an engine with its own weights (vLLM, the rollout servers) is loaded from the policy's checkpoint,
-    so it ties ``lm_head`` to the embedding when the checkpoint's config does; a policy that trains a separate head
-    then cannot be synced exactly (:data:`~lightning_grpo.models.hf_weights.TIED_HEAD_ERROR`).
+    so it ties ``lm_head`` to the embedding when the checkpoint's config (``base``'s, the policy's transformers model)
+    does; a policy that trains a separate head then cannot be synced exactly
+    (:data:`~lightning_grpo.protocols.weights.TIED_HEAD_ERROR`).
 
     Raises:
         ValueError: the checkpoint ties, the policy has a separate head and ``engine`` holds its own weights.
     """
-    tied = bool(getattr(getattr(base_model(policy), "config", None), "tie_word_embeddings", False))
+    tied = bool(getattr(getattr(base, "config", None), "tie_word_embeddings", False))
     if not engine.uses_policy_parameters:
         check_syncable(policy, tied)
 
 
+@dataclasses.dataclass(frozen=True)
+class LoadedPolicy:
+    """A loaded policy and what it is, read once when it is loaded (:func:`load_lora_policy`).
+
+    Attributes:
+        policy: the policy module (a ``peft.PeftModel`` with LoRA).
+        tokenizer: its tokenizer (with a pad token).
+        path: its folder, or None for a module given without one.
+        base: its transformers model: a PEFT model's base model (whose layers carry the adapters), else the policy.
+        lora: it trains LoRA adapters (a PEFT model, or a module holding LoRA layers).
+    """
+
+    policy: nn.Module
+    tokenizer: PreTrainedTokenizerBase
+    path: Optional[str]
+    base: nn.Module
+    lora: bool
+
+    @classmethod
+    def of(cls, policy: nn.Module, tokenizer: PreTrainedTokenizerBase, path: Optional[str]) -> "LoadedPolicy":
+        """What ``policy`` is (a PEFT model or not), read here once."""
+        peft = isinstance(policy, PeftModel)
+        return cls(policy, tokenizer, path, policy.get_base_model() if peft else policy,
+                   peft or bool(lora_layers(policy)))
+
+
 def load_lora_policy(model: Union[str, nn.Module, None], tokenizer: Union[str, PreTrainedTokenizerBase, None],
-                     dtype: str, gradient_checkpointing: Union[bool, str],
-                     settings: LoraSettings) -> tuple[nn.Module, PreTrainedTokenizerBase, Optional[str]]:
+                     dtype: str, gradient_checkpointing: Union[bool, str], settings: LoraSettings) -> LoadedPolicy:
     """:func:`lightning_grpo.models.loading.load_policy` (quantized with ``settings.quantization_config``), then with
-    LoRA
-    ``peft.get_peft_model(policy, settings.config)`` (the policy's layers are adapted in place; a quantized base
-    goes through ``peft.prepare_model_for_kbit_training`` first). Returns ``(policy, tokenizer, model_path)``.
+    LoRA ``peft.get_peft_model(policy, settings.config)`` (the policy's layers are adapted in place; a quantized base
+    goes through ``peft.prepare_model_for_kbit_training`` first).
 
     Raises:
         ValueError: see ``load_policy``.
@@ -209,7 +235,7 @@ def load_lora_policy(model: Union[str, nn.Module, None], tokenizer: Union[str, P
     policy, tokenizer, path = load_policy(model, tokenizer, dtype, gradient_checkpointing,
                                           settings.quantization_config)
     if settings.config is None:
-        return policy, tokenizer, path
+        return LoadedPolicy.of(policy, tokenizer, path)
     if settings.quantization_config is not None:
         from peft import prepare_model_for_kbit_training
 
@@ -217,7 +243,7 @@ def load_lora_policy(model: Union[str, nn.Module, None], tokenizer: Union[str, P
     adapted = get_peft_model(policy, settings.config)
     adapted.train(policy.training)
     check_lora_targets(adapted, settings.config)
-    return adapted, tokenizer, path
+    return LoadedPolicy.of(adapted, tokenizer, path)
 
 
 def _matches(name: str, target: str) -> bool:
@@ -247,16 +273,6 @@ def check_lora_targets(adapted: nn.Module, config: LoraConfig) -> None:
                          if isinstance(m, nn.Linear)})
         raise ValueError(f"lora: {'; '.join(problems)} (a misspelling would leave those layers untrained); the "
                          f"model's linear layers are named {leaves}")
-
-
-def base_model(policy: nn.Module) -> nn.Module:
-    """The transformers model of a PEFT policy (its layers carry the adapters), else ``policy`` itself."""
-    return policy.get_base_model() if isinstance(policy, PeftModel) else policy
-
-
-def is_lora(model: nn.Module) -> bool:
-    """Whether ``model`` is a PEFT model or holds LoRA layers."""
-    return isinstance(model, PeftModel) or bool(lora_layers(model))
 
 
 class AdapterDisabledReference(nn.Module):
@@ -291,30 +307,32 @@ class AdapterDisabledReference(nn.Module):
             return self.policy(*args, **kwargs)
 
 
-def reference_for(policy: nn.Module, beta: float) -> FrozenReference:
+def reference_for(loaded: LoadedPolicy, beta: float) -> FrozenReference:
     """The KL reference for ``beta > 0``: :class:`AdapterDisabledReference` of a LoRA policy, else a frozen deep
     copy (:meth:`lightning_grpo.models.loading.FrozenReference.copy_of`); no reference for ``beta = 0``."""
     if beta <= 0:
         return FrozenReference()
-    return FrozenReference(AdapterDisabledReference(policy)) if is_lora(policy) else FrozenReference.copy_of(policy)
+    policy = loaded.policy
+    return FrozenReference(AdapterDisabledReference(policy)) if loaded.lora else FrozenReference.copy_of(policy)
 
 
-def trim_frozen_weights(root: nn.Module, attribute: str = "policy") -> None:
-    """Make ``root.state_dict()`` hold, of ``root.<attribute>``, only the parameters that require grad (LoRA
-    adapters and ``modules_to_save`` copies: the frozen base weights and buffers are left out), and make
-    ``root.load_state_dict`` (strict too) accept their absence: a checkpoint then holds the trained tensors only,
-    and a resume keeps the base weights the module was built with. A checkpoint that lacks a trainable tensor, or
-    has a key the module does not (e.g. full fine-tuning's ``policy.model.*``), still fails strict loading. Installs
-    state-dict hooks on ``root``; names are ``root``'s own (the keys of its top-level ``state_dict``). For a policy
-    without LoRA nothing is installed.
+def trim_frozen_weights(root: nn.Module, loaded: LoadedPolicy, attribute: str = "policy") -> None:
+    """Make ``root.state_dict()`` hold, of the policy (``root.<attribute>``, ``loaded.policy``), only the parameters
+    that require grad (LoRA adapters and ``modules_to_save`` copies: the frozen base weights and buffers are left
+    out), and make ``root.load_state_dict`` (strict too) accept their absence: a checkpoint then holds the trained
+    tensors only, and a resume keeps the base weights the module was built with. A checkpoint that lacks a trainable
+    tensor, or has a key the module does not (e.g. full fine-tuning's ``policy.model.*``), still fails strict
+    loading. Installs state-dict hooks on ``root``; names are ``root``'s own (the keys of its top-level
+    ``state_dict``). For a policy without LoRA nothing is installed. The LoRA backends shard or wrap the policy in
+    place (FSDP2, DDP): it stays the same module.
     """
-    if not is_lora(getattr(root, attribute)):
+    if not loaded.lora:
         return
     prefix = f"{attribute}."
+    policy = loaded.policy
 
     def kept(names_prefix: str) -> set[str]:
-        model = getattr(root, attribute)
-        return {f"{names_prefix}{prefix}{n}" for n, p in model.named_parameters(remove_duplicate=False)
+        return {f"{names_prefix}{prefix}{n}" for n, p in policy.named_parameters(remove_duplicate=False)
                 if p.requires_grad}
 
     def drop_frozen(module: nn.Module, state_dict: dict, names_prefix: str, local_metadata: Any) -> None:
@@ -345,8 +363,23 @@ def export_policy(policy: nn.Module, tokenizer: PreTrainedTokenizerBase, path: s
     save_policy(policy, tokenizer, path, state_dict)
     if not merged:
         return
-    if not isinstance(policy, PeftModel):
+    if not callable(getattr(policy, "get_base_model", None)):
         raise ValueError("export_merged=True merges LoRA adapters: the policy has none (GRPOModule(lora=None))")
     target = os.path.join(path, MERGED_SUBFOLDER)
     save_policy(policy.get_base_model(), tokenizer, target, merged_state_dict(policy, state_dict))
     log.info("saved the merged LoRA policy to %s", target)
+
+
+def engine_checkpoint(loaded: LoadedPolicy) -> str:
+    """The folder an engine with its own weights is loaded from: the policy's folder, or (a module given without
+    one) a temporary folder it is saved to with ``save_pretrained``, LoRA merged (:func:`merged_state_dict`), with
+    its config and tokenizer. The engine gets the trained weights by its syncs."""
+    path = loaded.path
+    if path is not None and os.path.isdir(path):
+        return path
+    path = tempfile.mkdtemp(prefix="lightning_grpo_engine_")
+    base, policy = loaded.base, loaded.policy
+    base.config.save_pretrained(path)
+    base.save_pretrained(path, state_dict=merged_state_dict(policy) if base is not policy else None)
+    loaded.tokenizer.save_pretrained(path)
+    return path

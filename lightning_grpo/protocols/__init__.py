@@ -9,7 +9,7 @@ speak, and nothing else (this folder imports only torch and the standard library
 * :mod:`~lightning_grpo.protocols.sampler`: :class:`Sampler` and :class:`PromptEncoder`, the rollout path a worker is
   given;
 * :mod:`~lightning_grpo.protocols.episode`: :class:`EpisodeRecord` and :class:`Turn` (what a multi-turn episode was);
-* :mod:`~lightning_grpo.protocols.weights`: :class:`HFWeightSource`;
+* :mod:`~lightning_grpo.protocols.weights`: :class:`PolicyWeights`, what an engine is synced with;
 * :mod:`~lightning_grpo.protocols.collectives`: :class:`Collectives` over the data-parallel processes.
 """
 
@@ -27,7 +27,7 @@ from lightning_grpo.protocols.rollout import (
 )
 from lightning_grpo.protocols.sampler import AnyProcess, PromptEncoder, Sampler
 from lightning_grpo.protocols.sampling import SamplingConfig
-from lightning_grpo.protocols.weights import HFWeightSource
+from lightning_grpo.protocols.weights import PolicyWeights
 
 __all__ = [
     "AnyProcess",
@@ -35,7 +35,7 @@ __all__ = [
     "CoreRolloutEngine",
     "EngineWrapper",
     "EpisodeRecord",
-    "HFWeightSource",
+    "PolicyWeights",
     "PromptEncoder",
     "RolloutEngine",
     "RolloutInterrupted",

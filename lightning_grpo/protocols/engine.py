@@ -5,17 +5,27 @@ Every engine (HF ``generate`` in :mod:`lightning_grpo.rollout.engines.hf`, vLLM 
 implements :class:`RolloutEngine`; a user's engine may implement only :class:`CoreRolloutEngine`
 (:func:`lightning_grpo.rollout.adapter.as_rollout_engine` adds the rest). :class:`EngineWrapper` is the base of the
 engines that wrap another (the backends' gathering and tensor-parallel wrappers). The trainer never depends on an
-engine's internals.
+engine's internals, and an engine never sees the trainer's model: it generates from token ids and is synced with a
+:class:`~lightning_grpo.protocols.weights.PolicyWeights` stream that the trainer's backend produces.
 """
 
 from __future__ import annotations
 
 from typing import Protocol, Sequence, runtime_checkable
 
-import torch
-
 from lightning_grpo.protocols.rollout import RolloutOutput
 from lightning_grpo.protocols.sampling import SamplingConfig
+from lightning_grpo.protocols.weights import PolicyWeights
+
+#: The optional members of :class:`RolloutEngine` that say what an engine is, and the value an engine that does not
+#: declare one is taken to have (:func:`lightning_grpo.rollout.adapter.as_rollout_engine`, logged once).
+CAPABILITY_DEFAULTS: dict[str, bool] = {
+    "uses_policy_parameters": False,
+    "seeds_per_request": False,
+    "sync_is_collective": False,
+}
+#: The optional lifecycle methods of :class:`RolloutEngine`: an engine that does not define one gets a no-op.
+LIFECYCLE_METHODS = ("wake_up", "sleep", "close", "set_lockstep")
 
 
 @runtime_checkable
@@ -23,10 +33,11 @@ class RolloutEngine(Protocol):
     """What the trainer needs from a generator: every member the rest of the package uses on an engine.
 
     An engine says what it is through capabilities, which the backends, the worker and the experience maker read
-    instead of asking for its type: :attr:`uses_policy_parameters`, :attr:`seeds_per_request`,
-    :attr:`sync_is_collective` and :attr:`reads_weight_sources`. A user engine may
-    implement only the core (:class:`CoreRolloutEngine`: ``generate``, ``sync_weights``, ``pad_token_id``):
-    :func:`lightning_grpo.rollout.adapter.as_rollout_engine` adds the rest with neutral defaults.
+    instead of asking for its type: :attr:`uses_policy_parameters`, :attr:`seeds_per_request` and
+    :attr:`sync_is_collective`. A user engine may implement only the core (:class:`CoreRolloutEngine`: ``generate``,
+    ``sync_weights``, ``pad_token_id``) and any of the rest:
+    :func:`lightning_grpo.rollout.adapter.as_rollout_engine` honours each member it declares and gives it the
+    defaults of :data:`CAPABILITY_DEFAULTS` (and no-op :data:`LIFECYCLE_METHODS`) for the others.
     """
 
     def generate(
@@ -35,8 +46,10 @@ class RolloutEngine(Protocol):
         """Sample ``num_generations`` completions for each prompt (given as token ids, no padding)."""
         ...
 
-    def sync_weights(self, model: torch.nn.Module) -> None:
-        """Make the engine generate with ``model``'s current weights (called after optimizer steps)."""
+    def sync_weights(self, weights: PolicyWeights) -> None:
+        """Make the engine generate with the policy's current weights, read from ``weights`` (called after optimizer
+        steps; every process calls it when ``weights.collective``). An engine that generates with the policy's own
+        parameters (:attr:`uses_policy_parameters`) has nothing to do."""
         ...
 
     @property
@@ -62,14 +75,6 @@ class RolloutEngine(Protocol):
     def sync_is_collective(self) -> bool:
         """Whether :meth:`sync_weights` must be called by every trainer process together (the rollout servers:
         global rank 0 streams the weights, the others wait); False: each process syncs its own engine."""
-        ...
-
-    @property
-    def reads_weight_sources(self) -> bool:
-        """Whether :meth:`sync_weights` also takes an :class:`~lightning_grpo.protocols.weights.HFWeightSource` (a
-        policy that is no transformers module and gives its weights one gathered tensor at a time: the Megatron
-        policy) and reads it to the end, every tensor (colocated vLLM, the rollout servers). False: it
-        is given a transformers module (the Megatron backend refreshes an HF copy of the policy for it)."""
         ...
 
     def set_lockstep(self, enabled: bool) -> None:
@@ -101,7 +106,7 @@ class CoreRolloutEngine(Protocol):
         self, prompt_ids: Sequence[Sequence[int]], num_generations: int, sampling: SamplingConfig
     ) -> RolloutOutput: ...
 
-    def sync_weights(self, model: torch.nn.Module) -> None: ...
+    def sync_weights(self, weights: PolicyWeights) -> None: ...
 
     @property
     def pad_token_id(self) -> int: ...
@@ -125,9 +130,9 @@ class EngineWrapper:
         """``engine.generate``."""
         return self.engine.generate(prompt_ids, num_generations, sampling)
 
-    def sync_weights(self, model: torch.nn.Module) -> None:
+    def sync_weights(self, weights: PolicyWeights) -> None:
         """``engine.sync_weights``."""
-        self.engine.sync_weights(model)
+        self.engine.sync_weights(weights)
 
     def wake_up(self) -> None:
         """``engine.wake_up()``."""
@@ -164,8 +169,3 @@ class EngineWrapper:
     def sync_is_collective(self) -> bool:
         """``engine.sync_is_collective``."""
         return self.engine.sync_is_collective
-
-    @property
-    def reads_weight_sources(self) -> bool:
-        """``engine.reads_weight_sources``."""
-        return self.engine.reads_weight_sources

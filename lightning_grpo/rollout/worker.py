@@ -2,7 +2,13 @@
 
 The trainer's weights change at every optimizer step (:meth:`RolloutWorker.mark_stale`); the engine gets them at
 the next :meth:`RolloutWorker.awake` when ``engine.sync_every`` steps have passed (always when forced, e.g. before
-validation). An engine that generates with the policy's own parameters (HF) needs no sync.
+validation), as the stream the trainer's backend makes of them (:attr:`RolloutWorker.weights`, a
+:class:`~lightning_grpo.protocols.weights.PolicyWeights`). An engine that generates with the policy's own parameters
+(HF) needs no sync.
+
+The engine the worker made (:meth:`RolloutWorker.start`) or was given lives across stages: a backend wraps it for a
+stage (:meth:`RolloutWorker.attach`) and the wrapper goes at the stage's end (:meth:`RolloutWorker.detach`), so a
+validation before a fit hands its engine to the fit. :meth:`RolloutWorker.close` releases an engine it made.
 
 Every rollout goes through the :class:`~lightning_grpo.protocols.sampler.PromptEncoder` and
 :class:`~lightning_grpo.protocols.sampler.Sampler` the worker is made with: single-turn (the chat template, one
@@ -17,22 +23,24 @@ NaN/inf before every rollout (:func:`lightning_grpo.training.nonfinite.check_fin
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 from torch import nn
 from transformers import PreTrainedTokenizerBase
 
-from lightning_grpo.config import GRPOConfig
+from lightning_grpo.config import GRPOConfig, ResolvedConfig
 from lightning_grpo.events import ON_WEIGHTS_SYNCED, EventSink
 from lightning_grpo.protocols.collectives import Collectives
 from lightning_grpo.protocols.engine import RolloutEngine
 from lightning_grpo.protocols.rollout import RolloutOutput, StopFlag
 from lightning_grpo.protocols.sampler import PromptEncoder, Sampler
 from lightning_grpo.protocols.sampling import SamplingConfig
+from lightning_grpo.protocols.weights import PolicyWeights
 from lightning_grpo.rollout.adapter import as_rollout_engine
 from lightning_grpo.rollout.prompts import TemplatePrompts
-from lightning_grpo.rollout.registry import EngineSpec, make_engine, resolve_engine_name
+from lightning_grpo.rollout.registry import engine_spec, make_engine
 from lightning_grpo.rollout.single_turn import SingleTurnSampler
+from lightning_grpo.strategies.weights import ModuleWeights
 from lightning_grpo.training.metrics import StepTimer
 from lightning_grpo.training.nonfinite import check_finite_parameters
 
@@ -60,9 +68,12 @@ class RolloutWorker:
         stop: the stop flag (default a new one); the sampler's, when it polls one, is this one.
 
     Attributes:
-        engine: the rollout engine, None before :meth:`start` (a backend may replace it with a wrapper).
-        weights_version: optimizer steps taken so far (the trainer's ``global_step``; ``GRPOModule`` sets it when
-            training starts, also after a resume).
+        engine: the rollout engine, None before :meth:`start` (during a stage, the backend's wrapper of it).
+        weights: the policy's weights as the trainer's backend streams them to the engine (:meth:`attach`); None:
+            the policy module's own, as the single-process backend gives them
+            (:class:`~lightning_grpo.strategies.weights.ModuleWeights` of the policy :meth:`sync` is given).
+        weights_version: optimizer steps taken so far (the trainer's ``global_step``; restored from a checkpoint by
+            :meth:`load_state_dict`).
         engine_version: the ``weights_version`` the engine generates with (-1: not yet synced).
         stop: the stop request the engine and the sampler poll (a stopped rollout raises
             :class:`~lightning_grpo.protocols.rollout.RolloutInterrupted`).
@@ -77,42 +88,79 @@ class RolloutWorker:
         self.tokenizer = tokenizer
         self.prompts: PromptEncoder = prompts if prompts is not None else TemplatePrompts(tokenizer)
         self.sampler: Sampler = sampler if sampler is not None else SingleTurnSampler()
-        resolve_engine_name(config.engine.name)  # an unknown engine name fails here, when the module is built
-        self._engine: Optional[RolloutEngine] = None
+        self._own: Optional[RolloutEngine] = None  # the engine as made or given (kept across stages)
+        self._engine: Optional[RolloutEngine] = None  # the stage's: the backend's wrapper of _own, or _own
         self._made: Optional[RolloutEngine] = None  # the engine start() made, which close() releases
+        self.weights: Optional[PolicyWeights] = None
+        self.engine_name = config.engine.name  # "auto" until start() is given the resolved name
         self.weights_version = 0
         self.engine_version = 0
         self.stop = stop if stop is not None else StopFlag()
 
     @property
     def engine(self) -> Optional[RolloutEngine]:
-        """The rollout engine (None before :meth:`start`)."""
+        """The rollout engine (None before :meth:`start`; during a stage, the backend's wrapper of it)."""
         return self._engine
 
     @engine.setter
     def engine(self, engine: Any) -> None:
-        """Set the engine: a :class:`~lightning_grpo.protocols.engine.RolloutEngine`, or a user engine with only the
-        core members (adapted by :func:`~lightning_grpo.rollout.adapter.as_rollout_engine`; a TypeError names what it
-        lacks). An engine with its own weights gets the policy's before its first rollout."""
-        self._engine = None if engine is None else as_rollout_engine(engine)
-        if self._engine is not None:
-            self._check_capabilities(self._engine)
-            if not self._engine.uses_policy_parameters:
-                self.engine_version = -1
+        """Give the worker an engine (the caller's: kept, never closed by the worker): a
+        :class:`~lightning_grpo.protocols.engine.RolloutEngine`, or a user engine with only some of its members
+        (adapted by :func:`~lightning_grpo.rollout.adapter.as_rollout_engine`, which honours each capability it
+        declares; a TypeError names a core member it lacks). An engine with its own weights gets the policy's before
+        its first rollout."""
+        self._set_own(None if engine is None else as_rollout_engine(engine))
 
-    def start(self, policy: nn.Module, model_path: Optional[str], rollout_prompts: Optional[int] = None) -> None:
-        """Make the engine ``config.engine.name`` names once (idempotent; :func:`~lightning_grpo.rollout.registry.
-        make_engine`). An engine with its own weights gets the policy's before its first rollout (they may differ
-        from ``model_path``'s, e.g. after a resume). ``rollout_prompts``: prompts per rollout on this process, if
-        known (sizes ``engine.kv_cache_space_gib="auto"``).
+    def _set_own(self, engine: Optional[RolloutEngine]) -> None:
+        if engine is not None:
+            self._check_capabilities(engine)
+        self._own = self._engine = engine
+        if engine is not None and not engine.uses_policy_parameters:
+            self.engine_version = -1
+
+    @property
+    def own_engine(self) -> Optional[RolloutEngine]:
+        """The engine as it was made or given, without a backend's wrapper (what a backend wraps)."""
+        return self._own
+
+    def start(self, model: nn.Module, checkpoint: Callable[[], str], resolved: ResolvedConfig,
+              rollout_prompts: Optional[int] = None) -> ResolvedConfig:
+        """Make the engine ``resolved.engine_name`` names, once (an engine made or given is kept, across stages
+        too; :func:`~lightning_grpo.rollout.registry.make_engine`). An engine with its own weights gets the policy's
+        before its first rollout (they may differ from the checkpoint's, e.g. after a resume).
+
+        Args:
+            model: the policy's transformers model (a PEFT policy's base model).
+            checkpoint: returns the folder an engine with its own weights is loaded from.
+            resolved: the run's resolved settings (the engine's name).
+            rollout_prompts: prompts per rollout on this process, if known (sizes ``engine.kv_cache_space_gib=
+                "auto"``).
+
+        Returns:
+            ``resolved`` with what making the engine resolved (the KV-cache size); unchanged when an engine exists.
 
         Raises:
             ValueError: ``max_staleness > 0`` with an engine that generates with the policy's own parameters.
         """
-        if self._engine is None:
-            self.engine = make_engine(EngineSpec(self.config, policy, self.tokenizer, model_path, self.stop,
-                                                 rollout_prompts))
-            self._made = self._engine
+        self.engine_name = resolved.engine_name
+        if self._own is not None:
+            return resolved
+        spec = engine_spec(self.config, resolved.engine_name, model, self.tokenizer, checkpoint, self.stop,
+                           rollout_prompts)
+        engine = as_rollout_engine(make_engine(spec))
+        self._set_own(engine)
+        self._made = engine
+        return resolved.replace(kv_cache_space_gib=spec.kv_cache_space_gib)
+
+    def attach(self, engine: Optional[RolloutEngine], weights: Optional[PolicyWeights]) -> None:
+        """For a stage: the trainer's backend's view of the engine (:attr:`own_engine`, or a wrapper of it) and the
+        stream of the policy's weights it syncs from (``GRPOModels.engine``, ``GRPOModels.weights``)."""
+        self._engine = engine if engine is not None else self._own
+        self.weights = weights
+
+    def detach(self) -> None:
+        """The end of a stage: the backend's wrapper goes, the engine stays (for the next stage)."""
+        self._engine = self._own
 
     def close(self) -> None:
         """Release the engine :meth:`start` made (``engine.close()``: vLLM's KV cache and weights, the
@@ -123,15 +171,28 @@ class RolloutWorker:
         made, self._made = self._made, None
         if made is None:
             return
-        if self._engine is made:
-            self._engine = None
+        if self._own is made:
+            self._own = self._engine = None
         made.close()
+
+    @property
+    def made_engine(self) -> bool:
+        """Whether the worker holds an engine it made (which :meth:`close` releases)."""
+        return self._made is not None
+
+    def state_dict(self) -> dict[str, int]:
+        """What a checkpoint keeps of the worker: ``weights_version``."""
+        return {"weights_version": self.weights_version}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Restore :meth:`state_dict` (the engine gets the weights before its next rollout when they differ)."""
+        self.weights_version = int(state["weights_version"])
 
     def _check_capabilities(self, engine: RolloutEngine) -> None:
         if self.config.max_staleness > 0 and engine.uses_policy_parameters:
             raise ValueError(
                 f"GRPOConfig.max_staleness={self.config.max_staleness} needs a rollout engine with its own copy of "
-                f"the weights (engine.name='vllm' or 'vllm_server'): engine.name={self.config.engine.name!r} "
+                f"the weights (engine.name='vllm' or 'vllm_server'): engine.name={self.engine_name!r} "
                 "generates with the training model itself, so it cannot generate while the trainer trains; use "
                 "max_staleness=0")
 
@@ -169,12 +230,13 @@ class RolloutWorker:
         return self.engine
 
     def sync(self, policy: nn.Module, force: bool = False) -> None:
-        """Push ``policy``'s weights into the engine every ``engine.sync_every`` optimizer steps (always when
-        ``force`` and they differ, and before the first rollout of an engine with its own weights)."""
+        """Push the policy's weights (:attr:`weights`, else ``policy``'s own) into the engine every
+        ``engine.sync_every`` optimizer steps (always when ``force`` and they differ, and before the first rollout of
+        an engine with its own weights)."""
         engine = self.require_engine()
         behind = self.weights_version - self.engine_version
         if behind >= self.config.engine.sync_every or (force and behind > 0) or self.engine_version < 0:
-            engine.sync_weights(policy)
+            engine.sync_weights(self.weights if self.weights is not None else ModuleWeights(policy))
             self.engine_version = self.weights_version
             if self.events is not None:
                 self.events(ON_WEIGHTS_SYNCED, self.engine_version)

@@ -123,7 +123,7 @@ def use_atomic_checkpoint_io(strategy: Any) -> bool:
     """Give ``strategy`` an :class:`AtomicCheckpointIO` when its checkpoint IO is Lightning's default
     ``TorchCheckpointIO`` (exactly that class); any other IO, e.g. a plugin the user passed, is kept. Returns
     whether it was installed."""
-    if type(getattr(strategy, "checkpoint_io", None)) is not TorchCheckpointIO:
+    if type(strategy.checkpoint_io) is not TorchCheckpointIO:
         return False
     strategy.checkpoint_io = AtomicCheckpointIO()
     return True

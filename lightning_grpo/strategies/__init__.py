@@ -8,7 +8,7 @@ Importing this package registers ``Trainer(strategy="grpo_fsdp2")`` and ``"grpo_
 
 from typing import Any
 
-from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy, StrategyRegistry
+from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_grpo.strategies._gather import (
     GatheredGenerationEngine,
@@ -28,25 +28,13 @@ from lightning_grpo.strategies.fsdp import (
 )
 from lightning_grpo.strategies.fsdp1 import FSDP1Backend
 from lightning_grpo.strategies.local import LocalBackend, clip_grad_norm_, grad_norm
+from lightning_grpo.strategies.registry import backend_for
 
 __all__ = [
     "FSDP1Backend", "FSDP2Backend", "FSDP2Strategy", "GRPOModels", "GatheredGenerationEngine", "LocalBackend",
     "MegatronStrategy", "ParallelBackend", "backend_for", "clip_grad_norm_", "decoder_layers", "full_state_dict",
     "gathered_parameters", "grad_norm", "is_fsdp1", "is_fsdp2", "is_sharded", "mixed_precision_policy", "shard_model",
 ]
-
-
-def backend_for(strategy: Any) -> ParallelBackend:
-    """The backend of a Lightning strategy: the strategy itself when it implements :class:`ParallelBackend`
-    (``MegatronStrategy``), :class:`FSDP2Backend` for a ``ModelParallelStrategy`` (:class:`FSDP2Strategy`
-    included), :class:`FSDP1Backend` for ``FSDPStrategy``, else :class:`LocalBackend` (single device, DDP)."""
-    if isinstance(strategy, ParallelBackend):
-        return strategy
-    if isinstance(strategy, ModelParallelStrategy):
-        return FSDP2Backend(strategy)
-    if isinstance(strategy, FSDPStrategy):
-        return FSDP1Backend(strategy)
-    return LocalBackend(strategy)
 
 
 def __getattr__(name: str) -> Any:

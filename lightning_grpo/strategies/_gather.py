@@ -2,7 +2,7 @@
 and :mod:`lightning_grpo.strategies.fsdp1` (FSDP1) share.
 
 * :func:`gathered_parameters`: the full parameters for a block of no-grad forwards (rollouts, weight sync);
-* :class:`GatheredGenerationEngine`: a rollout engine that generates inside that block;
+* :class:`GatheredGenerationEngine`: an engine that generates with the policy, inside that block;
 * :func:`full_state_dict`: the whole unsharded state dict (HF export).
 
 ``torch.distributed.fsdp`` is imported where it is used: it needs a torch build with distributed support.
@@ -100,41 +100,27 @@ def gathered_parameters(model: nn.Module) -> Iterator[nn.Module]:
 
 
 class GatheredGenerationEngine(EngineWrapper):
-    """A rollout engine that runs another engine's ``generate`` inside :func:`gathered_parameters` of the
-    sharded policy (FSDP2: one all-gather per group per rollout instead of one per generated token).
+    """A rollout engine that generates with the policy's own parameters (``uses_policy_parameters``, HF
+    ``generate``), run inside :func:`gathered_parameters` of the sharded policy (FSDP2: one all-gather per group per
+    rollout instead of one per generated token).
 
     Args:
-        engine: the wrapped engine: one that generates with the unwrapped policy module itself
-            (``uses_policy_parameters``, HF ``generate``), or one with its own weights such as vLLM's.
+        engine: the wrapped engine; it generates with the unwrapped policy module.
         model: the sharded policy.
-        gather_for_sync: also run ``engine.sync_weights`` inside :func:`gathered_parameters` (FSDP1, whose
-            parameters outside it are flat local shards; FSDP2 ``DTensor`` parameters gather themselves).
 
-    ``wake_up``, ``sleep``, ``close`` and ``pad_token_id`` are those of ``engine``
-    (:class:`~lightning_grpo.protocols.engine.EngineWrapper`).
+    Every other member is ``engine``'s (:class:`~lightning_grpo.protocols.engine.EngineWrapper`).
     """
 
-    def __init__(self, engine: RolloutEngine, model: nn.Module, gather_for_sync: bool = False) -> None:
+    def __init__(self, engine: RolloutEngine, model: nn.Module) -> None:
         super().__init__(engine)
         self.model = model
-        self.gather_for_sync = gather_for_sync
 
     def generate(
         self, prompt_ids: Sequence[Sequence[int]], num_generations: int, sampling: SamplingConfig
     ) -> RolloutOutput:
         """``engine.generate`` with the policy's full parameters gathered once (a collective: every rank calls)."""
-        if not self.engine.uses_policy_parameters:  # the engine holds its own full weights
-            return self.engine.generate(prompt_ids, num_generations, sampling)
         with gathered_parameters(self.model):
             return self.engine.generate(prompt_ids, num_generations, sampling)
-
-    def sync_weights(self, model: nn.Module) -> None:
-        """``engine.sync_weights(model)`` (inside :func:`gathered_parameters` when ``gather_for_sync``)."""
-        if not self.gather_for_sync:
-            self.engine.sync_weights(model)
-            return
-        with gathered_parameters(model):
-            self.engine.sync_weights(model)
 
 
 def full_state_dict(model: nn.Module, rank0_only: bool = False) -> dict[str, Tensor]:

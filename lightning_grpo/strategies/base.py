@@ -1,10 +1,12 @@
 """The one seam between ``GRPOModule`` and a parallel backend (single device/DDP, FSDP2, FSDP1, Megatron).
 
 The module hands its models to the backend as a :class:`GRPOModels` record and takes back the record the
-backend returns (sharded, converted or wrapped models); a backend never sees the LightningModule. Everything
-else the module needs from the backend (gradient norm and clipping, the full weights for export, the
-data-parallel reductions of metrics and loss normalizers) is one method of :class:`ParallelBackend`.
-:func:`lightning_grpo.strategies.backend_for` picks the backend of a Lightning strategy.
+backend returns: the sharded, converted or wrapped models, and what the rest of the run needs to know of them, read
+once here (the policy's weights as the engines read them, its own completion scorer, whether a forward pass
+all-gathers); a backend never sees the LightningModule. Everything else the module needs from the backend (gradient
+norm and clipping, the full weights for export, the data-parallel reductions of metrics and loss normalizers) is one
+method of :class:`ParallelBackend`. :func:`lightning_grpo.strategies.backend_for` picks the backend of a Lightning
+strategy.
 """
 
 from __future__ import annotations
@@ -20,7 +22,9 @@ from lightning_grpo.algorithm import ObjectiveOutput
 from lightning_grpo.config import GRPOConfig
 from lightning_grpo.protocols.collectives import Collectives
 from lightning_grpo.protocols.engine import RolloutEngine
+from lightning_grpo.protocols.weights import PolicyWeights
 from lightning_grpo.training.experience import Experience
+from lightning_grpo.training.logprobs import CompletionScorer
 
 #: ``LightningModule.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)``: Lightning's own
 #: clipping through the precision plugin, for what a backend does not clip itself.
@@ -33,17 +37,29 @@ StepObjective = Callable[[Experience, Tensor, Optional[Tensor]], ObjectiveOutput
 
 @dataclass
 class GRPOModels:
-    """The models a backend shards, converts or wraps.
+    """The models a backend shards, converts or wraps, and what it tells of them.
 
     Attributes:
         policy: the trained policy (an HF causal LM before :meth:`ParallelBackend.configure`).
         ref: the frozen reference policy (``beta > 0``), else None.
-        engine: the rollout engine, else None (before ``GRPOModule.setup`` makes one).
+        engine: the rollout engine, else None (before ``GRPOModule.setup`` makes one); :meth:`ParallelBackend.
+            configure` is given the engine as it was made (or given) and returns it wrapped where it needs to.
+        lora: the policy is a PEFT LoRA model (read once when it is loaded).
+        weights: the policy's weights as the engines read them (LoRA merged, shards gathered); set by
+            :meth:`ParallelBackend.configure`.
+        scorer: computes completion logprobs for the backend's models itself (Megatron's vocab-parallel ones);
+            None: :class:`~lightning_grpo.training.logprobs.CompletionLogprobs`' forward layouts.
+        sharded: each forward pass of the policy and reference all-gathers their parameters (FSDP): callers make few,
+            large forward calls.
     """
 
     policy: nn.Module
     ref: Optional[nn.Module] = None
     engine: Optional[RolloutEngine] = None
+    lora: bool = False
+    weights: Optional[PolicyWeights] = None
+    scorer: Optional[CompletionScorer] = None
+    sharded: bool = False
 
 
 @runtime_checkable
@@ -52,17 +68,14 @@ class ParallelBackend(Protocol):
     process, in the same order."""
 
     def configure(self, models: GRPOModels) -> GRPOModels:
-        """Shard / convert the models and wrap the engine (from ``GRPOModule.configure_model``). Idempotent:
-        models configured already come back unchanged."""
+        """Shard / convert the models, wrap the engine, and say what the rest of the run needs of them
+        (``weights``, ``scorer``, ``sharded``), from ``GRPOModule.configure_model``. Idempotent: models configured
+        already are not configured again (the engine is wrapped again: it is given as made)."""
         ...
 
     def restore(self, models: GRPOModels) -> GRPOModels:
-        """Hand back plain HF models after a run (Megatron); the identity elsewhere."""
-        ...
-
-    def is_sharded(self, model: nn.Module) -> bool:
-        """Whether each forward of ``model`` all-gathers its parameters (FSDP): callers then make few, large
-        forward calls."""
+        """Hand back plain HF models after a run (Megatron); the identity elsewhere. The engine is left out: the
+        rollout worker keeps the engine as it was made."""
         ...
 
     def grad_norm(self, policy: nn.Module) -> Optional[Tensor]:

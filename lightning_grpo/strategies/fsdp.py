@@ -24,8 +24,9 @@ What :class:`FSDP2Backend` (the backend of any ``ModelParallelStrategy``) does t
   (``set_reshard_after_forward(False)``), and frees them after (``FSDPModule.reshard``): one all-gather per
   group per rollout, and no collective inside ``generate``.
   :class:`~lightning_grpo.strategies._gather.GatheredGenerationEngine` wraps the HF engine with it.
-* The vLLM engine gets full weights from :func:`lightning_grpo.models.hf_weights.hf_weights` (one
-  ``DTensor.full_tensor()`` per parameter, so never the whole model at once);
+* The engines with their own weights (vLLM, the rollout servers) read them from
+  :class:`~lightning_grpo.strategies.weights.ModuleWeights` (one ``DTensor.full_tensor()`` per parameter, so never
+  the whole model at once);
   :func:`~lightning_grpo.strategies._gather.full_state_dict` gathers
   the whole state dict (HF export).
 
@@ -46,16 +47,10 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_grpo.models.lora import is_lora
-from lightning_grpo.strategies._gather import (
-    RESHARD_ATTR,
-    GatheredGenerationEngine,
-    full_state_dict,
-    is_fsdp2,
-    is_sharded,
-)
+from lightning_grpo.strategies._gather import RESHARD_ATTR, GatheredGenerationEngine, full_state_dict, is_fsdp2
 from lightning_grpo.strategies.base import ClipFallback, GRPOModels, clips_by_norm
 from lightning_grpo.strategies.local import LocalBackend, clip_grad_norm_
+from lightning_grpo.strategies.weights import ModuleWeights
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -221,13 +216,19 @@ class FSDP2Backend(LocalBackend):
     :class:`~lightning_grpo.strategies.local.LocalBackend`'s (``strategy.reduce`` over every process).
 
     Args:
-        strategy: the ``ModelParallelStrategy``; its FSDP2 settings when it is an :class:`FSDP2Strategy`, else
-            FSDP2's defaults.
+        strategy: the ``ModelParallelStrategy``.
+        settings: its FSDP2 settings (the strategy itself when it is an :class:`FSDP2Strategy`); None: FSDP2's
+            defaults.
     """
+
+    def __init__(self, strategy: Any, settings: Optional[FSDP2Strategy] = None) -> None:
+        super().__init__(strategy)
+        self.settings = settings if settings is not None else FSDP2Strategy()
 
     def configure(self, models: GRPOModels) -> GRPOModels:
         """Shard the policy and the reference policy with FSDP2 over the strategy's data-parallel mesh and make the
-        HF rollout engine gather the policy once per rollout. Idempotent (``configure_model`` may run again).
+        HF rollout engine gather the policy once per rollout; the engines that hold their own weights read them
+        gathered one ``DTensor`` at a time (a collective). Idempotent (``configure_model`` may run again).
 
         Raises:
             ValueError: a plain ``ModelParallelStrategy`` with a tensor-parallel mesh dimension larger than 1 (its
@@ -243,7 +244,7 @@ class FSDP2Backend(LocalBackend):
                 "tensor_parallel_size=1)"
             )
         dp_mesh = mesh["data_parallel"] if mesh.mesh_dim_names and "data_parallel" in mesh.mesh_dim_names else mesh
-        settings = self.strategy if isinstance(self.strategy, FSDP2Strategy) else FSDP2Strategy()
+        settings = self.settings
         kwargs = dict(mp_policy=settings.mp_policy, offload_policy=settings.offload_policy())
         policy, ref, engine = models.policy, models.ref, models.engine
         if not is_fsdp2(policy):
@@ -255,16 +256,14 @@ class FSDP2Backend(LocalBackend):
                     )
                 policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             # a PEFT (LoRA) policy: its transformers model is the root, which the HF engine generates with
-            root = policy.get_base_model() if is_lora(policy) else policy
+            root = policy.get_base_model() if models.lora else policy
             shard_model(root, dp_mesh, reshard_after_forward=settings.reshard_after_forward, **kwargs)
         if ref is not None and not is_fsdp2(ref):
             shard_model(ref, dp_mesh, reshard_after_forward=True, root_reshard_after_forward=True, **kwargs)
         if engine is not None and engine.uses_policy_parameters:
             engine = GatheredGenerationEngine(engine, policy)
-        return GRPOModels(policy, ref, engine)
-
-    def is_sharded(self, model: nn.Module) -> bool:
-        return is_sharded(model)
+        return GRPOModels(policy, ref, engine, lora=models.lora, weights=ModuleWeights(policy, collective=True),
+                          sharded=True)
 
     def clip_gradients(
         self,

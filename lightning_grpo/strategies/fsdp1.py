@@ -11,10 +11,10 @@ so that
 * both can be called outside ``training_step`` (rollouts, old/reference logprobs): an FSDP root all-gathers its
   parameters in its own forward;
 * rollouts gather the policy once: ``FullyShardedDataParallel.summon_full_params(writeback=False)`` around
-  ``generate``, which then runs on the unwrapped model. Without an ``auto_wrap_policy`` (the policy is one FSDP
-  unit, Lightning's default) generation runs no collective at all. With nested FSDP units their forwards still
-  all-gather per generated token (FSDP1 offers no way around it; FSDP2 does, see
-  :mod:`lightning_grpo.strategies.fsdp`), so the HF engine is run with synchronized generation.
+  ``generate``, which then runs on the unwrapped model; a weight sync reads the parameters inside it too. Without
+  an ``auto_wrap_policy`` (the policy is one FSDP unit, Lightning's default) generation runs no collective at all.
+  With nested FSDP units their forwards still all-gather per generated token (FSDP1 offers no way around it;
+  FSDP2 does, see :mod:`lightning_grpo.strategies.fsdp`), so the HF engine is run with synchronized generation.
 
 Gradient norm and clipping by norm use the root's ``clip_grad_norm_`` (the norm over all shards; Lightning's
 FSDP1 precision plugin refuses ``gradient_clip_algorithm="norm"``).
@@ -28,10 +28,11 @@ from lightning.pytorch.strategies import FSDPStrategy
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_grpo.models.lora import is_lora
-from lightning_grpo.strategies._gather import GatheredGenerationEngine, full_state_dict, is_fsdp1, is_sharded
+from lightning_grpo.models.hf_weights import has_separate_head
+from lightning_grpo.strategies._gather import GatheredGenerationEngine, full_state_dict, gathered_parameters, is_fsdp1
 from lightning_grpo.strategies.base import ClipFallback, GRPOModels, clips_by_norm
 from lightning_grpo.strategies.local import LocalBackend
+from lightning_grpo.strategies.weights import ModuleWeights
 
 
 def _wrap(model: nn.Module, strategy: FSDPStrategy, auto_wrap_policy: object) -> nn.Module:
@@ -65,33 +66,35 @@ class FSDP1Backend(LocalBackend):
     """
 
     def configure(self, models: GRPOModels) -> GRPOModels:
-        """Wrap the policy and the reference policy as FSDP1 roots with the strategy's settings; make the rollout
-        engine gather the policy with ``summon_full_params``. Idempotent.
+        """Wrap the policy and the reference policy as FSDP1 roots with the strategy's settings; make the HF rollout
+        engine gather the policy with ``summon_full_params``; the engines with their own weights read them inside
+        it (a collective). Idempotent.
 
         The strategy's ``auto_wrap_policy`` is consumed here (Lightning would otherwise warn that it is ignored).
 
         Raises:
             ValueError: a LoRA policy (``GRPOModule(lora=...)``): use FSDP2.
         """
-        if is_fsdp1(models.policy):
-            return models
-        if is_lora(models.policy):
+        if models.lora:
             raise ValueError("GRPOModule(lora=...) is not supported with Lightning's FSDP1 strategy (FSDPStrategy): "
                              "use strategy='grpo_fsdp2' (FSDP2), 'ddp' or a single device")
-        auto_wrap_policy = self.strategy.kwargs.pop("auto_wrap_policy", None)
-        policy = _wrap(models.policy, self.strategy, auto_wrap_policy)
-        ref = _wrap(models.ref, self.strategy, auto_wrap_policy) if models.ref is not None else None
-        engine = models.engine
-        if engine is not None:
-            if engine.uses_policy_parameters and auto_wrap_policy is not None:
+        policy, ref, engine = models.policy, models.ref, models.engine
+        nested = False
+        separate_head = None  # the wrapped root's names may be FSDP1's flat ones: read them before wrapping
+        if not is_fsdp1(policy):
+            separate_head = has_separate_head(policy)
+            auto_wrap_policy = self.strategy.kwargs.pop("auto_wrap_policy", None)
+            nested = auto_wrap_policy is not None
+            policy = _wrap(policy, self.strategy, auto_wrap_policy)
+            ref = _wrap(ref, self.strategy, auto_wrap_policy) if ref is not None else None
+        if engine is not None and engine.uses_policy_parameters:
+            if nested:
                 # nested units all-gather in every forward: every rank must run as many forwards as the longest
                 # rank (transformers' synced_gpus, as for FSDP2 modules)
                 engine.set_lockstep(True)
-            engine = GatheredGenerationEngine(engine, policy, gather_for_sync=True)
-        return GRPOModels(policy, ref, engine)
-
-    def is_sharded(self, model: nn.Module) -> bool:
-        return is_sharded(model)
+            engine = GatheredGenerationEngine(engine, policy)
+        weights = ModuleWeights(policy, collective=True, gather=gathered_parameters, separate_head=separate_head)
+        return GRPOModels(policy, ref, engine, lora=models.lora, weights=weights, sharded=True)
 
     def grad_norm(self, policy: nn.Module) -> Optional[Tensor]:
         """The root's ``clip_grad_norm_(inf)`` (the norm over all shards, scales nothing; a collective), or None

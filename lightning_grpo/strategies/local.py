@@ -8,6 +8,7 @@ single-process backend (tests that build an experience without a Trainer).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Iterable, Optional, Sequence, Union
 
 import torch
@@ -18,6 +19,7 @@ from lightning_grpo.algorithm import ObjectiveOutput
 from lightning_grpo.config import GRPOConfig
 from lightning_grpo.protocols.collectives import Collectives
 from lightning_grpo.strategies.base import ClipFallback, GRPOModels, StepObjective
+from lightning_grpo.strategies.weights import ModuleWeights
 from lightning_grpo.training.experience import Experience
 
 
@@ -69,15 +71,13 @@ class LocalBackend:
         self.strategy = strategy
 
     def configure(self, models: GRPOModels) -> GRPOModels:
-        """Nothing to shard: DDP replicates the models (Lightning wraps the module itself)."""
-        return models
+        """Nothing to shard: DDP replicates the models (Lightning wraps the module itself); the engines read the
+        policy's own weights (:class:`~lightning_grpo.strategies.weights.ModuleWeights`)."""
+        return dataclasses.replace(models, weights=ModuleWeights(models.policy), scorer=None, sharded=False)
 
     def restore(self, models: GRPOModels) -> GRPOModels:
         """The models are plain HF models already."""
         return models
-
-    def is_sharded(self, model: nn.Module) -> bool:
-        return False
 
     def grad_norm(self, policy: nn.Module) -> Optional[Tensor]:
         """:func:`grad_norm` of the policy's parameters."""
@@ -102,7 +102,7 @@ class LocalBackend:
     @property
     def data_parallel_size(self) -> int:
         """The number of processes (each holds different data): the strategy's ``world_size``, 1 without one."""
-        return getattr(self.strategy, "world_size", 1)
+        return 1 if self.strategy is None else int(self.strategy.world_size)
 
     @property
     def runs_whole_step(self) -> bool:

@@ -12,14 +12,14 @@ default) the logprobs are computed from the output layer's input chunk by chunk
 (:mod:`lightning_grpo.training.logprob_head`): no ``[K, V]`` logits, in forward or backward; else from the logits.
 Multi-turn episodes lay out their environment tokens too
 (:attr:`~lightning_grpo.training.experience.Experience.completion_attention_mask`: attended to, their logprobs computed
-and masked out of the loss). A model with its own ``completion_logprobs(batch, temperature, with_entropy)`` (the
-Megatron policy: vocab-parallel) computes them itself.
+and masked out of the loss). A backend whose models score their completions themselves (the Megatron policy:
+vocab-parallel) says so once, with a :class:`CompletionScorer` (``GRPOModels.scorer``, :meth:`CompletionLogprobs.use`).
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, ContextManager, Optional, Protocol, runtime_checkable
+from typing import Callable, ContextManager, Optional, Protocol
 
 import torch
 from torch import Tensor, nn
@@ -40,16 +40,19 @@ from lightning_grpo.training.packing import (
 Pass = tuple[dict, Tensor, tuple[Tensor, Tensor]]
 
 
-@runtime_checkable
-class ScoresCompletions(Protocol):
-    """A policy that computes its own completion logprobs (Megatron's vocab-parallel ones,
-    :class:`lightning_grpo.strategies.megatron.policy.MegatronPolicy`): :class:`CompletionLogprobs` hands it the
-    micro-batch instead of running a forward layout."""
+class CompletionScorer(Protocol):
+    """How a backend's models score completions themselves (Megatron's vocab-parallel logprobs,
+    :meth:`lightning_grpo.strategies.megatron.policy.MegatronPolicy.completion_logprobs`): :class:`CompletionLogprobs`
+    hands it the model and the micro-batch instead of running a forward layout. It scores the untruncated tempered
+    distribution, without an entropy gradient (:func:`check_untruncated_scoring`)."""
 
-    def completion_logprobs(self, batch: Experience, temperature: float,
-                            with_entropy: bool = False) -> tuple[Tensor, Optional[Tensor]]:
-        """``(B, T)`` float32 logprobs of ``batch``'s completion tokens at ``temperature`` (and the entropy)."""
+    def __call__(self, model: nn.Module, batch: Experience, temperature: float,
+                 with_entropy: bool) -> tuple[Tensor, Optional[Tensor]]:
+        """``(B, T)`` float32 logprobs of ``batch``'s completion tokens under ``model`` at ``temperature`` (and the
+        ``(B, T)`` entropy, no grad, with ``with_entropy``)."""
         ...
+
+
 def check_untruncated_scoring(config: GRPOConfig, scorer: str, entropy_grad: bool) -> None:
     """Raise ``ValueError`` when ``config`` needs what a scorer of the untruncated tempered distribution without an
     entropy gradient (the Megatron policy's vocab-parallel logprobs) does not give: ``entropy_coef > 0`` with
@@ -67,14 +70,23 @@ class CompletionLogprobs:
 
     Args:
         config: the algorithm settings (``temperature``, ``padding_free``, ``shared_prefix``, ``packed_row_tokens``,
-            ``max_tokens_per_microbatch``, ``entropy_coef``).
-        is_sharded: whether a model all-gathers its parameters on every forward call (FSDP): the padding-free
-            paths then make one large forward pass instead of one per row. Default: never.
+            ``entropy_coef``).
+
+    Attributes:
+        scorer: the backend's own scorer of its models (:meth:`use`), else None.
+        sharded: the models all-gather their parameters on every forward call (FSDP): the padding-free paths then
+            make one large forward pass instead of one per row (:meth:`use`; default False).
     """
 
-    def __init__(self, config: GRPOConfig, is_sharded: Callable[[nn.Module], bool] = lambda model: False) -> None:
+    def __init__(self, config: GRPOConfig) -> None:
         self.config = config
-        self.is_sharded = is_sharded
+        self.scorer: Optional[CompletionScorer] = None
+        self.sharded = False
+
+    def use(self, scorer: Optional[CompletionScorer], sharded: bool) -> None:
+        """What the trainer's backend said of its models (``GRPOModels.scorer``, ``GRPOModels.sharded``), once per
+        configured run."""
+        self.scorer, self.sharded = scorer, sharded
 
     def __call__(
         self, model: nn.Module, batch: Experience, with_entropy: bool = False, entropy_grad: bool = False
@@ -87,9 +99,9 @@ class CompletionLogprobs:
             ValueError: ``entropy_grad`` or truncation with a model that computes its own logprobs (no entropy
                 gradient and no truncation there).
         """
-        if isinstance(model, ScoresCompletions):
+        if self.scorer is not None:
             check_untruncated_scoring(self.config, type(model).__name__, entropy_grad)
-            return model.completion_logprobs(batch, self.config.temperature, with_entropy=with_entropy)
+            return self.scorer(model, batch, self.config.temperature, with_entropy)
         if self.config.padding_free:
             return self._packed(model, batch, with_entropy, entropy_grad)
         return self._padded(model, batch, with_entropy, entropy_grad)
@@ -101,14 +113,14 @@ class CompletionLogprobs:
         experience: Experience,
         micro_batch_size: int,
         forward_context: Callable[[], ContextManager] = contextlib.nullcontext,
+        max_tokens: Optional[int] = None,
     ) -> Tensor:
         """Logprobs ``(N, T)`` float32 of every completion of ``experience`` under ``model`` in eval mode, no grad,
-        in chunks of ``micro_batch_size`` sequences (of ``max_tokens_per_microbatch`` tokens when set), inside
-        ``forward_context()`` (the trainer's precision context)."""
-        budget = self.config.max_tokens_per_microbatch
-        if budget is not None and budget != "auto":  # "auto" before it is chosen (at the start of training)
+        in chunks of ``micro_batch_size`` sequences (of ``max_tokens`` tokens when given: the run's resolved
+        ``max_tokens_per_microbatch``), inside ``forward_context()`` (the trainer's precision context)."""
+        if max_tokens is not None:
             counts = sequence_token_counts(experience.prompt_mask, experience.completion_attention_mask).tolist()
-            parts = [torch.tensor(p, dtype=torch.long) for p in token_budget_partition(counts, budget)]
+            parts = [torch.tensor(p, dtype=torch.long) for p in token_budget_partition(counts, max_tokens)]
         else:
             parts = list(torch.arange(len(experience)).split(max(1, micro_batch_size)))
         result = torch.zeros(experience.completion_ids.shape, device=experience.completion_ids.device)
@@ -230,7 +242,7 @@ class CompletionLogprobs:
         if self.config.packed_row_tokens is not None:
             return self.config.packed_row_tokens
         implementation = str(getattr(getattr(model, "config", None), "_attn_implementation", ""))
-        return max(sum(sizes), 1) if "flash" in implementation or self.is_sharded(model) else 1
+        return max(sum(sizes), 1) if "flash" in implementation or self.sharded else 1
 
     def _run(
         self, model: nn.Module, passes: list[Pass], shape: tuple, with_entropy: bool, entropy_grad: bool

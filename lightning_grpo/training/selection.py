@@ -14,12 +14,13 @@ Clip-Cov draws ``selection_count(tokens of this process's step)`` tokens on each
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch import Tensor, nn
 
 from lightning_grpo import functional as F
+from lightning_grpo.algorithm import ObjectiveOutput, grpo_objective
 from lightning_grpo.algorithm.covariance import (
     CovarianceStats,
     clip_cov_generator,
@@ -85,6 +86,24 @@ class StepSelection:
             kwargs["clip_cov_selected"] = self._selected[len(self._selected) - self._left]
         self._left -= 1
         return kwargs
+
+    def objective(self, batch: Experience, logprobs: Tensor, entropy: Optional[Tensor]) -> ObjectiveOutput:
+        """:func:`lightning_grpo.algorithm.grpo_objective` of the prepared step's next micro-batch ``batch`` given the
+        policy's ``(B, T)`` float32 logprobs and entropy, with the step's statistics (:meth:`objective_kwargs`); the
+        old logprobs only after the rollout's first optimizer step, the reference ones unless the KL is in the reward.
+
+        Raises:
+            ValueError: ``batch`` is not ``on_policy`` but has no ``old_logprobs``; see also ``grpo_objective``.
+        """
+        cfg = self.config
+        if not batch.on_policy and batch.old_logprobs is None:
+            raise ValueError("an experience micro-batch after the rollout's first optimizer step needs old_logprobs")
+        return grpo_objective(
+            logprobs, batch.completion_mask, batch.advantages, cfg,
+            old_logprobs=None if batch.on_policy else batch.old_logprobs,
+            ref_logprobs=None if cfg.kl_in_reward else batch.ref_logprobs, sampler_logprobs=batch.sampler_logprobs,
+            entropy=entropy, normalizer=batch.loss_normalizer, **self.objective_kwargs(),
+        )
 
     def _covariance(self, members: list[Experience], logprobs: list[Tensor], masks: list[Tensor],
                     collectives: Collectives, step: int) -> None:

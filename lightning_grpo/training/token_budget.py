@@ -184,3 +184,20 @@ def adamw_state_bytes(optimizer: torch.optim.Optimizer) -> int:
             local = p.to_local() if callable(getattr(p, "to_local", None)) else p
             total += 2 * local.numel() * local.element_size()
     return total
+
+
+def fit_token_budget(train_step: Callable[[Experience], None], config: GRPOConfig, vocab_size: int,
+                     device: torch.device, mini_batch_sequences: int, optimizers: list[torch.optim.Optimizer],
+                     reduce_max: Callable[[torch.Tensor], torch.Tensor]) -> int:
+    """``max_tokens_per_microbatch="auto"`` resolved: :func:`choose_token_budget` on this process (with the first
+    optimizer's :func:`adamw_state_bytes`), the smallest over the data-parallel processes (``reduce_max`` of the
+    negated budget, a collective), logged.
+
+    Raises:
+        MemoryError: as :func:`choose_token_budget`.
+    """
+    state_bytes = adamw_state_bytes(optimizers[0]) if optimizers else 0
+    budget = choose_token_budget(train_step, config, vocab_size, device, mini_batch_sequences, state_bytes)
+    smallest = -reduce_max(torch.tensor([-float(budget.tokens)], device=device))
+    log.info("token budget: %s", budget.describe())
+    return int(smallest.item())

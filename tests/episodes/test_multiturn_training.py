@@ -88,7 +88,7 @@ def test_the_episode_ids_are_what_the_engine_sampled(talkative_llama, prompt_fil
     config = GRPOConfig(num_generations=2, max_new_tokens=6, episode=EpisodeConfig(max_turns=3, max_tokens=48))
     module = GRPOModule(talkative_llama, reward_funcs=[env_reward], environment_factory=lambda: EchoEnvironment(3),
                         config=config, export_dir="")
-    module.rollout.start(module.policy, module.model_path)
+    module.make_rollout_engine()
     engine = module.rollout.engine
     turns = []
     original = engine.generate

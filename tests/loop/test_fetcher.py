@@ -221,7 +221,7 @@ def test_the_fit_loop_checkpoints_the_fetchers_position_for_this_process(cpu_tra
     source = Source()
     fetcher = _fetcher(source, prompts=6)
     _consume(fetcher, source, 6)
-    loop._data_fetcher = fetcher  # what setup_data installs
+    loop.use_fetcher(fetcher)  # what setup_data does
     state = _roundtrip(loop.on_save_checkpoint())
     # one entry per process for the per-process parts
     assert state[PROMPT_BATCHES_KEY] == 2 and state[PREFETCHED_KEY] == [[]]

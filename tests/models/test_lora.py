@@ -31,7 +31,7 @@ from lightning_grpo.protocols.rollout import StopFlag
 from lightning_grpo.protocols.sampling import SamplingConfig
 from lightning_grpo.rollout.adapter import as_rollout_engine
 from lightning_grpo.rollout.engines.hf import HFRolloutEngine
-from lightning_grpo.rollout.registry import EngineSpec, make_engine
+from lightning_grpo.rollout.registry import engine_spec, make_engine
 from lightning_grpo.strategies import FSDP1Backend, GRPOModels
 from lightning_grpo.training.experience import Experience
 from support.algorithm import FixedRolloutEngine, fixed_completions, write_prompts
@@ -184,8 +184,9 @@ def test_hf_engine_samples_from_the_adapted_model(run, tiny_llama_path):
     """The HF engine generates with the PEFT model's transformers model (LoRA layers in place, its generation config
     neutralized): its sampler logprobs are the trainer's logprobs of the adapted policy."""
     module = run["module"]
-    engine = make_engine(EngineSpec(module.config, module.policy, module.tokenizer, tiny_llama_path, StopFlag()))
-    assert engine.model is module.policy.get_base_model()
+    engine = make_engine(engine_spec(module.config, "hf", module.hf_model, module.tokenizer, lambda: tiny_llama_path,
+                                     StopFlag()))
+    assert engine.model is module.policy.get_base_model() and module.hf_model is engine.model
     engine.report_logprobs = True
     torch.manual_seed(0)
     out = engine.generate([[1, 2, 3, 4], [5, 6]], 2, SamplingConfig(max_new_tokens=6, temperature=1.0))
@@ -292,12 +293,15 @@ def test_quantization_needs_cuda_and_lora(tiny_llama_path):
 def test_fsdp1_and_megatron_refuse_lora(tiny_llama_path):
     policy = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_llama_path), LoraConfig(**LORA))
     with pytest.raises(ValueError, match=r"lora=.* not supported with Lightning's FSDP1 strategy.*grpo_fsdp2"):
-        FSDP1Backend(strategy=None).configure(GRPOModels(policy))
+        FSDP1Backend(strategy=None).configure(GRPOModels(policy, lora=True))
     pytest.importorskip("megatron.core")
     from lightning_grpo.strategies.megatron.policy import MegatronPolicy
+    from lightning_grpo.strategies.megatron.strategy import MegatronStrategy
 
     with pytest.raises(ValueError, match=r"lora=.* not supported with MegatronStrategy"):
         MegatronPolicy.from_hf(policy)
+    with pytest.raises(ValueError, match=r"lora=.* not supported with MegatronStrategy"):
+        MegatronStrategy().configure(GRPOModels(policy, lora=True))
 
 
 @pytest.mark.parametrize("lora, message", [

@@ -262,7 +262,7 @@ def test_bad_settings_raise_clear_errors(tmp_path, tiny_llama_path, data_file, v
     with pytest.raises(ValueError, match=r"max_staleness=1 needs a rollout engine with its own copy of the weights "
                        r"\(engine.name='vllm' or 'vllm_server'\): engine.name='hf' generates with the training model"):
         module = GRPOModule(tiny_llama_path, config=GRPOConfig(max_staleness=1))
-        module.rollout.start(module.policy, module.model_path)
+        module.make_rollout_engine()
     with pytest.raises(ValueError, match=r"max_staleness=1 is less than the 2 optimizer steps of one rollout"):
         with monkeypatch.context() as patch:  # refused before the module builds its engine (engine.name="vllm")
             patch.setattr(VLLMRolloutEngine, "__init__", _no_engine_is_built)

@@ -11,7 +11,7 @@ from lightning_grpo.protocols.engine import RolloutEngine
 from lightning_grpo.protocols.rollout import StopFlag
 from lightning_grpo.rollout.adapter import CoreEngineAdapter, as_rollout_engine
 from lightning_grpo.rollout.engines.hf import HFRolloutEngine
-from lightning_grpo.rollout.registry import EngineSpec, engine_names, make_engine, register_engine
+from lightning_grpo.rollout.registry import EngineSpec, engine_names, engine_spec, make_engine, register_engine
 from lightning_grpo.rollout.worker import RolloutWorker
 from support.algorithm import FixedRolloutEngine, Recorder, fixed_completions, quiet_trainer, write_prompts
 from support.engines import RecordingEngine, weights_of
@@ -64,16 +64,19 @@ def test_a_registered_engine_is_made_from_its_name(tiny_llama_path, monkeypatch)
     register_engine("mine", factory)
     assert "mine" in engine_names()
     module = GRPOModule(tiny_llama_path, config=GRPOConfig(engine=EngineConfig(name="mine")))
-    module.rollout.start(module.policy, module.model_path)
+    engine = module.make_rollout_engine()
+    assert module.make_rollout_engine() is engine  # made once
     assert isinstance(module.rollout_engine, CoreEngineAdapter) and isinstance(module.rollout_engine.engine, CoreOnly)
     (spec,) = made
-    assert spec.policy is module.policy and spec.model_path == tiny_llama_path and spec.stop is module.rollout.stop
+    assert spec.model is module.policy and spec.checkpoint() == tiny_llama_path and spec.stop is module.rollout.stop
+    assert spec.name == "mine" and spec.kv_cache_space_gib is None  # no KV cache to size
     assert module.rollout.engine_version == -1  # its own weights: synced before the first rollout
 
 
 def test_the_hf_engine_declares_itself(tiny_llama_path):
     module = GRPOModule(tiny_llama_path)
-    engine = make_engine(EngineSpec(module.config, module.policy, module.tokenizer, tiny_llama_path, StopFlag()))
+    engine = make_engine(engine_spec(module.config, "hf", module.hf_model, module.tokenizer, lambda: tiny_llama_path,
+                                     StopFlag()))
     assert isinstance(engine, HFRolloutEngine) and isinstance(engine, RolloutEngine)
     assert (engine.uses_policy_parameters, engine.seeds_per_request) == (True, False)
     assert as_rollout_engine(engine) is engine  # a full engine is not wrapped
@@ -116,11 +119,8 @@ def test_a_user_engine_with_only_the_core_members_trains(tiny_llama_path, tmp_pa
     assert isinstance(module.rollout_engine, CoreEngineAdapter) and module.rollout_engine.engine is user
 
 
-def test_the_engine_the_module_made_is_closed_when_the_fit_ends_and_made_anew_after(tiny_llama_path, tmp_path,
-                                                                                   monkeypatch):
-    """An engine made from ``config.engine`` lives for one fit (or validate/test): teardown closes it, so a finished
-    fit holds no engine memory (nor the default process group an in-process vLLM makes); the next stage makes a new
-    engine, which gets the trained weights before its first rollout."""
+def _made_engines(monkeypatch) -> list:
+    """Register the engine "mine" (a recording engine with its own weights); the list of those made."""
     monkeypatch.setattr(registry, "_REGISTERED", {})
     made = []
 
@@ -130,17 +130,31 @@ def test_the_engine_the_module_made_is_closed_when_the_fit_ends_and_made_anew_af
         return made[-1]
 
     register_engine("mine", factory)
+    return made
+
+
+def _closes(engine: RecordingEngine) -> int:
+    return [e[0] for e in engine.log].count("close")
+
+
+def test_the_engine_the_module_made_is_closed_when_the_fit_ends_and_made_anew_after(tiny_llama_path, tmp_path,
+                                                                                   monkeypatch):
+    """An engine made from ``config.engine`` is closed when a fit ends, so a finished fit holds no engine memory (nor
+    the default process group an in-process vLLM makes); the next stage makes a new engine, which gets the trained
+    weights before its first rollout. A validation keeps its engine (for a fit that may follow) until
+    ``close_rollout_engine``."""
+    made = _made_engines(monkeypatch)
     module = GRPOModule(tiny_llama_path, reward_funcs=[_reward], export_dir="", learning_rate=1e-3,
                         config=GRPOConfig(num_generations=4, max_new_tokens=8, engine=EngineConfig(name="mine")))
     prompts = write_prompts(tmp_path / "prompts.jsonl")
     quiet_trainer(tmp_path, 1).fit(module, datamodule=PromptDataModule(dataset=prompts, prompts_per_step=2,
                                                                        val_size=0))
     (first,) = made
-    assert first.log[-1] == ("close",) and [e[0] for e in first.log].count("close") == 1
+    assert first.log[-1] == ("close",) and _closes(first) == 1
     assert module.rollout_engine is None
     trained = weights_of(module.policy)
     module.rollout.close()  # idempotent
-    assert [e[0] for e in first.log].count("close") == 1
+    assert _closes(first) == 1
 
     quiet_trainer(tmp_path, 1, limit_val_batches=1).validate(
         module, datamodule=PromptDataModule(dataset=prompts, prompts_per_step=2, val_split="train", val_size=2,
@@ -149,4 +163,106 @@ def test_the_engine_the_module_made_is_closed_when_the_fit_ends_and_made_anew_af
     assert second is not first and len(made) == 2
     kinds = [e[0] for e in second.log]
     assert kinds.index("sync") < kinds.index("generate") and second.log[kinds.index("sync")][1] == trained
-    assert kinds[-1] == "close" and module.rollout_engine is None
+    assert _closes(second) == 0 and module.rollout_engine is second  # kept for a following stage
+    module.close_rollout_engine()
+    assert _closes(second) == 1 and module.rollout_engine is None
+
+
+def test_a_validation_before_the_fit_hands_its_engine_to_the_fit(tiny_llama_path, tmp_path, monkeypatch):
+    """validate-then-fit (``lightning-grpo fit --validate_before_fit true``) makes one engine: the fit reuses the
+    validation's (no second construction), and the fit's end closes it once."""
+    made = _made_engines(monkeypatch)
+    module = GRPOModule(tiny_llama_path, reward_funcs=[_reward], export_dir="", learning_rate=1e-3,
+                        config=GRPOConfig(num_generations=4, max_new_tokens=8, engine=EngineConfig(name="mine")))
+    prompts = write_prompts(tmp_path / "prompts.jsonl")
+    data = PromptDataModule(dataset=prompts, prompts_per_step=2, val_split="train", val_size=2, val_batch_size=2)
+    trainer = quiet_trainer(tmp_path, 2, limit_val_batches=1)
+    trainer.validate(module, datamodule=data)
+    trainer.fit(module, datamodule=data)
+    (engine,) = made
+    assert [e[0] for e in engine.log].count("generate") == 1 + 2  # the validation's rollout, the fit's two
+    assert _closes(engine) == 1 and engine.log[-1] == ("close",) and module.rollout_engine is None
+
+
+def test_a_failed_fit_closes_the_engine_the_module_made(tiny_llama_path, tmp_path, monkeypatch):
+    """Lightning runs no ``LightningModule.teardown`` after an exception: the module's ``on_exception`` callback
+    closes the engine it made (and a given engine stays open)."""
+    made = _made_engines(monkeypatch)
+
+    def broken(prompts, completions, **kwargs):
+        raise KeyError("a reward that fails")
+
+    module = GRPOModule(tiny_llama_path, reward_funcs=[broken], export_dir="",
+                        config=GRPOConfig(num_generations=4, max_new_tokens=8, engine=EngineConfig(name="mine")))
+    prompts = write_prompts(tmp_path / "prompts.jsonl")
+    with pytest.raises(RuntimeError, match="reward function 'broken' raised KeyError"):
+        quiet_trainer(tmp_path, 1).fit(module, datamodule=PromptDataModule(dataset=prompts, prompts_per_step=2,
+                                                                           val_size=0))
+    (engine,) = made
+    assert _closes(engine) == 1 and module.rollout_engine is None
+
+    given = RecordingEngine(fixed_completions([9, 3, 5, 1], 8, 2), 2)
+    module.rollout_engine = given
+    with pytest.raises(RuntimeError, match="reward function 'broken' raised KeyError"):
+        quiet_trainer(tmp_path, 1).fit(module, datamodule=PromptDataModule(dataset=prompts, prompts_per_step=2,
+                                                                           val_size=0))
+    assert _closes(given) == 0 and module.rollout_engine is given and len(made) == 1
+
+
+class DeclaresPolicyParameters(CoreOnly):
+    """A user engine with the core members that declares it generates with the policy's own parameters (and nothing
+    else): its syncs are skipped, as the HF engine's."""
+
+    uses_policy_parameters = True
+
+
+def test_a_core_only_engine_that_declares_uses_policy_parameters_trains_as_one(tiny_llama_path, tmp_path, caplog):
+    """Each capability a user engine declares is honoured (the bug: the adapter answered False for every one):
+    ``uses_policy_parameters=True`` means no sync before the first rollout and asynchronous rollouts are refused;
+    the undeclared ones take the defaults, logged once."""
+    module = GRPOModule(tiny_llama_path, reward_funcs=[_reward], export_dir="", learning_rate=1e-3,
+                        config=GRPOConfig(num_generations=4, max_new_tokens=8))
+    eos = module.tokenizer.eos_token_id
+    user = DeclaresPolicyParameters(fixed_completions([9, 3, 5, 1, 9, 2, 8, 4], 8, eos), eos)
+    with caplog.at_level("INFO", logger="lightning_grpo.rollout.adapter"):
+        module.rollout_engine = user
+    adapter = module.rollout_engine
+    assert isinstance(adapter, CoreEngineAdapter) and adapter.uses_policy_parameters is True
+    assert (adapter.seeds_per_request, adapter.sync_is_collective) == (False, False)
+    defaults = [r.getMessage() for r in caplog.records]
+    assert defaults == ["rollout engine DeclaresPolicyParameters declares no seeds_per_request, sync_is_collective: "
+                        "taking seeds_per_request=False, sync_is_collective=False (RolloutEngine's defaults)"]
+    assert module.rollout.engine_version == 0  # it is the policy: nothing to push before the first rollout
+    before = {n: p.detach().clone() for n, p in module.policy.named_parameters()}
+    trainer = quiet_trainer(tmp_path, 2)
+    trainer.fit(module, datamodule=PromptDataModule(dataset=write_prompts(tmp_path / "prompts.jsonl"),
+                                                    prompts_per_step=2, val_size=0))
+    # no sync before its first rollout (it is the policy), one after the step (a no-op for such an engine, as the HF
+    # engine's); an engine with its own weights is synced before each of the two rollouts
+    assert trainer.global_step == 2 and user.synced == 1
+    assert any(not torch.equal(p, before[n]) for n, p in module.policy.named_parameters()), "the policy did not train"
+    asynchronous = GRPOModule(tiny_llama_path, config=GRPOConfig(num_generations=4, max_staleness=2))
+    with pytest.raises(ValueError, match="max_staleness=2 needs a rollout engine with its own copy of the weights"):
+        asynchronous.rollout_engine = DeclaresPolicyParameters(fixed_completions([9], 8, eos), eos)
+
+
+def test_an_engine_declaring_every_member_is_not_wrapped_and_lifecycle_methods_are_kept():
+    class Sleeper(CoreOnly):
+        def __init__(self):
+            super().__init__(torch.zeros(1, 1, dtype=torch.long), 0)
+            self.calls = []
+
+        def sleep(self, level=1):
+            self.calls.append(("sleep", level))
+
+        def close(self):
+            self.calls.append(("close",))
+
+    sleeper = Sleeper()
+    adapter = as_rollout_engine(sleeper)
+    adapter.wake_up()  # not declared: a no-op
+    adapter.sleep(2)
+    adapter.close()
+    assert sleeper.calls == [("sleep", 2), ("close",)]
+    assert isinstance(adapter, CoreEngineAdapter) and as_rollout_engine(RecordingEngine(torch.zeros(1, 1), 0)) \
+        is not None

@@ -38,8 +38,10 @@ from lightning_grpo.models.hf_weights import checkpoint_name, hf_weights  # noqa
 from lightning_grpo.protocols.sampling import SamplingConfig  # noqa: E402
 from lightning_grpo.rollout.engines.hf import HFRolloutEngine  # noqa: E402
 from lightning_grpo.rollout.engines.vllm import VLLMRolloutEngine  # noqa: E402
+from lightning_grpo.strategies.weights import ModuleWeights  # noqa: E402
 from lightning_grpo.training.experience import Experience  # noqa: E402
 from support.checkpoint_generation import SAMPLING_FIELDS, copy_with_generation_config, trainer_logprobs  # noqa: E402
+from support.engines import WithoutTensor  # noqa: E402
 
 ATOL = 1e-4  # float32 engine vs float32 HF; observed differences are ~1e-6
 
@@ -175,7 +177,7 @@ def test_sync_weights_after_optimizer_step(request, which):
     reference = hf_engine.generate(prompts, 1, sampling)
     assert not torch.equal(reference.completion_ids, before.completion_ids), "the step must change greedy outputs"
 
-    pair.engine.sync_weights(pair.model)
+    pair.engine.sync_weights(ModuleWeights(pair.model))
     after = pair.engine.generate(prompts, num_generations=1, sampling=sampling)
     assert torch.equal(after.completion_ids, reference.completion_ids)
     torch.testing.assert_close(after.sampler_logprobs, hf_logprobs(pair.model, after, 1.0, 1.0), atol=ATOL, rtol=0)
@@ -321,7 +323,7 @@ def test_checkpoint_generation_config_never_changes_vllm_rollouts(untied, pollut
     assert (defaults.repetition_penalty, defaults.temperature, defaults.top_p, defaults.min_p) == (1.0, 1.0, 1.0, 0.0)
     assert defaults.top_k in (0, -1) and defaults.max_tokens in (None, 16)
 
-    polluted.sync_weights(untied.model)  # the same weights as the clean engine, whichever test ran before
+    polluted.sync_weights(ModuleWeights(untied.model))  # the clean engine's weights, whichever test ran before
     chat = _chat_prompts(untied.tokenizer, ["What is 7 times 6?"])[0]
     greedy = SamplingConfig(max_new_tokens=12, greedy=True)
     first = untied.engine.generate([chat], 1, greedy).completion_ids[0, 0].item()
@@ -370,7 +372,7 @@ def test_sync_weights_of_a_lora_policy_sends_merged_weights(request, which):
     prompts = _token_prompts(seed=6, count=2, length=20, vocab=pair.model.config.vocab_size)
     sampling = SamplingConfig(max_new_tokens=8, greedy=True)
     try:
-        pair.engine.sync_weights(policy)
+        pair.engine.sync_weights(ModuleWeights(policy))
         out = pair.engine.generate(prompts, num_generations=1, sampling=sampling)
         reference = HFRolloutEngine(policy.get_base_model(), pair.tokenizer).generate(prompts, 1, sampling)
         assert torch.equal(out.completion_ids, reference.completion_ids)
@@ -384,7 +386,7 @@ def test_sync_weights_of_a_lora_policy_sends_merged_weights(request, which):
             if "base_layer" in name:
                 assert torch.equal(param, base[name])
     finally:
-        pair.engine.sync_weights(pair.model)  # the engine again holds its pair's weights, for the other tests
+        pair.engine.sync_weights(ModuleWeights(pair.model))  # the engine holds its pair's weights again
 
 
 def _tied_lora(path: str, **extra):
@@ -411,25 +413,27 @@ def test_a_separately_trained_head_of_a_tied_model_is_refused_or_synced_exactly(
     from lightning_grpo.models.lora import check_tied_head
 
     engine = tied.engine
-    engine.sync_weights(tied.model)
-    before = engine.check_weights(tied.model)
+    engine.sync_weights(ModuleWeights(tied.model))
+    before = engine.check_weights(ModuleWeights(tied.model))
     separate = _tied_lora(tiny_tied_llama_path)
     with pytest.raises(ValueError, match="ties lm_head to the input embedding .* trains a separate lm_head"):
-        engine.sync_weights(separate)
-    assert engine.check_weights(tied.model) == before  # nothing was loaded
+        engine.sync_weights(ModuleWeights(separate))
+    assert engine.check_weights(ModuleWeights(tied.model)) == before  # nothing was loaded
     with pytest.raises(ValueError, match="ensure_weight_tying=True"):
-        check_tied_head(separate, engine)
+        check_tied_head(separate, separate.get_base_model(), engine)
     assert TIED_HEAD_ERROR.startswith("the engine's model ties lm_head")
-    check_tied_head(separate, HFRolloutEngine(separate, tied.tokenizer))  # the HF engine samples from the policy
+    # the HF engine samples from the policy
+    check_tied_head(separate, separate.get_base_model(), HFRolloutEngine(separate, tied.tokenizer))
     shared = _tied_lora(tiny_tied_llama_path, ensure_weight_tying=True)
-    check_tied_head(shared, engine)
+    check_tied_head(shared, shared.get_base_model(), engine)
     engine.weight_sync_check = ATOL
     try:
-        engine.sync_weights(shared)  # runs the check
+        engine.sync_weights(ModuleWeights(shared))  # runs the check
     finally:
         engine.weight_sync_check = None
-    assert engine.check_weights(shared) < ATOL and engine.check_weights(tied.model) > 1e-2  # the shared head moved
-    engine.sync_weights(tied.model)
+    assert engine.check_weights(ModuleWeights(shared)) < ATOL  # the shared head moved:
+    assert engine.check_weights(ModuleWeights(tied.model)) > 1e-2
+    engine.sync_weights(ModuleWeights(tied.model))
 
 
 def test_the_post_sync_check_catches_a_stale_tied_head_on_the_colocated_engine(tied, tiny_tied_llama_path):
@@ -442,16 +446,13 @@ def test_the_post_sync_check_catches_a_stale_tied_head_on_the_colocated_engine(t
     engine = tied.engine
     engine.weight_sync_check = ATOL
     try:
-        engine.tie_word_embeddings = False  # hf_weights then leaves lm_head.weight out
         with pytest.raises(WeightSyncCheckError, match=r"differ from the policy's by up to .* > "
                                                        r"engine.weight_sync_check=0.0001"):
-            engine.sync_weights(model)
-        engine.tie_word_embeddings = True
-        engine.sync_weights(model)
+            engine.sync_weights(WithoutTensor(ModuleWeights(model), "lm_head.weight"))
+        engine.sync_weights(ModuleWeights(model))
     finally:
-        engine.tie_word_embeddings = True
         engine.weight_sync_check = None
-        engine.sync_weights(tied.model)
+        engine.sync_weights(ModuleWeights(tied.model))
 
 
 def test_a_folder_without_a_tokenizer_is_named(tmp_path, tiny_llama_path):

@@ -44,13 +44,15 @@ from lightning_grpo import GRPOConfig, GRPOModule  # noqa: E402
 from lightning_grpo.config import EngineConfig
 from lightning_grpo.data import PromptDataModule  # noqa: E402
 from lightning_grpo.protocols.sampling import SamplingConfig  # noqa: E402
-from lightning_grpo.rollout.engines.probe import policy_probe_logprobs, probe_sequences  # noqa: E402
+from lightning_grpo.rollout.engines.probe import probe_sequences  # noqa: E402
 from lightning_grpo.rollout.engines.remote import VLLMServerEngine  # noqa: E402
 from lightning_grpo.rollout.server.client import RolloutServerError, ServerClient  # noqa: E402
 from lightning_grpo.rollout.server.security import SECRET_ENV  # noqa: E402
 from lightning_grpo.rollout.server.weight_sync import host_store  # noqa: E402
+from lightning_grpo.strategies.weights import ModuleWeights  # noqa: E402
 from support.checkpoint_generation import trainer_logprobs  # noqa: E402
 from support.dist import free_port, load, run_worker  # noqa: E402
+from support.engines import WithoutTensor  # noqa: E402
 from support.rollout_server import REPO, Server, raw_request  # noqa: E402
 
 pytestmark = [pytest.mark.distributed, pytest.mark.engine]  # rollout servers in subprocesses
@@ -117,8 +119,8 @@ def test_rollouts_equal_the_colocated_engine_with_the_same_weights_and_seeds(unt
     _optimizer_step(model, seed=1)
     engine = _engine(untied_server, tokenizer)
     try:
-        engine.sync_weights(model)
-        colocated.sync_weights(model)
+        engine.sync_weights(ModuleWeights(model))
+        colocated.sync_weights(ModuleWeights(model))
         chat = _chat(tokenizer, ["What is 7 times 6?", "Name a colour."])
         prompts = [chat[0], chat[1], chat[0][:6]]
         settings = [SamplingConfig(max_new_tokens=8, temperature=0.8, top_p=0.9, seed=1234),
@@ -152,11 +154,11 @@ def test_probe_logprobs_equal_the_trainers_after_each_sync(request, which, tiny_
     sequences = probe_sequences(model.config.vocab_size)
     try:
         for step in range(2):
-            before = policy_probe_logprobs(model, sequences)
+            before = ModuleWeights(model).probe_logprobs(sequences)
             _optimizer_step(model, seed=10 + step)
-            ours = policy_probe_logprobs(model, sequences)
+            ours = ModuleWeights(model).probe_logprobs(sequences)
             assert (ours - before).abs().max() > 1e-2  # the step moved the probe: a stale server would be caught
-            engine.sync_weights(model)  # runs the post-sync check at 1e-4 as well
+            engine.sync_weights(ModuleWeights(model))  # runs the post-sync check at 1e-4 as well
             torch.testing.assert_close(server.probe(sequences), ours, atol=ATOL, rtol=0)
             assert engine.version == step + 1 and server.health()["version"] == step + 1
     finally:
@@ -166,7 +168,7 @@ def test_probe_logprobs_equal_the_trainers_after_each_sync(request, which, tiny_
 class SkippedSync(VLLMServerEngine):
     """A sync that sends nothing (the stale-server bug)."""
 
-    def _push(self, instances, model, deadline):
+    def _push(self, instances, weights, deadline):
         return 0
 
 
@@ -179,7 +181,7 @@ def test_post_sync_check_fails_on_a_stale_server(untied_server, tiny_llama_path)
         with pytest.raises(RolloutServerError, match=r"post-sync check failed for weights version 1: the rollout "
                            r"server's logprobs of the probe batch differ from the policy's by up to .* > "
                            rf"engine.weight_sync_check=0.0001 \(at {untied_server.url}\)"):
-            engine.sync_weights(model)
+            engine.sync_weights(ModuleWeights(model))
     finally:
         engine.close()
 
@@ -191,11 +193,9 @@ def test_post_sync_check_catches_a_stale_lm_head_of_tied_embeddings(tied_server,
     _optimizer_step(model, seed=30)
     engine = _engine(tied_server, tokenizer, weight_sync_check=ATOL)
     try:
-        engine.tie_word_embeddings = False  # hf_weights then leaves lm_head.weight out
         with pytest.raises(RolloutServerError, match="post-sync check failed for weights version 1"):
-            engine.sync_weights(model)
-        engine.tie_word_embeddings = True
-        engine.sync_weights(model)  # the fix: version 2 passes the check
+            engine.sync_weights(WithoutTensor(ModuleWeights(model), "lm_head.weight"))
+        engine.sync_weights(ModuleWeights(model))  # the fix (lm_head sent): version 2 passes the check
         assert tied_server.health()["version"] == 2
     finally:
         engine.close()
@@ -215,9 +215,9 @@ def test_ddp_trainer_with_a_rollout_server_end_to_end(untied_server, tiny_llama_
     assert all(torch.isfinite(torch.tensor(r["losses"])).all() for r in ranks)
     model, _ = _model(tiny_llama_path)
     sequences = probe_sequences(model.config.vocab_size)
-    before = policy_probe_logprobs(model, sequences)
+    before = ModuleWeights(model).probe_logprobs(sequences)
     model.load_state_dict(ranks[0]["weights"][0])
-    ours = policy_probe_logprobs(model, sequences)
+    ours = ModuleWeights(model).probe_logprobs(sequences)
     assert (ours - before).abs().max() > 1e-3
     torch.testing.assert_close(untied_server.probe(sequences), ours, atol=ATOL, rtol=0)
 
@@ -301,12 +301,13 @@ def test_a_killed_and_restarted_server_is_picked_up_again(untied_server, tiny_ll
     _optimizer_step(model, seed=40)
     engine = _engine(untied_server, tokenizer, weight_sync_check=ATOL)
     sequences = probe_sequences(model.config.vocab_size)
-    ours = policy_probe_logprobs(model, sequences)
-    assert (policy_probe_logprobs(checkpoint, sequences) - ours).abs().max() > 1e-2  # a restart's weights are stale
+    ours = ModuleWeights(model).probe_logprobs(sequences)
+    stale = ModuleWeights(checkpoint).probe_logprobs(sequences)
+    assert (stale - ours).abs().max() > 1e-2  # a restart's weights are stale
     prompts = _chat(tokenizer, ["What is 2+2?", "Say hello."])
     sampling = SamplingConfig(max_new_tokens=8, temperature=1.0, seed=5)
     try:
-        engine.sync_weights(model)
+        engine.sync_weights(ModuleWeights(model))
         before = engine.generate(prompts, 2, sampling)
         old = untied_server.health()["instance_id"]
         untied_server.kill()
@@ -324,7 +325,7 @@ def test_a_killed_and_restarted_server_is_picked_up_again(untied_server, tiny_ll
         torch.testing.assert_close(after.sampler_logprobs, before.sampler_logprobs, atol=0, rtol=0)
         torch.testing.assert_close(untied_server.probe(sequences), ours, atol=ATOL, rtol=0)
         _optimizer_step(model, seed=41)
-        engine.sync_weights(model)  # syncs keep working on the new group (and pass the check)
+        engine.sync_weights(ModuleWeights(model))  # syncs keep working on the new group (and pass the check)
         assert untied_server.health()["version"] == 2
     finally:
         engine.close()
@@ -339,7 +340,7 @@ def test_without_the_secret_nothing_changes_and_a_foreign_sync_group_is_refused(
     engine = _engine(untied_server, tokenizer, weight_sync_check=ATOL)
     sequences = probe_sequences(model.config.vocab_size)
     try:
-        engine.sync_weights(model)
+        engine.sync_weights(ModuleWeights(model))
         before, version = untied_server.probe(sequences), untied_server.health()["version"]
         attacker_port = free_port()
         attacker_store = host_store("127.0.0.1", attacker_port, timeout_s=5)
@@ -360,7 +361,7 @@ def test_without_the_secret_nothing_changes_and_a_foreign_sync_group_is_refused(
         assert untied_server.health()["version"] == version == 1
         torch.testing.assert_close(untied_server.probe(sequences), before, atol=0, rtol=0)
         _optimizer_step(model, seed=51)
-        engine.sync_weights(model)  # the trainer's group was not closed by the attack; the check passes
+        engine.sync_weights(ModuleWeights(model))  # the trainer's group was not closed by the attack; the check holds
         assert untied_server.health()["version"] == 2
     finally:
         engine.close()
@@ -430,7 +431,7 @@ def test_a_call_split_by_the_work_limit_samples_the_same_completions(untied_serv
     model, tokenizer = _model(tiny_llama_path)
     engine = _engine(untied_server, tokenizer)
     try:
-        engine.sync_weights(model)
+        engine.sync_weights(ModuleWeights(model))
         prompts = _chat(tokenizer, ["What is 7 times 6?", "Name a colour.", "Say hi."])
         sampling = SamplingConfig(max_new_tokens=6, temperature=1.0, seed=11)
         whole = engine.generate(prompts, 2, sampling)

@@ -100,3 +100,42 @@ def test_lora_with_vllm_rollouts_samples_from_the_merged_adapted_policy(tmp_path
     for name, param in module.policy.named_parameters():
         if name in base:
             assert torch.equal(param, base[name]), name
+
+
+@pytest.mark.engine
+def test_validate_then_fit_builds_one_vllm_engine_and_every_auto_value_leaves_the_config_as_given(
+        tmp_path, tiny_llama_path, cpu_trainer, alternating_reward, monkeypatch):
+    """The main recipe's shape (``validate_before_fit``) with every "auto" value: the validation's vLLM engine is the
+    fit's (one construction; the fit's end closes it), and ``GRPOConfig`` is unchanged after the run while
+    ``module.resolved`` holds what was chosen: the engine ("vllm", installed here), the KV cache sized to one rollout
+    (prompts_per_step 2 x 4 sequences of 64 + 8 tokens) and the token budget."""
+    import dataclasses
+
+    from lightning_grpo.rollout.engines.kv_cache import kv_cache_space_gib
+    from lightning_grpo.rollout.engines.vllm import VLLMRolloutEngine
+
+    builds = []
+    init = VLLMRolloutEngine.__init__
+
+    def counted(self, *args, **kwargs):
+        builds.append(kwargs.get("kv_cache_space_gib"))
+        init(self, *args, **kwargs)
+
+    monkeypatch.setattr(VLLMRolloutEngine, "__init__", counted)
+    config = GRPOConfig(num_generations=4, max_new_tokens=8, max_prompt_length=64, max_tokens_per_microbatch="auto",
+                        engine=EngineConfig(name="auto", kv_cache_space_gib="auto"))
+    given = dataclasses.asdict(config)
+    module = GRPOModule(tiny_llama_path, reward_funcs=[alternating_reward], config=config, learning_rate=1e-3)
+    data = PromptDataModule(prompts_per_step=2, val_size=2, val_batch_size=2)
+    trainer = cpu_trainer(2, limit_val_batches=1)
+    trainer.validate(module, datamodule=data)
+    assert len(builds) == 1 and module.rollout_engine is not None  # kept for the fit
+    trainer.fit(module, datamodule=data)
+    assert trainer.global_step == 2 and len(builds) == 1  # the fit reused the validation's engine
+    assert module.rollout_engine is None  # and closed it at its end
+    assert dataclasses.asdict(module.config) == given
+    expected_kv = kv_cache_space_gib(config, module.hf_model.config, 4, 2)
+    assert builds == [pytest.approx(expected_kv)] and 0 < expected_kv < 1
+    assert module.resolved.engine_name == "vllm" and module.resolved.kv_cache_space_gib == pytest.approx(expected_kv)
+    assert isinstance(module.resolved.max_tokens_per_microbatch, int)
+    assert module.hparams["resolved"] == module.resolved.as_dict() and module.hparams["config"] == given

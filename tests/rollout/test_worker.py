@@ -8,11 +8,13 @@ from torch import nn
 from transformers import AutoTokenizer
 
 from lightning_grpo import GRPOConfig
-from lightning_grpo.config import EngineConfig
+from lightning_grpo.config import EngineConfig, ResolvedConfig
 from lightning_grpo.protocols.collectives import Collectives
+from lightning_grpo.protocols.engine import EngineWrapper
 from lightning_grpo.protocols.sampling import SamplingConfig
 from lightning_grpo.rollout.adapter import CoreEngineAdapter
 from lightning_grpo.rollout.worker import RolloutWorker
+from lightning_grpo.strategies.weights import ModuleWeights
 from lightning_grpo.training import metrics as metrics_module
 from lightning_grpo.training.metrics import StepTimer
 from lightning_grpo.training.nonfinite import NonFiniteError
@@ -175,8 +177,26 @@ def test_no_engine_before_start_and_start_keeps_a_given_engine(tokenizer):
         worker.prepare(_policy())
     engine = _engine()
     worker.engine = engine
-    worker.start(_policy(), model_path=None)  # idempotent: the engine is not replaced
-    assert worker.engine is engine
+    resolved = ResolvedConfig("hf")
+    assert worker.start(_policy(), lambda: "unused", resolved) is resolved  # the engine is not replaced
+    assert worker.engine is engine and worker.own_engine is engine and not worker.made_engine
+
+
+def test_a_backend_wraps_the_engine_for_a_stage_and_the_engine_stays_after_it(tokenizer):
+    """``attach`` gives the stage's wrapper and the backend's weights (synced from), ``detach`` goes back to the
+    engine as it was given; the engine is never closed by the worker when it was given."""
+    worker, _ = _worker(tokenizer)
+    engine, policy = _engine(), _policy()
+    worker.engine = engine
+    wrapper = EngineWrapper(engine)
+    stream = ModuleWeights(policy)
+    worker.attach(wrapper, stream)
+    assert worker.engine is wrapper and worker.own_engine is engine and worker.weights is stream
+    worker.prepare(nn.Linear(2, 2))  # the backend's weights are synced, not the module given to prepare
+    assert _syncs(engine) == [weights_of(policy)]
+    worker.detach()
+    worker.close()
+    assert worker.engine is engine and ("close",) not in engine.log
 
 
 def test_prompts_are_encoded_and_truncated_from_the_left_before_the_engine(tokenizer):

@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 
 from lightning_grpo import GRPOConfig, GRPOModule, functional  # noqa: E402
 from lightning_grpo.strategies.megatron import convert, cpu_shims  # noqa: E402
+from lightning_grpo.strategies.megatron.policy import score_completions  # noqa: E402
 from lightning_grpo.training.experience import Experience  # noqa: E402
 from support.megatron_worker import save_tiny_model  # noqa: E402
 
@@ -87,15 +88,17 @@ def test_logits_match_transformers(model_parallel, tiny_models, name):
 
 
 def test_completion_logprobs_and_gradients_match_the_hf_path(model_parallel, tiny_models):
-    """GRPOModule.completion_logprobs dispatches to the Megatron policy: same logprobs, entropy and weight
-    gradients on the completion tokens as the HF path with left padding (incl. the HF embedding's padding_idx
-    rule for the pad token that also occurs inside prompts)."""
+    """GRPOModule.completion_logprobs with the Megatron backend's scorer (``GRPOModels.scorer``, the policy's own
+    vocab-parallel logprobs): same logprobs, entropy and weight gradients on the completion tokens as the HF path
+    with left padding (incl. the HF embedding's padding_idx rule for the pad token that also occurs inside
+    prompts)."""
     hf, policy = _policy(tiny_models["tied"])
     module = GRPOModule(hf, tokenizer=tiny_models["tied"], reward_funcs=[lambda p, c, **k: [0.0] * len(c)],
                         config=GRPOConfig(temperature=0.7, num_generations=2))
     batch = _experience(hf.config.pad_token_id)
     mask = batch.completion_mask.bool()
     expected, expected_entropy = module.completion_logprobs(hf, batch, with_entropy=True)
+    module.logprobs.use(score_completions, sharded=False)  # what MegatronStrategy.configure tells the module
     logprobs, entropy = module.completion_logprobs(policy, batch, with_entropy=True)
     torch.testing.assert_close(logprobs[mask], expected[mask], atol=1e-5, rtol=0)
     torch.testing.assert_close(entropy[mask], expected_entropy[mask], atol=1e-5, rtol=0)

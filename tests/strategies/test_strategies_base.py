@@ -24,6 +24,7 @@ from lightning_grpo.strategies import (
 )
 from lightning_grpo.strategies.base import clips_by_norm
 from lightning_grpo.strategies.megatron.strategy import MegatronStrategy
+from lightning_grpo.strategies.weights import ModuleWeights
 
 
 @pytest.mark.parametrize(
@@ -62,10 +63,16 @@ def test_local_backend_without_a_strategy_is_one_process():
     collectives = backend.collectives(values.device)
     assert collectives.reduce_sum(values) is values and collectives.device == values.device
     assert collectives.any_process(True) is True and collectives.any_process(False) is False
-    assert backend.is_sharded(torch.nn.Linear(2, 2)) is False
     assert backend.export_state_dict(torch.nn.Linear(2, 2)) is None
     models = GRPOModels(torch.nn.Linear(2, 2), None, None)
-    assert backend.configure(models) is models and backend.restore(models) is models
+    configured = backend.configure(models)
+    assert configured.policy is models.policy and configured.ref is None and configured.engine is None
+    assert (configured.sharded, configured.scorer) == (False, None) and backend.restore(models) is models
+    # the engines read the policy's own weights, by HF name, one tensor at a time
+    weights = configured.weights
+    assert isinstance(weights, ModuleWeights) and not weights.collective and not weights.separate_head
+    assert {name: t.tolist() for name, t in weights.tensors()} == {
+        name: p.tolist() for name, p in models.policy.named_parameters()}
     # a one-process strategy reduces nothing either (no process group exists here)
     single = LocalBackend(SingleDeviceStrategy("cpu"))
     assert single.data_parallel_size == 1 and single.reduce_sum(values) is values
@@ -118,7 +125,6 @@ class _Engine:
     uses_policy_parameters = False
     seeds_per_request = True
     sync_is_collective = False
-    reads_weight_sources = False
 
     def __init__(self):
         self.calls = []

@@ -36,7 +36,6 @@ class FixedRolloutEngine:
     uses_policy_parameters = True
     seeds_per_request = False
     sync_is_collective = False
-    reads_weight_sources = False
 
     def __init__(self, completion_ids: torch.Tensor, eos_id: int, sampler_logprobs: Optional[torch.Tensor] = None):
         self.completion_ids = completion_ids

@@ -10,12 +10,24 @@ import torch
 
 from lightning_grpo.protocols.rollout import RolloutInterrupted, RolloutOutput, StopFlag
 from lightning_grpo.protocols.sampling import SamplingConfig
+from lightning_grpo.protocols.weights import PolicyWeights
 from support.algorithm import FixedRolloutEngine
 
 
 def weights_of(model: torch.nn.Module) -> float:
     """A fingerprint of a model's weights (the sum of its parameters)."""
     return float(sum(p.detach().double().sum() for p in model.parameters()))
+
+
+def stream_of(weights: PolicyWeights) -> float:
+    """The same fingerprint of the weights an engine is synced with (a tied ``lm_head``, the embedding's tensor
+    again, is counted once)."""
+    seen, total = set(), 0.0
+    for _, tensor in weights.tensors():
+        if tensor.data_ptr() not in seen:
+            seen.add(tensor.data_ptr())
+            total += float(tensor.double().sum())
+    return total
 
 
 class RecordingEngine(FixedRolloutEngine):
@@ -50,8 +62,8 @@ class RecordingEngine(FixedRolloutEngine):
     def close(self) -> None:
         self.log.append(("close",))
 
-    def sync_weights(self, model: torch.nn.Module) -> None:
-        self.weights = weights_of(model)
+    def sync_weights(self, weights: PolicyWeights) -> None:
+        self.weights = stream_of(weights)
         self.log.append(("sync", self.weights))
 
     def generate(self, prompt_ids, num_generations: int, sampling: SamplingConfig) -> RolloutOutput:
@@ -64,3 +76,21 @@ class RecordingEngine(FixedRolloutEngine):
         out = super().generate(prompt_ids, num_generations, sampling)
         self.log.append(("generated", self.weights))
         return out
+
+
+class WithoutTensor(PolicyWeights):
+    """``weights`` with some tensors left out: a sync that skips them (the stale-tensor bug the post-sync check is
+    for); everything else is ``weights``'."""
+
+    def __init__(self, weights: PolicyWeights, *names: str) -> None:
+        self.weights, self.names = weights, set(names)
+
+    def tensors(self):
+        return ((name, tensor) for name, tensor in self.weights.tensors() if name not in self.names)
+
+    def probe_logprobs(self, sequences):
+        return self.weights.probe_logprobs(sequences)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.weights.vocab_size

@@ -120,7 +120,7 @@ def probe_after_sync(probes: list) -> Any:
     colocated vLLM engine's or the rollout server's for the same sequences."""
     from lightning.pytorch.callbacks import Callback
 
-    from lightning_grpo.rollout.engines.remote import probe_sequences
+    from lightning_grpo.rollout.engines.probe import probe_sequences
     from lightning_grpo.rollout.server.client import ServerClient
 
     class Probe(Callback):

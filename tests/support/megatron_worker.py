@@ -64,7 +64,6 @@ class FixedRolloutEngine:
     uses_policy_parameters = False
     seeds_per_request = False
     sync_is_collective = False
-    reads_weight_sources = False
 
     def __init__(self, eos_token_id: int, pad_token_id: int, length: int = 6) -> None:
         self.eos_token_id, self.pad_token_id, self.length = eos_token_id, pad_token_id, length

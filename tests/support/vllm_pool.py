@@ -43,7 +43,9 @@ class VLLMPool:
             import torch
             from transformers import AutoModelForCausalLM
 
-            engine.sync_weights(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32))
+            from lightning_grpo.strategies.weights import ModuleWeights
+
+            engine.sync_weights(ModuleWeights(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)))
         return engine
 
     def close(self) -> None:

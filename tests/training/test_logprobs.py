@@ -98,7 +98,7 @@ def test_batched_is_the_eval_mode_pass_in_any_chunking(model):
         whole = CompletionLogprobs(config).batched(model, batch, micro_batch_size=100, forward_context=forward_context)
         assert model.training  # the mode is restored
         singles = CompletionLogprobs(config).batched(model, batch, micro_batch_size=1)
-        budget = CompletionLogprobs(GRPOConfig(max_tokens_per_microbatch=12)).batched(model, batch, micro_batch_size=1)
+        budget = CompletionLogprobs(config).batched(model, batch, micro_batch_size=1, max_tokens=12)
     finally:
         model.eval()
     assert entered == [1] and not whole.requires_grad
@@ -134,12 +134,28 @@ class _ScoresItself(nn.Module):
         return torch.full(batch.completion_ids.shape, -0.5), None
 
 
-def test_a_model_that_scores_its_own_completions_gets_the_batch(model):
+def _own_scores(model, batch, temperature, with_entropy):
+    """A backend's scorer (``GRPOModels.scorer``): the model scores its completions itself."""
+    return model.completion_logprobs(batch, temperature, with_entropy=with_entropy)
+
+
+def _with_scorer(config):
+    computer = CompletionLogprobs(config)
+    computer.use(_own_scores, sharded=False)
+    return computer
+
+
+def test_a_backends_scorer_gets_the_model_and_the_batch(model):
+    """A backend that says its models score their completions themselves (Megatron) gets every call; the checks of
+    what such a scorer cannot give (an entropy gradient, a truncated distribution) name the model."""
     batch = _experience(model.config.vocab_size)
     policy = _ScoresItself()
-    logprobs, entropy = CompletionLogprobs(GRPOConfig(temperature=0.7))(policy, batch, with_entropy=True)
+    logprobs, entropy = _with_scorer(GRPOConfig(temperature=0.7))(policy, batch, with_entropy=True)
     assert policy.calls == [(0.7, True)] and entropy is None and (logprobs == -0.5).all()
     with pytest.raises(ValueError, match=r"entropy_coef=0.01 needs the entropy's gradient.*_ScoresItself"):
-        CompletionLogprobs(GRPOConfig(entropy_coef=0.01))(policy, batch, entropy_grad=True)
+        _with_scorer(GRPOConfig(entropy_coef=0.01))(policy, batch, entropy_grad=True)
     with pytest.raises(ValueError, match=r"top_k=5, top_p=1.0, min_p=0.0: _ScoresItself scores the untruncated"):
-        CompletionLogprobs(GRPOConfig(top_k=5))(policy, batch)
+        _with_scorer(GRPOConfig(top_k=5))(policy, batch)
+    # without a scorer the layouts' own forward runs (this module has none: nn.Module's unimplemented forward)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'input_ids'"):
+        CompletionLogprobs(GRPOConfig())(policy, batch)

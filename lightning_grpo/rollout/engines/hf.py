@@ -28,7 +28,6 @@ from transformers import (
 )
 
 from lightning_grpo.functional import sampling_logits
-from lightning_grpo.models.lora import base_model
 from lightning_grpo.protocols.rollout import (
     RolloutInterrupted,
     RolloutOutput,
@@ -39,6 +38,7 @@ from lightning_grpo.protocols.rollout import (
     left_pad,
 )
 from lightning_grpo.protocols.sampling import SamplingConfig
+from lightning_grpo.protocols.weights import PolicyWeights
 from lightning_grpo.rollout.registry import EngineSpec
 
 
@@ -143,16 +143,11 @@ class HFRolloutEngine:
         """False: nothing to sync."""
         return False
 
-    @property
-    def reads_weight_sources(self) -> bool:
-        """False: it generates with the policy module itself."""
-        return False
-
     def set_lockstep(self, enabled: bool) -> None:
         """``generate(synced_gpus=True)`` when enabled (FSDP1 with nested units: every forward is a collective)."""
         self.synced_gpus = True if enabled else None
 
-    def sync_weights(self, model: torch.nn.Module) -> None:
+    def sync_weights(self, weights: PolicyWeights) -> None:
         """Nothing to do: generation runs on the trained module."""
 
     def wake_up(self) -> None:
@@ -255,6 +250,6 @@ class _StopCriterion(StoppingCriteria):
 
 
 def make(spec: EngineSpec) -> HFRolloutEngine:
-    """The "hf" engine of the registry: generates with ``spec.policy`` (with a PEFT policy, with its transformers
-    model, whose layers carry the adapters)."""
-    return HFRolloutEngine(base_model(spec.policy), spec.tokenizer, stop=spec.stop)
+    """The "hf" engine of the registry: generates with ``spec.model`` (the policy's transformers model; with LoRA,
+    its layers carry the adapters)."""
+    return HFRolloutEngine(spec.model, spec.tokenizer, stop=spec.stop)

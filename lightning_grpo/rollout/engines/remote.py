@@ -8,19 +8,19 @@
   are the server engine's processed logprobs (:mod:`lightning_grpo.rollout.engines.vllm`). Each rollout carries the
   version of the weights that produced it (``RolloutOutput.weight_version``).
 * **Weight sync** (:meth:`VLLMServerEngine.sync_weights`, every ``engine.sync_every`` optimizer steps): the
-  trainer's global rank 0 streams :func:`lightning_grpo.models.hf_weights.hf_weights` (FSDP full tensors
-  gathered
-  one at a time, LoRA merged, ``lm_head`` sent for tied embeddings, as the colocated engine) to every instance
-  over its own ``torch.distributed`` group (:mod:`lightning_grpo.rollout.server.weight_sync`); the version goes up by
-  one per sync. The other ranks wait on the trainer's default group, so that no rank generates with the old
-  weights. With ``engine.weight_sync_check`` the server's teacher-forced logprobs of a fixed probe batch are compared
-  with the policy's own (:func:`lightning_grpo.functional.token_logprobs`) and a difference above the bound is
-  an error on every rank.
+  trainer's global rank 0 streams the policy's weights as the backend gives them
+  (:class:`~lightning_grpo.protocols.weights.PolicyWeights`: FSDP full tensors gathered one at a time, LoRA merged,
+  ``lm_head`` included for tied embeddings, as to the colocated engine) to every instance over its own
+  ``torch.distributed`` group (:mod:`lightning_grpo.rollout.server.weight_sync`); the version goes up by one per
+  sync. The other ranks read sharded weights along (the gathers are collectives) and wait on the trainer's default
+  group, so that no rank generates with the old weights. With ``engine.weight_sync_check`` the server's
+  teacher-forced logprobs of a fixed probe batch are compared with the policy's own (``PolicyWeights.
+  probe_logprobs``) and a difference above the bound is an error on every rank.
 * **Restarts and timeouts**: before each request to an instance its ``/health`` is read; a new ``instance_id``
   means the instance restarted (checkpoint weights, version 0): rank 0 forms a new weight-sync group with it
-  and re-sends the weights of the policy given to the last sync (the policy's current weights: newer than the
+  and re-sends the weights given to the last sync (read again: the policy's current weights, newer than the
   other instances' when ``engine.sync_every > 1``) before using it; other ranks wait until it has the current
-  version. A sharded (FSDP) policy can only be re-sent by a sync, which every rank joins: an instance that
+  version. Sharded (collective) weights can only be re-sent by a sync, which every rank joins: an instance that
   restarts between syncs is then an error. Unreachable servers are retried with backoff
   (:class:`~lightning_grpo.rollout.server.client.ServerClient`); after ``engine.server_timeout`` seconds the error
   names the URL and the timeout. The process groups have the same timeout: nothing waits forever.
@@ -45,13 +45,11 @@ from typing import Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
-from lightning_grpo.models.hf_weights import check_syncable, hf_weights
 from lightning_grpo.protocols.rollout import RolloutOutput, StopFlag
 from lightning_grpo.protocols.sampling import SamplingConfig
-from lightning_grpo.protocols.weights import HFWeightSource
-from lightning_grpo.rollout.engines.probe import policy_probe_logprobs, probe_sequences, probe_vocab_size
+from lightning_grpo.protocols.weights import PolicyWeights, check_tied_engine
+from lightning_grpo.rollout.engines.probe import probe_batch
 from lightning_grpo.rollout.engines.rows import check_prompts, request_seeds, rollout_from_rows
 from lightning_grpo.rollout.registry import EngineSpec
 from lightning_grpo.rollout.server.client import RolloutServerError, ServerClient
@@ -80,12 +78,6 @@ def split_evenly(count: int, parts: int) -> list[tuple[int, int]]:
     for i in range(parts):
         bounds.append(bounds[-1] + base + (1 if i < extra else 0))
     return list(zip(bounds[:-1], bounds[1:], strict=True))
-
-
-def is_sharded(model: nn.Module) -> bool:
-    """Whether ``model``'s full weights only a collective gathers: DTensor (FSDP2) parameters, or an
-    :class:`HFWeightSource` (Megatron's tensor/pipeline shards)."""
-    return isinstance(model, HFWeightSource) or any(hasattr(p, "full_tensor") for p in model.parameters())
 
 
 class VLLMServerEngine:
@@ -124,7 +116,7 @@ class VLLMServerEngine:
         self.rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         self.instances = [Instance(ServerClient(url, timeout_s, secret)) for url in urls]
         self.version = 0
-        self._model: Optional[nn.Module] = None
+        self._weights: Optional[PolicyWeights] = None  # given to the last sync (re-sent to a restarted instance)
         self.group_host = group_host or os.environ.get("MASTER_ADDR", "127.0.0.1")
         self.group_port = int(group_port)
         self._store = host_store(self.group_host, self.group_port, self.timeout_s) if self.rank == 0 else None
@@ -160,11 +152,6 @@ class VLLMServerEngine:
     @property
     def sync_is_collective(self) -> bool:
         """True: every trainer process calls :meth:`sync_weights` (global rank 0 streams, the others wait)."""
-        return True
-
-    @property
-    def reads_weight_sources(self) -> bool:
-        """True: the weights are streamed by name from ``hf_weights``."""
         return True
 
     def set_lockstep(self, enabled: bool) -> None:
@@ -264,15 +251,15 @@ class VLLMServerEngine:
                             "version %d re-sent", inst.client.url, inst.instance_id, info["instance_id"], self.version)
                 self._init_group(inst, info, deadline)
             if int(info["version"]) != self.version:
-                if self._model is None:
+                if self._weights is None:
                     raise RolloutServerError(
                         f"rollout server {inst.client.url} holds weights version {info['version']} but this trainer "
                         f"has synced none yet (version {self.version}): call sync_weights before generating")
-                if is_sharded(self._model):
+                if self._weights.collective:
                     raise RolloutServerError(
                         f"rollout server {inst.client.url} restarted between weight syncs and the policy is sharded "
-                        "(FSDP): its weights can only be re-sent by a sync, which every rank joins")
-                self._push([inst], self._model, deadline)
+                        "(FSDP, Megatron): its weights can only be re-sent by a sync, which every rank joins")
+                self._push([inst], self._weights, deadline)
 
     def _wait_for_version(self, inst: Instance, deadline: float) -> None:
         while True:
@@ -310,16 +297,15 @@ class VLLMServerEngine:
         inst.group, inst.instance_id, inst.version = group, info["instance_id"], int(info["version"])
 
     # ------------------------------------------------------------------ weights
-    def _push(self, instances: Sequence[Instance], model: nn.Module, deadline: float) -> int:
-        """Stream ``model``'s weights to ``instances`` as version ``self.version`` (rank 0)."""
-        check_syncable(model, self.tie_word_embeddings)  # before the servers start waiting for a stream
-        device = next(model.parameters()).device if self.backend == "nccl" else torch.device("cpu")
+    def _push(self, instances: Sequence[Instance], weights: PolicyWeights, deadline: float) -> int:
+        """Stream ``weights`` to ``instances`` as version ``self.version`` (rank 0)."""
+        check_tied_engine(weights, self.tie_word_embeddings)  # before the servers start waiting for a stream
+        device = weights.device if self.backend == "nccl" else torch.device("cpu")
         with concurrent.futures.ThreadPoolExecutor(len(instances)) as pool:
             answers = [pool.submit(inst.client.request, "POST", "/update_weights", {"version": self.version},
                                    deadline, idempotent=False) for inst in instances]
             try:
-                count = send_weights([inst.group for inst in instances], hf_weights(model, self.tie_word_embeddings),
-                                     device)
+                count = send_weights([inst.group for inst in instances], weights.tensors(), device)
             except Exception as err:
                 urls = ", ".join(inst.client.url for inst in instances)
                 raise RolloutServerError(f"sending weights version {self.version} to {urls} failed: {err}") from err
@@ -331,26 +317,27 @@ class VLLMServerEngine:
                 inst.version = self.version
         return count
 
-    def sync_weights(self, model: nn.Module) -> None:
-        """Send ``model``'s weights to every instance as the next version (rank 0 sends; every rank calls this, the
-        others wait), then run the post-sync check when ``engine.weight_sync_check`` is set.
+    def sync_weights(self, weights: PolicyWeights) -> None:
+        """Send the policy's weights to every instance as the next version (rank 0 sends; every rank calls this, the
+        others read sharded weights along and wait), then run the post-sync check when ``engine.weight_sync_check``
+        is set.
 
         Raises:
             RolloutServerError: the transfer failed on some instance, or the check found a logprob difference above
                 ``engine.weight_sync_check`` (the instance, the difference and the bound are named); on every rank.
         """
         self.version += 1
-        self._model = model
+        self._weights = weights
         failure, worst, where = 0.0, 0.0, ""
         error: Optional[BaseException] = None
         try:
             if self.rank == 0:
-                self._send_to_all(model)
-            elif is_sharded(model):
-                for _ in hf_weights(model, self.tie_word_embeddings):  # the gathers are collectives
+                self._send_to_all(weights)
+            elif weights.collective:
+                for _ in weights.tensors():  # the gathers are collectives
                     pass
             if self.weight_sync_check is not None:
-                worst, where = self._check(model)
+                worst, where = self._check(weights)
         except Exception as err:  # noqa: BLE001 - raised below, after the other ranks learn of it
             failure, error = 1.0, err
         failure, worst = self._agree(failure, worst)
@@ -364,7 +351,7 @@ class VLLMServerEngine:
                 f"probe batch differ from the policy's by up to {worst:.3g} > engine.weight_sync_check="
                 f"{self.weight_sync_check:g}{where}: the server is not generating with the trained weights")
 
-    def _send_to_all(self, model: nn.Module) -> None:
+    def _send_to_all(self, weights: PolicyWeights) -> None:
         """Rank 0: a new group with each instance that restarted, then the weights to all of them."""
         deadline = time.monotonic() + self.timeout_s
         for inst in self.instances:
@@ -373,13 +360,13 @@ class VLLMServerEngine:
                 log.warning("rollout server %s restarted (instance %s -> %s): new weight-sync group",
                             inst.client.url, inst.instance_id, info["instance_id"])
                 self._init_group(inst, info, deadline)
-        self._push(self.instances, model, deadline)
+        self._push(self.instances, weights, deadline)
 
-    def _check(self, model: nn.Module) -> tuple[float, str]:
+    def _check(self, weights: PolicyWeights) -> tuple[float, str]:
         """The largest |server - policy| probe logprob difference over the instances (rank 0; 0 elsewhere), and
-        which instance has it."""
-        sequences = probe_sequences(probe_vocab_size(model, len(self.tokenizer)))
-        ours = policy_probe_logprobs(model, sequences)
+        which instance has it (the policy's probe logprobs are a collective when ``weights.collective``)."""
+        sequences = probe_batch(weights, len(self.tokenizer))
+        ours = weights.probe_logprobs(sequences)
         worst, where = 0.0, ""
         if self.rank == 0:
             for inst in self.instances:

