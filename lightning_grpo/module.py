@@ -29,6 +29,7 @@ from lightning_grpo.experience_maker import ExperienceMaker, RolloutContext
 from lightning_grpo.loop.fit_loop import install_loop
 from lightning_grpo.models.dropout import disable_dropout, warn_dropout_with_reused_rollouts
 from lightning_grpo.models.lora import (
+    base_model,
     check_quantized_engine,
     check_tied_head,
     export_policy,
@@ -37,6 +38,7 @@ from lightning_grpo.models.lora import (
     reference_for,
     trim_frozen_weights,
 )
+from lightning_grpo.models.vision import vision_spec
 from lightning_grpo.protocols import Collectives, RolloutEngine, RolloutOutput, SamplingConfig, StopFlag
 from lightning_grpo.rewards import RewardSet, RewardSpec
 from lightning_grpo.rewards.reward_model import resolve_reward_models
@@ -99,6 +101,8 @@ class GRPOModule(L.LightningModule):
             ``close()``); with it, ``tools`` are only described in the prompt.
         tool_parser: the tool-call format (:class:`lightning_grpo.episodes.ToolCallParser`); default the Hermes /
             Qwen ``<tool_call>`` JSON format.
+        processor: a vision-language ``model``'s image processor, or the folder holding it (default: the model's
+            folder); prompts may then show images (docs/vision.md).
 
     Raises:
         ValueError: a bad argument (named in the message).
@@ -126,13 +130,14 @@ class GRPOModule(L.LightningModule):
         tools: Sequence[ToolSpec] = (),
         environment_factory: Optional[EnvironmentFactory] = None,
         tool_parser: Optional[ToolCallParser] = None,
+        processor: Any = None,
     ) -> None:
         super().__init__()
         config = config or GRPOConfig()
         self.config = GRPOConfig.from_dict(config) if isinstance(config, dict) else copy.deepcopy(config)
         # hyperparameters are stored as plain data so checkpoints load with torch.load(weights_only=True)
         self.save_hyperparameters(ignore=["model", "tokenizer", "reward_funcs", "accuracy_reward", "config", "lora",
-                                          "tools", "environment_factory", "tool_parser"])
+                                          "tools", "environment_factory", "tool_parser", "processor"])
         self._lora_settings = settings = lora_settings(lora, quantization, dtype, export_merged)
         self.hparams.update(config=dataclasses.asdict(self.config), lora=settings.hparams)
         self.hparams["model"] = model if isinstance(model, str) or model is None else type(model).__name__
@@ -152,10 +157,11 @@ class GRPOModule(L.LightningModule):
         self.hparams["tools"] = [t.name for t in self.tools]
         stop = StopFlag()  # polled by the engine and the sampler (with tools or an environment: the turn loop)
         prompts, sampler = rollout_path(self.config, self.tokenizer, self.policy, self.tools, environment_factory,
-                                        tool_parser, stop)
+                                        tool_parser, stop, processor, self.model_path)
         self.rollout = RolloutWorker(self.config, self.tokenizer, self._emit, prompts=prompts, sampler=sampler,
                                      stop=stop)
-        self.logprobs = CompletionLogprobs(self.config, is_sharded=lambda m: self.backend.is_sharded(m))
+        self.logprobs = CompletionLogprobs(self.config, is_sharded=lambda m: self.backend.is_sharded(m),
+                                           vision=vision_spec(base_model(self.policy).config))
         self.experience_maker = ExperienceMaker(self.config, self.rollout, self.rewards, self.logprobs, self._emit)
         self.step_selection = StepSelection(self.config, self.logprobs)
         self.step_metrics = StepMetrics(self.config.clip_ratio_c, self.config.tis_cap())

@@ -43,6 +43,15 @@ from typing_extensions import override
 from lightning_grpo.data.code_tasks import CODE_INSTRUCTION, CODE_SYSTEM_PROMPT, HUMANEVAL_NAME, humaneval_rows
 from lightning_grpo.data.fewshot import fewshot_messages
 from lightning_grpo.data.files import load_local_files, load_local_folder
+from lightning_grpo.data.images import (
+    ImageCollator,
+    ImagePromptLengths,
+    as_image_list,
+    check_on_long,
+    image_messages,
+    long_prompt_rows,
+    optional_column,
+)
 from lightning_grpo.data.presets import (  # noqa: F401  (re-exported: the presets are part of this module's API)
     DEFAULT_SYSTEM_PROMPT,
     GSM8K_INSTRUCTION,
@@ -124,6 +133,7 @@ def _format_example(
     system_prompt: Optional[str],
     instruction: str,
     fewshot: list[dict[str, str]],
+    image_field: Optional[str] = None,
 ) -> dict[str, Any]:
     question = row[question_field]
     raw_answer = row[answer_field]
@@ -139,6 +149,8 @@ def _format_example(
     prompt = [] if system_prompt is None else [{"role": "system", "content": system_prompt}]
     prompt += row.get("fewshot") or fewshot  # worked examples: the row's (the arithmetic task's), else num_fewshot
     prompt.append({"role": "user", "content": instruction.replace(QUESTION_PLACEHOLDER, question)})
+    if image_field is not None:  # the images' parts, filled with them batch by batch (data/images.py)
+        prompt = image_messages(prompt, len(as_image_list(row[image_field])))
     return {"prompt": prompt, "answer": answer, "question": question, "solution": str(row[solution_field])}
 
 
@@ -188,6 +200,12 @@ class PromptDataModule(L.LightningDataModule):
             val split, ``val_size`` prompts each, one dataloader each, in validation and test (``eval_names``).
         num_fewshot: worked examples before every question (train and val, :mod:`lightning_grpo.data.fewshot`): the
             first ``num_fewshot`` rows of the train split, which are then never trained on (>= 0).
+        image_field: column of each row's image or images (PIL images, file paths, bytes or ``datasets.Image``
+            values; one or a list) for a vision-language model: they go before the question in the user message
+            (TRL's format, :mod:`lightning_grpo.data.images`), read batch by batch. With ``max_prompt_length`` the
+            lengths count the images' tokens (``tokenizer`` is then the model's folder, with its image processor).
+        long_prompts: what happens to a prompt over ``max_prompt_length``: "skip" (left out, counted in
+            :attr:`dropped_prompts` and logged) or "error". A prompt is never cut here, so never through an image.
 
     Raises:
         ValueError: ``prompts_per_step < 1``, ``val_size < 0``, ``val_batch_size < 1``, ``max_prompt_length < 1``,
@@ -221,6 +239,8 @@ class PromptDataModule(L.LightningDataModule):
         num_workers: int = 0,
         eval_datasets: Sequence[str] = (),
         num_fewshot: int = 0,
+        image_field: Optional[str] = None,
+        long_prompts: str = "skip",
     ) -> None:
         super().__init__()
         for name, value, minimum in (
@@ -268,6 +288,8 @@ class PromptDataModule(L.LightningDataModule):
         self.answer_format: AnswerFormat = answer_format or (preset.answer_format if preset else "raw")
         self.tokenizer = tokenizer
         self.max_prompt_length = max_prompt_length
+        self.image_field, self.long_prompts = image_field, check_on_long(long_prompts)
+        self.dropped_prompts: dict[str, int] = {}  # split -> prompts over max_prompt_length left out
         self.num_workers = num_workers
         self.train_dataset: Optional[datasets.Dataset] = None
         self.val_dataset: Optional[datasets.Dataset] = None
@@ -335,6 +357,7 @@ class PromptDataModule(L.LightningDataModule):
                     f"dataset={self.dataset!r} split {split!r}: {field_name}={column!r} is not a column; "
                     f"available columns: {columns}"
                 )
+        optional_column(columns, self.image_field, self.dataset, split)
         formatted = dataset.map(
             _format_example,
             with_indices=True,
@@ -346,6 +369,7 @@ class PromptDataModule(L.LightningDataModule):
                 system_prompt=self.system_prompt,
                 instruction=self.instruction,
                 fewshot=self.fewshot,
+                image_field=self.image_field,
             ),
             keep_in_memory=True,
             desc=f"Formatting {split} prompts",
@@ -357,11 +381,20 @@ class PromptDataModule(L.LightningDataModule):
             return dataset
         from transformers import AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(self.tokenizer)
         prompts = list(dataset["prompt"])
-        ids = tokenizer.apply_chat_template(prompts, add_generation_prompt=True, tokenize=True)["input_ids"]
-        keep = [i for i, row in enumerate(ids) if len(row) <= self.max_prompt_length]
+        if self.image_field is not None:  # the images' tokens counted, no prompt cut (data/images.py)
+            keep = long_prompt_rows(prompts, list(dataset[self.image_field]), ImagePromptLengths(self.tokenizer),
+                                    self.max_prompt_length, self.image_field, split, self.long_prompts)
+        else:
+            tokenizer = AutoTokenizer.from_pretrained(self.tokenizer)
+            ids = tokenizer.apply_chat_template(prompts, add_generation_prompt=True, tokenize=True)["input_ids"]
+            keep = [i for i, row in enumerate(ids) if len(row) <= self.max_prompt_length]
+            if self.long_prompts == "error" and len(keep) < len(ids):
+                bad = next(i for i, row in enumerate(ids) if len(row) > self.max_prompt_length)
+                raise ValueError(f"split {split!r} row {bad}: its prompt has {len(ids[bad])} tokens, over "
+                                 f"max_prompt_length={self.max_prompt_length} (long_prompts='error')")
         dropped = len(dataset) - len(keep)
+        self.dropped_prompts[split] = dropped
         if dropped:
             log.warning("Dropped %d of %d %s prompts longer than max_prompt_length=%d tokens (dataset=%r)",
                         dropped, len(dataset), split, self.max_prompt_length, self.dataset)
@@ -441,7 +474,7 @@ class PromptDataModule(L.LightningDataModule):
             sampler=EpochShuffleSampler(self.train_dataset, self.seed),  # order = f(seed, epoch): exact resumes
             generator=torch.Generator().manual_seed(self.seed),  # workers' base seed; never the global RNG
             drop_last=True,
-            collate_fn=collate_prompts,
+            collate_fn=self._collate,
             num_workers=self.num_workers,
         )
 
@@ -478,5 +511,10 @@ class PromptDataModule(L.LightningDataModule):
             self.setup("validate")
         if self.val_dataset is None or len(self.val_dataset) == 0:
             return []
-        return DataLoader(self.val_dataset, batch_size=self.val_batch_size, shuffle=False, collate_fn=collate_prompts,
+        return DataLoader(self.val_dataset, batch_size=self.val_batch_size, shuffle=False, collate_fn=self._collate,
                           num_workers=self.num_workers)
+
+    @property
+    def _collate(self) -> Any:
+        """The batches' collate function: with ``image_field``, the images read into the prompts' image parts."""
+        return collate_prompts if self.image_field is None else ImageCollator(self.image_field)

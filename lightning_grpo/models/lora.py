@@ -47,6 +47,7 @@ from lightning_grpo.models.hf_weights import (
     merged_state_dict,
 )
 from lightning_grpo.models.loading import FrozenReference, load_policy, save_policy
+from lightning_grpo.models.vision import language_model_lora, vision_spec
 from lightning_grpo.protocols.engine import RolloutEngine
 
 log = logging.getLogger(__name__)
@@ -201,7 +202,9 @@ def load_lora_policy(model: Union[str, nn.Module, None], tokenizer: Union[str, P
     """:func:`lightning_grpo.models.loading.load_policy` (quantized with ``settings.quantization_config``), then with
     LoRA
     ``peft.get_peft_model(policy, settings.config)`` (the policy's layers are adapted in place; a quantized base
-    goes through ``peft.prepare_model_for_kbit_training`` first). Returns ``(policy, tokenizer, model_path)``.
+    goes through ``peft.prepare_model_for_kbit_training`` first; a vision-language policy's vision tower and
+    projector are excluded from the targets, :func:`~lightning_grpo.models.vision.language_model_lora`). Returns
+    ``(policy, tokenizer, model_path)``.
 
     Raises:
         ValueError: see ``load_policy``.
@@ -214,9 +217,10 @@ def load_lora_policy(model: Union[str, nn.Module, None], tokenizer: Union[str, P
         from peft import prepare_model_for_kbit_training
 
         policy = prepare_model_for_kbit_training(policy, use_gradient_checkpointing=bool(gradient_checkpointing))
-    adapted = get_peft_model(policy, settings.config)
+    config = settings.config if vision_spec(policy.config) is None else language_model_lora(settings.config)
+    adapted = get_peft_model(policy, config)
     adapted.train(policy.training)
-    check_lora_targets(adapted, settings.config)
+    check_lora_targets(adapted, config)
     return adapted, tokenizer, path
 
 

@@ -10,10 +10,12 @@ engine's internals.
 
 from __future__ import annotations
 
-from typing import Protocol, Sequence, runtime_checkable
+from typing import Optional, Protocol, Sequence, runtime_checkable
 
 import torch
 
+from lightning_grpo.protocols import multimodal
+from lightning_grpo.protocols.images import RowImages
 from lightning_grpo.protocols.rollout import RolloutOutput
 from lightning_grpo.protocols.sampling import SamplingConfig
 
@@ -120,10 +122,18 @@ class EngineWrapper:
         self.engine = engine
 
     def generate(
-        self, prompt_ids: Sequence[Sequence[int]], num_generations: int, sampling: SamplingConfig
+        self, prompt_ids: Sequence[Sequence[int]], num_generations: int, sampling: SamplingConfig,
+        images: Optional[Sequence[Optional[RowImages]]] = None,
     ) -> RolloutOutput:
-        """``engine.generate``."""
-        return self.engine.generate(prompt_ids, num_generations, sampling)
+        """``engine.generate`` (with ``images`` when a prompt has some: :func:`~lightning_grpo.protocols.multimodal.
+        generate`)."""
+        return multimodal.generate(self.engine, prompt_ids, num_generations, sampling, images)
+
+    @property
+    def accepts_images(self) -> bool:
+        """Whether the wrapped engine takes images (an
+        :class:`~lightning_grpo.protocols.multimodal.ImageRolloutEngine` that accepts them)."""
+        return isinstance(self.engine, multimodal.ImageRolloutEngine) and self.engine.accepts_images
 
     def sync_weights(self, model: torch.nn.Module) -> None:
         """``engine.sync_weights``."""

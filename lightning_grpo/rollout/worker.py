@@ -17,6 +17,7 @@ NaN/inf before every rollout (:func:`lightning_grpo.training.nonfinite.check_fin
 from __future__ import annotations
 
 import contextlib
+from dataclasses import replace
 from typing import Any, Iterator, Optional, Sequence
 
 from torch import nn
@@ -26,6 +27,8 @@ from lightning_grpo.config import GRPOConfig
 from lightning_grpo.events import ON_WEIGHTS_SYNCED, EventSink
 from lightning_grpo.protocols.collectives import Collectives
 from lightning_grpo.protocols.engine import RolloutEngine
+from lightning_grpo.protocols.images import EncodedPrompts, RowImages
+from lightning_grpo.protocols.multimodal import ImagePromptEncoder, has_images
 from lightning_grpo.protocols.rollout import RolloutOutput, StopFlag
 from lightning_grpo.protocols.sampler import PromptEncoder, Sampler
 from lightning_grpo.protocols.sampling import SamplingConfig
@@ -135,6 +138,24 @@ class RolloutWorker:
                 "generates with the training model itself, so it cannot generate while the trainer trains; use "
                 "max_staleness=0")
 
+    @property
+    def banned_token_ids(self) -> tuple[int, ...]:
+        """Tokens the engine may never sample: a vision-language policy's image placeholders
+        (:class:`~lightning_grpo.protocols.multimodal.ImagePromptEncoder`); none for a text model."""
+        return self.prompts.banned_token_ids if isinstance(self.prompts, ImagePromptEncoder) else ()
+
+    def encode(self, prompts: Sequence[Any]) -> EncodedPrompts:
+        """The prompts' ids and, with a vision-language policy's encoder, their images (never truncated through
+        one); else :meth:`encode_prompts` with no images.
+
+        Raises:
+            ValueError: as the encoder (a prompt that does not fit without cutting an image).
+        """
+        if isinstance(self.prompts, ImagePromptEncoder):
+            return self.prompts.encode_image_prompts(prompts, self.config.max_prompt_length)
+        ids, truncated = self.encode_prompts(prompts)
+        return EncodedPrompts(ids, truncated, [None] * len(ids))
+
     def encode_prompts(self, prompts: Sequence[Any]) -> tuple[list[list[int]], int]:
         """The prompts' token ids (:attr:`prompts`; single-turn: :func:`lightning_grpo.rollout.prompts.encode_prompts`,
         the chat template for message lists, exactly one BOS where the tokenizer uses one, left truncation to
@@ -147,21 +168,27 @@ class RolloutWorker:
 
     def sample(self, engine: RolloutEngine, prompt_ids: Sequence[Sequence[int]], num_generations: int,
                sampling: SamplingConfig, rows: Sequence[dict[str, Any]],
-               collectives: Optional[Collectives] = None) -> RolloutOutput:
+               collectives: Optional[Collectives] = None,
+               images: Optional[Sequence[Optional[RowImages]]] = None) -> RolloutOutput:
         """``num_generations`` completions of each of the encoded prompts (:attr:`sampler`: one ``engine.generate``,
         or the episodes of the turn loop; ``rows[i]``: the dataset row of prompt i; ``collectives``: the processes'
-        agreement, on the trainer's thread only)."""
+        agreement, on the trainer's thread only; ``images[i]``: prompt i's images, :meth:`encode`)."""
         any_process = None if collectives is None else collectives.any_process
-        return self.sampler.sample(engine, prompt_ids, num_generations, sampling, rows, any_process)
+        if not has_images(images):  # a sampler without images keeps its six-argument sample
+            return self.sampler.sample(engine, prompt_ids, num_generations, sampling, rows, any_process)
+        return self.sampler.sample(engine, prompt_ids, num_generations, sampling, rows, any_process, images=images)
 
     def sample_prompts(self, prompts: Sequence[Any], num_generations: int, sampling: SamplingConfig,
                        rows: Optional[Sequence[dict[str, Any]]] = None,
                        collectives: Optional[Collectives] = None) -> RolloutOutput:
         """Rollout from raw prompts (message lists or strings) with the engine's current weights:
         :meth:`encode_prompts`, then :meth:`sample` (``rows``: default, an empty row per prompt)."""
-        ids, _ = self.encode_prompts(prompts)
-        rows = [{} for _ in ids] if rows is None else rows
-        return self.sample(self.require_engine(), ids, num_generations, sampling, rows, collectives)
+        encoded = self.encode(prompts)
+        rows = [{} for _ in encoded.ids] if rows is None else rows
+        sampling = replace(sampling, banned_token_ids=tuple(sorted({*sampling.banned_token_ids,
+                                                                     *self.banned_token_ids})))
+        return self.sample(self.require_engine(), encoded.ids, num_generations, sampling, rows, collectives,
+                           images=encoded.images)
 
     def require_engine(self) -> RolloutEngine:
         if self.engine is None:

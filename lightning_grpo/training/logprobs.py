@@ -12,8 +12,10 @@ default) the logprobs are computed from the output layer's input chunk by chunk
 (:mod:`lightning_grpo.training.logprob_head`): no ``[K, V]`` logits, in forward or backward; else from the logits.
 Multi-turn episodes lay out their environment tokens too
 (:attr:`~lightning_grpo.training.experience.Experience.completion_attention_mask`: attended to, their logprobs computed
-and masked out of the loss). A model with its own ``completion_logprobs(batch, temperature, with_entropy)`` (the
-Megatron policy: vocab-parallel) computes them itself.
+and masked out of the loss). A vision-language policy gets each layout's images and 3-D positions
+(:mod:`lightning_grpo.training.vision`); its image placeholder tokens are out of the distribution, as the engines
+never sample them (``banned_token_ids``). A model with its own ``completion_logprobs(batch, temperature,
+with_entropy)`` (the Megatron policy: vocab-parallel) computes them itself.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from torch import Tensor, nn
 
 from lightning_grpo import functional as F
 from lightning_grpo.config import GRPOConfig
+from lightning_grpo.models.vision import VisionSpec
 from lightning_grpo.training.experience import Experience
 from lightning_grpo.training.logprob_head import Truncation, plain_output_layer, scoring_head
 from lightning_grpo.training.packing import (
@@ -35,6 +38,7 @@ from lightning_grpo.training.packing import (
     shared_prefix_rows,
     token_budget_partition,
 )
+from lightning_grpo.training.vision import VisionInputs
 
 #: ``(model inputs, target ids (1, K), (rows, cols) of the K targets in the padded completion layout)``
 Pass = tuple[dict, Tensor, tuple[Tensor, Tensor]]
@@ -70,11 +74,34 @@ class CompletionLogprobs:
             ``max_tokens_per_microbatch``, ``entropy_coef``).
         is_sharded: whether a model all-gathers its parameters on every forward call (FSDP): the padding-free
             paths then make one large forward pass instead of one per row. Default: never.
+        vision: a vision-language policy's image facts (:func:`lightning_grpo.models.vision.vision_spec`): the
+            batches' images go into every layout and its placeholder tokens are never sampled; None for a causal LM.
     """
 
-    def __init__(self, config: GRPOConfig, is_sharded: Callable[[nn.Module], bool] = lambda model: False) -> None:
+    def __init__(self, config: GRPOConfig, is_sharded: Callable[[nn.Module], bool] = lambda model: False,
+                 vision: Optional[VisionSpec] = None) -> None:
         self.config = config
         self.is_sharded = is_sharded
+        self.vision = vision
+
+    @property
+    def banned_token_ids(self) -> tuple[int, ...]:
+        """The tokens the engines never sample (a vision-language policy's placeholders), out of the distribution."""
+        return () if self.vision is None else self.vision.banned_token_ids
+
+    def _vision(self, batch: Experience) -> Optional[VisionInputs]:
+        """The image inputs of ``batch``'s layouts, or None for a batch without images.
+
+        Raises:
+            ValueError: a batch with images for a policy without images (no ``vision``).
+        """
+        if batch.images is None or not any(batch.images):
+            return None
+        if self.vision is None:
+            raise ValueError("the experience has images, but the policy is not a vision-language model: load it from "
+                             "a vision-language checkpoint (GRPOModule(model=...))")
+        return VisionInputs(self.vision, batch.images, batch.prompt_ids, batch.prompt_mask, batch.completion_ids,
+                            batch.completion_attention_mask)
 
     def __call__(
         self, model: nn.Module, batch: Experience, with_entropy: bool = False, entropy_grad: bool = False
@@ -88,6 +115,9 @@ class CompletionLogprobs:
                 gradient and no truncation there).
         """
         if isinstance(model, ScoresCompletions):
+            if batch.images is not None and any(batch.images):
+                raise ValueError(f"{type(model).__name__} scores text only: images in the prompts need an HF "
+                                 "vision-language policy (single device, DDP or FSDP2)")
             check_untruncated_scoring(self.config, type(model).__name__, entropy_grad)
             return model.completion_logprobs(batch, self.config.temperature, with_entropy=with_entropy)
         if self.config.padding_free:
@@ -131,9 +161,11 @@ class CompletionLogprobs:
         has_loss = batch.completion_mask.any(dim=1)
         completion_tokens = int(batch.completion_attention_mask.sum())
         if self.shared_prefix(model):
-            prompts = {tuple(ids[mask.bool()].tolist())
-                       for ids, mask in zip(batch.prompt_ids[has_loss], batch.prompt_mask[has_loss], strict=True)}
-            return sum(len(p) for p in prompts) + completion_tokens
+            vision = self._vision(batch)
+            keys = vision.prompt_keys() if vision is not None else [None] * len(batch)
+            prompts = {(tuple(batch.prompt_ids[i][batch.prompt_mask[i].bool()].tolist()), keys[i])
+                       for i in has_loss.nonzero().flatten().tolist()}
+            return sum(len(p) for p, _ in prompts) + completion_tokens
         return int(batch.prompt_mask[has_loss].sum()) + completion_tokens
 
     def shared_prefix(self, model: nn.Module) -> bool:
@@ -151,6 +183,9 @@ class CompletionLogprobs:
         t = batch.completion_ids.shape[1]
         inputs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                       logits_to_keep=t + 1)
+        vision = self._vision(batch)
+        if vision is not None:
+            inputs.update(vision.padded(input_ids, position_ids))
         head = self._chunked_head(model)
         if head is None:
             logits = model(**inputs, use_cache=False).logits[:, :-1]  # [B, T, V]: position j predicts token j
@@ -173,6 +208,7 @@ class CompletionLogprobs:
         if self.shared_prefix(model):
             return self._shared_prefix(model, batch, with_entropy, entropy_grad)
         counts = sequence_token_counts(batch.prompt_mask[has_loss], mask[has_loss]).tolist()
+        vision = self._vision(batch)
         passes: list[Pass] = []
         for part in token_budget_partition(counts, self._row_tokens(model, counts)):
             rows = has_loss[torch.tensor(part, dtype=torch.long, device=has_loss.device)]
@@ -180,6 +216,8 @@ class CompletionLogprobs:
                                     mask[rows])
             inputs = dict(input_ids=packed.input_ids, position_ids=packed.position_ids,
                           logits_to_keep=packed.logit_index)
+            if vision is not None:  # every row here has loss tokens, so each is packed, in this order
+                inputs.update(vision.packed(rows.tolist(), packed.position_ids))
             passes.append((inputs, packed.target_ids, (rows[packed.rows], packed.cols)))
         return self._run(model, passes, tuple(batch.completion_ids.shape), with_entropy, entropy_grad)
 
@@ -188,14 +226,18 @@ class CompletionLogprobs:
     ) -> tuple[Tensor, Optional[Tensor]]:
         dtype = next(model.parameters()).dtype
         mask_dtype = dtype if dtype.is_floating_point else torch.float32
+        vision = self._vision(batch)
         groups = shared_prefix_rows(batch.prompt_ids, batch.prompt_mask, batch.completion_ids,
-                                    batch.completion_attention_mask, mask_dtype)
+                                    batch.completion_attention_mask, mask_dtype,
+                                    keys=None if vision is None else vision.prompt_keys())
         sizes = [g.input_ids.shape[1] for g in groups]
         passes: list[Pass] = []
         for part in token_budget_partition(sizes, self._row_tokens(model, sizes)):
             row = merge_rows([groups[i] for i in part])
             inputs = dict(input_ids=row.input_ids, position_ids=row.position_ids, attention_mask=row.attention_mask,
                           logits_to_keep=row.logit_index)
+            if vision is not None:
+                inputs.update(vision.shared_prefix([groups[i].rows.unique_consecutive().tolist() for i in part]))
             passes.append((inputs, row.target_ids, (row.rows, row.cols)))
         return self._run(model, passes, tuple(batch.completion_ids.shape), with_entropy, entropy_grad)
 
@@ -206,7 +248,8 @@ class CompletionLogprobs:
         renormalized, the behaviour policy both engines sample from (docs/algorithm.md)."""
         cfg = self.config
         return F.token_logprobs(logits, targets, cfg.temperature, with_entropy=with_entropy, entropy_grad=entropy_grad,
-                                top_k=cfg.top_k, top_p=cfg.top_p, min_p=cfg.min_p)
+                                top_k=cfg.top_k, top_p=cfg.top_p, min_p=cfg.min_p,
+                                banned_token_ids=self.banned_token_ids)
 
     def _chunked_head(self, model: nn.Module) -> Optional[nn.Linear]:
         """The output layer to score through chunk by chunk (``lm_head_chunk_size``), or None: full logits."""
@@ -219,7 +262,7 @@ class CompletionLogprobs:
         """``model(**inputs)`` with ``head`` scoring ``targets`` at ``select`` (:func:`scoring_head`): ``(B, S, 2)``
         float32 ``[logprob, entropy]`` per output position, no ``[B, S, V]`` logits."""
         cfg = self.config
-        truncation = Truncation(cfg.temperature, cfg.top_k, cfg.top_p, cfg.min_p)
+        truncation = Truncation(cfg.temperature, cfg.top_k, cfg.top_p, cfg.min_p, self.banned_token_ids)
         with scoring_head(head, targets, select, truncation, with_entropy, entropy_grad, cfg.lm_head_chunk_size):
             return model(**inputs, use_cache=False).logits
 
