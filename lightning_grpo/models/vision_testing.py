@@ -54,6 +54,13 @@ def _save(model: Any, tokenizer: Any, processor: Any, dest: str) -> str:
     model.save_pretrained(dest)
     tokenizer.save_pretrained(dest)
     processor.save_pretrained(dest)
+    if model.config.model_type == "llava":  # LlavaProcessor's own settings too (vLLM and AutoProcessor read them)
+        from transformers import LlavaProcessor
+
+        vision = model.config.vision_config
+        LlavaProcessor(image_processor=processor, tokenizer=tokenizer, patch_size=vision.patch_size,
+                       vision_feature_select_strategy=model.config.vision_feature_select_strategy,
+                       chat_template=tokenizer.chat_template, num_additional_image_tokens=1).save_pretrained(dest)
     return dest
 
 

@@ -139,7 +139,7 @@ class VisionInputs:
         keys = []
         for row in range(len(self.images)):
             tokens = int((self.prompt(row) == self.spec.placeholder_id).sum())
-            prompt_images, _ = split_row_images(self.images[row], tokens)
+            prompt_images, _ = split_row_images(self.row_images(row), tokens)
             keys.append(tuple(id(image) for image in prompt_images))
         return keys
 

@@ -110,6 +110,59 @@ def check_expansion(engine_ids: Sequence[int], ids: Sequence[int], index: int) -
                          "resizes images differently from the trainer's")
 
 
+def bad_words(tokenizer: Any, banned_token_ids: Sequence[int]) -> Optional[list[str]]:
+    """The banned tokens as vLLM's ``bad_words`` (each one token's text, which vLLM tokenizes back to that one token
+    and removes before temperature and truncation, as :func:`~lightning_grpo.protocols.sampling.sampling_removed`);
+    None when nothing is banned.
+
+    Raises:
+        ValueError: a banned token whose text does not tokenize back to it alone, or whose text after a space is
+            another single token (vLLM bans that one too): it could not be banned exactly. Special tokens (image
+            placeholders) are exact.
+    """
+    if not banned_token_ids:
+        return None
+    words = []
+    for token in banned_token_ids:
+        text = tokenizer.convert_ids_to_tokens(int(token))
+        exact = isinstance(text, str) and tokenizer.encode(text, add_special_tokens=False) == [int(token)]
+        if exact:
+            spaced = tokenizer.encode(" " + text.lstrip(), add_special_tokens=False)
+            exact = text == text.lstrip() and (len(spaced) != 1 or spaced == [int(token)])
+        if not exact:
+            raise ValueError(f"banned token {token} ({text!r}) is not exactly one vLLM bad word (its text does not "
+                             "tokenize back to it alone, or with a space before it is another token, which vLLM "
+                             "would ban too)")
+        words.append(text)
+    return words
+
+
+def check_expansions(engine_ids: Sequence[Sequence[int]], prompts: Sequence[Sequence[int]]) -> None:
+    """:func:`check_expansion` of every prompt. Raises as it, or ValueError for another number of prompts."""
+    if len(engine_ids) != len(prompts):
+        raise ValueError(f"the engine ran {len(engine_ids)} prompts, not {len(prompts)}")
+    for i, (ran, ids) in enumerate(zip(engine_ids, prompts, strict=True)):
+        check_expansion(ran, ids, i)
+
+
+def wire_images(prompts: Sequence[Sequence[int]], images: Sequence[Optional[RowImages]],
+                placeholder_id: Optional[int]) -> list[tuple[list[int], list[str]]]:
+    """Each prompt as a rollout server takes it with images: its ids with every placeholder run collapsed and its
+    pictures as base64 PNG (:func:`vllm_prompt`, :func:`encode_picture`).
+
+    Raises:
+        ValueError: no placeholder id (the servers' model takes no images); as :func:`vllm_prompt`.
+    """
+    if placeholder_id is None:
+        raise ValueError("the prompts have images, but the rollout servers' model is not a vision-language model")
+    out = []
+    for ids, row in zip(prompts, images, strict=True):
+        request = vllm_prompt(ids, row, placeholder_id)
+        pictures = request.get("multi_modal_data", {}).get("image", [])
+        out.append((request["prompt_token_ids"], [encode_picture(p) for p in pictures]))
+    return out
+
+
 def encode_picture(picture: Any) -> str:
     """A picture (PIL image) as base64 PNG text, lossless, for a rollout server's request."""
     buffer = io.BytesIO()
