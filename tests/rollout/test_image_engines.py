@@ -23,8 +23,8 @@ import torch
 from lightning_grpo import GRPOConfig
 from lightning_grpo.protocols.multimodal import generate
 from lightning_grpo.protocols.sampling import SamplingConfig
-from lightning_grpo.rollout.engines.multimodal import bad_words
 from lightning_grpo.rollout.engines.hf import HFRolloutEngine
+from lightning_grpo.rollout.engines.multimodal import bad_words
 from lightning_grpo.training.experience import Experience
 from lightning_grpo.training.logprobs import CompletionLogprobs
 from support.checkpoint_generation import trainer_logprobs
