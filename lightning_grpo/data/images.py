@@ -122,7 +122,8 @@ class ImageCollator:
         batch = {key: [example[key] for example in examples] for key in examples[0]}
         prompts = []
         for i, example in enumerate(examples):
-            where = f"row {i} of the batch, column {self.image_field!r}"
+            question = str(example.get("question", ""))[:60]
+            where = f"row {i} of the batch (question {question!r}), column {self.image_field!r}"
             images = [load_image(v, where) for v in as_image_list(example[self.image_field])]
             prompts.append(fill_images(example["prompt"], images, where))
         batch["prompt"] = prompts

@@ -275,12 +275,12 @@ class EpisodeRunner:
             e.running = False
             return
         messages, pictures = split_images(step.messages, "an observation")
+        if pictures and self.images is None:
+            raise ValueError("an environment's observation has images, but the policy is not a vision-language model")
         ids = self.chat.env_turn_ids(messages)
         shown: tuple[PromptImage, ...] = ()
         if pictures:
-            if self.images is None:
-                raise ValueError("an environment's observation has images, but the policy is not a vision-language "
-                                 "model")
+            assert self.images is not None
             shown = tuple(self.images.process(p) for p in pictures)
             ids = self.images.expand(ids, shown, "an observation")
         if len(e.ids) + len(ids) >= budget:  # no room for a model token after it: the episode is cut here
