@@ -28,6 +28,7 @@ from lightning_grpo.config import GRPOConfig
 from lightning_grpo.evaluation.evaluator import EvalBatch
 from lightning_grpo.events import ON_EXPERIENCE, ON_ROLLOUT_END, EventSink, ExperienceReady, RolloutEnd
 from lightning_grpo.protocols.collectives import Collectives
+from lightning_grpo.protocols.images import images_to
 from lightning_grpo.protocols.rollout import RolloutInterrupted, RolloutOutput
 from lightning_grpo.protocols.sampling import SamplingConfig
 from lightning_grpo.rewards import RewardSet, StartedScores
@@ -222,6 +223,7 @@ class ExperienceMaker:
             advantages=torch.zeros(len(rollout), device=ctx.device),
             sampler_logprobs=None if rollout.sampler_logprobs is None else rollout.sampler_logprobs.to(ctx.device),
             env_mask=None if rollout.env_mask is None else rollout.env_mask.to(ctx.device) * scored.unsqueeze(1),
+            images=images_to(rollout.images, ctx.device),
         )
         with ctx.timer.span("logprobs_s"):
             shaped = self._behaviour_logprobs(experience, shaped, scored, extra, policy, ref, len(batch["prompt"]))
@@ -336,21 +338,22 @@ class ExperienceMaker:
         _check_prompt_column(batch)
         engine = self.rollout.require_engine()
         with self.context.timer.span("rollout_s"):
-            prompt_ids, num_truncated = self.rollout.encode_prompts(batch["prompt"])
+            encoded = self.rollout.encode(batch["prompt"])
             sampling = self._sampling()
             try:
-                out: Optional[RolloutOutput] = self.rollout.sample(engine, prompt_ids, self.config.num_generations,
+                out: Optional[RolloutOutput] = self.rollout.sample(engine, encoded.ids, self.config.num_generations,
                                                                    sampling, prompt_rows(batch),
-                                                                   self.context.collectives)
+                                                                   self.context.collectives, images=encoded.images)
             except RolloutInterrupted:
                 out = None
-        return self._score(batch, out, num_truncated, int(engine.pad_token_id), totals, rows, outcomes)
+        return self._score(batch, out, encoded.num_truncated, int(engine.pad_token_id), totals, rows, outcomes)
 
     def _sampling(self) -> SamplingConfig:
         """The rollouts' sampling settings, with a per-request seed base (:meth:`_request_seed`)."""
         cfg = self.config
         return SamplingConfig(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
-                              top_k=cfg.top_k, min_p=cfg.min_p, seed=self._request_seed())
+                              top_k=cfg.top_k, min_p=cfg.min_p, seed=self._request_seed(),
+                              banned_token_ids=self.rollout.banned_token_ids)
 
     def _score(self, batch: PromptBatch, out: Optional[RolloutOutput], num_truncated: int, pad_token_id: int,
                totals: dict[str, float], rows: RolloutRows, outcomes: dict[str, list[float]],
@@ -380,20 +383,11 @@ class ExperienceMaker:
         totals["prompts/truncated"] += num_truncated
         totals["generated_tokens"] += float(out.completion_mask.sum())
         row_index = rows.add(prompts, columns, out)
-        return ScoredRollout(
-            prompt_ids=out.prompt_ids,
-            prompt_mask=out.prompt_mask,
-            completion_ids=out.completion_ids,
-            completion_mask=out.completion_mask,
-            truncated=out.truncated,
-            per_function=scores.per_function,
-            rewards=scores.rewards,
-            num_generations=g,
-            pad_token_id=pad_token_id,
-            sampler_logprobs=out.sampler_logprobs,
-            row_index=row_index,
-            env_mask=out.env_mask,
-        )
+        return ScoredRollout(prompt_ids=out.prompt_ids, prompt_mask=out.prompt_mask, completion_ids=out.completion_ids,
+                             completion_mask=out.completion_mask, truncated=out.truncated,
+                             per_function=scores.per_function, rewards=scores.rewards, num_generations=g,
+                             pad_token_id=pad_token_id, sampler_logprobs=out.sampler_logprobs, row_index=row_index,
+                             env_mask=out.env_mask, images=out.images)
 
     def evaluate(self, batch: PromptBatch, policy: nn.Module,
                  accuracy: Optional[Callable[..., list]] = None) -> EvalBatch:

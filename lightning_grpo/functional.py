@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -320,6 +320,7 @@ def token_logprobs(
     top_k: int = 0,
     top_p: float = 1.0,
     min_p: float = 0.0,
+    banned_token_ids: Sequence[int] = (),
 ) -> tuple[Tensor, Optional[Tensor]]:
     """Log-probabilities of ``labels`` under the sampling distribution, chunked over tokens.
 
@@ -343,6 +344,8 @@ def token_logprobs(
             grad (for logging only).
         top_k, top_p, min_p: the sampling truncation (see :func:`sampling_removed`); pass the rollout's values
             (``GRPOConfig.top_k``, ``top_p``, ``min_p``) for every logprob of the policy, old policy and reference.
+        banned_token_ids: tokens the engines never sample (a vision-language model's image placeholders,
+            :class:`~lightning_grpo.protocols.sampling.SamplingConfig`), removed first.
 
     Returns:
         ``(logprobs, entropy)``: ``(N, T)`` float32 logprobs (differentiable), and ``(N, T)`` float32 entropy of
@@ -364,7 +367,7 @@ def token_logprobs(
     for start in range(0, flat_labels.numel(), chunk_size):
         z = flat_logits[start : start + chunk_size].float() / temperature  # [C, V]
         chunk_labels = flat_labels[start : start + chunk_size, None]  # [C, 1]
-        removed = sampling_removed(z, top_k, top_p, min_p)  # [C, V] bool or None
+        removed = sampling_removed(z, top_k, top_p, min_p, banned_token_ids)  # [C, V] bool or None
         if removed is not None:
             removed.scatter_(1, chunk_labels, False)  # the label stays in the support
             z = z.masked_fill(removed, float("-inf"))

@@ -92,6 +92,8 @@ class GRPOModule(RunLifecycle):
             ``close()``); with it, ``tools`` are only described in the prompt.
         tool_parser: the tool-call format (:class:`lightning_grpo.episodes.ToolCallParser`); default the Hermes /
             Qwen ``<tool_call>`` JSON format.
+        processor: a vision-language ``model``'s image processor, or the folder holding it (default: the model's
+            folder); prompts may then show images (docs/vision.md).
 
     Raises:
         ValueError: a bad argument (named in the message).
@@ -119,13 +121,14 @@ class GRPOModule(RunLifecycle):
         tools: Sequence[ToolSpec] = (),
         environment_factory: Optional[EnvironmentFactory] = None,
         tool_parser: Optional[ToolCallParser] = None,
+        processor: Any = None,
     ) -> None:
         super().__init__()
         config = config or GRPOConfig()
         self.config = GRPOConfig.from_dict(config) if isinstance(config, dict) else copy.deepcopy(config)
         # hyperparameters are stored as plain data so checkpoints load with torch.load(weights_only=True)
         self.save_hyperparameters(ignore=["model", "tokenizer", "reward_funcs", "accuracy_reward", "config", "lora",
-                                          "tools", "environment_factory", "tool_parser"])
+                                          "tools", "environment_factory", "tool_parser", "processor"])
         self._lora_settings = settings = lora_settings(lora, quantization, dtype, export_merged)
         self.hparams.update(config=dataclasses.asdict(self.config), lora=settings.hparams)
         self.hparams["model"] = model if isinstance(model, str) or model is None else type(model).__name__
@@ -148,11 +151,11 @@ class GRPOModule(RunLifecycle):
                                        max_tokens_per_microbatch=None if budget == "auto" else budget)
         self._record_resolved()
         stop = StopFlag()  # polled by the engine and the sampler (with tools or an environment: the turn loop)
-        prompts, sampler = rollout_path(self.config, self.tokenizer, self.policy, self.tools, environment_factory,
-                                        tool_parser, stop)
-        self.rollout = RolloutWorker(self.config, self.tokenizer, self._emit, prompts=prompts, sampler=sampler,
-                                     stop=stop)
-        self.logprobs = CompletionLogprobs(self.config)
+        path = rollout_path(self.config, self.tokenizer, self.policy, self.tools, environment_factory, tool_parser,
+                            stop, processor, self.model_path)
+        self.rollout = RolloutWorker(self.config, self.tokenizer, self._emit, prompts=path.prompts,
+                                     sampler=path.sampler, stop=stop, images=path.images)
+        self.logprobs = CompletionLogprobs(self.config, vision=loaded.vision)
         self.experience_maker = ExperienceMaker(self.config, self.rollout, self.rewards, self.logprobs, self._emit)
         self.step_selection = StepSelection(self.config, self.logprobs)
         self.step_metrics = StepMetrics(self.config.clip_ratio_c, self.config.tis_cap())

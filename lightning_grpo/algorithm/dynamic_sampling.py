@@ -15,6 +15,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from lightning_grpo.protocols.images import RowImages
+
 
 @dataclass
 class ScoredRollout:
@@ -35,6 +37,8 @@ class ScoredRollout:
             the model's tokens), or None (single-turn).
         num_generations: G.
         pad_token_id: id used to pad ``prompt_ids`` / ``completion_ids``.
+        images: each row's images (vision-language prompts, :class:`~lightning_grpo.protocols.images.PromptImage`),
+            or None.
     """
 
     prompt_ids: Tensor
@@ -49,6 +53,7 @@ class ScoredRollout:
     sampler_logprobs: Optional[Tensor] = None
     row_index: Optional[Tensor] = None
     env_mask: Optional[Tensor] = None
+    images: Optional[list[Optional[RowImages]]] = None
 
     def __len__(self) -> int:
         return self.completion_ids.shape[0]
@@ -66,7 +71,8 @@ class ScoredRollout:
             value = getattr(self, f.name)
             if isinstance(value, Tensor):
                 updates[f.name] = value[rows.to(value.device)]
-        return replace(self, **updates)  # type: ignore[arg-type]  # only tensor fields are updated
+        images = None if self.images is None else [self.images[i] for i in rows.tolist()]
+        return replace(self, **updates, images=images)  # type: ignore[arg-type]  # tensor fields and images
 
     @staticmethod
     def cat(parts: list["ScoredRollout"]) -> "ScoredRollout":
@@ -115,6 +121,8 @@ class ScoredRollout:
             else torch.cat([x.row_index for x in parts]),  # type: ignore[misc]  # none is None here
             env_mask=None if first.env_mask is None
             else torch.cat([pad(x.env_mask, t, 0, False) for x in parts]),  # type: ignore[arg-type]
+            images=None if all(x.images is None for x in parts)
+            else [row for x in parts for row in (x.images if x.images is not None else [None] * len(x))],
         )
 
 

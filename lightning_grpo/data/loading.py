@@ -1,6 +1,7 @@
 """Where a prompt dataset's raw splits come from: the GSM8K and MATH-500 presets (offline under the data folder, else
-the hub), local JSONL / JSON / Parquet / CSV files and folders, the seeded arithmetic task, HumanEval, or a hub id
-(:func:`load_splits`; :class:`~lightning_grpo.data.module.PromptDataModule` formats them into prompts)."""
+the hub), local JSONL / JSON / Parquet / CSV files and folders, the seeded arithmetic task, HumanEval, the shapes task
+(images), or a hub id (:func:`load_splits`; :class:`~lightning_grpo.data.module.PromptDataModule` formats them into
+prompts)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import datasets
 from lightning_grpo.data.code_tasks import HUMANEVAL_NAME, humaneval_rows
 from lightning_grpo.data.files import load_local_files, load_local_folder
 from lightning_grpo.data.presets import PRESETS, Preset
+from lightning_grpo.data.shapes import SHAPES_NAME, shapes_splits
 from lightning_grpo.data.synthetic import SYNTHETIC_NAME, arithmetic_splits
 
 log = logging.getLogger(__name__)
@@ -81,7 +83,7 @@ def load_preset(dataset: str, preset: Preset, data_dir: Optional[str],
 def load_splits(dataset: str, data_dir: Optional[str], dataset_config: Optional[str], preset: Optional[Preset],
                 seed: int) -> datasets.DatasetDict:
     """The raw splits of ``dataset`` (see :class:`~lightning_grpo.data.module.PromptDataModule`'s ``dataset``):
-    the seeded arithmetic task, HumanEval, a preset, a local file or folder, or a hub id.
+    the seeded arithmetic task, HumanEval, the shapes task, a preset, a local file or folder, or a hub id.
 
     Raises:
         ValueError: an unsupported file type or a name that is none of these (named).
@@ -93,6 +95,8 @@ def load_splits(dataset: str, data_dir: Optional[str], dataset_config: Optional[
         return datasets.DatasetDict({k: datasets.Dataset.from_list(v) for k, v in splits})
     if name == HUMANEVAL_NAME:
         return datasets.DatasetDict({"test": datasets.Dataset.from_list(humaneval_rows())})
+    if SHAPES_NAME.fullmatch(name):  # the synthetic visual task (data/shapes.py)
+        return datasets.DatasetDict({k: datasets.Dataset.from_list(v) for k, v in shapes_splits(seed).items()})
     if name in PRESETS:
         return load_preset(dataset, PRESETS[name], data_dir, dataset_config)
     path = Path(name).expanduser()

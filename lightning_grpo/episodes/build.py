@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 from lightning_grpo.config import GRPOConfig
@@ -15,6 +16,7 @@ from lightning_grpo.episodes.runner import EpisodeRunner
 from lightning_grpo.episodes.tools import Tool
 from lightning_grpo.protocols.rollout import StopFlag, eos_token_ids_from
 from lightning_grpo.protocols.sampler import PromptEncoder, Sampler
+from lightning_grpo.rollout.images import ImagePrompts, image_prompts
 from lightning_grpo.rollout.prompts import TemplatePrompts
 from lightning_grpo.rollout.single_turn import SingleTurnSampler
 
@@ -44,16 +46,39 @@ def episode_runner(config: GRPOConfig, tokenizer: Any, eos_token_ids: Sequence[i
     return EpisodeRunner(chat, environment_factory, episode.max_turns, episode.max_tokens, episode.env_workers, stop)
 
 
+@dataclass(frozen=True)
+class RolloutPath:
+    """A run's rollout path, what ``GRPOModule`` gives its :class:`~lightning_grpo.rollout.worker.RolloutWorker`.
+
+    Attributes:
+        prompts: how prompts become token ids.
+        sampler: how token ids become a rollout.
+        images: a vision-language policy's prompt encoding with images (:class:`ImagePrompts`, also ``prompts``),
+            declared here so that nothing asks the encoder what it is; None for a causal LM.
+    """
+
+    prompts: PromptEncoder
+    sampler: Sampler
+    images: Optional[ImagePrompts] = None
+
+
 def rollout_path(config: GRPOConfig, tokenizer: Any, policy: Any, tools: Sequence[Tool],
                  environment_factory: Optional[EnvironmentFactory], parser: Optional[ToolCallParser],
-                 stop: StopFlag) -> tuple[PromptEncoder, Sampler]:
-    """The prompt encoding and the sampler of a run's rollouts (what ``GRPOModule`` gives its
-    :class:`~lightning_grpo.rollout.worker.RolloutWorker`): the :func:`episode_runner`, both, with tools or an
+                 stop: StopFlag, processor: Any = None, model_path: Optional[str] = None) -> RolloutPath:
+    """The prompt encoding and the sampler of a run's rollouts: the :func:`episode_runner`, both, with tools or an
     environment (a model turn ends at the EOS ids of ``policy``'s ``generation_config`` and the tokenizer); else the
     single-turn ones (:class:`~lightning_grpo.rollout.prompts.TemplatePrompts`,
-    :class:`~lightning_grpo.rollout.single_turn.SingleTurnSampler`). Raises as :func:`episode_runner`."""
+    :class:`~lightning_grpo.rollout.single_turn.SingleTurnSampler`). A vision-language ``policy``'s prompts go through
+    :class:`~lightning_grpo.rollout.images.ImagePrompts` around them (``processor``: its image processor or folder,
+    default ``model_path``'s; the episode runner shows observations' images with it too). Raises as
+    :func:`episode_runner` and :func:`~lightning_grpo.rollout.images.image_prompts`."""
     eos_token_ids = eos_token_ids_from(getattr(policy, "generation_config", None), tokenizer)
     runner = episode_runner(config, tokenizer, eos_token_ids, tools, environment_factory, parser, stop)
-    if runner is None:
-        return TemplatePrompts(tokenizer), SingleTurnSampler()
-    return runner, runner
+    text: PromptEncoder = TemplatePrompts(tokenizer) if runner is None else runner
+    sampler: Sampler = SingleTurnSampler() if runner is None else runner
+    images = image_prompts(text, tokenizer, policy, processor, model_path)
+    if images is None:
+        return RolloutPath(text, sampler)
+    if runner is not None:
+        runner.images = images
+    return RolloutPath(images, sampler, images)

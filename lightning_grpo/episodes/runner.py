@@ -27,6 +27,12 @@ process runs as many turns as the process with the longest episodes: one whose e
 further turn with a one-token ``generate`` it discards, and a stop request is agreed on too. Engines with their own
 weights (vLLM, rollout servers) run each process's turns independently.
 
+Images (vision-language policies, docs/vision.md): with ``images`` (the policy's
+:class:`~lightning_grpo.rollout.images.ImagePrompts`) the prompts' images go with every turn's ``generate`` (an
+episode's prompt images, then those of its observations so far), and an observation may show images: its messages'
+``{"type": "image", "image": <PIL image>}`` parts are written as the model's placeholder runs and their images
+appended to the episode's (the rollout's ``images``); the records keep the messages without the pictures.
+
 Seeds (engines that ``seeds_per_request``): turn 0 seeds completion j of prompt i with ``seed + i * G + j`` as a
 single-turn rollout does; turn t > 0 seeds the r-th running episode with ``seed + t * N + r`` (N = B * G episodes),
 disjoint from every other turn's seeds, so a rollout is a function of its seed base and the weights and a resumed run
@@ -46,8 +52,11 @@ from lightning_grpo.episodes.environment import Environment, EnvironmentFactory,
 from lightning_grpo.episodes.metrics import episode_columns, episode_metrics
 from lightning_grpo.protocols.engine import RolloutEngine
 from lightning_grpo.protocols.episode import EpisodeRecord, Turn
+from lightning_grpo.protocols.images import PromptImage, RowImages
+from lightning_grpo.protocols.multimodal import generate
 from lightning_grpo.protocols.rollout import RolloutInterrupted, RolloutOutput, StopFlag, left_pad
 from lightning_grpo.protocols.sampling import SamplingConfig
+from lightning_grpo.rollout.images import ImagePrompts, split_images
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +74,7 @@ class _Episode:
     running: bool = True
     pending: Optional[str] = None  # a finished model turn the environment has not answered yet
     versions: set = field(default_factory=set)
+    images: tuple[PromptImage, ...] = ()  # the prompt's, then each observation's (vision-language policies)
 
 
 def _close(episodes: list[_Episode]) -> None:
@@ -92,13 +102,15 @@ class EpisodeRunner:
             ``max_new_tokens``, which is also the most tokens of one model turn).
         env_workers: environments stepped at once (``episode.env_workers``).
         stop: polled between turns (the engines poll it while they generate).
+        images: a vision-language policy's image encoding (prompts and observations with images); None: text.
 
     Raises:
         ValueError: a limit below 1.
     """
 
     def __init__(self, chat: ChatFormat, environment_factory: EnvironmentFactory, max_turns: int,
-                 max_tokens: Optional[int] = None, env_workers: int = 1, stop: Optional[StopFlag] = None) -> None:
+                 max_tokens: Optional[int] = None, env_workers: int = 1, stop: Optional[StopFlag] = None,
+                 images: Optional[ImagePrompts] = None) -> None:
         for name, value in (("max_turns", max_turns), ("env_workers", env_workers), ("max_tokens", max_tokens or 1)):
             if value < 1:
                 raise ValueError(f"EpisodeRunner {name}={value!r} must be >= 1")
@@ -108,6 +120,7 @@ class EpisodeRunner:
         self.max_tokens = max_tokens
         self.env_workers = env_workers
         self.stop = stop if stop is not None else StopFlag()
+        self.images = images
 
     def encode_prompts(self, prompts: Sequence[Any], max_prompt_length: int) -> tuple[list[list[int]], int]:
         """The prompts' ids with their tools (:meth:`ChatFormat.encode_prompts`): ``(ids, num_truncated)``."""
@@ -115,11 +128,13 @@ class EpisodeRunner:
 
     def sample(self, engine: RolloutEngine, prompt_ids: Sequence[Sequence[int]], num_generations: int,
                sampling: SamplingConfig, rows: Optional[Sequence[Mapping[str, Any]]] = None,
-               any_process: Optional[Callable[[bool], bool]] = None) -> RolloutOutput:
+               any_process: Optional[Callable[[bool], bool]] = None,
+               images: Optional[Sequence[Optional[RowImages]]] = None) -> RolloutOutput:
         """The ``B * G`` episodes of ``B`` prompts (prompt-major, as a single-turn rollout), ``rows[i]`` the dataset
         row of prompt i (``reset(**row)`` of its episodes' environments). ``any_process``: the data-parallel
         agreement (:meth:`lightning_grpo.protocols.collectives.Collectives.any_process`), for engines that generate
-        with the policy's parameters (see the module docstring); None = this process alone.
+        with the policy's parameters (see the module docstring); None = this process alone. ``images[i]``: prompt
+        i's images (vision-language policies).
 
         Returns:
             A :class:`RolloutOutput` with ``env_mask`` and ``episodes`` (one
@@ -132,7 +147,8 @@ class EpisodeRunner:
             RolloutInterrupted: the stop flag was set.
             RuntimeError: an environment's ``reset``/``step`` raised (the episode is named; tools never raise), or
                 the turns of one episode report different weight versions.
-            ValueError: ``rows`` does not have one entry per prompt.
+            ValueError: ``rows`` does not have one entry per prompt; an observation with images for a policy
+                without them.
         """
         b, g = len(prompt_ids), num_generations
         per_turn = sampling.max_new_tokens
@@ -145,21 +161,26 @@ class EpisodeRunner:
         lockstep = any_process is not None and engine.uses_policy_parameters
         try:
             for k in range(b * g):
-                episodes.append(_Episode([int(t) for t in prompt_ids[k // g]], self._environment(k, rows[k // g])))
+                episodes.append(_Episode([int(t) for t in prompt_ids[k // g]], self._environment(k, rows[k // g]),
+                                         images=tuple((images[k // g] or ()) if images is not None else ())))
             first = replace(sampling, max_new_tokens=min(per_turn, budget))
-            reported.append(self._take(episodes, list(range(b * g)), engine.generate(prompt_ids, g, first), budget))
+            out = generate(engine, prompt_ids, g, first, images)
+            reported.append(self._take(episodes, list(range(b * g)), out, budget))
             turn = 1
             while self._more_turns(episodes, budget, any_process if lockstep else None):
                 running = [k for k, e in enumerate(episodes) if e.running]
                 if not running:  # another process still generates: take part in its collective, discard the result
-                    engine.generate([list(prompt_ids[0])], 1, replace(sampling, max_new_tokens=1))
+                    generate(engine, [list(prompt_ids[0])], 1, replace(sampling, max_new_tokens=1),
+                             None if images is None else [images[0]])
                     turn += 1
                     continue
                 room = max(budget - len(episodes[k].ids) for k in running)
                 seed = None if sampling.seed is None else sampling.seed + turn * b * g
                 turn_sampling = replace(sampling, max_new_tokens=min(per_turn, room), seed=seed)
                 prefixes = [episodes[k].prompt + episodes[k].ids for k in running]
-                reported.append(self._take(episodes, running, engine.generate(prefixes, 1, turn_sampling), budget))
+                shown = [episodes[k].images or None for k in running]
+                out = generate(engine, prefixes, 1, turn_sampling, shown)
+                reported.append(self._take(episodes, running, out, budget))
                 turn += 1
         finally:
             _close(episodes)
@@ -253,7 +274,15 @@ class EpisodeRunner:
         if record.model_turns >= self.max_turns:
             e.running = False
             return
-        ids = self.chat.env_turn_ids(step.messages)
+        messages, pictures = split_images(step.messages, "an observation")
+        if pictures and self.images is None:
+            raise ValueError("an environment's observation has images, but the policy is not a vision-language model")
+        ids = self.chat.env_turn_ids(messages)
+        shown: tuple[PromptImage, ...] = ()
+        if pictures:
+            assert self.images is not None
+            shown = tuple(self.images.process(p) for p in pictures)
+            ids = self.images.expand(ids, shown, "an observation")
         if len(e.ids) + len(ids) >= budget:  # no room for a model token after it: the episode is cut here
             e.running, record.truncated, record.budget_exceeded = False, True, True
             return
@@ -261,7 +290,8 @@ class EpisodeRunner:
         e.ids += ids
         e.model += [0] * len(ids)
         e.logprobs += [0.0] * len(ids)
-        record.turns.append(Turn("env", start, len(e.ids), [dict(m) for m in step.messages]))
+        e.images += shown
+        record.turns.append(Turn("env", start, len(e.ids), [dict(m) for m in messages]))
 
     def _output(self, episodes: list[_Episode], prompt_ids: Sequence[Sequence[int]], g: int, pad: int,
                 reports_logprobs: bool) -> RolloutOutput:
@@ -292,4 +322,5 @@ class EpisodeRunner:
             sampler_logprobs=logprobs if reports_logprobs else None,
             weight_version=min(versions) if versions else None,
             episodes=records, columns=episode_columns(records), metrics=episode_metrics(records, model, env),
+            images=[e.images or None for e in episodes] if any(e.images for e in episodes) else None,
         )

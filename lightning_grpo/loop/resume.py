@@ -16,6 +16,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from lightning_grpo.protocols.images import images_to, row_images_from_state, row_images_state
 from lightning_grpo.training.experience import Experience
 
 #: Keys in the fit loop's own checkpoint state: prompt batches drawn in the current epoch, every process's RNG
@@ -114,9 +115,12 @@ def experience_state(experience: Experience) -> dict[str, Any]:
     for field in dataclasses.fields(experience):
         value = getattr(experience, field.name)
         state[field.name] = value.detach().cpu() if isinstance(value, torch.Tensor) else value
+    state["images"] = row_images_state(experience.images)  # the images once per prompt, as plain data
     return state
 
 
 def experience_from_state(state: dict[str, Any], device: torch.device) -> Experience:
-    """The :class:`Experience` :func:`experience_state` saved, its tensors on ``device``."""
-    return Experience(**{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in state.items()})
+    """The :class:`Experience` :func:`experience_state` saved, its tensors (images too) on ``device``."""
+    values = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+    values["images"] = images_to(row_images_from_state(state.get("images")), device)
+    return Experience(**values)

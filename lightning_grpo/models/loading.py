@@ -8,6 +8,7 @@ import os
 from typing import TYPE_CHECKING, Optional, Union
 
 from lightning_grpo.models.embedded import resolve_model_path
+from lightning_grpo.models.vision import is_vision_checkpoint, load_vision_policy
 
 if TYPE_CHECKING:
     from torch import nn
@@ -25,7 +26,8 @@ def load_policy(model: Union[str, nn.Module, None], tokenizer: Union[str, PreTra
     """The policy, its tokenizer and its folder (None for a module without one).
 
     Args:
-        model: an HF model id, a local folder, a transformers causal LM module, or None / "embedded".
+        model: an HF model id, a local folder, a transformers causal LM module, or None / "embedded"; a folder or id
+            of a vision-language checkpoint loads ``AutoModelForImageTextToText`` (:mod:`lightning_grpo.models.vision`).
         tokenizer: a tokenizer, its id/folder, or None (loaded from ``model``'s folder).
         dtype: "float32", "bfloat16" or "float16" (weights loaded from a folder or id).
         gradient_checkpointing: recompute each decoder layer's activations in backward from its input (transformers'
@@ -42,7 +44,7 @@ def load_policy(model: Union[str, nn.Module, None], tokenizer: Union[str, PreTra
     """
     import torch
     from torch import nn
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     if dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r}: choose one of {sorted(DTYPES)}")
@@ -60,8 +62,8 @@ def load_policy(model: Union[str, nn.Module, None], tokenizer: Union[str, PreTra
         policy = model
     else:
         model_path = resolve_model_path(model)
-        policy = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, DTYPES[dtype]),
-                                                      quantization_config=quantization_config)
+        loader = load_vision_policy if is_vision_checkpoint(model_path) else _load_causal_lm  # models/vision.py
+        policy = loader(model_path, getattr(torch, DTYPES[dtype]), quantization_config)
         policy.train()  # from_pretrained returns eval mode; Lightning expects train mode at fit start
     if tokenizer is None or isinstance(tokenizer, str):
         tokenizer = AutoTokenizer.from_pretrained(tokenizer or model_path)
@@ -72,6 +74,12 @@ def load_policy(model: Union[str, nn.Module, None], tokenizer: Union[str, PreTra
                                              offload=gradient_checkpointing == "offload")
         policy.config.use_cache = False
     return policy, tokenizer, model_path
+
+
+def _load_causal_lm(path: str, dtype: object, quantization_config: object) -> nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, quantization_config=quantization_config)
 
 
 class FrozenReference:

@@ -48,7 +48,9 @@ from lightning_grpo.models.hf_weights import (
     merged_state_dict,
 )
 from lightning_grpo.models.loading import FrozenReference, load_policy, save_policy
+from lightning_grpo.models.vision import language_model_lora
 from lightning_grpo.protocols.engine import RolloutEngine
+from lightning_grpo.protocols.vision import VisionSpec, vision_spec
 
 log = logging.getLogger(__name__)
 
@@ -207,6 +209,8 @@ class LoadedPolicy:
         path: its folder, or None for a module given without one.
         base: its transformers model: a PEFT model's base model (whose layers carry the adapters), else the policy.
         lora: it trains LoRA adapters (a PEFT model, or a module holding LoRA layers).
+        vision: a vision-language model's image facts (:func:`~lightning_grpo.protocols.vision.vision_spec` of its
+            config), None for a causal LM.
     """
 
     policy: nn.Module
@@ -214,20 +218,22 @@ class LoadedPolicy:
     path: Optional[str]
     base: nn.Module
     lora: bool
+    vision: Optional[VisionSpec] = None
 
     @classmethod
     def of(cls, policy: nn.Module, tokenizer: PreTrainedTokenizerBase, path: Optional[str]) -> "LoadedPolicy":
         """What ``policy`` is (a PEFT model or not), read here once."""
         peft = isinstance(policy, PeftModel)
-        return cls(policy, tokenizer, path, policy.get_base_model() if peft else policy,
-                   peft or bool(lora_layers(policy)))
+        base = policy.get_base_model() if peft else policy
+        return cls(policy, tokenizer, path, base, peft or bool(lora_layers(policy)), vision_spec(base.config))
 
 
 def load_lora_policy(model: Union[str, nn.Module, None], tokenizer: Union[str, PreTrainedTokenizerBase, None],
                      dtype: str, gradient_checkpointing: Union[bool, str], settings: LoraSettings) -> LoadedPolicy:
     """:func:`lightning_grpo.models.loading.load_policy` (quantized with ``settings.quantization_config``), then with
     LoRA ``peft.get_peft_model(policy, settings.config)`` (the policy's layers are adapted in place; a quantized base
-    goes through ``peft.prepare_model_for_kbit_training`` first).
+    goes through ``peft.prepare_model_for_kbit_training`` first; a vision-language policy's vision tower and
+    projector are excluded from the targets, :func:`~lightning_grpo.models.vision.language_model_lora`).
 
     Raises:
         ValueError: see ``load_policy``.
@@ -240,9 +246,10 @@ def load_lora_policy(model: Union[str, nn.Module, None], tokenizer: Union[str, P
         from peft import prepare_model_for_kbit_training
 
         policy = prepare_model_for_kbit_training(policy, use_gradient_checkpointing=bool(gradient_checkpointing))
-    adapted = get_peft_model(policy, settings.config)
+    config = settings.config if vision_spec(policy.config) is None else language_model_lora(settings.config)
+    adapted = get_peft_model(policy, config)
     adapted.train(policy.training)
-    check_lora_targets(adapted, settings.config)
+    check_lora_targets(adapted, config)
     return LoadedPolicy.of(adapted, tokenizer, path)
 
 

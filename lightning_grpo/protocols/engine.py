@@ -11,8 +11,10 @@ engine's internals, and an engine never sees the trainer's model: it generates f
 
 from __future__ import annotations
 
-from typing import Protocol, Sequence, runtime_checkable
+from typing import Optional, Protocol, Sequence, runtime_checkable
 
+from lightning_grpo.protocols import multimodal
+from lightning_grpo.protocols.images import RowImages
 from lightning_grpo.protocols.rollout import RolloutOutput
 from lightning_grpo.protocols.sampling import SamplingConfig
 from lightning_grpo.protocols.weights import PolicyWeights
@@ -125,10 +127,18 @@ class EngineWrapper:
         self.engine = engine
 
     def generate(
-        self, prompt_ids: Sequence[Sequence[int]], num_generations: int, sampling: SamplingConfig
+        self, prompt_ids: Sequence[Sequence[int]], num_generations: int, sampling: SamplingConfig,
+        images: Optional[Sequence[Optional[RowImages]]] = None,
     ) -> RolloutOutput:
-        """``engine.generate``."""
-        return self.engine.generate(prompt_ids, num_generations, sampling)
+        """``engine.generate`` (with ``images`` when a prompt has some: :func:`~lightning_grpo.protocols.multimodal.
+        generate`)."""
+        return multimodal.generate(self.engine, prompt_ids, num_generations, sampling, images)
+
+    @property
+    def accepts_images(self) -> bool:
+        """``engine.accepts_images`` (:class:`~lightning_grpo.protocols.multimodal.ImageRolloutEngine`; an engine
+        is wrapped only after it entered the rollout worker, which reads what it declares)."""
+        return bool(self.engine.accepts_images)  # type: ignore[attr-defined]
 
     def sync_weights(self, weights: PolicyWeights) -> None:
         """``engine.sync_weights``."""

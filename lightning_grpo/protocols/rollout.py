@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from lightning_grpo.protocols.episode import EpisodeRecord
+from lightning_grpo.protocols.images import RowImages, row_images_from_state, row_images_state
 
 
 @dataclass(frozen=True)
@@ -96,6 +97,10 @@ class RolloutOutput:
         metrics: the sampler's per-row metrics (:class:`RowMetric`; multi-turn: ``turns/*``, ``tools/*``, ...),
             logged over the rows trained on; every process's sampler reports the same names. Empty for single-turn
             rollouts.
+        images: vision-language prompts: each row's images (:class:`~lightning_grpo.protocols.images.PromptImage`),
+            in the order of their placeholder runs in the row's prompt and completion ids (multi-turn: the
+            prompt's, then those of image observations); the G rows of a prompt share one tuple. None (or a None
+            row) without images.
     """
 
     prompt_ids: Tensor
@@ -110,6 +115,7 @@ class RolloutOutput:
     episodes: Optional[list[EpisodeRecord]] = None
     columns: dict[str, list[Any]] = field(default_factory=dict)
     metrics: dict[str, RowMetric] = field(default_factory=dict)
+    images: Optional[list[Optional[RowImages]]] = None
 
     def state(self) -> dict[str, Any]:
         """As plain data (CPU tensors, lists, numbers, strings), for a checkpoint that loads with
@@ -118,6 +124,7 @@ class RolloutOutput:
         state["episodes"] = None if self.episodes is None else [e.state() for e in self.episodes]
         state["metrics"] = {name: {f.name: _to_cpu(getattr(m, f.name)) for f in fields(m)}
                             for name, m in self.metrics.items()}
+        state["images"] = row_images_state(self.images)
         return state
 
     @classmethod
@@ -127,6 +134,7 @@ class RolloutOutput:
         if values.get("episodes") is not None:
             values["episodes"] = [EpisodeRecord.from_state(e) for e in values["episodes"]]
         values["metrics"] = {name: RowMetric(**m) for name, m in values.get("metrics", {}).items()}
+        values["images"] = row_images_from_state(values.get("images"))
         return cls(**values)
 
 
@@ -220,16 +228,18 @@ def completion_mask_from_eos(completion_ids: Tensor, eos_token_ids: Sequence[int
 
 def finish_rollout(prompt_ids: Tensor, prompt_mask: Tensor, num_generations: int, completion_ids: Tensor,
                    completion_mask: Tensor, truncated: Tensor, sampler_logprobs: Optional[Tensor], tokenizer: Any,
-                   pad_token_id: int, weight_version: Optional[int] = None) -> RolloutOutput:
+                   pad_token_id: int, weight_version: Optional[int] = None,
+                   images: Optional[Sequence[Optional[RowImages]]] = None) -> RolloutOutput:
     """The :class:`RolloutOutput` of ``B`` left-padded prompts (``(B, P)`` ids and mask, repeated G times here) and
     their ``B * G`` completions; the texts are decoded with ``tokenizer`` from the masked ids (pad where masked,
-    special tokens skipped)."""
+    special tokens skipped). ``images``: each prompt's images (its G rows share them), or None."""
     texts = tokenizer.batch_decode((completion_ids * completion_mask + pad_token_id * (1 - completion_mask)).tolist(),
                                    skip_special_tokens=True)
     return RolloutOutput(prompt_ids=prompt_ids.repeat_interleave(num_generations, dim=0),
                          prompt_mask=prompt_mask.repeat_interleave(num_generations, dim=0),
                          completion_ids=completion_ids, completion_mask=completion_mask, truncated=truncated,
-                         completions=texts, sampler_logprobs=sampler_logprobs, weight_version=weight_version)
+                         completions=texts, sampler_logprobs=sampler_logprobs, weight_version=weight_version,
+                         images=None if images is None else [row for row in images for _ in range(num_generations)])
 
 
 def eos_token_ids_from(generation_config: Any, tokenizer: Any) -> list[int]:

@@ -48,7 +48,10 @@ class Sampler(Protocol):
     def sample(self, engine: RolloutEngine, prompt_ids: Sequence[Sequence[int]], num_generations: int,
                sampling: SamplingConfig, rows: Sequence[Mapping[str, Any]],
                any_process: Optional[AnyProcess] = None) -> RolloutOutput:
-        """The ``B * G`` completions of ``B`` prompts.
+        """The ``B * G`` completions of ``B`` prompts. A sampler of vision-language prompts also takes
+        ``images=`` (each prompt's :data:`~lightning_grpo.protocols.images.RowImages`, passed only when a prompt has
+        images: a sampler without the argument is refused images by the worker's call) and returns each row's in
+        the output's ``images``.
 
         Args:
             engine: the rollout engine, awake and synced (its ``generate`` is the only way to sample).

@@ -10,8 +10,9 @@ What the engine declares is read once, when it is given, and honoured member by 
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Optional, Sequence
 
+from lightning_grpo.protocols import multimodal
 from lightning_grpo.protocols.engine import (
     CAPABILITY_DEFAULTS,
     LIFECYCLE_METHODS,
@@ -19,18 +20,31 @@ from lightning_grpo.protocols.engine import (
     EngineWrapper,
     RolloutEngine,
 )
+from lightning_grpo.protocols.images import RowImages
+from lightning_grpo.protocols.rollout import RolloutOutput
+from lightning_grpo.protocols.sampling import SamplingConfig
 
 log = logging.getLogger(__name__)
 
 CORE_MEMBERS = ("generate", "sync_weights", "pad_token_id")
 #: Every member of :class:`RolloutEngine` beyond the core.
 OPTIONAL_MEMBERS = (*CAPABILITY_DEFAULTS, *LIFECYCLE_METHODS)
+#: The member of an engine that takes images in its prompts
+#: (:class:`~lightning_grpo.protocols.multimodal.ImageRolloutEngine`); an engine without it takes none.
+IMAGE_MEMBERS = ("accepts_images",)
 
 
 def declared_members(engine: Any) -> dict[str, Any]:
-    """The members of :class:`RolloutEngine` that ``engine`` has, with their values (read once, where an engine
-    enters: the worker's engine setter, an engine a factory made)."""
-    return {name: getattr(engine, name) for name in (*CORE_MEMBERS, *OPTIONAL_MEMBERS) if hasattr(engine, name)}
+    """The members of :class:`RolloutEngine` (and ``accepts_images``) that ``engine`` has, with their values (read
+    once, where an engine enters: the worker's engine setter, an engine a factory made)."""
+    members = (*CORE_MEMBERS, *OPTIONAL_MEMBERS, *IMAGE_MEMBERS)
+    return {name: getattr(engine, name) for name in members if hasattr(engine, name)}
+
+
+def declares_images(engine: Any) -> bool:
+    """Whether ``engine`` takes images with its prompts (it declares ``accepts_images`` true), read once where it
+    enters the rollout worker; an engine that does not declare it takes none."""
+    return bool(declared_members(engine).get("accepts_images", False))
 
 
 def as_rollout_engine(engine: Any) -> RolloutEngine:
@@ -69,6 +83,7 @@ class CoreEngineAdapter(EngineWrapper):
         declared = declared_members(engine) if declared is None else declared
         self._lifecycle = {name for name in LIFECYCLE_METHODS if name in declared}
         self.capabilities = {name: bool(declared.get(name, default)) for name, default in CAPABILITY_DEFAULTS.items()}
+        self.images = bool(declared.get("accepts_images", False))
         defaulted = [name for name in CAPABILITY_DEFAULTS if name not in declared]
         if defaulted:
             log.info("rollout engine %s declares no %s: taking %s (RolloutEngine's defaults)", type(engine).__name__,
@@ -108,3 +123,14 @@ class CoreEngineAdapter(EngineWrapper):
     def sync_is_collective(self) -> bool:
         """As declared; default False (each process syncs its own engine)."""
         return self.capabilities["sync_is_collective"]
+
+    @property
+    def accepts_images(self) -> bool:
+        """As declared; default False (the engine's ``generate`` then never gets images)."""
+        return self.images
+
+    def generate(self, prompt_ids: Sequence[Sequence[int]], num_generations: int, sampling: SamplingConfig,
+                 images: Optional[Sequence[Optional[RowImages]]] = None) -> RolloutOutput:
+        """The engine's ``generate``; with images only when it declares ``accepts_images``
+        (:func:`lightning_grpo.protocols.multimodal.generate`, which raises ValueError otherwise)."""
+        return multimodal.generate(self.engine, prompt_ids, num_generations, sampling, images, accepts=self.images)

@@ -35,14 +35,16 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_for
 from dataclasses import dataclass, field, fields
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional
 
 from torch import nn
 
 from lightning_grpo.protocols.collectives import Collectives
 from lightning_grpo.protocols.engine import RolloutEngine
+from lightning_grpo.protocols.images import EncodedPrompts
 from lightning_grpo.protocols.rollout import RolloutOutput
 from lightning_grpo.protocols.sampling import SamplingConfig
+from lightning_grpo.rollout.images import pictures_from_state, pictures_state
 from lightning_grpo.rollout.worker import RolloutWorker, prompt_rows
 from lightning_grpo.training.metrics import StepTimer
 
@@ -99,7 +101,8 @@ class PrefetchedRollout:
     def state(self) -> dict[str, Any]:
         """A finished rollout as plain data (CPU tensors, lists, numbers), for a checkpoint."""
         return {
-            "batch": self.batch, "num_truncated": self.num_truncated, "num_generations": self.num_generations,
+            "batch": pictures_state(self.batch), "num_truncated": self.num_truncated,
+            "num_generations": self.num_generations,
             "sampling": {f.name: getattr(self.sampling, f.name) for f in fields(self.sampling)},
             "weights_version": self.weights_version, "generate_s": self.generate_s,
             "output": self.result().state(),
@@ -109,11 +112,16 @@ class PrefetchedRollout:
     def from_state(cls, state: dict[str, Any]) -> "PrefetchedRollout":
         """The finished rollout :meth:`state` saved."""
         return cls(
-            batch=state["batch"], num_truncated=int(state["num_truncated"]),
-            num_generations=int(state["num_generations"]), sampling=SamplingConfig(**state["sampling"]),
+            batch=pictures_from_state(state["batch"]), num_truncated=int(state["num_truncated"]),
+            num_generations=int(state["num_generations"]), sampling=_sampling(state["sampling"]),
             weights_version=int(state["weights_version"]), generate_s=float(state["generate_s"]),
             output=RolloutOutput.from_state(state["output"]),
         )
+
+
+def _sampling(state: dict[str, Any]) -> SamplingConfig:
+    """The sampling settings a checkpoint saved (older checkpoints have no banned tokens)."""
+    return SamplingConfig(**{**state, "banned_token_ids": tuple(state.get("banned_token_ids", ()))})
 
 
 class RolloutPrefetcher:
@@ -152,13 +160,14 @@ class RolloutPrefetcher:
         Raises:
             NonFiniteError: ``policy`` has a NaN or infinite weight (nothing is sampled from it).
         """
-        prompt_ids, num_truncated = self.worker.encode_prompts(batch["prompt"])
+        encoded = self.worker.encode(batch["prompt"])
         self.wait_idle(timer)
         engine = self.worker.prepare(policy, force_sync=True, timer=timer, collectives=collectives)
-        rollout = PrefetchedRollout(batch, num_truncated, num_generations, sampling(), self.worker.engine_version)
+        rollout = PrefetchedRollout(batch, encoded.num_truncated, num_generations, sampling(),
+                                    self.worker.engine_version)
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lightning_grpo_rollout")
-        rollout.future = self._executor.submit(_generate, self.worker, engine, prompt_ids, rollout, self.on_generated)
+        rollout.future = self._executor.submit(_generate, self.worker, engine, encoded, rollout, self.on_generated)
         self._started.append(rollout)
         return rollout
 
@@ -193,13 +202,13 @@ class RolloutPrefetcher:
                 self._executor = None
 
 
-def _generate(worker: RolloutWorker, engine: RolloutEngine, prompt_ids: Sequence[Sequence[int]],
-              rollout: PrefetchedRollout,
+def _generate(worker: RolloutWorker, engine: RolloutEngine, encoded: EncodedPrompts, rollout: PrefetchedRollout,
               on_generated: Optional[Callable[[PrefetchedRollout, RolloutOutput], Any]]) -> RolloutOutput:
     """The producer thread's work: the worker's sampler (one ``engine.generate`` call; multi-turn: every turn of the
     rollout's episodes; :meth:`lightning_grpo.rollout.worker.RolloutWorker.sample`), timed, then ``on_generated``."""
     start = time.perf_counter()
-    out = worker.sample(engine, prompt_ids, rollout.num_generations, rollout.sampling, prompt_rows(rollout.batch))
+    out = worker.sample(engine, encoded.ids, rollout.num_generations, rollout.sampling, prompt_rows(rollout.batch),
+                        images=encoded.images)
     rollout.generate_s = time.perf_counter() - start
     if on_generated is not None:
         try:

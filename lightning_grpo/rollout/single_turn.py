@@ -7,6 +7,8 @@ from __future__ import annotations
 from typing import Any, Mapping, Optional, Sequence
 
 from lightning_grpo.protocols.engine import RolloutEngine
+from lightning_grpo.protocols.images import RowImages
+from lightning_grpo.protocols.multimodal import generate
 from lightning_grpo.protocols.rollout import RolloutOutput
 from lightning_grpo.protocols.sampler import AnyProcess
 from lightning_grpo.protocols.sampling import SamplingConfig
@@ -18,7 +20,9 @@ class SingleTurnSampler:
 
     def sample(self, engine: RolloutEngine, prompt_ids: Sequence[Sequence[int]], num_generations: int,
                sampling: SamplingConfig, rows: Sequence[Mapping[str, Any]],
-               any_process: Optional[AnyProcess] = None) -> RolloutOutput:
-        """``engine.generate(prompt_ids, num_generations, sampling)``; raises as it (``RolloutInterrupted`` on a
-        stop request)."""
-        return engine.generate(prompt_ids, num_generations, sampling)
+               any_process: Optional[AnyProcess] = None,
+               images: Optional[Sequence[Optional[RowImages]]] = None) -> RolloutOutput:
+        """``engine.generate(prompt_ids, num_generations, sampling)`` (with ``images``, each prompt's, when there are
+        some: :func:`lightning_grpo.protocols.multimodal.generate`); raises as it (``RolloutInterrupted`` on a stop
+        request; ``ValueError`` for images with an engine that does not take them)."""
+        return generate(engine, prompt_ids, num_generations, sampling, images)

@@ -23,6 +23,7 @@ NaN/inf before every rollout (:func:`lightning_grpo.training.nonfinite.check_fin
 from __future__ import annotations
 
 import contextlib
+from dataclasses import replace
 from typing import Any, Callable, Iterator, Optional, Sequence
 
 from torch import nn
@@ -32,11 +33,13 @@ from lightning_grpo.config import GRPOConfig, ResolvedConfig
 from lightning_grpo.events import ON_WEIGHTS_SYNCED, EventSink
 from lightning_grpo.protocols.collectives import Collectives
 from lightning_grpo.protocols.engine import RolloutEngine
+from lightning_grpo.protocols.images import EncodedPrompts, RowImages
+from lightning_grpo.protocols.multimodal import ImagePromptEncoder, has_images
 from lightning_grpo.protocols.rollout import RolloutOutput, StopFlag
 from lightning_grpo.protocols.sampler import PromptEncoder, Sampler
 from lightning_grpo.protocols.sampling import SamplingConfig
 from lightning_grpo.protocols.weights import PolicyWeights
-from lightning_grpo.rollout.adapter import as_rollout_engine
+from lightning_grpo.rollout.adapter import as_rollout_engine, declares_images
 from lightning_grpo.rollout.prompts import TemplatePrompts
 from lightning_grpo.rollout.registry import engine_spec, make_engine
 from lightning_grpo.rollout.single_turn import SingleTurnSampler
@@ -66,6 +69,10 @@ class RolloutWorker:
             :class:`~lightning_grpo.rollout.single_turn.SingleTurnSampler` (one ``engine.generate``). Multi-turn:
             the :class:`~lightning_grpo.episodes.runner.EpisodeRunner` is both (``lightning_grpo.episodes.build``).
         stop: the stop flag (default a new one); the sampler's, when it polls one, is this one.
+        images: a vision-language policy's prompt encoding with images
+            (:class:`~lightning_grpo.protocols.multimodal.ImagePromptEncoder`, ``lightning_grpo.episodes.build``):
+            :meth:`encode` gives the prompts' images with their ids and :attr:`banned_token_ids` its placeholders;
+            None for a causal LM.
 
     Attributes:
         engine: the rollout engine, None before :meth:`start` (during a stage, the backend's wrapper of it).
@@ -77,17 +84,20 @@ class RolloutWorker:
         engine_version: the ``weights_version`` the engine generates with (-1: not yet synced).
         stop: the stop request the engine and the sampler poll (a stopped rollout raises
             :class:`~lightning_grpo.protocols.rollout.RolloutInterrupted`).
-        prompts, sampler: the rollout path (see the arguments).
+        prompts, sampler, images: the rollout path (see the arguments).
     """
 
     def __init__(self, config: GRPOConfig, tokenizer: PreTrainedTokenizerBase, events: Optional[EventSink] = None, *,
                  prompts: Optional[PromptEncoder] = None, sampler: Optional[Sampler] = None,
-                 stop: Optional[StopFlag] = None) -> None:
+                 stop: Optional[StopFlag] = None, images: Optional[ImagePromptEncoder] = None) -> None:
         self.config = config
         self.events = events
         self.tokenizer = tokenizer
         self.prompts: PromptEncoder = prompts if prompts is not None else TemplatePrompts(tokenizer)
         self.sampler: Sampler = sampler if sampler is not None else SingleTurnSampler()
+        self.images = images
+        self._accepts_images = False  # what the engine declared when it entered (_set_own)
+        self._engine_type = "None"
         self._own: Optional[RolloutEngine] = None  # the engine as made or given (kept across stages)
         self._engine: Optional[RolloutEngine] = None  # the stage's: the backend's wrapper of _own, or _own
         self._made: Optional[RolloutEngine] = None  # the engine start() made, which close() releases
@@ -109,11 +119,13 @@ class RolloutWorker:
         (adapted by :func:`~lightning_grpo.rollout.adapter.as_rollout_engine`, which honours each capability it
         declares; a TypeError names a core member it lacks). An engine with its own weights gets the policy's before
         its first rollout."""
-        self._set_own(None if engine is None else as_rollout_engine(engine))
+        self._set_own(None if engine is None else as_rollout_engine(engine), type(engine).__name__)
 
-    def _set_own(self, engine: Optional[RolloutEngine]) -> None:
+    def _set_own(self, engine: Optional[RolloutEngine], name: Optional[str] = None) -> None:
         if engine is not None:
             self._check_capabilities(engine)
+        self._accepts_images = engine is not None and declares_images(engine)
+        self._engine_type = name or type(engine).__name__  # the engine as given, not its adapter
         self._own = self._engine = engine
         if engine is not None and not engine.uses_policy_parameters:
             self.engine_version = -1
@@ -196,6 +208,24 @@ class RolloutWorker:
                 "generates with the training model itself, so it cannot generate while the trainer trains; use "
                 "max_staleness=0")
 
+    @property
+    def banned_token_ids(self) -> tuple[int, ...]:
+        """Tokens the engine may never sample: a vision-language policy's image placeholders
+        (:attr:`images`); none for a text model."""
+        return () if self.images is None else self.images.banned_token_ids
+
+    def encode(self, prompts: Sequence[Any]) -> EncodedPrompts:
+        """The prompts' ids and, with a vision-language policy's encoder, their images (never truncated through
+        one); else :meth:`encode_prompts` with no images.
+
+        Raises:
+            ValueError: as the encoder (a prompt that does not fit without cutting an image).
+        """
+        if self.images is not None:
+            return self.images.encode_image_prompts(prompts, self.config.max_prompt_length)
+        ids, truncated = self.encode_prompts(prompts)
+        return EncodedPrompts(ids, truncated, [None] * len(ids))
+
     def encode_prompts(self, prompts: Sequence[Any]) -> tuple[list[list[int]], int]:
         """The prompts' token ids (:attr:`prompts`; single-turn: :func:`lightning_grpo.rollout.prompts.encode_prompts`,
         the chat template for message lists, exactly one BOS where the tokenizer uses one, left truncation to
@@ -208,21 +238,35 @@ class RolloutWorker:
 
     def sample(self, engine: RolloutEngine, prompt_ids: Sequence[Sequence[int]], num_generations: int,
                sampling: SamplingConfig, rows: Sequence[dict[str, Any]],
-               collectives: Optional[Collectives] = None) -> RolloutOutput:
+               collectives: Optional[Collectives] = None,
+               images: Optional[Sequence[Optional[RowImages]]] = None) -> RolloutOutput:
         """``num_generations`` completions of each of the encoded prompts (:attr:`sampler`: one ``engine.generate``,
         or the episodes of the turn loop; ``rows[i]``: the dataset row of prompt i; ``collectives``: the processes'
-        agreement, on the trainer's thread only)."""
+        agreement, on the trainer's thread only; ``images[i]``: prompt i's images, :meth:`encode`).
+
+        Raises:
+            ValueError: images for an engine that does not declare ``accepts_images`` (it would drop them).
+        """
         any_process = None if collectives is None else collectives.any_process
-        return self.sampler.sample(engine, prompt_ids, num_generations, sampling, rows, any_process)
+        if not has_images(images):  # a sampler without images keeps its six-argument sample
+            return self.sampler.sample(engine, prompt_ids, num_generations, sampling, rows, any_process)
+        if not self._accepts_images:
+            raise ValueError(f"the rollout engine {self._engine_type} does not take images (it declares no "
+                             "accepts_images=True), but the prompts have images: use engine.name='hf', 'vllm' or "
+                             "'vllm_server' with a vision-language model")
+        return self.sampler.sample(engine, prompt_ids, num_generations, sampling, rows, any_process, images=images)
 
     def sample_prompts(self, prompts: Sequence[Any], num_generations: int, sampling: SamplingConfig,
                        rows: Optional[Sequence[dict[str, Any]]] = None,
                        collectives: Optional[Collectives] = None) -> RolloutOutput:
         """Rollout from raw prompts (message lists or strings) with the engine's current weights:
         :meth:`encode_prompts`, then :meth:`sample` (``rows``: default, an empty row per prompt)."""
-        ids, _ = self.encode_prompts(prompts)
-        rows = [{} for _ in ids] if rows is None else rows
-        return self.sample(self.require_engine(), ids, num_generations, sampling, rows, collectives)
+        encoded = self.encode(prompts)
+        rows = [{} for _ in encoded.ids] if rows is None else rows
+        sampling = replace(sampling, banned_token_ids=tuple(sorted({*sampling.banned_token_ids,
+                                                                     *self.banned_token_ids})))
+        return self.sample(self.require_engine(), encoded.ids, num_generations, sampling, rows, collectives,
+                           images=encoded.images)
 
     def require_engine(self) -> RolloutEngine:
         if self.engine is None:

@@ -11,6 +11,7 @@ from torch import Tensor
 
 from lightning_grpo.functional import loss_normalizer
 from lightning_grpo.protocols.collectives import Collectives
+from lightning_grpo.protocols.images import RowImages
 from lightning_grpo.training.packing import sequence_token_counts, token_budget_partition
 
 
@@ -49,6 +50,10 @@ class Experience:
             (tool results, observations: context the forward pass attends to, with no loss and no gradient;
             ``completion_mask`` holds the model's tokens only, so the loss, KL, entropy and every ``loss_type``'s
             normalizer count those only); None for single-turn rollouts. See :attr:`completion_attention_mask`.
+        images: vision-language prompts: each row's images (:class:`~lightning_grpo.protocols.images.PromptImage`:
+            ``pixel_values`` and grid sizes), in the order of their placeholder runs in the row's ids; a prompt's G
+            rows share one tuple, and every cut (mini-, micro-batch, token budget) takes each row's own. None (or a
+            None row) without images.
     """
 
     prompt_ids: Tensor
@@ -67,6 +72,7 @@ class Experience:
     metrics: dict[str, float] = field(default_factory=dict)
     rows: Optional[Tensor] = None
     env_mask: Optional[Tensor] = None
+    images: Optional[list[Optional[RowImages]]] = None
 
     def __len__(self) -> int:
         return self.completion_ids.shape[0]
@@ -86,7 +92,8 @@ class Experience:
             for f in fields(self)
             if isinstance(getattr(self, f.name), Tensor)
         }
-        selected = replace(self, **rows, metrics={})
+        images = None if self.images is None else [self.images[i] for i in index.tolist()]
+        selected = replace(self, **rows, metrics={}, images=images)
         return selected.trimmed()
 
     def trimmed(self) -> "Experience":

@@ -19,7 +19,7 @@ Pure torch (layer 0): the model-side hooks that feed it are in :mod:`lightning_g
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -38,7 +38,7 @@ def _chunks(total: int, chunk_size: int, top_p: float) -> list[tuple[int, int]]:
 
 
 def _tempered(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor, temperature: float,
-              truncation: tuple[int, float, float]) -> tuple[Tensor, Tensor, Optional[Tensor]]:
+              truncation: tuple[int, float, float, tuple[int, ...]]) -> tuple[Tensor, Tensor, Optional[Tensor]]:
     """One chunk: ``(z, logits dtype, removed)``: the tempered float32 logits ``(C, V)`` with the truncated tokens at
     ``-inf`` (the label kept), the dtype the output layer computed in, and the removed mask (None: nothing)."""
     logits = F.linear(hidden, weight, bias)  # [C, V] in the compute dtype (autocast's, if on)
@@ -87,8 +87,8 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor,
                 temperature: float, top_k: int, top_p: float, min_p: float, with_entropy: bool, entropy_grad: bool,
-                chunk_size: int) -> tuple[Tensor, Tensor]:
-        truncation = (top_k, top_p, min_p)
+                chunk_size: int, banned: tuple[int, ...] = ()) -> tuple[Tensor, Tensor]:
+        truncation = (top_k, top_p, min_p, banned)
         logprobs = hidden.new_zeros(labels.shape, dtype=torch.float32)  # [K]
         entropy = hidden.new_zeros(labels.shape, dtype=torch.float32)  # [K]
         for start, end in _chunks(labels.numel(), chunk_size, top_p):
@@ -142,7 +142,7 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
             grad_weight = grad_weight.to(weight.dtype)
         if grad_bias is not None:
             grad_bias = grad_bias.to(bias.dtype)
-        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None, None, None
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None, None, None, None
 
 
 def chunked_token_logprobs(
@@ -158,6 +158,7 @@ def chunked_token_logprobs(
     with_entropy: bool = False,
     entropy_grad: bool = False,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
+    banned_token_ids: Sequence[int] = (),
 ) -> tuple[Tensor, Optional[Tensor]]:
     """Logprobs of ``labels`` under the sampling distribution of ``softmax((hidden @ weight.T + bias) / temperature)``
     truncated by min-p / top-k / top-p (vLLM's order, the label always kept), computed ``chunk_size`` tokens at a
@@ -175,6 +176,7 @@ def chunked_token_logprobs(
         with_entropy: also return the per-token entropy (nats) of the truncated distribution.
         entropy_grad: the entropy is differentiable (an entropy bonus); else it carries no gradient.
         chunk_size: tokens per chunk (>= 1); top-p uses chunks 8 times smaller (it sorts the vocabulary).
+        banned_token_ids: tokens the engines never sample, removed first (a vision-language model's placeholders).
 
     Returns:
         ``(logprobs, entropy)``: ``(K,)`` float32 (differentiable w.r.t. ``hidden``, ``weight`` and ``bias``), and
@@ -196,7 +198,8 @@ def chunked_token_logprobs(
     check_truncation(top_k, top_p, min_p)
     logprobs, entropy = _ChunkedTokenLogprobs.apply(hidden, weight, bias, labels, float(temperature), int(top_k),
                                                     float(top_p), float(min_p), bool(with_entropy),
-                                                    bool(entropy_grad), int(chunk_size))
+                                                    bool(entropy_grad), int(chunk_size),
+                                                    tuple(int(t) for t in banned_token_ids))
     if not with_entropy:
         return logprobs, None
     return logprobs, entropy if entropy_grad else entropy.detach()

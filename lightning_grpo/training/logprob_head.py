@@ -34,6 +34,7 @@ PLAIN_HEAD_MODEL_TYPES = frozenset({
     "llama", "mistral", "mixtral", "ministral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "phi", "phi3", "olmo",
     "olmo2", "olmo3", "gemma", "smollm3", "deepseek_v3", "glm", "glm4", "starcoder2", "stablelm", "gpt_neox",
     "seed_oss", "exaone4", "ernie4_5", "apertus", "arcee",
+    "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava",  # vision-language: the same head after the language model
 })
 
 _warned: set[str] = set()
@@ -41,12 +42,14 @@ _warned: set[str] = set()
 
 @dataclass
 class Truncation:
-    """The sampling distribution the logprobs are of: temperature, then min-p / top-k / top-p (vLLM's order)."""
+    """The sampling distribution the logprobs are of: banned tokens removed, temperature, then min-p / top-k / top-p
+    (vLLM's order)."""
 
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
     min_p: float = 0.0
+    banned_token_ids: tuple[int, ...] = ()
 
 
 def plain_output_layer(model: nn.Module) -> Optional[nn.Linear]:
@@ -99,7 +102,7 @@ def scoring_head(head: nn.Linear, targets: Tensor, select: Tensor, truncation: T
         logprobs, entropy = chunked_token_logprobs(
             hidden[rows, cols], module.weight, targets[rows, cols], module.bias, truncation.temperature,
             top_k=truncation.top_k, top_p=truncation.top_p, min_p=truncation.min_p, with_entropy=with_entropy,
-            entropy_grad=entropy_grad, chunk_size=chunk_size,
+            entropy_grad=entropy_grad, chunk_size=chunk_size, banned_token_ids=truncation.banned_token_ids,
         )  # [M], [M]
         values = torch.stack([logprobs, entropy if entropy is not None else torch.zeros_like(logprobs)], dim=-1)
         scores = hidden.new_zeros((*targets.shape, 2), dtype=torch.float32)  # [B, S, 2]

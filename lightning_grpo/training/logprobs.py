@@ -12,8 +12,11 @@ default) the logprobs are computed from the output layer's input chunk by chunk
 (:mod:`lightning_grpo.training.logprob_head`): no ``[K, V]`` logits, in forward or backward; else from the logits.
 Multi-turn episodes lay out their environment tokens too
 (:attr:`~lightning_grpo.training.experience.Experience.completion_attention_mask`: attended to, their logprobs computed
-and masked out of the loss). A backend whose models score their completions themselves (the Megatron policy:
-vocab-parallel) says so once, with a :class:`CompletionScorer` (``GRPOModels.scorer``, :meth:`CompletionLogprobs.use`).
+and masked out of the loss). A vision-language policy gets each layout's images and 3-D positions
+(:mod:`lightning_grpo.training.vision`); its image placeholder tokens are out of the distribution, as the engines
+never sample them (``banned_token_ids``). A backend whose models score their completions themselves (the Megatron
+policy: vocab-parallel) says so once, with a :class:`CompletionScorer` (``GRPOModels.scorer``,
+:meth:`CompletionLogprobs.use`).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from torch import Tensor, nn
 
 from lightning_grpo import functional as F
 from lightning_grpo.config import GRPOConfig
+from lightning_grpo.protocols.vision import VisionSpec
 from lightning_grpo.training.experience import Experience
 from lightning_grpo.training.logprob_head import Truncation, plain_output_layer, scoring_head
 from lightning_grpo.training.packing import (
@@ -35,6 +39,7 @@ from lightning_grpo.training.packing import (
     shared_prefix_rows,
     token_budget_partition,
 )
+from lightning_grpo.training.vision import VisionInputs
 
 #: ``(model inputs, target ids (1, K), (rows, cols) of the K targets in the padded completion layout)``
 Pass = tuple[dict, Tensor, tuple[Tensor, Tensor]]
@@ -71,6 +76,8 @@ class CompletionLogprobs:
     Args:
         config: the algorithm settings (``temperature``, ``padding_free``, ``shared_prefix``, ``packed_row_tokens``,
             ``entropy_coef``).
+        vision: a vision-language policy's image facts (:func:`lightning_grpo.protocols.vision.vision_spec`): the
+            batches' images go into every layout and its placeholder tokens are never sampled; None for a causal LM.
 
     Attributes:
         scorer: the backend's own scorer of its models (:meth:`use`), else None.
@@ -78,8 +85,9 @@ class CompletionLogprobs:
             make one large forward pass instead of one per row (:meth:`use`; default False).
     """
 
-    def __init__(self, config: GRPOConfig) -> None:
+    def __init__(self, config: GRPOConfig, vision: Optional[VisionSpec] = None) -> None:
         self.config = config
+        self.vision = vision
         self.scorer: Optional[CompletionScorer] = None
         self.sharded = False
 
@@ -87,6 +95,25 @@ class CompletionLogprobs:
         """What the trainer's backend said of its models (``GRPOModels.scorer``, ``GRPOModels.sharded``), once per
         configured run."""
         self.scorer, self.sharded = scorer, sharded
+
+    @property
+    def banned_token_ids(self) -> tuple[int, ...]:
+        """The tokens the engines never sample (a vision-language policy's placeholders), out of the distribution."""
+        return () if self.vision is None else self.vision.banned_token_ids
+
+    def _vision(self, batch: Experience) -> Optional[VisionInputs]:
+        """The image inputs of ``batch``'s layouts, or None for a batch without images.
+
+        Raises:
+            ValueError: a batch with images for a policy without images (no ``vision``).
+        """
+        if batch.images is None or not any(batch.images):
+            return None
+        if self.vision is None:
+            raise ValueError("the experience has images, but the policy is not a vision-language model: load it from "
+                             "a vision-language checkpoint (GRPOModule(model=...))")
+        return VisionInputs(self.vision, batch.images, batch.prompt_ids, batch.prompt_mask, batch.completion_ids,
+                            batch.completion_attention_mask)
 
     def __call__(
         self, model: nn.Module, batch: Experience, with_entropy: bool = False, entropy_grad: bool = False
@@ -100,6 +127,9 @@ class CompletionLogprobs:
                 gradient and no truncation there).
         """
         if self.scorer is not None:
+            if batch.images is not None and any(batch.images):
+                raise ValueError(f"{type(model).__name__} scores text only: images in the prompts need an HF "
+                                 "vision-language policy (single device, DDP or FSDP2)")
             check_untruncated_scoring(self.config, type(model).__name__, entropy_grad)
             return self.scorer(model, batch, self.config.temperature, with_entropy)
         if self.config.padding_free:
@@ -143,9 +173,11 @@ class CompletionLogprobs:
         has_loss = batch.completion_mask.any(dim=1)
         completion_tokens = int(batch.completion_attention_mask.sum())
         if self.shared_prefix(model):
-            prompts = {tuple(ids[mask.bool()].tolist())
-                       for ids, mask in zip(batch.prompt_ids[has_loss], batch.prompt_mask[has_loss], strict=True)}
-            return sum(len(p) for p in prompts) + completion_tokens
+            vision = self._vision(batch)
+            keys = vision.prompt_keys() if vision is not None else [None] * len(batch)
+            prompts = {(tuple(batch.prompt_ids[i][batch.prompt_mask[i].bool()].tolist()), keys[i])
+                       for i in has_loss.nonzero().flatten().tolist()}
+            return sum(len(p) for p, _ in prompts) + completion_tokens
         return int(batch.prompt_mask[has_loss].sum()) + completion_tokens
 
     def shared_prefix(self, model: nn.Module) -> bool:
@@ -163,6 +195,9 @@ class CompletionLogprobs:
         t = batch.completion_ids.shape[1]
         inputs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                       logits_to_keep=t + 1)
+        vision = self._vision(batch)
+        if vision is not None:
+            inputs.update(vision.padded(input_ids, position_ids))
         head = self._chunked_head(model)
         if head is None:
             logits = model(**inputs, use_cache=False).logits[:, :-1]  # [B, T, V]: position j predicts token j
@@ -185,6 +220,7 @@ class CompletionLogprobs:
         if self.shared_prefix(model):
             return self._shared_prefix(model, batch, with_entropy, entropy_grad)
         counts = sequence_token_counts(batch.prompt_mask[has_loss], mask[has_loss]).tolist()
+        vision = self._vision(batch)
         passes: list[Pass] = []
         for part in token_budget_partition(counts, self._row_tokens(model, counts)):
             rows = has_loss[torch.tensor(part, dtype=torch.long, device=has_loss.device)]
@@ -192,6 +228,8 @@ class CompletionLogprobs:
                                     mask[rows])
             inputs = dict(input_ids=packed.input_ids, position_ids=packed.position_ids,
                           logits_to_keep=packed.logit_index)
+            if vision is not None:  # every row here has loss tokens, so each is packed, in this order
+                inputs.update(vision.packed(rows.tolist(), packed.position_ids))
             passes.append((inputs, packed.target_ids, (rows[packed.rows], packed.cols)))
         return self._run(model, passes, tuple(batch.completion_ids.shape), with_entropy, entropy_grad)
 
@@ -200,14 +238,18 @@ class CompletionLogprobs:
     ) -> tuple[Tensor, Optional[Tensor]]:
         dtype = next(model.parameters()).dtype
         mask_dtype = dtype if dtype.is_floating_point else torch.float32
+        vision = self._vision(batch)
         groups = shared_prefix_rows(batch.prompt_ids, batch.prompt_mask, batch.completion_ids,
-                                    batch.completion_attention_mask, mask_dtype)
+                                    batch.completion_attention_mask, mask_dtype,
+                                    keys=None if vision is None else vision.prompt_keys())
         sizes = [g.input_ids.shape[1] for g in groups]
         passes: list[Pass] = []
         for part in token_budget_partition(sizes, self._row_tokens(model, sizes)):
             row = merge_rows([groups[i] for i in part])
             inputs = dict(input_ids=row.input_ids, position_ids=row.position_ids, attention_mask=row.attention_mask,
                           logits_to_keep=row.logit_index)
+            if vision is not None:
+                inputs.update(vision.shared_prefix([groups[i].rows.unique_consecutive().tolist() for i in part]))
             passes.append((inputs, row.target_ids, (row.rows, row.cols)))
         return self._run(model, passes, tuple(batch.completion_ids.shape), with_entropy, entropy_grad)
 
@@ -218,7 +260,8 @@ class CompletionLogprobs:
         renormalized, the behaviour policy both engines sample from (docs/algorithm.md)."""
         cfg = self.config
         return F.token_logprobs(logits, targets, cfg.temperature, with_entropy=with_entropy, entropy_grad=entropy_grad,
-                                top_k=cfg.top_k, top_p=cfg.top_p, min_p=cfg.min_p)
+                                top_k=cfg.top_k, top_p=cfg.top_p, min_p=cfg.min_p,
+                                banned_token_ids=self.banned_token_ids)
 
     def _chunked_head(self, model: nn.Module) -> Optional[nn.Linear]:
         """The output layer to score through chunk by chunk (``lm_head_chunk_size``), or None: full logits."""
@@ -231,7 +274,7 @@ class CompletionLogprobs:
         """``model(**inputs)`` with ``head`` scoring ``targets`` at ``select`` (:func:`scoring_head`): ``(B, S, 2)``
         float32 ``[logprob, entropy]`` per output position, no ``[B, S, V]`` logits."""
         cfg = self.config
-        truncation = Truncation(cfg.temperature, cfg.top_k, cfg.top_p, cfg.min_p)
+        truncation = Truncation(cfg.temperature, cfg.top_k, cfg.top_p, cfg.min_p, self.banned_token_ids)
         with scoring_head(head, targets, select, truncation, with_entropy, entropy_grad, cfg.lm_head_chunk_size):
             return model(**inputs, use_cache=False).logits
 

@@ -11,6 +11,7 @@ one forward pass. :func:`token_budget_partition` cuts a mini-batch into micro-ba
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Hashable, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -181,7 +182,8 @@ class SharedPrefixRow:
 
 
 def shared_prefix_rows(
-    prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor, completion_mask: Tensor, dtype: torch.dtype
+    prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor, completion_mask: Tensor, dtype: torch.dtype,
+    keys: Optional[Sequence[Hashable]] = None,
 ) -> list[SharedPrefixRow]:
     """Group the rows with loss tokens by identical prompt (a GRPO group shares its prompt) and lay each group out
     as one :class:`SharedPrefixRow`, so the prompt is computed once instead of once per completion. Exact: every
@@ -190,22 +192,24 @@ def shared_prefix_rows(
     Args:
         prompt_ids, prompt_mask, completion_ids, completion_mask: as in :func:`pack_sequences`.
         dtype: float dtype of the additive attention mask (the model's).
+        keys: one more grouping key per row (a vision-language prompt's images: the same ids with other images are
+            another prompt); None: the ids alone.
 
     Raises:
         ValueError: as :func:`pack_sequences`.
     """
     lengths = completion_lengths(completion_mask)
     device = completion_ids.device
-    groups: dict[tuple[int, ...], list[int]] = {}
+    groups: dict[tuple, list[int]] = {}
     for i in range(completion_ids.shape[0]):
         if int(lengths[i]) == 0:
             continue
         prompt = tuple(prompt_ids[i][prompt_mask[i].bool()].tolist())
         if not prompt:
             raise ValueError(f"row {i} has a completion but no prompt token (prompt_mask is all 0)")
-        groups.setdefault(prompt, []).append(i)
+        groups.setdefault((prompt, None if keys is None else keys[i]), []).append(i)
     out = []
-    for prompt, members in groups.items():
+    for (prompt, _), members in groups.items():
         p = len(prompt)
         pieces = [torch.tensor(prompt, dtype=torch.long, device=device)]
         positions = [torch.arange(p, device=device)]

@@ -28,6 +28,7 @@ from transformers import (
 )
 
 from lightning_grpo.functional import sampling_logits
+from lightning_grpo.protocols.images import RowImages
 from lightning_grpo.protocols.rollout import (
     RolloutInterrupted,
     RolloutOutput,
@@ -38,7 +39,9 @@ from lightning_grpo.protocols.rollout import (
     left_pad,
 )
 from lightning_grpo.protocols.sampling import SamplingConfig
+from lightning_grpo.protocols.vision import VisionSpec, vision_spec
 from lightning_grpo.protocols.weights import PolicyWeights
+from lightning_grpo.rollout.engines.multimodal import ImageRows
 from lightning_grpo.rollout.registry import EngineSpec
 
 
@@ -78,8 +81,10 @@ class SamplingProcessor(LogitsProcessor):
         s = self.sampling
         if s.greedy:
             out = scores.float()
+            if s.banned_token_ids:  # never sampled, greedy included (vLLM's bad words)
+                out = out.index_fill(-1, torch.as_tensor(s.banned_token_ids, device=out.device), float("-inf"))
         else:
-            out = sampling_logits(scores, s.temperature, s.top_k, s.top_p, s.min_p)
+            out = sampling_logits(scores, s.temperature, s.top_k, s.top_p, s.min_p, s.banned_token_ids)
         if self.record:
             if self.last is not None:
                 self.logprobs.append(self.last.gather(1, input_ids[:, -1:]).squeeze(1))
@@ -113,13 +118,16 @@ class HFRolloutEngine:
         report_logprobs: also return ``sampler_logprobs``, the logprobs of the generated tokens under the
             distribution ``generate`` actually sampled from (read after every logits processor). Off by default:
             on the trained weights they equal the trainer's own logprobs up to kernel differences.
+        vision: a vision-language policy's image facts (:func:`lightning_grpo.protocols.vision.vision_spec`): prompts
+            may then have images (``generate(..., images=...)``, :mod:`lightning_grpo.rollout.engines.multimodal`).
     """
 
     def __init__(
         self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, report_logprobs: bool = False,
-        stop: Optional[StopFlag] = None,
+        stop: Optional[StopFlag] = None, vision: Optional[VisionSpec] = None,
     ) -> None:
         self.model = model
+        self.vision = vision
         self.tokenizer = tokenizer
         self.report_logprobs = report_logprobs
         self.stop = stop if stop is not None else StopFlag()  # polled at every generated token
@@ -132,6 +140,11 @@ class HFRolloutEngine:
     def uses_policy_parameters(self) -> bool:
         """True: ``generate`` runs on the trained module."""
         return True
+
+    @property
+    def accepts_images(self) -> bool:
+        """Whether the policy is a vision-language model (prompts may have images)."""
+        return self.vision is not None
 
     @property
     def seeds_per_request(self) -> bool:
@@ -186,20 +199,24 @@ class HFRolloutEngine:
 
     @torch.no_grad()
     def generate(
-        self, prompt_ids: Sequence[Sequence[int]], num_generations: int, sampling: SamplingConfig
+        self, prompt_ids: Sequence[Sequence[int]], num_generations: int, sampling: SamplingConfig,
+        images: Optional[Sequence[Optional[RowImages]]] = None,
     ) -> RolloutOutput:
         """See :class:`lightning_grpo.protocols.engine.RolloutEngine`. ``sampler_logprobs`` are reported when the
-        engine was built with ``report_logprobs``.
+        engine was built with ``report_logprobs``. ``images``: each prompt's images (a vision-language policy;
+        :class:`~lightning_grpo.protocols.multimodal.ImageRolloutEngine`).
 
         Raises:
             RolloutInterrupted: :attr:`stop` was set before or during generation (polled at every token).
+            ValueError: images for a policy that is not a vision-language model.
         """
         self.stop.check()
         if num_generations < 1:
             raise ValueError(f"num_generations must be >= 1, got {num_generations}")
         device = next(self.model.parameters()).device
-        ids, mask = left_pad(prompt_ids, self.pad_token_id, device)
-        config = self.generation_config(sampling, num_generations)
+        rows = ImageRows.of(prompt_ids, images, num_generations, sampling.greedy, self.vision)
+        ids, mask = left_pad(rows.prompt_ids, self.pad_token_id, device)
+        config = self.generation_config(sampling, rows.per_row)
         processor = SamplingProcessor(sampling, record=self.report_logprobs)
         was_training = self.model.training
         checkpoint_config = getattr(self.model, "generation_config", None)
@@ -211,7 +228,7 @@ class HFRolloutEngine:
             out = self.model.generate(
                 input_ids=ids, attention_mask=mask, generation_config=config,
                 logits_processor=LogitsProcessorList([processor]), stopping_criteria=[stop],
-                synced_gpus=self.synced_gpus,
+                synced_gpus=self.synced_gpus, **rows.model_inputs(ids),
             )
         finally:
             self.model.generation_config = checkpoint_config
@@ -230,8 +247,8 @@ class HFRolloutEngine:
         completion_mask, truncated = completion_mask_from_eos(completion_ids, self.eos_token_ids)
         if sampler_logprobs is not None:  # finished rows continue with pad ids, whose logprob may be -inf
             sampler_logprobs = torch.where(completion_mask.bool(), sampler_logprobs.float(), 0.0)
-        return finish_rollout(ids, mask, num_generations, completion_ids, completion_mask, truncated, sampler_logprobs,
-                              self.tokenizer, self.pad_token_id)
+        return finish_rollout(ids, mask, rows.repeat, completion_ids, completion_mask, truncated, sampler_logprobs,
+                              self.tokenizer, self.pad_token_id, images=rows.images)
 
 
 class _StopCriterion(StoppingCriteria):
@@ -251,5 +268,5 @@ class _StopCriterion(StoppingCriteria):
 
 def make(spec: EngineSpec) -> HFRolloutEngine:
     """The "hf" engine of the registry: generates with ``spec.model`` (the policy's transformers model; with LoRA,
-    its layers carry the adapters)."""
-    return HFRolloutEngine(spec.model, spec.tokenizer, stop=spec.stop)
+    its layers carry the adapters); a vision-language policy's prompts may have images."""
+    return HFRolloutEngine(spec.model, spec.tokenizer, stop=spec.stop, vision=vision_spec(spec.model.config))

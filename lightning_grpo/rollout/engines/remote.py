@@ -46,9 +46,12 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from lightning_grpo.protocols.images import RowImages
+from lightning_grpo.protocols.multimodal import has_images
 from lightning_grpo.protocols.rollout import RolloutOutput, StopFlag
 from lightning_grpo.protocols.sampling import SamplingConfig
 from lightning_grpo.protocols.weights import PolicyWeights, check_tied_engine
+from lightning_grpo.rollout.engines.multimodal import check_expansions, wire_images
 from lightning_grpo.rollout.engines.probe import probe_batch
 from lightning_grpo.rollout.engines.rows import check_prompts, request_seeds, rollout_from_rows
 from lightning_grpo.rollout.registry import EngineSpec
@@ -132,6 +135,8 @@ class VLLMServerEngine:
         self.max_model_len = int(info["max_model_len"])
         self.tie_word_embeddings = bool(info["tie_word_embeddings"])
         self.max_request_tokens = min(int(i["max_request_tokens"]) for i in infos)
+        image_ids = {i.get("image_token_id") for i in infos}  # None: text models (or servers before images)
+        self.placeholder_id: Optional[int] = next(iter(image_ids)) if len(image_ids) == 1 else None
         self.backend = "nccl" if info["device"] == "cuda" and torch.cuda.is_available() else "gloo"
         for inst, inst_info in zip(self.instances, infos, strict=True):
             inst.instance_id, inst.version = inst_info["instance_id"], int(inst_info["version"])
@@ -157,26 +162,36 @@ class VLLMServerEngine:
     def set_lockstep(self, enabled: bool) -> None:
         """Nothing to do: the servers' forward passes are their own."""
 
+    @property
+    def accepts_images(self) -> bool:
+        """Whether the servers serve a vision-language model (their ``/health`` names its image token)."""
+        return self.placeholder_id is not None
+
     def generate(self, prompt_ids: Sequence[Sequence[int]], num_generations: int,
-                 sampling: SamplingConfig) -> RolloutOutput:
-        """Sample ``num_generations`` completions per prompt on the servers (see the module docstring).
+                 sampling: SamplingConfig, images: Optional[Sequence[Optional[RowImages]]] = None) -> RolloutOutput:
+        """Sample ``num_generations`` completions per prompt on the servers (see the module docstring). With
+        ``images`` (a vision-language model) each prompt goes with its pictures as PNG and its placeholder runs
+        collapsed; the servers' expansion must give back ``prompt_ids``.
 
         Returns:
             As :meth:`lightning_grpo.rollout.engines.vllm.VLLMRolloutEngine.generate`, with ``weight_version`` set.
 
         Raises:
-            ValueError: bad prompts (as the colocated engine).
+            ValueError: bad prompts (as the colocated engine); images for servers without images, or an expansion
+                of the placeholders other than the prompt's.
             RolloutServerError: an instance failed or did not answer within the timeout.
             RolloutInterrupted: the stop flag was set while waiting.
         """
         prompts = check_prompts(prompt_ids, num_generations, sampling, self.max_model_len)
         seeds = request_seeds(sampling, len(prompts), num_generations)
+        wire = wire_images(prompts, images, self.placeholder_id) if has_images(images) else None
         parts = [(inst, a, b) for inst, (a, b) in zip(self.instances, split_evenly(len(prompts), len(self.instances)),
                                                        strict=True) if b > a]
         pool = concurrent.futures.ThreadPoolExecutor(len(parts), thread_name_prefix="rollout-server")
         try:
             futures = [pool.submit(self._generate_on, inst, prompts[a:b], num_generations, sampling,
-                                   None if seeds is None else seeds[a:b]) for inst, a, b in parts]
+                                   None if seeds is None else seeds[a:b], None if wire is None else wire[a:b])
+                       for inst, a, b in parts]
             pending = set(futures)
             while pending:
                 self.stop.check("the rollout on the rollout servers")
@@ -186,18 +201,25 @@ class VLLMServerEngine:
             pool.shutdown(wait=False, cancel_futures=True)
         rows = [row for answer in answers for row in zip(answer["token_ids"], answer["logprobs"], strict=True)]
         version = min(int(answer["version"]) for answer in answers)
+        if wire is not None:
+            check_expansions([ids for answer in answers for ids in answer["prompt_token_ids"]], prompts)
         return rollout_from_rows(prompts, rows, num_generations, self.pad_token_id, self.eos_token_ids,
-                                 self.tokenizer, weight_version=version)
+                                 self.tokenizer, weight_version=version, images=None if wire is None else images)
 
     def _generate_on(self, inst: Instance, prompts: list[list[int]], num_generations: int, sampling: SamplingConfig,
-                     seeds: Optional[list[int]]) -> dict:
-        fields = dict(max_new_tokens=sampling.max_new_tokens, temperature=sampling.temperature, top_p=sampling.top_p,
-                      top_k=sampling.top_k, min_p=sampling.min_p, greedy=sampling.greedy)
+                     seeds: Optional[list[int]], wire: Optional[list[tuple[list[int], list[str]]]] = None) -> dict:
+        fields: dict[str, Any] = dict(max_new_tokens=sampling.max_new_tokens, temperature=sampling.temperature,
+                                      top_p=sampling.top_p, top_k=sampling.top_k, min_p=sampling.min_p,
+                                      greedy=sampling.greedy)
+        if sampling.banned_token_ids:  # sent only when set: servers before it refuse the field
+            fields["banned_token_ids"] = list(sampling.banned_token_ids)
         deadline = inst.client.deadline()
         answers = []
         for a, b in self._request_parts([len(p) for p in prompts], num_generations, sampling.max_new_tokens):
             body = dict(prompts=prompts[a:b], num_generations=num_generations, sampling=fields,
                         seeds=None if seeds is None else seeds[a:b])
+            if wire is not None:
+                body.update(prompts=[ids for ids, _ in wire[a:b]], images=[pics for _, pics in wire[a:b]])
             while True:
                 self._ensure_current(inst, deadline)
                 answer = inst.client.request("POST", "/generate", body, deadline)
@@ -209,7 +231,8 @@ class VLLMServerEngine:
             answers.append(answer)
         return dict(token_ids=[ids for answer in answers for ids in answer["token_ids"]],
                     logprobs=[lp for answer in answers for lp in answer["logprobs"]], version=answers[0]["version"],
-                    instance_id=answers[0]["instance_id"])
+                    instance_id=answers[0]["instance_id"],
+                    prompt_token_ids=[ids for answer in answers for ids in answer.get("prompt_token_ids", [])])
 
     def _request_parts(self, lengths: Sequence[int], num_generations: int,
                        max_new_tokens: int) -> list[tuple[int, int]]:

@@ -11,6 +11,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from lightning_grpo.protocols.images import RowImages
 from lightning_grpo.protocols.rollout import RolloutOutput, completion_mask_from_eos, finish_rollout, left_pad
 from lightning_grpo.protocols.sampling import SamplingConfig
 
@@ -50,11 +51,13 @@ def request_seeds(sampling: SamplingConfig, num_prompts: int, num_generations: i
 
 def rollout_from_rows(prompts: Sequence[Sequence[int]], rows: Sequence[tuple[Sequence[int], Sequence[float]]],
                       num_generations: int, pad_token_id: int, eos_token_ids: Sequence[int], tokenizer: Any,
-                      weight_version: Optional[int] = None) -> RolloutOutput:
+                      weight_version: Optional[int] = None,
+                      images: Optional[Sequence[Optional[RowImages]]] = None) -> RolloutOutput:
     """A :class:`RolloutOutput` from ``B`` prompts and their ``B * G`` completions given as ``(ids, sampler
     logprobs)`` rows (prompt-major): prompts left-padded and repeated G times, completions right-padded with
     ``pad_token_id``, the mask up to and including the first EOS (:func:`completion_mask_from_eos`), logprobs 0
-    where masked, texts decoded with ``tokenizer`` (special tokens skipped). Tensors on CPU.
+    where masked, texts decoded with ``tokenizer`` (special tokens skipped), each prompt's ``images`` (or None) with
+    its G rows. Tensors on CPU.
 
     Raises:
         ValueError: ``len(rows) != B * G`` or a row whose ids and logprobs differ in length.
@@ -73,5 +76,5 @@ def rollout_from_rows(prompts: Sequence[Sequence[int]], rows: Sequence[tuple[Seq
     sampler_logprobs = sampler_logprobs * completion_mask
     ids_, mask = left_pad(prompts, pad_token_id, torch.device("cpu"))
     return finish_rollout(ids_, mask, num_generations, completion_ids, completion_mask, truncated, sampler_logprobs,
-                          tokenizer, pad_token_id, weight_version)
+                          tokenizer, pad_token_id, weight_version, images=images)
 

@@ -55,9 +55,13 @@ from typing import Any, Optional, Sequence
 import torch
 from transformers import AutoTokenizer, GenerationConfig
 
+from lightning_grpo.protocols.images import RowImages
+from lightning_grpo.protocols.multimodal import has_images
 from lightning_grpo.protocols.rollout import RolloutOutput, StopFlag, eos_token_ids_from
 from lightning_grpo.protocols.sampling import SamplingConfig
+from lightning_grpo.protocols.vision import vision_spec
 from lightning_grpo.protocols.weights import PolicyWeights, check_tied_engine
+from lightning_grpo.rollout.engines.multimodal import bad_words, check_expansions, vllm_prompt
 from lightning_grpo.rollout.engines.probe import WeightSyncCheckError, probe_batch
 from lightning_grpo.rollout.engines.rows import check_prompts, request_seeds, rollout_from_rows
 from lightning_grpo.rollout.engines.vllm_groups import GroupLease
@@ -180,6 +184,7 @@ class VLLMRolloutEngine:
         pad = self.tokenizer.pad_token_id
         self.pad_token_id = int(pad if pad is not None else self.eos_token_ids[0])
         model_config = self.llm.llm_engine.model_config
+        self.vision = vision_spec(model_config.hf_config)  # images in prompts (docs/vision.md)
         self.max_model_len = int(model_config.max_model_len)
         self.tie_word_embeddings = bool(getattr(model_config.hf_text_config, "tie_word_embeddings", False))
 
@@ -210,6 +215,7 @@ class VLLMRolloutEngine:
             logprobs=0,  # the sampled token's logprob only
             stop_token_ids=self.eos_token_ids,
             detokenize=False,  # decoded below with skip_special_tokens, as the HF engine does
+            bad_words=bad_words(self.tokenizer, sampling.banned_token_ids),  # -inf before temperature, greedy too
         )
         if sampling.greedy:
             # vLLM requires n == 1 for greedy; the G identical completions are copies.
@@ -224,16 +230,26 @@ class VLLMRolloutEngine:
             **common,
         )
 
+    @property
+    def accepts_images(self) -> bool:
+        """Whether the model is a vision-language one (prompts may have images: ``multi_modal_data``)."""
+        return self.vision is not None
+
     def generate(
-        self, prompt_ids: Sequence[Sequence[int]], num_generations: int, sampling: SamplingConfig
+        self, prompt_ids: Sequence[Sequence[int]], num_generations: int, sampling: SamplingConfig,
+        images: Optional[Sequence[Optional[RowImages]]] = None,
     ) -> RolloutOutput:
         """Sample ``num_generations`` completions for each prompt.
 
         Args:
-            prompt_ids: ``B`` prompts as token-id lists (no padding), each non-empty.
+            prompt_ids: ``B`` prompts as token-id lists (no padding), each non-empty; with images, each image's
+                placeholder run expanded (:mod:`lightning_grpo.protocols.images`).
             num_generations: G >= 1 completions per prompt.
             sampling: temperature / top-p / top-k / min-p / max_new_tokens / greedy / seed (completion ``j`` of
                 prompt ``i`` is seeded with ``seed + i * G + j``, see the module docstring).
+            images: each prompt's images (a vision-language model): vLLM gets the prompt with each placeholder run
+                collapsed and the pictures as ``multi_modal_data``, and its expansion must give back ``prompt_ids``
+                (:mod:`lightning_grpo.rollout.engines.multimodal`).
 
         Returns:
             A :class:`RolloutOutput` with ``N = B * G`` rows in prompt-major order; ``completion_ids``
@@ -243,13 +259,23 @@ class VLLMRolloutEngine:
 
         Raises:
             ValueError: for an empty batch or prompt, ``num_generations < 1``, or a prompt that leaves no room
-                for ``max_new_tokens`` within ``max_model_len`` (:class:`SamplingConfig` checks its own fields).
+                for ``max_new_tokens`` within ``max_model_len`` (:class:`SamplingConfig` checks its own fields);
+                images for a model without images, or an expansion of the placeholders other than the prompt's.
         """
         prompts = check_prompts(prompt_ids, num_generations, sampling, self.max_model_len)
         seeds = request_seeds(sampling, len(prompts), num_generations)
-        rows = self.generate_rows(prompts, num_generations, sampling, seeds)
+        if not has_images(images):
+            rows = self.generate_rows(prompts, num_generations, sampling, seeds)
+            return rollout_from_rows(prompts, rows, num_generations, self.pad_token_id, self.eos_token_ids,
+                                     self.tokenizer)
+        assert images is not None
+        if self.vision is None:
+            raise ValueError("the prompts have images, but the vLLM engine's model is not a vision-language model")
+        requests = [vllm_prompt(p, row, self.vision.placeholder_id) for p, row in zip(prompts, images, strict=True)]
+        rows, expanded = self.generate_requests(requests, num_generations, sampling, seeds)
+        check_expansions(expanded, prompts)
         return rollout_from_rows(prompts, rows, num_generations, self.pad_token_id, self.eos_token_ids,
-                                 self.tokenizer)
+                                 self.tokenizer, images=images)
 
     def generate_rows(self, prompts: list[list[int]], num_generations: int, sampling: SamplingConfig,
                       seeds: Optional[Sequence[int]] = None) -> list[tuple[list[int], list[float]]]:
@@ -263,18 +289,26 @@ class VLLMRolloutEngine:
             seeds: ``B`` per-request seeds (:func:`request_seeds`), or None (the engine's generator). When
                 given, torch's global generator is left as it was (``fork_rng``).
         """
+        rows, _ = self.generate_requests([{"prompt_token_ids": p} for p in prompts], num_generations, sampling, seeds)
+        return rows
+
+    def generate_requests(self, requests: Sequence[dict[str, Any]], num_generations: int, sampling: SamplingConfig,
+                          seeds: Optional[Sequence[int]] = None,
+                          ) -> tuple[list[tuple[list[int], list[float]]], list[list[int]]]:
+        """:meth:`generate_rows` of vLLM ``TokensPrompt`` requests (``prompt_token_ids`` and, for images,
+        ``multi_modal_data``: :func:`~lightning_grpo.rollout.engines.multimodal.vllm_prompt`); also returns the
+        prompt ids vLLM ran, each image's placeholders expanded."""
         from vllm.inputs import TokensPrompt
 
         params: Any = self._sampling_params(sampling, num_generations)
         if seeds is not None:
-            if len(seeds) != len(prompts):
-                raise ValueError(f"seeds has {len(seeds)} entries for {len(prompts)} prompts")
-            params = [params.clone() for _ in prompts]
+            if len(seeds) != len(requests):
+                raise ValueError(f"seeds has {len(seeds)} entries for {len(requests)} prompts")
+            params = [params.clone() for _ in requests]
             for p, seed in zip(params, seeds, strict=True):
                 p.seed = int(seed)
-        requests = [TokensPrompt(prompt_token_ids=p) for p in prompts]
         with torch.random.fork_rng(devices=[], enabled=seeds is not None):
-            outputs = self.llm.generate(requests, params, use_tqdm=False)
+            outputs = self.llm.generate([TokensPrompt(**r) for r in requests], params, use_tqdm=False)  # type: ignore
         rows: list[tuple[list[int], list[float]]] = []
         for out in outputs:
             completions = sorted(out.outputs, key=lambda c: c.index)
@@ -283,7 +317,7 @@ class VLLMRolloutEngine:
             for c in completions:
                 ids = [int(t) for t in c.token_ids]
                 rows.append((ids, [float(c.logprobs[pos][tok].logprob) for pos, tok in enumerate(ids)]))
-        return rows
+        return rows, [[int(t) for t in out.prompt_token_ids] for out in outputs]
 
     @torch.no_grad()
     def teacher_forced_logprobs(self, sequences: Sequence[Sequence[int]]) -> list[list[float]]:

@@ -44,9 +44,10 @@ import errno
 import socket
 import sys
 import uuid
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from lightning_grpo.protocols.sampling import SamplingConfig
+from lightning_grpo.rollout.engines.multimodal import decode_picture
 from lightning_grpo.rollout.engines.rows import check_prompts
 from lightning_grpo.rollout.server.schema import GenerateRequest, InitWeightSyncRequest, ProbeRequest
 from lightning_grpo.rollout.server.security import check_bind, read_secret
@@ -117,7 +118,8 @@ class RolloutServer:
                     eos_token_ids=list(engine.eos_token_ids), pad_token_id=engine.pad_token_id,
                     max_model_len=engine.max_model_len, vocab_size=self.vocab_size,
                     tie_word_embeddings=engine.tie_word_embeddings, world_size=self.world_size,
-                    device="cpu" if engine.on_cpu else "cuda", max_request_tokens=self.max_request_tokens)
+                    device="cpu" if engine.on_cpu else "cuda", max_request_tokens=self.max_request_tokens,
+                    image_token_id=None if engine.vision is None else engine.vision.placeholder_id)
 
     # ------------------------------------------------------------------ generation
     def prepare_generate(self, request: GenerateRequest) -> tuple:
@@ -125,9 +127,11 @@ class RolloutServer:
 
         Raises:
             ValueError: bad sampling settings, prompts (empty, too long, ids outside the vocabulary), seeds of the
-                wrong count, or more work than ``max_request_tokens`` (the field and the limit are named).
+                wrong count, or more work than ``max_request_tokens`` (the field and the limit are named); images
+                for a model without images, not one entry per prompt, or not images (base64 PNG within the limits).
         """
-        sampling = SamplingConfig(**request.sampling.model_dump())
+        fields = request.sampling.model_dump()
+        sampling = SamplingConfig(**{**fields, "banned_token_ids": tuple(fields["banned_token_ids"])})
         prompts = check_prompts(request.prompts, request.num_generations, sampling, self.engine.max_model_len)
         check_token_ids(prompts, self.vocab_size, "prompts")
         work = request_work([len(p) for p in prompts], request.num_generations, sampling.max_new_tokens)
@@ -139,13 +143,30 @@ class RolloutServer:
         seeds = request.seeds
         if seeds is not None and len(seeds) != len(prompts):
             raise ValueError(f"seeds has {len(seeds)} entries for {len(prompts)} prompts")
-        return prompts, request.num_generations, sampling, seeds
+        return prompts, request.num_generations, sampling, seeds, self._pictures(request, len(prompts))
+
+    def _pictures(self, request: GenerateRequest, num_prompts: int) -> Optional[list[list[Any]]]:
+        """The request's pictures per prompt, decoded (None without images)."""
+        if not request.images:
+            return None
+        if self.engine.vision is None:
+            raise ValueError("images: this server's model is not a vision-language model")
+        if len(request.images) != num_prompts:
+            raise ValueError(f"images has {len(request.images)} entries for {num_prompts} prompts")
+        return [[decode_picture(text, f"images[{i}][{j}]") for j, text in enumerate(row)]
+                for i, row in enumerate(request.images)]
 
     def generate(self, prompts: list[list[int]], num_generations: int, sampling: SamplingConfig,
-                 seeds: Optional[list[int]]) -> dict:
-        rows = self.engine.generate_rows(prompts, num_generations, sampling, seeds)
+                 seeds: Optional[list[int]], pictures: Optional[list[list[Any]]] = None) -> dict:
+        if pictures is None:
+            rows = self.engine.generate_rows(prompts, num_generations, sampling, seeds)
+            return dict(token_ids=[ids for ids, _ in rows], logprobs=[lp for _, lp in rows], version=self.version,
+                        instance_id=self.instance_id)
+        requests = [{"prompt_token_ids": p, **({"multi_modal_data": {"image": pics}} if pics else {})}
+                    for p, pics in zip(prompts, pictures, strict=True)]
+        rows, expanded = self.engine.generate_requests(requests, num_generations, sampling, seeds)
         return dict(token_ids=[ids for ids, _ in rows], logprobs=[lp for _, lp in rows], version=self.version,
-                    instance_id=self.instance_id)
+                    instance_id=self.instance_id, prompt_token_ids=expanded)
 
     def prepare_probe(self, request: ProbeRequest) -> tuple:
         """Checked arguments of :meth:`probe_logprobs`.

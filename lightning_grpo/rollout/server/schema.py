@@ -9,9 +9,11 @@ within the vocabulary, lengths within ``max_model_len``, the per-request work li
 
 from __future__ import annotations
 
-from typing import Literal, Optional
+from typing import Annotated, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
+
+from lightning_grpo.rollout.engines.multimodal import MAX_IMAGES_PER_PROMPT
 
 
 class _Body(BaseModel):
@@ -27,16 +29,21 @@ class SamplingFields(_Body):
     top_k: StrictInt = 0
     min_p: float = 0.0
     greedy: StrictBool = False
+    banned_token_ids: list[StrictInt] = Field(default_factory=list, max_length=64)
 
 
 class GenerateRequest(_Body):
     """``POST /generate``: ``num_generations`` completions of each prompt (token-id lists), completion ``j`` of
-    prompt ``i`` seeded with ``seeds[i] + j`` when ``seeds`` is given."""
+    prompt ``i`` seeded with ``seeds[i] + j`` when ``seeds`` is given. With ``images`` (a vision-language model),
+    ``images[i]`` are prompt i's pictures as base64 PNG (at most ``MAX_IMAGES_PER_PROMPT``, each at most
+    ``MAX_IMAGE_BYTES``), its ids holding one placeholder token per image (vLLM expands them; the answer gives the
+    expanded ids back)."""
 
     prompts: list[list[StrictInt]]
     num_generations: StrictInt
     sampling: SamplingFields
     seeds: Optional[list[StrictInt]] = None
+    images: Optional[list[Annotated[list[str], Field(max_length=MAX_IMAGES_PER_PROMPT)]]] = None
 
 
 class ProbeRequest(_Body):
