@@ -91,7 +91,9 @@ class RunLifecycle(L.LightningModule):
         """Make the rollout engine ``config.engine`` names, once (``setup`` does; a made or given engine is kept),
         resolving its "auto" settings into :attr:`resolved`. ``rollout_prompts``: prompts per rollout on this
         process, when known (sizes ``engine.kv_cache_space_gib="auto"``). Returns the engine."""
-        checkpoint = functools.partial(engine_checkpoint, self._loaded)
+        images = self.rollout.images  # a vision-language policy's: its image processor goes with a saved checkpoint
+        save_processor = None if images is None else images.save_processor
+        checkpoint = functools.partial(engine_checkpoint, self._loaded, save_processor)
         self.resolved = self.rollout.start(self._loaded.base, checkpoint, self.resolved, rollout_prompts)
         self._record_resolved()
         return self.rollout.require_engine()

@@ -33,7 +33,7 @@ import json
 import logging
 import os
 import tempfile
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
@@ -377,10 +377,11 @@ def export_policy(policy: nn.Module, tokenizer: PreTrainedTokenizerBase, path: s
     log.info("saved the merged LoRA policy to %s", target)
 
 
-def engine_checkpoint(loaded: LoadedPolicy) -> str:
+def engine_checkpoint(loaded: LoadedPolicy, save_processor: Optional[Callable[[str], None]] = None) -> str:
     """The folder an engine with its own weights is loaded from: the policy's folder, or (a module given without
     one) a temporary folder it is saved to with ``save_pretrained``, LoRA merged (:func:`merged_state_dict`), with
-    its config and tokenizer. The engine gets the trained weights by its syncs."""
+    its config, tokenizer and (``save_processor``, a vision-language policy's) image processor. The engine gets the
+    trained weights by its syncs."""
     path = loaded.path
     if path is not None and os.path.isdir(path):
         return path
@@ -389,4 +390,6 @@ def engine_checkpoint(loaded: LoadedPolicy) -> str:
     base.config.save_pretrained(path)
     base.save_pretrained(path, state_dict=merged_state_dict(policy) if base is not policy else None)
     loaded.tokenizer.save_pretrained(path)
+    if save_processor is not None:
+        save_processor(path)
     return path

@@ -26,6 +26,11 @@ class ImagePromptEncoder(Protocol):
         distribution (:class:`~lightning_grpo.protocols.sampling.SamplingConfig`)."""
         ...
 
+    def save_processor(self, folder: str) -> None:
+        """Write the image processor into the checkpoint ``folder`` an engine is loaded from (so that it processes
+        the pictures as the trainer does)."""
+        ...
+
     def encode_image_prompts(self, prompts: Sequence[Any], max_prompt_length: int) -> EncodedPrompts:
         """The prompts' ids with their images, never truncated through an image.
 

@@ -120,6 +120,10 @@ class ImagePrompts:
         """The placeholder and vision delimiter ids, never sampled."""
         return self.spec.banned_token_ids
 
+    def save_processor(self, folder: str) -> None:
+        """The image processor's ``save_pretrained(folder)`` (an engine checkpoint of a policy given as a module)."""
+        self.processor.save_pretrained(folder)
+
     def process(self, image: Any) -> PromptImage:
         """One image as the model takes it (:func:`lightning_grpo.models.vision.process_image`)."""
         return process_image(image, self.processor, self.spec, self.model_config)

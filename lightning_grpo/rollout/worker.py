@@ -159,8 +159,9 @@ class RolloutWorker:
             return resolved
         spec = engine_spec(self.config, resolved.engine_name, model, self.tokenizer, checkpoint, self.stop,
                            rollout_prompts)
-        engine = as_rollout_engine(make_engine(spec))
-        self._set_own(engine)
+        made = make_engine(spec)
+        engine = as_rollout_engine(made)
+        self._set_own(engine, type(made).__name__)
         self._made = engine
         return resolved.replace(kv_cache_space_gib=spec.kv_cache_space_gib)
 

@@ -63,3 +63,37 @@ def test_a_processor_without_images_or_images_without_a_processor_is_refused(tin
     assert isinstance(module.rollout.prompts, ImagePrompts)
     with pytest.raises(ValueError, match="holds no image processor"):
         load_image_processor(tiny_llama_path)
+
+
+def test_an_engine_checkpoint_of_a_module_holds_its_image_processor(tiny_qwen_vl_path, monkeypatch):
+    """A vision-language policy given as a module has no folder: the checkpoint an engine with its own weights is
+    loaded from is saved, and it holds the image processor too (so the engine processes the pictures alike)."""
+    import shutil
+
+    from transformers import AutoConfig
+
+    from lightning_grpo.config import EngineConfig
+    from lightning_grpo.rollout import registry
+    from support.algorithm import FixedRolloutEngine
+
+    monkeypatch.setattr(registry, "_REGISTERED", {})
+    folders = []
+
+    def factory(spec):
+        folders.append(spec.checkpoint())
+        return FixedRolloutEngine(torch.tensor([[1]]), 0)
+
+    registry.register_engine("saved", factory)
+    policy = load_vision_policy(tiny_qwen_vl_path, torch.float32)
+    policy.config._name_or_path = ""  # as a module built in code: no folder to load an engine from
+    module = GRPOModule(policy, tokenizer=tiny_qwen_vl_path, processor=tiny_qwen_vl_path,
+                        reward_funcs=["gsm8k_accuracy"], config=GRPOConfig(engine=EngineConfig(name="saved")),
+                        export_dir="")
+    module.make_rollout_engine()
+    (folder,) = folders
+    try:
+        assert folder != tiny_qwen_vl_path
+        assert load_image_processor(folder).to_dict() == load_image_processor(tiny_qwen_vl_path).to_dict()
+        assert vision_spec(AutoConfig.from_pretrained(folder)) == vision_spec(policy.config) is not None
+    finally:
+        shutil.rmtree(folder)
