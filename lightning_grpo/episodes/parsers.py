@@ -50,6 +50,11 @@ class AnswerParser(ToolCallParser, Protocol):
         :meth:`ToolCallParser.parse` gives them."""
         ...
 
+    def write(self, calls: list[ToolCall]) -> str:
+        """``calls`` as the model writes them in this format (for chat templates that do not render an assistant
+        message's ``tool_calls``: SmolLM2's)."""
+        ...
+
 
 _BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
 
@@ -65,6 +70,11 @@ class HermesToolCallParser:
     def split(self, text: str) -> tuple[str, list[ToolCall]]:
         """See :meth:`AnswerParser.split`."""
         return _BLOCK.sub("", text).strip(), self.parse(text)
+
+    def write(self, calls: list[ToolCall]) -> str:
+        """See :meth:`AnswerParser.write`: one ``<tool_call>`` block per call, on lines of their own."""
+        return "\n".join("<tool_call>\n" + json.dumps({"name": c.name, "arguments": c.arguments}) + "\n</tool_call>"
+                         for c in calls)
 
     @staticmethod
     def _call(block: str) -> ToolCall:

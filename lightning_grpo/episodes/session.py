@@ -36,11 +36,13 @@ from typing import Any, Optional, Sequence
 from lightning_grpo.episodes.answer import Answer, ReasoningTags, parse_answer, split_reasoning
 from lightning_grpo.episodes.chat import ChatFormat
 from lightning_grpo.episodes.parsers import AnswerParser
+from lightning_grpo.episodes.tools import ToolCall
 from lightning_grpo.protocols.episode import Turn
 from lightning_grpo.protocols.sampling import SamplingConfig
 from lightning_grpo.rollout.server.openai_schema import ChatCompletionRequest, ChatMessage, GatewayError
 
 _NO_LIMIT = 1 << 40
+_PROBE = "lightning-grpo-probe-call-5c1e"
 
 
 def _arguments(raw: str) -> Any:
@@ -85,11 +87,33 @@ def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
 
 class SessionRenderer:
     """The chat template of a run's sessions: new prompts and appended messages, for any request's ``tools``
-    (one :class:`~lightning_grpo.episodes.chat.ChatFormat` per distinct tool list)."""
+    (one :class:`~lightning_grpo.episodes.chat.ChatFormat` per distinct tool list). A template that does not render
+    an assistant message's ``tool_calls`` (SmolLM2's) gets them written into its content in the parser's format
+    (:meth:`~lightning_grpo.episodes.parsers.AnswerParser.write`), as the model writes them."""
 
     def __init__(self, tokenizer: Any, eos_token_ids: Sequence[int], parser: AnswerParser) -> None:
         self.tokenizer, self.eos_token_ids, self.parser = tokenizer, [int(i) for i in eos_token_ids], parser
         self._formats: dict[str, ChatFormat] = {}
+        probe = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "c", "type": "function", "function": {"name": _PROBE, "arguments": {}}}]}]
+        try:
+            self.renders_tool_calls = _PROBE in str(tokenizer.apply_chat_template(probe, tokenize=False))
+        except Exception:  # noqa: BLE001 - jinja's TemplateError and whatever a template raises for the field
+            self.renders_tool_calls = False
+
+    def written(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """``messages`` with assistant tool calls written into the content where the template drops them."""
+        if self.renders_tool_calls:
+            return messages
+        out = []
+        for m in messages:
+            if m["role"] == "assistant" and m.get("tool_calls"):
+                calls = [ToolCall(c["function"]["name"], c["function"]["arguments"]
+                                  if isinstance(c["function"]["arguments"], dict) else {}) for c in m["tool_calls"]]
+                text = "\n".join(t for t in (m.get("content") or "", self.parser.write(calls)) if t)
+                m = {k: v for k, v in m.items() if k != "tool_calls"} | {"content": text}
+            out.append(m)
+        return out
 
     def chat(self, tools_key: str, tools: list[dict[str, Any]]) -> ChatFormat:
         if tools_key not in self._formats:
@@ -99,7 +123,11 @@ class SessionRenderer:
     def prompt_ids(self, messages: list[dict[str, Any]], chat: ChatFormat) -> list[int]:
         """The template's rendering of ``messages`` with the generation prompt (tools as the template or the
         parser's instructions describe them)."""
-        return chat.encode_prompts([chat.rendered_messages(messages)], _NO_LIMIT)[0][0]
+        return chat.encode_prompts([chat.rendered_messages(self.written(messages))], _NO_LIMIT)[0][0]
+
+    def tail_ids(self, messages: list[dict[str, Any]], chat: ChatFormat) -> list[int]:
+        """The ids of ``messages`` appended after a model turn's EOS, with the next generation prompt."""
+        return chat.env_turn_ids(self.written(messages))
 
 
 @dataclass
@@ -227,7 +255,7 @@ class AgentSession:
         if self.history == "keep":
             if not matches or not last.finished:
                 return None
-            return chat.env_turn_ids(tail), tail
+            return self.renderer.tail_ids(tail, chat), tail
         held = last.prompt + last.ids
         full = self.renderer.prompt_ids(messages, chat)
         if len(full) <= len(held) or full[: len(held)] != held:
