@@ -4,8 +4,9 @@ The gateway's sessions :meth:`CallBatcher.submit` their tokenized calls from the
 thread (the one that owns the engine) takes them in batches (:meth:`CallBatcher.collect`): a batch is handed over as
 soon as every running agent has a call waiting (nobody else can add one), or ``window_s`` seconds after its first
 call arrived, so concurrent agents share each ``engine.generate`` instead of calling the engine one request at a
-time. An agent that finished (returned, raised, timed out) no longer counts as running; a call still waiting for it
-is answered with its error.
+time. A batch holds its calls in session order, so when every agent sends its next call within the window, the
+batches (and the per-request seeds of their rows) do not depend on the threads' timing. An agent that finished
+(returned, raised, timed out) no longer counts as running; a call still waiting for it is answered with its error.
 """
 
 from __future__ import annotations
@@ -88,7 +89,7 @@ class CallBatcher:
                 now = time.monotonic()
                 if self.pending and (set(self.pending) >= self.running
                                      or now - (self._first or now) >= self.window_s):
-                    batch = list(self.pending.values())
+                    batch = [self.pending[k] for k in sorted(self.pending)]  # session order: a seeded batch
                     self.pending.clear()
                     self._first = None
                     return batch

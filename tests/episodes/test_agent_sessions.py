@@ -29,7 +29,8 @@ def test_trained_ids_are_the_sampled_ids_and_each_call_extends_the_last(tokenize
     letters = [i for ch in "Answer: 56088" for i in encode(tokenizer, ch)] + [EOS]
     assert encode(tokenizer, tokenizer.decode(letters[:-1])) != letters[:-1]
     recorder = Recorder()
-    out, engine, _ = run_agents(tokenizer, tool_loop_agent(recorder, logprobs=True), by_prompt(tokenizer, call, letters))
+    agent = tool_loop_agent(recorder, logprobs=True)
+    out, engine, _ = run_agents(tokenizer, agent, by_prompt(tokenizer, call, letters))
     first, second = recorder.answers[0]
     tail = encode(tokenizer, TOOL_TAIL)
     assert first["choices"][0]["token_ids"] == call and second["choices"][0]["token_ids"] == letters

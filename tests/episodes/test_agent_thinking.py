@@ -92,7 +92,8 @@ def test_keep_holds_the_sampled_reasoning_in_one_sample(qwen3):
     # fails on it, which "keep" never needs
     whole = [{"role": "user", "content": "What is 123 * 456?"},
              {"role": "assistant", "content": THINK + CALL},
-             {"role": "tool", "content": "56088"}, {"role": "assistant", "content": "<think>\nDone.\n</think>\n\n56088"},
+             {"role": "tool", "content": "56088"},
+             {"role": "assistant", "content": "<think>\nDone.\n</think>\n\n56088"},
              {"role": "user", "content": "And 2 + 2?"}]
     rendered = qwen3.apply_chat_template(whole, tools=TOOLS, add_generation_prompt=True, tokenize=False)
     assert "I could write" not in rendered
