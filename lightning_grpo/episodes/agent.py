@@ -65,7 +65,8 @@ class AgentRollout:
         tool_parser: the model's tool-call format (:class:`~lightning_grpo.episodes.parsers.AnswerParser`);
             default Hermes / Qwen ``<tool_call>`` JSON.
         batch_window_s: how long a call waits for other agents' calls to share its engine call.
-        max_concurrent_requests: most requests the gateway serves at once (more get 429).
+        max_concurrent_requests: most requests the gateway serves at once (more get 429); None: two per episode of
+            the rollout, plus 16.
         max_body_mib: the largest request body.
         model_name: the model's name in answers and ``/v1/models`` (any ``model`` a request names is accepted).
 
@@ -81,7 +82,7 @@ class AgentRollout:
     reasoning_tags: Optional[ReasoningTags] = field(default_factory=ReasoningTags)
     tool_parser: Optional[AnswerParser] = None
     batch_window_s: float = 0.05
-    max_concurrent_requests: int = 1024
+    max_concurrent_requests: Optional[int] = None
     max_body_mib: float = 16.0
     model_name: str = "policy"
 
@@ -91,7 +92,7 @@ class AgentRollout:
         for name in ("timeout_s", "batch_window_s", "max_body_mib"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"AgentRollout.{name}={getattr(self, name)!r} must be > 0")
-        if self.max_concurrent_requests < 1:
+        if self.max_concurrent_requests is not None and self.max_concurrent_requests < 1:
             raise ValueError(f"AgentRollout.max_concurrent_requests={self.max_concurrent_requests} must be >= 1")
         if self.on_error not in ("score", "skip"):
             raise ValueError(f"AgentRollout.on_error={self.on_error!r} is invalid: 'score' or 'skip'")
@@ -201,7 +202,7 @@ class AgentSampler:
         from lightning_grpo.rollout.server.gateway import Gateway  # FastAPI and uvicorn, imported when used
 
         gateway = Gateway(run, max_body_bytes=int(self.agent.max_body_mib * 2**20),
-                          max_concurrent=self.agent.max_concurrent_requests).start()
+                          max_concurrent=self.agent.max_concurrent_requests or 2 * n + 16).start()
         try:
             for k in range(n):
                 threading.Thread(target=self._agent, args=(run, k, gateway.base_url(ids[k]),

@@ -149,3 +149,17 @@ def test_async_and_plain_agents_alike(tokenizer):
     out_plain, _, _ = run_agents(tokenizer, tool_loop_agent(recorder, calls=1), _answering(tokenizer), g=2)
     assert out_async.columns["env_reward"] == [7.0, 7.0]
     assert torch.equal(out_async.completion_ids, out_plain.completion_ids)
+
+
+def test_bad_settings_are_refused_naming_the_field(tiny_llama_path):
+    from lightning_grpo import GRPOModule
+
+    with pytest.raises(TypeError, match="AgentRollout.fn must be callable"):
+        AgentRollout("my_agent")
+    for kwargs, field in ((dict(timeout_s=0), "timeout_s"), (dict(batch_window_s=-1), "batch_window_s"),
+                          (dict(on_error="ignore"), "on_error"), (dict(history="rewrite"), "history"),
+                          (dict(max_concurrent_requests=0), "max_concurrent_requests")):
+        with pytest.raises(ValueError, match=f"AgentRollout.{field}="):
+            AgentRollout(lambda base_url, api_key, row: None, **kwargs)
+    with pytest.raises(ValueError, match="runs the agent's own tools"):
+        GRPOModule(tiny_llama_path, reward_funcs=["env_reward"], agent=lambda *args: None, tools=["calculator"])
