@@ -27,8 +27,7 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
-from recipes.agent_arithmetic import main, parse_args  # noqa: E402
-from recipes.arithmetic_tools import table  # noqa: E402
+from recipes.agent_arithmetic import main, parse_args, table  # noqa: E402
 
 RESULTS = REPO_ROOT / "benchmarks" / "results"
 

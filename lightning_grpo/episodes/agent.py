@@ -14,7 +14,8 @@ one that owns the engine, as the turn loop does; the gateway stops when every ag
 tokenization (:mod:`lightning_grpo.episodes.session`); each episode becomes one training row
 (:mod:`lightning_grpo.episodes.agent_output`).
 
-An agent that raises (any exception, ``SystemExit`` included) or runs past ``timeout_s`` never stops the trainer: its
+An agent that raises (any exception, ``SystemExit`` included) or runs past ``timeout_s`` (its own time: the time its
+calls wait for the engine does not count) never stops the trainer: its
 episode is recorded (``agent/errors``, ``agent/timeouts``, the ``agent_error`` column, :attr:`EpisodeRecord.error`)
 and scored as ``on_error`` says. A timed-out agent's thread cannot be stopped by Python: its session is closed, so its
 next call fails (404) and a call it was waiting for is answered 408.
@@ -53,7 +54,8 @@ class AgentRollout:
 
     Attributes:
         fn: the agent, ``fn(base_url, api_key, row)`` (see the module docstring).
-        timeout_s: most seconds one episode's agent may run.
+        timeout_s: most seconds one episode's agent may run, not counting the time its calls wait for the engine
+            (a slow engine is not the agent's doing).
         on_error: an episode whose agent raised or timed out: ``"score"`` (the reward functions score what it
             produced; its ``agent_error`` column says what happened) or ``"skip"`` (no reward: no loss, left out of
             its group's statistics).
@@ -135,8 +137,10 @@ class _Run:
                     future = self.batcher.submit(session.index, prepared)
                 except RuntimeError as err:
                     raise GatewayError(404, f"session {session_id!r} is over", kind="not_found_error") from err
+            waiting = time.monotonic()
             result = await asyncio.wrap_future(future)
             with self.guard:
+                self.deadlines[session.index] += time.monotonic() - waiting  # engine time is not the agent's
                 if session.closed:
                     raise GatewayError(408, "the episode timed out while this call was generated", code="timeout")
                 return session.record(prepared, *result)
@@ -243,7 +247,7 @@ class AgentSampler:
             self.stop.check("the agent episodes")
         now = time.monotonic()
         for k, deadline in enumerate(run.deadlines):
-            if now > deadline and k in run.batcher.running:
+            if now > deadline and k in run.batcher.running and k not in run.batcher.pending:
                 with run.guard:
                     run.timed_out.add(k)
                     run.errors[k] = f"TimeoutError: the agent ran past timeout_s={self.agent.timeout_s:g} s"

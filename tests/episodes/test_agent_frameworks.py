@@ -163,3 +163,18 @@ def test_bad_settings_are_refused_naming_the_field(tiny_llama_path):
             AgentRollout(lambda base_url, api_key, row: None, **kwargs)
     with pytest.raises(ValueError, match="runs the agent's own tools"):
         GRPOModule(tiny_llama_path, reward_funcs=["env_reward"], agent=lambda *args: None, tools=["calculator"])
+
+
+def test_time_waiting_for_the_engine_does_not_count_against_the_timeout(tokenizer):
+    from support.episodes import ScriptedEngine
+
+    class Slow(ScriptedEngine):
+        def generate(self, prompt_ids, num_generations, sampling):
+            time.sleep(4.0)
+            return super().generate(prompt_ids, num_generations, sampling)
+
+    recorder = Recorder()
+    out, engine, _ = run_agents(tokenizer, tool_loop_agent(recorder, calls=2), timeout_s=5.0,  # < 2 x 4 s
+                                engine=Slow(tokenizer, by_prompt(tokenizer, encode(tokenizer, CALL) + [EOS],
+                                                                 encode(tokenizer, "56088") + [EOS])))
+    assert len(engine.calls) == 2 and out.columns["agent_error"] == [None]
