@@ -297,7 +297,7 @@ class AgentSession:
         sample.finished = bool(ids) and ids[-1] in self.renderer.eos_token_ids
         if version is not None:
             sample.versions.add(int(version))
-        self.tool_calls += len(answer.tool_calls)
+        self.tool_calls += len(answer.tool_calls) + answer.tool_errors  # every call the model wrote, as the turn loop
         self.tool_errors += answer.tool_errors
         self.last_answer = answer.content or ""
         finish = "tool_calls" if answer.tool_calls else ("stop" if sample.finished else "length")

@@ -138,7 +138,8 @@ def test_tool_calls_malformed_calls_and_tool_choice_none(tokenizer):
     out, _, _ = run_agents(tokenizer, tool_loop_agent(recorder, calls=1), lambda c, r, p: broken)
     message = recorder.answers[0][0]["choices"][0]["message"]
     assert message["tool_calls"] is None and message["content"].startswith("<tool_call>")
-    assert (out.episodes[0].tool_calls, out.episodes[0].tool_errors) == (0, 1)
+    assert (out.episodes[0].tool_calls, out.episodes[0].tool_errors) == (1, 1)  # a call, which failed
+    assert out.metrics["tools/error_rate"].values.tolist() == [1.0]
     recorder = Recorder()
     run_agents(tokenizer, tool_loop_agent(recorder, calls=1, tool_choice="none"),
                lambda c, r, p: encode(tokenizer, CALL) + [EOS])
