@@ -374,6 +374,8 @@ class ExperienceMaker:
         if self.context.collectives.any_process(out is None or self.rollout.stop.is_set()):
             raise RolloutInterrupted("the rollout was stopped by a stop request (e.g. SIGTERM) before it finished")
         assert out is not None
+        if out.unscored is not None:  # rows the sampler says get no reward (a failed agent, on_error="skip")
+            scores.rewards[out.unscored.to(scores.rewards.device)] = float("nan")
         unscored = torch.isnan(scores.rewards).nonzero().flatten().tolist()
         if unscored:
             log.warning("every reward function returned None for completions %s: they get no loss", unscored)
