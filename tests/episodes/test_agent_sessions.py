@@ -4,7 +4,9 @@ are the sampled ids (TRL #5224), logprobs line up with them (eval-protocol PR #4
 tool calls keeps the ids (vLLM #27482), batching, limits and bad input."""
 
 import json
+import threading
 
+import httpx
 import openai
 import pytest
 import torch
@@ -257,3 +259,52 @@ def test_greedy_sampling_accepts_temperature_zero(tokenizer):
     out, engine, _ = run_agents(tokenizer, agent, lambda c, r, p: encode(tokenizer, "y") + [EOS],
                                 sampling=SamplingConfig(max_new_tokens=8, greedy=True))
     assert out.columns["agent_error"] == [None] and engine.calls[0][2].greedy
+
+
+def test_a_call_without_the_sessions_key_changes_nothing(tokenizer):
+    """Through the real sampler and gateway: one agent posts into the other's session without a key, with a wrong
+    key and with its own session's key (each 401, before the engine); the other session's record, ids and engine
+    calls are what they would be without it."""
+    urls: dict = {}
+    refused: list = []
+    first_done, attacked = threading.Event(), threading.Event()
+    follow_up = [{"role": "user", "content": "and then?"}]
+
+    def agent(base_url, api_key, row):
+        chat = client(base_url, api_key)
+        if row["k"] == 0:  # the victim: a call, then (after the attack) a second one extending it
+            messages = [{"role": "user", "content": row["question"]}]
+            answer = chat.chat.completions.create(model="m", messages=messages)
+            urls["victim"] = base_url
+            first_done.set()
+            assert attacked.wait(30)
+            messages += [{"role": "assistant", "content": answer.choices[0].message.content}, *follow_up]
+            chat.chat.completions.create(model="m", messages=messages)
+            return
+        assert first_done.wait(30)
+        intrusion = [{"role": "user", "content": "INTRUDER"}]
+        no_key = httpx.post(urls["victim"] + "/chat/completions", json={"model": "m", "messages": intrusion},
+                            timeout=30)
+        refused.append(no_key.status_code)
+        for key in ("wrong", api_key):
+            try:
+                client(urls["victim"], key).chat.completions.create(model="m", messages=intrusion)
+            except openai.AuthenticationError as err:
+                refused.append(err.status_code)
+        attacked.set()
+        chat.chat.completions.create(model="m", messages=[{"role": "user", "content": row["question"]}])
+
+    rows = [{"question": "What is 1 + 1?", "k": 0}, {"question": "What is 2 + 2?", "k": 1}]
+    out, engine, _ = run_agents(tokenizer, agent, lambda c, r, p: encode(tokenizer, "ok") + [EOS], rows=rows)
+    assert out.columns["agent_error"] == [None, None] and refused == [401, 401, 401]
+    prompts = [p for batch, _, _ in engine.calls for p in batch]
+    assert len(prompts) == 3 and all("INTRUDER" not in tokenizer.decode(p) for p in prompts)
+    victim = out.episodes[0]
+    assert (victim.model_turns, victim.error, [(s.calls, s.trained) for s in victim.samples]) == (2, None,
+                                                                                                   [([0, 1], True)])
+    assert all("INTRUDER" not in str(m.get("content")) for m in out.columns["transcript"][0])
+    # the victim's row: its first prompt, then its two sampled answers around the follow-up's ids, nothing else
+    ok = encode(tokenizer, "ok") + [EOS]
+    row = out.completion_ids[0][out.completion_mask[0].bool() | out.env_mask[0].bool()].tolist()
+    assert row[: len(ok)] == ok and row[-len(ok):] == ok
+    assert "INTRUDER" not in tokenizer.decode(row) and "and then?" in tokenizer.decode(row)
