@@ -115,6 +115,13 @@ class RolloutOutput:
     metrics: dict[str, RowMetric] = field(default_factory=dict)
     unscored: Optional[Tensor] = None
 
+    def unscored_as_nan(self, rewards: Tensor) -> Tensor:
+        """``rewards`` (``(N,)`` float) with NaN, the unscored value, at the rows :attr:`unscored` marks; ``rewards``
+        itself when none is marked."""
+        if self.unscored is None:
+            return rewards
+        return rewards.masked_fill(self.unscored.to(rewards.device), float("nan"))
+
     def state(self) -> dict[str, Any]:
         """As plain data (CPU tensors, lists, numbers, strings), for a checkpoint that loads with
         ``torch.load(weights_only=True)``."""
