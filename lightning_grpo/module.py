@@ -22,7 +22,8 @@ from lightning_grpo.algorithm import ObjectiveOutput
 from lightning_grpo.callbacks.base import EventRoute
 from lightning_grpo.config import GRPOConfig, ResolvedConfig
 from lightning_grpo.data.source import DataPlan
-from lightning_grpo.episodes import ToolCallParser, as_tools, rollout_path
+from lightning_grpo.episodes import AgentRollout, ToolCallParser, as_tools, rollout_path
+from lightning_grpo.episodes.agent import AgentFn
 from lightning_grpo.episodes.environment import EnvironmentFactory
 from lightning_grpo.episodes.tools import ToolSpec
 from lightning_grpo.evaluation.evaluator import Evaluator
@@ -92,6 +93,10 @@ class GRPOModule(RunLifecycle):
             ``close()``); with it, ``tools`` are only described in the prompt.
         tool_parser: the tool-call format (:class:`lightning_grpo.episodes.ToolCallParser`); default the Hermes /
             Qwen ``<tool_call>`` JSON format.
+        agent: train an unmodified agent (docs/agents.md): ``fn(base_url, api_key, row)`` (sync or ``async``) that
+            runs any agent code against the OpenAI-compatible gateway at ``base_url`` and may return the episode's
+            reward, or an :class:`lightning_grpo.episodes.AgentRollout` with its settings; not with ``tools``,
+            ``environment_factory`` or ``tool_parser``.
 
     Raises:
         ValueError: a bad argument (named in the message).
@@ -119,13 +124,14 @@ class GRPOModule(RunLifecycle):
         tools: Sequence[ToolSpec] = (),
         environment_factory: Optional[EnvironmentFactory] = None,
         tool_parser: Optional[ToolCallParser] = None,
+        agent: Union[AgentRollout, AgentFn, None] = None,
     ) -> None:
         super().__init__()
         config = config or GRPOConfig()
         self.config = GRPOConfig.from_dict(config) if isinstance(config, dict) else copy.deepcopy(config)
         # hyperparameters are stored as plain data so checkpoints load with torch.load(weights_only=True)
         self.save_hyperparameters(ignore=["model", "tokenizer", "reward_funcs", "accuracy_reward", "config", "lora",
-                                          "tools", "environment_factory", "tool_parser"])
+                                          "tools", "environment_factory", "tool_parser", "agent"])
         self._lora_settings = settings = lora_settings(lora, quantization, dtype, export_merged)
         self.hparams.update(config=dataclasses.asdict(self.config), lora=settings.hparams)
         self.hparams["model"] = model if isinstance(model, str) or model is None else type(model).__name__
@@ -149,7 +155,7 @@ class GRPOModule(RunLifecycle):
         self._record_resolved()
         stop = StopFlag()  # polled by the engine and the sampler (with tools or an environment: the turn loop)
         prompts, sampler = rollout_path(self.config, self.tokenizer, self.policy, self.tools, environment_factory,
-                                        tool_parser, stop)
+                                        tool_parser, stop, agent)
         self.rollout = RolloutWorker(self.config, self.tokenizer, self._emit, prompts=prompts, sampler=sampler,
                                      stop=stop)
         self.logprobs = CompletionLogprobs(self.config)
