@@ -22,7 +22,7 @@ from lightning_grpo.algorithm import ObjectiveOutput
 from lightning_grpo.callbacks.base import EventRoute
 from lightning_grpo.config import GRPOConfig, ResolvedConfig
 from lightning_grpo.data.source import DataPlan
-from lightning_grpo.episodes import ToolCallParser, as_tools, rollout_path
+from lightning_grpo.episodes import AgentFn, AgentRollout, ToolCallParser, as_tools, rollout_path
 from lightning_grpo.episodes.environment import EnvironmentFactory
 from lightning_grpo.episodes.tools import ToolSpec
 from lightning_grpo.evaluation.evaluator import Evaluator
@@ -92,8 +92,11 @@ class GRPOModule(RunLifecycle):
             ``close()``); with it, ``tools`` are only described in the prompt.
         tool_parser: the tool-call format (:class:`lightning_grpo.episodes.ToolCallParser`); default the Hermes /
             Qwen ``<tool_call>`` JSON format.
-        processor: a vision-language ``model``'s image processor, or the folder holding it (default: the model's
-            folder); prompts may then show images (docs/vision.md).
+        processor: a vision-language ``model``'s image processor or its folder (default: the model's; docs/vision.md).
+        agent: train an unmodified agent (docs/agents.md): ``fn(base_url, api_key, row)`` (sync or ``async``) that
+            runs any agent code against the OpenAI-compatible gateway at ``base_url`` and may return the episode's
+            reward, or an :class:`lightning_grpo.episodes.AgentRollout` with its settings; not with ``tools``,
+            ``environment_factory`` or ``tool_parser``.
 
     Raises:
         ValueError: a bad argument (named in the message).
@@ -122,13 +125,14 @@ class GRPOModule(RunLifecycle):
         environment_factory: Optional[EnvironmentFactory] = None,
         tool_parser: Optional[ToolCallParser] = None,
         processor: Any = None,
+        agent: Union[AgentRollout, AgentFn, None] = None,
     ) -> None:
         super().__init__()
         config = config or GRPOConfig()
         self.config = GRPOConfig.from_dict(config) if isinstance(config, dict) else copy.deepcopy(config)
         # hyperparameters are stored as plain data so checkpoints load with torch.load(weights_only=True)
         self.save_hyperparameters(ignore=["model", "tokenizer", "reward_funcs", "accuracy_reward", "config", "lora",
-                                          "tools", "environment_factory", "tool_parser", "processor"])
+                                          "tools", "environment_factory", "tool_parser", "processor", "agent"])
         self._lora_settings = settings = lora_settings(lora, quantization, dtype, export_merged)
         self.hparams.update(config=dataclasses.asdict(self.config), lora=settings.hparams)
         self.hparams["model"] = model if isinstance(model, str) or model is None else type(model).__name__
@@ -152,7 +156,7 @@ class GRPOModule(RunLifecycle):
         self._record_resolved()
         stop = StopFlag()  # polled by the engine and the sampler (with tools or an environment: the turn loop)
         path = rollout_path(self.config, self.tokenizer, self.policy, self.tools, environment_factory, tool_parser,
-                            stop, processor, self.model_path)
+                            stop, processor, self.model_path, agent)
         self.rollout = RolloutWorker(self.config, self.tokenizer, self._emit, prompts=path.prompts,
                                      sampler=path.sampler, stop=stop, images=path.images)
         self.logprobs = CompletionLogprobs(self.config, vision=loaded.vision)

@@ -1,14 +1,16 @@
 """The rollout path of a run (:class:`~lightning_grpo.protocols.sampler.PromptEncoder` and
-:class:`~lightning_grpo.protocols.sampler.Sampler`), from ``GRPOModule``'s ``tools``, ``environment_factory`` and
-``tool_parser``: the turn loop with them, the single-turn path without."""
+:class:`~lightning_grpo.protocols.sampler.Sampler`), from ``GRPOModule``'s ``agent``, ``tools``,
+``environment_factory`` and ``tool_parser``: the agent gateway with an agent, the turn loop with tools or an
+environment, the single-turn path without."""
 
 from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Sequence, Union
 
 from lightning_grpo.config import GRPOConfig
+from lightning_grpo.episodes.agent import AgentFn, AgentRollout, AgentSampler
 from lightning_grpo.episodes.chat import ChatFormat
 from lightning_grpo.episodes.environment import EnvironmentFactory, ToolEnvironment
 from lightning_grpo.episodes.parsers import HermesToolCallParser, ToolCallParser
@@ -16,6 +18,7 @@ from lightning_grpo.episodes.runner import EpisodeRunner
 from lightning_grpo.episodes.tools import Tool
 from lightning_grpo.protocols.rollout import StopFlag, eos_token_ids_from
 from lightning_grpo.protocols.sampler import PromptEncoder, Sampler
+from lightning_grpo.protocols.vision import vision_spec
 from lightning_grpo.rollout.images import ImagePrompts, image_prompts
 from lightning_grpo.rollout.prompts import TemplatePrompts
 from lightning_grpo.rollout.single_turn import SingleTurnSampler
@@ -62,17 +65,43 @@ class RolloutPath:
     images: Optional[ImagePrompts] = None
 
 
+def agent_sampler(config: GRPOConfig, tokenizer: Any, eos_token_ids: Sequence[int],
+                  agent: Union[AgentFn, AgentRollout], stop: StopFlag) -> AgentSampler:
+    """The :class:`~lightning_grpo.episodes.agent.AgentSampler` of ``GRPOModule(agent=...)`` (a plain function gets
+    :class:`AgentRollout`'s defaults), limited by ``config.episode`` and ``config.max_prompt_length``."""
+    settings = agent if isinstance(agent, AgentRollout) else AgentRollout(agent)
+    return AgentSampler(settings, tokenizer, eos_token_ids, max_turns=config.episode.max_turns,
+                        max_tokens=config.episode.max_tokens, max_prompt_length=config.max_prompt_length, stop=stop)
+
+
 def rollout_path(config: GRPOConfig, tokenizer: Any, policy: Any, tools: Sequence[Tool],
                  environment_factory: Optional[EnvironmentFactory], parser: Optional[ToolCallParser],
-                 stop: StopFlag, processor: Any = None, model_path: Optional[str] = None) -> RolloutPath:
-    """The prompt encoding and the sampler of a run's rollouts: the :func:`episode_runner`, both, with tools or an
-    environment (a model turn ends at the EOS ids of ``policy``'s ``generation_config`` and the tokenizer); else the
-    single-turn ones (:class:`~lightning_grpo.rollout.prompts.TemplatePrompts`,
+                 stop: StopFlag, processor: Any = None, model_path: Optional[str] = None,
+                 agent: Union[AgentFn, AgentRollout, None] = None) -> RolloutPath:
+    """The prompt encoding and the sampler of a run's rollouts: the :func:`agent_sampler`, both, with an agent; the
+    :func:`episode_runner`, both, with tools or an environment (a model turn ends at the EOS ids of ``policy``'s
+    ``generation_config`` and the tokenizer); else the single-turn ones
+    (:class:`~lightning_grpo.rollout.prompts.TemplatePrompts`,
     :class:`~lightning_grpo.rollout.single_turn.SingleTurnSampler`). A vision-language ``policy``'s prompts go through
     :class:`~lightning_grpo.rollout.images.ImagePrompts` around them (``processor``: its image processor or folder,
-    default ``model_path``'s; the episode runner shows observations' images with it too). Raises as
-    :func:`episode_runner` and :func:`~lightning_grpo.rollout.images.image_prompts`."""
+    default ``model_path``'s; the episode runner shows observations' images with it too).
+
+    Raises:
+        ValueError: an agent with tools, an environment or a ``tool_parser`` (an agent runs its own tools; its
+            parser is ``AgentRollout(tool_parser=...)``), or with a vision-language policy (the agent gateway serves
+            text, and would not keep the image placeholders out of the sampled tokens); else as
+            :func:`episode_runner` and :func:`~lightning_grpo.rollout.images.image_prompts`.
+    """
     eos_token_ids = eos_token_ids_from(getattr(policy, "generation_config", None), tokenizer)
+    if agent is not None:
+        if tools or environment_factory is not None or parser is not None:
+            raise ValueError("GRPOModule(agent=...) runs the agent's own tools: leave tools, environment_factory and "
+                             "tool_parser unset (the model's tool-call format is AgentRollout(tool_parser=...))")
+        if processor is not None or vision_spec(policy.config) is not None:
+            raise ValueError("GRPOModule(agent=...) trains text policies: the agent gateway serves text, so a "
+                             "vision-language policy (or processor=...) is not supported with an agent")
+        sampler = agent_sampler(config, tokenizer, eos_token_ids, agent, stop)
+        return RolloutPath(sampler, sampler)
     runner = episode_runner(config, tokenizer, eos_token_ids, tools, environment_factory, parser, stop)
     text: PromptEncoder = TemplatePrompts(tokenizer) if runner is None else runner
     sampler: Sampler = SingleTurnSampler() if runner is None else runner

@@ -101,6 +101,9 @@ class RolloutOutput:
             in the order of their placeholder runs in the row's prompt and completion ids (multi-turn: the
             prompt's, then those of image observations); the G rows of a prompt share one tuple. None (or a None
             row) without images.
+        unscored: ``(N,)`` bool, rows the sampler says get no reward (an agent's episode that failed, with
+            ``AgentRollout(on_error="skip")``): unscored as when every reward function returns None (no loss, left out
+            of their group's statistics); None = every row is scored.
     """
 
     prompt_ids: Tensor
@@ -116,6 +119,14 @@ class RolloutOutput:
     columns: dict[str, list[Any]] = field(default_factory=dict)
     metrics: dict[str, RowMetric] = field(default_factory=dict)
     images: Optional[list[Optional[RowImages]]] = None
+    unscored: Optional[Tensor] = None
+
+    def unscored_as_nan(self, rewards: Tensor) -> Tensor:
+        """``rewards`` (``(N,)`` float) with NaN, the unscored value, at the rows :attr:`unscored` marks; ``rewards``
+        itself when none is marked."""
+        if self.unscored is None:
+            return rewards
+        return rewards.masked_fill(self.unscored.to(rewards.device), float("nan"))
 
     def state(self) -> dict[str, Any]:
         """As plain data (CPU tensors, lists, numbers, strings), for a checkpoint that loads with

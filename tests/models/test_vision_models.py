@@ -65,6 +65,16 @@ def test_a_processor_without_images_or_images_without_a_processor_is_refused(tin
         load_image_processor(tiny_llama_path)
 
 
+def test_an_agent_with_a_vision_language_policy_is_refused(tiny_llama_path, tiny_qwen_vl_path):
+    """The agent gateway serves text and would not keep the image placeholders out of the sampled tokens."""
+    def agent(base_url, api_key, row):
+        return 0.0
+
+    for model, processor in ((tiny_qwen_vl_path, None), (tiny_llama_path, tiny_qwen_vl_path)):
+        with pytest.raises(ValueError, match=r"GRPOModule\(agent=...\) trains text policies"):
+            GRPOModule(model, reward_funcs=["gsm8k_accuracy"], agent=agent, processor=processor)
+
+
 def test_an_engine_checkpoint_of_a_module_holds_its_image_processor(tiny_qwen_vl_path, monkeypatch):
     """A vision-language policy given as a module has no folder: the checkpoint an engine with its own weights is
     loaded from is saved, and it holds the image processor too (so the engine processes the pictures alike)."""
