@@ -37,6 +37,7 @@ from lightning_grpo.training.collectives import Collectives
 from lightning_grpo.training.experience import Experience
 from lightning_grpo.training.logprobs import CompletionLogprobs
 from lightning_grpo.training.metrics import REWARD_TIMING_PREFIX, StepTimer, rollout_metrics
+from lightning_grpo.training.teacher import Teacher
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +106,8 @@ class ExperienceMaker:
         logprobs: the completion-logprob computer (old and reference passes).
         events: called as ``events(name, payload)`` with ``on_rollout_end`` (:class:`~lightning_grpo.events.RolloutEnd`)
             and ``on_experience`` (:class:`~lightning_grpo.events.ExperienceReady`), see :mod:`lightning_grpo.events`.
+        teacher: on-policy distillation's teacher (:mod:`lightning_grpo.training.teacher`), which scores every
+            rollout's tokens into ``Experience.teacher_logprobs``; None without distillation.
 
     Attributes:
         prefetcher: the background generation of asynchronous rollouts (its thread starts with the first
@@ -113,8 +116,10 @@ class ExperienceMaker:
     """
 
     def __init__(self, config: GRPOConfig, rollout: RolloutWorker, rewards: RewardSet,
-                 logprobs: CompletionLogprobs, events: Optional[EventSink] = None) -> None:
+                 logprobs: CompletionLogprobs, events: Optional[EventSink] = None,
+                 teacher: Optional[Teacher] = None) -> None:
         self.config = config
+        self.teacher = teacher
         self.rollout = rollout
         self.rewards = rewards
         self.logprobs = logprobs
@@ -467,25 +472,36 @@ class ExperienceMaker:
         ref: Optional[nn.Module],
         num_prompts: int,
     ) -> Tensor:
-        """Step 3 of :meth:`make`: old logprobs (needed when the rollout is reused or the KL goes in the reward) and
-        reference logprobs (beta > 0) into ``experience``, in passes of ``mini_batch_size // micro_batches_per_step``
+        """Step 3 of :meth:`make`: old logprobs (needed when the rollout is reused or the KL goes in the reward; never
+        in ``correction.bypass_mode``, whose old policy is the sampler), reference logprobs (beta > 0) and teacher
+        logprobs (distillation) into ``experience``, in passes of ``mini_batch_size // micro_batches_per_step``
         sequences (the rollout batch of ``num_prompts`` prompts without ``mini_batch_size``); with ``kl_in_reward``
-        the shaped rewards minus beta * sequence KL."""
+        the shaped rewards minus beta * sequence KL.
+
+        Raises:
+            ValueError: bypass mode and the engine reported no sampler logprobs.
+        """
         cfg, ctx = self.config, self.context
         n = len(experience)
         micro_batch_size = max(1, (cfg.mini_batch_size or num_prompts * cfg.num_generations)
                                // ctx.micro_batches_per_step)
         forward_context = ctx.forward_context
         reused_later = cfg.num_iterations > 1 or (cfg.mini_batch_size or n) < n
-        if reused_later or cfg.kl_in_reward:
+        bypass = cfg.correction.bypass_mode  # issue 33: the sampler's logprobs are the old policy's
+        if bypass and experience.sampler_logprobs is None:
+            raise ValueError("GRPOConfig.correction.bypass_mode=True takes the sampler's logprobs as the old policy's, "
+                             "but the rollout engine reported none: use an engine that does (vLLM, rollout servers)")
+        if (reused_later or cfg.kl_in_reward) and not bypass:
             experience.old_logprobs = self.logprobs.batched(policy, experience, micro_batch_size, forward_context)
         if ref is not None:
             experience.ref_logprobs = self.logprobs.batched(ref, experience, micro_batch_size, forward_context)
+        if self.teacher is not None:  # issue 33: on-policy distillation
+            experience.teacher_logprobs = self.teacher.score(experience, micro_batch_size, forward_context)
         if not cfg.kl_in_reward:
             return shaped
-        assert experience.old_logprobs is not None and experience.ref_logprobs is not None
-        kl = sequence_kl(experience.old_logprobs, experience.ref_logprobs, experience.completion_mask,
-                         cfg.kl_estimator)
+        behaviour = experience.sampler_logprobs if bypass else experience.old_logprobs
+        assert behaviour is not None and experience.ref_logprobs is not None
+        kl = sequence_kl(behaviour, experience.ref_logprobs, experience.completion_mask, cfg.kl_estimator)
         extra["kl"] = (kl.sum(), experience.completion_mask.sum().float())
         extra["rewards/kl_penalty/mean"] = (-cfg.beta * kl[scored].sum(), scored.sum().float())
         experience.ref_logprobs = None  # the KL is in the reward, not in the loss

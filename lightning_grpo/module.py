@@ -54,6 +54,7 @@ from lightning_grpo.training.metrics import StepMetrics, StepTimer
 from lightning_grpo.training.nonfinite import NonFiniteGuard, check_finite_checkpoint
 from lightning_grpo.training.optim import adamw_with_warmup, check_optimizer_arguments
 from lightning_grpo.training.selection import StepSelection
+from lightning_grpo.training.teacher import make_teacher
 from lightning_grpo.training.token_budget import adamw_state_bytes, choose_token_budget
 
 log = logging.getLogger(__name__)
@@ -156,7 +157,10 @@ class GRPOModule(L.LightningModule):
         self.rollout.episodes = episode_runner(self.config, self.tokenizer, eos, self.tools, environment_factory,
                                                tool_parser, self.rollout.stop)
         self.logprobs = CompletionLogprobs(self.config, is_sharded=lambda m: self.backend.is_sharded(m))
-        self.experience_maker = ExperienceMaker(self.config, self.rollout, self.rewards, self.logprobs, self._emit)
+        # on-policy distillation (issue 33): a frozen teacher model (outside the module tree) or a served teacher
+        self.teacher = make_teacher(self.config.distillation, self.tokenizer, dtype, self.logprobs)
+        self.experience_maker = ExperienceMaker(self.config, self.rollout, self.rewards, self.logprobs, self._emit,
+                                                teacher=self.teacher)
         self.step_selection = StepSelection(self.config, self.logprobs)
         self.step_metrics = StepMetrics(self.config.clip_ratio_c, self.config.tis_cap())
         self.timer = StepTimer()
@@ -212,7 +216,8 @@ class GRPOModule(L.LightningModule):
     def configure_model(self) -> None:
         """The trainer's backend shards or converts the policy, reference and engine (``strategies.backend_for``)."""
         self.backend = backend_for(self.trainer.strategy)
-        models = self.backend.configure(GRPOModels(self.policy, self.ref_model, self.rollout.engine))
+        models = self.backend.configure(GRPOModels(self.policy, self.ref_model, self.rollout.engine,
+                                                   self.teacher_model))
         self._set_models(models)
 
     @property
@@ -231,6 +236,14 @@ class GRPOModule(L.LightningModule):
 
     def _set_models(self, models: GRPOModels) -> None:
         self.policy, self.rollout.engine, self._reference.model = models.policy, models.engine, models.ref
+        if self.teacher is not None and models.teacher is not None:  # a teacher model, sharded like the reference
+            self.teacher.model = models.teacher
+
+    @property
+    def teacher_model(self) -> Optional[nn.Module]:
+        """On-policy distillation's frozen teacher model (``config.distillation.teacher``), else None (no teacher,
+        or a served one)."""
+        return None if self.teacher is None else self.teacher.model
 
     @override
     def teardown(self, stage: str) -> None:
@@ -238,14 +251,16 @@ class GRPOModule(L.LightningModule):
         module made from ``config.engine`` (a given engine is kept; the next fit, validate or test makes a new one);
         a finished module holds no trainer's backend."""
         self.experience_maker.close()
-        self._set_models(self.backend.restore(GRPOModels(self.policy, self.ref_model, self.rollout.engine)))
+        self._set_models(self.backend.restore(GRPOModels(self.policy, self.ref_model, self.rollout.engine,
+                                                         self.teacher_model)))
         self.backend = LocalBackend()
         self.rollout.close()
 
     @override
     def on_fit_start(self) -> None:
-        if self.ref_model is not None:
-            self.ref_model.to(self.device)
+        for frozen in (self.ref_model, self.teacher_model):
+            if frozen is not None:
+                frozen.to(self.device)
         self._bind_context()
 
     @override
@@ -410,7 +425,8 @@ class GRPOModule(L.LightningModule):
             logprobs, batch.completion_mask, batch.advantages, cfg,
             old_logprobs=None if batch.on_policy else batch.old_logprobs,
             ref_logprobs=None if cfg.kl_in_reward else batch.ref_logprobs, sampler_logprobs=batch.sampler_logprobs,
-            entropy=entropy, normalizer=batch.loss_normalizer, **self.step_selection.objective_kwargs(),
+            entropy=entropy, normalizer=batch.loss_normalizer, teacher_logprobs=batch.teacher_logprobs,
+            **self.step_selection.objective_kwargs(),
         )
 
     @override

@@ -39,11 +39,14 @@ class GRPOModels:
         policy: the trained policy (an HF causal LM before :meth:`ParallelBackend.configure`).
         ref: the frozen reference policy (``beta > 0``), else None.
         engine: the rollout engine, else None (before ``GRPOModule.setup`` makes one).
+        teacher: on-policy distillation's frozen teacher model (``GRPOConfig.distillation.teacher``), else None;
+            a backend treats it as it treats ``ref``.
     """
 
     policy: nn.Module
     ref: Optional[nn.Module] = None
     engine: Optional[RolloutEngine] = None
+    teacher: Optional[nn.Module] = None
 
 
 @runtime_checkable

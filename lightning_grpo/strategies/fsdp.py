@@ -226,8 +226,9 @@ class FSDP2Backend(LocalBackend):
     """
 
     def configure(self, models: GRPOModels) -> GRPOModels:
-        """Shard the policy and the reference policy with FSDP2 over the strategy's data-parallel mesh and make the
-        HF rollout engine gather the policy once per rollout. Idempotent (``configure_model`` may run again).
+        """Shard the policy, the reference policy and the distillation teacher with FSDP2 over the strategy's
+        data-parallel mesh and make the HF rollout engine gather the policy once per rollout. Idempotent
+        (``configure_model`` may run again).
 
         Raises:
             ValueError: a plain ``ModelParallelStrategy`` with a tensor-parallel mesh dimension larger than 1 (its
@@ -257,11 +258,12 @@ class FSDP2Backend(LocalBackend):
             # a PEFT (LoRA) policy: its transformers model is the root, which the HF engine generates with
             root = policy.get_base_model() if is_lora(policy) else policy
             shard_model(root, dp_mesh, reshard_after_forward=settings.reshard_after_forward, **kwargs)
-        if ref is not None and not is_fsdp2(ref):
-            shard_model(ref, dp_mesh, reshard_after_forward=True, root_reshard_after_forward=True, **kwargs)
+        for frozen in (ref, models.teacher):  # the reference and the distillation teacher (issue 33)
+            if frozen is not None and not is_fsdp2(frozen):
+                shard_model(frozen, dp_mesh, reshard_after_forward=True, root_reshard_after_forward=True, **kwargs)
         if engine is not None and engine.uses_policy_parameters:
             engine = GatheredGenerationEngine(engine, policy)
-        return GRPOModels(policy, ref, engine)
+        return GRPOModels(policy, ref, engine, models.teacher)
 
     def is_sharded(self, model: nn.Module) -> bool:
         return is_sharded(model)

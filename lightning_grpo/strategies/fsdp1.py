@@ -65,8 +65,8 @@ class FSDP1Backend(LocalBackend):
     """
 
     def configure(self, models: GRPOModels) -> GRPOModels:
-        """Wrap the policy and the reference policy as FSDP1 roots with the strategy's settings; make the rollout
-        engine gather the policy with ``summon_full_params``. Idempotent.
+        """Wrap the policy, the reference policy and the distillation teacher as FSDP1 roots with the strategy's
+        settings; make the rollout engine gather the policy with ``summon_full_params``. Idempotent.
 
         The strategy's ``auto_wrap_policy`` is consumed here (Lightning would otherwise warn that it is ignored).
 
@@ -81,6 +81,7 @@ class FSDP1Backend(LocalBackend):
         auto_wrap_policy = self.strategy.kwargs.pop("auto_wrap_policy", None)
         policy = _wrap(models.policy, self.strategy, auto_wrap_policy)
         ref = _wrap(models.ref, self.strategy, auto_wrap_policy) if models.ref is not None else None
+        teacher = _wrap(models.teacher, self.strategy, auto_wrap_policy) if models.teacher is not None else None
         engine = models.engine
         if engine is not None:
             if engine.uses_policy_parameters and auto_wrap_policy is not None:
@@ -88,7 +89,7 @@ class FSDP1Backend(LocalBackend):
                 # rank (transformers' synced_gpus, as for FSDP2 modules)
                 engine.set_lockstep(True)
             engine = GatheredGenerationEngine(engine, policy, gather_for_sync=True)
-        return GRPOModels(policy, ref, engine)
+        return GRPOModels(policy, ref, engine, teacher)
 
     def is_sharded(self, model: nn.Module) -> bool:
         return is_sharded(model)

@@ -118,6 +118,8 @@ class StepSelection:
         for index, (mb, lp, a, m, c) in enumerate(zip(members, logprobs, advantages, masks, covariances,
                                                       strict=True)):
             old = lp if mb.on_policy or mb.old_logprobs is None else torch.where(m, mb.old_logprobs.float(), lp)
+            if cfg.correction.bypass_mode and mb.sampler_logprobs is not None:  # the old policy is the sampler
+                old = torch.where(m, mb.sampler_logprobs.float(), lp)
             _, clip = F.policy_loss(lp, old, a, cfg.epsilon_low, cfg.epsilon_high, cfg.clip_ratio_c, cfg.delta)
             candidates = m & (c > cfg.clip_cov_lb) & (c < cfg.clip_cov_ub) & ~(clip.region | clip.dual)
             row, col = candidates.nonzero(as_tuple=True)

@@ -65,6 +65,7 @@ def test_step_metrics_are_token_weighted_over_the_micro_batches_golden():
         "sampling/importance_sampling_ratio/mean": (3 + 0.5 + 2.0 + 1.5) / 6,
         "sampling/importance_sampling_ratio/max": 2.0,
         "sampling/importance_sampling_ratio/min": 0.5,
+        "sampling/masked_fraction/importance_sampling": 0.0,  # no weight of the second micro-batch is 0
     }
     assert set(result) == set(expected)
     assert result == pytest.approx(expected)
@@ -76,7 +77,9 @@ def test_step_metrics_reset_after_compute_and_sum_over_processes():
     metrics.compute(Collectives())
     metrics.update(_second())
     result = metrics.compute(TWO_ALIKE)  # only the second micro-batch: compute reset the first
-    assert "clip_ratio/dual_mean" not in result and "sampling/importance_sampling_ratio/mean" not in result
+    assert "clip_ratio/dual_mean" not in result
+    # an importance weight was applied (its bounds are the objective's business): its ratio is logged
+    assert result["sampling/importance_sampling_ratio/mean"] == pytest.approx((0.5 + 2.0 + 1.5) / 3)
     assert result["loss"] == pytest.approx(0.2) and result["num_tokens"] == 6.0  # sums over the two processes
     assert result["clip_ratio/high_mean"] == pytest.approx(2 / 3)  # means are unchanged by identical processes
     assert result["policy_ratio/max"] == 1.5 and result["policy_ratio/min"] == 0.5

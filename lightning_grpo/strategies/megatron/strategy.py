@@ -282,6 +282,8 @@ class MegatronStrategy(DDPStrategy):
             policy = MegatronPolicy.from_hf(models.policy, *args, **recompute_settings(recompute))
             policy.model.train(models.policy.training)
             ref = None if models.ref is None else MegatronPolicy.from_hf(models.ref, *args).eval().requires_grad_(False)
+            teacher = (None if models.teacher is None  # the distillation teacher, converted as the reference
+                       else MegatronPolicy.from_hf(models.teacher, *args).eval().requires_grad_(False))
         engine = models.engine
         if engine is not None and not isinstance(engine, TensorParallelRolloutEngine):
             engine = TensorParallelRolloutEngine(engine, policy, self._rollout_group)
@@ -289,7 +291,7 @@ class MegatronStrategy(DDPStrategy):
         policy.hf_model.to(self.root_device)
         log.info("MegatronStrategy: converted the policy to megatron-core (TP=%d, PP=%d, stage %d)",
                  self.tensor_model_parallel_size, self.pipeline_model_parallel_size, policy.stage.pp_rank)
-        return GRPOModels(policy, ref, engine)
+        return GRPOModels(policy, ref, engine, teacher)
 
     def restore(self, models: GRPOModels) -> GRPOModels:
         """The HF models back (each ``MegatronPolicy``'s ``hf_model``, the unwrapped engine) when the HF policy
@@ -297,9 +299,10 @@ class MegatronStrategy(DDPStrategy):
         policy = models.policy
         if not (isinstance(policy, MegatronPolicy) and policy.hf_model_is_current() and policy._hf_loaded):
             return models
-        ref, engine = models.ref, models.engine
+        ref, engine, teacher = models.ref, models.engine, models.teacher
         return GRPOModels(policy.hf_model, ref.hf_model if isinstance(ref, MegatronPolicy) else ref,
-                          engine.engine if isinstance(engine, TensorParallelRolloutEngine) else engine)
+                          engine.engine if isinstance(engine, TensorParallelRolloutEngine) else engine,
+                          teacher.hf_model if isinstance(teacher, MegatronPolicy) else teacher)
 
     def is_sharded(self, model: nn.Module) -> bool:
         """False: a tensor-parallel forward gathers no parameters."""
