@@ -419,7 +419,8 @@ class GRPOModule(L.LightningModule):
             ValueError: ``batch`` is not ``on_policy`` but has no ``old_logprobs``; see also ``grpo_objective``.
         """
         cfg = self.config
-        if not batch.on_policy and batch.old_logprobs is None:
+        # in bypass mode the old policy is the sampler (grpo_objective reads sampler_logprobs)
+        if not batch.on_policy and batch.old_logprobs is None and not cfg.correction.bypass_mode:
             raise ValueError("an experience micro-batch after the rollout's first optimizer step needs old_logprobs")
         return grpo_objective(
             logprobs, batch.completion_mask, batch.advantages, cfg,

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_grpo.algorithm.distillation_config import DistillationConfig
-from lightning_grpo.models.teacher import check_same_tokenizer, load_teacher
+from lightning_grpo.models.teacher import TokenizerMismatchError, check_same_tokenizer, load_teacher
 from lightning_grpo.training.experience import Experience
 from lightning_grpo.training.logprobs import CompletionLogprobs
 
@@ -169,9 +169,10 @@ class RolloutServerTeacher(_ServedTeacher):
         self._limit = min(SERVED_REQUEST_TOKENS, int(health.get("max_request_tokens", SERVED_REQUEST_TOKENS)))
         vocab = int(health["vocab_size"])
         if vocab < len(self.tokenizer):
-            raise ValueError(f"GRPOConfig.distillation.teacher_url={self.config.teacher_url!r}: the served teacher "
-                             f"{health.get('model')!r} has a vocabulary of {vocab} ids, fewer than the policy's "
-                             f"tokenizer's {len(self.tokenizer)}: not the same tokenizer")
+            raise TokenizerMismatchError(
+                f"GRPOConfig.distillation.teacher_url={self.config.teacher_url!r}: the served teacher "
+                f"{health.get('model')!r} has a vocabulary of {vocab} ids, fewer than the policy's tokenizer's "
+                f"{len(self.tokenizer)}: not the same tokenizer")
         self._check_tokenizer_of(health.get("model"), "the server names no model folder")
 
     def _request_tokens(self) -> int:
@@ -232,10 +233,10 @@ class OpenAITeacher(_ServedTeacher):
                                  "(folder or hub id)") from None
             ours = self.tokenizer(text, add_special_tokens=False)["input_ids"]
             if served != ours:
-                raise ValueError(f"GRPOConfig.distillation.teacher_url={self.config.teacher_url!r}: the teacher's "
-                                 f"tokenizer differs from the policy's: {text!r} is {served} there and {ours} here. "
-                                 "On-policy distillation scores the policy's token ids with the teacher, so both need "
-                                 "the same tokenizer")
+                raise TokenizerMismatchError(
+                    f"GRPOConfig.distillation.teacher_url={self.config.teacher_url!r}: the teacher's tokenizer differs "
+                    f"from the policy's: {text!r} is {served} there and {ours} here. On-policy distillation scores the "
+                    "policy's token ids with the teacher, so both need the same tokenizer")
 
     def _score_sequences(self, sequences: list[list[int]]) -> list[list[float]]:
         body = {"model": self.config.teacher_model_name, "prompt": sequences, "max_tokens": 1, "temperature": 1.0,
