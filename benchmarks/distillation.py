@@ -16,6 +16,8 @@ accuracy and the unbiased pass@1 of 4 samples at T 1.2, 100 questions disjoint f
 (reward, reverse KL), and the comparison: RL's final held-out scores and the first validation at which distillation
 reaches each (None if it never does within the budget). The plot goes to ``distillation_<name>.png``. The RL stage's
 summary is kept under ``--root`` and reused by a rerun with the same settings (``--rerun-rl`` to redo it).
+``--partial`` writes the record from what the runs under ``--root`` logged so far (``"complete": false``), for a run
+that could not finish.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from typing import Any, Optional
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
-from recipes.arithmetic_grpo import main  # noqa: E402
+from recipes.arithmetic_grpo import main, summarize  # noqa: E402
 
 RESULTS = REPO_ROOT / "benchmarks" / "results"
 
@@ -47,6 +49,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--num-generations", type=int, default=8)
     parser.add_argument("--root", default="outputs/distillation_benchmark")
     parser.add_argument("--rerun-rl", action="store_true")
+    parser.add_argument("--partial", action="store_true")
     return parser.parse_args(argv)
 
 
@@ -110,21 +113,49 @@ def plot(rl: dict[str, Any], distill: dict[str, Any], comparison: dict[str, Any]
     plt.close(fig)
 
 
+def _logged(root: Path, stage: str) -> Optional[dict[str, Any]]:
+    """:func:`recipes.arithmetic_grpo.summarize` of the newest ``metrics.csv`` a stage logged under ``root``, with
+    ``seconds`` None (unknown) and ``settings`` {}; None when there is none."""
+    logs = sorted((root / stage / "lightning_logs").glob("version_*/metrics.csv"))
+    if not logs:
+        return None
+    summary = summarize(logs[-1])
+    summary.update(seconds=None, settings={}, export=str(logs[-1].parent / "hf_model"))
+    return summary
+
+
+def _rl_stage(args: argparse.Namespace, path: Path, settings: dict[str, Any]) -> dict[str, Any]:
+    """The RL stage: reused from ``path`` when it was run with the same settings (unless ``--rerun-rl``)."""
+    if path.exists() and not args.rerun_rl:
+        saved = json.loads(path.read_text())
+        if saved.get("benchmark_settings") == settings:
+            print(f"reusing the RL stage of {path}")
+            return saved
+    rl = _stage("rl", args, teacher=None)
+    rl["benchmark_settings"] = settings
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(rl, indent=2) + "\n")
+    return rl
+
+
 def run(argv: list[str]) -> dict[str, Any]:
     args = parse(argv)
-    rl_path = Path(args.root) / args.name / "rl_summary.json"
-    settings = {k: v for k, v in vars(args).items() if k not in ("name", "root", "rerun_rl", "distill_coef")}
-    if rl_path.exists() and not args.rerun_rl and json.loads(rl_path.read_text()).get("benchmark_settings") == settings:
-        rl = json.loads(rl_path.read_text())
-        print(f"reusing the RL stage of {rl_path}")
-    else:
-        rl = _stage("rl", args, teacher=None)
-        rl["benchmark_settings"] = settings
-        rl_path.parent.mkdir(parents=True, exist_ok=True)
-        rl_path.write_text(json.dumps(rl, indent=2) + "\n")
-    distill = _stage("distillation", args, teacher=rl["export"])
+    root = Path(args.root) / args.name
+    rl_path = root / "rl_summary.json"
+    settings = {k: v for k, v in vars(args).items() if k not in ("name", "root", "rerun_rl", "distill_coef", "partial")}
+    complete = not args.partial
+    if complete:
+        rl = _rl_stage(args, rl_path, settings)
+        distill = _stage("distillation", args, teacher=rl["export"])
+    else:  # what the stages logged so far
+        logged = json.loads(rl_path.read_text()) if rl_path.exists() else _logged(root, "rl")
+        logged_distill = _logged(root, "distillation")
+        if logged is None or logged_distill is None or not logged_distill["val_curve"]:
+            raise SystemExit(f"--partial: nothing to compare under {root} yet")
+        rl, distill = logged, logged_distill
     comparison = compare(rl, distill)
     record = {
+        "complete": complete,
         "question": "steps of on-policy distillation (the RL policy as the teacher) to reach RL's final held-out "
                     "accuracy, same student, task, prompts, samples, learning rate and steps",
         "comparison": {k: {kk: vv for kk, vv in v.items() if not kk.endswith("_curve")} for k, v in comparison.items()},

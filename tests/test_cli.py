@@ -7,22 +7,24 @@ import dataclasses
 import inspect
 import io
 import re
+import sys
 
 import pytest
 
-from lightning_grpo import config as config_module
+from lightning_grpo.algorithm import CorrectionConfig, DistillationConfig
 from lightning_grpo.cli import GRPOCLI, main
 from lightning_grpo.config import EngineConfig, EpisodeConfig, EvalConfig, GRPOConfig
 from lightning_grpo.data import PromptDataModule
 from lightning_grpo.module import GRPOModule
 
 #: The config groups: flag prefix -> dataclass (the nested groups are fields of GRPOConfig).
-GROUPS = {"": GRPOConfig, "engine.": EngineConfig, "eval.": EvalConfig, "episode.": EpisodeConfig}
+GROUPS = {"": GRPOConfig, "engine.": EngineConfig, "eval.": EvalConfig, "episode.": EpisodeConfig,
+          "correction.": CorrectionConfig, "distillation.": DistillationConfig}
 
 
 def _field_docstrings(cls: type = GRPOConfig) -> dict[str, str]:
     """The string written below each field of ``cls``, read from the source (independently of jsonargparse)."""
-    tree = ast.parse(inspect.getsource(config_module))
+    tree = ast.parse(inspect.getsource(sys.modules[cls.__module__]))
     body = next(node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == cls.__name__).body
     docs = {}
     for statement, following in zip(body, body[1:], strict=False):

@@ -104,7 +104,7 @@ def test_a_teacher_with_another_tokenizer_is_refused_when_the_module_is_made(tin
         GRPOModule(tiny_llama_path, reward_funcs=["gsm8k_format"], config=config)
 
 
-def _experience(tokenizer) -> Experience:
+def _experience() -> Experience:
     """Three rows: a plain completion, one whose last tokens are an environment's (multi-turn context) and one
     without loss tokens; left-padded prompts of different lengths."""
     g = torch.Generator().manual_seed(0)
@@ -118,7 +118,7 @@ def _experience(tokenizer) -> Experience:
 
 
 def test_scored_sequences_hold_the_prompt_and_every_attended_token():
-    exp = _experience(None)
+    exp = _experience()
     rows = scored_sequences(exp)
     assert [r for r, _, _ in rows] == [0, 1]  # the row without loss tokens is not sent
     assert rows[1][1] == exp.prompt_ids[1].tolist() + exp.completion_ids[1, :5].tolist() and rows[1][2] == 5
@@ -159,7 +159,7 @@ def test_a_rollout_server_teacher_scores_like_the_local_model(tiny_tied_llama_pa
     server = Server(tiny_tied_llama_path, tmp_path / "teacher.log")
     try:
         tokenizer = AutoTokenizer.from_pretrained(tiny_tied_llama_path)
-        exp = _experience(tokenizer)
+        exp = _experience()
         teacher = RolloutServerTeacher(DistillationConfig(teacher_url=server.url, teacher_timeout=120), tokenizer)
         served = teacher.score(exp, 8, None)
         mask = exp.completion_mask.bool()
@@ -219,7 +219,7 @@ def test_an_openai_compatible_teacher_scores_like_the_local_model(vllm_teacher, 
     tokenizer = AutoTokenizer.from_pretrained(tiny_tied_llama_path)
     config = DistillationConfig(teacher_url=vllm_teacher, teacher_api="openai", teacher_model_name="teacher",
                                 teacher_timeout=120)
-    exp = _experience(tokenizer)
+    exp = _experience()
     served = OpenAITeacher(config, tokenizer).score(exp, 8, None)
     mask = exp.completion_mask.bool()
     torch.testing.assert_close(served[mask], _local_scores(tiny_tied_llama_path, exp)[mask], atol=1e-4, rtol=0)
