@@ -79,7 +79,7 @@ def compare(rl: dict[str, Any], distill: dict[str, Any]) -> dict[str, Any]:
         target = rl_curve[-1][1]
         out[key] = {"rl_final": target, "rl_steps_to_final": steps_to_reach(rl_curve, target),
                     "distillation_steps_to_rl_final": steps_to_reach(distill_curve, target),
-                    "distillation_final": distill_curve[-1][1], "before": rl_curve[0][1],
+                    "distillation_final": distill_curve[-1][1] if distill_curve else None, "before": rl_curve[0][1],
                     "rl_curve": rl_curve, "distillation_curve": distill_curve}
     return out
 
@@ -94,6 +94,8 @@ def plot(rl: dict[str, Any], distill: dict[str, Any], comparison: dict[str, Any]
     for ax, key, label in ((axes[0], "heldout_greedy_accuracy", "held-out accuracy (greedy)"),
                            (axes[1], "heldout_pass@1", "held-out pass@1 (4 samples, T 1.2)")):
         for run in ("rl", "distillation"):
+            if not comparison[key][f"{run}_curve"]:  # a partial record: not run
+                continue
             steps, values = zip(*comparison[key][f"{run}_curve"], strict=True)
             ax.plot(steps, values, marker="o", label="RL (GRPO)" if run == "rl" else "on-policy distillation")
         ax.axhline(comparison[key]["rl_final"], color="gray", linestyle=":", label="RL's final")
@@ -124,6 +126,11 @@ def _logged(root: Path, stage: str) -> Optional[dict[str, Any]]:
     return summary
 
 
+#: The distillation stage of a partial record that never started.
+_NOT_RUN: dict[str, Any] = {"val_curve": [], "val_pass@1_curve": [], "curve": {"step": [], "reward": []},
+                            "reverse_kl": [], "settings": {}, "seconds": None}
+
+
 def _rl_stage(args: argparse.Namespace, path: Path, settings: dict[str, Any]) -> dict[str, Any]:
     """The RL stage: reused from ``path`` when it was run with the same settings (unless ``--rerun-rl``)."""
     if path.exists() and not args.rerun_rl:
@@ -149,10 +156,9 @@ def run(argv: list[str]) -> dict[str, Any]:
         distill = _stage("distillation", args, teacher=rl["export"])
     else:  # what the stages logged so far
         logged = json.loads(rl_path.read_text()) if rl_path.exists() else _logged(root, "rl")
-        logged_distill = _logged(root, "distillation")
-        if logged is None or logged_distill is None or not logged_distill["val_curve"]:
-            raise SystemExit(f"--partial: nothing to compare under {root} yet")
-        rl, distill = logged, logged_distill
+        if logged is None or not logged["val_curve"]:
+            raise SystemExit(f"--partial: the RL stage under {root} has not validated yet")
+        rl, distill = logged, _logged(root, "distillation") or _NOT_RUN
     comparison = compare(rl, distill)
     record = {
         "complete": complete,

@@ -35,3 +35,13 @@ def test_compare_reports_rls_final_score_and_when_distillation_reaches_it(tmp_pa
     png = tmp_path / "plot.png"
     bench.plot(rl, distill, out, "title", png)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_partial_record_without_the_distillation_stage(tmp_path):
+    """``--partial`` before the distillation stage started: RL's curves, nothing claimed for distillation."""
+    rl = _summary([[0, 0.69], [3, 0.75]], [[0, 0.34], [3, 0.5]], [0.3])
+    out = bench.compare(rl, bench._NOT_RUN)
+    assert out["heldout_pass@1"]["rl_final"] == 0.5 and out["heldout_pass@1"]["distillation_final"] is None
+    assert out["heldout_pass@1"]["distillation_steps_to_rl_final"] is None
+    bench.plot(rl, bench._NOT_RUN, out, "title", tmp_path / "plot.png")
+    assert (tmp_path / "plot.png").exists()
