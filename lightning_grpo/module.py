@@ -35,6 +35,7 @@ from lightning_grpo.rewards import RewardSet, RewardSpec
 from lightning_grpo.rewards.reward_model import resolve_reward_models
 from lightning_grpo.rollout.prefetch import PrefetchedRollout
 from lightning_grpo.rollout.registry import resolve_engine_name
+from lightning_grpo.rollout.teacher import make_teacher
 from lightning_grpo.rollout.worker import RolloutWorker
 from lightning_grpo.runtime.cleanup import ReleaseOnException
 from lightning_grpo.runtime.preemption import Preemption
@@ -153,7 +154,10 @@ class GRPOModule(RunLifecycle):
         self.rollout = RolloutWorker(self.config, self.tokenizer, self._emit, prompts=prompts, sampler=sampler,
                                      stop=stop)
         self.logprobs = CompletionLogprobs(self.config)
-        self.experience_maker = ExperienceMaker(self.config, self.rollout, self.rewards, self.logprobs, self._emit)
+        # on-policy distillation: a frozen teacher model (outside the module tree, like the reference) or a served one
+        self.teacher = make_teacher(self.config.distillation, self.tokenizer, dtype, self.logprobs)
+        self.experience_maker = ExperienceMaker(self.config, self.rollout, self.rewards, self.logprobs, self._emit,
+                                                teacher=self.teacher)
         self.step_selection = StepSelection(self.config, self.logprobs)
         self.step_metrics = StepMetrics(self.config.clip_ratio_c, self.config.tis_cap())
         self.timer = StepTimer()
