@@ -380,9 +380,9 @@ class ExperienceMaker:
         if self.context.collectives.any_process(out is None or self.rollout.stop.is_set()):
             raise RolloutInterrupted("the rollout was stopped by a stop request (e.g. SIGTERM) before it finished")
         assert out is not None
-        unscored = torch.isnan(scores.rewards).nonzero().flatten().tolist()
-        if unscored:
-            log.warning("every reward function returned None for completions %s: they get no loss", unscored)
+        scores.rewards = out.unscored_as_nan(scores.rewards)  # e.g. a failed agent's episode under on_error="skip"
+        if unscored := torch.isnan(scores.rewards).nonzero().flatten().tolist():
+            log.warning("no reward function scored completions %s (or the sampler marked them): no loss", unscored)
         totals["prompts/truncated"] += num_truncated
         totals["generated_tokens"] += float(out.completion_mask.sum())
         row_index = rows.add(prompts, columns, out)

@@ -22,7 +22,8 @@ from lightning_grpo.algorithm import ObjectiveOutput
 from lightning_grpo.callbacks.base import EventRoute
 from lightning_grpo.config import GRPOConfig, ResolvedConfig
 from lightning_grpo.data.source import DataPlan
-from lightning_grpo.episodes import ToolCallParser, as_tools, rollout_path
+from lightning_grpo.episodes import AgentRollout, ToolCallParser, as_tools, rollout_path
+from lightning_grpo.episodes.agent import AgentFn
 from lightning_grpo.episodes.environment import EnvironmentFactory
 from lightning_grpo.episodes.tools import ToolSpec
 from lightning_grpo.evaluation.evaluator import Evaluator
@@ -65,7 +66,7 @@ class GRPOModule(RunLifecycle):
             :class:`lightning_grpo.rewards.reward_model.RewardModel` on this process's device (docs/rewards.md).
         reward_weights: one weight per reward function (default 1 each); the reward is the weighted sum.
         accuracy_reward: the reward function used for validation accuracy (``val/accuracy``); default: the first.
-        config: the algorithm settings.
+        config: the algorithm settings (on-policy distillation's teacher, ``config.distillation``, is made here).
         learning_rate: AdamW peak learning rate.
         weight_decay: AdamW weight decay.
         adam_betas: AdamW betas.
@@ -81,8 +82,7 @@ class GRPOModule(RunLifecycle):
             missing rewards (logged as a warning) instead of stopping the run; any other reward function that
             raises stops the run with its name and the index of the failing sample.
         lora: train LoRA adapters on the frozen base: a ``peft.LoraConfig`` or a dict of its fields
-            (:mod:`lightning_grpo.models.lora`); the KL reference is the base (adapters off); checkpoints hold the
-            adapters.
+            (:mod:`lightning_grpo.models.lora`); the KL reference is the base (adapters off); checkpoints: adapters.
         quantization: "4bit" or "8bit": a bitsandbytes-quantized frozen base for ``lora`` (CUDA only).
         export_merged: with ``lora``, also export the merged model to ``<export_dir>/merged``.
         tools: multi-turn tool use (docs/multiturn.md): functions with type hints and a Google-style docstring, or
@@ -91,8 +91,11 @@ class GRPOModule(RunLifecycle):
         environment_factory: multi-turn episodes with a stateful environment: a callable (e.g. a class) making one
             :class:`lightning_grpo.episodes.Environment` per episode (``reset(**row)``, ``step(turn) -> EnvStep``,
             ``close()``); with it, ``tools`` are only described in the prompt.
-        tool_parser: the tool-call format (:class:`lightning_grpo.episodes.ToolCallParser`); default the Hermes /
-            Qwen ``<tool_call>`` JSON format.
+        tool_parser: the tool-call format (:class:`lightning_grpo.episodes.ToolCallParser`); default Hermes/Qwen JSON.
+        agent: train an unmodified agent (docs/agents.md): ``fn(base_url, api_key, row)`` (sync or ``async``) that
+            runs any agent code against the OpenAI-compatible gateway at ``base_url`` and may return the episode's
+            reward, or an :class:`lightning_grpo.episodes.AgentRollout` with its settings; not with ``tools``,
+            ``environment_factory`` or ``tool_parser``.
 
     Raises:
         ValueError: a bad argument (named in the message).
@@ -120,13 +123,14 @@ class GRPOModule(RunLifecycle):
         tools: Sequence[ToolSpec] = (),
         environment_factory: Optional[EnvironmentFactory] = None,
         tool_parser: Optional[ToolCallParser] = None,
+        agent: Union[AgentRollout, AgentFn, None] = None,
     ) -> None:
         super().__init__()
         config = config or GRPOConfig()
         self.config = GRPOConfig.from_dict(config) if isinstance(config, dict) else copy.deepcopy(config)
         # hyperparameters are stored as plain data so checkpoints load with torch.load(weights_only=True)
         self.save_hyperparameters(ignore=["model", "tokenizer", "reward_funcs", "accuracy_reward", "config", "lora",
-                                          "tools", "environment_factory", "tool_parser"])
+                                          "tools", "environment_factory", "tool_parser", "agent"])
         self._lora_settings = settings = lora_settings(lora, quantization, dtype, export_merged)
         self.hparams.update(config=dataclasses.asdict(self.config), lora=settings.hparams)
         self.hparams["model"] = model if isinstance(model, str) or model is None else type(model).__name__
@@ -150,12 +154,11 @@ class GRPOModule(RunLifecycle):
         self._record_resolved()
         stop = StopFlag()  # polled by the engine and the sampler (with tools or an environment: the turn loop)
         prompts, sampler = rollout_path(self.config, self.tokenizer, self.policy, self.tools, environment_factory,
-                                        tool_parser, stop)
+                                        tool_parser, stop, agent)
         self.rollout = RolloutWorker(self.config, self.tokenizer, self._emit, prompts=prompts, sampler=sampler,
                                      stop=stop)
         self.logprobs = CompletionLogprobs(self.config)
-        # on-policy distillation: a frozen teacher model (outside the module tree, like the reference) or a served one
-        self.teacher = make_teacher(self.config.distillation, self.tokenizer, dtype, self.logprobs)
+        self.teacher = make_teacher(self.config.distillation, self.tokenizer, dtype, self.logprobs)  # or None
         self.experience_maker = ExperienceMaker(self.config, self.rollout, self.rewards, self.logprobs, self._emit,
                                                 teacher=self.teacher)
         self.step_selection = StepSelection(self.config, self.logprobs)

@@ -39,11 +39,18 @@ def _data_dir() -> str:
     return str(found[0])
 
 
+_RENDEZVOUS = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK",
+               "LOCAL_WORLD_SIZE")
+
+
 def lightning_grpo(args: list[str], cwd: Path, timeout: float = 900) -> str:
     """``lightning-grpo ARGS`` in ``cwd``; returns its output, raises with it on failure."""
     script = Path(sys.executable).with_name("lightning-grpo")
     command = [str(script)] if script.exists() else [sys.executable, "-m", "lightning_grpo.cli"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get(
+    # A rendezvous left in this process's environment by an earlier in-process run (Lightning sets MASTER_PORT and
+    # friends in os.environ) would pin the child to that port: the child picks its own.
+    inherited = {k: v for k, v in os.environ.items() if k not in _RENDEZVOUS}
+    env = {**inherited, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get(
         "PYTHONPATH", "")]), "COLUMNS": "80", "LIGHTNING_GRPO_DATA_DIR": _data_dir()}
     for _attempt in range(2):
         proc = subprocess.run([*command, *args], cwd=str(cwd), env=env, capture_output=True, text=True,

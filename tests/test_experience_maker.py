@@ -280,3 +280,23 @@ def test_the_sampler_metrics_are_those_of_the_rows_dynamic_sampling_keeps(tokeni
     # kept: the informative group of each round (rows 4..7 of both), lengths 2, 5, 2, 5 twice
     assert experience.metrics["tags/length"] == pytest.approx(3.5)
     assert experience.metrics["tags/longest"] == 5.0
+
+
+def test_rows_the_sampler_marks_unscored_get_no_loss_and_stay_out_of_their_groups(tokenizer, policy):
+    """``RolloutOutput.unscored`` (a failed agent's episode under ``on_error="skip"``): as if every reward function
+    returned None for those rows, whatever the functions say."""
+
+    class Unscoring(FixedRolloutEngine):
+        def generate(self, prompt_ids, num_generations, sampling):
+            out = super().generate(prompt_ids, num_generations, sampling)
+            out.unscored = torch.tensor([True, False, False, False, False, True, False, False])
+            return out
+
+    eos = tokenizer.eos_token_id
+    parts = _Parts(tokenizer, engine=Unscoring(fixed_completions(LENGTHS, 6, eos), eos))
+    experience = parts.maker.make(BATCH, policy, None)
+    # rewards [-, 0, 1, 1 | 0, -, 0, 1]: groups of three, means 2/3 and 1/3, unbiased std sqrt(1/3) (+ eps 1e-4)
+    std = (1 / 3) ** 0.5 + 1e-4
+    expected = torch.tensor([0.0, -2 / 3, 1 / 3, 1 / 3, -1 / 3, 0.0, -1 / 3, 2 / 3]) / std
+    torch.testing.assert_close(experience.advantages, expected)
+    assert experience.completion_mask[[0, 5]].sum() == 0 and experience.completion_mask[[1, 2]].sum() > 0

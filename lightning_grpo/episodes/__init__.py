@@ -1,5 +1,6 @@
 """Multi-turn episodes: tools, environments, tool-call formats and the turn loop (docs/multiturn.md).
 
+``GRPOModule(agent=fn)`` trains an unmodified agent through an OpenAI-compatible gateway (docs/agents.md).
 ``GRPOModule(tools=[fn, ...])`` or ``GRPOModule(environment_factory=MyEnv)`` makes every rollout a batch of
 episodes: the model's turn is sampled, the environment answers (tool results, an observation), the model samples its
 next turn, ... until the environment says it is done or a limit (``GRPOConfig.episode``) ends it. The trained
@@ -7,17 +8,22 @@ sequence is the prompt's ids, the sampled ids of every model turn and the enviro
 (:mod:`lightning_grpo.episodes.runner`); only the model's tokens get a loss.
 """
 
+from lightning_grpo.episodes.agent import AgentRollout, AgentSampler
+from lightning_grpo.episodes.answer import ReasoningTags
 from lightning_grpo.episodes.build import episode_runner, rollout_path
 from lightning_grpo.episodes.calculator import CalculatorError, calculator
 from lightning_grpo.episodes.chat import ChatFormat
 from lightning_grpo.episodes.environment import BaseEnvironment, Environment, EnvStep, ToolEnvironment
-from lightning_grpo.episodes.parsers import HermesToolCallParser, ToolCallParser
+from lightning_grpo.episodes.parsers import AnswerParser, HermesToolCallParser, ToolCallParser
 from lightning_grpo.episodes.python_tool import PythonSandbox, python_tool
 from lightning_grpo.episodes.runner import EpisodeRunner
 from lightning_grpo.episodes.tools import BUILTIN_TOOLS, Tool, ToolCall, ToolResult, as_tools
 from lightning_grpo.protocols.episode import EpisodeRecord, Turn
 
 __all__ = [
+    "AgentRollout",
+    "AgentSampler",
+    "AnswerParser",
     "BUILTIN_TOOLS",
     "BaseEnvironment",
     "CalculatorError",
@@ -28,6 +34,7 @@ __all__ = [
     "EpisodeRunner",
     "HermesToolCallParser",
     "PythonSandbox",
+    "ReasoningTags",
     "Tool",
     "ToolCall",
     "ToolCallParser",

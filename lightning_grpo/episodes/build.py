@@ -1,13 +1,15 @@
 """The rollout path of a run (:class:`~lightning_grpo.protocols.sampler.PromptEncoder` and
-:class:`~lightning_grpo.protocols.sampler.Sampler`), from ``GRPOModule``'s ``tools``, ``environment_factory`` and
-``tool_parser``: the turn loop with them, the single-turn path without."""
+:class:`~lightning_grpo.protocols.sampler.Sampler`), from ``GRPOModule``'s ``agent``, ``tools``,
+``environment_factory`` and ``tool_parser``: the agent gateway with an agent, the turn loop with tools or an
+environment, the single-turn path without."""
 
 from __future__ import annotations
 
 import functools
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Sequence, Union
 
 from lightning_grpo.config import GRPOConfig
+from lightning_grpo.episodes.agent import AgentFn, AgentRollout, AgentSampler
 from lightning_grpo.episodes.chat import ChatFormat
 from lightning_grpo.episodes.environment import EnvironmentFactory, ToolEnvironment
 from lightning_grpo.episodes.parsers import HermesToolCallParser, ToolCallParser
@@ -44,15 +46,36 @@ def episode_runner(config: GRPOConfig, tokenizer: Any, eos_token_ids: Sequence[i
     return EpisodeRunner(chat, environment_factory, episode.max_turns, episode.max_tokens, episode.env_workers, stop)
 
 
+def agent_sampler(config: GRPOConfig, tokenizer: Any, eos_token_ids: Sequence[int],
+                  agent: Union[AgentFn, AgentRollout], stop: StopFlag) -> AgentSampler:
+    """The :class:`~lightning_grpo.episodes.agent.AgentSampler` of ``GRPOModule(agent=...)`` (a plain function gets
+    :class:`AgentRollout`'s defaults), limited by ``config.episode`` and ``config.max_prompt_length``."""
+    settings = agent if isinstance(agent, AgentRollout) else AgentRollout(agent)
+    return AgentSampler(settings, tokenizer, eos_token_ids, max_turns=config.episode.max_turns,
+                        max_tokens=config.episode.max_tokens, max_prompt_length=config.max_prompt_length, stop=stop)
+
+
 def rollout_path(config: GRPOConfig, tokenizer: Any, policy: Any, tools: Sequence[Tool],
                  environment_factory: Optional[EnvironmentFactory], parser: Optional[ToolCallParser],
-                 stop: StopFlag) -> tuple[PromptEncoder, Sampler]:
+                 stop: StopFlag, agent: Union[AgentFn, AgentRollout, None] = None) -> tuple[PromptEncoder, Sampler]:
     """The prompt encoding and the sampler of a run's rollouts (what ``GRPOModule`` gives its
-    :class:`~lightning_grpo.rollout.worker.RolloutWorker`): the :func:`episode_runner`, both, with tools or an
-    environment (a model turn ends at the EOS ids of ``policy``'s ``generation_config`` and the tokenizer); else the
-    single-turn ones (:class:`~lightning_grpo.rollout.prompts.TemplatePrompts`,
-    :class:`~lightning_grpo.rollout.single_turn.SingleTurnSampler`). Raises as :func:`episode_runner`."""
+    :class:`~lightning_grpo.rollout.worker.RolloutWorker`): the :func:`agent_sampler`, both, with an agent; the
+    :func:`episode_runner`, both, with tools or an environment (a model turn ends at the EOS ids of ``policy``'s
+    ``generation_config`` and the tokenizer); else the single-turn ones
+    (:class:`~lightning_grpo.rollout.prompts.TemplatePrompts`,
+    :class:`~lightning_grpo.rollout.single_turn.SingleTurnSampler`).
+
+    Raises:
+        ValueError: an agent with tools, an environment or a ``tool_parser`` (an agent runs its own tools; its
+            parser is ``AgentRollout(tool_parser=...)``); else as :func:`episode_runner`.
+    """
     eos_token_ids = eos_token_ids_from(getattr(policy, "generation_config", None), tokenizer)
+    if agent is not None:
+        if tools or environment_factory is not None or parser is not None:
+            raise ValueError("GRPOModule(agent=...) runs the agent's own tools: leave tools, environment_factory and "
+                             "tool_parser unset (the model's tool-call format is AgentRollout(tool_parser=...))")
+        sampler = agent_sampler(config, tokenizer, eos_token_ids, agent, stop)
+        return sampler, sampler
     runner = episode_runner(config, tokenizer, eos_token_ids, tools, environment_factory, parser, stop)
     if runner is None:
         return TemplatePrompts(tokenizer), SingleTurnSampler()

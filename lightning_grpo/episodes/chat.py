@@ -6,7 +6,9 @@ An environment turn is everything the chat template writes between the end of th
 start of the model's next turn: for ChatML (SmolLM2, Qwen) ``"\\n<|im_start|>tool\\n{result}<|im_end|>\\n"`` followed
 by the generation prompt ``"<|im_start|>assistant\\n"``. It is cut from the template's own rendering, as TRL does
 (``GRPOTrainer._get_tool_suffix_ids``): the ids of ``[user, assistant, *observation]`` with the generation prompt
-minus the ids of ``[user, assistant]`` up to and including the assistant turn's last EOS. So the separator the
+minus the ids of ``[user, assistant]`` up to and including the assistant turn's last EOS (where the template renders
+that assistant turn differently once a message follows it, as Qwen3's does with its empty ``<think>`` block: what
+follows the same number of EOS ids). So the separator the
 template puts after the EOS (ChatML's ``"\\n"``, the token verl PR #6921 dropped) belongs to the environment turn,
 and the concatenation equals ``apply_chat_template`` of the whole conversation wherever the template renders earlier
 turns unchanged (tested for SmolLM2 and Qwen2.5's template).
@@ -128,7 +130,8 @@ class ChatFormat:
 
         Raises:
             ValueError: the template's assistant turn does not end with one of the EOS ids, or the rendering with
-                the observation does not start with the rendering without it (the turn cannot be cut out).
+                the observation has fewer EOS ids before it than the rendering without it (the turn cannot be cut
+                out).
         """
         rendered = self.rendered_messages(messages)
         names = [m.get("name") or "tool" for m in rendered if m.get("role") == "tool"]
@@ -143,7 +146,12 @@ class ChatFormat:
             raise ValueError(f"the chat template's assistant turn does not end with an EOS id "
                              f"{sorted(self.eos_token_ids)}: an environment turn cannot follow the model's EOS")
         prefix = prefix[: ends[-1] + 1]
-        if full[: len(prefix)] != prefix:
+        if full[: len(prefix)] == prefix:
+            return full[len(prefix):]
+        # the template renders the dummy assistant turn differently once a message follows it (Qwen3 writes an
+        # empty <think> block into the last assistant turn only): cut after as many EOS ids as the prefix holds
+        full_ends = [i for i, t in enumerate(full) if t in self.eos_token_ids]
+        if len(full_ends) < len(ends):
             raise ValueError("the chat template renders the conversation before an observation differently with the "
                              "observation appended: its environment turn cannot be cut out token-exactly")
-        return full[len(prefix):]
+        return full[full_ends[len(ends) - 1] + 1:]

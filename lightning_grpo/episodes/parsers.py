@@ -11,7 +11,8 @@ schemas parse), one block per call::
 It is also the format the embedded SmolLM2-135M-Instruct is given: its chat template has no tool support, so the
 tools and this format are described in the system message (:meth:`HermesToolCallParser.instructions`, the text
 Qwen2.5's template writes) and tool results are rendered as ``tool`` turns (``<|im_start|>tool\\n...<|im_end|>``).
-Another format is a class with the two methods of :class:`ToolCallParser`, passed as ``GRPOModule(tool_parser=...)``.
+Another format is a class with the two methods of :class:`ToolCallParser`, passed as ``GRPOModule(tool_parser=...)``;
+the agent gateway's (``AgentRollout(tool_parser=...)``) also needs :meth:`AnswerParser.split`.
 """
 
 from __future__ import annotations
@@ -39,6 +40,22 @@ class ToolCallParser(Protocol):
         ...
 
 
+@runtime_checkable
+class AnswerParser(ToolCallParser, Protocol):
+    """A tool-call format that also gives the text around the calls: what the agent gateway needs to answer with
+    OpenAI's ``content`` and ``tool_calls`` (:mod:`lightning_grpo.episodes.answer`)."""
+
+    def split(self, text: str) -> tuple[str, list[ToolCall]]:
+        """``(content, calls)``: the turn's text without its tool-call blocks (stripped), and the calls as
+        :meth:`ToolCallParser.parse` gives them."""
+        ...
+
+    def write(self, calls: list[ToolCall]) -> str:
+        """``calls`` as the model writes them in this format (for chat templates that do not render an assistant
+        message's ``tool_calls``: SmolLM2's)."""
+        ...
+
+
 _BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
 
 
@@ -49,6 +66,15 @@ class HermesToolCallParser:
     def parse(self, text: str) -> list[ToolCall]:
         """See :meth:`ToolCallParser.parse`."""
         return [self._call(block.strip()) for block in _BLOCK.findall(text)]
+
+    def split(self, text: str) -> tuple[str, list[ToolCall]]:
+        """See :meth:`AnswerParser.split`."""
+        return _BLOCK.sub("", text).strip(), self.parse(text)
+
+    def write(self, calls: list[ToolCall]) -> str:
+        """See :meth:`AnswerParser.write`: one ``<tool_call>`` block per call, on lines of their own."""
+        return "\n".join("<tool_call>\n" + json.dumps({"name": c.name, "arguments": c.arguments}) + "\n</tool_call>"
+                         for c in calls)
 
     @staticmethod
     def _call(block: str) -> ToolCall:

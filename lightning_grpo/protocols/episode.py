@@ -30,6 +30,25 @@ class Turn:
 
 
 @dataclass
+class SampleRecord:
+    """One training sample of an agent's episode (:mod:`lightning_grpo.episodes.session`): a token sequence that
+    one or more of the session's model calls extended in turn.
+
+    Attributes:
+        calls: the session's calls it holds, in order (0 = the session's first call).
+        prompt_tokens: its prompt's tokens (the first call's rendering).
+        model_tokens, env_tokens: its sampled tokens, and the tokens of the messages the agent added between calls.
+        trained: it is the episode's training row (the last sample); the others are recorded, not trained.
+    """
+
+    calls: list[int]
+    prompt_tokens: int
+    model_tokens: int
+    env_tokens: int
+    trained: bool
+
+
+@dataclass
 class EpisodeRecord:
     """One episode of a multi-turn rollout (:class:`lightning_grpo.episodes.runner.EpisodeRunner`).
 
@@ -45,7 +64,11 @@ class EpisodeRecord:
         budget_exceeded: an observation would have overflowed ``episode.max_tokens``; it was not appended.
         env_reward: the last non-None reward the environment's ``step`` returned, else None.
         weight_version: the engine's weight version of every model turn (rollout servers count syncs), else None.
-        done: the environment ended the episode (a final answer, a finished game), as opposed to a limit.
+        done: the environment ended the episode (a final answer, a finished game), as opposed to a limit; for an
+            agent's episode, the agent returned.
+        samples: an agent's episode (``GRPOModule(agent=...)``): its samples (calls that extended one another), the
+            last one trained; empty for the turn loop's episodes.
+        error: an agent's episode: why its agent failed (``"TypeName: message"``, or a timeout), else None.
     """
 
     turns: list[Turn] = field(default_factory=list)
@@ -58,6 +81,8 @@ class EpisodeRecord:
     env_reward: Optional[float] = None
     weight_version: Optional[int] = None
     done: bool = False
+    samples: list[SampleRecord] = field(default_factory=list)
+    error: Optional[str] = None
 
     @property
     def messages(self) -> list[dict[str, Any]]:
@@ -100,4 +125,5 @@ class EpisodeRecord:
         """The record :meth:`state` returned."""
         values = dict(state)
         values["turns"] = [Turn(**t) for t in values.get("turns", [])]
+        values["samples"] = [SampleRecord(**s) for s in values.get("samples", [])]
         return cls(**values)

@@ -96,6 +96,9 @@ class RolloutOutput:
         metrics: the sampler's per-row metrics (:class:`RowMetric`; multi-turn: ``turns/*``, ``tools/*``, ...),
             logged over the rows trained on; every process's sampler reports the same names. Empty for single-turn
             rollouts.
+        unscored: ``(N,)`` bool, rows the sampler says get no reward (an agent's episode that failed, with
+            ``AgentRollout(on_error="skip")``): unscored as when every reward function returns None (no loss, left out
+            of their group's statistics); None = every row is scored.
     """
 
     prompt_ids: Tensor
@@ -110,6 +113,14 @@ class RolloutOutput:
     episodes: Optional[list[EpisodeRecord]] = None
     columns: dict[str, list[Any]] = field(default_factory=dict)
     metrics: dict[str, RowMetric] = field(default_factory=dict)
+    unscored: Optional[Tensor] = None
+
+    def unscored_as_nan(self, rewards: Tensor) -> Tensor:
+        """``rewards`` (``(N,)`` float) with NaN, the unscored value, at the rows :attr:`unscored` marks; ``rewards``
+        itself when none is marked."""
+        if self.unscored is None:
+            return rewards
+        return rewards.masked_fill(self.unscored.to(rewards.device), float("nan"))
 
     def state(self) -> dict[str, Any]:
         """As plain data (CPU tensors, lists, numbers, strings), for a checkpoint that loads with

@@ -7,7 +7,9 @@ The :class:`~lightning_grpo.rollout.worker.RolloutWorker` is given one of each w
 * single-turn: :class:`~lightning_grpo.rollout.prompts.TemplatePrompts` (the chat template) and
   :class:`~lightning_grpo.rollout.single_turn.SingleTurnSampler` (one ``engine.generate``);
 * multi-turn (``GRPOModule(tools=..., environment_factory=...)``): the
-  :class:`~lightning_grpo.episodes.runner.EpisodeRunner` is both (the prompts with their tools; the turn loop).
+  :class:`~lightning_grpo.episodes.runner.EpisodeRunner` is both (the prompts with their tools; the turn loop);
+* agents (``GRPOModule(agent=...)``): the :class:`~lightning_grpo.episodes.agent.AgentSampler` is both (the agents
+  behind an OpenAI-compatible gateway write their own prompts).
 """
 
 from __future__ import annotations

@@ -259,10 +259,10 @@ def test_every_environment_made_is_closed_exactly_once(tokenizer, case):
     expected = {"normal": None, "step_error": RuntimeError, "stop_request": RolloutInterrupted,
                 "reset_error": RuntimeError}[case]
     if expected is None:
-        runner.run(engine, prompt_ids, 2, SamplingConfig(max_new_tokens=16))
+        runner.sample(engine, prompt_ids, 2, SamplingConfig(max_new_tokens=16))
     else:
         with pytest.raises(expected):
-            runner.run(engine, prompt_ids, 2, SamplingConfig(max_new_tokens=16))
+            runner.sample(engine, prompt_ids, 2, SamplingConfig(max_new_tokens=16))
     made = 3 if case == "reset_error" else 4
     assert [(e.resets, e.closes) for e in Counted.made] == [(1, 1)] * made
 

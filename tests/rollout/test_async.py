@@ -83,14 +83,14 @@ def data_file(tmp_path_factory) -> str:
 
 
 def _fit(model: str, data: str, root: Path, engine, *, ckpt_dir=None, resume_from=None, mini_batch_size=None,
-         environment_factory=None, **config) -> tuple[Recorder, dict, GRPOModule]:
+         environment_factory=None, agent=None, **config) -> tuple[Recorder, dict, GRPOModule]:
     """One run on the given (pooled) vLLM engine, which the module syncs before its first rollout and keeps;
     ``(recorder, final weights, module)``."""
     cfg = GRPOConfig(num_generations=4, max_new_tokens=8, engine=EngineConfig(name="vllm", kv_cache_space_gib=1),
                      max_prompt_length=128, mini_batch_size=mini_batch_size, **config)
     L.seed_everything(0, verbose=False)
     module = GRPOModule(model, reward_funcs=[length_reward], config=cfg, learning_rate=2e-2, export_dir="",
-                        environment_factory=environment_factory)
+                        environment_factory=environment_factory, agent=agent)
     if engine is not None:
         module.rollout_engine = engine
     recorder = Recorder()
@@ -358,6 +358,42 @@ def test_multiturn_prefetched_episodes_resume_exactly(tmp_path_factory, smollm2_
     state = torch.load(ckpt, weights_only=True)["loops"]["fit_loop"]["state_dict"]["prefetched_rollouts"][0]
     output = state[0]["rollout"]["output"]
     assert output["env_mask"].sum() > 0 and len(output["episodes"]) == 8 and output["episodes"][0]["turns"]
+    resumed, resumed_weights, _ = _fit(model, data_file, root / "resumed", engine, resume_from=str(ckpt), **kwargs)
+    _assert_same_run(({s: r for s, r in plain.steps.items() if s >= 2}, plain_weights),
+                     (resumed.steps, resumed_weights))
+
+
+def _echo_agent(base_url, api_key, row):
+    """An ``openai``-client agent: the question, then two observations; its reward is left to the reward function."""
+    from openai import OpenAI
+
+    chat = OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    messages = [{"role": "user", "content": row["question"]}]
+    for k in range(3):
+        choice = chat.chat.completions.create(model="policy", messages=messages).choices[0]
+        if choice.finish_reason != "stop":
+            return
+        messages += [{"role": "assistant", "content": choice.message.content}, {"role": "user", "content": f"obs {k}"}]
+
+
+def test_agent_prefetched_rollouts_resume_exactly(tmp_path_factory, smollm2_path, data_file, vllm_engine):
+    """Agent episodes (``GRPOModule(agent=...)``) generated two rollouts ahead: the checkpoint after 2 steps holds
+    them with their episode records and samples; the resumed run matches the uninterrupted one (its later rollouts
+    too: every agent sends its next call within the window, so the batches are in session order and seeded)."""
+    from lightning_grpo.episodes import AgentRollout
+    from support.episodes import save_talkative_llama
+
+    model = save_talkative_llama(tmp_path_factory.mktemp("talkative_agent"), smollm2_path)
+    root, ckpt_dir = tmp_path_factory.mktemp("agent_runs"), tmp_path_factory.mktemp("agent_ckpt")
+    kwargs = dict(max_staleness=2, episode=EpisodeConfig(max_turns=3, max_tokens=40),
+                  agent=AgentRollout(_echo_agent, batch_window_s=60.0))
+    engine = vllm_engine(model)
+    plain, plain_weights, _ = _fit(model, data_file, root / "plain", engine, ckpt_dir=ckpt_dir, **kwargs)
+    assert all(plain.steps[s]["turns/mean"] > 1 for s in range(STEPS))
+    ckpt = ckpt_dir / "epoch=0-step=2.ckpt"
+    state = torch.load(ckpt, weights_only=True)["loops"]["fit_loop"]["state_dict"]["prefetched_rollouts"][0]
+    output = state[0]["rollout"]["output"]
+    assert output["env_mask"].sum() > 0 and output["episodes"][0]["samples"][0]["trained"]
     resumed, resumed_weights, _ = _fit(model, data_file, root / "resumed", engine, resume_from=str(ckpt), **kwargs)
     _assert_same_run(({s: r for s, r in plain.steps.items() if s >= 2}, plain_weights),
                      (resumed.steps, resumed_weights))

@@ -439,8 +439,68 @@ def episodes_run(cfg: dict) -> None:
     torch.save(result, rank_file(out, "episodes_run", trainer.global_rank))
 
 
+def rank_agent(base_url: str, api_key: str, row: dict) -> float:
+    """An ``openai``-client agent making 2 calls on rank 0 and 4 elsewhere (each answered with an observation)."""
+    from openai import OpenAI
+
+    calls = 2 if torch.distributed.get_rank() == 0 else 4
+    chat = OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    messages = [{"role": "user", "content": row["question"]}]
+    for k in range(calls):
+        answer = chat.chat.completions.create(model="policy", messages=messages)
+        messages += [{"role": "assistant", "content": answer.choices[0].message.content or ""},
+                     {"role": "user", "content": f"more ({k})"}]
+    return float(row["index"])
+
+
+def agents_run(cfg: dict) -> None:
+    """2 GRPO steps of :func:`rank_agent`'s episodes (HF engine) under ``cfg["strategy"]``: each rank saves its
+    global step, its episodes' model calls per rollout, the logged ``turns/max`` and its gateways' addresses."""
+    from lightning_grpo.callbacks import GRPOCallback
+    from lightning_grpo.config import EpisodeConfig
+    from lightning_grpo.rollout.server import gateway
+
+    out = cfg["out"]
+    data = os.path.join(out, "prompts.jsonl")
+    with open(data, "w") as f:
+        for i in range(8):
+            f.write(json.dumps({"question": f"What is {i} + 0?", "answer": str(i), "index": i}) + "\n")
+    config = GRPOConfig(num_generations=2, max_new_tokens=6, episode=EpisodeConfig(max_turns=4, max_tokens=60))
+    module = GRPOModule(cfg["model"], reward_funcs=[index_reward], config=config, learning_rate=1e-3, export_dir="",
+                        agent=rank_agent)
+    gateways: set = set()
+    start = gateway.Gateway.start
+
+    def recorded_start(self, *args, **kwargs):
+        gateways.add(self.url)
+        return start(self, *args, **kwargs)
+
+    gateway.Gateway.start = recorded_start
+
+    class Turns(GRPOCallback):
+        def __init__(self) -> None:
+            self.turns: list[list[int]] = []
+            self.turns_max: list[float] = []
+
+        def on_rollout_end(self, trainer, module, rollout):
+            self.turns.append([e.model_turns for e in rollout.episodes])
+
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            if batch.step_end:
+                self.turns_max.append(float(trainer.callback_metrics["turns/max"]))
+
+    turns = Turns()
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=make_strategy(cfg["strategy"]), max_steps=2,
+                        logger=False, callbacks=[turns], enable_progress_bar=False, enable_model_summary=False,
+                        enable_checkpointing=False, default_root_dir=out, limit_val_batches=0)
+    trainer.fit(module, datamodule=PromptDataModule(dataset=data, prompts_per_step=2, val_size=0))
+    result = {"global_step": trainer.global_step, "turns": turns.turns, "turns_max": turns.turns_max,
+              "gateways": gateways}
+    torch.save(result, rank_file(out, "agents_run", trainer.global_rank))
+
+
 SCENARIOS = {"fixed_step": fixed_step, "grpo_run": grpo_run, "server_run": server_run, "eval_padding": eval_padding,
-             "episodes_run": episodes_run}
+             "episodes_run": episodes_run, "agents_run": agents_run}
 
 if __name__ == "__main__":
     torch.set_num_threads(1)

@@ -70,6 +70,8 @@ NOT_SEAMS: dict[tuple[str, str], str] = {
         "validates what a user environment's step returned (a TypeError names it)",
     ("lightning_grpo/episodes/tools.py", "isinstance(spec, Tool)"):
         "normalizes the module's tools= argument where it enters",
+    ("lightning_grpo/episodes/build.py", "isinstance(agent, AgentRollout)"):
+        "normalizes the module's agent= argument (a function or its AgentRollout settings) where it enters",
     ("lightning_grpo/config.py", "isinstance(getattr(self, name), group)"):
         "validates a config group the user passed",
     ("lightning_grpo/config/groups.py", "isinstance(getattr(self, name), group)"):
