@@ -49,6 +49,8 @@ class Experience:
             (tool results, observations: context the forward pass attends to, with no loss and no gradient;
             ``completion_mask`` holds the model's tokens only, so the loss, KL, entropy and every ``loss_type``'s
             normalizer count those only); None for single-turn rollouts. See :attr:`completion_attention_mask`.
+        teacher_logprobs: ``(N, T)`` float32 teacher logprobs of the completion tokens (on-policy distillation,
+            ``GRPOConfig.distillation``), else None.
     """
 
     prompt_ids: Tensor
@@ -67,6 +69,7 @@ class Experience:
     metrics: dict[str, float] = field(default_factory=dict)
     rows: Optional[Tensor] = None
     env_mask: Optional[Tensor] = None
+    teacher_logprobs: Optional[Tensor] = None
 
     def __len__(self) -> int:
         return self.completion_ids.shape[0]
@@ -98,7 +101,7 @@ class Experience:
         updates: dict[str, Tensor] = {"prompt_ids": self.prompt_ids[:, start:],
                                       "prompt_mask": self.prompt_mask[:, start:]}
         for name in ("completion_ids", "completion_mask", "old_logprobs", "ref_logprobs", "sampler_logprobs",
-                     "env_mask"):
+                     "env_mask", "teacher_logprobs"):
             value = getattr(self, name)
             if value is not None:
                 updates[name] = value[:, :end]
