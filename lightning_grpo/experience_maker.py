@@ -1,6 +1,6 @@
 """The experience maker: one prompt batch -> one scored, shaped :class:`~lightning_grpo.training.experience.Experience`.
 
-generate -> score -> (dynamic sampling: more rounds) -> shape the rewards -> behaviour (old) and reference
+generate -> score -> (dynamic sampling: more rounds) -> shape the rewards -> behaviour (old), reference and teacher
 logprobs -> KL in the reward -> group advantages -> rollout metrics. It sees models, a rollout worker, a reward set
 and a :class:`RolloutContext` (the collectives and the trainer's settings, bound once per fit), never a Trainer or a
 LightningModule.
@@ -23,7 +23,7 @@ from torch import Tensor, nn
 
 from lightning_grpo import functional as F
 from lightning_grpo.algorithm import DynamicSampler, ScoredRollout
-from lightning_grpo.algorithm.shaping import batch_reward_std, overlong_penalty, sequence_kl, transform_rewards
+from lightning_grpo.algorithm.shaping import batch_reward_std, overlong_penalty, transform_rewards
 from lightning_grpo.config import GRPOConfig
 from lightning_grpo.evaluation.evaluator import EvalBatch
 from lightning_grpo.events import ON_EXPERIENCE, ON_ROLLOUT_END, EventSink, ExperienceReady, RolloutEnd
@@ -39,6 +39,8 @@ from lightning_grpo.rollout.worker import RolloutWorker, prompt_rows
 from lightning_grpo.training.experience import Experience
 from lightning_grpo.training.logprobs import CompletionLogprobs
 from lightning_grpo.training.metrics import REWARD_TIMING_PREFIX, StepTimer, rollout_metrics
+from lightning_grpo.training.passes import LogprobPasses
+from lightning_grpo.training.teacher import Teacher
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +113,8 @@ class ExperienceMaker:
         logprobs: the completion-logprob computer (old and reference passes).
         events: called as ``events(name, payload)`` with ``on_rollout_end`` (:class:`~lightning_grpo.events.RolloutEnd`)
             and ``on_experience`` (:class:`~lightning_grpo.events.ExperienceReady`), see :mod:`lightning_grpo.events`.
+        teacher: on-policy distillation's teacher (:mod:`lightning_grpo.training.teacher`), which scores every
+            rollout's tokens into ``Experience.teacher_logprobs``; None without distillation.
 
     Attributes:
         prefetcher: the background generation of asynchronous rollouts (its thread starts with the first
@@ -119,11 +123,13 @@ class ExperienceMaker:
     """
 
     def __init__(self, config: GRPOConfig, rollout: RolloutWorker, rewards: RewardSet,
-                 logprobs: CompletionLogprobs, events: Optional[EventSink] = None) -> None:
+                 logprobs: CompletionLogprobs, events: Optional[EventSink] = None,
+                 teacher: Optional[Teacher] = None) -> None:
         self.config = config
         self.rollout = rollout
         self.rewards = rewards
         self.logprobs = logprobs
+        self.passes = LogprobPasses(config, logprobs, teacher)
         self.events = events
         self.prefetcher = RolloutPrefetcher(rollout, on_generated=self._start_rewards)
         self.context = RolloutContext()
@@ -168,7 +174,7 @@ class ExperienceMaker:
              next_prompt_batch: Optional[Callable[[], Optional[PromptBatch]]] = None,
              prefetched: Optional[PrefetchedRollout] = None) -> Experience:
         """One rollout batch: generate G completions per prompt, score them, shape the rewards, compute advantages
-        and (when needed) the old and reference logprobs. Runs on this process's prompts only.
+        and (when needed) the old, reference and teacher logprobs. Runs on this process's prompts only.
 
         With ``prefetched`` (asynchronous rollouts, from :meth:`prefetch` of the same ``batch``) the completions are
         that rollout's, generated from older weights (waited for if still running); the rest uses ``policy`` as it
@@ -214,7 +220,7 @@ class ExperienceMaker:
         # 2. shape the rewards: overlong penalty, scale / bias / clip
         extra: dict[str, tuple[Tensor, Tensor]] = {}  # metric -> (sum, count)
         shaped, scored = self._shaped_rewards(rollout, extra)
-        # 3. the experience, its old and reference logprobs (and the KL in the reward)
+        # 3. the experience, its old, reference and teacher logprobs (and the KL in the reward)
         experience = Experience(
             prompt_ids=rollout.prompt_ids.to(ctx.device),
             prompt_mask=rollout.prompt_mask.to(ctx.device),
@@ -405,40 +411,15 @@ class ExperienceMaker:
             return None
         return int(torch.randint(0, 2**31 - 1, (1,)).item()) + self.context.rank * 2**32
 
-    def _behaviour_logprobs(
-        self,
-        experience: Experience,
-        shaped: Tensor,
-        scored: Tensor,
-        extra: dict[str, tuple[Tensor, Tensor]],
-        policy: nn.Module,
-        ref: Optional[nn.Module],
-        num_prompts: int,
-    ) -> Tensor:
-        """Step 3 of :meth:`make`: old logprobs (needed when the rollout is reused or the KL goes in the reward) and
-        reference logprobs (beta > 0) into ``experience``, in passes of ``mini_batch_size // micro_batches_per_step``
-        sequences (the rollout batch of ``num_prompts`` prompts without ``mini_batch_size``); with ``kl_in_reward``
-        the shaped rewards minus beta * sequence KL."""
+    def _behaviour_logprobs(self, experience: Experience, shaped: Tensor, scored: Tensor,
+                            extra: dict[str, tuple[Tensor, Tensor]], policy: nn.Module, ref: Optional[nn.Module],
+                            num_prompts: int) -> Tensor:
+        """Step 3 of :meth:`make`: the old, reference and teacher logprobs and the KL in the reward
+        (:class:`~lightning_grpo.training.passes.LogprobPasses`), in passes of ``mini_batch_size //
+        micro_batches_per_step`` sequences (the rollout batch of ``num_prompts`` prompts without ``mini_batch_size``)
+        or of the run's token budget. Returns the rewards (minus beta * sequence KL with ``kl_in_reward``)."""
         cfg, ctx = self.config, self.context
-        n = len(experience)
         micro_batch_size = max(1, (cfg.mini_batch_size or num_prompts * cfg.num_generations)
                                // ctx.micro_batches_per_step)
-        forward_context = ctx.forward_context
-        reused_later = cfg.num_iterations > 1 or (cfg.mini_batch_size or n) < n
-        if reused_later or cfg.kl_in_reward:
-            experience.old_logprobs = self.logprobs.batched(policy, experience, micro_batch_size, forward_context,
-                                                            max_tokens=ctx.token_budget)
-        if ref is not None:
-            experience.ref_logprobs = self.logprobs.batched(ref, experience, micro_batch_size, forward_context,
-                                                            max_tokens=ctx.token_budget)
-        if not cfg.kl_in_reward:
-            return shaped
-        assert experience.old_logprobs is not None and experience.ref_logprobs is not None
-        kl = sequence_kl(experience.old_logprobs, experience.ref_logprobs, experience.completion_mask,
-                         cfg.kl_estimator)
-        extra["kl"] = (kl.sum(), experience.completion_mask.sum().float())
-        extra["rewards/kl_penalty/mean"] = (-cfg.beta * kl[scored].sum(), scored.sum().float())
-        experience.ref_logprobs = None  # the KL is in the reward, not in the loss
-        if not reused_later:
-            experience.old_logprobs = None
-        return shaped - cfg.beta * kl
+        return self.passes.run(experience, shaped, scored, extra, policy, ref, micro_batch_size, ctx.forward_context,
+                               max_tokens=ctx.token_budget)

@@ -106,13 +106,22 @@ class RunLifecycle(L.LightningModule):
 
     @override
     def configure_model(self) -> None:
-        """The trainer's backend shards or converts the policy, reference and engine (``strategies.backend_for``)."""
+        """The trainer's backend shards or converts the policy, reference, teacher and engine
+        (``strategies.backend_for``)."""
         self.backend = backend_for(self.trainer.strategy)
         self._set_models(self.backend.configure(self._models()))
 
     def _models(self) -> GRPOModels:
-        """The module's models for a backend: the engine as it was made or given, the policy's kind."""
-        return GRPOModels(self.policy, self.ref_model, self.rollout.own_engine, lora=self._loaded.lora)
+        """The module's models for a backend: the engine as it was made or given, the policy's kind, the
+        distillation teacher's model."""
+        return GRPOModels(self.policy, self.ref_model, self.rollout.own_engine, lora=self._loaded.lora,
+                          teacher=self.teacher_model)
+
+    @property
+    def teacher_model(self) -> Optional[nn.Module]:
+        """On-policy distillation's frozen teacher model (``config.distillation.teacher``) as the backend made it,
+        else None (no teacher, or a served one)."""
+        return None if self.teacher is None else self.teacher.model
 
     @property
     def collectives(self) -> Collectives:
@@ -133,6 +142,8 @@ class RunLifecycle(L.LightningModule):
     def _set_models(self, models: GRPOModels) -> None:
         """Take what the backend made: the models, the engine's wrapper and weights, the scorer and layout."""
         self.policy, self._reference.model = models.policy, models.ref
+        if self.teacher is not None and self.teacher.model is not None:  # sharded or converted like the reference
+            self.teacher.model = models.teacher
         self.rollout.attach(models.engine, models.weights)
         self.logprobs.use(models.scorer, models.sharded)
 
@@ -142,11 +153,11 @@ class RunLifecycle(L.LightningModule):
         trainer's backend. The rollout engine stays for the next stage, except at the end of a fit, which closes an
         engine the module made from ``config.engine`` (a given engine is the caller's, kept)."""
         self.experience_maker.close()
-        restored = self.backend.restore(GRPOModels(self.policy, self.ref_model))
+        restored = self.backend.restore(GRPOModels(self.policy, self.ref_model, teacher=self.teacher_model))
         self.rollout.detach()
         self.backend = LocalBackend()
         self._set_models(self.backend.configure(dataclasses.replace(self._models(), policy=restored.policy,
-                                                                    ref=restored.ref)))
+                                                                    ref=restored.ref, teacher=restored.teacher)))
         if stage == "fit":
             self.rollout.close()
 
@@ -163,8 +174,9 @@ class RunLifecycle(L.LightningModule):
 
     @override
     def on_fit_start(self) -> None:
-        if self.ref_model is not None:
-            self.ref_model.to(self.device)
+        for frozen in (self.ref_model, self.teacher_model):
+            if frozen is not None:
+                frozen.to(self.device)
         self._bind_context()
 
     @override

@@ -35,6 +35,7 @@ from lightning_grpo.rewards import RewardSet, RewardSpec
 from lightning_grpo.rewards.reward_model import resolve_reward_models
 from lightning_grpo.rollout.prefetch import PrefetchedRollout
 from lightning_grpo.rollout.registry import resolve_engine_name
+from lightning_grpo.rollout.teacher import make_teacher
 from lightning_grpo.rollout.worker import RolloutWorker
 from lightning_grpo.runtime.cleanup import ReleaseOnException
 from lightning_grpo.runtime.preemption import Preemption
@@ -64,7 +65,7 @@ class GRPOModule(RunLifecycle):
             :class:`lightning_grpo.rewards.reward_model.RewardModel` on this process's device (docs/rewards.md).
         reward_weights: one weight per reward function (default 1 each); the reward is the weighted sum.
         accuracy_reward: the reward function used for validation accuracy (``val/accuracy``); default: the first.
-        config: the algorithm settings.
+        config: the algorithm settings (on-policy distillation's teacher, ``config.distillation``, is made here).
         learning_rate: AdamW peak learning rate.
         weight_decay: AdamW weight decay.
         adam_betas: AdamW betas.
@@ -80,8 +81,7 @@ class GRPOModule(RunLifecycle):
             missing rewards (logged as a warning) instead of stopping the run; any other reward function that
             raises stops the run with its name and the index of the failing sample.
         lora: train LoRA adapters on the frozen base: a ``peft.LoraConfig`` or a dict of its fields
-            (:mod:`lightning_grpo.models.lora`); the KL reference is the base (adapters off); checkpoints hold the
-            adapters.
+            (:mod:`lightning_grpo.models.lora`); the KL reference is the base (adapters off); checkpoints: adapters.
         quantization: "4bit" or "8bit": a bitsandbytes-quantized frozen base for ``lora`` (CUDA only).
         export_merged: with ``lora``, also export the merged model to ``<export_dir>/merged``.
         tools: multi-turn tool use (docs/multiturn.md): functions with type hints and a Google-style docstring, or
@@ -90,13 +90,11 @@ class GRPOModule(RunLifecycle):
         environment_factory: multi-turn episodes with a stateful environment: a callable (e.g. a class) making one
             :class:`lightning_grpo.episodes.Environment` per episode (``reset(**row)``, ``step(turn) -> EnvStep``,
             ``close()``); with it, ``tools`` are only described in the prompt.
-        tool_parser: the tool-call format (:class:`lightning_grpo.episodes.ToolCallParser`); default the Hermes /
-            Qwen ``<tool_call>`` JSON format.
+        tool_parser: the tool-call format (:class:`lightning_grpo.episodes.ToolCallParser`); default Hermes/Qwen JSON.
         processor: a vision-language ``model``'s image processor or its folder (default: the model's; docs/vision.md).
-        agent: train an unmodified agent (docs/agents.md): ``fn(base_url, api_key, row)`` (sync or ``async``) that
-            runs any agent code against the OpenAI-compatible gateway at ``base_url`` and may return the episode's
-            reward, or an :class:`lightning_grpo.episodes.AgentRollout` with its settings; not with ``tools``,
-            ``environment_factory`` or ``tool_parser``.
+        agent: train an unmodified agent (docs/agents.md): ``fn(base_url, api_key, row)`` (sync or ``async``) running
+            any agent code against the OpenAI-compatible gateway at ``base_url`` (it may return the episode's reward),
+            or an :class:`~lightning_grpo.episodes.AgentRollout`; not with tools, an environment or a tool parser.
 
     Raises:
         ValueError: a bad argument (named in the message).
@@ -160,7 +158,9 @@ class GRPOModule(RunLifecycle):
         self.rollout = RolloutWorker(self.config, self.tokenizer, self._emit, prompts=path.prompts,
                                      sampler=path.sampler, stop=stop, images=path.images)
         self.logprobs = CompletionLogprobs(self.config, vision=loaded.vision)
-        self.experience_maker = ExperienceMaker(self.config, self.rollout, self.rewards, self.logprobs, self._emit)
+        self.teacher = make_teacher(self.config.distillation, self.tokenizer, dtype, self.logprobs)  # or None
+        self.experience_maker = ExperienceMaker(self.config, self.rollout, self.rewards, self.logprobs, self._emit,
+                                                teacher=self.teacher)
         self.step_selection = StepSelection(self.config, self.logprobs)
         self.step_metrics = StepMetrics(self.config.clip_ratio_c, self.config.tis_cap())
         self.timer = StepTimer()

@@ -32,7 +32,7 @@ from lightning.pytorch.loggers import CSVLogger  # noqa: E402
 
 from lightning_grpo import GRPOConfig, GRPOModule  # noqa: E402
 from lightning_grpo.callbacks import CompletionTable, GRPOModelCheckpoint, GRPOProgressBar  # noqa: E402
-from lightning_grpo.config import EngineConfig, EvalConfig
+from lightning_grpo.config import DistillationConfig, EngineConfig, EvalConfig  # noqa: E402
 from lightning_grpo.data import PromptDataModule  # noqa: E402
 from lightning_grpo.evaluation.plot import plot_metrics  # noqa: E402
 from lightning_grpo.rollout.registry import resolve_engine_name
@@ -70,6 +70,8 @@ def summarize(metrics_csv: Path, first: int = 5) -> dict[str, Any]:
                   "accuracy": [v for _, v in column("rewards/gsm8k_accuracy_strict/mean")],
                   "timing_step_s": [v for _, v in column("timing/step_s")]},
         "val_curve": accuracy,
+        "val_pass@1_curve": sampled,
+        "reverse_kl": column("distillation/reverse_kl"),
     }
 
 
@@ -88,9 +90,13 @@ def table(summary: dict[str, Any], first: int = 5) -> str:
 def main(max_steps: int = 30, prompts_per_step: int = 8, num_generations: int = 8, max_new_tokens: int = 64,
          learning_rate: float = 1e-5, val_size: int = 130, level: int = 1, temperature: float = 1.2,
          eval_samples: int = 4, loss_type: str = "grpo", engine: Optional[str] = None,
-         root: str = "outputs/arithmetic_grpo", model: str = "embedded", seed: int = 42) -> dict[str, Any]:
+         root: str = "outputs/arithmetic_grpo", model: str = "embedded", seed: int = 42, val_every: int = 0,
+         teacher: Optional[str] = None, distill_coef: float = 1.0) -> dict[str, Any]:
     """Validate, train ``max_steps`` GRPO steps, validate again; print the table and paths; return the summary
-    (:func:`summarize` plus ``seconds``, ``plot``, ``completions``, ``log_dir``)."""
+    (:func:`summarize` plus ``seconds``, ``plot``, ``completions``, ``log_dir``, ``export``: the trained policy's
+    folder). ``val_every`` > 0 validates every that many steps as well; ``teacher`` (a model folder with this
+    tokenizer) trains by on-policy distillation from it instead of the reward (``GRPOConfig.distillation``, the
+    per-token reverse KL times ``distill_coef`` as the advantage; the reward is still scored and logged)."""
     start = time.perf_counter()
     L.seed_everything(seed)
     module = GRPOModule(
@@ -100,6 +106,7 @@ def main(max_steps: int = 30, prompts_per_step: int = 8, num_generations: int = 
         config=GRPOConfig(num_generations=num_generations, max_prompt_length=128, max_new_tokens=max_new_tokens,
                           temperature=temperature, beta=0.0, loss_type=loss_type,
                           engine=EngineConfig(name=engine or "auto"),
+                          distillation=DistillationConfig(teacher=teacher, coef=distill_coef),
                           eval=EvalConfig(max_new_tokens=max_new_tokens, num_samples=eval_samples,
                                           temperature=temperature)),
         learning_rate=learning_rate,
@@ -112,7 +119,8 @@ def main(max_steps: int = 30, prompts_per_step: int = 8, num_generations: int = 
         accumulate_grad_batches=1,
         gradient_clip_val=1.0,
         log_every_n_steps=1,
-        val_check_interval=max_steps,  # micro-batches: one per optimizer step here, so once, after the last step
+        # micro-batches: one per optimizer step here, so after the last step (and every val_every steps)
+        val_check_interval=val_every if 0 < val_every < max_steps else max_steps,
         check_val_every_n_epoch=None,
         num_sanity_val_steps=0,
         logger=logger,
@@ -129,11 +137,13 @@ def main(max_steps: int = 30, prompts_per_step: int = 8, num_generations: int = 
     summary["plot"] = str(plot_metrics(log_dir, title=f"GRPO on arithmetic-{level}, SmolLM2-135M ({engine})"))
     summary["completions"] = str(log_dir / "completions.csv")
     summary["log_dir"] = str(log_dir)
+    summary["export"] = str(log_dir / "hf_model")  # GRPOModule's default export_dir
     summary["seconds"] = time.perf_counter() - start
     summary["settings"] = dict(max_steps=max_steps, prompts_per_step=prompts_per_step, num_generations=num_generations,
                                max_new_tokens=max_new_tokens, learning_rate=learning_rate, val_size=val_size,
                                level=level, temperature=temperature, eval_samples=eval_samples, loss_type=loss_type,
-                               engine=engine, seed=seed, rewards=REWARDS, weights=WEIGHTS)
+                               engine=engine, seed=seed, rewards=REWARDS, weights=WEIGHTS, val_every=val_every,
+                               teacher=teacher, distill_coef=distill_coef, model=model)
     print(table(summary))
     print(f"plot: {summary['plot']}\ncompletions: {summary['completions']}\ntook {summary['seconds'] / 60:.1f} min")
     return summary

@@ -12,22 +12,29 @@ Knobs that change the loss or which tokens get it, each listed below: ``loss_typ
 ``top_entropy_quantile``, ``importance_sampling_cap`` with each ``rollout_importance_sampling_level`` and
 ``importance_sampling_mode``, ``importance_sampling_level`` (GSPO, GSPO-token), ``policy_loss_mode`` (Clip-Cov,
 KL-Cov), ``temperature``, ``top_k``/``top_p``/``min_p`` (the trainer scores the truncated distribution),
-``padding_free``/``shared_prefix`` (the forward layout).
+``padding_free``/``shared_prefix`` (the forward layout); the rollout correction of issue 33 (the two-sided and
+geometric importance weights, IcePop, the geometric-mean, KL-estimate and off-policy masks, bypass mode) and on-policy
+distillation (a teacher model's per-token reverse KL as the advantage), each of whose masks is checked to act.
 
 Multi-turn episodes (issue 21): the same check on episodes of a scripted environment (every finished turn gets an
 observation, the second ends the episode), whose environment tokens are context without loss, for every
 ``loss_type`` and the knobs that read token statistics.
 """
 
+import dataclasses
+
 import pytest
 import torch
 
 from lightning_grpo import GRPOConfig, GRPOModule
-from lightning_grpo.config import EpisodeConfig
+from lightning_grpo.config import CorrectionConfig, DistillationConfig, EpisodeConfig
 from lightning_grpo.data import PromptDataModule
 from lightning_grpo.training.experience import Experience
 from support.algorithm import FixedRolloutEngine, Recorder, fixed_completions, quiet_trainer, write_prompts
 from support.episodes import EchoEnvironment
+
+#: stands for the teacher model of the distillation knobs (the tied tiny Llama: the student's tokenizer, other weights)
+TEACHER = "<tiny tied llama>"
 
 KNOBS = {
     "grpo": dict(loss_type="grpo"),
@@ -63,7 +70,27 @@ KNOBS = {
     "truncated_sampling": dict(top_k=50, top_p=0.9, min_p=0.01),
     "padded_forward": dict(padding_free=False),
     "packed_forward": dict(shared_prefix=False),
+    # issue 33: the rollout correction and on-policy distillation
+    "icepop": dict(importance_sampling_cap=1.04, importance_sampling_min=0.96, importance_sampling_mode="mask"),
+    "tis_two_sided": dict(importance_sampling_cap=1.02, importance_sampling_min=0.98),
+    "tis_geometric": dict(importance_sampling_cap=1.01, rollout_importance_sampling_level="geometric"),
+    "geo_mask": dict(correction=CorrectionConfig(geo_mask_low=0.99, geo_mask_high=1.01)),
+    "kl_mask_k3": dict(correction=CorrectionConfig(kl_mask_threshold=1e-3)),
+    "kl_mask_k2_token": dict(correction=CorrectionConfig(kl_mask_threshold=1e-3, kl_mask_estimator="k2",
+                                                         kl_mask_aggregation="token")),
+    "kl_mask_k1_seq_sum": dict(correction=CorrectionConfig(kl_mask_threshold=0.05, kl_mask_estimator="k1",
+                                                           kl_mask_aggregation="seq_sum")),
+    "off_policy_mask": dict(correction=CorrectionConfig(off_policy_mask_threshold=0.0)),
+    "bypass": dict(correction=CorrectionConfig(bypass_mode=True)),
+    "bypass_gspo_geo_mask": dict(importance_sampling_level="sequence",
+                                 correction=CorrectionConfig(bypass_mode=True, geo_mask_low=0.99, geo_mask_high=1.01)),
+    "distillation": dict(distillation=DistillationConfig(teacher=TEACHER)),
+    "distillation_mixed_cispo": dict(loss_type="cispo", epsilon_low=1.0, epsilon_high=0.02,
+                                     distillation=DistillationConfig(teacher=TEACHER, reward_weight=1.0, coef=0.5)),
 }
+#: knob -> the ``sampling/masked_fraction/<name>`` that must be strictly between 0 and 1 at every step (the mask acts)
+MASKING = {"icepop": "importance_sampling", "geo_mask": "geometric", "kl_mask_k3": "kl", "kl_mask_k2_token": "kl",
+           "kl_mask_k1_seq_sum": "kl", "off_policy_mask": "off_policy", "bypass_gspo_geo_mask": "geometric"}
 
 
 class OffsetSampler(FixedRolloutEngine):
@@ -94,7 +121,10 @@ def prompt_file(tmp_path_factory):
     return write_prompts(tmp_path_factory.mktemp("prompts") / "prompts.jsonl")
 
 
-def _two_steps(path, root, prompt_file, accumulate, knobs, multiturn=False):
+def _two_steps(path, root, prompt_file, accumulate, knobs, multiturn=False, teacher=None):
+    knobs = dict(knobs)
+    if "distillation" in knobs:  # the teacher fixture's folder for the placeholder
+        knobs["distillation"] = dataclasses.replace(knobs["distillation"], teacher=teacher)
     config = GRPOConfig(num_generations=4, max_new_tokens=8, num_iterations=2, mask_truncated_completions=True,
                         episode=EpisodeConfig(max_tokens=40), **knobs)
     module = GRPOModule(path, reward_funcs=[by_position], config=config, learning_rate=1e-4, export_dir="",
@@ -109,30 +139,43 @@ def _two_steps(path, root, prompt_file, accumulate, knobs, multiturn=False):
     return recorder
 
 
+def _assert_the_mask_acts(name, recorder):
+    if name in MASKING:
+        for step, metrics in enumerate(recorder.metrics):
+            assert 0 < metrics[f"sampling/masked_fraction/{MASKING[name]}"] < 1, (name, step)
+
+
 @pytest.mark.parametrize("name", sorted(KNOBS))
-def test_gradient_does_not_depend_on_accumulation(tiny_llama_path, tmp_path, prompt_file, name):
-    whole = _two_steps(tiny_llama_path, tmp_path / "one", prompt_file, 1, KNOBS[name])
-    split = _two_steps(tiny_llama_path, tmp_path / "four", prompt_file, 4, KNOBS[name])
+def test_gradient_does_not_depend_on_accumulation(tiny_llama_path, tiny_tied_llama_path, tmp_path, prompt_file, name):
+    whole = _two_steps(tiny_llama_path, tmp_path / "one", prompt_file, 1, KNOBS[name], teacher=tiny_tied_llama_path)
+    split = _two_steps(tiny_llama_path, tmp_path / "four", prompt_file, 4, KNOBS[name], teacher=tiny_tied_llama_path)
     assert [len(b) for b in whole.batches] == [8, 8] and [len(b) for b in split.batches] == [2] * 8
     assert len(whole.grads) == len(split.grads) == 2
     for step, (g1, g4) in enumerate(zip(whole.grads, split.grads, strict=True)):
         assert g1.keys() == g4.keys() and max(g.abs().max().item() for g in g1.values()) > 1e-5, step
         for key in g1:
             torch.testing.assert_close(g4[key], g1[key], atol=1e-5, rtol=0, msg=f"step {step}: {key}")
+    _assert_the_mask_acts(name, whole)
+    _assert_the_mask_acts(name, split)
 
 
 MULTITURN_KNOBS = ["grpo", "bnpo", "token_mean", "dapo", "dr_grpo", "cispo", "kl_k3", "kl_in_reward", "entropy_bonus",
                    "top_entropy_quantile", "tis_token_truncate", "gspo", "clip_cov", "kl_cov", "padded_forward",
-                   "packed_forward"]
+                   "packed_forward", "icepop", "geo_mask", "kl_mask_k3", "off_policy_mask", "bypass", "distillation"]
 
 
 @pytest.mark.parametrize("name", MULTITURN_KNOBS)
-def test_multiturn_gradient_does_not_depend_on_accumulation(tiny_llama_path, tmp_path, prompt_file, name):
-    whole = _two_steps(tiny_llama_path, tmp_path / "one", prompt_file, 1, KNOBS[name], multiturn=True)
-    split = _two_steps(tiny_llama_path, tmp_path / "four", prompt_file, 4, KNOBS[name], multiturn=True)
+def test_multiturn_gradient_does_not_depend_on_accumulation(tiny_llama_path, tiny_tied_llama_path, tmp_path,
+                                                             prompt_file, name):
+    whole = _two_steps(tiny_llama_path, tmp_path / "one", prompt_file, 1, KNOBS[name], multiturn=True,
+                       teacher=tiny_tied_llama_path)
+    split = _two_steps(tiny_llama_path, tmp_path / "four", prompt_file, 4, KNOBS[name], multiturn=True,
+                       teacher=tiny_tied_llama_path)
     assert all(b.env_mask is not None for b in whole.batches + split.batches)
     assert sum(int(b.env_mask.sum()) for b in whole.batches) > 0  # episodes with an observation were trained
     for step, (g1, g4) in enumerate(zip(whole.grads, split.grads, strict=True)):
         assert g1.keys() == g4.keys() and max(g.abs().max().item() for g in g1.values()) > 1e-5, step
         for key in g1:
             torch.testing.assert_close(g4[key], g1[key], atol=1e-5, rtol=0, msg=f"step {step}: {key}")
+    _assert_the_mask_acts(name, whole)
+    _assert_the_mask_acts(name, split)

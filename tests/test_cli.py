@@ -11,12 +11,20 @@ import re
 import pytest
 
 from lightning_grpo.cli import GRPOCLI, main
-from lightning_grpo.config import EngineConfig, EpisodeConfig, EvalConfig, GRPOConfig
+from lightning_grpo.config import (
+    CorrectionConfig,
+    DistillationConfig,
+    EngineConfig,
+    EpisodeConfig,
+    EvalConfig,
+    GRPOConfig,
+)
 from lightning_grpo.data import PromptDataModule
 from lightning_grpo.module import GRPOModule
 
 #: The config groups: flag prefix -> dataclass (the nested groups are fields of GRPOConfig).
-GROUPS = {"": GRPOConfig, "engine.": EngineConfig, "eval.": EvalConfig, "episode.": EpisodeConfig}
+GROUPS = {"": GRPOConfig, "engine.": EngineConfig, "eval.": EvalConfig, "episode.": EpisodeConfig,
+          "correction.": CorrectionConfig, "distillation.": DistillationConfig}
 
 
 def _field_docstrings(cls: type = GRPOConfig) -> dict[str, str]:

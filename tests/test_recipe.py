@@ -102,6 +102,22 @@ def test_arithmetic_recipe_validates_trains_validates_and_reports(tmp_path, tiny
     assert "held-out accuracy (greedy)" in out and f"plot: {summary['plot']}" in out
 
 
+def test_arithmetic_recipe_distills_from_a_teacher_folder(tmp_path, tiny_llama_path, tiny_tied_llama_path):
+    """``teacher`` and ``val_every`` (benchmarks/distillation.py's distillation stage): the student trains on the
+    reverse KL to the teacher folder (logged every step), validates every step as well, and records its settings."""
+    spec = importlib.util.spec_from_file_location("arithmetic_grpo", ROOT / "recipes" / "arithmetic_grpo.py")
+    recipe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(recipe)
+    summary = recipe.main(max_steps=2, prompts_per_step=2, num_generations=2, max_new_tokens=16, val_size=4,
+                          eval_samples=2, engine="hf", root=str(tmp_path), model=tiny_llama_path, val_every=1,
+                          teacher=tiny_tied_llama_path, distill_coef=0.5)
+    assert [step for step, _ in summary["reverse_kl"]] == [0, 1]
+    assert all(value != 0 for _, value in summary["reverse_kl"])  # two different random models
+    assert [step for step, _ in summary["val_curve"]] == [0, 0, 1]  # before training, after steps 1 and 2
+    assert summary["settings"]["teacher"] == tiny_tied_llama_path and summary["settings"]["distill_coef"] == 0.5
+    assert summary["export"] == str(Path(summary["log_dir"]) / "hf_model") and os.path.isdir(summary["export"])
+
+
 def test_arithmetic_yaml_recipe_one_step(tmp_path, tiny_llama_path):
     cli_main([
         "fit", "--config", str(ROOT / "recipes" / "arithmetic_grpo.yaml"), "--trainer.max_steps", "1",

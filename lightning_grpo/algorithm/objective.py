@@ -1,10 +1,11 @@
 """The GRPO objective of one micro-batch: per-token policy loss (PPO-clip at the token or sequence level, CISPO,
-Clip-Cov or KL-Cov), rollout importance correction, high-entropy selection, entropy bonus and KL, aggregated by
-``loss_type``. Pure torch; the module only runs the forward pass and logs."""
+Clip-Cov or KL-Cov; per-token advantages with on-policy distillation), rollout correction (importance weight and
+rejection masks), high-entropy selection, entropy bonus and KL, aggregated by ``loss_type``. Pure torch; the module
+only runs the forward pass and logs."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
 
 import torch
@@ -12,7 +13,9 @@ from torch import Tensor
 
 from lightning_grpo import functional as F
 from lightning_grpo.algorithm.cispo import cispo_loss
+from lightning_grpo.algorithm.correction import CorrectionOutput, correction_masks, rollout_log_ratio
 from lightning_grpo.algorithm.covariance import CovarianceStats, clip_cov_loss, kl_cov_loss
+from lightning_grpo.algorithm.distillation import distillation_advantages, reverse_kl
 from lightning_grpo.algorithm.entropy import high_entropy_mask
 from lightning_grpo.algorithm.importance import rollout_importance_weights
 from lightning_grpo.algorithm.sequence import policy_log_ratio
@@ -35,6 +38,9 @@ class ObjectiveOutput:
         importance_weights: ``(N, T)`` rollout importance weights (TIS), else None.
         entropy_mask: ``(N, T)`` bool high-entropy tokens that got the policy-gradient loss, else None.
         covariance_mask: ``(N, T)`` bool tokens whose loss Clip-Cov dropped or that KL-Cov penalized, else None.
+        correction: the rollout correction's log-ratio (with sampler logprobs) and rejection masks
+            (:class:`~lightning_grpo.algorithm.correction.CorrectionOutput`).
+        distillation_kl: ``(N, T)`` per-token reverse KL to the teacher (distillation), else None.
     """
 
     loss: Tensor
@@ -45,6 +51,8 @@ class ObjectiveOutput:
     importance_weights: Optional[Tensor] = None
     entropy_mask: Optional[Tensor] = None
     covariance_mask: Optional[Tensor] = None
+    correction: CorrectionOutput = field(default_factory=CorrectionOutput)
+    distillation_kl: Optional[Tensor] = None
 
 
 def _expand(clip: F.ClipStats, shape: torch.Size) -> F.ClipStats:
@@ -61,9 +69,14 @@ def _policy_term(
     generator: Optional[torch.Generator],
     covariance_stats: Optional[CovarianceStats],
     clip_cov_selected: Optional[Tensor] = None,
+    token_advantages: Optional[Tensor] = None,
 ) -> tuple[Tensor, F.ClipStats, Optional[Tensor]]:
-    """``(N, T)`` per-token policy loss, its clip statistics and the covariance selection (or None)."""
-    per_token_advantages = torch.where(mask, advantages.unsqueeze(1), 0.0)  # [N, T]
+    """``(N, T)`` per-token policy loss, its clip statistics and the covariance selection (or None);
+    ``token_advantages`` (distillation, ``(N, T)``) replace the sequence ``advantages`` on every token."""
+    if token_advantages is None:
+        per_token_advantages = torch.where(mask, advantages.unsqueeze(1), 0.0)  # [N, T]
+    else:
+        per_token_advantages = torch.where(mask, token_advantages, 0.0)  # [N, T]
     eps_low, eps_high = config.epsilon_low, config.epsilon_high
     if config.policy_loss_mode == "clip_cov":
         if generator is None:
@@ -85,11 +98,42 @@ def _policy_term(
                                      eps_high)
         return per_token, clip, None
     sequence_level = config.importance_sampling_level == "sequence"
-    pg_advantages = advantages.unsqueeze(1) if sequence_level else per_token_advantages  # [N, 1] or [N, T]
+    per_sequence = sequence_level and token_advantages is None
+    pg_advantages = advantages.unsqueeze(1) if per_sequence else per_token_advantages  # [N, 1] or [N, T]
     per_token, clip = F.policy_loss(
         log_ratio, torch.zeros_like(log_ratio), pg_advantages, eps_low, eps_high, config.clip_ratio_c, config.delta
     )
     return per_token.expand(mask.shape), _expand(clip, mask.shape), None
+
+
+def _old_logprobs(detached: Tensor, old_logprobs: Optional[Tensor], sampler_logprobs: Optional[Tensor], mask: Tensor,
+                  bypass: bool) -> Tensor:
+    """``(N, T)`` old-policy logprobs: the sampler's in bypass mode, else ``old_logprobs`` or the detached current
+    ones; the detached current ones at masked positions."""
+    if bypass:
+        if sampler_logprobs is None:
+            raise ValueError("GRPOConfig.correction.bypass_mode=True takes the sampler's logprobs as the old policy's, "
+                             "but this batch has none: use an engine that reports them (vLLM, rollout servers)")
+        return torch.where(mask, sampler_logprobs.float(), detached)
+    return detached if old_logprobs is None else torch.where(mask, old_logprobs.float(), detached)
+
+
+def _rollout_correction(detached: Tensor, old: Tensor, sampler_logprobs: Optional[Tensor], mask: Tensor,
+                        config: "GRPOConfig", advantages: Tensor) -> tuple[Optional[Tensor], CorrectionOutput]:
+    """The importance weight (or None) and the rejection masks (:mod:`lightning_grpo.algorithm.correction`). Their
+    log-ratio is ``old - sampler``, or ``current - sampler`` in bypass mode (``old`` is the sampler's there)."""
+    weights = log_ratio = None
+    if sampler_logprobs is not None:
+        log_ratio = rollout_log_ratio(detached if config.correction.bypass_mode else old, sampler_logprobs, mask)
+        if config.importance_weight_on():
+            weights = rollout_importance_weights(
+                old, sampler_logprobs, mask, config.tis_cap(), config.rollout_importance_sampling_level,
+                config.importance_sampling_mode, low=config.importance_sampling_min,
+            )
+    behaviour = old if sampler_logprobs is None else torch.where(mask, sampler_logprobs.float(), detached)
+    masks = correction_masks(config.correction, log_ratio, mask, logprobs=detached, behaviour_logprobs=behaviour,
+                             advantages=advantages)
+    return weights, CorrectionOutput(log_ratio, masks)
 
 
 def grpo_objective(
@@ -107,6 +151,7 @@ def grpo_objective(
     covariance_stats: Optional[CovarianceStats] = None,
     entropy_threshold: Optional[float] = None,
     clip_cov_selected: Optional[Tensor] = None,
+    teacher_logprobs: Optional[Tensor] = None,
 ) -> ObjectiveOutput:
     """GRPO loss of a micro-batch (DeepSeekMath eq. 3 with the variants of ``config``).
 
@@ -120,11 +165,18 @@ def grpo_objective(
     * ``policy_loss_mode="clip_cov"`` / ``"kl_cov"``: :mod:`lightning_grpo.algorithm.covariance` (arXiv:2505.22617
       sec. 4; token level only).
 
-    Then ``l`` times the TIS weight ``min(pi_old / pi_sampler, C)`` when ``sampler_logprobs`` are given and
-    ``config.tis_cap()`` is set (:func:`~lightning_grpo.algorithm.importance.rollout_importance_weights`
-    at ``config.rollout_importance_sampling_level``), times the high-entropy mask when ``config.top_entropy_quantile
-    < 1``; then ``- entropy_coef * H`` and ``+ beta * KL(pi || pi_ref)`` (when ``ref_logprobs`` are given); then
-    :func:`~lightning_grpo.functional.aggregate_loss` with ``config.loss_type`` and ``normalizer``.
+    With ``teacher_logprobs`` (on-policy distillation) each token's advantage is
+    :func:`~lightning_grpo.algorithm.distillation.distillation_advantages` of the old (behaviour) logprobs.
+    With ``config.correction.bypass_mode`` the old logprobs are ``sampler_logprobs``.
+
+    Then ``l`` times the importance weight ``clip(pi_old / pi_sampler, C_min, C)`` when ``sampler_logprobs`` are
+    given and a bound is set (``config.importance_weight_on()``;
+    :func:`~lightning_grpo.algorithm.importance.rollout_importance_weights` at
+    ``config.rollout_importance_sampling_level``), times the rejection masks of ``config.correction``
+    (:func:`~lightning_grpo.algorithm.correction.correction_masks`), times the high-entropy mask when
+    ``config.top_entropy_quantile < 1``; then ``- entropy_coef * H`` and ``+ beta * KL(pi || pi_ref)`` (when
+    ``ref_logprobs`` are given); then :func:`~lightning_grpo.functional.aggregate_loss` with ``config.loss_type`` and
+    ``normalizer``.
 
     Values at masked positions (logprobs, old/ref/sampler logprobs, entropy) never reach the loss or its
     gradient, even when they are NaN or inf: they are replaced before any arithmetic and the gradient path through
@@ -154,13 +206,14 @@ def grpo_objective(
         clip_cov_selected: ``(N, T)`` bool, Clip-Cov's tokens drawn over the whole optimizer step; None = drawn
             from this micro-batch. :mod:`lightning_grpo.training.selection` computes all three per step, so that the
             step's gradient does not depend on the micro-batch split.
+        teacher_logprobs: ``(N, T)`` teacher logprobs of the same tokens (on-policy distillation), or None.
 
     Returns:
         :class:`ObjectiveOutput`.
 
     Raises:
         ValueError: a row with loss tokens has a non-finite advantage; ``entropy`` is missing although needed;
-            shapes disagree.
+            shapes disagree; bypass mode without ``sampler_logprobs``.
     """
     if logprobs.shape != mask.shape or advantages.shape != logprobs.shape[:1]:
         raise ValueError(
@@ -174,19 +227,24 @@ def grpo_objective(
         raise ValueError(f"advantages of rows {bad} are not finite although those rows have loss tokens")
     detached = logprobs.detach()
     current = torch.where(mask, logprobs, detached)  # the gradient never flows through masked positions
-    old = detached if old_logprobs is None else torch.where(mask, old_logprobs.float(), detached)
+    old = _old_logprobs(detached, old_logprobs, sampler_logprobs, mask, config.correction.bypass_mode)
     row_advantages = torch.where(has_tokens, advantages.float(), 0.0)  # [N]
+    token_advantages = distillation_kl = None
+    if teacher_logprobs is not None:  # on-policy distillation: per-token advantages from the reverse KL
+        distill = config.distillation
+        token_advantages = distillation_advantages(row_advantages, old, teacher_logprobs, mask, distill.coef,
+                                                   distill.reward_weight)
+        distillation_kl = reverse_kl(old, teacher_logprobs, mask)
     per_token, clip, covariance_mask = _policy_term(
-        current, old, mask, row_advantages, config, generator, covariance_stats, clip_cov_selected
+        current, old, mask, row_advantages, config, generator, covariance_stats, clip_cov_selected, token_advantages
     )
-    weights = None
-    cap = config.tis_cap()
-    if sampler_logprobs is not None and cap is not None:
-        weights = rollout_importance_weights(
-            old, sampler_logprobs, mask, cap,
-            config.rollout_importance_sampling_level, config.importance_sampling_mode,
-        )
+    weights, correction = _rollout_correction(detached, old, sampler_logprobs, mask, config,
+                                              row_advantages if token_advantages is None else token_advantages)
+    if weights is not None:
         per_token = per_token * weights
+    kept = correction.combined()
+    if kept is not None:
+        per_token = torch.where(kept, per_token, 0.0)
     needs_entropy = config.entropy_coef > 0 or config.top_entropy_quantile < 1
     if needs_entropy and entropy is None:
         raise ValueError("entropy is required when entropy_coef > 0 or top_entropy_quantile < 1")
@@ -213,4 +271,6 @@ def grpo_objective(
         importance_weights=weights,
         entropy_mask=entropy_mask,
         covariance_mask=covariance_mask,
+        correction=correction,
+        distillation_kl=distillation_kl,
     )

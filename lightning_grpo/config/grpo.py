@@ -1,7 +1,9 @@
 """``GRPOConfig``: every knob of the algorithm, validated on construction.
 
 Names follow TRL's ``GRPOConfig`` where they mean the same thing; docs/algorithm.md maps each to TRL and verl. The
-engine, evaluation and episode settings are nested groups (:mod:`lightning_grpo.config.groups`).
+engine, evaluation and episode settings are nested groups (:mod:`lightning_grpo.config.groups`), as are the rollout
+correction's masks (:mod:`lightning_grpo.config.correction`) and on-policy distillation
+(:mod:`lightning_grpo.config.distillation`).
 """
 
 from __future__ import annotations
@@ -10,6 +12,8 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional, Union
 
+from lightning_grpo.config.correction import CorrectionConfig
+from lightning_grpo.config.distillation import DistillationConfig
 from lightning_grpo.config.groups import EngineConfig, EpisodeConfig, EvalConfig, check_fields, fail
 from lightning_grpo.protocols.sampling import sampling_errors
 
@@ -18,7 +22,7 @@ KLEstimator = Literal["k1", "k2", "k3"]
 ScaleRewards = Literal["group", "batch", "none"]
 AdvantageEstimator = Literal["grpo", "rloo"]
 ImportanceSamplingLevel = Literal["token", "sequence", "sequence_token"]
-RolloutImportanceSamplingLevel = Literal["token", "sequence"]
+RolloutImportanceSamplingLevel = Literal["token", "sequence", "geometric"]
 PolicyLossMode = Literal["vanilla", "clip_cov", "kl_cov"]
 ImportanceSamplingMode = Literal["truncate", "mask"]
 OnNonFinite = Literal["error", "skip"]
@@ -131,6 +135,10 @@ class GRPOConfig:
     """Truncated importance sampling (TIS) cap C (>= 1) for engines that report sampler logprobs (vLLM): the
     policy-gradient loss is weighted by ``min(pi_old / pi_sampler, C)``; None = off (2.0 when ``max_staleness > 0``,
     where it corrects the stale rollouts: :meth:`tis_cap`). The HF engine reports none, so its weight is 1."""
+    importance_sampling_min: Optional[float] = None
+    """Lower bound C_min in (0, 1] of the importance weight (TRL ``vllm_importance_sampling_clip_min``): "truncate"
+    raises smaller weights to it, "mask" zeroes them; with ``importance_sampling_mode="mask"``,
+    ``importance_sampling_cap=5`` and 0.5 this is IcePop's two-sided token mask. None = no lower bound."""
     importance_sampling_level: ImportanceSamplingLevel = "token"
     """Level of the policy importance ratio pi / pi_old (TRL ``importance_sampling_level``): "token" (GRPO, one ratio
     per token), "sequence" (GSPO, arXiv:2507.18071 eq. 5-7: ``s_i = exp(mean_t log(pi / pi_old))`` clipped once per
@@ -139,7 +147,9 @@ class GRPOConfig:
     weight is ``rollout_importance_sampling_level``."""
     rollout_importance_sampling_level: RolloutImportanceSamplingLevel = "token"
     """Level of the truncated importance sampling weight pi_old / pi_sampler (``importance_sampling_cap``): "token"
-    (a weight per token) or "sequence" (the product over the sequence); verl ``algorithm.rollout_is_level``."""
+    (a weight per token), "sequence" (the product over the sequence; verl ``rollout_is="sequence"``) or "geometric"
+    (the geometric mean over the sequence, length-invariant: truncated, or with "mask" a geometric-mean sequence
+    mask that keeps the weight)."""
     importance_sampling_mode: ImportanceSamplingMode = "truncate"
     """Importance weight cap mode: "truncate" (``min(w, C)``) or "mask" (weight 0 where ``w > C``)."""
     policy_loss_mode: PolicyLossMode = "vanilla"
@@ -229,6 +239,15 @@ class GRPOConfig:
     """Limits of multi-turn episodes with tools or an environment (:class:`EpisodeConfig`: ``max_turns``,
     ``max_tokens``, ``tool_timeout_s``, ``env_workers``); unused by single-turn rollouts."""
 
+    # --- Rollout correction and on-policy distillation (lightning_grpo.algorithm.correction / .distillation) ---
+    correction: CorrectionConfig = field(default_factory=CorrectionConfig)
+    """Rejection masks (geometric-mean, KL-estimate, DeepSeek-V3.2's off-policy mask) and bypass mode
+    (:class:`~lightning_grpo.config.correction.CorrectionConfig`); the importance weight is
+    ``importance_sampling_*`` above."""
+    distillation: DistillationConfig = field(default_factory=DistillationConfig)
+    """On-policy distillation: a teacher (model or served) whose per-token reverse KL is the advantage
+    (:class:`~lightning_grpo.config.distillation.DistillationConfig`); off unless a teacher is set."""
+
     # --- Asynchronous rollouts (lightning_grpo.rollout.prefetch) ---
     max_staleness: int = 0
     """Bounded staleness (AReaL's eta, Fu et al. 2025, arXiv:2505.24298): rollouts are generated in a background
@@ -271,11 +290,18 @@ class GRPOConfig:
         self._check_policy_loss()
         self._check_batches()
         self._check_staleness()
+        # issue 33: the correction and distillation groups' combinations with the fields above
+        self.correction.check_with(importance_sampling_cap=self.importance_sampling_cap,
+                                   importance_sampling_min=self.importance_sampling_min,
+                                   max_staleness=self.max_staleness)
+        self.distillation.check_with(policy_loss_mode=self.policy_loss_mode, dynamic_sampling=self.dynamic_sampling,
+                                     temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+                                     min_p=self.min_p)
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> GRPOConfig:
         """A config from plain data (``dataclasses.asdict`` of one, as checkpoints store it): the ``engine``,
-        ``eval`` and ``episode`` groups may be dicts.
+        ``eval``, ``episode``, ``correction`` and ``distillation`` groups may be dicts.
 
         Raises:
             TypeError: an unknown field (named by the dataclass constructor).
@@ -289,10 +315,15 @@ class GRPOConfig:
     def tis_cap(self) -> Optional[float]:
         """The truncated-importance-sampling cap in effect: ``importance_sampling_cap``, or
         :data:`ASYNC_IMPORTANCE_SAMPLING_CAP` (2.0) when it is None and ``max_staleness > 0`` (the stale rollouts of
-        asynchronous training are always corrected); None = no TIS weight."""
-        if self.importance_sampling_cap is None and self.max_staleness > 0:
+        asynchronous training are always corrected; not in ``correction.bypass_mode``, whose old policy is the
+        sampler); None = no upper bound."""
+        if self.importance_sampling_cap is None and self.max_staleness > 0 and not self.correction.bypass_mode:
             return ASYNC_IMPORTANCE_SAMPLING_CAP
         return self.importance_sampling_cap
+
+    def importance_weight_on(self) -> bool:
+        """Whether the rollout importance weight applies (a cap in effect or ``importance_sampling_min``)."""
+        return self.tis_cap() is not None or self.importance_sampling_min is not None
 
     def _check_rewards(self) -> None:
         """Reward shaping and advantage knobs."""
@@ -373,6 +404,8 @@ class GRPOConfig:
             fail("top_entropy_quantile", self.top_entropy_quantile, "must be in [0, 1] (1 keeps every token)")
         if self.importance_sampling_cap is not None and self.importance_sampling_cap < 1:
             fail("importance_sampling_cap", self.importance_sampling_cap, "must be >= 1 or None (off)")
+        if self.importance_sampling_min is not None and not 0 < self.importance_sampling_min <= 1:
+            fail("importance_sampling_min", self.importance_sampling_min, "must be in (0, 1] or None (off)")
         for name in ("clip_cov_ratio", "kl_cov_ratio"):
             if not 0 < getattr(self, name) <= 1:
                 fail(name, getattr(self, name), "must be in (0, 1] (a fraction of the loss tokens)")
@@ -403,6 +436,6 @@ class GRPOConfig:
             )
 
 
-
 #: The nested setting groups of :class:`GRPOConfig`: field name -> dataclass.
-_GROUPS: tuple[tuple[str, type], ...] = (("engine", EngineConfig), ("eval", EvalConfig), ("episode", EpisodeConfig))
+_GROUPS: tuple[tuple[str, type], ...] = (("engine", EngineConfig), ("eval", EvalConfig), ("episode", EpisodeConfig),
+                                         ("correction", CorrectionConfig), ("distillation", DistillationConfig))

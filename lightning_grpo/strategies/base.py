@@ -51,6 +51,9 @@ class GRPOModels:
             None: :class:`~lightning_grpo.training.logprobs.CompletionLogprobs`' forward layouts.
         sharded: each forward pass of the policy and reference all-gathers their parameters (FSDP): callers make few,
             large forward calls.
+        teacher: on-policy distillation's frozen teacher model (``GRPOConfig.distillation.teacher``), else None;
+            a backend shards, converts and restores it as it does ``ref`` (the ``scorer`` and ``sharded`` hold for
+            it too).
     """
 
     policy: nn.Module
@@ -60,6 +63,7 @@ class GRPOModels:
     weights: Optional[PolicyWeights] = None
     scorer: Optional[CompletionScorer] = None
     sharded: bool = False
+    teacher: Optional[nn.Module] = None
 
 
 @runtime_checkable

@@ -226,9 +226,10 @@ class FSDP2Backend(LocalBackend):
         self.settings = settings if settings is not None else FSDP2Strategy()
 
     def configure(self, models: GRPOModels) -> GRPOModels:
-        """Shard the policy and the reference policy with FSDP2 over the strategy's data-parallel mesh and make the
-        HF rollout engine gather the policy once per rollout; the engines that hold their own weights read them
-        gathered one ``DTensor`` at a time (a collective). Idempotent (``configure_model`` may run again).
+        """Shard the policy, the reference policy and the distillation teacher with FSDP2 over the strategy's
+        data-parallel mesh and make the HF rollout engine gather the policy once per rollout; the engines that hold
+        their own weights read them gathered one ``DTensor`` at a time (a collective). Idempotent
+        (``configure_model`` may run again).
 
         Raises:
             ValueError: a plain ``ModelParallelStrategy`` with a tensor-parallel mesh dimension larger than 1 (its
@@ -258,12 +259,13 @@ class FSDP2Backend(LocalBackend):
             # a PEFT (LoRA) policy: its transformers model is the root, which the HF engine generates with
             root = policy.get_base_model() if models.lora else policy
             shard_model(root, dp_mesh, reshard_after_forward=settings.reshard_after_forward, **kwargs)
-        if ref is not None and not is_fsdp2(ref):
-            shard_model(ref, dp_mesh, reshard_after_forward=True, root_reshard_after_forward=True, **kwargs)
+        for frozen in (ref, models.teacher):  # the reference and the distillation teacher
+            if frozen is not None and not is_fsdp2(frozen):
+                shard_model(frozen, dp_mesh, reshard_after_forward=True, root_reshard_after_forward=True, **kwargs)
         if engine is not None and engine.uses_policy_parameters:
             engine = GatheredGenerationEngine(engine, policy)
         return GRPOModels(policy, ref, engine, lora=models.lora, weights=ModuleWeights(policy, collective=True),
-                          sharded=True)
+                          sharded=True, teacher=models.teacher)
 
     def clip_gradients(
         self,

@@ -66,9 +66,9 @@ class FSDP1Backend(LocalBackend):
     """
 
     def configure(self, models: GRPOModels) -> GRPOModels:
-        """Wrap the policy and the reference policy as FSDP1 roots with the strategy's settings; make the HF rollout
-        engine gather the policy with ``summon_full_params``; the engines with their own weights read them inside
-        it (a collective). Idempotent.
+        """Wrap the policy, the reference policy and the distillation teacher as FSDP1 roots with the strategy's
+        settings; make the HF rollout engine gather the policy with ``summon_full_params``; the engines with their
+        own weights read them inside it (a collective). Idempotent.
 
         The strategy's ``auto_wrap_policy`` is consumed here (Lightning would otherwise warn that it is ignored).
 
@@ -78,7 +78,7 @@ class FSDP1Backend(LocalBackend):
         if models.lora:
             raise ValueError("GRPOModule(lora=...) is not supported with Lightning's FSDP1 strategy (FSDPStrategy): "
                              "use strategy='grpo_fsdp2' (FSDP2), 'ddp' or a single device")
-        policy, ref, engine = models.policy, models.ref, models.engine
+        policy, ref, engine, teacher = models.policy, models.ref, models.engine, models.teacher
         nested = False
         separate_head = None  # the wrapped root's names may be FSDP1's flat ones: read them before wrapping
         if not is_fsdp1(policy):
@@ -87,6 +87,7 @@ class FSDP1Backend(LocalBackend):
             nested = auto_wrap_policy is not None
             policy = _wrap(policy, self.strategy, auto_wrap_policy)
             ref = _wrap(ref, self.strategy, auto_wrap_policy) if ref is not None else None
+            teacher = _wrap(teacher, self.strategy, auto_wrap_policy) if teacher is not None else None
         if engine is not None and engine.uses_policy_parameters:
             if nested:
                 # nested units all-gather in every forward: every rank must run as many forwards as the longest
@@ -94,7 +95,7 @@ class FSDP1Backend(LocalBackend):
                 engine.set_lockstep(True)
             engine = GatheredGenerationEngine(engine, policy)
         weights = ModuleWeights(policy, collective=True, gather=gathered_parameters, separate_head=separate_head)
-        return GRPOModels(policy, ref, engine, lora=models.lora, weights=weights, sharded=True)
+        return GRPOModels(policy, ref, engine, lora=models.lora, weights=weights, sharded=True, teacher=teacher)
 
     def grad_norm(self, policy: nn.Module) -> Optional[Tensor]:
         """The root's ``clip_grad_norm_(inf)`` (the norm over all shards, scales nothing; a collective), or None

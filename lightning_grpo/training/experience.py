@@ -54,6 +54,8 @@ class Experience:
             ``pixel_values`` and grid sizes), in the order of their placeholder runs in the row's ids; a prompt's G
             rows share one tuple, and every cut (mini-, micro-batch, token budget) takes each row's own. None (or a
             None row) without images.
+        teacher_logprobs: ``(N, T)`` float32 teacher logprobs of the completion tokens (on-policy distillation,
+            ``GRPOConfig.distillation``), else None.
     """
 
     prompt_ids: Tensor
@@ -73,6 +75,7 @@ class Experience:
     rows: Optional[Tensor] = None
     env_mask: Optional[Tensor] = None
     images: Optional[list[Optional[RowImages]]] = None
+    teacher_logprobs: Optional[Tensor] = None
 
     def __len__(self) -> int:
         return self.completion_ids.shape[0]
@@ -105,7 +108,7 @@ class Experience:
         updates: dict[str, Tensor] = {"prompt_ids": self.prompt_ids[:, start:],
                                       "prompt_mask": self.prompt_mask[:, start:]}
         for name in ("completion_ids", "completion_mask", "old_logprobs", "ref_logprobs", "sampler_logprobs",
-                     "env_mask"):
+                     "env_mask", "teacher_logprobs"):
             value = getattr(self, name)
             if value is not None:
                 updates[name] = value[:, :end]

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from lightning_grpo.algorithm import ObjectiveOutput, ScoredRollout
-from lightning_grpo.protocols.collectives import Collectives
+from lightning_grpo.protocols.collectives import Collectives, gather_per_process
 from lightning_grpo.protocols.rollout import RowMetric
 
 log = logging.getLogger(__name__)
@@ -32,6 +32,8 @@ log = logging.getLogger(__name__)
 TIMING_KEYS = ("rollout_s", "scoring_s", "logprobs_s", "sync_s", "forward_s", "backward_s", "optimizer_s")
 #: ``timing/reward_<name>_s``: the wall seconds of reward function ``<name>`` in the step's rollout.
 REWARD_TIMING_PREFIX = "reward_"
+#: ``sampling/mismatch_ratio/<name>``: quantiles of ``pi_old / pi_sampler`` over the step's loss tokens.
+MISMATCH_QUANTILES = {"min": 0.0, "p01": 0.01, "p05": 0.05, "p50": 0.5, "p95": 0.95, "p99": 0.99, "max": 1.0}
 
 
 class StepMetrics:
@@ -40,7 +42,12 @@ class StepMetrics:
     Args:
         clip_ratio_c: ``GRPOConfig.clip_ratio_c`` (dual clip: ``clip_ratio/dual_mean`` is logged when set).
         importance_sampling_cap: ``GRPOConfig.importance_sampling_cap`` (``sampling/importance_sampling_ratio/*``
-            are logged when set; 1 exactly for engines without sampler logprobs).
+            are logged when set, or when an importance weight was applied; 1 exactly for engines without sampler
+            logprobs).
+
+    The mismatch between the sampler and the trainer is logged whenever the engine reported sampler logprobs
+    (:func:`mismatch_quantiles`, docs/algorithm.md "Metrics"); the fraction of loss tokens each rollout-correction
+    knob dropped whenever the knob is on; the reverse KL to the teacher with on-policy distillation.
     """
 
     def __init__(self, clip_ratio_c: Optional[float] = None, importance_sampling_cap: Optional[float] = None) -> None:
@@ -48,6 +55,7 @@ class StepMetrics:
         self.importance_sampling_cap = importance_sampling_cap
         self._sums: dict[str, Tensor] = {}
         self._maxima: dict[str, Tensor] = {}
+        self._log_ratios: list[Tensor] = []  # the step's log(pi_old / pi_sampler) on loss tokens, per micro-batch
 
     def update(self, output: ObjectiveOutput) -> None:  # noqa: C901 - one optional metric per branch
         """Add one micro-batch's statistics (sums over its loss tokens, 0-dim float32) and extrema."""
@@ -82,26 +90,54 @@ class StepMetrics:
             parts["kl"] = masked_sum(output.kl)
         if output.entropy_mask is not None:
             parts["entropy/trained_token_frac"] = masked_sum(output.entropy_mask)
-        if self.importance_sampling_cap is not None:
-            weights = output.importance_weights
+        weights = output.importance_weights
+        if self.importance_sampling_cap is not None or weights is not None:
             if weights is None:  # no sampler logprobs (HF engine): the weight is 1 exactly
                 weights = torch.ones_like(clip.low, dtype=torch.float32)
             key = "sampling/importance_sampling_ratio"
             parts[f"{key}/mean"] = masked_sum(weights)
             maxima[f"{key}/max"] = masked_max(weights)
             maxima[f"{key}/min"] = masked_max(-weights)
+        self._correction_parts(output, mask, parts, maxima)
         for key, value in parts.items():
             self._sums[key] = self._sums.get(key, torch.zeros((), device=value.device)) + value
         for key, value in maxima.items():
             previous = self._maxima.get(key)
             self._maxima[key] = value if previous is None else torch.maximum(previous, value)
 
+    def _correction_parts(self, output: ObjectiveOutput, mask: Tensor, parts: dict[str, Tensor],
+                          maxima: dict[str, Tensor]) -> None:
+        """The mismatch, the rollout-correction knobs' dropped fractions and the distillation KL of a micro-batch."""
+
+        def masked_sum(values: Tensor) -> Tensor:
+            return torch.where(mask, values.float(), 0.0).sum()
+
+        correction, weights = output.correction, output.importance_weights
+        if correction.log_ratio is not None:  # the engine reported sampler logprobs
+            d = correction.log_ratio.float()
+            parts["sampling/sampling_logp_difference/mean"] = masked_sum(d.abs())
+            maxima["sampling/sampling_logp_difference/max"] = (torch.where(mask, d.abs(), -torch.inf).amax()
+                                                                if d.numel() else d.new_tensor(-torch.inf))
+            parts["sampling/k3_kl"] = masked_sum(torch.exp(d) - d - 1)
+            self._log_ratios.append(d[mask].detach())
+        dropped = torch.zeros_like(mask)
+        if weights is not None:
+            parts["sampling/masked_fraction/importance_sampling"] = masked_sum(weights == 0)
+            dropped = dropped | (weights == 0)
+        for name, keep in correction.keep.items():
+            parts[f"sampling/masked_fraction/{name}"] = masked_sum(~keep)
+            dropped = dropped | ~keep
+        if correction.keep:
+            parts["sampling/masked_fraction/any"] = masked_sum(dropped)
+        if output.distillation_kl is not None:
+            parts["distillation/reverse_kl"] = masked_sum(output.distillation_kl)
+
     def compute(self, collectives: Collectives) -> dict[str, float]:
         """The step's metrics over every process, then :meth:`reset`: ``loss`` (summed: each micro-batch's loss
         is already its share of the step loss), the token-weighted means, the extrema and ``num_tokens`` (the loss
         tokens). A step without loss tokens (e.g. no completion was scored) trains nothing: its means are NaN,
         ``num_tokens`` is 0 and a warning is logged."""
-        sums, maxima = self._sums, self._maxima
+        sums, maxima, log_ratios = self._sums, self._maxima, self._log_ratios
         self.reset()
         keys = sorted(sums)
         reduced = collectives.reduce_sum(torch.stack([sums[k] for k in keys]))
@@ -119,10 +155,30 @@ class StepMetrics:
                 if value != -float("inf"):  # a step without loss tokens has no extrema
                     metrics[key] = -value if key.endswith("/min") else value
         metrics["num_tokens"] = tokens
+        if log_ratios:  # every process has sampler logprobs or none (one engine)
+            metrics.update(mismatch_quantiles(torch.cat(gather_per_process(torch.cat(log_ratios).cpu()))))
         return metrics
 
     def reset(self) -> None:
-        self._sums, self._maxima = {}, {}
+        self._sums, self._maxima, self._log_ratios = {}, {}, []
+
+
+def mismatch_quantiles(log_ratios: Tensor) -> dict[str, float]:
+    """``sampling/mismatch_ratio/{min,p01,p05,p50,p95,p99,max}``: quantiles (linear interpolation, as
+    ``torch.quantile``) of ``pi_old / pi_sampler = exp(log_ratios)`` over every loss token of the step on every
+    process; {} without tokens. verl logs the same ratio's extrema as ``rollout_corr/rollout_is_{min,max}``."""
+    if log_ratios.numel() == 0:
+        return {}
+    ordered = torch.exp(log_ratios.double()).sort().values
+    last = ordered.numel() - 1
+    out = {}
+    for name, q in MISMATCH_QUANTILES.items():
+        position = q * last
+        below = int(math.floor(position))
+        above = min(below + 1, last)
+        value = ordered[below] + (position - below) * (ordered[above] - ordered[below])
+        out[f"sampling/mismatch_ratio/{name}"] = float(value)
+    return out
 
 
 def rollout_metrics(

@@ -90,19 +90,22 @@ class StepSelection:
     def objective(self, batch: Experience, logprobs: Tensor, entropy: Optional[Tensor]) -> ObjectiveOutput:
         """:func:`lightning_grpo.algorithm.grpo_objective` of the prepared step's next micro-batch ``batch`` given the
         policy's ``(B, T)`` float32 logprobs and entropy, with the step's statistics (:meth:`objective_kwargs`); the
-        old logprobs only after the rollout's first optimizer step, the reference ones unless the KL is in the reward.
+        old logprobs only after the rollout's first optimizer step, the reference ones unless the KL is in the reward,
+        the teacher's with on-policy distillation.
 
         Raises:
-            ValueError: ``batch`` is not ``on_policy`` but has no ``old_logprobs``; see also ``grpo_objective``.
+            ValueError: ``batch`` is not ``on_policy`` but has no ``old_logprobs`` (outside
+                ``correction.bypass_mode``, whose old policy is the sampler); see also ``grpo_objective``.
         """
         cfg = self.config
-        if not batch.on_policy and batch.old_logprobs is None:
+        if not batch.on_policy and batch.old_logprobs is None and not cfg.correction.bypass_mode:
             raise ValueError("an experience micro-batch after the rollout's first optimizer step needs old_logprobs")
         return grpo_objective(
             logprobs, batch.completion_mask, batch.advantages, cfg,
             old_logprobs=None if batch.on_policy else batch.old_logprobs,
             ref_logprobs=None if cfg.kl_in_reward else batch.ref_logprobs, sampler_logprobs=batch.sampler_logprobs,
-            entropy=entropy, normalizer=batch.loss_normalizer, **self.objective_kwargs(),
+            entropy=entropy, normalizer=batch.loss_normalizer, teacher_logprobs=batch.teacher_logprobs,
+            **self.objective_kwargs(),
         )
 
     def _covariance(self, members: list[Experience], logprobs: list[Tensor], masks: list[Tensor],
@@ -137,6 +140,8 @@ class StepSelection:
         for index, (mb, lp, a, m, c) in enumerate(zip(members, logprobs, advantages, masks, covariances,
                                                       strict=True)):
             old = lp if mb.on_policy or mb.old_logprobs is None else torch.where(m, mb.old_logprobs.float(), lp)
+            if cfg.correction.bypass_mode and mb.sampler_logprobs is not None:  # the old policy is the sampler
+                old = torch.where(m, mb.sampler_logprobs.float(), lp)
             _, clip = F.policy_loss(lp, old, a, cfg.epsilon_low, cfg.epsilon_high, cfg.clip_ratio_c, cfg.delta)
             candidates = m & (c > cfg.clip_cov_lb) & (c < cfg.clip_cov_ub) & ~(clip.region | clip.dual)
             row, col = candidates.nonzero(as_tuple=True)

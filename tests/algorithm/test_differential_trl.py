@@ -13,7 +13,10 @@ TRL's loss through TRL's own config handling (e.g. ``epsilon`` -> ``epsilon_low`
   engine; generation is supplied by ``_generate`` instead).
 
 Where the definitions agree the tests assert equality (1e-6) of the loss and of its gradient; where they differ on
-purpose (docs/algorithm.md, "Differences from TRL") they assert the documented relation.
+purpose (docs/algorithm.md, "Differences from TRL") they assert the documented relation. The rollout correction
+(issue 33): the two-sided importance weight (TRL's ``vllm_importance_sampling_clip_min``/``_clip_max``, IcePop) and
+DeepSeek-V3.2's off-policy sequence mask (``off_policy_mask_threshold``) are TRL's own; TRL has no geometric-mean or
+KL-estimate mask and no bypass mode.
 """
 
 import math
@@ -112,7 +115,8 @@ def _data(seed: int, empty_rows: tuple[int, ...] = ()) -> dict[str, torch.Tensor
     }
 
 
-def _trl_loss(trainer, logps, mask, advantages, *, old=None, ref=None, entropy=None, is_ratio=None, num_items=None):
+def _trl_loss(trainer, logps, mask, advantages, *, old=None, ref=None, entropy=None, is_ratio=None, num_items=None,
+              sampling=None):
     """TRL's ``compute_loss`` on supplied per-token logprobs (and entropies) of a micro-batch."""
     n, t = logps.shape
     entropies = torch.zeros_like(logps) if entropy is None else entropy
@@ -128,7 +132,7 @@ def _trl_loss(trainer, logps, mask, advantages, *, old=None, ref=None, entropy=N
         "num_items_in_batch": mask.sum() if num_items is None else num_items,
     }
     for key, value in (("old_per_token_logps", old), ("ref_per_token_logps", ref),
-                       ("importance_sampling_ratio", is_ratio)):
+                       ("importance_sampling_ratio", is_ratio), ("sampling_per_token_logps", sampling)):
         if value is not None:
             inputs[key] = value
     return trainer.compute_loss(trainer.model, inputs)
@@ -436,3 +440,67 @@ def test_gspo_sequence_ratio_matches_trl(make_trainer, loss_type):
     out = grpo_objective(d["logps"], d["mask"], d["advantages"], config, old_logprobs=old)
     clipped = (out.clip.low | out.clip.high) & out.mask
     assert clipped.any() and not clipped.all()  # some sequences clipped, some not
+
+
+# ------------------------------------------------------------------------------- rollout correction (issue 33)
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("mode", ["truncate", "mask"])
+def test_two_sided_importance_sampling_matches_trl(make_trainer, level, mode):
+    """The two-sided weight (``importance_sampling_min`` and ``importance_sampling_cap``; with "mask" at the token
+    level this is IcePop) against TRL's ``vllm_importance_sampling_clip_min`` / ``_clip_max``: weights, loss and
+    gradient. Bounds [0.8, 1.25] so that both bounds act on this rollout."""
+    low, cap = 0.8, 1.25
+    completion_ids, r_a, r_b, sampler, mask, old = _rollout(seed=4)
+    trainer = make_trainer(loss_type="dapo", vllm_importance_sampling_mode=f"{level}_{mode}",
+                           vllm_importance_sampling_clip_min=low, vllm_importance_sampling_clip_max=cap)
+    trainer.use_vllm = True
+    batch = _trl_score(trainer, completion_ids, r_a, r_b, sampler, old)
+    sampler_logps = batch["sampling_per_token_logps"]
+    ours = rollout_importance_weights(old, sampler_logps, mask, cap, level, mode, low=low)
+    theirs = batch["importance_sampling_ratio"].expand(N, T)
+    torch.testing.assert_close(ours[mask.bool()], theirs[mask.bool()], atol=ATOL, rtol=1e-6)
+    raw = rollout_importance_weights(old, sampler_logps, mask, 1e9, level, "truncate", low=1e-9)[mask.bool()]
+    assert (raw < low).any() and (raw > cap).any()  # both bounds act
+
+    config = GRPOConfig(loss_type="dapo", max_new_tokens=T, importance_sampling_cap=cap, importance_sampling_min=low,
+                        rollout_importance_sampling_level=level, importance_sampling_mode=mode)
+    logps = old + 0.3 * torch.randn(N, T, generator=torch.Generator().manual_seed(0))
+    adv = batch["advantages"]
+    ours_loss = _value_and_grads(lambda lp: grpo_objective(lp, mask, adv, config, old_logprobs=old,
+                                                           sampler_logprobs=sampler_logps).loss, logps)
+    theirs_loss = _value_and_grads(lambda lp: _trl_loss(trainer, lp, mask, adv, old=old,
+                                                        is_ratio=batch["importance_sampling_ratio"]), logps)
+    _assert_same(ours_loss, theirs_loss)
+
+
+@pytest.mark.filterwarnings("ignore:importance_sampling_level='sequence' with loss_type")
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
+@pytest.mark.parametrize("with_sampler", [True, False])
+def test_off_policy_sequence_mask_matches_trl(make_trainer, level, loss_type, with_sampler):
+    """DeepSeek-V3.2's off-policy sequence mask (``correction.off_policy_mask_threshold`` = TRL's
+    ``off_policy_mask_threshold``): loss and gradient equal TRL's ``compute_loss`` (which reads the sampler's logprobs,
+    or the old policy's without them), off-policy, at the token and the sequence (GSPO) level. Some negative-advantage
+    sequences are masked, not all."""
+    from lightning_grpo.config.correction import CorrectionConfig
+
+    d = _data(seed=31 + len(loss_type))
+    threshold = 0.05
+    sampler = d["sampler"] if with_sampler else None
+    eps = {} if level == "token" else {"epsilon_low": 3e-3, "epsilon_high": 4e-3}
+    config = GRPOConfig(loss_type=loss_type, max_new_tokens=T, importance_sampling_level=level, **eps,
+                        correction=CorrectionConfig(off_policy_mask_threshold=threshold))
+    trl_eps = {} if level == "token" else {"epsilon": 3e-3, "epsilon_high": 4e-3}
+    trainer = make_trainer(loss_type=loss_type, importance_sampling_level=level, off_policy_mask_threshold=threshold,
+                           **trl_eps)
+
+    def theirs_fn(lp):
+        return _trl_loss(trainer, lp, d["mask"], d["advantages"], old=d["old"], sampling=sampler)
+
+    ours = _value_and_grads(lambda lp: grpo_objective(lp, d["mask"], d["advantages"], config, old_logprobs=d["old"],
+                                                      sampler_logprobs=sampler).loss, d["logps"])
+    _assert_same(ours, _value_and_grads(theirs_fn, d["logps"]))
+    out = grpo_objective(d["logps"], d["mask"], d["advantages"], config, old_logprobs=d["old"],
+                         sampler_logprobs=sampler)
+    rejected = ~out.correction.keep["off_policy"].all(dim=1)
+    assert rejected.any() and not rejected[d["advantages"] < 0].all()

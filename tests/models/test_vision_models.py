@@ -107,3 +107,14 @@ def test_an_engine_checkpoint_of_a_module_holds_its_image_processor(tiny_qwen_vl
         assert vision_spec(AutoConfig.from_pretrained(folder)) == vision_spec(policy.config) is not None
     finally:
         shutil.rmtree(folder)
+
+
+def test_distillation_of_a_vision_language_policy_is_refused(tiny_qwen_vl_path, tiny_llama_path):
+    """A teacher scores token ids: it would score the image placeholders without their pixels (a wrong reverse KL)."""
+    from lightning_grpo.config import DistillationConfig
+
+    for distillation in (DistillationConfig(teacher=tiny_llama_path),
+                         DistillationConfig(teacher_url="http://127.0.0.1:9")):
+        with pytest.raises(ValueError, match="distillation with a vision-language policy is not supported"):
+            GRPOModule(tiny_qwen_vl_path, reward_funcs=["gsm8k_accuracy"],
+                       config=GRPOConfig(distillation=distillation))

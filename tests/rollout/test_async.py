@@ -34,7 +34,7 @@ from test_resume import QUESTIONS, _assert_same_run  # noqa: E402
 
 from lightning_grpo import GRPOConfig, GRPOModule  # noqa: E402
 from lightning_grpo.callbacks import GRPOCallback
-from lightning_grpo.config import EngineConfig, EpisodeConfig
+from lightning_grpo.config import CorrectionConfig, EngineConfig, EpisodeConfig  # noqa: E402
 from lightning_grpo.data import PromptDataModule  # noqa: E402
 from lightning_grpo.rollout.engines.vllm import VLLMRolloutEngine  # noqa: E402
 from support.checkpoint_generation import trainer_logprobs  # noqa: E402
@@ -191,6 +191,43 @@ def test_stale_step_is_corrected_with_truncated_importance_sampling(runs):
     assert logged["sampling/importance_sampling_ratio/min"] == pytest.approx(float(weights[mask].min()), abs=1e-5)
     assert float((weights[mask] - 1).abs().max()) > 1e-2  # the correction does something here
     assert abs(logged["loss"]) > 1e-4  # without it the loss is -mean(advantages) = 0
+
+
+def test_stale_steps_with_rejection_masks_and_bypass_mode(runs):
+    """Issue 33 on asynchronous rollouts (k = 2): the geometric-mean and off-policy masks read the proximal policy
+    against the stale sampler, and a stale step's loss is the TIS-weighted policy gradient of the kept sequences,
+    computed by hand; the mismatch metrics are those of the stale sampler. Bypass mode with a geometric-mean mask
+    trains the same stale rollouts with the sampler as the old policy (the first update's ratio pi / pi_sampler)."""
+    low, high, delta = 0.9, 1.1, 0.05
+    correction = CorrectionConfig(geo_mask_low=low, geo_mask_high=high, off_policy_mask_threshold=delta)
+    recorder, _, _ = runs("async_2_masks", max_staleness=2, correction=correction)
+    masked = []
+    for step in (2, 3, 5):  # the stale steps of k = 2 (staleness 2, 2, 1)
+        batch, logged = recorder.batches[step], recorder.steps[step]
+        mask = batch.completion_mask.bool()
+        current = trainer_logprobs(recorder.policies[step], batch, temperature=1.0)
+        d = torch.where(mask, current - batch.sampler_logprobs, torch.zeros(()))
+        lengths = mask.sum(dim=1)
+        geometric = (d.sum(dim=1) / lengths).exp()
+        stale_kl = -d.sum(dim=1) / lengths  # mean log pi_sampler - log pi_theta
+        keep = (geometric >= low) & (geometric <= high) & ((batch.advantages >= 0) | (stale_kl <= delta))
+        weights = d.exp().clamp(max=2.0) * keep[:, None]
+        per_sequence = -(batch.advantages[:, None] * weights * mask).sum(dim=1) / lengths  # loss_type "grpo"
+        assert logged["loss"] == pytest.approx(float(per_sequence.mean()), abs=1e-5), step
+        assert logged["sampling/sampling_logp_difference/mean"] == pytest.approx(float(d[mask].abs().mean()), abs=1e-5)
+        assert logged["sampling/masked_fraction/any"] == pytest.approx(
+            float((~keep[:, None]).expand_as(mask)[mask].float().mean()), abs=1e-6)
+        masked.append(logged["sampling/masked_fraction/any"])
+    assert max(masked) > 0 and min(masked) < 1  # the masks act, and not on everything
+    bypass, _, _ = runs("async_2_bypass", max_staleness=2,
+                        correction=CorrectionConfig(bypass_mode=True, geo_mask_low=0.5, geo_mask_high=2.0))
+    batch = bypass.batches[3]
+    mask = batch.completion_mask.bool()
+    current = trainer_logprobs(bypass.policies[3], batch, temperature=1.0)
+    ratio = torch.where(mask, current - batch.sampler_logprobs, torch.zeros(())).exp()  # pi / pi_sampler, not 1
+    assert float((ratio[mask] - 1).abs().max()) > 1e-2
+    assert bypass.steps[3]["policy_ratio/mean"] == pytest.approx(float(ratio[mask].mean()), abs=1e-5)
+    assert "sampling/importance_sampling_ratio/mean" not in bypass.steps[3]  # no weight in bypass mode
 
 
 def test_rerun_and_checkpointed_run_are_equal_and_resume_is_exact(runs, tmp_path_factory):

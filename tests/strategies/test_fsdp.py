@@ -36,12 +36,18 @@ FIXED_CASES = [
     {"name": "fsdp1_checkpointed", "strategy": {"name": "fsdp1_cpu", "wrap_decoder_layers": True},
      "loss_type": "dapo", "gradient_checkpointing": True},
     {"name": "ddp_checkpointed", "strategy": {"name": "ddp"}, "loss_type": "grpo", "gradient_checkpointing": True},
+    # issue 33: on-policy distillation, the teacher (the tied tiny Llama) sharded like the reference policy
+    {"name": "fsdp2_distillation", "strategy": {"name": "grpo_fsdp2"}, "loss_type": "dapo", "teacher": True},
+    {"name": "fsdp1_distillation", "strategy": {"name": "fsdp1_cpu"}, "loss_type": "grpo", "teacher": True},
 ]
 
 
 @pytest.fixture(scope="module")
 def fixed_step_runs(tmp_path_factory, tiny_llama_path, tiny_tied_llama_path):
     cases = [{**c, "model": tiny_tied_llama_path if c.get("tied") else tiny_llama_path} for c in FIXED_CASES]
+    for case in cases:
+        if case.pop("teacher", False):
+            case["config"] = {"distillation": {"teacher": tiny_tied_llama_path, "reward_weight": 1.0}}
     out = tmp_path_factory.mktemp("fsdp_fixed")
     run_worker({"scenario": "fixed_step", "model": tiny_llama_path, "devices": 2, "cases": cases}, out)
     references = {c["name"]: reference_step(c, c["model"], out) for c in cases}
@@ -56,6 +62,8 @@ def test_two_ranks_match_one_process_on_fixed_experience(fixed_step_runs, name):
     assert all(r["sharded"] == name.startswith("fsdp") for r in ranks)  # the policy really is sharded ...
     if reference["ref_logprobs"]:
         assert all(r["ref_sharded"] for r in ranks)  # ... and so is the reference policy
+    if reference["teacher_logprobs"]:
+        assert all(r["teacher_sharded"] for r in ranks)  # ... and the distillation teacher (issue 33)
     assert_same_step(reference, ranks)
 
 

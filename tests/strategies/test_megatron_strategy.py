@@ -158,6 +158,27 @@ def test_trainer_three_steps_with_hf_rollouts_then_resume(tmp_path, files):
     assert max((final[k] - first[k]).abs().max() for k in first) > 0  # the resumed run trained
 
 
+@pytest.mark.distributed
+def test_a_distillation_teacher_is_converted_and_scored_as_in_plain_training(files, restore_distributed_env):
+    """On-policy distillation under MegatronStrategy (TP=1, one process): the teacher is converted like the
+    reference policy and scored with the vocab-parallel logprobs (an HF teacher has no such scorer), so the step's
+    loss and updated weights equal the plain module's; the teacher changes them (against the same step without
+    one), and the HF teacher is handed back after the fit."""
+    from lightning_grpo.config import DistillationConfig
+
+    model, prompts = files["models"]["tied"], files["prompts"]
+    distill = {"distillation": DistillationConfig(teacher=files["models"]["untied"], reward_weight=1.0)}
+    plain, plain_loss, _ = megatron_worker.run_one_step(model, prompts, "auto", 1, 4, CLIP, **distill)
+    _, without_teacher_loss, _ = megatron_worker.run_one_step(model, prompts, "auto", 1, 4, CLIP)
+    assert abs(plain_loss - without_teacher_loss) > 1e-3
+    megatron, loss, _ = megatron_worker.run_one_step(model, prompts, MegatronStrategy(1), 1, 4, CLIP, **distill)
+    assert loss == pytest.approx(plain_loss, abs=1e-6)
+    expected = plain.policy.state_dict()
+    for key, value in megatron.policy.state_dict().items():
+        torch.testing.assert_close(value, expected[key], atol=1e-5, rtol=0, msg=key)
+    assert type(megatron.teacher_model).__name__ == "LlamaForCausalLM"
+
+
 def test_unsupported_layouts_are_refused_naming_the_option():
     with pytest.raises(ValueError, match=r"virtual_pipeline_model_parallel_size=2\): the interleaved"):
         MegatronStrategy(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2)

@@ -94,9 +94,10 @@ def assert_same_step(reference: dict, ranks: list[dict], atol: float = 1e-5) -> 
                 slack = ADAM_LR * ADAM_EPS * (other - grad).abs() / (smaller + ADAM_EPS) ** 2
             excess = (result["weights"][name] - weight).abs() - (atol + 2 * slack)
             assert excess.max() <= 0, f"weight {name}: off by {excess.max().item():.3g} more than allowed"
-    rows = {}
-    for result in ranks:
-        rows.update(result["ref_logprobs"])
-    assert sorted(rows) == sorted(reference["ref_logprobs"])  # every row on exactly one rank
-    for row, logprobs in reference["ref_logprobs"].items():
-        torch.testing.assert_close(rows[row], logprobs, atol=atol, rtol=0)
+    for key in ("ref_logprobs", "teacher_logprobs"):  # the reference's and the distillation teacher's
+        rows = {}
+        for result in ranks:
+            rows.update(result.get(key, {}))
+        assert sorted(rows) == sorted(reference.get(key, {}))  # every row on exactly one rank
+        for row, logprobs in reference.get(key, {}).items():
+            torch.testing.assert_close(rows[row], logprobs, atol=atol, rtol=0)

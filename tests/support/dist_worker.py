@@ -105,21 +105,31 @@ class FixedExperienceModule(GradRecording, GRPOModule):
     """GRPOModule whose rollout returns rows of a fixed global experience: the rows of the prompts (by their
     "index" column) that Lightning's sampler gave this rank. Reference logprobs are computed as usual."""
 
-    def __init__(self, *args, fixed: dict, num_generations: int, **kwargs):
+    def __init__(self, *args, fixed: dict, num_generations: int, sampler_offsets=None, **kwargs):
         super().__init__(*args, **kwargs)
         self.fixed = fixed
         self.g = num_generations
+        self.sampler_offsets = sampler_offsets
         self.seen: dict[int, torch.Tensor] = {}
+        self.seen_teacher: dict[int, torch.Tensor] = {}
 
     def make_experience(self, batch, **kwargs):
         rows = torch.cat([torch.arange(i * self.g, (i + 1) * self.g) for i in batch["index"]])
         exp = Experience(**{k: v[rows].to(self.device) for k, v in self.fixed.items()}).trimmed()
+        size = max(1, (self.config.mini_batch_size or len(exp)) // self.trainer.accumulate_grad_batches)
+        context = self.trainer.precision_plugin.forward_context
         if self.ref_model is not None:
-            size = max(1, (self.config.mini_batch_size or len(exp)) // self.trainer.accumulate_grad_batches)
-            context = self.trainer.precision_plugin.forward_context
             exp.ref_logprobs = self.logprobs.batched(self.ref_model, exp, size, context)
             for j, row in enumerate(rows.tolist()):
                 self.seen[row] = exp.ref_logprobs[j, : int(exp.completion_mask[j].sum())].cpu()
+        if self.sampler_offsets is not None:  # an engine whose numerics differ: the policy's logprobs + offsets
+            logprobs = self.logprobs.batched(self.policy, exp, size, context)
+            offsets = self.sampler_offsets[rows][:, : logprobs.shape[1]].to(logprobs.device)
+            exp.sampler_logprobs = torch.where(exp.completion_mask.bool(), logprobs + offsets, 0.0)
+        if self.teacher is not None:  # on-policy distillation (issue 33)
+            exp.teacher_logprobs = self.teacher.score(exp, size, context)
+            for j, row in enumerate(rows.tolist()):
+                self.seen_teacher[row] = exp.teacher_logprobs[j, : int(exp.completion_mask[j].sum())].cpu()
         return exp
 
 
@@ -155,12 +165,16 @@ def fixed_step(cfg: dict) -> None:
         torch.manual_seed(0)
         g, num_prompts = 2, 4
         beta = case.get("beta", 0.0)
-        config = GRPOConfig(num_generations=g, max_new_tokens=7, loss_type=case["loss_type"], beta=beta)
+        config = GRPOConfig.from_dict({"num_generations": g, "max_new_tokens": 7, "loss_type": case["loss_type"],
+                                       "beta": beta, **case.get("config", {})})  # + issue 33's knobs
         model = case.get("model", cfg["model"])
         fixed = fixed_experience(num_prompts, g, AutoConfig.from_pretrained(model).vocab_size)
+        offsets = None
+        if case.get("sampler_offsets"):
+            offsets = 0.05 * torch.randn(num_prompts * g, 7, generator=torch.Generator().manual_seed(1))
         module = FixedExperienceModule(model, reward_funcs=[lambda p, c, **k: [0.0] * len(c)], config=config,
                                        learning_rate=1e-3, fixed=fixed, num_generations=g, export_dir="",
-                                       lora=case.get("lora"),
+                                       lora=case.get("lora"), sampler_offsets=offsets,
                                        gradient_checkpointing=case.get("gradient_checkpointing", False))
         if case.get("lora"):  # LoRA's B starts at 0 (no gradient for A): a random B makes every adapter move
             with torch.no_grad():
@@ -177,6 +191,9 @@ def fixed_step(cfg: dict) -> None:
         trainer.fit(module, datamodule=IndexPrompts(num_prompts, num_prompts // cfg["devices"]))
         record = recorder.records[-1]
         record["ref_logprobs"] = module.seen
+        record["teacher_logprobs"] = module.seen_teacher
+        teacher = module.teacher_model
+        record["teacher_sharded"] = teacher is not None and (is_fsdp2(teacher) or is_fsdp1(teacher))
         record["sharded"] = is_fsdp2(module.policy) or is_fsdp1(module.policy)
         ref = module.ref_model
         record["ref_sharded"] = ref is not None and (is_fsdp2(ref) or is_fsdp1(ref))

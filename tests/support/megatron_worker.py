@@ -168,15 +168,16 @@ class LossRecorder:
 
 
 def run_one_step(model_path: str, data_path: str, strategy: Any, devices: int, prompts_per_step: int,
-                 gradient_clip_val: float) -> tuple[Any, float, float]:
-    """One GRPO optimizer step on the fixed experience of the 4 prompts in ``data_path``. Returns the module
-    (its ``policy`` is an HF model again after fit), the step loss and the gradient norm before clipping."""
+                 gradient_clip_val: float, **config: Any) -> tuple[Any, float, float]:
+    """One GRPO optimizer step on the fixed experience of the 4 prompts in ``data_path`` (``config``: GRPOConfig
+    fields over :func:`one_step_module`'s). Returns the module (its ``policy`` is an HF model again after fit), the
+    step loss and the gradient norm before clipping."""
     import lightning as L
 
     from lightning_grpo.data import PromptDataModule
 
     L.seed_everything(0, verbose=False)
-    module = one_step_module(model_path)
+    module = one_step_module(model_path, **config)
     recorder = LossRecorder.make()
     trainer = L.Trainer(
         max_steps=1, accelerator="cpu", devices=devices, strategy=strategy, logger=False, enable_checkpointing=False,

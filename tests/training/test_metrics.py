@@ -66,6 +66,7 @@ def test_step_metrics_are_token_weighted_over_the_micro_batches_golden():
         "sampling/importance_sampling_ratio/mean": (3 + 0.5 + 2.0 + 1.5) / 6,
         "sampling/importance_sampling_ratio/max": 2.0,
         "sampling/importance_sampling_ratio/min": 0.5,
+        "sampling/masked_fraction/importance_sampling": 0.0,  # no weight of the second micro-batch is 0
     }
     assert set(result) == set(expected)
     assert result == pytest.approx(expected)
@@ -77,7 +78,9 @@ def test_step_metrics_reset_after_compute_and_sum_over_processes():
     metrics.compute(Collectives())
     metrics.update(_second())
     result = metrics.compute(TWO_ALIKE)  # only the second micro-batch: compute reset the first
-    assert "clip_ratio/dual_mean" not in result and "sampling/importance_sampling_ratio/mean" not in result
+    assert "clip_ratio/dual_mean" not in result
+    # an importance weight was applied (its bounds are the objective's business): its ratio is logged
+    assert result["sampling/importance_sampling_ratio/mean"] == pytest.approx((0.5 + 2.0 + 1.5) / 3)
     assert result["loss"] == pytest.approx(0.2) and result["num_tokens"] == 6.0  # sums over the two processes
     assert result["clip_ratio/high_mean"] == pytest.approx(2 / 3)  # means are unchanged by identical processes
     assert result["policy_ratio/max"] == 1.5 and result["policy_ratio/min"] == 0.5
@@ -228,3 +231,41 @@ def test_step_timer_without_start_has_no_step_time():
     result = timer.step_end()
     assert "timing/step_s" not in result and "timing/other_s" not in result
     assert result["timing/rollout_s"] == 2.0 and result["timing/train_s"] == 0.0
+
+
+def test_mismatch_metrics_and_masked_fractions_golden():
+    """Issue 33: with sampler logprobs the mismatch is logged whatever the correction: d = log pi_old - log
+    pi_sampler = [[0.1, -0.2, (masked 9)], [0.3, (masked), (masked)]] on 3 loss tokens. |d| mean 0.2, max 0.3; k3 mean
+    (e^0.1 - 1.1 + e^-0.2 - 0.8 + e^0.3 - 1.3) / 3; ratio quantiles over exp(d) (linear interpolation); each knob's
+    dropped fraction and "any" (a token dropped by either knob counts once); the reverse KL to a teacher."""
+    from lightning_grpo.algorithm.correction import CorrectionOutput
+
+    output = _output(0.0, [[T, T, F_], [T, F_, F_]], low=[[F_] * 3] * 2, high=[[F_] * 3] * 2, dual=[[F_] * 3] * 2,
+                     ratio=[[1.0] * 3] * 2)
+    output.correction = CorrectionOutput(
+        log_ratio=torch.tensor([[0.1, -0.2, 9.0], [0.3, 9.0, 9.0]]),
+        keep={"geometric": torch.tensor([[T, T, T], [F_, T, T]]), "kl": torch.tensor([[T, F_, F_], [F_, F_, F_]])})
+    output.distillation_kl = torch.tensor([[0.5, 0.25, 9.0], [-0.15, 9.0, 9.0]])
+    metrics = StepMetrics()
+    metrics.update(output)
+    result = metrics.compute(Collectives())
+    k3 = (math.exp(0.1) - 1.1 + math.exp(-0.2) - 0.8 + math.exp(0.3) - 1.3) / 3
+    ratios = sorted([math.exp(0.1), math.exp(-0.2), math.exp(0.3)])
+    expected = {
+        "sampling/sampling_logp_difference/mean": 0.2, "sampling/sampling_logp_difference/max": 0.3,
+        "sampling/k3_kl": k3,
+        "sampling/masked_fraction/geometric": 1 / 3, "sampling/masked_fraction/kl": 2 / 3,
+        "sampling/masked_fraction/any": 2 / 3, "distillation/reverse_kl": 0.2,
+        "sampling/mismatch_ratio/min": ratios[0], "sampling/mismatch_ratio/max": ratios[2],
+        "sampling/mismatch_ratio/p50": ratios[1],
+        "sampling/mismatch_ratio/p05": ratios[0] + 0.1 * (ratios[1] - ratios[0]),  # position 0.05 * 2 = 0.1
+        "sampling/mismatch_ratio/p99": ratios[1] + 0.98 * (ratios[2] - ratios[1]),  # position 1.98
+    }
+    for key, value in expected.items():
+        assert result[key] == pytest.approx(value, abs=1e-6), key
+    # two processes holding the same data: the same means and quantiles (every token counted twice)
+    metrics.update(output)
+    assert metrics.compute(TWO_ALIKE)["sampling/k3_kl"] == pytest.approx(k3)
+    plain = StepMetrics()
+    plain.update(_first())  # no sampler logprobs, no knob: no mismatch metric
+    assert not [k for k in plain.compute(Collectives()) if k.startswith("sampling/")]

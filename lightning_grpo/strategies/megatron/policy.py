@@ -311,9 +311,9 @@ class MegatronWeights(PolicyWeights):
 
 def score_completions(model: nn.Module, batch: Any, temperature: float,
                       with_entropy: bool) -> tuple[Tensor, Optional[Tensor]]:
-    """The Megatron backend's :class:`~lightning_grpo.training.logprobs.CompletionScorer`: ``model`` (the policy or
-    the reference policy, both :class:`MegatronPolicy`) scores the completions itself, vocab-parallel
-    (:meth:`MegatronPolicy.completion_logprobs`)."""
+    """The Megatron backend's :class:`~lightning_grpo.training.logprobs.CompletionScorer`: ``model`` (the policy, the
+    reference policy or the distillation teacher, each a :class:`MegatronPolicy`) scores the completions itself,
+    vocab-parallel (:meth:`MegatronPolicy.completion_logprobs`)."""
     return cast(MegatronPolicy, model).completion_logprobs(batch, temperature, with_entropy=with_entropy)
 
 

@@ -125,6 +125,7 @@ class MegatronStrategy(MegatronLayout):
         self.activation_checkpointing = activation_checkpointing
         self._policy: Optional[MegatronPolicy] = None  # what configure converted the module's policy into
         self._ref: Optional[MegatronPolicy] = None  # ... and its reference policy
+        self._teacher: Optional[MegatronPolicy] = None  # ... and on-policy distillation's teacher
         self._dist_optimizer: Optional[DistributedOptimizerAdapter] = None  # what setup_optimizers built
 
     # ------------------------------------------------------------------------ setup
@@ -177,12 +178,12 @@ class MegatronStrategy(MegatronLayout):
 
     # --------------------------------------------------------- ParallelBackend
     def configure(self, models: GRPOModels) -> GRPOModels:
-        """Convert the HF policy (and reference policy) into megatron-core ones, this rank's pipeline stage and TP
-        shard, kept in this strategy's fields; wrap the rollout engine (:class:`~lightning_grpo.strategies.megatron.
-        rollout.TensorParallelRolloutEngine`); the engines read the weights gathered from the shards
-        (:class:`~lightning_grpo.strategies.megatron.policy.MegatronWeights`) and the models score their completions
-        themselves (vocab-parallel). Idempotent. Runs in ``configure_model``, after the process groups exist and
-        before a checkpoint is restored.
+        """Convert the HF policy (and the reference policy and distillation teacher) into megatron-core ones, this
+        rank's pipeline stage and TP shard, kept in this strategy's fields; wrap the rollout engine
+        (:class:`~lightning_grpo.strategies.megatron.rollout.TensorParallelRolloutEngine`); the engines read the
+        weights gathered from the shards (:class:`~lightning_grpo.strategies.megatron.policy.MegatronWeights`) and
+        the models score their completions themselves (vocab-parallel). Idempotent. Runs in ``configure_model``,
+        after the process groups exist and before a checkpoint is restored.
 
         Raises:
             ValueError: a policy that cannot be converted (see :meth:`MegatronPolicy.from_hf`), a LoRA policy.
@@ -192,13 +193,15 @@ class MegatronStrategy(MegatronLayout):
                              "megatron-core layers, which carry no PEFT adapters; use strategy='grpo_fsdp2', 'ddp' "
                              "or a single device")
         if self._policy is None or models.policy is not self._policy:
-            self._policy, self._ref = self._convert(models)
+            self._policy, self._ref, self._teacher = self._convert(models)
         policy = self._policy
         engine = None if models.engine is None else TensorParallelRolloutEngine(models.engine, policy,
                                                                                   self._rollout_group)
-        return GRPOModels(policy, self._ref, engine, weights=MegatronWeights(policy), scorer=score_completions)
+        return GRPOModels(policy, self._ref, engine, weights=MegatronWeights(policy), scorer=score_completions,
+                          teacher=self._teacher)
 
-    def _convert(self, models: GRPOModels) -> tuple[MegatronPolicy, Optional[MegatronPolicy]]:
+    def _convert(self, models: GRPOModels) -> tuple[MegatronPolicy, Optional[MegatronPolicy],
+                                                    Optional[MegatronPolicy]]:
         args = (self.tensor_model_parallel_size, self.params_dtype, self.use_transformer_engine)
         recompute = self.activation_checkpointing
         if recompute is None:  # GRPOModule(gradient_checkpointing=True) enabled transformers' checkpointing
@@ -207,20 +210,23 @@ class MegatronStrategy(MegatronLayout):
             policy = MegatronPolicy.from_hf(models.policy, *args, **recompute_settings(recompute))
             policy.model.train(models.policy.training)
             ref = None if models.ref is None else MegatronPolicy.from_hf(models.ref, *args).eval().requires_grad_(False)
+            teacher = (None if models.teacher is None  # the distillation teacher, converted as the reference
+                       else MegatronPolicy.from_hf(models.teacher, *args).eval().requires_grad_(False))
         assert policy.hf_model is not None
         policy.hf_model.to(self.root_device)
         log.info("MegatronStrategy: converted the policy to megatron-core (TP=%d, PP=%d, stage %d)",
                  self.tensor_model_parallel_size, self.pipeline_model_parallel_size, policy.stage.pp_rank)
-        return policy, ref
+        return policy, ref, teacher
 
     def restore(self, models: GRPOModels) -> GRPOModels:
-        """The HF models back (the ``hf_model`` of the policy and reference policy this strategy converted) when the
-        HF policy holds the trained weights (``on_train_end`` gathered them); else ``models`` unchanged."""
-        policy, ref = self._policy, self._ref
+        """The HF models back (the ``hf_model`` of the policy, reference policy and teacher this strategy converted)
+        when the HF policy holds the trained weights (``on_train_end`` gathered them); else ``models`` unchanged."""
+        policy, ref, teacher = self._policy, self._ref, self._teacher
         if policy is None or models.policy is not policy or not policy.hf_model_holds_weights():
             return models
-        self._policy = self._ref = None
-        return GRPOModels(policy.hf_model, models.ref if ref is None else ref.hf_model)
+        self._policy = self._ref = self._teacher = None
+        return GRPOModels(policy.hf_model, models.ref if ref is None else ref.hf_model,
+                          teacher=models.teacher if teacher is None else teacher.hf_model)
 
     @property
     def runs_whole_step(self) -> bool:
