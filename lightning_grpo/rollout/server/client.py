@@ -129,14 +129,16 @@ class ServerClient:
         """One request on a new connection, cut at ``deadline`` by a :class:`_Watchdog`: ``(status, body)``."""
         remaining = deadline - time.monotonic()
         kind = http.client.HTTPSConnection if self.scheme == "https" else http.client.HTTPConnection
-        conn = kind(self.host, self.port, timeout=max(remaining, 1e-3))
+        # The watchdog cuts at the deadline; the socket's own timeout is a backstop a second later (a loaded machine
+        # can wake the watchdog late: a read that times out past the deadline is still the deadline's cut).
+        conn = kind(self.host, self.port, timeout=max(remaining, 1e-3) + 1.0)
         watchdog = _Watchdog(conn, remaining)
         try:
             try:
                 conn.connect()
                 watchdog.hold()
             except (OSError, http.client.HTTPException) as err:
-                if watchdog.expired.is_set():
+                if watchdog.expired.is_set() or time.monotonic() >= deadline:
                     raise _Expired(f"connect: {_describe(err)}") from None
                 raise _NotDelivered(_describe(err)) from None
             try:
@@ -144,7 +146,7 @@ class ServerClient:
                 response = conn.getresponse()
                 body = response.read()
             except (OSError, http.client.HTTPException) as err:
-                if watchdog.expired.is_set():
+                if watchdog.expired.is_set() or time.monotonic() >= deadline:
                     raise _Expired(f"the answer was cut at the deadline ({_describe(err)})") from None
                 raise _Lost(_describe(err)) from None
             if watchdog.expired.is_set():
