@@ -33,7 +33,8 @@ from lightning_grpo.sandbox.workdir import PREFIX
 
 ROOT = Path(__file__).resolve().parents[2]
 
-pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="the sandbox is Linux-only")
+pytestmark = [pytest.mark.skipif(sys.platform != "linux", reason="the sandbox is Linux-only"),
+              pytest.mark.usefixtures("sandbox_user_budget")]
 
 LIMITS = SandboxLimits(wall_s=30.0, cpu_s=1, memory_bytes=256 << 20, max_processes=16, output_bytes=64 << 10)
 #: For the cases stopped by the wall clock.
