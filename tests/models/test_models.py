@@ -54,6 +54,7 @@ def test_architecture_and_tokenizer(smollm2):
     assert text.endswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
 
 
+@pytest.mark.slow  # dequantizes the GGUF again (~20 s) and runs the real SmolLM2-135M twice
 def test_logits_equal_gguf_model(smollm2, tmp_path):
     """The saved safetensors are the GGUF's dequantized weights: identical logits, bit for bit."""
     model, tokenizer = smollm2
