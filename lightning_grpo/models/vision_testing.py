@@ -127,24 +127,34 @@ def save_tiny_llava(dest: Union[str, os.PathLike], tokenizer_path: Union[str, os
     at ``tokenizer_path`` (cut to ``vocab_size``) plus ``<image>`` and the ChatML template writing an image as
     ``<image>``; the CLIP image processor (PIL) resizes and crops to ``image_size``. Returns ``dest``."""
     import torch
-    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
-    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+    from transformers import LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
 
     dest = str(dest)
     os.makedirs(dest, exist_ok=True)
     tokenizer = _tokenizer(tokenizer_path, dest, vocab_size, ("<image>",), "<image>")
-    processor = CLIPImageProcessorPil(size={"shortest_edge": image_size},
-                                      crop_size={"height": image_size, "width": image_size})
+    processor, vision_config = _small_clip(image_size, patch_size, vision_hidden, vision_layers)
     config = LlavaConfig(
-        vision_config=CLIPVisionConfig(hidden_size=vision_hidden, intermediate_size=2 * vision_hidden,
-                                       num_hidden_layers=vision_layers, num_attention_heads=2, image_size=image_size,
-                                       patch_size=patch_size, projection_dim=vision_hidden),
+        vision_config=vision_config,
         text_config=LlamaConfig(**_text(tokenizer, hidden_size, num_heads, head_dim)),
         image_token_id=tokenizer.convert_tokens_to_ids("<image>"), vision_feature_select_strategy="default",
         vision_feature_layer=-1, projector_hidden_act="gelu", tie_word_embeddings=False)
     torch.manual_seed(seed)
     model = LlavaForConditionalGeneration(config).to(torch.float32)
     return _save(model, tokenizer, processor, dest)
+
+
+def _small_clip(image_size: int, patch_size: int, vision_hidden: int, vision_layers: int) -> tuple[Any, Any]:
+    """The CLIP image processor (PIL: resize and crop to ``image_size``) and a small random CLIP vision config
+    (``vision_layers`` layers of ``vision_hidden``, two heads) of the test LLaVAs."""
+    from transformers import CLIPVisionConfig
+    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+
+    processor = CLIPImageProcessorPil(size={"shortest_edge": image_size},
+                                      crop_size={"height": image_size, "width": image_size})
+    config = CLIPVisionConfig(hidden_size=vision_hidden, intermediate_size=2 * vision_hidden,
+                              num_hidden_layers=vision_layers, num_attention_heads=2, image_size=image_size,
+                              patch_size=patch_size, projection_dim=vision_hidden)
+    return processor, config
 
 
 def save_smol_llava(dest: Union[str, os.PathLike], smollm2_path: Union[str, os.PathLike], *, image_size: int = 28,
@@ -155,8 +165,7 @@ def save_smol_llava(dest: Union[str, os.PathLike], smollm2_path: Union[str, os.P
     the CPU recipe's model (docs/vision.md), which learns to look by training the projector and LoRA on the
     language model. Returns ``dest``."""
     import torch
-    from transformers import AutoModelForCausalLM, CLIPVisionConfig, LlavaConfig, LlavaForConditionalGeneration
-    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+    from transformers import AutoModelForCausalLM, LlavaConfig, LlavaForConditionalGeneration
 
     dest = str(dest)
     os.makedirs(dest, exist_ok=True)
@@ -164,12 +173,9 @@ def save_smol_llava(dest: Union[str, os.PathLike], smollm2_path: Union[str, os.P
     language = AutoModelForCausalLM.from_pretrained(str(smollm2_path), dtype=torch.float32)
     text_config = language.config
     text_config.vocab_size = len(tokenizer)
-    processor = CLIPImageProcessorPil(size={"shortest_edge": image_size},
-                                      crop_size={"height": image_size, "width": image_size})
+    processor, vision_config = _small_clip(image_size, patch_size, vision_hidden, vision_layers)
     config = LlavaConfig(
-        vision_config=CLIPVisionConfig(hidden_size=vision_hidden, intermediate_size=2 * vision_hidden,
-                                       num_hidden_layers=vision_layers, num_attention_heads=2, image_size=image_size,
-                                       patch_size=patch_size, projection_dim=vision_hidden),
+        vision_config=vision_config,
         text_config=text_config, image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
         vision_feature_select_strategy="default", vision_feature_layer=-1, projector_hidden_act="gelu",
         tie_word_embeddings=bool(getattr(text_config, "tie_word_embeddings", False)))
