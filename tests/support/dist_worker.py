@@ -253,13 +253,19 @@ class ResumeProbe(Callback):
         self.optimizer_steps += 1
 
 
+def _index_prompts(out: str, n: int) -> str:
+    """``n`` prompts "What is i + 0?" with their ``index`` (for :func:`index_reward`) in ``out/prompts.jsonl``."""
+    data = os.path.join(out, "prompts.jsonl")
+    with open(data, "w") as f:
+        for i in range(n):
+            f.write(json.dumps({"question": f"What is {i} + 0?", "answer": str(i), "index": i}) + "\n")
+    return data
+
+
 def grpo_run(cfg: dict) -> None:
     """A 3-step GRPO run with rollouts, checkpoints every step and an HF export, then a resume for 1 step."""
     out = cfg["out"]
-    data = os.path.join(out, "prompts.jsonl")
-    with open(data, "w") as f:
-        for i in range(12):
-            f.write(json.dumps({"question": f"What is {i} + 0?", "answer": str(i), "index": i}) + "\n")
+    data = _index_prompts(out, 12)
     config = GRPOConfig(num_generations=2, max_new_tokens=6, beta=0.04,
                         engine=EngineConfig(name=cfg.get("engine", "hf"), kv_cache_space_gib=1))
 
@@ -338,10 +344,7 @@ def server_run(cfg: dict) -> None:
     "vllm_server"``, the post-sync check on at 1e-4): each rank saves its global step, losses, engine's weights
     version and its weights after each step."""
     out = cfg["out"]
-    data = os.path.join(out, "prompts.jsonl")
-    with open(data, "w") as f:
-        for i in range(8):
-            f.write(json.dumps({"question": f"What is {i} + 0?", "answer": str(i), "index": i}) + "\n")
+    data = _index_prompts(out, 8)
     config = GRPOConfig(num_generations=2, max_new_tokens=6, max_prompt_length=128,
                         engine=EngineConfig(name="vllm_server", server_urls=[cfg["url"]],
                                             server_group_port=cfg["group_port"], server_timeout=120.0,
@@ -402,21 +405,11 @@ class RankEcho:
         pass
 
 
-def episodes_run(cfg: dict) -> None:
-    """2 GRPO steps on multi-turn episodes (HF engine) under ``cfg["strategy"]``, the ranks' episodes of different
-    lengths (:class:`RankEcho`): each rank saves its global step, its episodes' model turns per rollout and the
-    logged ``turns/max``."""
+def _two_steps_recording_turns(cfg: dict, module: GRPOModule, data: str) -> tuple[dict, int]:
+    """2 steps of ``module`` on ``data`` under ``cfg["strategy"]`` on 2 CPU processes: this rank's
+    ``{"global_step", "turns" (its episodes' model turns per rollout), "turns_max" (the logged turns/max per step)}``
+    and its rank."""
     from lightning_grpo.callbacks import GRPOCallback
-    from lightning_grpo.config import EpisodeConfig
-
-    out = cfg["out"]
-    data = os.path.join(out, "prompts.jsonl")
-    with open(data, "w") as f:
-        for i in range(8):
-            f.write(json.dumps({"question": f"What is {i} + 0?", "answer": str(i), "index": i}) + "\n")
-    config = GRPOConfig(num_generations=2, max_new_tokens=6, episode=EpisodeConfig(max_turns=4, max_tokens=48))
-    module = GRPOModule(cfg["model"], reward_funcs=[index_reward], config=config, learning_rate=1e-3, export_dir="",
-                        environment_factory=RankEcho)
 
     class Turns(GRPOCallback):
         def __init__(self) -> None:
@@ -433,10 +426,26 @@ def episodes_run(cfg: dict) -> None:
     turns = Turns()
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy=make_strategy(cfg["strategy"]), max_steps=2,
                         logger=False, callbacks=[turns], enable_progress_bar=False, enable_model_summary=False,
-                        enable_checkpointing=False, default_root_dir=out, limit_val_batches=0)
+                        enable_checkpointing=False, default_root_dir=cfg["out"], limit_val_batches=0)
     trainer.fit(module, datamodule=PromptDataModule(dataset=data, prompts_per_step=2, val_size=0))
-    result = {"global_step": trainer.global_step, "turns": turns.turns, "turns_max": turns.turns_max}
-    torch.save(result, rank_file(out, "episodes_run", trainer.global_rank))
+    return {"global_step": trainer.global_step, "turns": turns.turns, "turns_max": turns.turns_max}, \
+        trainer.global_rank
+
+
+def episodes_run(cfg: dict) -> None:
+    """2 GRPO steps on multi-turn episodes (HF engine) under ``cfg["strategy"]``, the ranks' episodes of different
+    lengths (:class:`RankEcho`): each rank saves its global step, its episodes' model turns per rollout and the
+    logged ``turns/max``."""
+    from lightning_grpo.config import EpisodeConfig
+
+    out = cfg["out"]
+    data = _index_prompts(out, 8)
+    config = GRPOConfig(num_generations=2, max_new_tokens=6, episode=EpisodeConfig(max_turns=4, max_tokens=48))
+    module = GRPOModule(cfg["model"], reward_funcs=[index_reward], config=config, learning_rate=1e-3, export_dir="",
+                        environment_factory=RankEcho)
+
+    result, rank = _two_steps_recording_turns(cfg, module, data)
+    torch.save(result, rank_file(out, "episodes_run", rank))
 
 
 def rank_agent(base_url: str, api_key: str, row: dict) -> float:
@@ -456,15 +465,11 @@ def rank_agent(base_url: str, api_key: str, row: dict) -> float:
 def agents_run(cfg: dict) -> None:
     """2 GRPO steps of :func:`rank_agent`'s episodes (HF engine) under ``cfg["strategy"]``: each rank saves its
     global step, its episodes' model calls per rollout, the logged ``turns/max`` and its gateways' addresses."""
-    from lightning_grpo.callbacks import GRPOCallback
     from lightning_grpo.config import EpisodeConfig
     from lightning_grpo.rollout.server import gateway
 
     out = cfg["out"]
-    data = os.path.join(out, "prompts.jsonl")
-    with open(data, "w") as f:
-        for i in range(8):
-            f.write(json.dumps({"question": f"What is {i} + 0?", "answer": str(i), "index": i}) + "\n")
+    data = _index_prompts(out, 8)
     config = GRPOConfig(num_generations=2, max_new_tokens=6, episode=EpisodeConfig(max_turns=4, max_tokens=60))
     module = GRPOModule(cfg["model"], reward_funcs=[index_reward], config=config, learning_rate=1e-3, export_dir="",
                         agent=rank_agent)
@@ -477,26 +482,8 @@ def agents_run(cfg: dict) -> None:
 
     gateway.Gateway.start = recorded_start
 
-    class Turns(GRPOCallback):
-        def __init__(self) -> None:
-            self.turns: list[list[int]] = []
-            self.turns_max: list[float] = []
-
-        def on_rollout_end(self, trainer, module, rollout):
-            self.turns.append([e.model_turns for e in rollout.episodes])
-
-        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
-            if batch.step_end:
-                self.turns_max.append(float(trainer.callback_metrics["turns/max"]))
-
-    turns = Turns()
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=make_strategy(cfg["strategy"]), max_steps=2,
-                        logger=False, callbacks=[turns], enable_progress_bar=False, enable_model_summary=False,
-                        enable_checkpointing=False, default_root_dir=out, limit_val_batches=0)
-    trainer.fit(module, datamodule=PromptDataModule(dataset=data, prompts_per_step=2, val_size=0))
-    result = {"global_step": trainer.global_step, "turns": turns.turns, "turns_max": turns.turns_max,
-              "gateways": gateways}
-    torch.save(result, rank_file(out, "agents_run", trainer.global_rank))
+    result, rank = _two_steps_recording_turns(cfg, module, data)
+    torch.save({**result, "gateways": gateways}, rank_file(out, "agents_run", rank))
 
 
 SCENARIOS = {"fixed_step": fixed_step, "grpo_run": grpo_run, "server_run": server_run, "eval_padding": eval_padding,
