@@ -8,10 +8,7 @@ import asyncio
 import csv
 import glob
 import json
-import os
 import socket
-import subprocess
-import sys
 import threading
 import time
 
@@ -24,6 +21,7 @@ from lightning_grpo import GRPOConfig, GRPOModule
 from lightning_grpo.data import PromptDataModule
 from lightning_grpo.rewards import RewardPool, gsm8k_format, score_completions
 from lightning_grpo.rewards.judge import DEFAULT_RUBRIC, JudgeError, JudgeReward, task_text
+from support.openai_server import vllm_openai_server
 
 fastapi = pytest.importorskip("fastapi")
 uvicorn = pytest.importorskip("uvicorn")
@@ -190,34 +188,10 @@ def test_parsing_and_the_guided_answer_format():
 def vllm_judge(tiny_llama_path, tmp_path_factory):
     """vLLM's OpenAI-compatible server (``vllm serve`` equivalent) on the tiny random Llama, on 127.0.0.1."""
     pytest.importorskip("vllm")
-    port = _free_port()
     log = tmp_path_factory.mktemp("vllm_judge") / "server.log"
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
-    with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model",
-                                 tiny_llama_path, "--served-model-name", "judge", "--host", "127.0.0.1", "--port",
-                                 str(port), "--max-model-len", "1024", "--max-num-batched-tokens", "1024"],
-                                stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 600
-        while True:
-            assert proc.poll() is None, f"vLLM's server exited: {log.read_text()[-3000:]}"
-            assert time.monotonic() < deadline, f"vLLM's server did not start: {log.read_text()[-3000:]}"
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(2)
-        yield f"{url}/v1"
-    finally:
-        os.killpg(proc.pid, 15)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)
-            proc.wait()
+    with vllm_openai_server(tiny_llama_path, "judge", log, "--max-model-len", "1024", "--max-num-batched-tokens",
+                            "1024") as url:
+        yield url
 
 
 @pytest.mark.slow

@@ -5,13 +5,7 @@ the answer formats a served teacher may return."""
 from __future__ import annotations
 
 import copy
-import os
-import socket
-import subprocess
-import sys
-import time
 
-import httpx
 import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -26,6 +20,7 @@ from lightning_grpo.training.logprobs import CompletionLogprobs
 from lightning_grpo.training.teacher import ModelTeacher
 from support.algorithm import FixedRolloutEngine, Recorder, fixed_completions, quiet_trainer, write_prompts
 from support.checkpoint_generation import trainer_logprobs
+from support.openai_server import vllm_openai_server
 
 
 class _Recorder(Recorder):
@@ -178,37 +173,10 @@ def test_a_rollout_server_teacher_scores_like_the_local_model(tiny_tied_llama_pa
 def vllm_teacher(tiny_tied_llama_path, tmp_path_factory):
     """vLLM's OpenAI-compatible server (``vllm serve``) on the tied tiny Llama, on 127.0.0.1."""
     pytest.importorskip("vllm")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     log = tmp_path_factory.mktemp("vllm_teacher") / "server.log"
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
-    with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model",
-                                 tiny_tied_llama_path, "--served-model-name", "teacher", "--host", "127.0.0.1",
-                                 "--port", str(port), "--max-model-len", "512", "--max-num-batched-tokens", "512",
-                                 "--dtype", "float32"],
-                                stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 600
-        while True:
-            assert proc.poll() is None, f"vLLM's server exited: {log.read_text()[-3000:]}"
-            assert time.monotonic() < deadline, f"vLLM's server did not start: {log.read_text()[-3000:]}"
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(2)
-        yield f"{url}/v1"
-    finally:
-        os.killpg(proc.pid, 15)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)
-            proc.wait()
+    with vllm_openai_server(tiny_tied_llama_path, "teacher", log, "--max-model-len", "512",
+                            "--max-num-batched-tokens", "512", "--dtype", "float32") as url:
+        yield url
 
 
 @pytest.mark.slow
