@@ -212,15 +212,3 @@ def pytest_sessionfinish(session, exitstatus):
 
     lanes.CURRENT = None
     POOL.close()
-
-
-@pytest.fixture
-def sandbox_user_budget(tmp_path_factory):
-    """Holds a lock shared by the xdist workers while a test runs model-written code: under the ``rlimits`` fallback
-    every sandbox runs as ``nobody``, whose ``RLIMIT_NPROC`` budget is one per user, not per sandbox, so a fork bomb
-    in one worker's test would leave another worker's sandbox unable to fork (docs/rewards.md, the fallbacks). The
-    files that run sandboxes use it (``pytestmark``); a single pytest process never waits on it."""
-    from filelock import FileLock
-
-    with FileLock(str(tmp_path_factory.getbasetemp().parent / "sandbox_user_budget.lock")):
-        yield

@@ -23,6 +23,7 @@ from lightning_grpo.sandbox.isolation import (
 )
 from lightning_grpo.sandbox.limits import SandboxLimits, SandboxResult
 from lightning_grpo.sandbox.process import execute
+from lightning_grpo.sandbox.users import run_user
 from lightning_grpo.sandbox.workdir import make_host_dir
 
 log = logging.getLogger(__name__)
@@ -63,20 +64,27 @@ class Sandbox:
             works here, checked once per process with a probe run, logged, and reported in each
             :class:`SandboxResult` (``isolation``).
         python: the interpreter of :meth:`run_python` (default :func:`default_python`).
-        uid, gid: the user and group the code runs as (inside the sandbox's user namespace; as root also outside).
+        uid, gid: the user and group the code runs as (inside the sandbox's user namespace; as root also outside);
+            default ``nobody``, except under ``rlimits`` as root, where each run takes a user id (and group) that no
+            concurrent run holds (:func:`lightning_grpo.sandbox.users.run_user`): runs never share a process budget
+            and cannot signal each other.
 
     Raises:
-        ValueError: an unknown ``isolation``.
+        ValueError: an unknown ``isolation``; only one of ``uid`` and ``gid``.
     """
 
     def __init__(self, limits: SandboxLimits = SandboxLimits(), isolation: Isolation = "auto",  # noqa: B008
-                 python: Optional[str] = None, uid: int = NOBODY, gid: int = NOBODY) -> None:
+                 python: Optional[str] = None, uid: Optional[int] = None, gid: Optional[int] = None) -> None:
         if isolation not in ("auto", *MECHANISMS):
             raise ValueError(f"Sandbox isolation={isolation!r} is unknown; choose from {('auto', *MECHANISMS)}")
         self.limits = limits
         self.isolation = isolation
         self.python = python or default_python()
-        self.uid, self.gid = uid, gid
+        if (uid is None) != (gid is None):
+            raise ValueError(f"Sandbox(uid={uid!r}, gid={gid!r}): give both or neither")
+        self.uid: int = NOBODY if uid is None else uid
+        self.gid: int = NOBODY if gid is None else gid
+        self._own_user = uid is None  # rlimits as root: each run its own user id (lightning_grpo.sandbox.users)
         self._mechanism: Optional[Mechanism] = None
 
     @property
@@ -161,6 +169,14 @@ class Sandbox:
     def _run(self, mechanism: Mechanism, argv: list[str], files: Mapping[str, str | bytes], stdin: bytes,
              limits: SandboxLimits, pass_fds: tuple[int, ...] = (), stop: Optional[threading.Event] = None
              ) -> SandboxResult:
+        if mechanism == "rlimits" and self._own_user and os.geteuid() == 0:
+            with run_user() as uid:
+                return self._run_as(uid, uid, mechanism, argv, files, stdin, limits, pass_fds, stop)
+        return self._run_as(self.uid, self.gid, mechanism, argv, files, stdin, limits, pass_fds, stop)
+
+    def _run_as(self, uid: int, gid: int, mechanism: Mechanism, argv: list[str], files: Mapping[str, str | bytes],
+                stdin: bytes, limits: SandboxLimits, pass_fds: tuple[int, ...] = (),
+                stop: Optional[threading.Event] = None) -> SandboxResult:
         host_dir: Optional[str] = None
         fds: dict[str, int] = {}
         try:
@@ -177,21 +193,21 @@ class Sandbox:
                         f.write(content.encode() if isinstance(content, str) else content)
                 if as_root:
                     for entry in [host_dir, *(os.path.join(host_dir, n) for n in files)]:
-                        os.chown(entry, self.uid, self.gid)
+                        os.chown(entry, uid, gid)
             workdir = BWRAP_WORKDIR if mechanism == "bwrap" else host_dir
             assert workdir is not None
             env = {"PATH": "/usr/bin:/bin", "HOME": workdir, "LANG": "C.UTF-8", "PYTHONHASHSEED": "0",
                    "PYTHONDONTWRITEBYTECODE": "1", "TMPDIR": "/tmp" if mechanism == "bwrap" else workdir}
             rlimits, trainer = limits.rlimits(), os.getpid()
             if mechanism == "bwrap":
-                command = bwrap_argv(_require("bwrap"), self.python, self.uid, self.gid, limits.file_bytes, fds,
+                command = bwrap_argv(_require("bwrap"), self.python, uid, gid, limits.file_bytes, fds,
                                      env, launcher_argv(self.python, rlimits, argv))
             elif mechanism == "unshare":  # the guard makes unshare, and with it the namespace, die with this process
-                inner = unshare_argv(_require("unshare"), self.uid, launcher_argv(self.python, rlimits, argv, "init"))
+                inner = unshare_argv(_require("unshare"), uid, launcher_argv(self.python, rlimits, argv, "init"))
                 command = launcher_argv(self.python, {}, inner, "guard", trainer)
             else:
                 command = launcher_argv(self.python, rlimits, argv, "supervise", trainer)
-            drop = {"user": self.uid, "group": self.gid, "extra_groups": []} if as_root else {}
+            drop = {"user": uid, "group": gid, "extra_groups": []} if as_root else {}
             handed, pass_fds = pass_fds, ()
             return execute(command, host_dir or "/", env, stdin, limits, mechanism, [*fds.values(), *handed], drop,
                            stop, hand_over=handed)

@@ -15,8 +15,6 @@ from lightning_grpo.rewards import RewardPool, score_completions
 from lightning_grpo.rewards.code import _FENCE, CODE_OUTCOMES, CodeReward, code_block_format, extract_code
 from lightning_grpo.sandbox import Sandbox, SandboxLimits
 
-pytestmark = pytest.mark.usefixtures("sandbox_user_budget")  # tests/conftest.py: one sandbox user's process budget
-
 TESTS = ["assert add(2, 3) == 5", "assert add(-1, 1) == 0", "assert add(0, 0) == 1"]  # the third is wrong on purpose
 #: A generous wall clock (a loaded machine can take seconds to start Python); loops stop at 2 CPU seconds or at the
 #: harness's per-test timer (5 s of wall time), whichever comes first.

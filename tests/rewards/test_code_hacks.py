@@ -19,8 +19,7 @@ from lightning_grpo.rewards import RewardPool, score_completions
 from lightning_grpo.rewards.code import CodeReward
 from lightning_grpo.sandbox import Sandbox, SandboxLimits
 
-pytestmark = [pytest.mark.skipif(sys.platform != "linux", reason="the sandbox is Linux-only"),
-              pytest.mark.usefixtures("sandbox_user_budget")]
+pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="the sandbox is Linux-only")
 
 LIMITS = SandboxLimits(wall_s=60.0, cpu_s=2, memory_bytes=256 << 20, max_processes=16, output_bytes=64 << 10)
 

@@ -23,18 +23,19 @@ import sys
 import tempfile
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
 from lightning_grpo.sandbox import Sandbox, SandboxLimits
 from lightning_grpo.sandbox.runner import _probed
+from lightning_grpo.sandbox.users import RUN_UID_BASE, RUN_UIDS
 from lightning_grpo.sandbox.workdir import PREFIX
 
 ROOT = Path(__file__).resolve().parents[2]
 
-pytestmark = [pytest.mark.skipif(sys.platform != "linux", reason="the sandbox is Linux-only"),
-              pytest.mark.usefixtures("sandbox_user_budget")]
+pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="the sandbox is Linux-only")
 
 LIMITS = SandboxLimits(wall_s=30.0, cpu_s=1, memory_bytes=256 << 20, max_processes=16, output_bytes=64 << 10)
 #: For the cases stopped by the wall clock.
@@ -125,8 +126,10 @@ def test_a_run_gets_its_files_stdin_a_clean_environment_and_a_fresh_directory(sa
     assert "HF_TOKEN" not in env and "hf_trainer_secret" not in result.stdout
     names = {"HOME", "LANG", "PATH", "PYTHONDONTWRITEBYTECODE", "PYTHONHASHSEED", "TMPDIR"}
     assert env in (str(sorted(names)), str(sorted(names | {"PWD"}))), env  # bubblewrap's shell-less exec sets PWD
-    if AS_ROOT or sandbox.mechanism != "rlimits":
+    if sandbox.mechanism != "rlimits":
         assert uid == "65534"  # nobody (inside its user namespace, and outside when the trainer is root)
+    elif AS_ROOT:  # a user id of its own (lightning_grpo/sandbox/users.py)
+        assert RUN_UID_BASE <= int(uid) < RUN_UID_BASE + RUN_UIDS, uid
     again = sandbox.run_python("import os; print(sorted(os.listdir('.')))")
     assert again.stdout.strip() == "['main.py']"  # a fresh directory per run
 
@@ -163,6 +166,40 @@ def test_a_fork_bomb_stops_at_the_process_limit(sandbox):
     result = _run(sandbox, source)
     assert result.status == "ok", result
     assert int(result.stdout) <= LIMITS.max_processes
+
+
+@pytest.mark.skipif("rlimits" not in MECHANISMS or not AS_ROOT, reason="rlimits as root: a user id per run")
+def test_concurrent_rlimits_runs_neither_share_a_process_budget_nor_signal_each_other():
+    """Under ``rlimits`` (no namespaces) the kernel counts ``RLIMIT_NPROC`` per user id: a run holding its whole
+    budget must not leave a concurrent run unable to fork, nor may one run signal another's processes (a completion
+    would change how another is scored). Bounded: 16 sleeping processes at most, 8 s of wall clock each run."""
+    sandbox = Sandbox(SandboxLimits(wall_s=8.0, cpu_s=1, memory_bytes=256 << 20, max_processes=16,
+                                    output_bytes=64 << 10), isolation="rlimits")
+    with tempfile.TemporaryDirectory() as folder:
+        os.chmod(folder, 0o777)  # the two runs (two users) meet here: the holder writes a pid, the other reads it
+        pid_file = os.path.join(folder, "pid")
+        holder = ("import os, sys, time\nkids = []\nwhile True:\n    try:\n        pid = os.fork()\n"
+                  "    except OSError:\n        break\n    if pid == 0:\n        time.sleep(30)\n        os._exit(0)\n"
+                  "    kids.append(pid)\nopen(sys.argv[1] + '.tmp', 'w').write(str(kids[0]))\n"
+                  "os.rename(sys.argv[1] + '.tmp', sys.argv[1])\ntime.sleep(30)\n")
+        other = ("import os, subprocess, sys, time\nwhile not os.path.exists(sys.argv[1]):\n    time.sleep(0.05)\n"
+                 "try:\n    os.kill(int(open(sys.argv[1]).read()), 9)\n    print('killed')\n"
+                 "except PermissionError:\n    print('refused')\n"
+                 "print(subprocess.run(['/bin/echo', 'forked'], capture_output=True, text=True).stdout.strip())\n"
+                 "print(os.getuid())\n")
+
+        def run(source: str):
+            return sandbox.run([sandbox.python, "-s", "main.py", pid_file], {"main.py": source})
+
+        with ThreadPoolExecutor(2) as pool:
+            held = pool.submit(run, holder)
+            result = pool.submit(run, other).result(timeout=60)
+            held_result = held.result(timeout=60)
+    assert result.status == "ok", result
+    refused, forked, uid = result.stdout.split()
+    assert (refused, forked) == ("refused", "forked"), result.stdout
+    assert held_result.status == "timeout", held_result  # it slept on, its whole budget held, until the wall clock
+    assert RUN_UID_BASE <= int(uid) < RUN_UID_BASE + RUN_UIDS
 
 
 def test_allocating_10_gb_fails_inside_the_run(sandbox):
