@@ -30,7 +30,7 @@ import pytest
 
 from lightning_grpo.sandbox import Sandbox, SandboxLimits
 from lightning_grpo.sandbox.runner import _probed
-from lightning_grpo.sandbox.users import RUN_UID_BASE, RUN_UIDS
+from lightning_grpo.sandbox.users import LOCK_FOLDER, RUN_UID_BASE, RUN_UIDS
 from lightning_grpo.sandbox.workdir import PREFIX
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -394,7 +394,7 @@ def test_a_run_dies_with_its_trainer(sandbox):
     folder = Path(tempfile.mkdtemp(prefix="lightning_grpo_trainer_"))
     try:
         _kill_a_trainer_during_a_run(sandbox, folder)
-        left = os.listdir(folder)
+        left = [name for name in os.listdir(folder) if name != LOCK_FOLDER]  # rlimits as root: the user ids' locks
         if sandbox.mechanism == "bwrap":
             assert left == []
             return
@@ -406,6 +406,6 @@ def test_a_run_dies_with_its_trainer(sandbox):
                  "print(module.make_host_dir())\n")
         made = subprocess.run([sys.executable, "-I", "-c", probe, str(workdir)], capture_output=True, text=True,
                               env={**os.environ, "TMPDIR": str(folder)}, check=True, timeout=60).stdout.strip()
-        assert os.listdir(folder) == [os.path.basename(made)]
+        assert [name for name in os.listdir(folder) if name != LOCK_FOLDER] == [os.path.basename(made)]
     finally:
         shutil.rmtree(folder, ignore_errors=True)
