@@ -73,9 +73,11 @@ def align(model_dir: str, dest: str, steps: int, batch_size: int, learning_rate:
 
     rows = [{"image": r["image"], "caption": f"A {r['answer']} shape."} for r in shapes_splits(seed)["train"]]
     stage = ProjectorAlignment(model_dir, learning_rate=learning_rate)
-    L.Trainer(max_steps=steps, max_epochs=-1, log_every_n_steps=10, logger=CSVLogger(root, name="alignment"),
-              enable_checkpointing=False, enable_model_summary=False, default_root_dir=root,
-              callbacks=[GRPOProgressBar()]).fit(stage, train_dataloaders=caption_loader(rows, batch_size, seed))
+    logger = CSVLogger(root, name="alignment")
+    print(f"alignment: {steps} steps of {batch_size} captions (the projector alone), log in {logger.log_dir}")
+    L.Trainer(max_steps=steps, max_epochs=-1, log_every_n_steps=10, logger=logger, enable_checkpointing=False,
+              enable_model_summary=False, enable_progress_bar=False, default_root_dir=root,
+              ).fit(stage, train_dataloaders=caption_loader(rows, batch_size, seed))
     return stage.save(dest)
 
 
