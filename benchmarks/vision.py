@@ -66,7 +66,8 @@ def run(argv: list[str]) -> dict:
     name, argv = _pop(argv, "--name", "shapes")
     results, argv = _pop(argv, "--results", str(RESULTS))
     kwargs = parse_args([*BENCHMARK_ARGS, *argv])
-    shutil.rmtree(kwargs["model_dir"], ignore_errors=True)  # built anew: the build is in the recorded time
+    if "--model-dir" not in argv:  # the benchmark's own model, built anew: the build is in the recorded time
+        shutil.rmtree(kwargs["model_dir"], ignore_errors=True)
     summary = main(**kwargs)
     summary["acceptance"] = acceptance(summary)
     summary["machine"] = {"platform": platform.platform(), "processor": platform.processor(),

@@ -8,7 +8,7 @@ embedded SmolLM2-135M-Instruct as the language model, a small random CLIP vision
 projector, new. Two stages, as LLaVA trains (then RL):
 
 1. **Projector alignment** (:class:`~lightning_grpo.models.projector_alignment.ProjectorAlignment`, LLaVA's stage 1):
-   the projector alone, on captions of the training pictures ("Describe the picture." -> "A red shape."),
+   the projector alone, on captions of the training pictures ("Describe the picture." -> "The shape is red."),
    ``--align-steps`` steps. It never sees the question.
 2. **GRPO**: LoRA adapters on the language model's attention and the projector in full
    (``modules_to_save=["multi_modal_projector"]``), rewarded by
@@ -65,13 +65,14 @@ def build_model(model_dir: str) -> str:
 
 
 def align(model_dir: str, dest: str, steps: int, batch_size: int, learning_rate: float, seed: int,
-          root: str) -> str:
-    """Stage 1: the projector alone on captions of the training pictures ("A red shape."), saved into ``dest``."""
+          root: str, caption: str = "The shape is {colour}.") -> str:
+    """Stage 1: the projector alone on captions of the training pictures (``caption`` with the picture's colour),
+    saved into ``dest``."""
     if steps <= 0:
         return model_dir
     from lightning_grpo.data.shapes import shapes_splits
 
-    rows = [{"image": r["image"], "caption": f"A {r['answer']} shape."} for r in shapes_splits(seed)["train"]]
+    rows = [{"image": r["image"], "caption": caption.format(colour=r["answer"])} for r in shapes_splits(seed)["train"]]
     stage = ProjectorAlignment(model_dir, learning_rate=learning_rate)
     logger = CSVLogger(root, name="alignment")
     print(f"alignment: {steps} steps of {batch_size} captions (the projector alone), log in {logger.log_dir}")
@@ -119,7 +120,8 @@ def main(max_steps: int = 60, prompts_per_step: int = 4, num_generations: int = 
          learning_rate: float = 1e-4, val_size: int = 150, temperature: float = 1.0, val_every: int = 0,
          root: str = "outputs/shapes_vlm", model_dir: str = "outputs/shapes_vlm/model", seed: int = 0,
          time_limit_min: float = 0.0, align_steps: int = 150, align_batch_size: int = 8,
-         align_learning_rate: float = 2e-3, validate_new_model: bool = True,
+         align_learning_rate: float = 2e-3, align_caption: str = "The shape is {colour}.",
+         validate_new_model: bool = True,
          grpo_trains: str = "projector", beta: float = 0.0) -> dict[str, Any]:
     """Validate the new model (``validate_new_model``), align its projector (``align_steps``; 0: no alignment),
     validate, train ``max_steps`` GRPO steps (fewer when the whole run's ``time_limit_min`` > 0 minutes run out: GRPO
@@ -155,7 +157,8 @@ def main(max_steps: int = 60, prompts_per_step: int = 4, num_generations: int = 
             grpo_module(base), datamodule=data, verbose=False)[0]["val/accuracy"]
     seconds["load_and_validate_new_model"] = time.perf_counter() - start
     L.seed_everything(seed)
-    aligned = align(base, str(Path(root) / "aligned"), align_steps, align_batch_size, align_learning_rate, seed, root)
+    aligned = align(base, str(Path(root) / "aligned"), align_steps, align_batch_size, align_learning_rate, seed, root,
+                    align_caption)
     seconds["alignment"] = time.perf_counter() - start - sum(seconds.values())
     L.seed_everything(seed)
     module = grpo_module(aligned)
@@ -185,7 +188,8 @@ def main(max_steps: int = 60, prompts_per_step: int = 4, num_generations: int = 
                                max_new_tokens=max_new_tokens, learning_rate=learning_rate, val_size=val_size,
                                temperature=temperature, seed=seed, lora=lora, time_limit_min=time_limit_min,
                                align_steps=align_steps, align_batch_size=align_batch_size,
-                               align_learning_rate=align_learning_rate, grpo_trains=grpo_trains, beta=beta)
+                               align_learning_rate=align_learning_rate, align_caption=align_caption,
+                               grpo_trains=grpo_trains, beta=beta)
     print(table(summary))
     print(f"plot: {summary['plot']}\ntook {summary['seconds'] / 60:.1f} min (alignment {align_steps} steps, "
           f"GRPO {trainer.global_step} steps)")
