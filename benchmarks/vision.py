@@ -3,8 +3,9 @@
     python benchmarks/vision.py                        # the recorded run (time it alone on the machine)
     python benchmarks/vision.py --max-steps 3 --val-size 30 --name pilot --results /tmp/pilot
 
-Runs :func:`recipes.shapes_vlm.main` (held-out greedy accuracy on 150 pictures before training, GRPO steps until
-``--max-steps`` or the 30-minute budget, the same validation after) and records in
+Runs :func:`recipes.shapes_vlm.main` (the model built anew; held-out greedy accuracy on 150 pictures of the new
+model, the projector-alignment stage, the same validation, GRPO steps until ``--max-steps`` or the 30-minute budget,
+the same validation after) and records in
 ``benchmarks/results/vision_<name>.json``: the settings, the per-step curve (reward, step time), the before/after
 table, the wall time (model build and load, both evaluations and training included), the machine and the acceptance
 checks (issue 32: the held-out accuracy rises by >= 30 points; the run took <= 30 minutes on one core). The plot is
@@ -33,15 +34,19 @@ sys.path.insert(0, str(REPO_ROOT))
 from recipes.shapes_vlm import main, parse_args, table  # noqa: E402
 
 RESULTS = REPO_ROOT / "benchmarks" / "results"
-#: The recorded run's settings (the rest are recipes/shapes_vlm.py's defaults): at most 90 steps, stopped at 27
-#: minutes of training so that the whole run, evaluations included, fits 30 minutes; validation every 30 steps.
-BENCHMARK_ARGS = ["--max-steps", "90", "--time-limit-min", "27", "--val-every", "30"]
+#: The recorded run's settings (the rest are recipes/shapes_vlm.py's defaults): at most 150 GRPO steps, stopped so
+#: that the whole run (model build, alignment, evaluations) fits 29 minutes; validation every 30 steps.
+BENCHMARK_ARGS = ["--max-steps", "150", "--time-limit-min", "29", "--val-every", "30", "--root",
+                  "outputs/vision_benchmark", "--model-dir", "outputs/vision_benchmark/model"]
 
 
 def acceptance(summary: dict) -> dict:
-    """Issue 32's checks: the held-out greedy accuracy rises by >= 0.30; the whole run took <= 30 minutes."""
+    """Issue 32's checks: the recipe's held-out greedy accuracy rises by >= 0.30 from the new model's (both stages:
+    alignment and GRPO; each stage's own part is listed too); the whole run took <= 30 minutes."""
     accuracy = summary["heldout_accuracy"]
-    checks = {"heldout_accuracy_gain": accuracy["after"] - accuracy["before"], "minutes": summary["seconds"] / 60,
+    checks = {"heldout_accuracy_gain": accuracy["after"] - accuracy["new_model"],
+              "alignment_gain": accuracy["before"] - accuracy["new_model"],
+              "grpo_gain": accuracy["after"] - accuracy["before"], "minutes": summary["seconds"] / 60,
               "torch_threads": int(os.environ.get("OMP_NUM_THREADS", "0") or 0)}
     checks["heldout_accuracy_gain_ok"] = checks["heldout_accuracy_gain"] >= 0.30
     checks["time_ok"] = checks["minutes"] <= 30
@@ -60,7 +65,9 @@ def run(argv: list[str]) -> dict:
     folder, default ``benchmarks/results``), recorded; returns the summary."""
     name, argv = _pop(argv, "--name", "shapes")
     results, argv = _pop(argv, "--results", str(RESULTS))
-    kwargs = parse_args([*BENCHMARK_ARGS, "--root", "outputs/vision_benchmark", *argv])
+    kwargs = parse_args([*BENCHMARK_ARGS, *argv])
+    if "--model-dir" not in argv:  # the benchmark's own model, built anew: the build is in the recorded time
+        shutil.rmtree(kwargs["model_dir"], ignore_errors=True)
     summary = main(**kwargs)
     summary["acceptance"] = acceptance(summary)
     summary["machine"] = {"platform": platform.platform(), "processor": platform.processor(),
