@@ -32,12 +32,14 @@ def test_concurrent_holders_get_distinct_ids_and_ids_come_back():
 
 
 def test_another_process_never_gets_a_held_id(private_tmp):
-    code = ("import sys\nfrom lightning_grpo.sandbox.users import run_user\n"
-            "with run_user(500, 2) as uid:\n    print(uid)\n")
+    # a fresh interpreter with the standard library and sandbox/users.py only (the package's imports take seconds)
+    code = ("import importlib.util, sys\nspec = importlib.util.spec_from_file_location('users', sys.argv[1])\n"
+            "users = importlib.util.module_from_spec(spec)\nspec.loader.exec_module(users)\n"
+            "with users.run_user(500, 2) as uid:\n    print(uid)\n")
     env = {**os.environ, "TMPDIR": str(private_tmp)}
     with run_user(500, 2) as mine:
-        theirs = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True,
-                                timeout=60).stdout.strip()
+        theirs = subprocess.run([sys.executable, "-I", "-c", code, users.__file__], capture_output=True, text=True,
+                                env=env, check=True, timeout=60).stdout.strip()
         assert {mine, int(theirs)} == {500, 501}
 
 
