@@ -192,18 +192,10 @@ def pytest_runtest_setup(item):
         POOL.close()
 
 
-@pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_teardown(item, nextitem):
-    """After the last test of a file (its module-scoped fixtures finalized), collect and hand freed heap pages back
-    to the system (glibc ``malloc_trim``): a worker that ran a file's models otherwise keeps their pages resident."""
     from support import lanes
 
     lanes.CURRENT = item
-    yield
-    if nextitem is None or nextitem.module is not item.module:
-        from support.memory import release_freed_memory
-
-        release_freed_memory()
 
 
 def pytest_sessionfinish(session, exitstatus):
