@@ -10,9 +10,9 @@ projector, new. Two stages, as LLaVA trains (then RL):
 1. **Projector alignment** (:class:`~lightning_grpo.models.projector_alignment.ProjectorAlignment`, LLaVA's stage 1):
    the projector alone, on captions of the training pictures ("Describe the picture." -> "The shape is red."),
    ``--align-steps`` steps. It never sees the question.
-2. **GRPO**: LoRA adapters on the language model's attention and the projector in full
-   (``modules_to_save=["multi_modal_projector"]``), rewarded by
-   :func:`~lightning_grpo.data.shapes.shape_colour_accuracy` (the first colour word is the picture's).
+2. **GRPO**: the projector alone by default (``--grpo-trains projector``; ``lora`` or ``lora+projector`` put LoRA
+   adapters on the language model's attention, which collapsed onto one colour in the pilots of docs/vision.md),
+   rewarded by :func:`~lightning_grpo.data.shapes.shape_colour_accuracy` (the first colour word is the picture's).
 
 The task (``PromptDataModule("shapes")``, :mod:`lightning_grpo.data.shapes`): the same question for every picture,
 "What colour is the shape? Answer with one word: red, green or blue.", so the answer is in the pixels only; a model
@@ -44,7 +44,7 @@ from lightning_grpo.data import PromptDataModule  # noqa: E402
 from lightning_grpo.data.shapes import CHANCE, shape_colour_accuracy  # noqa: E402
 from lightning_grpo.evaluation.plot import plot_metrics  # noqa: E402
 from lightning_grpo.models.embedded import default_model_path  # noqa: E402
-from lightning_grpo.models.projector_alignment import ProjectorAlignment, caption_loader  # noqa: E402
+from lightning_grpo.models.projector_alignment import ProjectorAlignment, caption_loader, train_only  # noqa: E402
 from lightning_grpo.models.vision_testing import save_smol_llava  # noqa: E402
 
 #: LoRA on the language model's attention; the projector trained in full (LLaVA's stage-1 module).
@@ -145,8 +145,7 @@ def main(max_steps: int = 60, prompts_per_step: int = 4, num_generations: int = 
             from lightning_grpo.models.vision import load_vision_policy
 
             model = load_vision_policy(path, torch.float32)
-            for name, parameter in model.named_parameters():
-                parameter.requires_grad_("multi_modal_projector" in name.split("."))
+            train_only(model, ["multi_modal_projector"])
         return GRPOModule(model=model, tokenizer=path, processor=path, reward_funcs=[shape_colour_accuracy],
                           lora=lora, config=config, learning_rate=learning_rate, export_dir="")
 

@@ -57,12 +57,7 @@ class ProjectorAlignment(L.LightningModule):
         self.save_hyperparameters()
         self.model = AutoModelForImageTextToText.from_pretrained(model, dtype=torch.float32).train()
         self.processor = AutoProcessor.from_pretrained(model)
-        names = set(trainable)
-        trained = 0
-        for name, parameter in self.model.named_parameters():
-            parameter.requires_grad_(bool(names & set(name.split("."))))
-            trained += parameter.requires_grad
-        if not trained:
+        if not train_only(self.model, trainable):
             raise ValueError(f"trainable={list(trainable)!r}: no parameter of {model!r} is in such a module")
         self.instruction = instruction
 
@@ -121,6 +116,17 @@ class ProjectorAlignment(L.LightningModule):
         return dest
 
 
+def train_only(model: torch.nn.Module, modules: Sequence[str]) -> int:
+    """Freeze every parameter of ``model`` but those of the named modules (a parameter is trained when one of the
+    dot-separated parts of its name is in ``modules``); returns how many parameter tensors are trained."""
+    names = set(modules)
+    trained = 0
+    for name, parameter in model.named_parameters():
+        parameter.requires_grad_(bool(names & set(name.split("."))))
+        trained += parameter.requires_grad
+    return trained
+
+
 def caption_loader(rows: Sequence[dict[str, Any]], batch_size: int, seed: int = 0) -> DataLoader:
     """Batches ``{"images": [...], "captions": [...]}`` of ``rows`` (each ``{"image": <PIL image>, "caption": str}``),
     shuffled with ``seed``, the last incomplete batch dropped."""
@@ -133,4 +139,4 @@ def caption_loader(rows: Sequence[dict[str, Any]], batch_size: int, seed: int = 
                       generator=generator)
 
 
-__all__ = ["DESCRIBE", "ProjectorAlignment", "caption_loader"]
+__all__ = ["DESCRIBE", "ProjectorAlignment", "caption_loader", "train_only"]

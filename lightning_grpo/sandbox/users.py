@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import stat
 import tempfile
 import time
 from typing import Iterator
@@ -34,7 +35,7 @@ def _lock_folder() -> str:
     folder = os.path.join(tempfile.gettempdir(), LOCK_FOLDER)
     os.makedirs(folder, mode=0o700, exist_ok=True)
     info = os.lstat(folder)
-    if info.st_uid != os.geteuid() or info.st_mode & 0o077 or not os.path.isdir(folder) or os.path.islink(folder):
+    if info.st_uid != os.geteuid() or info.st_mode & 0o077 or not stat.S_ISDIR(info.st_mode):  # lstat: no link
         raise PermissionError(f"{folder}: must be a folder of user {os.geteuid()} that no one else may open "
                               f"(owner {info.st_uid}, mode {oct(info.st_mode & 0o777)})")
     return folder
