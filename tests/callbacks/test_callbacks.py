@@ -29,7 +29,7 @@ def _length(prompts, completions, **kwargs):
 
 def _module(path, engine="hf", **config):
     config = {"num_generations": 4, "max_new_tokens": 6, "max_prompt_length": 256,
-              "engine": {"name": engine, "kv_cache_space_gib": 1}, **config}
+              "engine": {"name": engine, "kv_cache_space_gib": 0.25}, **config}
     return GRPOModule(path, reward_funcs=[alternating_reward, _length], config=GRPOConfig.from_dict(config),
                       learning_rate=1e-3)
 

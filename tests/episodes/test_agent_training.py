@@ -102,7 +102,7 @@ def _fit_vllm(path, prompt_file, tmp_path, steps=3, **engine):
     staleness = engine.pop("max_staleness", 0)
     config = GRPOConfig(num_generations=4, max_new_tokens=6, max_prompt_length=256, importance_sampling_cap=2.0,
                         max_staleness=staleness, episode=EpisodeConfig(max_turns=3, max_tokens=40),
-                        engine=EngineConfig(kv_cache_space_gib=1, server_group_port=free_port(), server_timeout=300.0,
+                        engine=EngineConfig(kv_cache_space_gib=0.25, server_group_port=free_port(), server_timeout=300,
                                             **engine))
     module = GRPOModule(path, reward_funcs=[returned], agent=echo_agent, config=config, learning_rate=1e-2,
                         export_dir="")

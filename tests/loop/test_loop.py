@@ -1,7 +1,9 @@
 """The generate-then-train loop through a plain ``L.Trainer`` on a tiny random Llama."""
 
+import gc
 import json
 import os
+import weakref
 
 import lightning as L
 import pytest
@@ -71,6 +73,23 @@ def test_three_steps_log_checkpoint_and_export(tmp_path, tiny_llama_path, cpu_tr
     reloaded = AutoModelForCausalLM.from_pretrained(export)
     for name, value in module.policy.state_dict().items():
         torch.testing.assert_close(reloaded.state_dict()[name], value, rtol=0, atol=0)
+
+
+def test_a_finished_fit_keeps_no_trainer_or_model_alive(tiny_llama_path, cpu_trainer):
+    """Nothing of the package keeps a trainer after its fit: once the caller drops the trainer and the module, both
+    are freed with their policy and optimizer (the installed loop holds its trainer, so a registry keyed by trainers
+    kept every one of them, with its model, for the life of the process)."""
+
+    def fit():
+        module = _module(tiny_llama_path)
+        trainer = cpu_trainer(1, logger=False)
+        trainer.fit(module, datamodule=PromptDataModule(prompts_per_step=2))
+        return trainer.global_step, [weakref.ref(obj) for obj in (trainer, trainer.fit_loop, module, module.policy,
+                                                                   trainer.optimizers[0])]
+
+    steps, refs = fit()
+    gc.collect()
+    assert steps == 1 and [ref() is None for ref in refs] == [True] * 5
 
 
 def test_rollout_uses_the_weights_of_the_previous_step(tmp_path, tiny_llama_path, cpu_trainer):

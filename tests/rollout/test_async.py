@@ -86,7 +86,7 @@ def _fit(model: str, data: str, root: Path, engine, *, ckpt_dir=None, resume_fro
          environment_factory=None, agent=None, **config) -> tuple[Recorder, dict, GRPOModule]:
     """One run on the given (pooled) vLLM engine, which the module syncs before its first rollout and keeps;
     ``(recorder, final weights, module)``."""
-    cfg = GRPOConfig(num_generations=4, max_new_tokens=8, engine=EngineConfig(name="vllm", kv_cache_space_gib=1),
+    cfg = GRPOConfig(num_generations=4, max_new_tokens=8, engine=EngineConfig(name="vllm", kv_cache_space_gib=0.25),
                      max_prompt_length=128, mini_batch_size=mini_batch_size, **config)
     L.seed_everything(0, verbose=False)
     module = GRPOModule(model, reward_funcs=[length_reward], config=cfg, learning_rate=2e-2, export_dir="",

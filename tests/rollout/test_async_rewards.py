@@ -89,7 +89,7 @@ def data_file(tmp_path_factory) -> str:
 def _fit(model: str, data: str, root, reward, workers: int, engine, callbacks=()):
     """One run on the given (pooled) vLLM engine, which the module syncs before its first rollout and keeps."""
     L.seed_everything(0, verbose=False)
-    cfg = GRPOConfig(num_generations=4, max_new_tokens=8, engine=EngineConfig(name="vllm", kv_cache_space_gib=1),
+    cfg = GRPOConfig(num_generations=4, max_new_tokens=8, engine=EngineConfig(name="vllm", kv_cache_space_gib=0.25),
                      max_prompt_length=128, max_staleness=1, reward_num_workers=workers)
     module = GRPOModule(model, reward_funcs=[reward], config=cfg, learning_rate=2e-2, export_dir="")
     module.rollout_engine = engine

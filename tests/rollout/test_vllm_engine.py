@@ -307,7 +307,7 @@ def polluted(tiny_llama_path, tmp_path_factory):
     sampling defaults (temperature 0.3, top-k 5, top-p 0.5, min-p 0.2, max_new_tokens 3)."""
     path = copy_with_generation_config(tiny_llama_path, tmp_path_factory.mktemp("polluted") / "model",
                                        repetition_penalty=1.3, **SAMPLING_FIELDS)
-    engine = VLLMRolloutEngine(path, kv_cache_space_gib=1, max_model_len=512, dtype="float32", seed=0)
+    engine = VLLMRolloutEngine(path, kv_cache_space_gib=0.25, max_model_len=512, dtype="float32", seed=0)
     yield engine
     engine.close()
 

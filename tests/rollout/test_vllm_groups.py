@@ -22,7 +22,7 @@ PROMPTS = [[1, 17, 300, 1900], [1, 99, 12]]
 
 
 def _engine(path):
-    return VLLMRolloutEngine(path, kv_cache_space_gib=1, max_model_len=256, dtype="float32", seed=0)
+    return VLLMRolloutEngine(path, kv_cache_space_gib=0.25, max_model_len=256, dtype="float32", seed=0)
 
 
 def _greedy(engine):

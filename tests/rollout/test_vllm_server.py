@@ -241,7 +241,7 @@ class Steps(Callback):
 def _fit(path: str, engine: str, tmp: Path, url: str = "", colocated=None):
     config = GRPOConfig(num_generations=3, max_new_tokens=8, temperature=0.9, top_p=0.95, max_prompt_length=256,
                         importance_sampling_cap=2.0,
-                        engine=EngineConfig(name=engine, kv_cache_space_gib=1, server_urls=[url] if url else [],
+                        engine=EngineConfig(name=engine, kv_cache_space_gib=0.25, server_urls=[url] if url else [],
                                             server_group_port=free_port(), server_timeout=120.0))
     module = GRPOModule(path, reward_funcs=[_reward], config=config, learning_rate=1e-2, export_dir="")
     if colocated is not None:  # the module-scope engine instead of a second one; synced before the first rollout

@@ -26,7 +26,7 @@ def test_three_steps_with_vllm_rollouts(tmp_path, tiny_tied_llama_path, top_p, c
                                         alternating_reward, vllm_engine):
     """top_p=1: the module makes its engine from ``engine.name`` (and closes it at the fit's end); top_p=0.9: it is
     given the pooled engine, which it keeps."""
-    config = GRPOConfig(num_generations=4, max_new_tokens=8, engine=EngineConfig(name="vllm", kv_cache_space_gib=1),
+    config = GRPOConfig(num_generations=4, max_new_tokens=8, engine=EngineConfig(name="vllm", kv_cache_space_gib=0.25),
                         importance_sampling_cap=2.0, max_prompt_length=256, top_p=top_p)
     module = GRPOModule(tiny_tied_llama_path, reward_funcs=["gsm8k_accuracy", alternating_reward], config=config,
                         learning_rate=1e-2)
@@ -87,7 +87,7 @@ def test_lora_with_vllm_rollouts_samples_from_the_merged_adapted_policy(tmp_path
     the trainer's logprobs of the adapted policy to 1e-4, while the adapters move and the base weights stay."""
     from peft import LoraConfig
 
-    config = GRPOConfig(num_generations=4, max_new_tokens=8, engine=EngineConfig(name="vllm", kv_cache_space_gib=1),
+    config = GRPOConfig(num_generations=4, max_new_tokens=8, engine=EngineConfig(name="vllm", kv_cache_space_gib=0.25),
                         max_prompt_length=256, beta=0.05)
     lora = LoraConfig(r=4, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "up_proj"])
     module = GRPOModule(tiny_tied_llama_path, reward_funcs=[alternating_reward], config=config, learning_rate=5e-2,

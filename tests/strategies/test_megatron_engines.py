@@ -61,7 +61,7 @@ def _check_probes(results: list[dict]) -> None:
 @pytest.mark.slow
 @pytest.mark.engine
 def test_colocated_vllm_with_a_tp2_policy_samples_from_the_trained_shards(tmp_path, files):
-    results = _run(tmp_path, files, {"engine": {"name": "vllm", "kv_cache_space_gib": 1}})
+    results = _run(tmp_path, files, {"engine": {"name": "vllm", "kv_cache_space_gib": 0.25}})
     _check_probes(results)
 
 

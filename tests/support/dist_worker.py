@@ -267,7 +267,7 @@ def grpo_run(cfg: dict) -> None:
     out = cfg["out"]
     data = _index_prompts(out, 12)
     config = GRPOConfig(num_generations=2, max_new_tokens=6, beta=0.04,
-                        engine=EngineConfig(name=cfg.get("engine", "hf"), kv_cache_space_gib=1))
+                        engine=EngineConfig(name=cfg.get("engine", "hf"), kv_cache_space_gib=0.25))
 
     def module(export_dir):
         return ProfiledModule(cfg["model"], reward_funcs=[index_reward], config=config, learning_rate=1e-3,

@@ -23,10 +23,12 @@ def vllm_openai_server(model: str, served_name: str, log: Path, *args: str) -> I
     ``/health`` answers (10 min at most; its log ``log`` in the error if it exits or does not start), yield its
     ``.../v1`` base URL, and stop its process group (SIGTERM, SIGKILL after 60 s)."""
     port = free_port()
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
+    env = {**os.environ, "VLLM_LOGGING_LEVEL": "WARNING"}
+    env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # whole GiB only: the size is the option below
     with open(log, "w") as out:
         proc = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
                                  "--served-model-name", served_name, "--host", "127.0.0.1", "--port", str(port),
+                                 "--kv-cache-memory-bytes", str(2**28),  # 0.25 GiB on CPU
                                  *args], stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:

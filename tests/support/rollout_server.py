@@ -35,7 +35,7 @@ class Server:
         env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
                "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
         command = [sys.executable, "-m", "lightning_grpo.cli", "serve", "--model", self.model, "--host", "127.0.0.1",
-                   "--port", str(self.port), "--kv-cache-space-gib", "1", "--max-model-len", "512", *self.options]
+                   "--port", str(self.port), "--kv-cache-space-gib", "0.25", "--max-model-len", "512", *self.options]
         self.proc = subprocess.Popen(command, cwd=str(REPO), env=env, stdout=open(self.log, "a"),
                                      stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 300
