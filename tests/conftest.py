@@ -192,10 +192,19 @@ def pytest_runtest_setup(item):
         POOL.close()
 
 
+@pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_teardown(item, nextitem):
+    """After a file's last test (its module fixtures torn down), collect garbage and give the freed heap back to the
+    system (:func:`support.memory.release_freed_memory`): a worker's resident memory is then what the next file
+    needs, not the most any earlier file needed (the suite's peak is two workers' plus their children's)."""
     from support import lanes
 
     lanes.CURRENT = item
+    yield
+    if nextitem is None or nextitem.module is not item.module:
+        from support.memory import release_freed_memory
+
+        release_freed_memory()
 
 
 def pytest_sessionfinish(session, exitstatus):
