@@ -179,6 +179,16 @@ def pytest_collection_modifyitems(items):
     items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))  # stable: file order kept otherwise
 
 
+def pytest_collection_finish(session):
+    """Move what collection made (torch, transformers, Lightning, vLLM and the test modules: ~940,000 objects) to the
+    collector's permanent generation (``gc.freeze``): each full collection of the run, the automatic ones and the one
+    after every file (:func:`pytest_runtest_teardown`), then traverses only what the tests made (~0.8 s -> ~0 s)."""
+    import gc
+
+    gc.collect()
+    gc.freeze()
+
+
 def pytest_runtest_setup(item):
     """Close the pooled vLLM engines before a test that neither uses them nor is marked ``engine``: vLLM's in-process
     worker holds the default process group, which the tests that make their own must not find. The running test is
