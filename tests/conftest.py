@@ -159,24 +159,11 @@ def vllm_engine():
     return POOL.get
 
 
-# The files that take longest (tests/README.md's durations table), run first: with ``-n 2 --dist loadfile`` each
-# worker takes the next file when it is free, so the long ones start early and the short ones fill in at the end
-# (longest-first scheduling) instead of one worker finishing a Megatron file alone. The order inside a file is kept.
-LONGEST_FIRST = (
-    "tests/strategies/test_fsdp.py", "tests/strategies/test_megatron_pipeline.py", "tests/test_resume.py",
-    "tests/rollout/test_vllm_server.py", "tests/strategies/test_megatron_strategy.py",
-    "tests/training/test_token_budget.py", "tests/strategies/test_megatron_engines.py", "tests/test_doc_commands.py",
-    "tests/rewards/test_judge.py", "tests/test_recipe.py", "tests/runtime/test_fault_tolerance.py",
-)
-
-
 def pytest_collection_modifyitems(items):
-    """Tests that use the pooled vLLM engine are in the ``engine`` lane; the longest files go first."""
+    """Tests that use the pooled vLLM engine are in the ``engine`` lane."""
     for item in items:
         if "vllm_engine" in item.fixturenames:
             item.add_marker(pytest.mark.engine)
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))  # stable: file order kept otherwise
 
 
 def pytest_collection_finish(session):

@@ -28,7 +28,6 @@ from typing_extensions import override
 
 from lightning_grpo.callbacks.base import GRPOCallback
 from lightning_grpo.events import ExperienceReady, RolloutEnd
-from lightning_grpo.training.experience import Experience
 
 
 @runtime_checkable
@@ -41,13 +40,13 @@ class CountsGeneratedTokens(Protocol):
         ...
 
 
-def token_counter(module: L.LightningModule) -> Callable[[], int]:
+def token_counter(module: L.LightningModule) -> Optional[Callable[[], int]]:
     """How to read ``module``'s generated-token count (a :class:`CountsGeneratedTokens` module: ``GRPOModule``),
-    decided once; 0 for any other module."""
+    decided once; None for a module that generates nothing (its steps have no rollout phase)."""
     if isinstance(module, CountsGeneratedTokens):
         counter: CountsGeneratedTokens = module
         return lambda: counter.generated_tokens_estimate
-    return lambda: 0
+    return None
 
 
 #: Metrics shown on the bar, in this order, when logged.
@@ -85,6 +84,7 @@ class GRPOProgressBar(TQDMProgressBar, GRPOCallback):
         self._phase_seconds: dict[str, float] = {}
         self.phase, self._phase_start, self._ticks_start = "setup", time.monotonic(), 0
         self._tokens: Callable[[], int] = lambda: 0  # the module's generated-token count (picked at train start)
+        self._step_phase = "rollout"  # a step's first phase: "training" for a module that generates nothing
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
 
@@ -168,11 +168,13 @@ class GRPOProgressBar(TQDMProgressBar, GRPOCallback):
     @override
     def on_train_start(self, trainer: "L.Trainer", pl_module: "L.LightningModule") -> None:
         super().on_train_start(trainer, pl_module)
-        self._tokens = token_counter(pl_module)
+        counter = token_counter(pl_module)
+        self._tokens = counter or (lambda: 0)
+        self._step_phase = "rollout" if counter is not None else "training"
         self.train_progress_bar.reset(total=self.total_train_batches)
         self.train_progress_bar.initial = 0
         self.train_progress_bar.n = trainer.global_step
-        self.set_phase("rollout")
+        self.set_phase(self._step_phase)
         self._phase_seconds = {}
         self._stop.clear()
         if self.is_interactive:
@@ -185,11 +187,13 @@ class GRPOProgressBar(TQDMProgressBar, GRPOCallback):
 
     @override
     def on_train_batch_end(self, trainer: "L.Trainer", pl_module: "L.LightningModule", outputs: Any,
-                           batch: Experience, batch_idx: int) -> None:
+                           batch: Any, batch_idx: int) -> None:
         bar = self.train_progress_bar
-        if batch.step_end:  # the GRPO loop's batches are experience micro-batches
+        # an optimizer step ended in this batch: the GRPO loop's batches are experience micro-batches (several a step),
+        # another module's may be accumulated; both count steps in ``trainer.global_step``
+        if trainer.global_step > bar.n:
             bar.n = trainer.global_step
-            self.set_phase("rollout")
+            self.set_phase(self._step_phase)
             if not self.is_interactive:
                 self._print(self.step_line(trainer, pl_module))
                 self._phase_seconds = {}
@@ -218,7 +222,7 @@ class GRPOProgressBar(TQDMProgressBar, GRPOCallback):
             self._print(" | ".join([f"validation at step {trainer.global_step}"]
                                    + [f"{k} {_number(v)}" for k, v in shown.items()]))
         if trainer.state.fn == "fit":
-            self.set_phase("rollout")
+            self.set_phase(self._step_phase)
             self.train_progress_bar.set_postfix(self.get_metrics(trainer, pl_module))
 
     @override

@@ -225,6 +225,38 @@ def test_progress_bar_prints_one_line_per_optimizer_step_when_not_a_terminal(tin
     assert validation.startswith("validation at step 2 | val/accuracy ")  # check's, which Lightning runs first
 
 
+class _Regression(L.LightningModule):
+    """``y = w x`` from ``w = 0`` by SGD (lr 0.1) on the mean squared error: a module that generates nothing."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(1, 1, bias=False)
+        torch.nn.init.zeros_(self.linear.weight)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self.linear(x), y)
+        self.log("loss", loss, prog_bar=True)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_progress_bar_prints_a_plain_modules_optimizer_steps(cpu_trainer, capsys):
+    """Any LightningModule may be trained with the bar (docs/architecture.md): 4 batches accumulated 2 a step are
+    2 lines, each with the step's last batch's loss and no rollout phase. By hand: x = 0..7, y = 2x, batches of 2;
+    step 1 ends on x = (2, 3) at w = 0: loss (4² + 6²) / 2 = 26; its gradient (-2 - 26) / 2 = -14 makes w = 1.4;
+    step 2 ends on x = (6, 7): loss (3.6² + 4.2²) / 2 = 15.3."""
+    x = torch.arange(8.0).reshape(8, 1)
+    loader = DataLoader(torch.utils.data.TensorDataset(x, 2 * x), batch_size=2)
+    trainer = cpu_trainer(2, callbacks=[GRPOProgressBar()], enable_progress_bar=True, accumulate_grad_batches=2)
+    trainer.fit(_Regression(), train_dataloaders=loader)
+    lines = [line.split(" | ") for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
+    assert [line[:2] for line in lines] == [["step 1/2", "loss 26"], ["step 2/2", "loss 15.3"]]
+    assert [line[2].split()[0] for line in lines] == ["training", "training"]
+
+
 def test_a_misspelled_event_hook_is_reported_when_the_class_is_defined():
     message = (r"Typo defines on_rolout_end, which is neither a Lightning callback hook nor a rollout event "
                r"\(on_weights_synced, on_rollout_end, on_experience\)")
