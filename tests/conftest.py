@@ -159,6 +159,17 @@ def vllm_engine():
     return POOL.get
 
 
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist loadfile`` with the files that train on several processes at once run one after another, never side
+    by side (:mod:`support.schedule`)."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from support.schedule import MultiProcessFilesInOneChain
+
+    return MultiProcessFilesInOneChain(config, log)
+
+
 def pytest_collection_modifyitems(items):
     """Tests that use the pooled vLLM engine are in the ``engine`` lane."""
     for item in items:
@@ -166,14 +177,24 @@ def pytest_collection_modifyitems(items):
             item.add_marker(pytest.mark.engine)
 
 
+def pytest_sessionstart(session):
+    """Pause the cyclic garbage collector for collection, which imports torch, transformers, Lightning, vLLM and the
+    test modules: long-lived objects and no garbage, which the collector would traverse again and again while they
+    are made (as ``lightning_grpo/__init__.py`` does for its own import)."""
+    import gc
+
+    gc.disable()
+
+
 def pytest_collection_finish(session):
-    """Move what collection made (torch, transformers, Lightning, vLLM and the test modules: ~940,000 objects) to the
-    collector's permanent generation (``gc.freeze``): each full collection of the run, the automatic ones and the one
-    after every file (:func:`pytest_runtest_teardown`), then traverses only what the tests made (~0.8 s -> ~0 s)."""
+    """Move what collection made (~940,000 objects) to the collector's permanent generation (``gc.freeze``) and resume
+    collecting: each full collection of the run, the automatic ones and the one after every file
+    (:func:`pytest_runtest_teardown`), then traverses only what the tests made (~0.8 s -> ~0 s)."""
     import gc
 
     gc.collect()
     gc.freeze()
+    gc.enable()
 
 
 def pytest_runtest_setup(item):

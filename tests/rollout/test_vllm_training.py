@@ -30,6 +30,15 @@ def test_three_steps_with_vllm_rollouts(tmp_path, tiny_tied_llama_path, top_p, c
                         importance_sampling_cap=2.0, max_prompt_length=256, top_p=top_p)
     module = GRPOModule(tiny_tied_llama_path, reward_funcs=["gsm8k_accuracy", alternating_reward], config=config,
                         learning_rate=1e-2)
+    if top_p == 1:
+        # this run's subject includes what the engine it makes leaves behind (no default process group), so it starts
+        # without one: the pooled engines are closed, and a group an earlier single-process run left (Lightning's
+        # DDP-derived strategies keep theirs for the process's life) is destroyed
+        from support.vllm_pool import POOL
+
+        POOL.close()
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
     given = vllm_engine(tiny_tied_llama_path, reload=False) if top_p < 1 else None
     if given is not None:
         module.rollout_engine = given

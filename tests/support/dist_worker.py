@@ -9,6 +9,7 @@ the collectives (gloo) are real; only the rollout is replaced by fixed experienc
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import sys
@@ -19,6 +20,8 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 sys.path[:0] = [str(Path(__file__).resolve().parents[i]) for i in (2, 1)]  # the checkout, tests/ (for support.*)
 
+collecting = gc.isenabled()  # the cyclic collector is paused while the libraries below are imported
+gc.disable()  # (a third of their import time: lightning_grpo/__init__.py)
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint  # noqa: E402
@@ -34,6 +37,9 @@ from lightning_grpo.data.module import collate_prompts  # noqa: E402
 from lightning_grpo.models.hf_weights import checkpoint_name  # noqa: E402
 from lightning_grpo.strategies import FSDP2Strategy, full_state_dict, is_fsdp1, is_fsdp2  # noqa: E402
 from lightning_grpo.training.experience import Experience  # noqa: E402
+
+if collecting:
+    gc.enable()
 
 
 def make_strategy(spec: dict):
@@ -494,3 +500,6 @@ if __name__ == "__main__":
     with open(sys.argv[1]) as f:
         config = json.load(f)
     SCENARIOS[config["scenario"]](config)
+    from support.exit import end_if_launched_rank
+
+    end_if_launched_rank()

@@ -8,6 +8,7 @@ Also holds the helpers the tests share with the workers: the tiny GQA models and
 
 from __future__ import annotations
 
+import gc
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -20,7 +21,12 @@ import warnings  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any, Sequence  # noqa: E402
 
+collecting = gc.isenabled()  # the cyclic collector is paused while the libraries below are imported
+gc.disable()  # (a third of their import time: lightning_grpo/__init__.py)
 import torch  # noqa: E402
+
+if collecting:
+    gc.enable()
 
 warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex|TE|apex).*")
 
@@ -425,3 +431,6 @@ def main(argv: list[str]) -> None:
 if __name__ == "__main__":
     sys.path[:0] = [str(Path(__file__).resolve().parents[i]) for i in (2, 1)]  # the checkout, tests/ (for support.*)
     main(sys.argv[1:])
+    from support.exit import end_process
+
+    end_process()

@@ -4,6 +4,7 @@ in that process, to ``<out>/reward_model_rank<r>.pt``."""
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import sys
@@ -14,6 +15,8 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 sys.path[:0] = [str(Path(__file__).resolve().parents[i]) for i in (2, 1)]  # the checkout, tests/ (for support.*)
 
+collecting = gc.isenabled()  # the cyclic collector is paused while the libraries below are imported
+gc.disable()  # (a third of their import time: lightning_grpo/__init__.py)
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
 
@@ -21,6 +24,9 @@ from lightning_grpo import GRPOConfig, GRPOModule  # noqa: E402
 from lightning_grpo.callbacks import GRPOCallback  # noqa: E402
 from lightning_grpo.data import PromptDataModule  # noqa: E402
 from support.dist_worker import make_strategy, rank_file  # noqa: E402
+
+if collecting:
+    gc.enable()
 
 
 class Rollouts(GRPOCallback):
@@ -54,3 +60,6 @@ if __name__ == "__main__":
     with open(sys.argv[1]) as f:
         config = json.load(f)
     reward_model_run(config)
+    from support.exit import end_if_launched_rank
+
+    end_if_launched_rank()

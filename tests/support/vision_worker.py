@@ -5,6 +5,7 @@ compares (loss, post-clip gradients, weights)."""
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import sys
@@ -15,12 +16,17 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 sys.path[:0] = [str(Path(__file__).resolve().parents[i]) for i in (2, 1)]  # the checkout, tests/ (for support.*)
 
+collecting = gc.isenabled()  # the cyclic collector is paused while the libraries below are imported
+gc.disable()  # (a third of their import time: lightning_grpo/__init__.py)
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
 
 from lightning_grpo import GRPOConfig, GRPOModule  # noqa: E402
 from support.dist_worker import GradRecording, IndexPrompts, StepRecorder, make_strategy, rank_file  # noqa: E402
 from support.vision import Loaded, image_experience, image_prompt, picture  # noqa: E402
+
+if collecting:
+    gc.enable()
 
 COLOURS = ["red", "green", "blue", "red"]
 SIZES = [(64, 48), (40, 90), (56, 56), (90, 60)]
@@ -71,3 +77,6 @@ if __name__ == "__main__":
     with open(sys.argv[1]) as f:
         config = json.load(f)
     {"image_step": image_step}[config["scenario"]](config)
+    from support.exit import end_if_launched_rank
+
+    end_if_launched_rank()
