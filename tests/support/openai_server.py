@@ -29,6 +29,9 @@ def vllm_openai_server(model: str, served_name: str, log: Path, *args: str) -> I
         proc = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
                                  "--served-model-name", served_name, "--host", "127.0.0.1", "--port", str(port),
                                  "--kv-cache-memory-bytes", str(2**28),  # 0.25 GiB on CPU
+                                 # no torch.compile tracing (~20 s of a start's ~50 s on one core): the tests' subject
+                                 # is the OpenAI API, and the package's own CPU engines run eager too
+                                 "--enforce-eager",
                                  *args], stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
