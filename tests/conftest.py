@@ -177,30 +177,37 @@ def pytest_collection_modifyitems(items):
             item.add_marker(pytest.mark.engine)
 
 
-def pytest_sessionstart(session):
-    """Pause the cyclic garbage collector for collection, which imports torch, transformers, Lightning, vLLM and the
-    test modules: long-lived objects and no garbage, which the collector would traverse again and again while they
-    are made (as ``lightning_grpo/__init__.py`` does for its own import)."""
+@pytest.hookimpl(hookwrapper=True)
+def pytest_collection(session):
+    """Collect with the cyclic garbage collector paused, then move what collection made (torch, transformers,
+    Lightning, vLLM and the test modules: ~940,000 objects) to its permanent generation (``gc.freeze``) and resume it.
+    Collection makes long-lived objects and no garbage, which the collector would traverse again and again while they
+    are made (as ``lightning_grpo/__init__.py`` does for its own import: ~4 s less a worker); each full collection of
+    the run, the automatic ones and the one after every file (:func:`pytest_runtest_teardown`), then traverses only
+    what the tests made (~0.8 s -> ~0 s)."""
     import gc
 
     gc.disable()
+    try:
+        yield
+    finally:
+        gc.collect()
+        gc.freeze()
+        gc.enable()
 
 
-def pytest_collection_finish(session):
-    """Move what collection made (~940,000 objects) to the collector's permanent generation (``gc.freeze``) and resume
-    collecting: each full collection of the run, the automatic ones and the one after every file
-    (:func:`pytest_runtest_teardown`), then traverses only what the tests made (~0.8 s -> ~0 s)."""
-    import gc
-
-    gc.collect()
-    gc.freeze()
-    gc.enable()
+_LAST_FILE: list = [None]  # the file of the previous test this process ran
 
 
 def pytest_runtest_setup(item):
     """Close the pooled vLLM engines before a test that neither uses them nor is marked ``engine``: vLLM's in-process
-    worker holds the default process group, which the tests that make their own must not find. The running test is
-    what :mod:`support.lanes` checks an engine build or a server start against."""
+    worker holds the default process group, which the tests that make their own must not find. Before a file's first
+    test, a default process group that no pooled engine holds is one an earlier file left (its tests ran in some order
+    beside others on this worker): it is destroyed, with a warning naming that file, so that no file's result depends
+    on which files ran before it in the same worker. The running test is what :mod:`support.lanes` checks an engine
+    build or a server start against."""
+    import torch.distributed as dist
+
     from support import lanes
     from support.vllm_pool import POOL
 
@@ -208,6 +215,13 @@ def pytest_runtest_setup(item):
     lanes.watch_vllm_constructions()
     if POOL.engines and item.get_closest_marker("engine") is None:
         POOL.close()
+    previous, _LAST_FILE[0] = _LAST_FILE[0], item.path
+    if previous != item.path and not POOL.engines and dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+        import warnings
+
+        warnings.warn(f"{previous} (or a file before it in this worker) left torch.distributed's default process "
+                      f"group initialized; destroyed before {item.nodeid}", stacklevel=1)
 
 
 @pytest.hookimpl(hookwrapper=True)
