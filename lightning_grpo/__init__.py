@@ -3,8 +3,8 @@
 import gc as _gc
 
 # Importing the package imports torch, Lightning, transformers and their dependencies: about a million long-lived
-# objects and no garbage, yet the cyclic collector would traverse them again and again while they are made (a third
-# of the import's time: ~6 s -> ~4 s on one core, tests/README.md). It is paused for the import and resumed after,
+# objects and no garbage, yet the cyclic collector would traverse them again and again while they are made (6.5 s ->
+# 5.4 s a fresh process on one core, alternated runs; tests/README.md). It is paused for the import and resumed after,
 # as it was; reference counting frees everything as usual meanwhile.
 _collecting = _gc.isenabled()
 _gc.disable()

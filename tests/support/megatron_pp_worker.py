@@ -27,7 +27,7 @@ from typing import Any, Optional  # noqa: E402
 sys.path[:0] = [str(Path(__file__).resolve().parents[i]) for i in (2, 1)]  # the checkout, tests/ (for support.*)
 
 collecting = gc.isenabled()  # the cyclic collector is paused while the libraries below are imported
-gc.disable()  # (a third of their import time: lightning_grpo/__init__.py)
+gc.disable()  # (why: lightning_grpo/__init__.py)
 import torch  # noqa: E402
 
 warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex|TE|apex).*")

@@ -22,7 +22,7 @@ from pathlib import Path  # noqa: E402
 from typing import Any, Sequence  # noqa: E402
 
 collecting = gc.isenabled()  # the cyclic collector is paused while the libraries below are imported
-gc.disable()  # (a third of their import time: lightning_grpo/__init__.py)
+gc.disable()  # (why: lightning_grpo/__init__.py)
 import torch  # noqa: E402
 
 if collecting:

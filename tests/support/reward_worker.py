@@ -16,7 +16,7 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 sys.path[:0] = [str(Path(__file__).resolve().parents[i]) for i in (2, 1)]  # the checkout, tests/ (for support.*)
 
 collecting = gc.isenabled()  # the cyclic collector is paused while the libraries below are imported
-gc.disable()  # (a third of their import time: lightning_grpo/__init__.py)
+gc.disable()  # (why: lightning_grpo/__init__.py)
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
 

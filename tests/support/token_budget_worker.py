@@ -24,7 +24,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("MALLOC_ARENA_MAX", "2")
 
 collecting = gc.isenabled()  # the cyclic collector is paused while the libraries below are imported
-gc.disable()  # (a third of their import time: lightning_grpo/__init__.py)
+gc.disable()  # (why: lightning_grpo/__init__.py)
 import torch  # noqa: E402
 
 from lightning_grpo import GRPOConfig, GRPOModule  # noqa: E402
