@@ -31,6 +31,7 @@ from lightning_grpo.protocols.collectives import Collectives
 from lightning_grpo.protocols.images import images_to
 from lightning_grpo.protocols.rollout import RolloutInterrupted, RolloutOutput
 from lightning_grpo.protocols.sampling import SamplingConfig
+from lightning_grpo.protocols.teacher import Teacher
 from lightning_grpo.rewards import RewardSet, StartedScores
 from lightning_grpo.rollout.collected import RolloutRows, reward_columns
 from lightning_grpo.rollout.evaluation import evaluate_batch
@@ -40,7 +41,6 @@ from lightning_grpo.training.experience import Experience
 from lightning_grpo.training.logprobs import CompletionLogprobs
 from lightning_grpo.training.metrics import REWARD_TIMING_PREFIX, StepTimer, rollout_metrics
 from lightning_grpo.training.passes import LogprobPasses
-from lightning_grpo.training.teacher import Teacher
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +113,7 @@ class ExperienceMaker:
         logprobs: the completion-logprob computer (old and reference passes).
         events: called as ``events(name, payload)`` with ``on_rollout_end`` (:class:`~lightning_grpo.events.RolloutEnd`)
             and ``on_experience`` (:class:`~lightning_grpo.events.ExperienceReady`), see :mod:`lightning_grpo.events`.
-        teacher: on-policy distillation's teacher (:mod:`lightning_grpo.training.teacher`), which scores every
+        teacher: on-policy distillation's teacher (:mod:`lightning_grpo.distillation`), which scores every
             rollout's tokens into ``Experience.teacher_logprobs``; None without distillation.
 
     Attributes:

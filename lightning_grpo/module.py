@@ -22,6 +22,7 @@ from lightning_grpo.algorithm import ObjectiveOutput
 from lightning_grpo.callbacks.base import EventRoute
 from lightning_grpo.config import GRPOConfig, ResolvedConfig
 from lightning_grpo.data.source import DataPlan
+from lightning_grpo.distillation.make import make_teacher
 from lightning_grpo.episodes import AgentFn, AgentRollout, ToolCallParser, as_tools, rollout_path
 from lightning_grpo.episodes.environment import EnvironmentFactory
 from lightning_grpo.episodes.tools import ToolSpec
@@ -35,7 +36,6 @@ from lightning_grpo.rewards import RewardSet, RewardSpec
 from lightning_grpo.rewards.reward_model import resolve_reward_models
 from lightning_grpo.rollout.prefetch import PrefetchedRollout
 from lightning_grpo.rollout.registry import resolve_engine_name
-from lightning_grpo.rollout.teacher import make_teacher
 from lightning_grpo.rollout.worker import RolloutWorker
 from lightning_grpo.runtime.cleanup import ReleaseOnException
 from lightning_grpo.runtime.preemption import Preemption

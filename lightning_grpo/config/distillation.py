@@ -1,7 +1,7 @@
 """``GRPOConfig.distillation``: on-policy distillation's teacher and coefficients, validated on construction.
 
-The math is :mod:`lightning_grpo.algorithm.distillation`; the teachers are :mod:`lightning_grpo.training.teacher` (a
-frozen model) and :mod:`lightning_grpo.rollout.teacher` (a rollout server, an OpenAI-compatible server);
+The math is :mod:`lightning_grpo.algorithm.distillation`; the teachers are :mod:`lightning_grpo.distillation` (a
+frozen model, a rollout server, an OpenAI-compatible server);
 docs/algorithm.md maps the knobs to TRL's, verl's, slime's and prime-rl's.
 """
 

@@ -10,7 +10,9 @@ speak, and nothing else (this folder imports only torch and the standard library
   given;
 * :mod:`~lightning_grpo.protocols.episode`: :class:`EpisodeRecord` and :class:`Turn` (what a multi-turn episode was);
 * :mod:`~lightning_grpo.protocols.weights`: :class:`PolicyWeights`, what an engine is synced with;
-* :mod:`~lightning_grpo.protocols.collectives`: :class:`Collectives` over the data-parallel processes.
+* :mod:`~lightning_grpo.protocols.collectives`: :class:`Collectives` over the data-parallel processes;
+* :mod:`~lightning_grpo.protocols.teacher`: :class:`Teacher`, what scores a rollout's tokens for on-policy
+  distillation.
 """
 
 from lightning_grpo.protocols.collectives import Collectives
@@ -27,6 +29,7 @@ from lightning_grpo.protocols.rollout import (
 )
 from lightning_grpo.protocols.sampler import AnyProcess, PromptEncoder, Sampler
 from lightning_grpo.protocols.sampling import SamplingConfig
+from lightning_grpo.protocols.teacher import Teacher
 from lightning_grpo.protocols.weights import PolicyWeights
 
 __all__ = [
@@ -44,6 +47,7 @@ __all__ = [
     "Sampler",
     "SamplingConfig",
     "StopFlag",
+    "Teacher",
     "Turn",
     "completion_mask_from_eos",
     "eos_token_ids_from",

@@ -5,7 +5,7 @@ reward.
 * old logprobs: needed when the rollout is reused (``num_iterations > 1`` or mini-batches) or the KL goes in the
   reward; never in ``correction.bypass_mode``, whose old policy is the sampler (verl ``bypass_mode``);
 * reference logprobs: ``beta > 0``;
-* teacher logprobs: with a teacher (``GRPOConfig.distillation``, :mod:`lightning_grpo.training.teacher`);
+* teacher logprobs: with a teacher (``GRPOConfig.distillation``, :mod:`lightning_grpo.distillation`);
 * with ``kl_in_reward``: the shaped rewards minus ``beta * sum_t KL_t`` of the behaviour policy (the old one, or the
   sampler in bypass mode) to the reference.
 """
@@ -18,9 +18,9 @@ from torch import Tensor, nn
 
 from lightning_grpo.algorithm.shaping import sequence_kl
 from lightning_grpo.config import GRPOConfig
+from lightning_grpo.protocols.teacher import Teacher
 from lightning_grpo.training.experience import Experience
 from lightning_grpo.training.logprobs import CompletionLogprobs
-from lightning_grpo.training.teacher import Teacher
 
 
 class LogprobPasses:

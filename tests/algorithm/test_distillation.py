@@ -1,18 +1,13 @@
 """On-policy distillation's loss (issue 33): the per-token reverse KL as the advantage, worked by hand; mixed with
-rewards; every loss type; the tokenizer check; the config's errors."""
+rewards; every loss type; the config's errors (the tokenizer check: tests/distillation/test_tokenizer_check.py)."""
 
 import pytest
 import torch
-from tokenizers import Tokenizer
-from tokenizers.models import WordLevel
-from tokenizers.pre_tokenizers import Whitespace
-from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from lightning_grpo import GRPOConfig
 from lightning_grpo.algorithm import distillation_advantages, grpo_objective, reverse_kl
 from lightning_grpo.config.distillation import DistillationConfig
 from lightning_grpo.functional import aggregate_loss
-from lightning_grpo.models.teacher import TokenizerMismatchError, check_same_tokenizer, load_teacher
 
 STUDENT = torch.tensor([[-1.0, -0.5, -2.0], [-0.7, -1.2, -3.0]])
 TEACHER = torch.tensor([[-2.0, -0.25, -2.0], [-0.2, -1.2, float("nan")]])
@@ -96,28 +91,6 @@ def test_a_non_finite_teacher_logprob_of_a_loss_token_is_an_error():
     with pytest.raises(ValueError, match=r"teacher's logprob of loss token \(row, position\) \(1, 1\) is not finite"):
         distillation_advantages(torch.zeros(2), STUDENT, teacher, MASK, 1.0, 0.0)
     assert reverse_kl(STUDENT, TEACHER, MASK)[1, 2] == 0  # the NaN at a masked position never reaches anything
-
-
-# ---------------------------------------------------------------------------------------------- tokenizers
-def _word_tokenizer(words):
-    backend = Tokenizer(WordLevel({w: i for i, w in enumerate(words)}, unk_token=words[0]))
-    backend.pre_tokenizer = Whitespace()
-    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token=words[0], eos_token=words[1])
-
-
-def test_a_mismatched_tokenizer_is_a_clear_error(tmp_path, tiny_llama_path):
-    student = _word_tokenizer(["<unk>", "<eos>", "a", "b", "c"])
-    check_same_tokenizer(student, _word_tokenizer(["<unk>", "<eos>", "a", "b", "c"]), "here")  # the same: fine
-    with pytest.raises(TokenizerMismatchError, match=r"here: the teacher's tokenizer differs from the policy's "
-                                                     r"\(token 'b' is id 3 in the policy's tokenizer and 4 in the"):
-        check_same_tokenizer(student, _word_tokenizer(["<unk>", "<eos>", "a", "c", "b"]), "here")
-    with pytest.raises(TokenizerMismatchError, match=r"vocabularies of 5 \(policy\) and 6 \(teacher\) tokens"):
-        check_same_tokenizer(student, _word_tokenizer(["<unk>", "<eos>", "a", "b", "c", "d"]), "here")
-    # a real teacher folder whose tokenizer is SmolLM2's (cut to the tiny Llama's vocabulary), for a student with
-    # another tokenizer: refused before loading
-    size = len(AutoTokenizer.from_pretrained(tiny_llama_path).get_vocab())
-    with pytest.raises(TokenizerMismatchError, match=f"distillation.teacher=.*vocabularies of 5 .policy. and {size} "):
-        load_teacher(tiny_llama_path, student)
 
 
 # ------------------------------------------------------------------------------------------------- config

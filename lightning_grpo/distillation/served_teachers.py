@@ -1,12 +1,11 @@
-"""On-policy distillation's served teachers (``GRPOConfig.distillation.teacher_url``) and the teacher of a run
-(:func:`make_teacher`).
+"""On-policy distillation's served teachers (``GRPOConfig.distillation.teacher_url``).
 
 * :class:`RolloutServerTeacher`: a rollout server (``lightning-grpo serve --model TEACHER``) scoring given token ids
   with its ``/probe_logprobs`` (vLLM's prompt logprobs, temperature 1).
 * :class:`OpenAITeacher`: any OpenAI-compatible server whose ``/v1/completions`` returns prompt logprobs (vLLM's
   ``prompt_logprobs`` extension; prime-rl's teacher is such a server).
 
-Both implement :class:`~lightning_grpo.training.teacher.Teacher`: ``(N, T)`` float32 logprobs of each completion token
+Both implement :class:`~lightning_grpo.protocols.teacher.Teacher`: ``(N, T)`` float32 logprobs of each completion token
 given the prompt and the completion before it (the environment's tokens of multi-turn episodes included as context),
 0 where the row has no loss. They check the tokenizer before their first request and split their requests by size.
 """
@@ -19,10 +18,8 @@ import torch
 from torch import Tensor, nn
 
 from lightning_grpo.config.distillation import DistillationConfig
-from lightning_grpo.models.teacher import TokenizerMismatchError, check_same_tokenizer, load_teacher
+from lightning_grpo.distillation.tokenizer_check import TokenizerMismatchError, check_same_tokenizer
 from lightning_grpo.training.experience import Experience
-from lightning_grpo.training.logprobs import CompletionLogprobs
-from lightning_grpo.training.teacher import ModelTeacher, Teacher
 
 #: Most prompt + completion tokens per request to a served teacher (the rollout server may allow fewer).
 SERVED_REQUEST_TOKENS = 1 << 16
@@ -68,7 +65,7 @@ class _ServedTeacher:
 
     def score(self, experience: Experience, micro_batch_size: int, forward_context: Callable[[], ContextManager],
               max_tokens: Optional[int] = None) -> Tensor:
-        """See :meth:`~lightning_grpo.training.teacher.Teacher.score`: the sequences go in requests of at most the
+        """See :meth:`~lightning_grpo.protocols.teacher.Teacher.score`: the sequences go in requests of at most the
         server's token limit (``micro_batch_size``, ``forward_context`` and ``max_tokens`` are the trainer's)."""
         if not self._checked:
             self._check()
@@ -232,24 +229,3 @@ def _prompt_logprobs(choice: dict, ids: list[int]) -> list[float]:
         raise RuntimeError("the teacher's answer has neither prompt_logprobs nor echoed logprobs.token_logprobs: the "
                            "server does not return prompt logprobs (vLLM does)")
     return [float(v) for v in echoed[1:len(ids)]]
-
-
-def make_teacher(config: DistillationConfig, tokenizer: Any, dtype: str,
-                 logprobs: CompletionLogprobs) -> Optional[Teacher]:
-    """The teacher ``config`` names (a local model is loaded now, its tokenizer checked), or None without one.
-
-    Raises:
-        TokenizerMismatchError: a local teacher's tokenizer differs from ``tokenizer``.
-        ValueError: a teacher for a vision-language policy (``logprobs.vision``): a teacher scores token ids, and
-            would score the image placeholder tokens without their pixels.
-    """
-    if logprobs.vision is not None and (config.teacher is not None or config.teacher_url is not None):
-        raise ValueError("GRPOConfig.distillation with a vision-language policy is not supported: the teacher scores "
-                         "token ids and would score the image placeholder tokens without their pixels")
-    if config.teacher is not None:
-        return ModelTeacher(load_teacher(config.teacher, tokenizer, dtype), logprobs)
-    if config.teacher_url is None:
-        return None
-    if config.teacher_api == "openai":
-        return OpenAITeacher(config, tokenizer)
-    return RolloutServerTeacher(config, tokenizer)

@@ -13,11 +13,16 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from lightning_grpo import GRPOConfig, GRPOModule
 from lightning_grpo.config.distillation import DistillationConfig
 from lightning_grpo.data import PromptDataModule
-from lightning_grpo.models.teacher import TokenizerMismatchError
-from lightning_grpo.rollout.teacher import OpenAITeacher, RolloutServerTeacher, _prompt_logprobs, scored_sequences
+from lightning_grpo.distillation.local_teacher import ModelTeacher
+from lightning_grpo.distillation.served_teachers import (
+    OpenAITeacher,
+    RolloutServerTeacher,
+    _prompt_logprobs,
+    scored_sequences,
+)
+from lightning_grpo.distillation.tokenizer_check import TokenizerMismatchError
 from lightning_grpo.training.experience import Experience
 from lightning_grpo.training.logprobs import CompletionLogprobs
-from lightning_grpo.training.teacher import ModelTeacher
 from support.algorithm import FixedRolloutEngine, Recorder, fixed_completions, quiet_trainer, write_prompts
 from support.checkpoint_generation import trainer_logprobs
 from support.openai_server import vllm_openai_server
