@@ -56,7 +56,7 @@ def build_tiny_model(dest: str, tokenizer_path: str) -> str:
     (about 1 in 49k per token), so its completions run to ``max_new_tokens``: step work is set by the
     settings, not by what the model happens to write.
     """
-    from lightning_grpo.models.testing import save_tiny_llama
+    from lightning_grpo.demos.tiny_models import save_tiny_llama
 
     return save_tiny_llama(dest, tokenizer_path, hidden_size=128, intermediate_size=256, num_attention_heads=2,
                            num_key_value_heads=2, head_dim=64, tie_word_embeddings=True)

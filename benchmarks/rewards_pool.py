@@ -80,8 +80,8 @@ def time_training(args) -> dict:
 
     from lightning_grpo import GRPOConfig, GRPOModule
     from lightning_grpo.data import PromptDataModule
+    from lightning_grpo.demos.tiny_models import save_tiny_llama
     from lightning_grpo.models.embedded import default_model_path
-    from lightning_grpo.models.testing import save_tiny_llama
 
     class Recorder(L.Callback):
         def __init__(self) -> None:

@@ -3,7 +3,7 @@
     python recipes/shapes_vlm.py                  # validate, align, validate, train, validate, report
     python recipes/shapes_vlm.py --max-steps 10   # shorter
 
-The model (:func:`lightning_grpo.models.vision_testing.save_smol_llava`, built once into ``--model-dir``): the
+The model (:func:`lightning_grpo.demos.tiny_vision_models.save_smol_llava`, built once into ``--model-dir``): the
 embedded SmolLM2-135M-Instruct as the language model, a small random CLIP vision tower (frozen) and LLaVA's
 projector, new. Two stages, as LLaVA trains (then RL):
 
@@ -42,10 +42,10 @@ from lightning_grpo.callbacks import CompletionTable, GRPOProgressBar  # noqa: E
 from lightning_grpo.config import EngineConfig, EvalConfig  # noqa: E402
 from lightning_grpo.data import PromptDataModule  # noqa: E402
 from lightning_grpo.data.shapes import CHANCE, shape_colour_accuracy  # noqa: E402
+from lightning_grpo.demos.tiny_vision_models import save_smol_llava  # noqa: E402
 from lightning_grpo.evaluation.plot import plot_metrics  # noqa: E402
 from lightning_grpo.models.embedded import default_model_path  # noqa: E402
 from lightning_grpo.models.projector_alignment import ProjectorAlignment, caption_loader, train_only  # noqa: E402
-from lightning_grpo.models.vision_testing import save_smol_llava  # noqa: E402
 
 #: LoRA on the language model's attention; the projector trained in full (LLaVA's stage-1 module).
 LORA = dict(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],

@@ -38,7 +38,7 @@ TINY_VOCAB = 2048
 
 
 def _save_tiny_llama(root: Path, smollm2_path: str, tie_word_embeddings: bool, vocab_size=TINY_VOCAB) -> str:
-    from lightning_grpo.models.testing import save_tiny_llama
+    from lightning_grpo.demos.tiny_models import save_tiny_llama
 
     return save_tiny_llama(root, smollm2_path, hidden_size=64, intermediate_size=128, num_attention_heads=2,
                            num_key_value_heads=1, head_dim=32, tie_word_embeddings=tie_word_embeddings,
@@ -78,7 +78,7 @@ def tiny_tied_llama_path(tmp_path_factory, smollm2_path) -> str:
 def tiny_reward_model_path(tmp_path_factory, smollm2_path) -> str:
     """A random 2-layer ``LlamaForSequenceClassification`` (one label, hidden 64, seed 0, head weights N(0, 1)) with
     SmolLM2's tokenizer and chat template; pad = ``<|im_end|>``."""
-    from lightning_grpo.models.testing import save_tiny_reward_model
+    from lightning_grpo.demos.tiny_models import save_tiny_reward_model
 
     return save_tiny_reward_model(tmp_path_factory.mktemp("tiny_reward_model"), smollm2_path)
 
@@ -88,8 +88,8 @@ def tiny_qwen_vl_path(tmp_path_factory, smollm2_path) -> str:
     """A random tiny Qwen2.5-VL (text 2 layers, hidden 64, heads of 32; vision 2 blocks of hidden 32, patch 14,
     merge 2; seed 0) with SmolLM2's tokenizer cut to :data:`TINY_VOCAB` tokens plus the vision tokens and a ChatML
     template writing image parts, and a PIL image processor of 28x28 to 112x112 pixels
-    (:func:`lightning_grpo.models.vision_testing.save_tiny_qwen_vl`)."""
-    from lightning_grpo.models.vision_testing import save_tiny_qwen_vl
+    (:func:`lightning_grpo.demos.tiny_vision_models.save_tiny_qwen_vl`)."""
+    from lightning_grpo.demos.tiny_vision_models import save_tiny_qwen_vl
 
     return save_tiny_qwen_vl(tmp_path_factory.mktemp("tiny_qwen_vl"), smollm2_path, vocab_size=TINY_VOCAB)
 
@@ -97,7 +97,7 @@ def tiny_qwen_vl_path(tmp_path_factory, smollm2_path) -> str:
 @pytest.fixture(scope="session")
 def tiny_qwen3_vl_path(tmp_path_factory, smollm2_path) -> str:
     """As :func:`tiny_qwen_vl_path`, a Qwen3-VL (patch 16, deepstack block 1, interleaved mRoPE)."""
-    from lightning_grpo.models.vision_testing import save_tiny_qwen_vl
+    from lightning_grpo.demos.tiny_vision_models import save_tiny_qwen_vl
 
     return save_tiny_qwen_vl(tmp_path_factory.mktemp("tiny_qwen3_vl"), smollm2_path, version="3",
                              vocab_size=TINY_VOCAB)
@@ -107,8 +107,8 @@ def tiny_qwen3_vl_path(tmp_path_factory, smollm2_path) -> str:
 def tiny_llava_path(tmp_path_factory, smollm2_path) -> str:
     """A random tiny LLaVA (CLIP tower 2 layers of 32 on 56x56 images, patch 14: 16 image tokens; a 2-layer Llama of
     hidden 64) with SmolLM2's tokenizer cut to :data:`TINY_VOCAB` tokens plus ``<image>``
-    (:func:`lightning_grpo.models.vision_testing.save_tiny_llava`)."""
-    from lightning_grpo.models.vision_testing import save_tiny_llava
+    (:func:`lightning_grpo.demos.tiny_vision_models.save_tiny_llava`)."""
+    from lightning_grpo.demos.tiny_vision_models import save_tiny_llava
 
     return save_tiny_llava(tmp_path_factory.mktemp("tiny_llava"), smollm2_path, vocab_size=TINY_VOCAB)
 

@@ -81,14 +81,14 @@ class EchoEnvironment(BaseEnvironment):
 
 
 def save_talkative_llama(dest, smollm2_path: str, eos_logit: float = 11.0) -> str:
-    """A tiny random Llama (:func:`lightning_grpo.models.testing.save_tiny_llama`, untied) that ends its turns after
+    """A tiny random Llama (:func:`lightning_grpo.demos.tiny_models.save_tiny_llama`, untied) that ends its turns after
     a few tokens, so that real sampling (HF, vLLM, a rollout server) gives multi-turn episodes: every token embedding
     gets +100 in dimension 0, which then dominates the final RMSNorm's output (about sqrt(hidden) = 8 there), and the
     output row of EOS gets ``eos_logit / 8`` in that dimension: EOS's logit is about ``eos_logit`` at every position
     (P(EOS) ~ 0.55 per token for 11 against SmolLM2's 49,152 tokens). Saved with its tokenizer; returns ``dest``."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from lightning_grpo.models.testing import save_tiny_llama
+    from lightning_grpo.demos.tiny_models import save_tiny_llama
 
     path = save_tiny_llama(dest, smollm2_path, hidden_size=64, intermediate_size=128, num_attention_heads=2,
                            num_key_value_heads=1, head_dim=32, tie_word_embeddings=False)

@@ -155,7 +155,7 @@ NAMED: dict[tuple[str, str], tuple[bool, str]] = {
     ("lightning_grpo/strategies/weights.py", "getattr(config, 'tie_word_embeddings', False)"): (False, "an HF config"),
     ("lightning_grpo/strategies/weights.py", "getattr(config, 'vocab_size', 0)"): (False, "an HF config"),
     ("lightning_grpo/protocols/vision.py", "getattr(config, 'model_type', '')"): (False, "an HF config"),
-    ("lightning_grpo/models/vision_testing.py", "getattr(text_config, 'tie_word_embeddings', False)"):
+    ("lightning_grpo/demos/tiny_vision_models.py", "getattr(text_config, 'tie_word_embeddings', False)"):
         (False, "an HF config"),
 }
 

@@ -31,7 +31,7 @@ def _tokenizer(tokenizer_path: Union[str, os.PathLike], dest: str, vocab_size: O
                image: str) -> Any:
     from transformers import AutoTokenizer
 
-    from lightning_grpo.models.testing import save_tiny_tokenizer
+    from lightning_grpo.demos.tiny_models import save_tiny_tokenizer
 
     if vocab_size is not None:
         tokenizer_path = save_tiny_tokenizer(tokenizer_path, dest, vocab_size)
