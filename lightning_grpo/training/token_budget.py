@@ -3,10 +3,10 @@
 Before the first optimizer step the training step (forward, loss, backward) runs on synthetic micro-batches of one
 and of two sequences of ``max_prompt_length + max_new_tokens`` tokens (random ids, distinct prompts: no prompt is
 shared, the most a sequence can cost), and the peak memory of each above the state before the probes is measured
-(:class:`lightning_grpo.training.memory.PeakMeter`). A line through the two points,
+(:class:`lightning_grpo.runtime.memory.PeakMeter`). A line through the two points,
 ``peak(tokens) = fixed + per_token * tokens``, plus the optimizer state the first step will allocate (AdamW: two
 tensors per trainable parameter), must stay within ``token_budget_memory_fraction`` of the memory available before
-the probes (:func:`lightning_grpo.training.memory.available_memory`):
+the probes (:func:`lightning_grpo.runtime.memory.available_memory`):
 
     budget = floor((fraction * available - fixed - optimizer_state) / per_token)
 
@@ -28,8 +28,8 @@ from typing import Callable
 import torch
 
 from lightning_grpo.config import GRPOConfig
+from lightning_grpo.runtime.memory import GIB, MemoryLimit, PeakMeter, available_memory
 from lightning_grpo.training.experience import Experience
-from lightning_grpo.training.memory import GIB, MemoryLimit, PeakMeter, available_memory
 
 log = logging.getLogger(__name__)
 
