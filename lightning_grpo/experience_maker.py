@@ -28,7 +28,6 @@ from lightning_grpo.config import GRPOConfig
 from lightning_grpo.evaluation.evaluator import EvalBatch
 from lightning_grpo.events import ON_EXPERIENCE, ON_ROLLOUT_END, EventSink, ExperienceReady, RolloutEnd
 from lightning_grpo.protocols.collectives import Collectives
-from lightning_grpo.protocols.images import images_to
 from lightning_grpo.protocols.rollout import RolloutInterrupted, RolloutOutput
 from lightning_grpo.protocols.sampling import SamplingConfig
 from lightning_grpo.protocols.teacher import Teacher
@@ -213,24 +212,19 @@ class ExperienceMaker:
         ctx = self.context
         # 1. generate and score: the prefetched rollout, or generation rounds now (more with dynamic sampling)
         collected = self._collect(batch, policy, next_prompt_batch, prefetched)
-        rollout = collected.rollout
+        rollout = collected.rollout.rollout  # the rows as sampled (ids, masks, per-token fields)
         scored_rollout = self._rollout_event(collected)
         if self.events is not None:
             self.events(ON_ROLLOUT_END, scored_rollout)
         # 2. shape the rewards: overlong penalty, scale / bias / clip
         extra: dict[str, tuple[Tensor, Tensor]] = {}  # metric -> (sum, count)
-        shaped, scored = self._shaped_rewards(rollout, extra)
-        # 3. the experience, its old, reference and teacher logprobs (and the KL in the reward)
-        experience = Experience(
-            prompt_ids=rollout.prompt_ids.to(ctx.device),
-            prompt_mask=rollout.prompt_mask.to(ctx.device),
-            completion_ids=rollout.completion_ids.to(ctx.device),
-            completion_mask=rollout.completion_mask.to(ctx.device) * scored.unsqueeze(1),  # [N, T] through the EOS
-            advantages=torch.zeros(len(rollout), device=ctx.device),
-            sampler_logprobs=None if rollout.sampler_logprobs is None else rollout.sampler_logprobs.to(ctx.device),
-            env_mask=None if rollout.env_mask is None else rollout.env_mask.to(ctx.device) * scored.unsqueeze(1),
-            images=images_to(rollout.images, ctx.device),
-        )
+        shaped, scored = self._shaped_rewards(collected.rollout, extra)
+        # 3. the experience (every per-token field of the rollout), its old, reference and teacher logprobs (and the
+        # KL in the reward); an unscored row gets no loss token and is not laid out
+        experience = Experience.of(rollout, ctx.device)
+        experience.completion_mask = experience.completion_mask * scored.unsqueeze(1)  # [N, T] through the EOS
+        if experience.env_mask is not None:
+            experience.env_mask = experience.env_mask * scored.unsqueeze(1)
         with ctx.timer.span("logprobs_s"):
             shaped = self._behaviour_logprobs(experience, shaped, scored, extra, policy, ref, len(batch["prompt"]))
         if self.config.mask_truncated_completions:
@@ -306,7 +300,7 @@ class ExperienceMaker:
         shaped = rollout.rewards.to(device)  # [N] weighted sum, NaN = unscored
         scored = ~torch.isnan(shaped)  # [N]
         if cfg.overlong_buffer > 0:
-            lengths = rollout.completion_mask.to(device).sum(dim=1)
+            lengths = rollout.rollout.completion_mask.to(device).sum(dim=1)
             penalty = overlong_penalty(lengths, cfg.max_new_tokens, cfg.overlong_buffer, cfg.overlong_penalty_factor)
             shaped = shaped + penalty
             extra["rewards/overlong_penalty/mean"] = (penalty.sum(), torch.tensor(float(len(penalty))))
@@ -331,7 +325,7 @@ class ExperienceMaker:
         return RolloutEnd(
             prompts=[r.prompt for r in rows], completions=[r.completion for r in rows], rewards=rollout.rewards,
             per_function=rollout.per_function, reward_names=list(self.rewards.names),
-            lengths=rollout.completion_mask.sum(dim=1), truncated=rollout.truncated,
+            lengths=rollout.rollout.completion_mask.sum(dim=1), truncated=rollout.rollout.truncated,
             columns={k: [r.columns.get(k) for r in rows] for k in names}, num_generations=rollout.num_generations,
             weights_version=collected.weights_version, episodes=collected.rows.episodes(rollout.row_index),
         )
@@ -389,11 +383,8 @@ class ExperienceMaker:
         totals["prompts/truncated"] += num_truncated
         totals["generated_tokens"] += float(out.completion_mask.sum())
         row_index = rows.add(prompts, columns, out)
-        return ScoredRollout(prompt_ids=out.prompt_ids, prompt_mask=out.prompt_mask, completion_ids=out.completion_ids,
-                             completion_mask=out.completion_mask, truncated=out.truncated,
-                             per_function=scores.per_function, rewards=scores.rewards, num_generations=g,
-                             pad_token_id=pad_token_id, sampler_logprobs=out.sampler_logprobs, row_index=row_index,
-                             env_mask=out.env_mask, images=out.images)
+        return ScoredRollout(out, per_function=scores.per_function, rewards=scores.rewards, num_generations=g,
+                             pad_token_id=pad_token_id, row_index=row_index)
 
     def evaluate(self, batch: PromptBatch, policy: nn.Module,
                  accuracy: Optional[Callable[..., list]] = None) -> EvalBatch:

@@ -9,13 +9,14 @@ all processes together, whether to generate another round (so every process runs
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, replace
 from typing import Optional
 
 import torch
 from torch import Tensor
 
-from lightning_grpo.protocols.images import RowImages
+from lightning_grpo.protocols.rollout import RolloutOutput
+from lightning_grpo.protocols.tokens import ROW_META, select_rows
 
 
 @dataclass
@@ -24,39 +25,24 @@ class ScoredRollout:
     ``i*G .. i*G+G-1``).
 
     Attributes:
-        prompt_ids: ``(N, P)`` long, left-padded with ``pad_token_id``.
-        prompt_mask: ``(N, P)`` long.
-        completion_ids: ``(N, T)`` long, right-padded.
-        completion_mask: ``(N, T)`` long, 1 through the first EOS (the engine's mask).
-        truncated: ``(N,)`` bool, no EOS within max_new_tokens.
+        rollout: the rows as the sampler returned them (:class:`~lightning_grpo.protocols.rollout.RolloutOutput`:
+            ids, masks and every per-token field, texts, episodes, images).
         per_function: ``(N, F)`` float32 raw reward of each function, NaN = missing.
         rewards: ``(N,)`` float32 weighted sum, NaN where every function is missing.
-        sampler_logprobs: ``(N, T)`` float32 engine logprobs, or None.
-        row_index: ``(N,)`` long, each row's position among all generated rows (to find its text), or None.
-        env_mask: ``(N, T)`` long, 1 on the environment's tokens of multi-turn episodes (``completion_mask`` is then
-            the model's tokens), or None (single-turn).
         num_generations: G.
         pad_token_id: id used to pad ``prompt_ids`` / ``completion_ids``.
-        images: each row's images (vision-language prompts, :class:`~lightning_grpo.protocols.images.PromptImage`),
-            or None.
+        row_index: ``(N,)`` long, each row's position among all generated rows (to find its text), or None.
     """
 
-    prompt_ids: Tensor
-    prompt_mask: Tensor
-    completion_ids: Tensor
-    completion_mask: Tensor
-    truncated: Tensor
-    per_function: Tensor
-    rewards: Tensor
-    num_generations: int
-    pad_token_id: int
-    sampler_logprobs: Optional[Tensor] = None
-    row_index: Optional[Tensor] = None
-    env_mask: Optional[Tensor] = None
-    images: Optional[list[Optional[RowImages]]] = None
+    rollout: RolloutOutput
+    per_function: Tensor = field(metadata=ROW_META)
+    rewards: Tensor = field(metadata=ROW_META)
+    num_generations: int = 1
+    pad_token_id: int = 0
+    row_index: Optional[Tensor] = field(default=None, metadata=ROW_META)
 
     def __len__(self) -> int:
-        return self.completion_ids.shape[0]
+        return len(self.rollout)
 
     @property
     def num_groups(self) -> int:
@@ -66,20 +52,15 @@ class ScoredRollout:
         """The rollout restricted to the groups ``index`` (in that order)."""
         g = self.num_generations
         rows = torch.tensor([i * g + j for i in index for j in range(g)], dtype=torch.long)
-        updates = {}
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if isinstance(value, Tensor):
-                updates[f.name] = value[rows.to(value.device)]
-        images = None if self.images is None else [self.images[i] for i in rows.tolist()]
-        return replace(self, **updates, images=images)  # type: ignore[arg-type]  # tensor fields and images
+        return replace(self, rollout=self.rollout.select(rows), **select_rows(self, rows))
 
     @staticmethod
     def cat(parts: list["ScoredRollout"]) -> "ScoredRollout":
-        """Concatenate rollouts row-wise, re-padding prompts on the left and completions on the right.
+        """Concatenate rollouts row-wise (:meth:`RolloutOutput.cat`: prompts re-padded on the left, completions and
+        every per-token field on the right).
 
         Raises:
-            ValueError: no parts, or parts that differ in G, reward functions or sampler-logprob presence.
+            ValueError: no parts, or parts that differ in G, reward functions or the fields they carry.
         """
         if not parts:
             raise ValueError("ScoredRollout.cat needs at least one part")
@@ -90,39 +71,13 @@ class ScoredRollout:
             same_functions = part.per_function.shape[1] == first.per_function.shape[1]
             if part.num_generations != first.num_generations or not same_functions:
                 raise ValueError("ScoredRollout.cat: parts differ in num_generations or number of reward functions")
-            if (part.sampler_logprobs is None) != (first.sampler_logprobs is None):
-                raise ValueError("ScoredRollout.cat: some parts have sampler_logprobs and some do not")
-            if (part.env_mask is None) != (first.env_mask is None):
-                raise ValueError("ScoredRollout.cat: some parts are multi-turn (env_mask) and some are not")
-        p = max(part.prompt_ids.shape[1] for part in parts)
-        t = max(part.completion_ids.shape[1] for part in parts)
-
-        def pad(tensor: Tensor, width: int, value: float, left: bool) -> Tensor:
-            missing = width - tensor.shape[1]
-            if missing == 0:
-                return tensor
-            filler = torch.full((tensor.shape[0], missing), value, dtype=tensor.dtype, device=tensor.device)
-            return torch.cat([filler, tensor] if left else [tensor, filler], dim=1)
-
-        pad_id = first.pad_token_id
         return replace(
             first,
-            prompt_ids=torch.cat([pad(x.prompt_ids, p, pad_id, True) for x in parts]),
-            prompt_mask=torch.cat([pad(x.prompt_mask, p, 0, True) for x in parts]),
-            completion_ids=torch.cat([pad(x.completion_ids, t, pad_id, False) for x in parts]),
-            completion_mask=torch.cat([pad(x.completion_mask, t, 0, False) for x in parts]),
-            truncated=torch.cat([x.truncated for x in parts]),
+            rollout=RolloutOutput.cat([x.rollout for x in parts], first.pad_token_id),
             per_function=torch.cat([x.per_function for x in parts]),
             rewards=torch.cat([x.rewards for x in parts]),
-            sampler_logprobs=None
-            if first.sampler_logprobs is None
-            else torch.cat([pad(x.sampler_logprobs, t, 0.0, False) for x in parts]),  # type: ignore[arg-type]
             row_index=None if any(x.row_index is None for x in parts)
-            else torch.cat([x.row_index for x in parts]),  # type: ignore[misc]  # none is None here
-            env_mask=None if first.env_mask is None
-            else torch.cat([pad(x.env_mask, t, 0, False) for x in parts]),  # type: ignore[arg-type]
-            images=None if all(x.images is None for x in parts)
-            else [row for x in parts for row in (x.images if x.images is not None else [None] * len(x))],
+            else torch.cat([x.row_index for x in parts if x.row_index is not None]),
         )
 
 

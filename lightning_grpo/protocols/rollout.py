@@ -6,7 +6,7 @@ a sampler adds per row), how that layout is built (:func:`left_pad`, :func:`comp
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, Callable, Literal, Optional, Sequence
 
 import torch
@@ -14,6 +14,16 @@ from torch import Tensor
 
 from lightning_grpo.protocols.episode import EpisodeRecord
 from lightning_grpo.protocols.images import RowImages, row_images_from_state, row_images_state
+from lightning_grpo.protocols.tokens import (
+    PAD_ID,
+    ROW_META,
+    Layout,
+    cat_rows,
+    fields_to,
+    select_rows,
+    token_fields,
+    token_meta,
+)
 
 
 @dataclass(frozen=True)
@@ -106,20 +116,82 @@ class RolloutOutput:
             of their group's statistics); None = every row is scored.
     """
 
-    prompt_ids: Tensor
-    prompt_mask: Tensor
-    completion_ids: Tensor
-    completion_mask: Tensor
-    truncated: Tensor
+    prompt_ids: Tensor = field(metadata=token_meta(Layout.PROMPT, PAD_ID))
+    prompt_mask: Tensor = field(metadata=token_meta(Layout.PROMPT, 0))
+    completion_ids: Tensor = field(metadata=token_meta(Layout.COMPLETION, PAD_ID))
+    completion_mask: Tensor = field(metadata=token_meta(Layout.COMPLETION, 0))
+    truncated: Tensor = field(metadata=ROW_META)
     completions: list[str]
-    sampler_logprobs: Optional[Tensor] = None
+    sampler_logprobs: Optional[Tensor] = field(default=None, metadata=token_meta(Layout.COMPLETION, 0.0))
     weight_version: Optional[int] = None
-    env_mask: Optional[Tensor] = None
+    env_mask: Optional[Tensor] = field(default=None, metadata=token_meta(Layout.COMPLETION, 0))
     episodes: Optional[list[EpisodeRecord]] = None
     columns: dict[str, list[Any]] = field(default_factory=dict)
     metrics: dict[str, RowMetric] = field(default_factory=dict)
     images: Optional[list[Optional[RowImages]]] = None
-    unscored: Optional[Tensor] = None
+    unscored: Optional[Tensor] = field(default=None, metadata=ROW_META)
+
+    def __len__(self) -> int:
+        return self.completion_ids.shape[0]
+
+    def select(self, rows: Tensor) -> "RolloutOutput":
+        """The rollout of rows ``rows`` (``(M,)`` long indices, in that order): every declared per-token and per-row
+        field (:mod:`lightning_grpo.protocols.tokens`), the texts, episodes, images, columns and metrics."""
+        index = rows.tolist()
+        return replace(
+            self, **select_rows(self, rows),
+            completions=[self.completions[i] for i in index],
+            episodes=None if self.episodes is None else [self.episodes[i] for i in index],
+            images=None if self.images is None else [self.images[i] for i in index],
+            columns={name: [values[i] for i in index] for name, values in self.columns.items()},
+            metrics={name: metric.select(rows.cpu()) for name, metric in self.metrics.items()},
+        )
+
+    @staticmethod
+    def cat(parts: Sequence["RolloutOutput"], pad_token_id: int) -> "RolloutOutput":
+        """The rows of ``parts`` (e.g. the generation rounds of one rollout) in order: prompts re-padded on the left
+        and completions on the right to the widest, each declared field with its own padding value
+        (:mod:`lightning_grpo.protocols.tokens`).
+
+        Raises:
+            ValueError: no parts; or parts that differ in which optional fields they carry (a per-token field, the
+                episodes, the columns or the metrics), or in ``weight_version``: nothing is dropped or invented.
+        """
+        if not parts:
+            raise ValueError("RolloutOutput.cat needs at least one part")
+        first = parts[0]
+        if len(parts) == 1:
+            return first
+        joined: dict[str, Any] = {}
+        for name, spec in token_fields(RolloutOutput):
+            joined[name] = cat_rows(name, [getattr(p, name) for p in parts], spec, pad_token_id)
+        joined["truncated"] = torch.cat([p.truncated for p in parts])
+        if any(p.unscored is not None for p in parts):  # None = every row scored
+            joined["unscored"] = torch.cat([p.unscored if p.unscored is not None
+                                            else torch.zeros(len(p), dtype=torch.bool) for p in parts])
+        versions = {p.weight_version for p in parts}
+        if len(versions) > 1:
+            raise ValueError(f"RolloutOutput.cat: the parts were sampled by different weight versions {versions}")
+        if len({p.episodes is None for p in parts}) > 1:
+            raise ValueError("RolloutOutput.cat: some parts are episodes (multi-turn) and some are not")
+        for attr in ("columns", "metrics"):
+            names = [sorted(getattr(p, attr)) for p in parts]
+            if any(n != names[0] for n in names):
+                raise ValueError(f"RolloutOutput.cat: the parts' {attr} differ: {names}")
+        return RolloutOutput(
+            **joined,
+            completions=[text for p in parts for text in p.completions],
+            weight_version=first.weight_version,
+            episodes=None if first.episodes is None else [e for p in parts for e in (p.episodes or [])],
+            columns={name: [v for p in parts for v in p.columns[name]] for name in first.columns},
+            metrics={name: RowMetric.cat([p.metrics[name] for p in parts]) for name in first.metrics},
+            images=None if all(p.images is None for p in parts)
+            else [row for p in parts for row in (p.images if p.images is not None else [None] * len(p))],
+        )
+
+    def to(self, device: torch.device) -> "RolloutOutput":
+        """The rollout with every declared per-token and per-row tensor on ``device`` (images stay where they are)."""
+        return replace(self, **fields_to(self, device))
 
     def unscored_as_nan(self, rewards: Tensor) -> Tensor:
         """``rewards`` (``(N,)`` float) with NaN, the unscored value, at the rows :attr:`unscored` marks; ``rewards``

@@ -3,7 +3,7 @@ the micro-batches that ``training_step`` receives."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 from typing import Iterator, Optional
 
 import torch
@@ -11,7 +11,17 @@ from torch import Tensor
 
 from lightning_grpo.functional import loss_normalizer
 from lightning_grpo.protocols.collectives import Collectives
-from lightning_grpo.protocols.images import RowImages
+from lightning_grpo.protocols.images import RowImages, images_to
+from lightning_grpo.protocols.rollout import RolloutOutput
+from lightning_grpo.protocols.tokens import (
+    PAD_ID,
+    ROW_META,
+    Layout,
+    select_rows,
+    token_fields,
+    token_meta,
+    trim_columns,
+)
 from lightning_grpo.training.packing import sequence_token_counts, token_budget_partition
 
 
@@ -58,24 +68,33 @@ class Experience:
             ``GRPOConfig.distillation``), else None.
     """
 
-    prompt_ids: Tensor
-    prompt_mask: Tensor
-    completion_ids: Tensor
-    completion_mask: Tensor
-    advantages: Tensor
-    old_logprobs: Optional[Tensor] = None
-    ref_logprobs: Optional[Tensor] = None
-    sampler_logprobs: Optional[Tensor] = None
+    prompt_ids: Tensor = field(metadata=token_meta(Layout.PROMPT, PAD_ID))
+    prompt_mask: Tensor = field(metadata=token_meta(Layout.PROMPT, 0))
+    completion_ids: Tensor = field(metadata=token_meta(Layout.COMPLETION, PAD_ID))
+    completion_mask: Tensor = field(metadata=token_meta(Layout.COMPLETION, 0))
+    advantages: Tensor = field(metadata=ROW_META)
+    old_logprobs: Optional[Tensor] = field(default=None, metadata=token_meta(Layout.COMPLETION, 0.0))
+    ref_logprobs: Optional[Tensor] = field(default=None, metadata=token_meta(Layout.COMPLETION, 0.0))
+    sampler_logprobs: Optional[Tensor] = field(default=None, metadata=token_meta(Layout.COMPLETION, 0.0))
     loss_normalizer: Optional[float] = None
     loss_scale: float = 1.0
     step_start: bool = True
     step_end: bool = True
     on_policy: bool = True
     metrics: dict[str, float] = field(default_factory=dict)
-    rows: Optional[Tensor] = None
-    env_mask: Optional[Tensor] = None
+    rows: Optional[Tensor] = field(default=None, metadata=ROW_META)
+    env_mask: Optional[Tensor] = field(default=None, metadata=token_meta(Layout.COMPLETION, 0))
     images: Optional[list[Optional[RowImages]]] = None
-    teacher_logprobs: Optional[Tensor] = None
+    teacher_logprobs: Optional[Tensor] = field(default=None, metadata=token_meta(Layout.COMPLETION, 0.0))
+
+    @classmethod
+    def of(cls, rollout: RolloutOutput, device: torch.device) -> "Experience":
+        """The experience of ``rollout`` on ``device``: every per-token field both records declare (ids, masks, the
+        sampler's logprobs, ...: :mod:`lightning_grpo.protocols.tokens`) and the images; advantages 0 (set later)."""
+        shared = {name for name, _ in token_fields(cls)} & {name for name, _ in token_fields(RolloutOutput)}
+        values = {name: getattr(rollout, name).to(device) for name in shared if getattr(rollout, name) is not None}
+        return cls(**values, advantages=torch.zeros(len(rollout), device=device),
+                   images=images_to(rollout.images, device))
 
     def __len__(self) -> int:
         return self.completion_ids.shape[0]
@@ -90,13 +109,8 @@ class Experience:
 
     def select(self, index: Tensor) -> "Experience":
         """Rows ``index`` (a 1-D long tensor), with all-padding columns trimmed away."""
-        rows = {
-            f.name: getattr(self, f.name)[index]
-            for f in fields(self)
-            if isinstance(getattr(self, f.name), Tensor)
-        }
         images = None if self.images is None else [self.images[i] for i in index.tolist()]
-        selected = replace(self, **rows, metrics={}, images=images)
+        selected = replace(self, **select_rows(self, index), metrics={}, images=images)
         return selected.trimmed()
 
     def trimmed(self) -> "Experience":
@@ -105,14 +119,7 @@ class Experience:
         start = int(prompt_keep[0]) if prompt_keep.numel() else self.prompt_mask.shape[1]
         completion_keep = self.completion_mask.any(dim=0).nonzero()
         end = int(completion_keep[-1]) + 1 if completion_keep.numel() else 1
-        updates: dict[str, Tensor] = {"prompt_ids": self.prompt_ids[:, start:],
-                                      "prompt_mask": self.prompt_mask[:, start:]}
-        for name in ("completion_ids", "completion_mask", "old_logprobs", "ref_logprobs", "sampler_logprobs",
-                     "env_mask", "teacher_logprobs"):
-            value = getattr(self, name)
-            if value is not None:
-                updates[name] = value[:, :end]
-        return replace(self, **updates)  # type: ignore[arg-type]  # only tensor fields are updated
+        return replace(self, **trim_columns(self, start, end))
 
 
 def micro_batches(

@@ -35,14 +35,28 @@ from lightning_grpo.training.logprob_head import Truncation, plain_output_layer,
 from lightning_grpo.training.packing import (
     merge_rows,
     pack_sequences,
+    padded_source,
     sequence_token_counts,
     shared_prefix_rows,
     token_budget_partition,
 )
 from lightning_grpo.training.vision import VisionInputs
 
-#: ``(model inputs, target ids (1, K), (rows, cols) of the K targets in the padded completion layout)``
-Pass = tuple[dict, Tensor, tuple[Tensor, Tensor]]
+#: ``(model inputs, target ids (1, K), (rows, cols) of the K targets in the padded completion layout, the layout's
+#: source map: :func:`lightning_grpo.training.packing.arrange`)``
+Pass = tuple[dict, Tensor, tuple[Tensor, Tensor], Tensor]
+
+
+class PositionInputs(Protocol):
+    """Per-position inputs of the policy's forward pass beyond its ids, taken from a micro-batch's per-token fields
+    (:mod:`lightning_grpo.protocols.tokens`): e.g. the experts each token was routed to by the sampler, replayed in
+    the trainer. Given to :meth:`CompletionLogprobs.add_position_inputs`; every forward layout calls it with its
+    ``source`` map, so the values are laid out exactly like the layout's input ids
+    (:func:`lightning_grpo.training.packing.arrange`)."""
+
+    def __call__(self, batch: Experience, source: Tensor) -> ContextManager[object]:
+        """A context the forward pass of ``batch`` in the layout mapped by ``source`` runs in."""
+        ...
 
 
 class CompletionScorer(Protocol):
@@ -90,6 +104,18 @@ class CompletionLogprobs:
         self.vision = vision
         self.scorer: Optional[CompletionScorer] = None
         self.sharded = False
+        self.position_inputs: list[PositionInputs] = []
+
+    def add_position_inputs(self, inputs: PositionInputs) -> None:
+        """Run every forward pass of the padded, packed and shared-prefix layouts inside ``inputs(batch, source)``."""
+        self.position_inputs.append(inputs)
+
+    def _positions(self, batch: Experience, source: Tensor) -> ContextManager[object]:
+        """The contexts of :attr:`position_inputs` for one forward pass, entered in order."""
+        stack = contextlib.ExitStack()
+        for inputs in self.position_inputs:
+            stack.enter_context(inputs(batch, source))
+        return stack
 
     def use(self, scorer: Optional[CompletionScorer], sharded: bool) -> None:
         """What the trainer's backend said of its models (``GRPOModels.scorer``, ``GRPOModels.sharded``), once per
@@ -199,14 +225,17 @@ class CompletionLogprobs:
         if vision is not None:
             inputs.update(vision.padded(input_ids, position_ids))
         head = self._chunked_head(model)
+        source = padded_source(*batch.prompt_ids.shape, t, device=input_ids.device)
         if head is None:
-            logits = model(**inputs, use_cache=False).logits[:, :-1]  # [B, T, V]: position j predicts token j
+            with self._positions(batch, source):
+                logits = model(**inputs, use_cache=False).logits[:, :-1]  # [B, T, V]: position j predicts token j
             return self._token_logprobs(logits, batch.completion_ids, with_entropy, entropy_grad)
         # the last position predicts nothing; only the loss positions are scored (the others are 0)
         pad = batch.completion_ids.new_zeros(batch.completion_ids.shape[0], 1)
         targets = torch.cat([batch.completion_ids, pad], dim=1)  # [B, T+1]
         select = torch.cat([batch.completion_mask.bool(), pad.bool()], dim=1)  # [B, T+1]
-        scores = self._chunked(model, head, inputs, targets, select, with_entropy, entropy_grad)  # [B, T+1, 2]
+        with self._positions(batch, source):
+            scores = self._chunked(model, head, inputs, targets, select, with_entropy, entropy_grad)  # [B, T+1, 2]
         return scores[:, :-1, 0], scores[:, :-1, 1] if with_entropy else None
 
     def _packed(
@@ -230,8 +259,11 @@ class CompletionLogprobs:
                           logits_to_keep=packed.logit_index)
             if vision is not None:  # every row here has loss tokens, so each is packed, in this order
                 inputs.update(vision.packed(rows.tolist(), packed.position_ids))
-            passes.append((inputs, packed.target_ids, (rows[packed.rows], packed.cols)))
-        return self._run(model, passes, tuple(batch.completion_ids.shape), with_entropy, entropy_grad)
+            # the packed rows' source maps into the sub-batch ``rows``: map it into the whole batch's layout
+            width = batch.prompt_ids.shape[1] + batch.completion_ids.shape[1]
+            source = rows[packed.source // width] * width + packed.source % width
+            passes.append((inputs, packed.target_ids, (rows[packed.rows], packed.cols), source))
+        return self._run(model, batch, passes, tuple(batch.completion_ids.shape), with_entropy, entropy_grad)
 
     def _shared_prefix(
         self, model: nn.Module, batch: Experience, with_entropy: bool, entropy_grad: bool
@@ -250,8 +282,8 @@ class CompletionLogprobs:
                           logits_to_keep=row.logit_index)
             if vision is not None:
                 inputs.update(vision.shared_prefix([groups[i].rows.unique_consecutive().tolist() for i in part]))
-            passes.append((inputs, row.target_ids, (row.rows, row.cols)))
-        return self._run(model, passes, tuple(batch.completion_ids.shape), with_entropy, entropy_grad)
+            passes.append((inputs, row.target_ids, (row.rows, row.cols), row.source))
+        return self._run(model, batch, passes, tuple(batch.completion_ids.shape), with_entropy, entropy_grad)
 
     def _token_logprobs(
         self, logits: Tensor, targets: Tensor, with_entropy: bool, entropy_grad: bool
@@ -288,20 +320,23 @@ class CompletionLogprobs:
         return max(sum(sizes), 1) if "flash" in implementation or self.sharded else 1
 
     def _run(
-        self, model: nn.Module, passes: list[Pass], shape: tuple, with_entropy: bool, entropy_grad: bool
+        self, model: nn.Module, batch: Experience, passes: list[Pass], shape: tuple, with_entropy: bool,
+        entropy_grad: bool,
     ) -> tuple[Tensor, Optional[Tensor]]:
-        """Run each pass and scatter its per-token logprobs (and entropy) into zero ``shape`` tensors."""
+        """Run each pass of ``batch`` and scatter its per-token logprobs (and entropy) into zero ``shape`` tensors."""
         device = passes[0][1].device
         logprobs = torch.zeros(shape, device=device)
         entropy = torch.zeros(shape, device=device) if with_entropy else None
         head = self._chunked_head(model)
-        for inputs, target_ids, index in passes:
+        for inputs, target_ids, index, source in passes:
             if head is None:
-                out = model(**inputs, use_cache=False)
+                with self._positions(batch, source):
+                    out = model(**inputs, use_cache=False)
                 row_logprobs, row_entropy = self._token_logprobs(out.logits, target_ids, with_entropy, entropy_grad)
             else:
                 select = torch.ones_like(target_ids, dtype=torch.bool)
-                scores = self._chunked(model, head, inputs, target_ids, select, with_entropy, entropy_grad)
+                with self._positions(batch, source):
+                    scores = self._chunked(model, head, inputs, target_ids, select, with_entropy, entropy_grad)
                 row_logprobs, row_entropy = scores[..., 0], scores[..., 1] if with_entropy else None
             logprobs = logprobs.index_put(index, row_logprobs.reshape(-1))
             if entropy is not None and row_entropy is not None:

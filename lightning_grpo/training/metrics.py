@@ -215,7 +215,7 @@ def rollout_metrics(
         completion of the rollout was scored on any process) is NaN, and that case logs a warning.
     """
     g = rollout.num_generations
-    lengths = rollout.completion_mask.sum(dim=1).float().cpu()  # [N]
+    lengths = rollout.rollout.completion_mask.sum(dim=1).float().cpu()  # [N]
     rewards = rollout.rewards.cpu()  # [N]
     valid = ~torch.isnan(rewards).view(-1, g)  # [P, G]
     grouped = torch.where(valid, rewards.view(-1, g), 0.0)  # [P, G]
@@ -229,7 +229,7 @@ def rollout_metrics(
         "frac_reward_zero_std": (group_std[scored_group] == 0).float().sum(),
         "frac_reward_unscored": (~valid).float().sum(),
         "completions/mean_length": lengths.sum(),
-        "completions/clipped_ratio": rollout.truncated.float().cpu().sum(),
+        "completions/clipped_ratio": rollout.rollout.truncated.float().cpu().sum(),
     }
     counts = {"reward": valid.sum(), "reward_std": scored_group.sum(), "frac_reward_zero_std": scored_group.sum(),
               "frac_reward_unscored": lengths.numel(), "completions/mean_length": lengths.numel(),

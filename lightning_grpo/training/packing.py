@@ -29,6 +29,8 @@ class PackedBatch:
             (position ``offset + prompt_len + j - 1`` predicts completion token ``j``), ascending.
         target_ids: ``(1, K)`` long, those completion tokens.
         rows, cols: ``(K,)`` long, where each of the ``K`` tokens sits in the padded ``(B, T)`` completion layout.
+        source: ``(1, L)`` long, where each packed position comes from in the padded ``(B, P + T)`` layout of
+            ``[prompt, completion]`` (``row * (P + T) + column``): what :func:`arrange` lays out per-token values by.
     """
 
     input_ids: Tensor
@@ -37,6 +39,7 @@ class PackedBatch:
     target_ids: Tensor
     rows: Tensor
     cols: Tensor
+    source: Tensor
 
     def unpack(self, values: Tensor, shape: tuple[int, int]) -> Tensor:
         """Scatter per-token ``values`` ``(1, K)`` into a zero ``(B, T)`` tensor of the padded layout."""
@@ -77,7 +80,8 @@ def pack_sequences(
     lengths = completion_lengths(completion_mask)  # [B]
     prompt_lengths = prompt_mask.sum(dim=1)
     device = completion_ids.device
-    pieces, positions, logit_index, rows, cols = [], [], [], [], []
+    pieces, positions, logit_index, rows, cols, source = [], [], [], [], [], []
+    width = prompt_ids.shape[1] + completion_ids.shape[1]
     offset = 0
     for i in range(completion_ids.shape[0]):
         n = int(lengths[i])
@@ -86,16 +90,17 @@ def pack_sequences(
         p = int(prompt_lengths[i])
         if p == 0:
             raise ValueError(f"row {i} has a completion but no prompt token (prompt_mask is all 0)")
-        prompt = prompt_ids[i][prompt_mask[i].bool()]
-        pieces += [prompt, completion_ids[i, :n]]
+        prompt_cols = prompt_mask[i].nonzero().flatten()
+        pieces += [prompt_ids[i, prompt_cols], completion_ids[i, :n]]
         positions.append(torch.arange(p + n, device=device))
         logit_index.append(torch.arange(offset + p - 1, offset + p + n - 1, device=device))
         rows.append(torch.full((n,), i, device=device, dtype=torch.long))
         cols.append(torch.arange(n, device=device))
+        source += [i * width + prompt_cols, i * width + prompt_ids.shape[1] + torch.arange(n, device=device)]
         offset += p + n
     if not pieces:
         empty = torch.zeros(0, dtype=torch.long, device=device)
-        return PackedBatch(empty[None], empty[None], empty, empty[None], empty, empty)
+        return PackedBatch(empty[None], empty[None], empty, empty[None], empty, empty, empty[None])
     targets = torch.cat([completion_ids[r, c] for r, c in zip(rows, cols, strict=True)])
     return PackedBatch(
         input_ids=torch.cat(pieces)[None],
@@ -104,7 +109,30 @@ def pack_sequences(
         target_ids=targets[None],
         rows=torch.cat(rows),
         cols=torch.cat(cols),
+        source=torch.cat(source)[None],
     )
+
+
+def padded_source(batch_size: int, prompt_width: int, completion_width: int, device: torch.device) -> Tensor:
+    """``(B, P + T)`` long: the padded layout's own positions (``row * (P + T) + column``), the ``source`` of a
+    forward pass over ``[prompt_ids, completion_ids]`` as they are."""
+    width = prompt_width + completion_width
+    return torch.arange(batch_size * width, device=device).view(batch_size, width)
+
+
+def arrange(prompt_values: Tensor, completion_values: Tensor, source: Tensor) -> Tensor:
+    """Per-token values laid out like the input ids of a forward layout.
+
+    ``prompt_values`` ``(B, P, ...)`` and ``completion_values`` ``(B, T, ...)`` are aligned with a batch's
+    ``prompt_ids`` and ``completion_ids`` (a per-token field: :mod:`lightning_grpo.protocols.tokens`); ``source`` is a
+    layout's map of its input positions into ``[prompt, completion]`` (``(B, P + T)`` for the padded layout,
+    :func:`padded_source`; ``(1, L)`` for a packed or shared-prefix row, :attr:`PackedBatch.source`,
+    :attr:`SharedPrefixRow.source`). Returns ``source.shape + (...)``: the value of the token at every input position,
+    so ``arrange(prompt_ids, completion_ids, source)`` is the layout's ``input_ids`` exactly.
+    """
+    values = torch.cat([prompt_values, completion_values.to(prompt_values.dtype)], dim=1)
+    flat = values.reshape(-1, *values.shape[2:])
+    return flat[source.reshape(-1).to(flat.device)].reshape(*source.shape, *values.shape[2:])
 
 
 def sequence_token_counts(prompt_mask: Tensor, completion_mask: Tensor) -> Tensor:
@@ -170,6 +198,8 @@ class SharedPrefixRow:
             sees the prompt and its own earlier tokens, never another completion.
         logit_index, target_ids, rows, cols: as in :class:`PackedBatch` (the last prompt position predicts every
             completion's first token, so it may repeat).
+        source: ``(1, L)`` long, as in :class:`PackedBatch` (the shared prompt's positions map to the first member's
+            prompt).
     """
 
     input_ids: Tensor
@@ -179,6 +209,7 @@ class SharedPrefixRow:
     target_ids: Tensor
     rows: Tensor
     cols: Tensor
+    source: Tensor
 
 
 def shared_prefix_rows(
@@ -200,6 +231,8 @@ def shared_prefix_rows(
     """
     lengths = completion_lengths(completion_mask)
     device = completion_ids.device
+    prompt_width = prompt_ids.shape[1]
+    width = prompt_width + completion_ids.shape[1]
     groups: dict[tuple, list[int]] = {}
     for i in range(completion_ids.shape[0]):
         if int(lengths[i]) == 0:
@@ -215,10 +248,12 @@ def shared_prefix_rows(
         positions = [torch.arange(p, device=device)]
         segment = [torch.zeros(p, dtype=torch.long, device=device)]
         logit_index, rows, cols = [], [], []
+        source = [members[0] * width + prompt_mask[members[0]].nonzero().flatten()]
         offset = p
         for s, i in enumerate(members, start=1):
             n = int(lengths[i])
             pieces.append(completion_ids[i, :n])
+            source.append(i * width + prompt_width + torch.arange(n, device=device))
             positions.append(torch.arange(p, p + n, device=device))
             segment.append(torch.full((n,), s, dtype=torch.long, device=device))
             # token 0 is predicted by the last prompt position, token j > 0 by the completion's token j - 1
@@ -241,6 +276,7 @@ def shared_prefix_rows(
             target_ids=completion_ids[row_index, col_index][None],
             rows=row_index,
             cols=col_index,
+            source=torch.cat(source)[None],
         ))
     return out
 
@@ -273,4 +309,5 @@ def merge_rows(rows: list[SharedPrefixRow]) -> SharedPrefixRow:
         target_ids=torch.cat([r.target_ids for r in rows], dim=1),
         rows=torch.cat([r.rows for r in rows]),
         cols=torch.cat([r.cols for r in rows]),
+        source=torch.cat([r.source for r in rows], dim=1),
     )

@@ -17,6 +17,7 @@ from lightning_grpo.algorithm import (
     transform_rewards,
 )
 from lightning_grpo.config import GRPOConfig
+from lightning_grpo.protocols.rollout import RolloutOutput
 
 NAN = float("nan")
 
@@ -76,12 +77,16 @@ def test_informative_groups_golden():
 
 def _scored(primary: list, width: int, prompt_width: int, tag: int) -> ScoredRollout:
     n = len(primary)
-    return ScoredRollout(
+    rollout = RolloutOutput(
         prompt_ids=torch.full((n, prompt_width), tag),
         prompt_mask=torch.ones(n, prompt_width, dtype=torch.long),
         completion_ids=torch.full((n, width), tag),
         completion_mask=torch.ones(n, width, dtype=torch.long),
         truncated=torch.zeros(n, dtype=torch.bool),
+        completions=[f"{tag}"] * n,
+    )
+    return ScoredRollout(
+        rollout,
         per_function=torch.tensor(primary, dtype=torch.float32).unsqueeze(1),
         rewards=torch.tensor(primary, dtype=torch.float32),
         num_generations=2,
@@ -100,11 +105,13 @@ def test_dynamic_sampler_keeps_informative_groups_and_pads_shapes():
     batch, stats = sampler.batch()
     assert stats == {"gen_batches": 3.0, "dropped_groups": 4.0, "filled_groups": 0.0, "surplus_groups": 1.0}
     assert batch.per_function[:, 0].tolist() == [0, 1, 1, 0, 0, 1]
-    assert batch.completion_ids.shape == (6, 4) and batch.prompt_ids.shape == (6, 3)
+    assert batch.rollout.completion_ids.shape == (6, 4) and batch.rollout.prompt_ids.shape == (6, 3)
     # completions right-padded, prompts left-padded
-    assert batch.completion_mask.tolist()[0] == [1, 1, 0, 0] and batch.completion_ids.tolist()[0] == [1, 1, 0, 0]
-    assert batch.prompt_mask.tolist()[2] == [0, 1, 1] and batch.prompt_ids.tolist()[2] == [0, 2, 2]
-    assert batch.completion_ids.tolist()[4] == [3, 0, 0, 0]
+    rows = batch.rollout
+    assert rows.completion_mask.tolist()[0] == [1, 1, 0, 0] and rows.completion_ids.tolist()[0] == [1, 1, 0, 0]
+    assert rows.prompt_mask.tolist()[2] == [0, 1, 1] and rows.prompt_ids.tolist()[2] == [0, 2, 2]
+    assert rows.completion_ids.tolist()[4] == [3, 0, 0, 0]
+    assert batch.rollout.completions == ["1", "1", "2", "2", "3", "3"]
 
 
 def test_dynamic_sampler_fills_with_dropped_groups_when_short():

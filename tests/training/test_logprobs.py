@@ -2,6 +2,8 @@
 pass) against a plain forward of each unpadded sequence, the no-grad batched pass, the forward-token counts and the
 hand-over to a model that scores its own completions. A tiny random Llama, no GRPOModule, no Trainer."""
 
+import contextlib
+
 import pytest
 import torch
 from torch import nn
@@ -11,6 +13,7 @@ from lightning_grpo import GRPOConfig
 from lightning_grpo import functional as F
 from lightning_grpo.training.experience import Experience
 from lightning_grpo.training.logprobs import CompletionLogprobs
+from lightning_grpo.training.packing import arrange
 
 #: rows 0, 1, 3 share a prompt, rows 4, 5 share another; row 2 has no loss tokens (masked or unscored)
 GROUPS = ([0, 1, 3], [4, 5])
@@ -159,3 +162,44 @@ def test_a_backends_scorer_gets_the_model_and_the_batch(model):
     # without a scorer the layouts' own forward runs (this module has none: nn.Module's unimplemented forward)
     with pytest.raises(TypeError, match="unexpected keyword argument 'input_ids'"):
         CompletionLogprobs(GRPOConfig())(policy, batch)
+
+
+class _RecordPositions:
+    """A :class:`PositionInputs` that lays out the batch's own ids by each pass's source map and records them beside
+    the ids the model's forward really receives (read by a forward pre-hook while its context is open)."""
+
+    def __init__(self, model):
+        self.model, self.pairs = model, []
+
+    @contextlib.contextmanager
+    def __call__(self, batch, source):
+        arranged = arrange(batch.prompt_ids, batch.completion_ids, source)
+
+        def capture(module, args, kwargs):
+            self.pairs.append((arranged, kwargs["input_ids"].clone()))
+
+        handle = self.model.register_forward_pre_hook(capture, with_kwargs=True)
+        try:
+            yield
+        finally:
+            handle.remove()
+
+
+@pytest.mark.parametrize("padding_free, shared_prefix, packed_row_tokens", [
+    (False, False, None), (True, False, None), (True, False, 10**6), (True, True, None), (True, True, 10**6),
+])
+def test_position_inputs_see_each_layouts_ids_exactly(model, padding_free, shared_prefix, packed_row_tokens):
+    # what a per-token field (routed experts, say) is replayed by: laid out by the pass's source map, it must sit on
+    # exactly the token the forward computes at that position, in every layout (google/tunix PR #2046's failure)
+    config = GRPOConfig(padding_free=padding_free, shared_prefix=shared_prefix, packed_row_tokens=packed_row_tokens)
+    computer = CompletionLogprobs(config)
+    recorder = _RecordPositions(model)
+    computer.add_position_inputs(recorder)
+    batch = _experience(model.config.vocab_size)
+    with torch.no_grad():
+        computer(model, batch)
+    expected_passes = {(False, False, None): 1, (True, False, None): 5, (True, False, 10**6): 1,
+                       (True, True, None): 2, (True, True, 10**6): 1}  # 5 rows with loss tokens, 2 prompts
+    assert len(recorder.pairs) == expected_passes[(padding_free, shared_prefix, packed_row_tokens)]
+    for arranged, input_ids in recorder.pairs:
+        assert torch.equal(arranged, input_ids)

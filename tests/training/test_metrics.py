@@ -10,7 +10,7 @@ import torch
 from lightning_grpo import functional as F
 from lightning_grpo.algorithm import ObjectiveOutput, ScoredRollout
 from lightning_grpo.protocols.collectives import Collectives
-from lightning_grpo.protocols.rollout import RowMetric
+from lightning_grpo.protocols.rollout import RolloutOutput, RowMetric
 from lightning_grpo.training import metrics as metrics_module
 from lightning_grpo.training.metrics import TIMING_KEYS, StepMetrics, StepTimer, rollout_metrics
 
@@ -102,12 +102,14 @@ def test_a_step_without_loss_tokens_has_nan_means_no_extrema_and_warns(caplog):
 def _rollout():
     """2 groups of G=2: rewards [1, 0 | unscored, 0.5], lengths [3, 1, 2, 3], rows 0 and 3 truncated."""
     nan = float("nan")
-    return ScoredRollout(
+    rollout = RolloutOutput(
         prompt_ids=torch.ones(4, 2, dtype=torch.long), prompt_mask=torch.ones(4, 2, dtype=torch.long),
         completion_ids=torch.ones(4, 3, dtype=torch.long),
         completion_mask=torch.tensor([[1, 1, 1], [1, 0, 0], [1, 1, 0], [1, 1, 1]]),
-        truncated=torch.tensor([True, False, False, True]),
-        per_function=torch.tensor([[1.0, nan], [0.0, nan], [nan, nan], [0.5, 1.0]]),
+        truncated=torch.tensor([True, False, False, True]), completions=[""] * 4,
+    )
+    return ScoredRollout(
+        rollout, per_function=torch.tensor([[1.0, nan], [0.0, nan], [nan, nan], [0.5, 1.0]]),
         rewards=torch.tensor([1.0, 0.0, nan, 0.5]), num_generations=2, pad_token_id=0,
     )
 

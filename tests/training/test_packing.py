@@ -9,6 +9,8 @@ import torch
 from lightning_grpo import GRPOConfig, GRPOModule
 from lightning_grpo.training.experience import Experience, micro_batches
 from lightning_grpo.training.packing import (
+    arrange,
+    merge_rows,
     pack_sequences,
     sequence_token_counts,
     shared_prefix_rows,
@@ -32,6 +34,9 @@ def test_pack_sequences_golden_layout():
     unpacked = packed.unpack(torch.tensor([[0.1, 0.2, 0.3, 0.4]]), (3, 3))
     torch.testing.assert_close(unpacked, torch.tensor([[0.1, 0.2, 0.3], [0, 0, 0], [0.4, 0, 0]]))
     assert sequence_token_counts(prompt_mask, completion_mask).tolist() == [5, 3, 4]
+    # each packed position's place in the padded [prompt | completion] layout (width 3 + 3): row * 6 + column
+    assert packed.source.tolist() == [[1, 2, 3, 4, 5, 12, 13, 14, 15]]
+    assert torch.equal(arrange(prompt_ids, completion_ids, packed.source), packed.input_ids)
 
 
 def test_shared_prefix_rows_golden_layout():
@@ -56,6 +61,10 @@ def test_shared_prefix_rows_golden_layout():
         [1, 1, 0, 0, 1, 1],
     ]
     assert second.input_ids.tolist() == [[9, 3]] and second.logit_index.tolist() == [0]
+    # the shared prompt maps to the first member's prompt (row 0, columns 1, 2), each completion to its own row
+    assert first.source.tolist() == [[1, 2, 3, 4, 13, 14]] and second.source.tolist() == [[7, 8]]
+    merged = merge_rows([first, second])
+    assert torch.equal(arrange(prompt_ids, completion_ids, merged.source), merged.input_ids)
 
 
 def test_pack_sequences_rejects_a_non_prefix_mask():
