@@ -25,10 +25,9 @@ training phases; vLLM's own pool is in ``nvidia-smi``'s figure, not torch's), pe
 
 Model (``--model``): ``random-0.5b`` (default) is built from code by ``benchmarks/_random_model.py`` into the work
 folder: nothing is downloaded or carried. Prompts (``--dataset``): the arithmetic task made in code (level 4), or
-GSM8K from ``--data-dir``. ``--dry-run`` runs the same code on a CPU in under a minute (about 40 s of one core:
-``random-tiny``, the level-1 arithmetic task, 2 x 2 completions of 8 tokens, 2 steps, up to 300 s a row on a busy
-machine) with every distribution that the GPU machine would lack hidden (``benchmarks/_packages.py``). Run it with
-``benchmarks/gpu.sh``.
+GSM8K from ``--data-dir``. ``--dry-run`` runs the same code on a CPU in about 40 s of CPU time (``random-tiny``,
+the level-1 arithmetic task, 2 x 2 completions of 8 tokens, 2 steps, up to 300 s a row on a busy machine) with every
+distribution that the GPU machine would lack hidden (``benchmarks/_packages.py``). Run it with ``benchmarks/gpu.sh``.
 """
 
 from __future__ import annotations
@@ -104,7 +103,7 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser.add_argument("--emulate-machine", action="store_true",
                         help="hide every distribution that the GPU machine lacks and no carried wheel brings")
     parser.add_argument("--dry-run", action="store_true",
-                        help="the same code on a CPU, in well under a minute: " + json.dumps(DRY_RUN))
+                        help="the same code on a CPU (about 40 s of CPU time): " + json.dumps(DRY_RUN))
     parser.add_argument("--workdir", default=None)
     args = parser.parse_args(argv)
     if args.dry_run:

@@ -4,7 +4,7 @@
 # vLLM on CUDA) against TRL's on the same GPU; tokens/s, peak CUDA memory and the step's phases as JSON and a table.
 #
 #   bash benchmarks/gpu.sh              # writes $OUT/gpu.json when $OUT is set, else benchmarks/results/gpu.json
-#   bash benchmarks/gpu.sh --dry-run    # the same code on a CPU in well under a minute (CI runs it)
+#   bash benchmarks/gpu.sh --dry-run    # the same code on a CPU, about 40 s of CPU time (the tests run it)
 #   ROWS=hf,trl bash benchmarks/gpu.sh  # a subset of hf,trl,hf_fp32,fsdp2,fsdp1,vllm,hf_offload
 #
 # Needs python3 with torch (CUDA), transformers, lightning, peft and torchmetrics. The packages the GPU machine lacks
