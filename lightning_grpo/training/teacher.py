@@ -1,6 +1,6 @@
 """On-policy distillation's teacher seam and its local model (``GRPOConfig.distillation.teacher``).
 
-* :class:`Teacher`: what :class:`~lightning_grpo.training.passes.LogprobPasses` calls to score a rollout's tokens;
+* :class:`Teacher`: what :class:`~lightning_grpo.experience.passes.LogprobPasses` calls to score a rollout's tokens;
 * :class:`ModelTeacher`: a frozen causal LM on each training process, scored like the reference model
   (:meth:`lightning_grpo.training.logprobs.CompletionLogprobs.batched`: the same forward layouts, the same sampling
   distribution, the backend's scorer), sharded or converted like it by the backend (``GRPOModels.teacher``).
@@ -21,7 +21,7 @@ from lightning_grpo.training.logprobs import CompletionLogprobs
 
 
 class Teacher(Protocol):
-    """Scores a rollout's completion tokens (the seam :class:`~lightning_grpo.training.passes.LogprobPasses` calls).
+    """Scores a rollout's completion tokens (the seam :class:`~lightning_grpo.experience.passes.LogprobPasses` calls).
 
     Attributes:
         model: the teacher model this process runs (``GRPOModule`` hands it to the backend as ``GRPOModels.teacher``

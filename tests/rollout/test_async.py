@@ -316,7 +316,7 @@ def test_per_request_seed_bases_are_disjoint_per_process(tiny_llama_path):
     rank r's base is offset by r * 2**32, so no two processes sample with the same per-request seed."""
     from transformers import AutoTokenizer
 
-    from lightning_grpo.experience_maker import ExperienceMaker, RolloutContext
+    from lightning_grpo.experience.maker import ExperienceMaker, RolloutContext
     from lightning_grpo.rewards import RewardSet
     from lightning_grpo.rollout.worker import RolloutWorker
     from lightning_grpo.training.logprobs import CompletionLogprobs

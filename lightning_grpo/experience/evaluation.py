@@ -12,10 +12,10 @@ from torch import Tensor, nn
 from lightning_grpo.config import GRPOConfig
 from lightning_grpo.data.source import EVAL_INDEX
 from lightning_grpo.evaluation.evaluator import EvalBatch, answer_key
+from lightning_grpo.experience.collected import reward_columns
 from lightning_grpo.protocols.collectives import Collectives
 from lightning_grpo.protocols.rollout import RolloutOutput
 from lightning_grpo.protocols.sampling import SamplingConfig
-from lightning_grpo.rollout.collected import reward_columns
 from lightning_grpo.rollout.worker import RolloutWorker, prompt_rows
 
 
