@@ -7,8 +7,9 @@ Lightning's hooks."""
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 from torch import nn
 from transformers import PreTrainedTokenizerBase
@@ -22,7 +23,7 @@ from lightning_grpo.events import EventSink
 from lightning_grpo.experience import ExperienceMaker, RolloutContext
 from lightning_grpo.models.dropout import disable_dropout
 from lightning_grpo.models.loading import FrozenReference
-from lightning_grpo.models.lora import LoadedPolicy, LoraSettings, load_lora_policy, reference_for
+from lightning_grpo.models.lora import LoadedPolicy, LoraSettings, engine_checkpoint, load_lora_policy, reference_for
 from lightning_grpo.protocols import StopFlag
 from lightning_grpo.rewards import RewardSet, RewardSpec
 from lightning_grpo.rewards.reward_model import resolve_reward_models
@@ -48,6 +49,9 @@ class GRPOComponents:
         tools: multi-turn tools (:func:`~lightning_grpo.episodes.as_tools`).
         resolved: the config's "auto" values as far as known when the module is made (engine name, token budget).
         rollout: the rollout worker on the run's rollout path (:func:`~lightning_grpo.episodes.rollout_path`).
+        engine_checkpoint: the folder an engine with its own weights is loaded from
+            (:func:`~lightning_grpo.models.lora.engine_checkpoint`: saved on first use for a module given without
+            one, a vision-language policy's image processor with it).
         logprobs: the completion-logprob computer (the vision-language layouts included).
         teacher: on-policy distillation's teacher (:func:`~lightning_grpo.rollout.teacher.make_teacher`), or None.
         experience_maker: generate -> score -> shape -> logprobs -> advantages (single-process context bound).
@@ -60,6 +64,7 @@ class GRPOComponents:
     tools: list[Tool]
     resolved: ResolvedConfig
     rollout: RolloutWorker
+    engine_checkpoint: Callable[[], str]
     logprobs: CompletionLogprobs
     teacher: Optional[Teacher]
     experience_maker: ExperienceMaker
@@ -115,11 +120,13 @@ class GRPOComponents:
                             stop, processor, loaded.path, agent)
         rollout = RolloutWorker(config, loaded.tokenizer, events, prompts=path.prompts, sampler=path.sampler,
                                 stop=stop, images=path.images)
+        processor_saver = None if path.images is None else path.images.save_processor
+        checkpoint = functools.partial(engine_checkpoint, loaded, processor_saver)
         logprobs = CompletionLogprobs(config, vision=loaded.vision)
         teacher = make_teacher(config.distillation, loaded.tokenizer, dtype, logprobs)  # or None
         maker = ExperienceMaker(config, rollout, rewards, logprobs, events, teacher=teacher)
         timer = StepTimer()
         maker.bind(RolloutContext(timer=timer, token_budget=resolved.max_tokens_per_microbatch))
-        return cls(rewards, loaded, reference, built_tools, resolved, rollout, logprobs, teacher, maker,
+        return cls(rewards, loaded, reference, built_tools, resolved, rollout, checkpoint, logprobs, teacher, maker,
                    StepSelection(config, logprobs), StepMetrics(config.clip_ratio_c, config.tis_cap()), timer,
                    NonFiniteGuard(config.on_nonfinite), Preemption(rollout.stop), Evaluator(config.eval.k))

@@ -8,10 +8,9 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import functools
 import logging
 from collections import deque
-from typing import Any, Callable, Iterator, Literal, Optional, Sequence, Union
+from typing import Any, Callable, Literal, Optional, Sequence, Union
 
 import lightning as L
 import torch
@@ -24,19 +23,18 @@ from lightning_grpo.algorithm import ObjectiveOutput
 from lightning_grpo.callbacks.base import EventRoute
 from lightning_grpo.components import GRPOComponents
 from lightning_grpo.config import GRPOConfig
-from lightning_grpo.data.source import EVAL_INDEX, DataPlan
+from lightning_grpo.data.source import DataPlan
 from lightning_grpo.episodes import AgentFn, AgentRollout, ToolCallParser
 from lightning_grpo.episodes.environment import EnvironmentFactory
 from lightning_grpo.episodes.tools import ToolSpec
-from lightning_grpo.evaluation.evaluator import counted_rows
 from lightning_grpo.experience import RolloutContext
+from lightning_grpo.loop import schedule
 from lightning_grpo.loop.fit_loop import install_loop
 from lightning_grpo.models.dropout import warn_dropout_with_reused_rollouts
 from lightning_grpo.models.loading import export_folder
 from lightning_grpo.models.lora import (
     check_quantized_engine,
     check_tied_head,
-    engine_checkpoint,
     export_policy,
     lora_settings,
     trim_frozen_weights,
@@ -49,8 +47,7 @@ from lightning_grpo.runtime.cleanup import ReleaseOnException, install
 from lightning_grpo.strategies import backend_for
 from lightning_grpo.strategies.base import GRPOModels, ParallelBackend
 from lightning_grpo.strategies.local import LocalBackend
-from lightning_grpo.training import schedule
-from lightning_grpo.training.experience import Experience
+from lightning_grpo.training.experience import Experience, StepPlan
 from lightning_grpo.training.nonfinite import check_finite_checkpoint
 from lightning_grpo.training.optim import adamw_with_warmup, check_optimizer_arguments
 from lightning_grpo.training.token_budget import fit_token_budget
@@ -147,6 +144,7 @@ class GRPOModule(L.LightningModule):
             dtype=dtype, gradient_checkpointing=gradient_checkpointing, tools=tools,
             environment_factory=environment_factory, tool_parser=tool_parser, processor=processor, agent=agent)
         self._loaded, self._reference, self.resolved = parts.loaded, parts.reference, parts.resolved
+        self._engine_checkpoint = parts.engine_checkpoint
         self.policy, self.tokenizer, self.model_path = parts.loaded.policy, parts.loaded.tokenizer, parts.loaded.path
         trim_frozen_weights(self, parts.loaded)  # LoRA: checkpoints hold the adapters only
         self.tools, self.rewards, self.rollout, self.teacher = parts.tools, parts.rewards, parts.rollout, parts.teacher
@@ -158,7 +156,6 @@ class GRPOModule(L.LightningModule):
         self.data_plan = DataPlan()  # what the trainer's datamodule says, read at each setup
         self._events = EventRoute()  # the trainer's GRPOCallbacks, picked at each setup
         self._release_on_exception = ReleaseOnException(self.experience_maker.release)
-        self._step_members: list[Experience] = []  # the micro-batches of the step being trained (prepare_step)
         self._step_outputs: deque[ObjectiveOutput] = deque()  # a whole-step backend's outputs not yet logged
         self.backend: ParallelBackend = LocalBackend()  # the trainer's backend from configure_model on
         self._set_models(self.backend.configure(self._models()))  # one process until a trainer's backend
@@ -222,15 +219,16 @@ class GRPOModule(L.LightningModule):
             install_loop(self.trainer)
         self.data_plan = prompts = DataPlan.of(self.trainer.datamodule)
         self._events = EventRoute.of(self.trainer)  # the trainer's GRPOCallbacks
-        if stage == "fit" and prompts.prompts_per_step is not None:
-            self.rollouts_ahead()  # a max_staleness that cannot run ahead is refused before an engine is built
+        if stage == "fit" and prompts.prompts_per_step is not None:  # refused before an engine is built:
+            schedule.rollouts_ahead(self.config, prompts.prompts_per_step)  # a max_staleness that cannot run ahead
         self.make_rollout_engine(prompts.prompts_per_step)
         install(self.trainer, self._release_on_exception)  # no teardown runs after a failure
         check_quantized_engine(self._lora_settings, self.rollout.require_engine())
         self.rewards.setup(self.trainer.strategy.root_device)  # e.g. a reward model's device="auto": this rank's
         check_tied_head(self.policy, self._loaded.base, self.rollout.require_engine())
         if stage == "fit":
-            updates = self.steps_per_rollout() if prompts.prompts_per_step is not None else 1
+            updates = 1 if prompts.prompts_per_step is None else schedule.steps_per_rollout(self.config,
+                                                                                            prompts.prompts_per_step)
             warn_dropout_with_reused_rollouts(self.policy, max(updates, self.config.num_iterations))
         self.preemption.attach(self.trainer)
         use_atomic_checkpoint_io(self.trainer.strategy)
@@ -240,10 +238,7 @@ class GRPOModule(L.LightningModule):
         :meth:`lightning_grpo.rollout.worker.RolloutWorker.start`), resolving its "auto" settings into
         :attr:`resolved`. ``rollout_prompts``: prompts per rollout on this process, when known (sizes
         ``engine.kv_cache_space_gib="auto"``). Returns the engine."""
-        images = self.rollout.images  # a vision-language policy's: its image processor goes with a saved checkpoint
-        processor = None if images is None else images.save_processor
-        checkpoint = functools.partial(engine_checkpoint, self._loaded, processor)
-        self.resolved = self.rollout.start(self._loaded.base, checkpoint, self.resolved, rollout_prompts)
+        self.resolved = self.rollout.start(self._loaded.base, self._engine_checkpoint, self.resolved, rollout_prompts)
         self._record_resolved()
         return self.rollout.require_engine()
 
@@ -303,6 +298,21 @@ class GRPOModule(L.LightningModule):
             if frozen is not None:
                 frozen.to(self.device)
         self._bind_context()
+        self._hand_plan()
+
+    def _hand_plan(self) -> None:
+        """Hand the loop the fit's :class:`~lightning_grpo.loop.schedule.LoopPlan` (the backend, device and trainer
+        settings are final when the fit starts; the token budget once training starts)."""
+        install_loop(self.trainer).use_plan(schedule.LoopPlan(
+            self.config, self.data_plan.prompts_per_step, self.trainer.accumulate_grad_batches,
+            self.backend.data_parallel_size, self.collectives, self.token_budget, self._plan_step))
+
+    def _plan_step(self, micro_batches: list[Experience]) -> list[StepPlan]:
+        """The loop's step planner: an optimizer step's statistics over all its micro-batches, before its first
+        ``training_step`` (:meth:`lightning_grpo.training.selection.StepSelection.plan`), so that accumulation does
+        not change the gradient. Counts as ``timing/forward_s``."""
+        with self.timer.span("forward_s"):
+            return self.step_selection.plan(self.policy, micro_batches, self.collectives, self.global_step)
 
     @override
     def on_validation_start(self) -> None:
@@ -322,19 +332,14 @@ class GRPOModule(L.LightningModule):
         """Choose ``max_tokens_per_microbatch="auto"`` from probe steps (the smallest over processes,
         :func:`~lightning_grpo.training.token_budget.fit_token_budget`) into :attr:`resolved`; log it as
         ``token_budget``. Raises MemoryError as that function."""
-
-        def train_step(batch: Experience) -> None:
-            with self.trainer.precision_plugin.forward_context():
-                loss = self.compute_loss(batch).loss
-            loss.backward()
-            self.policy.zero_grad(set_to_none=True)
-
-        sequences = self.config.mini_batch_size or (self.data_plan.prompts_per_step or 1) * self.config.num_generations
-        tokens = fit_token_budget(train_step, self.config, int(self.policy.config.vocab_size), self.device, sequences,
-                                  self.trainer.optimizers, self.backend.reduce_max)
+        tokens = fit_token_budget(lambda batch: self.compute_loss(batch).loss, self.policy,
+                                  self.trainer.precision_plugin.forward_context, self.config,
+                                  self.data_plan.prompts_per_step, self.device, self.trainer.optimizers,
+                                  self.backend.reduce_max)
         self.resolved = self.resolved.replace(max_tokens_per_microbatch=tokens)
         self._record_resolved()
         self._bind_context()  # the old/ref logprob passes take the budget too
+        self._hand_plan()  # and the loop's micro-batches
         for logger in self.trainer.loggers:
             logger.log_metrics({"token_budget": float(tokens)}, step=self.global_step)
 
@@ -374,30 +379,6 @@ class GRPOModule(L.LightningModule):
         """Wait until no rollout is generated in the background (the loop calls it before a checkpoint)."""
         self.experience_maker.wait_for_rollouts()
 
-    def micro_batches(self, experience: Experience, step: Optional[int] = None) -> Iterator[Experience]:
-        """The loop's view of one rollout (:func:`lightning_grpo.training.schedule.rollout_micro_batches`), shuffled
-        with ``shuffle_seed + step`` (default: the current optimizer step)."""
-        return schedule.rollout_micro_batches(experience, self.config, self.global_step if step is None else step,
-                                              self.trainer.accumulate_grad_batches, self.backend.data_parallel_size,
-                                              self.collectives, self.resolved.max_tokens_per_microbatch)
-
-    def micro_batches_per_rollout(self) -> Optional[int]:
-        """``training_step`` calls per rollout (:func:`lightning_grpo.training.schedule.micro_batches_per_rollout`).
-        Raises as :meth:`steps_per_rollout`."""
-        return schedule.micro_batches_per_rollout(self.config, self.data_plan.prompts_per_step,
-                                                  self.trainer.accumulate_grad_batches)
-
-    def steps_per_rollout(self) -> int:
-        """Optimizer steps per rollout (:func:`lightning_grpo.training.schedule.steps_per_rollout`). Raises
-        ValueError when the datamodule does not say how many prompts a rollout batch has (``prompts_per_step``)."""
-        return schedule.steps_per_rollout(self.config, self.data_plan.prompts_per_step)
-
-    def rollouts_ahead(self, prompt_batches: Optional[int] = None) -> int:
-        """Rollouts generated in the background ahead of the one being trained
-        (:func:`lightning_grpo.training.schedule.rollouts_ahead`; ``prompt_batches``: the loop's loader length, None
-        when unknown); 0 = synchronous rollouts. Raises ValueError as that function."""
-        return schedule.rollouts_ahead(self.config, self.data_plan.prompts_per_step, prompt_batches)
-
     def generate(self, prompts: Sequence[Any], num_generations: int, sampling: SamplingConfig) -> RolloutOutput:
         """Rollout from raw prompts with the engine's current weights
         (:meth:`lightning_grpo.rollout.worker.RolloutWorker.sample_prompts`)."""
@@ -421,7 +402,7 @@ class GRPOModule(L.LightningModule):
         its outputs are logged micro-batch by micro-batch and the returned loss is detached."""
         with self.timer.span("forward_s"):
             if batch.step_start and self.backend.runs_whole_step:  # e.g. pipeline schedules: the whole step now
-                self._step_outputs.extend(self.backend.train_step(self.policy, self._step_members or [batch],
+                self._step_outputs.extend(self.backend.train_step(self.policy, list(batch.step_members()),
                                                                   self.objective, self.config))
             output = self._step_outputs.popleft() if self.backend.runs_whole_step else self.compute_loss(batch)
         self.timer.add("train_tokens", float(self.logprobs.forward_tokens(self.policy, batch)))
@@ -433,14 +414,6 @@ class GRPOModule(L.LightningModule):
             self.log_dict(shown, prog_bar=True, on_step=True, on_epoch=False, batch_size=1)
             self.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)
         return output.loss * batch.loss_scale
-
-    def prepare_step(self, micro_batches: list[Experience]) -> None:
-        """The loop hands each optimizer step's micro-batches forward before its first ``training_step``: the
-        whole step's token statistics (:class:`lightning_grpo.training.selection.StepSelection`), so that
-        accumulation does not change the gradient. Counts as ``timing/forward_s``."""
-        self._step_members = micro_batches
-        with self.timer.span("forward_s"):
-            self.step_selection.prepare(self.policy, micro_batches, self.collectives, self.global_step)
 
     def compute_loss(self, batch: Experience) -> ObjectiveOutput:
         """The policy's forward pass on ``batch`` and :func:`lightning_grpo.algorithm.grpo_objective` (the loss
@@ -455,8 +428,8 @@ class GRPOModule(L.LightningModule):
 
     def objective(self, batch: Experience, logprobs: Tensor, entropy: Optional[Tensor]) -> ObjectiveOutput:
         """:func:`lightning_grpo.algorithm.grpo_objective` of ``batch`` given the policy's ``(B, T)`` float32 logprobs
-        and entropy, with the step's statistics (:meth:`lightning_grpo.training.selection.StepSelection.objective`,
-        which names the errors)."""
+        and entropy, with its step's statistics (``batch.step_plan``;
+        :meth:`lightning_grpo.training.selection.StepSelection.objective`, which names the errors)."""
         return self.step_selection.objective(batch, logprobs, entropy)
 
     @override
@@ -541,11 +514,10 @@ class GRPOModule(L.LightningModule):
 
     def _evaluate(self, batch: dict[str, list], dataloader_idx: int, stage: str) -> None:
         dataset, check = self.data_plan.evaluated(dataloader_idx)  # the first is the training one: the module's
+        sampler = self.trainer.distributed_sampler_kwargs or {}  # it pads: each prompt is counted once
         with self.preemption.exit_on_stop():
-            out = self.experience_maker.evaluate(batch, self.policy, accuracy=self.rewards.accuracy_for(check))
-        if EVAL_INDEX in batch:  # count each prompt once over the processes (a distributed sampler pads)
-            sampler = self.trainer.distributed_sampler_kwargs or {}
-            out.counted = counted_rows(batch[EVAL_INDEX], sampler.get("num_replicas", 1), sampler.get("rank", 0))
+            out = self.experience_maker.evaluate(batch, self.policy, self.rewards.accuracy_for(check),
+                                                 (sampler.get("rank", 0), sampler.get("num_replicas", 1)))
         for key, (metric, size, attribute) in self.evaluator.update(stage, dataset, out).items():
             self.log(key, metric, on_step=False, on_epoch=True, prog_bar=key.endswith("/accuracy"), batch_size=size,
                      add_dataloader_idx=False, metric_attribute=f"evaluator.{attribute}")

@@ -401,13 +401,14 @@ class ExperienceMaker:
                              pad_token_id=pad_token_id, sampler_logprobs=out.sampler_logprobs, row_index=row_index,
                              env_mask=out.env_mask, images=out.images)
 
-    def evaluate(self, batch: PromptBatch, policy: nn.Module,
-                 accuracy: Optional[Callable[..., list]] = None) -> EvalBatch:
-        """The evaluation rollouts of a validation batch (:func:`lightning_grpo.experience.evaluation.evaluate_batch`),
-        scored by ``accuracy`` (default: the reward set's), once no background rollout runs (no sync while one does)."""
+    def evaluate(self, batch: PromptBatch, policy: nn.Module, accuracy: Optional[Callable[..., list]] = None,
+                 replica: tuple[int, int] = (0, 1)) -> EvalBatch:
+        """The evaluation rollouts of a validation batch (:func:`lightning_grpo.experience.evaluation.evaluate_batch`,
+        ``replica``: this process's distributed sampler ``(rank, num_replicas)``), scored by ``accuracy`` (default:
+        the reward set's), once no background rollout runs (no sync while one does)."""
         self.prefetcher.wait_idle()
         return evaluate_batch(self.rollout, self.config, batch, policy, accuracy or self.rewards.accuracy,
-                              self.context.collectives)
+                              self.context.collectives, replica)
 
     def _request_seed(self) -> Optional[int]:
         """A base for per-request seeds (engines that ``seeds_per_request``: vLLM, colocated or served), drawn from
