@@ -115,7 +115,8 @@ def test_a_resumed_run_ends_where_the_uninterrupted_one_ends(tiny_qwen_vl_path, 
     _fit(tiny_qwen_vl_path, tmp_path / "cut", image_data, steps=1, callbacks=[checkpoint], **knobs)
     (path,) = (tmp_path / "ckpt").glob("*step=1*.ckpt")
     state = torch.load(path, weights_only=True)  # plain data, images included
-    assert state["loops"]["fit_loop"]["state_dict"]["partial_rollouts"][0]["experience"]["images"] is not None
+    (cursor,) = state["loops"]["fit_loop"]["state_dict"]["rollout_cursors"]
+    assert cursor["partial_rollout"]["experience"]["images"] is not None
     resumed = _fit(tiny_qwen_vl_path, tmp_path / "resumed", image_data, steps=4, ckpt_path=str(path), **knobs)
     for (name, a), (_, b) in zip(whole.policy.state_dict().items(), resumed.policy.state_dict().items(), strict=True):
         assert torch.equal(a, b), name

@@ -8,7 +8,8 @@ validation), as the stream the trainer's backend makes of them (:attr:`RolloutWo
 
 The engine the worker made (:meth:`RolloutWorker.start`) or was given lives across stages: a backend wraps it for a
 stage (:meth:`RolloutWorker.attach`) and the wrapper goes at the stage's end (:meth:`RolloutWorker.detach`), so a
-validation before a fit hands its engine to the fit. :meth:`RolloutWorker.close` releases an engine it made.
+validation before a fit hands its engine to the fit, and the end of a fit (:meth:`RolloutWorker.end_stage`) or
+:meth:`RolloutWorker.close` releases an engine it made.
 
 Every rollout goes through the :class:`~lightning_grpo.protocols.sampler.PromptEncoder` and
 :class:`~lightning_grpo.protocols.sampler.Sampler` the worker is made with: single-turn (the chat template, one
@@ -174,6 +175,13 @@ class RolloutWorker:
     def detach(self) -> None:
         """The end of a stage: the backend's wrapper goes, the engine stays (for the next stage)."""
         self._engine = self._own
+
+    def end_stage(self, stage: str) -> None:
+        """The end of a stage (fit, validate, test): :meth:`detach`, and at the end of a fit :meth:`close` (an engine
+        the worker made; a validation or test keeps it for a following stage)."""
+        self.detach()
+        if stage == "fit":
+            self.close()
 
     def close(self) -> None:
         """Release the engine :meth:`start` made (``engine.close()``: vLLM's KV cache and weights, the

@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lightning_grpo import GRPOConfig
 from lightning_grpo.events import ExperienceReady, RolloutEnd
-from lightning_grpo.experience_maker import ExperienceMaker, RolloutContext
+from lightning_grpo.experience.maker import ExperienceMaker, RolloutContext
 from lightning_grpo.protocols.rollout import RolloutInterrupted, RowMetric
 from lightning_grpo.rewards import RewardSet
 from lightning_grpo.rollout.worker import RolloutWorker

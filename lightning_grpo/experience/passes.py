@@ -1,4 +1,4 @@
-"""Step 3 of an experience (:meth:`lightning_grpo.experience_maker.ExperienceMaker.make`): the no-grad logprob passes
+"""Step 3 of an experience (:meth:`lightning_grpo.experience.maker.ExperienceMaker.make`): the no-grad logprob passes
 over a rollout (the old policy's, the reference policy's and on-policy distillation's teacher's) and the KL in the
 reward.
 

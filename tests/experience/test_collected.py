@@ -6,9 +6,9 @@ import math
 import pytest
 import torch
 
+from lightning_grpo.experience.collected import RolloutRows, reward_columns
 from lightning_grpo.protocols.episode import EpisodeRecord
 from lightning_grpo.protocols.rollout import RolloutOutput, RowMetric
-from lightning_grpo.rollout.collected import RolloutRows, reward_columns
 
 
 def _output(texts, episodes=None, metrics=None, columns=None):

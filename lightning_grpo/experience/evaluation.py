@@ -11,22 +11,25 @@ from torch import Tensor, nn
 
 from lightning_grpo.config import GRPOConfig
 from lightning_grpo.data.source import EVAL_INDEX
-from lightning_grpo.evaluation.evaluator import EvalBatch, answer_key
+from lightning_grpo.evaluation.evaluator import EvalBatch, answer_key, counted_rows
+from lightning_grpo.experience.collected import reward_columns
 from lightning_grpo.protocols.collectives import Collectives
 from lightning_grpo.protocols.rollout import RolloutOutput
 from lightning_grpo.protocols.sampling import SamplingConfig
-from lightning_grpo.rollout.collected import reward_columns
 from lightning_grpo.rollout.worker import RolloutWorker, prompt_rows
 
 
 @torch.no_grad()
 def evaluate_batch(worker: RolloutWorker, config: GRPOConfig, batch: dict[str, list], policy: nn.Module,
-                   accuracy: Callable[..., list], collectives: Collectives) -> EvalBatch:
+                   accuracy: Callable[..., list], collectives: Collectives,
+                   replica: tuple[int, int] = (0, 1)) -> EvalBatch:
     """Greedy completions of a validation batch and, with ``eval.num_samples`` = n, n sampled ones per prompt
     (temperature ``eval.temperature``, torch's generator forked and seeded with ``shuffle_seed``, so every
     evaluation draws alike and training's random stream is untouched), scored by ``accuracy`` (a reward function:
     1 for a right answer). The engine gets the current weights first (a forced sync). Tensors on ``collectives``'
-    device."""
+    device. With the batch's dataset positions (``EVAL_INDEX``), the rows this process counts, each prompt once over
+    the processes (:func:`~lightning_grpo.evaluation.evaluator.counted_rows`; ``replica``: this process's distributed
+    sampler ``(rank, num_replicas)``, whose padding repeats prompts)."""
     cfg, device = config, collectives.device
     columns = {k: v for k, v in batch.items() if k not in ("prompt", EVAL_INDEX)}
     rows = prompt_rows(batch)
@@ -51,4 +54,6 @@ def evaluate_batch(worker: RolloutWorker, config: GRPOConfig, batch: dict[str, l
             result.samples = score(prompts, sampled, n).view(-1, n)
             keys = [answer_key(c) for c in sampled.completions]
             result.answers = [keys[i:i + n] for i in range(0, len(keys), n)]
+    if EVAL_INDEX in batch:
+        result.counted = counted_rows(batch[EVAL_INDEX], replica[1], replica[0])
     return result

@@ -27,19 +27,19 @@ from lightning_grpo.algorithm.shaping import batch_reward_std, overlong_penalty,
 from lightning_grpo.config import GRPOConfig
 from lightning_grpo.evaluation.evaluator import EvalBatch
 from lightning_grpo.events import ON_EXPERIENCE, ON_ROLLOUT_END, EventSink, ExperienceReady, RolloutEnd
+from lightning_grpo.experience.collected import RolloutRows, reward_columns
+from lightning_grpo.experience.evaluation import evaluate_batch
+from lightning_grpo.experience.passes import LogprobPasses
 from lightning_grpo.protocols.collectives import Collectives
 from lightning_grpo.protocols.rollout import RolloutInterrupted, RolloutOutput
 from lightning_grpo.protocols.sampling import SamplingConfig
 from lightning_grpo.protocols.teacher import Teacher
 from lightning_grpo.rewards import RewardSet, StartedScores
-from lightning_grpo.rollout.collected import RolloutRows, reward_columns
-from lightning_grpo.rollout.evaluation import evaluate_batch
 from lightning_grpo.rollout.prefetch import PrefetchedRollout, RolloutPrefetcher
 from lightning_grpo.rollout.worker import RolloutWorker, prompt_rows
 from lightning_grpo.training.experience import Experience
 from lightning_grpo.training.logprobs import CompletionLogprobs
 from lightning_grpo.training.metrics import REWARD_TIMING_PREFIX, StepTimer, rollout_metrics
-from lightning_grpo.training.passes import LogprobPasses
 
 log = logging.getLogger(__name__)
 
@@ -160,6 +160,12 @@ class ExperienceMaker:
         """Stop background generations and end their thread and the reward pool's (end of fit)."""
         self.prefetcher.close()
         self.rewards.close()
+
+    def release(self) -> None:
+        """What a failed run leaves (:class:`~lightning_grpo.runtime.cleanup.ReleaseOnException`): :meth:`close`, and
+        the rollout engine the worker made is closed. Idempotent."""
+        self.close()
+        self.rollout.close()
 
     def _start_rewards(self, prefetched: PrefetchedRollout, out: RolloutOutput) -> Optional[StartedScores]:
         """On the generating thread, when a prefetched rollout is generated: start its slow rewards in the pool."""
@@ -386,13 +392,14 @@ class ExperienceMaker:
         return ScoredRollout(out, per_function=scores.per_function, rewards=scores.rewards, num_generations=g,
                              pad_token_id=pad_token_id, row_index=row_index)
 
-    def evaluate(self, batch: PromptBatch, policy: nn.Module,
-                 accuracy: Optional[Callable[..., list]] = None) -> EvalBatch:
-        """The evaluation rollouts of a validation batch (:func:`lightning_grpo.rollout.evaluation.evaluate_batch`),
-        scored by ``accuracy`` (default: the reward set's), once no background rollout runs (no sync while one does)."""
+    def evaluate(self, batch: PromptBatch, policy: nn.Module, accuracy: Optional[Callable[..., list]] = None,
+                 replica: tuple[int, int] = (0, 1)) -> EvalBatch:
+        """The evaluation rollouts of a validation batch (:func:`lightning_grpo.experience.evaluation.evaluate_batch`,
+        ``replica``: this process's distributed sampler ``(rank, num_replicas)``), scored by ``accuracy`` (default:
+        the reward set's), once no background rollout runs (no sync while one does)."""
         self.prefetcher.wait_idle()
         return evaluate_batch(self.rollout, self.config, batch, policy, accuracy or self.rewards.accuracy,
-                              self.context.collectives)
+                              self.context.collectives, replica)
 
     def _request_seed(self) -> Optional[int]:
         """A base for per-request seeds (engines that ``seeds_per_request``: vLLM, colocated or served), drawn from
@@ -406,7 +413,7 @@ class ExperienceMaker:
                             extra: dict[str, tuple[Tensor, Tensor]], policy: nn.Module, ref: Optional[nn.Module],
                             num_prompts: int) -> Tensor:
         """Step 3 of :meth:`make`: the old, reference and teacher logprobs and the KL in the reward
-        (:class:`~lightning_grpo.training.passes.LogprobPasses`), in passes of ``mini_batch_size //
+        (:class:`~lightning_grpo.experience.passes.LogprobPasses`), in passes of ``mini_batch_size //
         micro_batches_per_step`` sequences (the rollout batch of ``num_prompts`` prompts without ``mini_batch_size``)
         or of the run's token budget. Returns the rewards (minus beta * sequence KL with ``kl_in_reward``)."""
         cfg, ctx = self.config, self.context
