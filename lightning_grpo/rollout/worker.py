@@ -40,7 +40,7 @@ from lightning_grpo.protocols.sampler import PromptEncoder, Sampler
 from lightning_grpo.protocols.sampling import SamplingConfig
 from lightning_grpo.protocols.weights import PolicyWeights
 from lightning_grpo.rollout.adapter import as_rollout_engine, declares_images
-from lightning_grpo.rollout.prompts import TemplatePrompts
+from lightning_grpo.rollout.prompts import TemplatePrompts, refuse_images
 from lightning_grpo.rollout.registry import engine_spec, make_engine
 from lightning_grpo.rollout.single_turn import SingleTurnSampler
 from lightning_grpo.strategies.weights import ModuleWeights
@@ -215,15 +215,33 @@ class RolloutWorker:
         (:attr:`images`); none for a text model."""
         return () if self.images is None else self.images.banned_token_ids
 
+    def check_image_column(self, image_field: Optional[str]) -> None:
+        """Refuse a datamodule whose prompts hold images (``image_field``: its image column,
+        :attr:`~lightning_grpo.data.source.DataPlan.image_field`) for a policy that is not a vision-language model
+        (no :attr:`images`): checked at setup, before anything is sampled.
+
+        Raises:
+            ValueError: ``image_field`` is set and the policy has no image encoder (the column named).
+        """
+        if image_field is not None and self.images is None:
+            raise ValueError(
+                f"the datamodule's image column {image_field!r} (PromptDataModule(image_field={image_field!r})) puts "
+                "images into the prompts, but the policy is not a vision-language model (it has no image processor): "
+                "its images would be dropped. Train a vision-language checkpoint (docs/vision.md) or set "
+                "image_field=None")
+
     def encode(self, prompts: Sequence[Any]) -> EncodedPrompts:
         """The prompts' ids and, with a vision-language policy's encoder, their images (never truncated through
         one); else :meth:`encode_prompts` with no images.
 
         Raises:
-            ValueError: as the encoder (a prompt that does not fit without cutting an image).
+            ValueError: as the encoder (a prompt that does not fit without cutting an image); without an image
+                encoder (a causal LM), a prompt with an image part
+                (:func:`~lightning_grpo.rollout.prompts.refuse_images`): its images would be dropped.
         """
         if self.images is not None:
             return self.images.encode_image_prompts(prompts, self.config.max_prompt_length)
+        refuse_images(prompts)
         ids, truncated = self.encode_prompts(prompts)
         return EncodedPrompts(ids, truncated, [None] * len(ids))
 
