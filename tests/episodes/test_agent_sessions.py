@@ -308,3 +308,28 @@ def test_a_call_without_the_sessions_key_changes_nothing(tokenizer):
     row = out.completion_ids[0][out.completion_mask[0].bool() | out.env_mask[0].bool()].tolist()
     assert row[: len(ok)] == ok and row[-len(ok):] == ok
     assert "INTRUDER" not in tokenizer.decode(row) and "and then?" in tokenizer.decode(row)
+
+
+@pytest.mark.parametrize("cut", ["before_the_closing_tag", "before_eos"])
+def test_a_tool_call_cut_by_max_tokens_is_length_and_never_a_call(tokenizer, cut):
+    """A turn stopped by the call's ``max_tokens`` after a call's JSON, with no ``</tool_call>`` (or with it but no
+    EOS), is ``finish_reason: "length"`` with its text as content and no ``tool_calls``: the model never finished
+    it, and the turn loop never runs a truncated turn's call. The same turn finished with EOS is a call."""
+    head = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "123 * 456"}}'
+    turn = encode(tokenizer, CALL) + [EOS]
+    shown = head if cut == "before_the_closing_tag" else CALL
+    limit = len(encode(tokenizer, shown))
+    assert encode(tokenizer, CALL)[:limit] == encode(tokenizer, shown)  # the cut turn's ids are the call's first ones
+    recorder = Recorder()
+    out, _, _ = run_agents(tokenizer, tool_loop_agent(recorder, calls=1, max_tokens=limit), lambda c, r, p: turn)
+    (answer,) = recorder.answers[0]
+    choice = answer["choices"][0]
+    assert choice["finish_reason"] == "length" and choice["token_ids"] == turn[:limit]
+    assert choice["message"]["tool_calls"] is None and choice["message"]["content"] == shown
+    assert (out.episodes[0].tool_calls, out.episodes[0].tool_errors) == (0, 0) and out.truncated[0]
+    recorder = Recorder()
+    run_agents(tokenizer, tool_loop_agent(recorder, calls=1, max_tokens=limit + 1), lambda c, r, p: turn)
+    choice = recorder.answers[0][0]["choices"][0]
+    finished = cut == "before_eos"  # one more token is the EOS there: a finished call; else still cut
+    assert choice["finish_reason"] == ("tool_calls" if finished else "length")
+    assert len(choice["message"]["tool_calls"] or []) == int(finished)
