@@ -333,3 +333,41 @@ def test_a_tool_call_cut_by_max_tokens_is_length_and_never_a_call(tokenizer, cut
     finished = cut == "before_eos"  # one more token is the EOS there: a finished call; else still cut
     assert choice["finish_reason"] == ("tool_calls" if finished else "length")
     assert len(choice["message"]["tool_calls"] or []) == int(finished)
+
+
+def test_an_answer_echoed_back_as_model_dump_extends_the_sample(tokenizer):
+    """The OpenAI client's assistant message dumps ``refusal``, ``audio``, ``function_call`` and ``annotations`` as
+    nulls: echoed back whole (a common idiom) they are ignored, so the second call extends the sample exactly as the
+    same message without them does. A value in one of them is a 400 naming it."""
+    call = encode(tokenizer, CALL) + [EOS]
+    answer = encode(tokenizer, "56088") + [EOS]
+    dumped: list = []
+    errors: dict = {}
+
+    def agent(base_url, api_key, row):
+        chat = client(base_url, api_key)
+        messages: list = [{"role": "user", "content": row["question"]}]
+        first = chat.chat.completions.create(model="m", messages=messages, tools=TOOLS)
+        echoed = first.choices[0].message.model_dump()
+        dumped.append(echoed)
+        tool = {"role": "tool", "tool_call_id": first.choices[0].message.tool_calls[0].id, "content": "56088"}
+        for field, value in (("audio", {"id": "audio_1"}), ("annotations", [{"type": "url_citation"}]),
+                             ("refusal", "no"), ("function_call", {"name": "calculator", "arguments": "{}"})):
+            try:
+                chat.chat.completions.create(model="m", messages=[*messages, {**echoed, field: value}, tool],
+                                             tools=TOOLS)
+            except openai.BadRequestError as err:
+                errors[field] = err.body
+        chat.chat.completions.create(model="m", messages=[*messages, echoed, tool], tools=TOOLS)
+
+    out, engine, _ = run_agents(tokenizer, agent, by_prompt(tokenizer, call, answer))
+    assert {k: dumped[0][k] for k in ("refusal", "audio", "function_call", "annotations")} == dict.fromkeys(
+        ("refusal", "audio", "function_call", "annotations"))
+    assert {field: body["param"] for field, body in errors.items()} == {
+        "audio": "messages.1.audio", "annotations": "messages.1.annotations", "refusal": "messages.1.refusal",
+        "function_call": "messages.1.function_call"}
+    tail = encode(tokenizer, TOOL_TAIL)
+    (first_prompt,), (second_prompt,) = [p for p, _, _ in engine.calls]
+    assert second_prompt == first_prompt + call + tail  # extended: the echoed answer compared as the session's own
+    assert [(s.calls, s.trained) for s in out.episodes[0].samples] == [([0, 1], True)]
+    assert out.completion_ids[0].tolist() == call + tail + answer
