@@ -202,15 +202,9 @@ class AgentSession:
         Raises:
             GatewayError: 400 for a request the session cannot honour (the field named): sampling fields other than
                 the trainer's, a last message from the assistant, ``max_calls`` reached, no room in the budget, a
-                prompt over ``max_prompt_length``.
+                prompt over ``max_prompt_length`` (counted in :attr:`refused` by the gateway, as every request
+                answered with an error).
         """
-        try:
-            return self._prepare(request, sampling)
-        except GatewayError:
-            self.refused += 1
-            raise
-
-    def _prepare(self, request: ChatCompletionRequest, sampling: SamplingConfig) -> PreparedCall:
         _check_sampling(request, sampling)
         if request.messages[-1].role == "assistant":
             raise GatewayError(400, "the last message is the assistant's: the gateway samples the next assistant "

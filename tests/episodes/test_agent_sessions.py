@@ -211,7 +211,8 @@ def test_limits_and_sampling_fields(tokenizer):
     assert errors["stop"]["param"] == "stop" and "Extra inputs are not permitted" in errors["stop"]["message"]
     assert errors["n"]["param"] == "n"
     assert errors["max_turns"]["code"] == "max_turns_exceeded"
-    assert out.metrics["agent/refused_calls"].values.tolist() == [4.0]  # temperature, top_p, assistant, max_turns
+    # every request answered with an error: temperature, top_p, assistant_last, stop and n (the schema's), max_turns
+    assert out.metrics["agent/refused_calls"].values.tolist() == [6.0]
 
 
 def test_the_token_budget_refuses_a_call_without_room(tokenizer):
