@@ -4,7 +4,8 @@ The trainer's weights change at every optimizer step (:meth:`RolloutWorker.mark_
 the next :meth:`RolloutWorker.awake` when ``engine.sync_every`` steps have passed (always when forced, e.g. before
 validation), as the stream the trainer's backend makes of them (:attr:`RolloutWorker.weights`, a
 :class:`~lightning_grpo.protocols.weights.PolicyWeights`). An engine that generates with the policy's own parameters
-(HF) needs no sync.
+(HF, ``uses_policy_parameters``) needs no sync: its ``sync_weights`` is never called and no view of the weights is
+made for it.
 
 The engine the worker made (:meth:`RolloutWorker.start`) or was given lives across stages: a backend wraps it for a
 stage (:meth:`RolloutWorker.attach`) and the wrapper goes at the stage's end (:meth:`RolloutWorker.detach`), so a
@@ -295,11 +296,14 @@ class RolloutWorker:
     def sync(self, policy: nn.Module, force: bool = False) -> None:
         """Push the policy's weights (:attr:`weights`, else ``policy``'s own) into the engine every
         ``engine.sync_every`` optimizer steps (always when ``force`` and they differ, and before the first rollout of
-        an engine with its own weights)."""
+        an engine with its own weights). An engine that declares ``uses_policy_parameters`` (HF ``generate``, and the
+        backends' wrappers of it, which refresh their own copy in ``wake_up``) generates with the current weights:
+        nothing is pushed and no view of the weights is made (no LoRA merge, no gather), only the version moves."""
         engine = self.require_engine()
         behind = self.weights_version - self.engine_version
         if behind >= self.config.engine.sync_every or (force and behind > 0) or self.engine_version < 0:
-            engine.sync_weights(self.weights if self.weights is not None else ModuleWeights(policy))
+            if not engine.uses_policy_parameters:
+                engine.sync_weights(self.weights if self.weights is not None else ModuleWeights(policy))
             self.engine_version = self.weights_version
             if self.events is not None:
                 self.events(ON_WEIGHTS_SYNCED, self.engine_version)
