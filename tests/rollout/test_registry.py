@@ -29,7 +29,7 @@ class CoreOnly:
     def generate(self, prompt_ids, num_generations, sampling):
         return self._fixed.generate(prompt_ids, num_generations, sampling)
 
-    def sync_weights(self, model):
+    def sync_weights(self, weights):
         self.synced += 1
 
 

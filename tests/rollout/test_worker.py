@@ -130,7 +130,7 @@ def test_the_wake_up_and_sync_count_as_sync_s(tokenizer, monkeypatch):
         def wake_up(self):
             clock.now += 1.0
 
-        def sync_weights(self, model):
+        def sync_weights(self, weights):
             clock.now += 2.0
 
     worker, _ = _worker(tokenizer)
@@ -151,7 +151,7 @@ class _CoreOnly:
     def generate(self, prompt_ids, num_generations, sampling):
         raise NotImplementedError
 
-    def sync_weights(self, model):
+    def sync_weights(self, weights):
         self.synced += 1
 
 
