@@ -218,6 +218,7 @@ class GRPOModule(L.LightningModule):
         if stage == "fit":
             install_loop(self.trainer)
         self.data_plan = prompts = DataPlan.of(self.trainer.datamodule)
+        self.rollout.check_image_column(prompts.image_field)  # images for a causal LM: refused before any rollout
         self._events = EventRoute.of(self.trainer)  # the trainer's GRPOCallbacks
         if stage == "fit" and prompts.prompts_per_step is not None:  # refused before an engine is built:
             schedule.rollouts_ahead(self.config, prompts.prompts_per_step)  # a max_staleness that cannot run ahead

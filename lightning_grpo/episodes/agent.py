@@ -122,6 +122,12 @@ class _Run:
     def has_session(self, session: str) -> bool:
         return session in self.sessions and not self.sessions[session].closed
 
+    def refused(self, session_id: str) -> None:
+        """A request of ``session_id`` was answered with an error (``agent/refused_calls``; an unknown one: none)."""
+        with self.guard:
+            if session_id in self.sessions:
+                self.sessions[session_id].refused += 1
+
     async def chat(self, session_id: str, request: ChatCompletionRequest) -> dict[str, Any]:
         """One call of a session: tokenize, wait for its batch's engine call, answer (see :mod:`.session`)."""
         if not self.has_session(session_id):

@@ -24,6 +24,10 @@ sample whose last turn was cut without EOS) starts a new sample: its prompt is t
 messages. Every sample records its calls. Limits: ``max_calls`` per session; a sample's tokens after its prompt within
 ``budget`` (each call's ``max_tokens`` is cut to what is left; a call with no room left is refused); a new sample's
 prompt within ``max_prompt_length``.
+
+A turn cut without EOS (by the call's ``max_tokens`` or the budget) is answered with ``finish_reason: "length"`` and
+its text as ``content`` (reasoning split off): a tool call in it is never parsed, so the agent never runs a call the
+model did not finish (the turn loop never runs a truncated turn's call either).
 """
 
 from __future__ import annotations
@@ -198,15 +202,9 @@ class AgentSession:
         Raises:
             GatewayError: 400 for a request the session cannot honour (the field named): sampling fields other than
                 the trainer's, a last message from the assistant, ``max_calls`` reached, no room in the budget, a
-                prompt over ``max_prompt_length``.
+                prompt over ``max_prompt_length`` (counted in :attr:`refused` by the gateway, as every request
+                answered with an error).
         """
-        try:
-            return self._prepare(request, sampling)
-        except GatewayError:
-            self.refused += 1
-            raise
-
-    def _prepare(self, request: ChatCompletionRequest, sampling: SamplingConfig) -> PreparedCall:
         _check_sampling(request, sampling)
         if request.messages[-1].role == "assistant":
             raise GatewayError(400, "the last message is the assistant's: the gateway samples the next assistant "
@@ -280,9 +278,10 @@ class AgentSession:
             sample.turns.append(Turn("env", start, len(sample.ids), [dict(m) for m in call.tail_messages]))
             sample.history += call.tail_messages
         text = tokenizer.decode(ids, skip_special_tokens=True)
-        if call.parse_calls:
+        finished = bool(ids) and ids[-1] in self.renderer.eos_token_ids
+        if call.parse_calls and finished:
             answer = parse_answer(text, self.renderer.parser, self.tags, f"call_{call.call}")
-        else:
+        else:  # tool_choice "none", or a turn cut without EOS: its calls are never run (as in the turn loop)
             reasoning, rest = split_reasoning(text, self.tags)
             answer = Answer(content=rest, reasoning=reasoning)
         start = len(sample.ids)
@@ -294,7 +293,7 @@ class AgentSession:
         sample.turns.append(Turn("model", start, len(sample.ids), [own]))
         sample.history.append(own)
         sample.calls.append(call.call)
-        sample.finished = bool(ids) and ids[-1] in self.renderer.eos_token_ids
+        sample.finished = finished
         if version is not None:
             sample.versions.add(int(version))
         self.tool_calls += len(answer.tool_calls) + answer.tool_errors  # every call the model wrote, as the turn loop

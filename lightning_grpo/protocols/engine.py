@@ -50,8 +50,9 @@ class RolloutEngine(Protocol):
 
     def sync_weights(self, weights: PolicyWeights) -> None:
         """Make the engine generate with the policy's current weights, read from ``weights`` (called after optimizer
-        steps; every process calls it when ``weights.collective``). An engine that generates with the policy's own
-        parameters (:attr:`uses_policy_parameters`) has nothing to do."""
+        steps; every process calls it when ``weights.collective``). Never called for an engine that generates with the
+        policy's own parameters (:attr:`uses_policy_parameters`): it has nothing to do (a wrapper that keeps a copy,
+        e.g. Megatron's HF model, refreshes it in :meth:`wake_up`)."""
         ...
 
     @property
@@ -63,8 +64,8 @@ class RolloutEngine(Protocol):
     def uses_policy_parameters(self) -> bool:
         """True: the engine generates with the policy module itself (HF ``generate``): its weights are always the
         trainer's, a sharding backend gathers the parameters around :meth:`generate`, and it cannot generate while
-        the trainer trains (no asynchronous rollouts). False: it holds its own copy, updated by
-        :meth:`sync_weights`."""
+        the trainer trains (no asynchronous rollouts), and the rollout worker never calls its :meth:`sync_weights` nor
+        makes a view of the weights for it. False: it holds its own copy, updated by :meth:`sync_weights`."""
         ...
 
     @property

@@ -4,7 +4,8 @@ The trainer's weights change at every optimizer step (:meth:`RolloutWorker.mark_
 the next :meth:`RolloutWorker.awake` when ``engine.sync_every`` steps have passed (always when forced, e.g. before
 validation), as the stream the trainer's backend makes of them (:attr:`RolloutWorker.weights`, a
 :class:`~lightning_grpo.protocols.weights.PolicyWeights`). An engine that generates with the policy's own parameters
-(HF) needs no sync.
+(HF, ``uses_policy_parameters``) needs no sync: its ``sync_weights`` is never called and no view of the weights is
+made for it.
 
 The engine the worker made (:meth:`RolloutWorker.start`) or was given lives across stages: a backend wraps it for a
 stage (:meth:`RolloutWorker.attach`) and the wrapper goes at the stage's end (:meth:`RolloutWorker.detach`), so a
@@ -41,7 +42,7 @@ from lightning_grpo.protocols.sampler import PromptEncoder, Sampler
 from lightning_grpo.protocols.sampling import SamplingConfig
 from lightning_grpo.protocols.weights import PolicyWeights
 from lightning_grpo.rollout.adapter import as_rollout_engine, declares_images
-from lightning_grpo.rollout.prompts import TemplatePrompts
+from lightning_grpo.rollout.prompts import TemplatePrompts, refuse_images
 from lightning_grpo.rollout.registry import engine_spec, make_engine
 from lightning_grpo.rollout.single_turn import SingleTurnSampler
 from lightning_grpo.strategies.weights import ModuleWeights
@@ -223,15 +224,33 @@ class RolloutWorker:
         (:attr:`images`); none for a text model."""
         return () if self.images is None else self.images.banned_token_ids
 
+    def check_image_column(self, image_field: Optional[str]) -> None:
+        """Refuse a datamodule whose prompts hold images (``image_field``: its image column,
+        :attr:`~lightning_grpo.data.source.DataPlan.image_field`) for a policy that is not a vision-language model
+        (no :attr:`images`): checked at setup, before anything is sampled.
+
+        Raises:
+            ValueError: ``image_field`` is set and the policy has no image encoder (the column named).
+        """
+        if image_field is not None and self.images is None:
+            raise ValueError(
+                f"the datamodule's image column {image_field!r} (PromptDataModule(image_field={image_field!r})) puts "
+                "images into the prompts, but the policy is not a vision-language model (it has no image processor): "
+                "its images would be dropped. Train a vision-language checkpoint (docs/vision.md) or set "
+                "image_field=None")
+
     def encode(self, prompts: Sequence[Any]) -> EncodedPrompts:
         """The prompts' ids and, with a vision-language policy's encoder, their images (never truncated through
         one); else :meth:`encode_prompts` with no images.
 
         Raises:
-            ValueError: as the encoder (a prompt that does not fit without cutting an image).
+            ValueError: as the encoder (a prompt that does not fit without cutting an image); without an image
+                encoder (a causal LM), a prompt with an image part
+                (:func:`~lightning_grpo.rollout.prompts.refuse_images`): its images would be dropped.
         """
         if self.images is not None:
             return self.images.encode_image_prompts(prompts, self.config.max_prompt_length)
+        refuse_images(prompts)
         ids, truncated = self.encode_prompts(prompts)
         return EncodedPrompts(ids, truncated, [None] * len(ids))
 
@@ -285,11 +304,14 @@ class RolloutWorker:
     def sync(self, policy: nn.Module, force: bool = False) -> None:
         """Push the policy's weights (:attr:`weights`, else ``policy``'s own) into the engine every
         ``engine.sync_every`` optimizer steps (always when ``force`` and they differ, and before the first rollout of
-        an engine with its own weights)."""
+        an engine with its own weights). An engine that declares ``uses_policy_parameters`` (HF ``generate``, and the
+        backends' wrappers of it, which refresh their own copy in ``wake_up``) generates with the current weights:
+        nothing is pushed and no view of the weights is made (no LoRA merge, no gather), only the version moves."""
         engine = self.require_engine()
         behind = self.weights_version - self.engine_version
         if behind >= self.config.engine.sync_every or (force and behind > 0) or self.engine_version < 0:
-            engine.sync_weights(self.weights if self.weights is not None else ModuleWeights(policy))
+            if not engine.uses_policy_parameters:
+                engine.sync_weights(self.weights if self.weights is not None else ModuleWeights(policy))
             self.engine_version = self.weights_version
             if self.events is not None:
                 self.events(ON_WEIGHTS_SYNCED, self.engine_version)

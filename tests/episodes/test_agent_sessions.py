@@ -211,7 +211,8 @@ def test_limits_and_sampling_fields(tokenizer):
     assert errors["stop"]["param"] == "stop" and "Extra inputs are not permitted" in errors["stop"]["message"]
     assert errors["n"]["param"] == "n"
     assert errors["max_turns"]["code"] == "max_turns_exceeded"
-    assert out.metrics["agent/refused_calls"].values.tolist() == [4.0]  # temperature, top_p, assistant, max_turns
+    # every request answered with an error: temperature, top_p, assistant_last, stop and n (the schema's), max_turns
+    assert out.metrics["agent/refused_calls"].values.tolist() == [6.0]
 
 
 def test_the_token_budget_refuses_a_call_without_room(tokenizer):
@@ -308,3 +309,66 @@ def test_a_call_without_the_sessions_key_changes_nothing(tokenizer):
     row = out.completion_ids[0][out.completion_mask[0].bool() | out.env_mask[0].bool()].tolist()
     assert row[: len(ok)] == ok and row[-len(ok):] == ok
     assert "INTRUDER" not in tokenizer.decode(row) and "and then?" in tokenizer.decode(row)
+
+
+@pytest.mark.parametrize("cut", ["before_the_closing_tag", "before_eos"])
+def test_a_tool_call_cut_by_max_tokens_is_length_and_never_a_call(tokenizer, cut):
+    """A turn stopped by the call's ``max_tokens`` after a call's JSON, with no ``</tool_call>`` (or with it but no
+    EOS), is ``finish_reason: "length"`` with its text as content and no ``tool_calls``: the model never finished
+    it, and the turn loop never runs a truncated turn's call. The same turn finished with EOS is a call."""
+    head = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "123 * 456"}}'
+    turn = encode(tokenizer, CALL) + [EOS]
+    shown = head if cut == "before_the_closing_tag" else CALL
+    limit = len(encode(tokenizer, shown))
+    assert encode(tokenizer, CALL)[:limit] == encode(tokenizer, shown)  # the cut turn's ids are the call's first ones
+    recorder = Recorder()
+    out, _, _ = run_agents(tokenizer, tool_loop_agent(recorder, calls=1, max_tokens=limit), lambda c, r, p: turn)
+    (answer,) = recorder.answers[0]
+    choice = answer["choices"][0]
+    assert choice["finish_reason"] == "length" and choice["token_ids"] == turn[:limit]
+    assert choice["message"]["tool_calls"] is None and choice["message"]["content"] == shown
+    assert (out.episodes[0].tool_calls, out.episodes[0].tool_errors) == (0, 0) and out.truncated[0]
+    recorder = Recorder()
+    run_agents(tokenizer, tool_loop_agent(recorder, calls=1, max_tokens=limit + 1), lambda c, r, p: turn)
+    choice = recorder.answers[0][0]["choices"][0]
+    finished = cut == "before_eos"  # one more token is the EOS there: a finished call; else still cut
+    assert choice["finish_reason"] == ("tool_calls" if finished else "length")
+    assert len(choice["message"]["tool_calls"] or []) == int(finished)
+
+
+def test_an_answer_echoed_back_as_model_dump_extends_the_sample(tokenizer):
+    """The OpenAI client's assistant message dumps ``refusal``, ``audio``, ``function_call`` and ``annotations`` as
+    nulls: echoed back whole (a common idiom) they are ignored, so the second call extends the sample exactly as the
+    same message without them does. A value in one of them is a 400 naming it."""
+    call = encode(tokenizer, CALL) + [EOS]
+    answer = encode(tokenizer, "56088") + [EOS]
+    dumped: list = []
+    errors: dict = {}
+
+    def agent(base_url, api_key, row):
+        chat = client(base_url, api_key)
+        messages: list = [{"role": "user", "content": row["question"]}]
+        first = chat.chat.completions.create(model="m", messages=messages, tools=TOOLS)
+        echoed = first.choices[0].message.model_dump()
+        dumped.append(echoed)
+        tool = {"role": "tool", "tool_call_id": first.choices[0].message.tool_calls[0].id, "content": "56088"}
+        for field, value in (("audio", {"id": "audio_1"}), ("annotations", [{"type": "url_citation"}]),
+                             ("refusal", "no"), ("function_call", {"name": "calculator", "arguments": "{}"})):
+            try:
+                chat.chat.completions.create(model="m", messages=[*messages, {**echoed, field: value}, tool],
+                                             tools=TOOLS)
+            except openai.BadRequestError as err:
+                errors[field] = err.body
+        chat.chat.completions.create(model="m", messages=[*messages, echoed, tool], tools=TOOLS)
+
+    out, engine, _ = run_agents(tokenizer, agent, by_prompt(tokenizer, call, answer))
+    assert {k: dumped[0][k] for k in ("refusal", "audio", "function_call", "annotations")} == dict.fromkeys(
+        ("refusal", "audio", "function_call", "annotations"))
+    assert {field: body["param"] for field, body in errors.items()} == {
+        "audio": "messages.1.audio", "annotations": "messages.1.annotations", "refusal": "messages.1.refusal",
+        "function_call": "messages.1.function_call"}
+    tail = encode(tokenizer, TOOL_TAIL)
+    (first_prompt,), (second_prompt,) = [p for p, _, _ in engine.calls]
+    assert second_prompt == first_prompt + call + tail  # extended: the echoed answer compared as the session's own
+    assert [(s.calls, s.trained) for s in out.episodes[0].samples] == [([0, 1], True)]
+    assert out.completion_ids[0].tolist() == call + tail + answer

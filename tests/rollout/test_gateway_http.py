@@ -22,11 +22,15 @@ class Sessions:
 
     def __init__(self) -> None:
         self.requests: list = []
+        self.refusals: list = []
         self.hold: threading.Event | None = None
         self.inside = threading.Event()
 
     def has_session(self, session: str) -> bool:
         return session in ("a", "b")
+
+    def refused(self, session: str) -> None:
+        self.refusals.append(session)
 
     async def chat(self, session: str, request: ChatCompletionRequest) -> dict:
         self.requests.append((session, request))
@@ -81,9 +85,9 @@ def test_a_request_without_the_sessions_key_changes_nothing(served):
         assert answer.json()["error"]["type"] == "authentication_error"
     # a huge body without the key is refused before it is read
     assert _post(gateway, "a", None, content=b"x" * 100_000).status_code == 401
-    assert sessions.requests == []
+    assert sessions.requests == [] and sessions.refusals == []  # not the session's requests: nothing counted
     assert _post(gateway, "a", gateway.session_key("a")).status_code == 200
-    assert [s for s, _ in sessions.requests] == ["a"]
+    assert [s for s, _ in sessions.requests] == ["a"] and sessions.refusals == []
 
 
 def test_unknown_session_bad_fields_and_body_limits(served):
@@ -104,6 +108,9 @@ def test_unknown_session_bad_fields_and_body_limits(served):
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "temperature"
     too_big = _post(gateway, "a", key, {**BODY, "messages": [{"role": "user", "content": "x" * 5000}]})
     assert too_big.status_code == 413
+    # every request with the session's key answered with an error is reported: the unknown session's 404, the six
+    # the schema refused, the backend's 400, the 413
+    assert sessions.refusals == ["zzz"] + ["a"] * (len(cases) + 2)
     assert httpx.get(f"{gateway.url}/v1/models", headers={"Authorization": f"Bearer {gateway.run_key}"}
                      ).json()["data"][0]["id"] == "policy"
 
@@ -120,7 +127,7 @@ def test_more_concurrent_requests_than_the_limit_get_429(served):
     while len(sessions.requests) < 2:
         sessions.inside.wait(1)
     third = _post(gateway, "a", key)
-    assert third.status_code == 429 and third.headers["retry-after"] == "1"
+    assert third.status_code == 429 and third.headers["retry-after"] == "1" and sessions.refusals == ["a"]
     sessions.hold.set()
     for t in threads:
         t.join()

@@ -29,7 +29,7 @@ class CoreOnly:
     def generate(self, prompt_ids, num_generations, sampling):
         return self._fixed.generate(prompt_ids, num_generations, sampling)
 
-    def sync_weights(self, model):
+    def sync_weights(self, weights):
         self.synced += 1
 
 
@@ -237,9 +237,9 @@ def test_a_core_only_engine_that_declares_uses_policy_parameters_trains_as_one(t
     trainer = quiet_trainer(tmp_path, 2)
     trainer.fit(module, datamodule=PromptDataModule(dataset=write_prompts(tmp_path / "prompts.jsonl"),
                                                     prompts_per_step=2, val_size=0))
-    # no sync before its first rollout (it is the policy), one after the step (a no-op for such an engine, as the HF
+    # it is the policy: its sync_weights is never called, before the first rollout or after the step (as the HF
     # engine's); an engine with its own weights is synced before each of the two rollouts
-    assert trainer.global_step == 2 and user.synced == 1
+    assert trainer.global_step == 2 and user.synced == 0
     assert any(not torch.equal(p, before[n]) for n, p in module.policy.named_parameters()), "the policy did not train"
     asynchronous = GRPOModule(tiny_llama_path, config=GRPOConfig(num_generations=4, max_staleness=2))
     with pytest.raises(ValueError, match="max_staleness=2 needs a rollout engine with its own copy of the weights"):

@@ -464,3 +464,40 @@ def test_a_folder_without_a_tokenizer_is_named(tmp_path, tiny_llama_path):
         shutil.copy(Path(tiny_llama_path) / name, folder / name)
     with pytest.raises(ValueError, match=rf"model_path='{folder}' holds no tokenizer that transformers can load"):
         VLLMRolloutEngine(folder)
+
+
+def test_the_known_harmless_rotary_reload_warning_is_filtered_and_other_warnings_show(untied):
+    """vLLM's in-place reload warns ``"RotaryEmbedding: Failed to load weights"`` at every weight sync (the rotary
+    cache is no checkpoint tensor: harmless; the post-sync check is the evidence): a real sync of the colocated
+    engine logs it and it is filtered out. The same warning for another layer (one that really loaded nothing),
+    another warning and the rotary message at another level still show."""
+    import logging
+
+    from lightning_grpo.rollout.engines.vllm_runtime import RELOAD_LOGGER, RELOAD_WARNING
+
+    logger = logging.getLogger(RELOAD_LOGGER)
+    logged, shown = [], []
+
+    class Logged(logging.Filter):  # first in the logger's chain: every record of the reload
+        def filter(self, record):
+            logged.append(record.getMessage())
+            return True
+
+    class Shown(logging.Handler):
+        def emit(self, record):
+            shown.append(record.getMessage())
+
+    first, handler = Logged(), Shown(logging.DEBUG)
+    logger.filters.insert(0, first)
+    logger.addHandler(handler)
+    try:
+        untied.engine.sync_weights(ModuleWeights(untied.model))
+        logger.warning(RELOAD_WARNING, "QKVParallelLinear")
+        logger.warning("%s: another message", "RotaryEmbedding")
+        logger.error(RELOAD_WARNING, "RotaryEmbedding")
+    finally:
+        logger.removeFilter(first)
+        logger.removeHandler(handler)
+    assert "RotaryEmbedding: Failed to load weights" in logged[:-3]  # the real sync's, from vLLM
+    assert shown == ["QKVParallelLinear: Failed to load weights", "RotaryEmbedding: another message",
+                     "RotaryEmbedding: Failed to load weights"]  # the last one at ERROR

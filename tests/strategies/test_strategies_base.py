@@ -135,8 +135,8 @@ class _Engine:
         ids = torch.zeros(n, 1, dtype=torch.long)
         return RolloutOutput(ids, ids, ids, ids, torch.zeros(n, dtype=torch.bool), [""] * n)
 
-    def sync_weights(self, model):
-        self.calls.append(("sync_weights", model))
+    def sync_weights(self, weights):
+        self.calls.append(("sync_weights", weights))
 
     def wake_up(self):
         self.calls.append(("wake_up",))

@@ -13,6 +13,7 @@ from lightning.pytorch.callbacks import Callback
 
 from lightning_grpo.protocols.rollout import RolloutOutput, completion_mask_from_eos, left_pad
 from lightning_grpo.protocols.sampling import SamplingConfig
+from lightning_grpo.protocols.weights import PolicyWeights
 from support.fixtures import make_cpu_trainer
 
 
@@ -56,7 +57,7 @@ class FixedRolloutEngine:
     def close(self) -> None:
         pass
 
-    def sync_weights(self, model: torch.nn.Module) -> None:
+    def sync_weights(self, weights: PolicyWeights) -> None:
         pass
 
     def generate(self, prompt_ids, num_generations: int, sampling: SamplingConfig) -> RolloutOutput:

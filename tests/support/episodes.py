@@ -11,6 +11,7 @@ import torch
 from lightning_grpo.episodes import BaseEnvironment, EnvStep
 from lightning_grpo.protocols.rollout import RolloutOutput
 from lightning_grpo.protocols.sampling import SamplingConfig
+from lightning_grpo.protocols.weights import PolicyWeights
 from lightning_grpo.rollout.engines.rows import rollout_from_rows
 
 
@@ -41,8 +42,8 @@ class ScriptedEngine:
         return rollout_from_rows(prompt_ids, rows, num_generations, self.pad_token_id, [self.eos], self.tokenizer,
                                  weight_version=version)
 
-    def sync_weights(self, model: torch.nn.Module) -> None:
-        pass
+    def sync_weights(self, weights: PolicyWeights) -> None:
+        """Nothing to do: the script is the model (``uses_policy_parameters``)."""
 
     def set_lockstep(self, enabled: bool) -> None:
         pass

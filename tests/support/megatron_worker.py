@@ -86,7 +86,7 @@ class FixedRolloutEngine:
     def close(self) -> None:
         pass
 
-    def sync_weights(self, model: torch.nn.Module) -> None:
+    def sync_weights(self, weights: Any) -> None:  # a PolicyWeights
         pass
 
     def generate(self, prompt_ids: Sequence[Sequence[int]], num_generations: int, sampling: Any) -> Any:

@@ -1,9 +1,11 @@
 """vLLM in this process, beside the engine class (:mod:`lightning_grpo.rollout.engines.vllm`): importing it with an
-install hint, which platform it runs on, the ``max_model_len`` it derives for a model, and stopping a generation
-between its engine steps (a stop request: SIGTERM)."""
+install hint (and its one known-harmless weight-reload warning filtered), which platform it runs on, the
+``max_model_len`` it derives for a model, and stopping a generation between its engine steps (a stop request:
+SIGTERM)."""
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from lightning_grpo.protocols.rollout import RolloutInterrupted, StopFlag
@@ -15,7 +17,7 @@ _INSTALL_HINT = (
 
 
 def import_vllm() -> Any:
-    """The ``vllm`` package.
+    """The ``vllm`` package, with :func:`quiet_known_reload_warnings` installed.
 
     Raises:
         ImportError: it is not installed (how to install it on CUDA and on CPU is named).
@@ -24,7 +26,54 @@ def import_vllm() -> Any:
         import vllm
     except ImportError as err:  # pragma: no cover - depends on the environment
         raise ImportError(_INSTALL_HINT) from err
+    quiet_known_reload_warnings()
     return vllm
+
+
+#: vLLM's logger of its in-place weight reload (``reload_weights``: every weight sync, colocated or served).
+RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
+#: The format of its warning for a layer that loaded none of its tensors in a reload (the layer's class name).
+RELOAD_WARNING = "%s: Failed to load weights"
+
+
+def _rotary_classes() -> set[str]:
+    """The class names of vLLM's rotary embeddings (``RotaryEmbeddingBase`` and its subclasses, as defined now)."""
+    try:
+        from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbeddingBase
+    except ImportError:  # pragma: no cover - another vLLM layout: nothing is filtered
+        return set()
+    names, pending = set(), [RotaryEmbeddingBase]
+    while pending:
+        cls = pending.pop()
+        if cls.__name__ not in names:
+            names.add(cls.__name__)
+            pending += cls.__subclasses__()
+    return names
+
+
+class RotaryReloadFilter(logging.Filter):
+    """Drops exactly one vLLM warning: ``"<rotary embedding class>: Failed to load weights"`` at WARNING from its
+    weight-reload logger (:data:`RELOAD_LOGGER`), printed at every weight sync (11 times in one run of the main job),
+    which reads as a failed sync. It is harmless: a rotary embedding holds no checkpoint tensor (its cos/sin cache is
+    a non-persistent buffer computed from the config), so a reload loads nothing into it and vLLM puts its cache back
+    as it was. The post-sync check (``engine.weight_sync_check``) is the evidence that a sync worked. Every other
+    record passes: the same warning for any other layer (a layer that really did not load), other messages, other
+    levels."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        known = (record.levelno == logging.WARNING and record.msg == RELOAD_WARNING
+                 and isinstance(record.args, tuple) and len(record.args) == 1 and isinstance(record.args[0], str)
+                 and record.args[0] in _rotary_classes())
+        return not known
+
+
+#: The process's one filter (added once).
+_ROTARY_RELOAD_FILTER = RotaryReloadFilter()
+
+
+def quiet_known_reload_warnings() -> None:
+    """Add :class:`RotaryReloadFilter` to vLLM's reload logger of this process, once (idempotent)."""
+    logging.getLogger(RELOAD_LOGGER).addFilter(_ROTARY_RELOAD_FILTER)  # logging adds a filter once
 
 
 def vllm_on_cpu() -> bool:

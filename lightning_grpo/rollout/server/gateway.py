@@ -21,6 +21,9 @@ What it guarantees, whatever a client sends:
   openai_schema`); a value the session cannot honour (a ``temperature`` other than the trainer's, a conversation
   over the token budget) is 400 with the reason; errors are OpenAI's shape, ``{"error": {"message", "type",
   "param", "code"}}``.
+* **Refusals counted**: every answer with an error status (>= 400) to a request to a session's path that carried its
+  key is reported to the backend (:meth:`ChatBackend.refused`; the sessions' ``agent/refused_calls``), whatever
+  refused it: the schema, the session, the body or concurrency limit; a 401 is not the session's request and is not.
 * **Streaming** (``"stream": true``): the answer is generated whole, then sent as server-sent events: one chunk with
   the whole message (content, reasoning, tool calls) and its ``token_ids`` (the first with ``prompt_token_ids``), one
   with the ``finish_reason``, the usage when asked (``stream_options.include_usage``), ``[DONE]``. So the streamed
@@ -67,6 +70,12 @@ class ChatBackend(Protocol):
         ``prompt_token_ids`` and ``choices[0].token_ids``). Raises :class:`GatewayError` for what it refuses."""
         ...
 
+    def refused(self, session: str) -> None:
+        """A request to ``session``'s path, with its key, was answered with an error status (>= 400: a body the
+        schema refuses, what :meth:`chat` refuses, a body over the limit, too many requests at once, a failure);
+        called on the gateway's thread once the status is sent. ``session`` may be unknown (a 404)."""
+        ...
+
 
 def session_key(run_key: str, session: str) -> str:
     """The API key of ``session``: ``HMAC-SHA256(run_key, session)`` in hex."""
@@ -85,10 +94,12 @@ def _json(content: Any, status: int = 200, headers: Optional[dict[str, str]] = N
 
 class _Guard:
     """ASGI middleware: the key of the path's session (or the run's) before the body is read, then at most
-    ``max_concurrent`` requests at once."""
+    ``max_concurrent`` requests at once; every answer with an error status to a session's request that carried its
+    key is reported to ``refused`` (:meth:`ChatBackend.refused`)."""
 
-    def __init__(self, app: Callable, run_key: str, max_concurrent: int) -> None:
+    def __init__(self, app: Callable, run_key: str, max_concurrent: int, refused: Callable[[str], None]) -> None:
         self.app, self.run_key, self.max_concurrent, self.active = app, run_key, max_concurrent, 0
+        self.refused = refused
 
     async def _refuse(self, send: Callable, status: int, message: str, headers: list) -> None:
         body = _error_body(status, message, kind="authentication_error" if status == 401 else "rate_limit_error")
@@ -96,18 +107,31 @@ class _Guard:
         await send({"type": "http.response.start", "status": status, "headers": raw})
         await send({"type": "http.response.body", "body": body})
 
+    def _reporting(self, send: Callable, session: str) -> Callable:
+        """``send``, reporting an error status of ``session``'s request to :attr:`refused`."""
+
+        async def report(message: dict) -> None:
+            if message["type"] == "http.response.start" and int(message["status"]) >= 400:
+                self.refused(session)
+            await send(message)
+
+        return report
+
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         parts = scope["path"].split("/")
-        expected = session_key(self.run_key, parts[2]) if len(parts) > 2 and parts[1] == "sessions" else self.run_key
+        session = parts[2] if len(parts) > 2 and parts[1] == "sessions" else None
+        expected = self.run_key if session is None else session_key(self.run_key, session)
         header = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"authorization"), "")
         scheme, _, value = header.partition(" ")
         if scheme.lower() != "bearer" or not hmac.compare_digest(value.strip().encode(), expected.encode()):
             await self._refuse(send, 401, "the API key is missing or is not this session's: use the api_key the "
                                "trainer gave the agent", [(b"www-authenticate", b"Bearer")])
-            return
+            return  # not the session's request: its record is unchanged
+        if session is not None:
+            send = self._reporting(send, session)
         if self.active >= self.max_concurrent:
             await self._refuse(send, 429, f"too many concurrent requests (the gateway's limit is "
                                f"{self.max_concurrent}): retry later", [(b"retry-after", b"1")])
@@ -178,7 +202,7 @@ def create_gateway_app(backend: ChatBackend, *, run_key: str, max_body_bytes: in
         return StreamingResponse(_sse(answer, include_usage), media_type="text/event-stream")
 
     app.add_middleware(LimitBody, max_bytes=max_body_bytes, read_timeout_s=read_timeout_s)
-    return _Guard(app, run_key, max_concurrent)
+    return _Guard(app, run_key, max_concurrent, backend.refused)
 
 
 def _require(backend: ChatBackend, session: str) -> None:

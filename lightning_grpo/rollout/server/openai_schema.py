@@ -7,14 +7,16 @@ Only what a token-exact training rollout can honour is accepted with a value tha
 choice. Sampling fields (``temperature``, ``top_p``, ``max_tokens``) are checked against the trainer's sampling by
 the session (:mod:`lightning_grpo.episodes.session`): the trainer scores the distribution it samples, so an agent
 may leave them unset or repeat the trainer's values, and may lower ``max_tokens``. Fields that do not change the
-answer (``user``, ``metadata``, ``store``, ``parallel_tool_calls``, ``return_token_ids``) are accepted.
+answer (``user``, ``metadata``, ``store``, ``parallel_tool_calls``, ``return_token_ids``) are accepted, and so are
+the fields of OpenAI's assistant message that an agent echoing an answer back (``message.model_dump()``) sends empty
+(``refusal``, ``audio``, ``function_call`` null, ``annotations`` null or ``[]``): a value in one of them is refused.
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationInfo, field_validator
 
 
 class GatewayError(Exception):
@@ -62,7 +64,30 @@ class ChatMessage(_Body):
     tool_calls: Optional[list[ToolCallItem]] = None
     tool_call_id: Optional[str] = None
     reasoning_content: Optional[str] = None
+    # Fields of OpenAI's assistant message that an agent echoing an answer back (``message.model_dump()``) sends as
+    # null or empty: accepted then and ignored (compared as absent by the extension rule); a value is refused, since
+    # the gateway's answers never carry one and the chat template cannot render it.
     refusal: Optional[str] = None
+    audio: Optional[dict[str, Any]] = None
+    function_call: Optional[FunctionCall] = None
+    annotations: Optional[list[Any]] = None
+
+    @field_validator("refusal", "audio", "function_call")
+    @classmethod
+    def _null(cls, value: Any, info: ValidationInfo) -> Any:
+        if value is not None:
+            hint = " (the deprecated form of tool_calls: send tool_calls)" if info.field_name == "function_call" else ""
+            raise ValueError(f"must be null{hint}: the gateway's answers never carry {info.field_name} and the chat "
+                             "template cannot render it")
+        return value
+
+    @field_validator("annotations")
+    @classmethod
+    def _empty(cls, value: Optional[list[Any]]) -> Optional[list[Any]]:
+        if value:
+            raise ValueError("must be null or empty: the gateway's answers never carry annotations and the chat "
+                             "template cannot render them")
+        return value
 
     def text(self) -> str:
         """The content as one string ("" for none; text parts joined)."""

@@ -59,8 +59,9 @@ class TensorParallelRolloutEngine(EngineWrapper):
     def sync_weights(self, weights: PolicyWeights) -> None:
         """Push the trained weights into the engine (see the module docstring). A collective over the
         model-parallel group: every rank calls it."""
-        if self.engine.uses_policy_parameters:  # HF generate: it generates with the refreshed HF copy
-            self._sync_hf_model()
+        if self.engine.uses_policy_parameters:  # HF generate: it generates with the HF copy, refreshed when stale
+            if self._any_stale():
+                self._sync_hf_model()
         else:  # every rank's engine reads the gathered stream (the gathers and the probe are collectives)
             self.engine.sync_weights(weights)
 
