@@ -80,7 +80,7 @@ class EngineConfig:
     kv_cache_space_gib: Union[float, Literal["auto"]] = "auto"
     """vLLM on CPU: KV-cache size in GiB (> 0; ``VLLM_CPU_KVCACHE_SPACE``, which an exported variable still
     overrides). "auto": what one rollout's ``prompts_per_step * num_generations`` sequences of ``max_prompt_length +
-    max_new_tokens`` tokens occupy (:mod:`lightning_grpo.rollout.engines.kv_cache`; SmolLM2-135M float32, 16 x 768
+    max_new_tokens`` tokens occupy (:mod:`lightning_grpo.rollout.engines.vllm.kv_cache`; SmolLM2-135M float32, 16 x 768
     tokens: 0.53 GiB), 2 GiB when the datamodule does not say ``prompts_per_step``."""
     enable_sleep_mode: bool = False
     """vLLM: release its GPU memory while training (GPU only)."""

@@ -1,12 +1,13 @@
 """The rollout-engine protocols: token ids in; completions, masks and optional sampler logprobs out.
 
 Every engine (HF ``generate`` in :mod:`lightning_grpo.rollout.engines.hf`, vLLM in
-:mod:`lightning_grpo.rollout.engines.vllm`, the rollout servers' client in :mod:`lightning_grpo.rollout.engines.remote`)
-implements :class:`RolloutEngine`; a user's engine may implement only :class:`CoreRolloutEngine`
-(:func:`lightning_grpo.rollout.adapter.as_rollout_engine` adds the rest). :class:`EngineWrapper` is the base of the
-engines that wrap another (the backends' gathering and tensor-parallel wrappers). The trainer never depends on an
-engine's internals, and an engine never sees the trainer's model: it generates from token ids and is synced with a
-:class:`~lightning_grpo.protocols.weights.PolicyWeights` stream that the trainer's backend produces.
+:mod:`lightning_grpo.rollout.engines.vllm.colocated`, the rollout servers' client in
+:mod:`lightning_grpo.rollout.server.remote`) implements :class:`RolloutEngine`; a user's engine may implement only
+:class:`CoreRolloutEngine` (:func:`lightning_grpo.rollout.adapter.as_rollout_engine` adds the rest).
+:class:`EngineWrapper` is the base of the engines that wrap another (the backends' gathering and tensor-parallel
+wrappers). The trainer never depends on an engine's internals, and an engine never sees the trainer's model: it
+generates from token ids and is synced with a :class:`~lightning_grpo.protocols.weights.PolicyWeights` stream that
+the trainer's backend produces.
 """
 
 from __future__ import annotations

@@ -41,7 +41,7 @@ from lightning_grpo.protocols.sampling import SamplingConfig
 from lightning_grpo.protocols.weights import PolicyWeights
 from lightning_grpo.rollout.adapter import as_rollout_engine, declares_images
 from lightning_grpo.rollout.prompts import TemplatePrompts
-from lightning_grpo.rollout.registry import engine_spec, make_engine
+from lightning_grpo.rollout.registry import EngineSpec, make_engine
 from lightning_grpo.rollout.single_turn import SingleTurnSampler
 from lightning_grpo.strategies.weights import ModuleWeights
 from lightning_grpo.training.metrics import StepTimer
@@ -157,13 +157,13 @@ class RolloutWorker:
         self.engine_name = resolved.engine_name
         if self._own is not None:
             return resolved
-        spec = engine_spec(self.config, resolved.engine_name, model, self.tokenizer, checkpoint, self.stop,
-                           rollout_prompts)
+        spec = EngineSpec(self.config, model, self.tokenizer, checkpoint, self.stop, resolved.engine_name,
+                          rollout_prompts)
         made = make_engine(spec)
         engine = as_rollout_engine(made)
         self._set_own(engine, type(made).__name__)
         self._made = engine
-        return resolved.replace(kv_cache_space_gib=spec.kv_cache_space_gib)
+        return resolved.replace(**spec.resolved)
 
     def attach(self, engine: Optional[RolloutEngine], weights: Optional[PolicyWeights]) -> None:
         """For a stage: the trainer's backend's view of the engine (:attr:`own_engine`, or a wrapper of it) and the

@@ -36,7 +36,7 @@ from lightning_grpo import GRPOConfig, GRPOModule  # noqa: E402
 from lightning_grpo.callbacks import GRPOCallback
 from lightning_grpo.config import CorrectionConfig, EngineConfig, EpisodeConfig  # noqa: E402
 from lightning_grpo.data import PromptDataModule  # noqa: E402
-from lightning_grpo.rollout.engines.vllm import VLLMRolloutEngine  # noqa: E402
+from lightning_grpo.rollout.engines.vllm.colocated import VLLMRolloutEngine  # noqa: E402
 from support.checkpoint_generation import trainer_logprobs  # noqa: E402
 
 pytestmark = pytest.mark.engine

@@ -11,7 +11,7 @@ from lightning_grpo.protocols.engine import RolloutEngine
 from lightning_grpo.protocols.rollout import StopFlag
 from lightning_grpo.rollout.adapter import CoreEngineAdapter, as_rollout_engine
 from lightning_grpo.rollout.engines.hf import HFRolloutEngine
-from lightning_grpo.rollout.registry import EngineSpec, engine_names, engine_spec, make_engine, register_engine
+from lightning_grpo.rollout.registry import EngineSpec, engine_names, make_engine, register_engine
 from lightning_grpo.rollout.worker import RolloutWorker
 from support.algorithm import FixedRolloutEngine, Recorder, fixed_completions, quiet_trainer, write_prompts
 from support.engines import RecordingEngine, weights_of
@@ -69,14 +69,15 @@ def test_a_registered_engine_is_made_from_its_name(tiny_llama_path, monkeypatch)
     assert isinstance(module.rollout_engine, CoreEngineAdapter) and isinstance(module.rollout_engine.engine, CoreOnly)
     (spec,) = made
     assert spec.model is module.policy and spec.checkpoint() == tiny_llama_path and spec.stop is module.rollout.stop
-    assert spec.name == "mine" and spec.kv_cache_space_gib is None  # no KV cache to size
+    assert spec.name == "mine" and spec.resolved == {}  # nothing resolved by the factory (no KV cache to size)
+    assert module.resolved.kv_cache_space_gib is None
     assert module.rollout.engine_version == -1  # its own weights: synced before the first rollout
 
 
 def test_the_hf_engine_declares_itself(tiny_llama_path):
     module = GRPOModule(tiny_llama_path)
-    engine = make_engine(engine_spec(module.config, "hf", module.hf_model, module.tokenizer, lambda: tiny_llama_path,
-                                     StopFlag()))
+    engine = make_engine(EngineSpec(module.config, module.hf_model, module.tokenizer, lambda: tiny_llama_path,
+                                    StopFlag(), "hf"))
     assert isinstance(engine, HFRolloutEngine) and isinstance(engine, RolloutEngine)
     assert (engine.uses_policy_parameters, engine.seeds_per_request) == (True, False)
     assert as_rollout_engine(engine) is engine  # a full engine is not wrapped

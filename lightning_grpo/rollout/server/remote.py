@@ -5,8 +5,8 @@
   instance (each prompt's G completions come from one instance: whole groups), sent in parallel and put back in
   prompt order. Per-request seeds are the colocated engine's (``sampling.seed + i * G`` for the prompt at index
   ``i`` of the whole call), so the completions do not depend on how the prompts were split. The sampler logprobs
-  are the server engine's processed logprobs (:mod:`lightning_grpo.rollout.engines.vllm`). Each rollout carries the
-  version of the weights that produced it (``RolloutOutput.weight_version``).
+  are the server engine's processed logprobs (:mod:`lightning_grpo.rollout.engines.vllm.colocated`). Each rollout
+  carries the version of the weights that produced it (``RolloutOutput.weight_version``).
 * **Weight sync** (:meth:`VLLMServerEngine.sync_weights`, every ``engine.sync_every`` optimizer steps): the
   trainer's global rank 0 streams the policy's weights as the backend gives them
   (:class:`~lightning_grpo.protocols.weights.PolicyWeights`: FSDP full tensors gathered one at a time, LoRA merged,
@@ -174,7 +174,8 @@ class VLLMServerEngine:
         collapsed; the servers' expansion must give back ``prompt_ids``.
 
         Returns:
-            As :meth:`lightning_grpo.rollout.engines.vllm.VLLMRolloutEngine.generate`, with ``weight_version`` set.
+            As :meth:`lightning_grpo.rollout.engines.vllm.colocated.VLLMRolloutEngine.generate`, with
+            ``weight_version`` set.
 
         Raises:
             ValueError: bad prompts (as the colocated engine); images for servers without images, or an expansion
