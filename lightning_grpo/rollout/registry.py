@@ -4,10 +4,10 @@ Adding an engine (SGLang, say) is a file in :mod:`lightning_grpo.rollout.engines
 ``make(spec: EngineSpec) -> RolloutEngine`` plus a line in :data:`BUILTIN_ENGINES` (or, from user code, one call of
 :func:`register_engine`). Nothing outside the engine's own file and this registry asks which engine it is: the
 rest of the package reads the engine's declared capabilities (:class:`~lightning_grpo.protocols.engine.RolloutEngine`'s
-``uses_policy_parameters`` and ``seeds_per_request``). Built-in factories are imported on first use, so
-``import lightning_grpo`` never imports vLLM. The registry resolves the engine's name ("auto":
-:func:`resolve_engine_name`); an engine's own "auto" settings are its factory's to resolve (the vLLM factory sizes
-its KV cache), which it records in :attr:`EngineSpec.resolved` for the run's
+``capabilities``, an :class:`~lightning_grpo.protocols.engine.EngineCapabilities` record). Built-in factories are
+imported on first use, so ``import lightning_grpo`` never imports vLLM. The registry resolves the engine's name
+("auto": :func:`resolve_engine_name`); an engine's own "auto" settings are its factory's to resolve (the vLLM factory
+sizes its KV cache), which it records in :attr:`EngineSpec.resolved` for the run's
 :class:`~lightning_grpo.config.ResolvedConfig`.
 """
 

@@ -127,7 +127,7 @@ class RolloutWorker:
         self._accepts_images = engine is not None and declares_images(engine)
         self._engine_type = name or type(engine).__name__  # the engine as given, not its adapter
         self._own = self._engine = engine
-        if engine is not None and not engine.uses_policy_parameters:
+        if engine is not None and not engine.capabilities.uses_policy_parameters:
             self.engine_version = -1
 
     @property
@@ -202,7 +202,7 @@ class RolloutWorker:
         self.weights_version = int(state["weights_version"])
 
     def _check_capabilities(self, engine: RolloutEngine) -> None:
-        if self.config.max_staleness > 0 and engine.uses_policy_parameters:
+        if self.config.max_staleness > 0 and engine.capabilities.uses_policy_parameters:
             raise ValueError(
                 f"GRPOConfig.max_staleness={self.config.max_staleness} needs a rollout engine with its own copy of "
                 f"the weights (engine.name='vllm' or 'vllm_server'): engine.name={self.engine_name!r} "

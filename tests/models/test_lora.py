@@ -27,6 +27,7 @@ from lightning_grpo.data import PromptDataModule
 from lightning_grpo.models.hf_weights import hf_weights, merged_state_dict
 from lightning_grpo.models.loading import load_policy
 from lightning_grpo.models.lora import AdapterDisabledReference, LoraSettings, as_lora_config, check_quantized_engine
+from lightning_grpo.protocols.engine import EngineCapabilities
 from lightning_grpo.protocols.rollout import StopFlag
 from lightning_grpo.protocols.sampling import SamplingConfig
 from lightning_grpo.rollout.adapter import as_rollout_engine
@@ -273,7 +274,7 @@ def test_quantization_needs_cuda_and_lora(tiny_llama_path):
                        "export_merged=False"):
         GRPOModule(tiny_llama_path, lora=lora, quantization="4bit", export_merged=True)
     class OwnWeights(FixedRolloutEngine):
-        uses_policy_parameters = False  # as vLLM's engines declare
+        capabilities = EngineCapabilities()  # its own weights, as vLLM's engines declare
 
     quantized = LoraSettings(lora, quantization_config=object())  # what lora_settings returns for a quantized base
     check_quantized_engine(quantized, HFRolloutEngine(AutoModelForCausalLM.from_pretrained(tiny_llama_path),

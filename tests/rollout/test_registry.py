@@ -7,7 +7,7 @@ import torch
 import lightning_grpo.rollout.registry as registry
 from lightning_grpo import EngineConfig, GRPOConfig, GRPOModule
 from lightning_grpo.data import PromptDataModule
-from lightning_grpo.protocols.engine import RolloutEngine
+from lightning_grpo.protocols.engine import EngineCapabilities, RolloutEngine
 from lightning_grpo.protocols.rollout import StopFlag
 from lightning_grpo.rollout.adapter import CoreEngineAdapter, as_rollout_engine
 from lightning_grpo.rollout.engines.hf import HFRolloutEngine
@@ -79,7 +79,8 @@ def test_the_hf_engine_declares_itself(tiny_llama_path):
     engine = make_engine(EngineSpec(module.config, module.hf_model, module.tokenizer, lambda: tiny_llama_path,
                                     StopFlag(), "hf"))
     assert isinstance(engine, HFRolloutEngine) and isinstance(engine, RolloutEngine)
-    assert (engine.uses_policy_parameters, engine.seeds_per_request) == (True, False)
+    assert engine.capabilities == EngineCapabilities(uses_policy_parameters=True, seeds_per_request=False,
+                                                     sync_is_collective=False)
     assert as_rollout_engine(engine) is engine  # a full engine is not wrapped
     engine.set_lockstep(True)
     assert engine.synced_gpus is True
@@ -228,8 +229,9 @@ def test_a_core_only_engine_that_declares_uses_policy_parameters_trains_as_one(t
     with caplog.at_level("INFO", logger="lightning_grpo.rollout.adapter"):
         module.rollout_engine = user
     adapter = module.rollout_engine
-    assert isinstance(adapter, CoreEngineAdapter) and adapter.uses_policy_parameters is True
-    assert (adapter.seeds_per_request, adapter.sync_is_collective) == (False, False)
+    assert isinstance(adapter, CoreEngineAdapter)
+    assert adapter.capabilities == EngineCapabilities(uses_policy_parameters=True, seeds_per_request=False,
+                                                      sync_is_collective=False)
     defaults = [r.getMessage() for r in caplog.records]
     assert defaults == ["rollout engine DeclaresPolicyParameters declares no seeds_per_request, sync_is_collective: "
                         "taking seeds_per_request=False, sync_is_collective=False (RolloutEngine's defaults)"]
@@ -267,3 +269,26 @@ def test_an_engine_declaring_every_member_is_not_wrapped_and_lifecycle_methods_a
     assert sleeper.calls == [("sleep", 2), ("close",)]
     assert isinstance(adapter, CoreEngineAdapter) and as_rollout_engine(RecordingEngine(torch.zeros(1, 1), 0)) \
         is not None
+
+
+def test_a_user_engine_may_declare_its_capabilities_as_one_record_but_not_twice(caplog):
+    """A user engine's ``capabilities`` record is taken as it is (nothing defaulted, nothing logged); with every
+    lifecycle method too it is a full engine and is not wrapped. Declaring the record and a capability one by one is
+    an error naming both."""
+    class Record(CoreOnly):
+        capabilities = EngineCapabilities(seeds_per_request=True, sync_is_collective=True)
+
+    with caplog.at_level("INFO", logger="lightning_grpo.rollout.adapter"):
+        adapter = as_rollout_engine(Record(torch.zeros(1, 1, dtype=torch.long), 0))
+    assert isinstance(adapter, CoreEngineAdapter) and caplog.records == []
+    assert adapter.capabilities == EngineCapabilities(uses_policy_parameters=False, seeds_per_request=True,
+                                                      sync_is_collective=True)
+    full = RecordingEngine(torch.zeros(1, 1, dtype=torch.long), 0)  # every member, its capabilities as a record
+    assert as_rollout_engine(full) is full
+
+    class Both(Record):
+        uses_policy_parameters = True
+
+    with pytest.raises(TypeError, match="^Both declares capabilities and also uses_policy_parameters: declare them in "
+                                        "one place"):
+        as_rollout_engine(Both(torch.zeros(1, 1, dtype=torch.long), 0))

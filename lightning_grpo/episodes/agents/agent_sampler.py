@@ -212,7 +212,8 @@ class AgentSampler:
                 threading.Thread(target=self._agent, args=(run, k, gateway.base_url(ids[k]),
                                                            gateway.session_key(ids[k]), dict(rows[k // g])),
                                  name=f"agent-{k}", daemon=True).start()
-            self._serve(run, engine, sampling, prompt_ids, any_process if engine.uses_policy_parameters else None)
+            lockstep = engine.capabilities.uses_policy_parameters  # HF under FSDP: the processes agree on the calls
+            self._serve(run, engine, sampling, prompt_ids, any_process if lockstep else None)
         except BaseException as err:
             run.batcher.fail_all(GatewayError(503, f"the rollout stopped: {describe(err)}", kind="server_error"))
             raise

@@ -55,6 +55,7 @@ from typing import Any, Optional, Sequence
 import torch
 from transformers import AutoTokenizer, GenerationConfig
 
+from lightning_grpo.protocols.engine import EngineCapabilities
 from lightning_grpo.protocols.images import RowImages
 from lightning_grpo.protocols.multimodal import has_images
 from lightning_grpo.protocols.rollout import RolloutOutput, StopFlag, eos_token_ids_from
@@ -107,6 +108,10 @@ class VLLMRolloutEngine:
         ValueError: if ``model_path`` has no ``config.json`` or an option is out of range.
         ImportError: if vLLM is not installed.
     """
+
+    #: It holds its own copy of the weights (updated by :meth:`sync_weights` on each process) and samples every
+    #: completion with its own seed (see the module docstring).
+    capabilities = EngineCapabilities(seeds_per_request=True)
 
     def __init__(
         self,
@@ -188,21 +193,6 @@ class VLLMRolloutEngine:
         self.vision = vision_spec(model_config.hf_config)  # images in prompts (docs/vision.md)
         self.max_model_len = int(model_config.max_model_len)
         self.tie_word_embeddings = bool(getattr(model_config.hf_text_config, "tie_word_embeddings", False))
-
-    @property
-    def uses_policy_parameters(self) -> bool:
-        """False: the engine holds its own copy of the weights, updated by :meth:`sync_weights`."""
-        return False
-
-    @property
-    def seeds_per_request(self) -> bool:
-        """True: every completion is sampled with its own seed (see the module docstring)."""
-        return True
-
-    @property
-    def sync_is_collective(self) -> bool:
-        """False: each process's engine gets its own copy."""
-        return False
 
     def set_lockstep(self, enabled: bool) -> None:
         """Nothing to do: the engine's forward passes are its own."""
