@@ -58,9 +58,10 @@ def parse_server_url(url: object) -> tuple[str, str, int]:
 class EngineConfig:
     """Settings of the rollout engine (``GRPOConfig.engine``; ``--model.config.engine.<field>`` on the command line).
 
-    Engines are looked up by ``name`` in :data:`lightning_grpo.rollout.registry.ENGINES` when the module is built;
-    every field a given engine does not use is ignored by it (the server fields by colocated engines, the vLLM
-    memory fields by the HF engine and the servers, which set their own when started).
+    Engines are looked up by ``name`` in :data:`lightning_grpo.rollout.registry.BUILTIN_ENGINES` (or those added with
+    :func:`~lightning_grpo.rollout.registry.register_engine`) when the module is built; every field a given engine
+    does not use is ignored by it (the server fields by colocated engines, the vLLM memory fields by the HF engine and
+    the servers, which set their own when started).
 
     Raises:
         ValueError: on construction, a field out of range or not finite (the field and value are named).
