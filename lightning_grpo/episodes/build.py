@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any, Optional, Sequence, Union
 
 from lightning_grpo.config import GRPOConfig
-from lightning_grpo.episodes.agent import AgentFn, AgentRollout, AgentSampler
+from lightning_grpo.episodes.agents.agent_sampler import AgentFn, AgentRollout, AgentSampler
 from lightning_grpo.episodes.chat import ChatFormat
 from lightning_grpo.episodes.environment import EnvironmentFactory, ToolEnvironment
 from lightning_grpo.episodes.parsers import HermesToolCallParser, ToolCallParser
@@ -67,8 +67,8 @@ class RolloutPath:
 
 def agent_sampler(config: GRPOConfig, tokenizer: Any, eos_token_ids: Sequence[int],
                   agent: Union[AgentFn, AgentRollout], stop: StopFlag) -> AgentSampler:
-    """The :class:`~lightning_grpo.episodes.agent.AgentSampler` of ``GRPOModule(agent=...)`` (a plain function gets
-    :class:`AgentRollout`'s defaults), limited by ``config.episode`` and ``config.max_prompt_length``."""
+    """The :class:`~lightning_grpo.episodes.agents.agent_sampler.AgentSampler` of ``GRPOModule(agent=...)`` (a plain
+    function gets :class:`AgentRollout`'s defaults), limited by ``config.episode`` and ``config.max_prompt_length``."""
     settings = agent if isinstance(agent, AgentRollout) else AgentRollout(agent)
     return AgentSampler(settings, tokenizer, eos_token_ids, max_turns=config.episode.max_turns,
                         max_tokens=config.episode.max_tokens, max_prompt_length=config.max_prompt_length, stop=stop)

@@ -158,7 +158,7 @@ class EpisodeRunner:
             raise ValueError(f"{len(rows)} dataset rows for {b} prompts: one row per prompt")
         episodes: list[_Episode] = []
         reported: list[bool] = []  # whether each turn's engine call reported sampler logprobs
-        lockstep = any_process is not None and engine.uses_policy_parameters
+        lockstep = any_process is not None and engine.capabilities.uses_policy_parameters
         try:
             for k in range(b * g):
                 episodes.append(_Episode([int(t) for t in prompt_ids[k // g]], self._environment(k, rows[k // g]),

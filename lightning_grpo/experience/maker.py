@@ -405,7 +405,7 @@ class ExperienceMaker:
         """A base for per-request seeds (engines that ``seeds_per_request``: vLLM, colocated or served), drawn from
         torch's global generator (restored on resume), offset by ``rank * 2**32`` (disjoint per process); None for an
         engine that samples from that generator itself (HF)."""
-        if not self.rollout.require_engine().seeds_per_request:
+        if not self.rollout.require_engine().capabilities.seeds_per_request:
             return None
         return int(torch.randint(0, 2**31 - 1, (1,)).item()) + self.context.rank * 2**32
 

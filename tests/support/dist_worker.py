@@ -472,7 +472,7 @@ def agents_run(cfg: dict) -> None:
     """2 GRPO steps of :func:`rank_agent`'s episodes (HF engine) under ``cfg["strategy"]``: each rank saves its
     global step, its episodes' model calls per rollout, the logged ``turns/max`` and its gateways' addresses."""
     from lightning_grpo.config import EpisodeConfig
-    from lightning_grpo.rollout.server import gateway
+    from lightning_grpo.episodes.agents import gateway
 
     out = cfg["out"]
     data = _index_prompts(out, 8)

@@ -107,13 +107,14 @@ NAMED: dict[tuple[str, str], tuple[bool, str]] = {
         (False, "an HF model's generation config"),
     ("lightning_grpo/episodes/build.py", "getattr(policy, 'generation_config', None)"):
         (False, "an HF model's generation config"),
-    ("lightning_grpo/rollout/engines/vllm.py", "getattr(model_config.hf_text_config, 'tie_word_embeddings', False)"):
+    ("lightning_grpo/rollout/engines/vllm/colocated.py",
+     "getattr(model_config.hf_text_config, 'tie_word_embeddings', False)"):
         (False, "vLLM's model config"),
     ("lightning_grpo/strategies/megatron/model.py", "getattr(config, 'tie_word_embeddings', False)"):
         (False, "an HF config"),
     ("lightning_grpo/strategies/megatron/model.py", "getattr(config, 'pad_token_id', None)"): (False, "an HF config"),
     ("lightning_grpo/strategies/megatron/model.py", "getattr(config, 'head_dim', None)"): (False, "an HF config"),
-    ("lightning_grpo/rollout/engines/kv_cache.py", "getattr(text, 'head_dim', None)"): (False, "an HF config"),
+    ("lightning_grpo/rollout/engines/vllm/kv_cache.py", "getattr(text, 'head_dim', None)"): (False, "an HF config"),
     ("lightning_grpo/strategies/base.py", "getattr(gradient_clip_algorithm, 'value', gradient_clip_algorithm)"):
         (False, "Lightning's GradClipAlgorithmType enum value (a user setting)"),
     ("lightning_grpo/rollout/server/vllm_extension.py", "getattr(self, 'rank', 0)"): (False, "vLLM worker's rank"),

@@ -1,6 +1,6 @@
 """Rollouts with transformers' ``generate`` on the policy itself (sampling, left padding, KV cache).
 
-What is sampled is :func:`lightning_grpo.functional.sampling_logits` of the policy's logits and nothing else:
+What is sampled is :func:`lightning_grpo.protocols.sampling.sampling_logits` of the policy's logits and nothing else:
 
 * ``generate`` fills every field a ``GenerationConfig`` leaves unset (None) from ``model.generation_config``, the
   checkpoint's ``generation_config.json``, and turns many of them into logits processors (repetition penalty,
@@ -27,7 +27,7 @@ from transformers import (
     StoppingCriteria,
 )
 
-from lightning_grpo.functional import sampling_logits
+from lightning_grpo.protocols.engine import EngineCapabilities
 from lightning_grpo.protocols.images import RowImages
 from lightning_grpo.protocols.rollout import (
     RolloutInterrupted,
@@ -38,7 +38,7 @@ from lightning_grpo.protocols.rollout import (
     finish_rollout,
     left_pad,
 )
-from lightning_grpo.protocols.sampling import SamplingConfig
+from lightning_grpo.protocols.sampling import SamplingConfig, sampling_logits
 from lightning_grpo.protocols.vision import VisionSpec, vision_spec
 from lightning_grpo.protocols.weights import PolicyWeights
 from lightning_grpo.rollout.engines.multimodal import ImageRows
@@ -61,8 +61,8 @@ def neutral_generation_config(model_config: Optional[GenerationConfig], **fields
 
 
 class SamplingProcessor(LogitsProcessor):
-    """Replaces the scores by :func:`lightning_grpo.functional.sampling_logits` (temperature, min-p, top-k, top-p;
-    greedy: the raw logits). It is the last processor of the list, so with ``record=True`` the log-softmax of its
+    """Replaces the scores by :func:`lightning_grpo.protocols.sampling.sampling_logits` (temperature, min-p, top-k,
+    top-p; greedy: the raw logits). It is the last processor of the list, so with ``record=True`` the log-softmax of its
     output is the log-probability of the distribution ``generate`` samples (or takes the argmax) from: the
     logprob of each token is read at the next call, when the token has been appended to ``input_ids``.
 
@@ -107,7 +107,7 @@ class HFRolloutEngine:
     """Generates with the policy module itself, so it always uses the current weights (``sync_weights`` is a
     no-op). The model is put in eval mode for the rollout and restored afterwards; no gradients are kept.
 
-    Sampling draws from :func:`lightning_grpo.functional.sampling_logits` (``softmax(logits / temperature)``
+    Sampling draws from :func:`lightning_grpo.protocols.sampling.sampling_logits` (``softmax(logits / temperature)``
     renormalized over what min-p / top-k / top-p keep) and nothing else: the checkpoint's generation config is
     neutralized (see the module docstring), so the trainer's logprobs with the same settings describe exactly the
     sampled distribution.
@@ -121,6 +121,9 @@ class HFRolloutEngine:
         vision: a vision-language policy's image facts (:func:`lightning_grpo.protocols.vision.vision_spec`): prompts
             may then have images (``generate(..., images=...)``, :mod:`lightning_grpo.rollout.engines.multimodal`).
     """
+
+    #: It generates with the trained module itself; sampling draws from torch's global generator; nothing to sync.
+    capabilities = EngineCapabilities(uses_policy_parameters=True)
 
     def __init__(
         self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, report_logprobs: bool = False,
@@ -137,24 +140,9 @@ class HFRolloutEngine:
         self.synced_gpus: Optional[bool] = None  # None: transformers decides (DeepSpeed ZeRO-3 / FSDP2 modules)
 
     @property
-    def uses_policy_parameters(self) -> bool:
-        """True: ``generate`` runs on the trained module."""
-        return True
-
-    @property
     def accepts_images(self) -> bool:
         """Whether the policy is a vision-language model (prompts may have images)."""
         return self.vision is not None
-
-    @property
-    def seeds_per_request(self) -> bool:
-        """False: sampling draws from torch's global generator."""
-        return False
-
-    @property
-    def sync_is_collective(self) -> bool:
-        """False: nothing to sync."""
-        return False
 
     def set_lockstep(self, enabled: bool) -> None:
         """``generate(synced_gpus=True)`` when enabled (FSDP1 with nested units: every forward is a collective)."""

@@ -35,7 +35,7 @@ from support.dist import free_port
 from support.rollout_server import raw_request
 
 SECRET = "0123456789abcdef0123456789abcdef"
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 GENERATE = {"prompts": [[1, 2], [3]], "num_generations": 2, "sampling": {"max_new_tokens": 4}}
 ENDPOINTS = [("GET", "/health", None), ("POST", "/generate", GENERATE), ("POST", "/probe_logprobs",
              {"sequences": [[1, 2]]}), ("POST", "/init_weight_sync", {"host": "127.0.0.1", "port": 1, "prefix": "p",

@@ -6,13 +6,13 @@ an OpenAI client pointed at ``base_url`` with ``api_key`` (the OpenAI Agents SDK
 number: the ``env_reward`` column, as an environment's), else the reward functions score the final answer
 (``completions``: the content of the episode's last model call) and the ``transcript``.
 
-Each rollout (training, asynchronous prefetch, evaluation) starts a gateway (:mod:`lightning_grpo.rollout.server.
+Each rollout (training, asynchronous prefetch, evaluation) starts a gateway (:mod:`lightning_grpo.episodes.agents.
 gateway`, on 127.0.0.1, a new key per rollout) with one session per episode, G per prompt, runs the ``B * G`` agents
 at once (each on a thread of its own; an ``async def`` agent in its own event loop there), and batches their
-concurrent calls into ``engine.generate`` calls (:mod:`lightning_grpo.episodes.batcher`) on the rollout's thread, the
-one that owns the engine, as the turn loop does; the gateway stops when every agent is done. The sessions own the
-tokenization (:mod:`lightning_grpo.episodes.session`); each episode becomes one training row
-(:mod:`lightning_grpo.episodes.agent_output`).
+concurrent calls into ``engine.generate`` calls (:mod:`lightning_grpo.episodes.agents.batcher`) on the rollout's
+thread, the one that owns the engine, as the turn loop does; the gateway stops when every agent is done. The
+sessions own the tokenization (:mod:`lightning_grpo.episodes.agents.session`); each episode becomes one training row
+(:mod:`lightning_grpo.episodes.agents.output`).
 
 An agent that raises (any exception, ``SystemExit`` included) or runs past ``timeout_s`` (its own time: the time its
 calls wait for the engine does not count) never stops the trainer: its
@@ -31,17 +31,17 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Literal, Mapping, Optional, Sequence
 
-from lightning_grpo.episodes.agent_output import agent_output, describe, reward_value
-from lightning_grpo.episodes.answer import ReasoningTags
-from lightning_grpo.episodes.batcher import CallBatcher, PendingCall
+from lightning_grpo.episodes.agents.answer import ReasoningTags
+from lightning_grpo.episodes.agents.batcher import CallBatcher, PendingCall
+from lightning_grpo.episodes.agents.openai_schema import ChatCompletionRequest, GatewayError
+from lightning_grpo.episodes.agents.output import agent_output, describe, reward_value
+from lightning_grpo.episodes.agents.session import AgentSession, SessionRenderer
 from lightning_grpo.episodes.parsers import AnswerParser, HermesToolCallParser
-from lightning_grpo.episodes.session import AgentSession, SessionRenderer
 from lightning_grpo.protocols.engine import RolloutEngine
 from lightning_grpo.protocols.rollout import RolloutInterrupted, RolloutOutput, StopFlag
 from lightning_grpo.protocols.sampler import AnyProcess
 from lightning_grpo.protocols.sampling import SamplingConfig
 from lightning_grpo.rollout.prompts import TemplatePrompts
-from lightning_grpo.rollout.server.openai_schema import ChatCompletionRequest, GatewayError
 
 #: An agent: ``fn(base_url, api_key, row) -> reward or None`` (or an ``async def`` returning one).
 AgentFn = Callable[[str, str, dict], Any]
@@ -61,7 +61,7 @@ class AgentRollout:
             its group's statistics).
         history: ``"keep"`` (append new messages to the sampled ids; past reasoning stays as sampled) or ``"strip"``
             (render each call as the chat template does, which drops past reasoning where it does; a call whose
-            rendering does not extend the sample starts a new one): :mod:`lightning_grpo.episodes.session`.
+            rendering does not extend the sample starts a new one): :mod:`lightning_grpo.episodes.agents.session`.
         reasoning_tags: the tags around reasoning, split into ``reasoning_content`` before tool calls are parsed;
             None: no reasoning split.
         tool_parser: the model's tool-call format (:class:`~lightning_grpo.episodes.parsers.AnswerParser`);
@@ -105,7 +105,7 @@ class AgentRollout:
 @dataclass
 class _Run:
     """One rollout's sessions while it runs: the gateway's
-    :class:`~lightning_grpo.rollout.server.gateway.ChatBackend` for that rollout."""
+    :class:`~lightning_grpo.episodes.agents.gateway.ChatBackend` for that rollout."""
 
     sessions: dict[str, AgentSession]
     order: list[AgentSession]
@@ -209,7 +209,7 @@ class AgentSampler:
         now = time.monotonic()
         run = _Run(dict(zip(ids, order, strict=True)), order, CallBatcher(range(n), self.agent.batch_window_s),
                    sampling, [now + self.agent.timeout_s] * n, self.model_name)
-        from lightning_grpo.rollout.server.gateway import Gateway  # FastAPI and uvicorn, imported when used
+        from lightning_grpo.episodes.agents.gateway import Gateway  # FastAPI and uvicorn, imported when used
 
         gateway = Gateway(run, max_body_bytes=int(self.agent.max_body_mib * 2**20),
                           max_concurrent=self.agent.max_concurrent_requests or 2 * n + 16).start()
@@ -218,7 +218,8 @@ class AgentSampler:
                 threading.Thread(target=self._agent, args=(run, k, gateway.base_url(ids[k]),
                                                            gateway.session_key(ids[k]), dict(rows[k // g])),
                                  name=f"agent-{k}", daemon=True).start()
-            self._serve(run, engine, sampling, prompt_ids, any_process if engine.uses_policy_parameters else None)
+            lockstep = engine.capabilities.uses_policy_parameters  # HF under FSDP: the processes agree on the calls
+            self._serve(run, engine, sampling, prompt_ids, any_process if lockstep else None)
         except BaseException as err:
             run.batcher.fail_all(GatewayError(503, f"the rollout stopped: {describe(err)}", kind="server_error"))
             raise

@@ -10,8 +10,8 @@ import httpx
 import openai
 import pytest
 
-from lightning_grpo.rollout.server.gateway import Gateway, session_key
-from lightning_grpo.rollout.server.openai_schema import ChatCompletionRequest, GatewayError
+from lightning_grpo.episodes.agents.gateway import Gateway, session_key
+from lightning_grpo.episodes.agents.openai_schema import ChatCompletionRequest, GatewayError
 
 
 class Sessions:

@@ -5,8 +5,8 @@
   instance (each prompt's G completions come from one instance: whole groups), sent in parallel and put back in
   prompt order. Per-request seeds are the colocated engine's (``sampling.seed + i * G`` for the prompt at index
   ``i`` of the whole call), so the completions do not depend on how the prompts were split. The sampler logprobs
-  are the server engine's processed logprobs (:mod:`lightning_grpo.rollout.engines.vllm`). Each rollout carries the
-  version of the weights that produced it (``RolloutOutput.weight_version``).
+  are the server engine's processed logprobs (:mod:`lightning_grpo.rollout.engines.vllm.colocated`). Each rollout
+  carries the version of the weights that produced it (``RolloutOutput.weight_version``).
 * **Weight sync** (:meth:`VLLMServerEngine.sync_weights`, every ``engine.sync_every`` optimizer steps): the
   trainer's global rank 0 streams the policy's weights as the backend gives them
   (:class:`~lightning_grpo.protocols.weights.PolicyWeights`: FSDP full tensors gathered one at a time, LoRA merged,
@@ -46,6 +46,7 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from lightning_grpo.protocols.engine import EngineCapabilities
 from lightning_grpo.protocols.images import RowImages
 from lightning_grpo.protocols.multimodal import has_images
 from lightning_grpo.protocols.rollout import RolloutOutput, StopFlag
@@ -104,6 +105,10 @@ class VLLMServerEngine:
         RolloutServerError: an instance does not answer within ``timeout_s`` or refuses the secret.
     """
 
+    #: The servers hold their own copy of the weights and sample every completion with its own seed; every trainer
+    #: process calls :meth:`sync_weights` (global rank 0 streams, the others wait).
+    capabilities = EngineCapabilities(seeds_per_request=True, sync_is_collective=True)
+
     def __init__(self, urls: Sequence[str], tokenizer: Any, *, timeout_s: float = 600.0,
                  group_host: Optional[str] = None, group_port: int = 51216,
                  weight_sync_check: Optional[float] = None, secret: Optional[str] = None,
@@ -144,21 +149,6 @@ class VLLMServerEngine:
                 self._init_group(inst, inst_info, deadline)
 
     # ------------------------------------------------------------------ generation
-    @property
-    def uses_policy_parameters(self) -> bool:
-        """False: the servers hold their own copy of the weights, updated by :meth:`sync_weights`."""
-        return False
-
-    @property
-    def seeds_per_request(self) -> bool:
-        """True: the servers sample every completion with its own seed."""
-        return True
-
-    @property
-    def sync_is_collective(self) -> bool:
-        """True: every trainer process calls :meth:`sync_weights` (global rank 0 streams, the others wait)."""
-        return True
-
     def set_lockstep(self, enabled: bool) -> None:
         """Nothing to do: the servers' forward passes are their own."""
 
@@ -174,7 +164,8 @@ class VLLMServerEngine:
         collapsed; the servers' expansion must give back ``prompt_ids``.
 
         Returns:
-            As :meth:`lightning_grpo.rollout.engines.vllm.VLLMRolloutEngine.generate`, with ``weight_version`` set.
+            As :meth:`lightning_grpo.rollout.engines.vllm.colocated.VLLMRolloutEngine.generate`, with
+            ``weight_version`` set.
 
         Raises:
             ValueError: bad prompts (as the colocated engine); images for servers without images, or an expansion

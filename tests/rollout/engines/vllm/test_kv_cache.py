@@ -7,7 +7,7 @@ import pytest
 from transformers import AutoConfig
 
 from lightning_grpo import EngineConfig, GRPOConfig
-from lightning_grpo.rollout.engines.kv_cache import kv_bytes_per_token, kv_cache_space_gib, rollout_kv_cache_bytes
+from lightning_grpo.rollout.engines.vllm.kv_cache import kv_bytes_per_token, kv_cache_space_gib, rollout_kv_cache_bytes
 
 
 def test_smollm2_kv_cache_golden(smollm2_path):
@@ -36,7 +36,7 @@ def test_config_checks_the_kv_cache_size():
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed")
 def test_vllm_generates_with_an_auto_sized_fractional_cache(tiny_llama_path):
     from lightning_grpo.protocols.sampling import SamplingConfig
-    from lightning_grpo.rollout.engines.vllm import VLLMRolloutEngine
+    from lightning_grpo.rollout.engines.vllm.colocated import VLLMRolloutEngine
 
     config = AutoConfig.from_pretrained(tiny_llama_path)
     gib = rollout_kv_cache_bytes(config, 4, 4, 64 + 16) / 2**30  # 4 sequences of 80 tokens: 0.25 MiB

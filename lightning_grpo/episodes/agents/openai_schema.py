@@ -5,7 +5,7 @@ unknown fields refused, so a bad body is an HTTP 400 naming the field (``body.me
 Only what a token-exact training rollout can honour is accepted with a value that changes the answer: text content
 (a list of ``{"type": "text"}`` parts is joined), function tools, ``tool_choice`` ``"auto"`` / ``"none"``, one
 choice. Sampling fields (``temperature``, ``top_p``, ``max_tokens``) are checked against the trainer's sampling by
-the session (:mod:`lightning_grpo.episodes.session`): the trainer scores the distribution it samples, so an agent
+the session (:mod:`lightning_grpo.episodes.agents.session`): the trainer scores the distribution it samples, so an agent
 may leave them unset or repeat the trainer's values, and may lower ``max_tokens``. Fields that do not change the
 answer (``user``, ``metadata``, ``store``, ``parallel_tool_calls``, ``return_token_ids``) are accepted, and so are
 the fields of OpenAI's assistant message that an agent echoing an answer back (``message.model_dump()``) sends empty

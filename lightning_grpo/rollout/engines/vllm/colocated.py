@@ -42,7 +42,7 @@ Side effects on this process (CPU build): vLLM binds its memory to NUMA node 0, 
 ``torch.set_num_threads`` with a no-op while an engine lives (restored by :meth:`VLLMRolloutEngine.close`)
 and re-seeds the global generators at construction; when no ``torch.distributed`` default group exists, its worker
 makes one (world size 1), which the last engine's :meth:`~VLLMRolloutEngine.close` destroys again; a group the caller
-made is kept (:mod:`~lightning_grpo.rollout.engines.vllm_groups`). Several engines can live in one process.
+made is kept (:mod:`~lightning_grpo.rollout.engines.vllm.process_groups`). Several engines can live in one process.
 """
 
 from __future__ import annotations
@@ -55,6 +55,7 @@ from typing import Any, Optional, Sequence
 import torch
 from transformers import AutoTokenizer, GenerationConfig
 
+from lightning_grpo.protocols.engine import EngineCapabilities
 from lightning_grpo.protocols.images import RowImages
 from lightning_grpo.protocols.multimodal import has_images
 from lightning_grpo.protocols.rollout import RolloutOutput, StopFlag, eos_token_ids_from
@@ -64,8 +65,9 @@ from lightning_grpo.protocols.weights import PolicyWeights, check_tied_engine
 from lightning_grpo.rollout.engines.multimodal import bad_words, check_expansions, vllm_prompt
 from lightning_grpo.rollout.engines.probe import WeightSyncCheckError, probe_batch
 from lightning_grpo.rollout.engines.rows import check_prompts, request_seeds, rollout_from_rows
-from lightning_grpo.rollout.engines.vllm_groups import GroupLease
-from lightning_grpo.rollout.engines.vllm_runtime import abort_between_steps, import_vllm, model_max_len, vllm_on_cpu
+from lightning_grpo.rollout.engines.vllm.kv_cache import kv_cache_space_gib
+from lightning_grpo.rollout.engines.vllm.process_groups import GroupLease
+from lightning_grpo.rollout.engines.vllm.runtime import abort_between_steps, import_vllm, model_max_len, vllm_on_cpu
 from lightning_grpo.rollout.registry import EngineSpec
 
 #: torch's own ``set_num_threads``: vLLM's CPU worker replaces it with a no-op for the life of the process
@@ -106,6 +108,10 @@ class VLLMRolloutEngine:
         ValueError: if ``model_path`` has no ``config.json`` or an option is out of range.
         ImportError: if vLLM is not installed.
     """
+
+    #: It holds its own copy of the weights (updated by :meth:`sync_weights` on each process) and samples every
+    #: completion with its own seed (see the module docstring).
+    capabilities = EngineCapabilities(seeds_per_request=True)
 
     def __init__(
         self,
@@ -187,21 +193,6 @@ class VLLMRolloutEngine:
         self.vision = vision_spec(model_config.hf_config)  # images in prompts (docs/vision.md)
         self.max_model_len = int(model_config.max_model_len)
         self.tie_word_embeddings = bool(getattr(model_config.hf_text_config, "tie_word_embeddings", False))
-
-    @property
-    def uses_policy_parameters(self) -> bool:
-        """False: the engine holds its own copy of the weights, updated by :meth:`sync_weights`."""
-        return False
-
-    @property
-    def seeds_per_request(self) -> bool:
-        """True: every completion is sampled with its own seed (see the module docstring)."""
-        return True
-
-    @property
-    def sync_is_collective(self) -> bool:
-        """False: each process's engine gets its own copy."""
-        return False
 
     def set_lockstep(self, enabled: bool) -> None:
         """Nothing to do: the engine's forward passes are its own."""
@@ -323,7 +314,7 @@ class VLLMRolloutEngine:
     def teacher_forced_logprobs(self, sequences: Sequence[Sequence[int]]) -> list[list[float]]:
         """``log_softmax(logits)`` (temperature 1, no truncation) of each token of each sequence given the tokens
         before it, from vLLM's prompt logprobs: ``L - 1`` values for a sequence of ``L >= 2`` tokens (the first
-        token has none). The post-sync check (:mod:`lightning_grpo.rollout.engines.remote`) compares them with the
+        token has none). The post-sync check (:mod:`lightning_grpo.rollout.server.remote`) compares them with the
         trainer's :func:`lightning_grpo.functional.token_logprobs` of the same sequences.
 
         Raises:
@@ -410,10 +401,10 @@ class VLLMRolloutEngine:
 
         On CPU this also restores ``torch.set_num_threads``, which vLLM's CPU worker turns into a no-op while
         an engine lives in the process. The ``torch.distributed`` default group survives unless this engine's
-        worker made it and no other engine lives (:mod:`~lightning_grpo.rollout.engines.vllm_groups`)."""
+        worker made it and no other engine lives (:mod:`~lightning_grpo.rollout.engines.vllm.process_groups`)."""
         llm = getattr(self, "llm", None)
         if llm is not None:
-            with self._groups.guard():  # what of torch.distributed it may destroy: vllm_groups
+            with self._groups.guard():  # what of torch.distributed it may destroy: process_groups
                 llm.llm_engine.engine_core.shutdown()
             del self.llm
             gc.collect()
@@ -423,13 +414,16 @@ class VLLMRolloutEngine:
 
 def make(spec: EngineSpec) -> VLLMRolloutEngine:
     """The "vllm" engine of the registry: a colocated engine loaded from ``spec.checkpoint()`` (the policy's folder,
-    or a temporary one it is exported to), in the policy's dtype, with the resolved KV-cache size. Its weights
-    follow by :meth:`VLLMRolloutEngine.sync_weights` (before the first rollout too)."""
+    or a temporary one it is exported to), in the policy's dtype, with its KV cache sized here
+    (:func:`~lightning_grpo.rollout.engines.vllm.kv_cache.kv_cache_space_gib`, recorded in ``spec.resolved``). Its
+    weights follow by :meth:`VLLMRolloutEngine.sync_weights` (before the first rollout too)."""
     config, engine = spec.config, spec.config.engine
+    kv = kv_cache_space_gib(config, spec.model.config, next(spec.model.parameters()).itemsize, spec.rollout_prompts)
+    spec.resolved["kv_cache_space_gib"] = kv
     return VLLMRolloutEngine(
         spec.checkpoint(),
         gpu_memory_utilization=engine.gpu_memory_utilization,
-        kv_cache_space_gib=2.0 if spec.kv_cache_space_gib is None else spec.kv_cache_space_gib,
+        kv_cache_space_gib=kv,
         max_model_len=config.max_prompt_length + max(config.max_new_tokens, config.eval.max_new_tokens or 0),
         enable_sleep_mode=engine.enable_sleep_mode,
         dtype=str(next(spec.model.parameters()).dtype).removeprefix("torch."),

@@ -37,7 +37,7 @@ from lightning_grpo.algorithm.importance import rollout_importance_weights  # no
 from lightning_grpo.models.hf_weights import checkpoint_name, hf_weights  # noqa: E402
 from lightning_grpo.protocols.sampling import SamplingConfig  # noqa: E402
 from lightning_grpo.rollout.engines.hf import HFRolloutEngine  # noqa: E402
-from lightning_grpo.rollout.engines.vllm import VLLMRolloutEngine  # noqa: E402
+from lightning_grpo.rollout.engines.vllm.colocated import VLLMRolloutEngine  # noqa: E402
 from lightning_grpo.strategies.weights import ModuleWeights  # noqa: E402
 from lightning_grpo.training.experience import Experience  # noqa: E402
 from support.checkpoint_generation import SAMPLING_FIELDS, copy_with_generation_config, trainer_logprobs  # noqa: E402
@@ -473,7 +473,7 @@ def test_the_known_harmless_rotary_reload_warning_is_filtered_and_other_warnings
     another warning and the rotary message at another level still show."""
     import logging
 
-    from lightning_grpo.rollout.engines.vllm_runtime import RELOAD_LOGGER, RELOAD_WARNING
+    from lightning_grpo.rollout.engines.vllm.runtime import RELOAD_LOGGER, RELOAD_WARNING
 
     logger = logging.getLogger(RELOAD_LOGGER)
     logged, shown = [], []

@@ -37,13 +37,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
-from lightning_grpo.episodes.answer import Answer, ReasoningTags, parse_answer, split_reasoning
+from lightning_grpo.episodes.agents.answer import Answer, ReasoningTags, parse_answer, split_reasoning
+from lightning_grpo.episodes.agents.openai_schema import ChatCompletionRequest, ChatMessage, GatewayError
 from lightning_grpo.episodes.chat import ChatFormat
 from lightning_grpo.episodes.parsers import AnswerParser
 from lightning_grpo.episodes.tools import ToolCall
 from lightning_grpo.protocols.episode import Turn
 from lightning_grpo.protocols.sampling import SamplingConfig
-from lightning_grpo.rollout.server.openai_schema import ChatCompletionRequest, ChatMessage, GatewayError
 
 _NO_LIMIT = 1 << 40
 _PROBE = "lightning-grpo-probe-call-5c1e"

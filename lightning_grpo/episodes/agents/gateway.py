@@ -17,7 +17,7 @@ What it guarantees, whatever a client sends:
 * **Limits**: bodies over ``max_body_bytes`` are 413 (before they are read) and bodies that stall 408
   (:class:`~lightning_grpo.rollout.server.asgi.LimitBody`); more than ``max_concurrent`` requests at once get 429
   with ``Retry-After`` (the ``openai`` client retries them).
-* **Bad input**: a missing, unknown or mistyped field is 400 naming it (:mod:`lightning_grpo.rollout.server.
+* **Bad input**: a missing, unknown or mistyped field is 400 naming it (:mod:`lightning_grpo.episodes.agents.
   openai_schema`); a value the session cannot honour (a ``temperature`` other than the trainer's, a conversation
   over the token budget) is 400 with the reason; errors are OpenAI's shape, ``{"error": {"message", "type",
   "param", "code"}}``.
@@ -31,7 +31,7 @@ What it guarantees, whatever a client sends:
   it is not token by token.
 
 What a session does with a request (tokenization, the engine call, the answer) is the :class:`ChatBackend`'s
-(:class:`lightning_grpo.episodes.agent.AgentSampler`'s sessions).
+(:class:`lightning_grpo.episodes.agents.agent_sampler.AgentSampler`'s sessions).
 """
 
 from __future__ import annotations
@@ -51,8 +51,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from lightning_grpo.episodes.agents.openai_schema import ChatCompletionRequest, GatewayError
 from lightning_grpo.rollout.server.asgi import LimitBody
-from lightning_grpo.rollout.server.openai_schema import ChatCompletionRequest, GatewayError
 from lightning_grpo.rollout.server.security import is_loopback
 
 

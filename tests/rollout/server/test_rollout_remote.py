@@ -16,9 +16,9 @@ import torch
 from lightning_grpo.config import EngineConfig, GRPOConfig
 from lightning_grpo.protocols.sampling import SamplingConfig
 from lightning_grpo.rollout.engines.probe import probe_sequences
-from lightning_grpo.rollout.engines.remote import VLLMServerEngine, split_evenly
 from lightning_grpo.rollout.engines.rows import request_seeds, rollout_from_rows
 from lightning_grpo.rollout.server.client import RolloutServerError, ServerClient
+from lightning_grpo.rollout.server.remote import VLLMServerEngine, split_evenly
 from lightning_grpo.rollout.server.weight_sync import (
     decode_header,
     encode_header,
