@@ -47,6 +47,7 @@ from lightning_grpo.training.logprobs import CompletionLogprobs
 from lightning_grpo.training.metrics import StepMetrics, StepTimer
 from lightning_grpo.training.nonfinite import NonFiniteGuard, check_finite_checkpoint
 from lightning_grpo.training.optim import adamw_with_warmup, check_optimizer_arguments
+from lightning_grpo.training.routing import PolicyRouting
 from lightning_grpo.training.selection import StepSelection
 
 log = logging.getLogger(__name__)
@@ -144,6 +145,9 @@ class GRPOModule(RunLifecycle):
         if self.config.disable_dropout:
             disable_dropout(self.policy)
         self._reference = reference_for(loaded, self.config.beta)  # outside the module tree; LoRA: adapters off
+        # a mixture-of-experts policy's routing replay and load-balancing loss (after the reference's copy: its
+        # routers stay unhooked), None otherwise
+        self.routing = PolicyRouting.of(self.config, loaded.base)
         trim_frozen_weights(self, loaded)  # LoRA: checkpoints hold the adapters only
         self.tools = as_tools(tools)  # multi-turn episodes (docs/multiturn.md)
         self.hparams["tools"] = [t.name for t in self.tools]
@@ -156,8 +160,10 @@ class GRPOModule(RunLifecycle):
         path = rollout_path(self.config, self.tokenizer, self.policy, self.tools, environment_factory, tool_parser,
                             stop, processor, self.model_path, agent)
         self.rollout = RolloutWorker(self.config, self.tokenizer, self._emit, prompts=path.prompts,
-                                     sampler=path.sampler, stop=stop, images=path.images)
+                                     sampler=path.sampler, stop=stop, images=path.images,
+                                     routing=None if self.routing is None else self.routing.recorder)
         self.logprobs = CompletionLogprobs(self.config, vision=loaded.vision)
+        self.logprobs.use_routing(self.routing)
         self.teacher = make_teacher(self.config.distillation, self.tokenizer, dtype, self.logprobs)  # or None
         self.experience_maker = ExperienceMaker(self.config, self.rollout, self.rewards, self.logprobs, self._emit,
                                                 teacher=self.teacher)
@@ -249,6 +255,8 @@ class GRPOModule(RunLifecycle):
         self.step_metrics.update(output)
         if batch.step_end:
             metrics = self.step_metrics.compute(self.collectives) | batch.metrics
+            if self.routing is not None:  # sampling/router_disagreement, aux_loss
+                metrics |= self.routing.step_metrics(self.collectives)
             self.nonfinite.observe_loss(metrics.get("loss"))
             shown = {k: metrics.pop(k) for k in ("loss", "reward") if k in metrics}
             self.log_dict(shown, prog_bar=True, on_step=True, on_epoch=False, batch_size=1)
@@ -262,6 +270,9 @@ class GRPOModule(RunLifecycle):
         self._step_members = micro_batches
         with self.timer.span("forward_s"):
             self.step_selection.prepare(self.policy, micro_batches, self.collectives, self.global_step)
+            if self.routing is not None:  # the load-balancing loss's expert shares of the step
+                self.routing.prepare_step(self.policy, micro_batches, lambda mb: self.logprobs(self.policy, mb),
+                                          self.collectives)
 
     def compute_loss(self, batch: Experience) -> ObjectiveOutput:
         """The policy's forward pass on ``batch`` and :func:`lightning_grpo.algorithm.grpo_objective` (the loss
@@ -272,7 +283,11 @@ class GRPOModule(RunLifecycle):
         """
         logprobs, entropy = self.completion_logprobs(self.policy, batch, True,
                                                      entropy_grad=self.config.entropy_coef > 0)
-        return self.objective(batch, logprobs, entropy)
+        output = self.objective(batch, logprobs, entropy)
+        aux = None if self.routing is None else self.routing.aux_loss()
+        if aux is not None:  # the load-balancing loss's share of this micro-batch (GRPOConfig.router_aux_loss_coef)
+            output = dataclasses.replace(output, loss=output.loss + self.config.router_aux_loss_coef * aux)
+        return output
 
     def objective(self, batch: Experience, logprobs: Tensor, entropy: Optional[Tensor]) -> ObjectiveOutput:
         """:func:`lightning_grpo.algorithm.grpo_objective` of ``batch`` given the policy's ``(B, T)`` float32 logprobs

@@ -140,6 +140,12 @@ class EngineWrapper:
         is wrapped only after it entered the rollout worker, which reads what it declares)."""
         return bool(self.engine.accepts_images)  # type: ignore[attr-defined]
 
+    @property
+    def returns_routed_experts(self) -> bool:
+        """``engine.returns_routed_experts`` (routing replay; read, like ``accepts_images``, when the engine entered
+        the rollout worker)."""
+        return bool(self.engine.returns_routed_experts)  # type: ignore[attr-defined]
+
     def sync_weights(self, weights: PolicyWeights) -> None:
         """``engine.sync_weights``."""
         self.engine.sync_weights(weights)

@@ -32,12 +32,15 @@ OPTIONAL_MEMBERS = (*CAPABILITY_DEFAULTS, *LIFECYCLE_METHODS)
 #: The member of an engine that takes images in its prompts
 #: (:class:`~lightning_grpo.protocols.multimodal.ImageRolloutEngine`); an engine without it takes none.
 IMAGE_MEMBERS = ("accepts_images",)
+#: The member of an engine whose rollouts carry the experts a mixture-of-experts policy routed each token to
+#: (``prompt_routed_experts``, ``completion_routed_experts``: routing replay); an engine without it returns none.
+ROUTING_MEMBERS = ("returns_routed_experts",)
 
 
 def declared_members(engine: Any) -> dict[str, Any]:
     """The members of :class:`RolloutEngine` (and ``accepts_images``) that ``engine`` has, with their values (read
     once, where an engine enters: the worker's engine setter, an engine a factory made)."""
-    members = (*CORE_MEMBERS, *OPTIONAL_MEMBERS, *IMAGE_MEMBERS)
+    members = (*CORE_MEMBERS, *OPTIONAL_MEMBERS, *IMAGE_MEMBERS, *ROUTING_MEMBERS)
     return {name: getattr(engine, name) for name in members if hasattr(engine, name)}
 
 
@@ -45,6 +48,12 @@ def declares_images(engine: Any) -> bool:
     """Whether ``engine`` takes images with its prompts (it declares ``accepts_images`` true), read once where it
     enters the rollout worker; an engine that does not declare it takes none."""
     return bool(declared_members(engine).get("accepts_images", False))
+
+
+def declares_routing(engine: Any) -> bool:
+    """Whether ``engine``'s rollouts carry the routed experts (it declares ``returns_routed_experts`` true), read once
+    where it enters the rollout worker; an engine that does not declare it returns none."""
+    return bool(declared_members(engine).get("returns_routed_experts", False))
 
 
 def as_rollout_engine(engine: Any) -> RolloutEngine:
@@ -84,6 +93,7 @@ class CoreEngineAdapter(EngineWrapper):
         self._lifecycle = {name for name in LIFECYCLE_METHODS if name in declared}
         self.capabilities = {name: bool(declared.get(name, default)) for name, default in CAPABILITY_DEFAULTS.items()}
         self.images = bool(declared.get("accepts_images", False))
+        self.routing = bool(declared.get("returns_routed_experts", False))
         defaulted = [name for name in CAPABILITY_DEFAULTS if name not in declared]
         if defaulted:
             log.info("rollout engine %s declares no %s: taking %s (RolloutEngine's defaults)", type(engine).__name__,
@@ -128,6 +138,11 @@ class CoreEngineAdapter(EngineWrapper):
     def accepts_images(self) -> bool:
         """As declared; default False (the engine's ``generate`` then never gets images)."""
         return self.images
+
+    @property
+    def returns_routed_experts(self) -> bool:
+        """As declared; default False (its rollouts carry no routed experts)."""
+        return self.routing
 
     def generate(self, prompt_ids: Sequence[Sequence[int]], num_generations: int, sampling: SamplingConfig,
                  images: Optional[Sequence[Optional[RowImages]]] = None) -> RolloutOutput:

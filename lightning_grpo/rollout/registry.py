@@ -23,6 +23,7 @@ from torch import nn
 from lightning_grpo.config import GRPOConfig
 from lightning_grpo.protocols.engine import RolloutEngine
 from lightning_grpo.protocols.rollout import StopFlag
+from lightning_grpo.protocols.routing import RoutingRecorder
 from lightning_grpo.rollout.engines.kv_cache import kv_cache_space_gib
 
 log = logging.getLogger(__name__)
@@ -47,6 +48,9 @@ class EngineSpec:
         kv_cache_space_gib: the KV-cache size in GiB (``engine.kv_cache_space_gib``, "auto" resolved) for the
             engines that take one ("vllm"), else None.
         rollout_prompts: prompts per rollout on this process when the datamodule says, else None.
+        routing: a mixture-of-experts policy's routing recorder when routing replay needs the rollouts' routed
+            experts (``GRPOConfig.routing_replay="R3"``), for an engine that generates with the policy's own modules;
+            else None.
     """
 
     config: GRPOConfig
@@ -57,6 +61,7 @@ class EngineSpec:
     name: str
     kv_cache_space_gib: Optional[float] = None
     rollout_prompts: Optional[int] = None
+    routing: Optional[RoutingRecorder] = None
 
 
 EngineFactory = Callable[[EngineSpec], RolloutEngine]
@@ -105,13 +110,15 @@ def resolve_engine_name(name: str) -> str:
 
 
 def engine_spec(config: GRPOConfig, name: str, model: nn.Module, tokenizer: Any, checkpoint: Callable[[], str],
-                stop: StopFlag, rollout_prompts: Optional[int] = None) -> EngineSpec:
+                stop: StopFlag, rollout_prompts: Optional[int] = None,
+                routing: Optional[RoutingRecorder] = None) -> EngineSpec:
     """The spec of the engine ``name`` (resolved: :func:`resolve_engine_name`), with its KV-cache size resolved
-    (:func:`~lightning_grpo.rollout.engines.kv_cache.kv_cache_space_gib`, logged) for the engines that take one."""
+    (:func:`~lightning_grpo.rollout.engines.kv_cache.kv_cache_space_gib`, logged) for the engines that take one;
+    ``routing``: the policy's routing recorder (:attr:`EngineSpec.routing`)."""
     kv = None
     if name in SIZES_KV_CACHE:
         kv = kv_cache_space_gib(config, model.config, next(model.parameters()).itemsize, rollout_prompts)
-    return EngineSpec(config, model, tokenizer, checkpoint, stop, name, kv, rollout_prompts)
+    return EngineSpec(config, model, tokenizer, checkpoint, stop, name, kv, rollout_prompts, routing)
 
 
 def make_engine(spec: EngineSpec) -> RolloutEngine:

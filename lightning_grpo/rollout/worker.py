@@ -36,10 +36,11 @@ from lightning_grpo.protocols.engine import RolloutEngine
 from lightning_grpo.protocols.images import EncodedPrompts, RowImages
 from lightning_grpo.protocols.multimodal import ImagePromptEncoder, has_images
 from lightning_grpo.protocols.rollout import RolloutOutput, StopFlag
+from lightning_grpo.protocols.routing import RoutingRecorder
 from lightning_grpo.protocols.sampler import PromptEncoder, Sampler
 from lightning_grpo.protocols.sampling import SamplingConfig
 from lightning_grpo.protocols.weights import PolicyWeights
-from lightning_grpo.rollout.adapter import as_rollout_engine, declares_images
+from lightning_grpo.rollout.adapter import as_rollout_engine, declares_images, declares_routing
 from lightning_grpo.rollout.prompts import TemplatePrompts
 from lightning_grpo.rollout.registry import engine_spec, make_engine
 from lightning_grpo.rollout.single_turn import SingleTurnSampler
@@ -73,6 +74,8 @@ class RolloutWorker:
             (:class:`~lightning_grpo.protocols.multimodal.ImagePromptEncoder`, ``lightning_grpo.episodes.build``):
             :meth:`encode` gives the prompts' images with their ids and :attr:`banned_token_ids` its placeholders;
             None for a causal LM.
+        routing: a mixture-of-experts policy's routing recorder, for the engine the worker makes when routing replay
+            replays the sampler's routing (``GRPOConfig.routing_replay="R3"``); None otherwise.
 
     Attributes:
         engine: the rollout engine, None before :meth:`start` (during a stage, the backend's wrapper of it).
@@ -89,8 +92,10 @@ class RolloutWorker:
 
     def __init__(self, config: GRPOConfig, tokenizer: PreTrainedTokenizerBase, events: Optional[EventSink] = None, *,
                  prompts: Optional[PromptEncoder] = None, sampler: Optional[Sampler] = None,
-                 stop: Optional[StopFlag] = None, images: Optional[ImagePromptEncoder] = None) -> None:
+                 stop: Optional[StopFlag] = None, images: Optional[ImagePromptEncoder] = None,
+                 routing: Optional[RoutingRecorder] = None) -> None:
         self.config = config
+        self.routing = routing
         self.events = events
         self.tokenizer = tokenizer
         self.prompts: PromptEncoder = prompts if prompts is not None else TemplatePrompts(tokenizer)
@@ -122,10 +127,10 @@ class RolloutWorker:
         self._set_own(None if engine is None else as_rollout_engine(engine), type(engine).__name__)
 
     def _set_own(self, engine: Optional[RolloutEngine], name: Optional[str] = None) -> None:
+        self._engine_type = name or type(engine).__name__  # the engine as given, not its adapter
         if engine is not None:
             self._check_capabilities(engine)
         self._accepts_images = engine is not None and declares_images(engine)
-        self._engine_type = name or type(engine).__name__  # the engine as given, not its adapter
         self._own = self._engine = engine
         if engine is not None and not engine.uses_policy_parameters:
             self.engine_version = -1
@@ -152,13 +157,14 @@ class RolloutWorker:
             ``resolved`` with what making the engine resolved (the KV-cache size); unchanged when an engine exists.
 
         Raises:
-            ValueError: ``max_staleness > 0`` with an engine that generates with the policy's own parameters.
+            ValueError: ``max_staleness > 0`` with an engine that generates with the policy's own parameters;
+                ``routing_replay="R3"`` with an engine whose rollouts do not carry the routed experts.
         """
         self.engine_name = resolved.engine_name
         if self._own is not None:
             return resolved
         spec = engine_spec(self.config, resolved.engine_name, model, self.tokenizer, checkpoint, self.stop,
-                           rollout_prompts)
+                           rollout_prompts, self.routing)
         made = make_engine(spec)
         engine = as_rollout_engine(made)
         self._set_own(engine, type(made).__name__)
@@ -202,6 +208,12 @@ class RolloutWorker:
         self.weights_version = int(state["weights_version"])
 
     def _check_capabilities(self, engine: RolloutEngine) -> None:
+        if self.config.routing_replay == "R3" and not declares_routing(engine):
+            raise ValueError(
+                f"GRPOConfig.routing_replay='R3' replays the experts the rollout engine routed each token to, but the "
+                f"engine {self._engine_type} (engine.name={self.engine_name!r}) does not return them (it declares "
+                "no returns_routed_experts=True): use the 'hf' engine with a mixture-of-experts policy, or "
+                "routing_replay='R2' (the old policy's routing) or 'off'")
         if self.config.max_staleness > 0 and engine.uses_policy_parameters:
             raise ValueError(
                 f"GRPOConfig.max_staleness={self.config.max_staleness} needs a rollout engine with its own copy of "
