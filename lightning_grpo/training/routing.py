@@ -30,7 +30,7 @@ from torch import Tensor, nn
 from lightning_grpo.config import GRPOConfig
 from lightning_grpo.models.moe import MoeRouters, ReplayStats, moe_family
 from lightning_grpo.protocols.collectives import Collectives
-from lightning_grpo.protocols.routing import NO_EXPERT, ROUTED_DTYPE, RoutingRecorder
+from lightning_grpo.protocols.routing import NO_EXPERT, ROUTED_DTYPE, RoutingRecorder, mask_routed
 from lightning_grpo.training.experience import Experience
 from lightning_grpo.training.packing import arrange
 
@@ -154,9 +154,9 @@ class PolicyRouting:
     def recording(self, experience: Experience) -> Iterator[Callable[[Tensor, Experience], ContextManager[object]]]:
         """"R2": the old-logprob pass of ``experience`` records its routing. Yields ``around(rows, part)``, the context
         of the forward passes of ``part`` (``experience.select(rows)``: :meth:`CompletionLogprobs.batched`'s
-        ``around``); on exit ``experience``'s routed-experts fields hold the experts every token was routed to (``-1``
-        where no layout laid a position out; a prompt that the shared-prefix layout laid out once for its group is
-        given to every row with that prompt)."""
+        ``around``); on exit ``experience``'s routed-experts fields hold the experts every token was routed to
+        (``-1`` at padding and where no layout laid a position out; a prompt that the shared-prefix layout laid out
+        once for its group is given to every row with that prompt)."""
         n, p = experience.prompt_ids.shape
         t = experience.completion_ids.shape[1]
         layers, k = self.routers.moe_layers, self.routers.top_k
@@ -182,9 +182,9 @@ class PolicyRouting:
             routed[index, p : p + part_t] = buffer[:, part_p:]  # its completion columns the first ones
 
         yield around
-        experience.prompt_routed_experts = _shared_prompts(experience.prompt_ids, experience.prompt_mask,
-                                                           routed[:, :p])
-        experience.completion_routed_experts = routed[:, p:]
+        prompt = mask_routed(routed[:, :p], experience.prompt_mask)  # the padded layout lays pads out too
+        experience.prompt_routed_experts = _shared_prompts(experience.prompt_ids, experience.prompt_mask, prompt)
+        experience.completion_routed_experts = mask_routed(routed[:, p:], experience.completion_attention_mask)
 
     # -------------------------------------------------------------------------------------- load-balancing loss
     def prepare_step(self, policy: nn.Module, members: list[Experience], score: Any,
