@@ -9,15 +9,16 @@ import math
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
 
 from lightning_grpo import GRPOConfig
 from lightning_grpo import functional as F
+from lightning_grpo.episodes.build import rollout_path
 from lightning_grpo.loop.resume import experience_from_state, experience_state
 from lightning_grpo.models.moe import MoeRouters
 from lightning_grpo.protocols.collectives import Collectives
-from lightning_grpo.protocols.rollout import RolloutOutput
+from lightning_grpo.protocols.rollout import RolloutOutput, StopFlag
 from lightning_grpo.protocols.tokens import token_fields
 from lightning_grpo.training.experience import Experience, micro_batches
 from lightning_grpo.training.logprobs import CompletionLogprobs
@@ -240,3 +241,6 @@ def test_r3_without_routed_experts_and_other_misuse_are_errors(policy, tiny_llam
     with pytest.raises(ValueError, match=r"GRPOConfig.router_aux_loss_coef=0.01 needs a mixture-of-experts"):
         PolicyRouting.of(GRPOConfig(router_aux_loss_coef=0.01), dense)
     assert PolicyRouting.of(GRPOConfig(), dense) is None
+    with pytest.raises(ValueError, match=r"routing_replay='R3' is not supported with GRPOModule\(agent=...\)"):
+        rollout_path(GRPOConfig(routing_replay="R3"), AutoTokenizer.from_pretrained(tiny_llama_path), dense, (), None, None, StopFlag(),
+                     agent=lambda base_url, api_key, row: None)
