@@ -242,5 +242,5 @@ def test_r3_without_routed_experts_and_other_misuse_are_errors(policy, tiny_llam
         PolicyRouting.of(GRPOConfig(router_aux_loss_coef=0.01), dense)
     assert PolicyRouting.of(GRPOConfig(), dense) is None
     with pytest.raises(ValueError, match=r"routing_replay='R3' is not supported with GRPOModule\(agent=...\)"):
-        rollout_path(GRPOConfig(routing_replay="R3"), AutoTokenizer.from_pretrained(tiny_llama_path), dense, (), None, None, StopFlag(),
-                     agent=lambda base_url, api_key, row: None)
+        rollout_path(GRPOConfig(routing_replay="R3"), AutoTokenizer.from_pretrained(tiny_llama_path), dense, (), None,
+                     None, StopFlag(), agent=lambda base_url, api_key, row: None)
