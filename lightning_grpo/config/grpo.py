@@ -322,9 +322,10 @@ class GRPOConfig:
         self._check_staleness()
         if self.router_aux_loss_coef < 0:
             fail("router_aux_loss_coef", self.router_aux_loss_coef, "must be >= 0 (0 = off)")
-        if self.routing_replay == "R3" and self.max_tokens_per_microbatch == "auto":
+        if self.max_tokens_per_microbatch == "auto" and (self.routing_replay == "R3" or self.router_aux_loss_coef):
             fail("max_tokens_per_microbatch", "auto", "measures synthetic micro-batches, which carry no routed experts "
-                  "for routing_replay='R3': give a number of tokens")
+                  "(routing_replay='R3') and no step for the load-balancing loss's expert shares "
+                  "(router_aux_loss_coef > 0): give a number of tokens")
         if self.routing_replay_diagnostics and self.routing_replay == "off":
             fail("routing_replay_diagnostics", True, "compares the mismatch with and without routing replay: set "
                   "routing_replay='R3' or 'R2'")

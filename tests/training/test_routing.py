@@ -232,8 +232,9 @@ def test_r3_without_routed_experts_and_other_misuse_are_errors(policy, tiny_llam
         GRPOConfig(routing_replay_diagnostics=True)
     with pytest.raises(ValueError, match="router_aux_loss_coef"):
         GRPOConfig(router_aux_loss_coef=-0.1)
-    with pytest.raises(ValueError, match="max_tokens_per_microbatch"):
-        GRPOConfig(routing_replay="R3", max_tokens_per_microbatch="auto")
+    for knob in (dict(routing_replay="R3"), dict(router_aux_loss_coef=0.01)):
+        with pytest.raises(ValueError, match="max_tokens_per_microbatch='auto' is invalid: measures synthetic"):
+            GRPOConfig(max_tokens_per_microbatch="auto", **knob)
     dense = AutoModelForCausalLM.from_pretrained(tiny_llama_path)
     with pytest.raises(ValueError, match=r"GRPOConfig.routing_replay='R3' needs a mixture-of-experts policy .*"
                                          r"\(model_type='llama'\)"):
