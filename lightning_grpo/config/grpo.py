@@ -281,7 +281,7 @@ class GRPOConfig:
     live router logits at the replayed experts, so the router is still trained. Needs a policy of a supported family
     (:data:`lightning_grpo.models.moe.FAMILIES`: Qwen3-MoE, OLMoE, Mixtral; an error at setup otherwise) and, for
     "R3", an engine whose rollouts carry the routing (``returns_routed_experts``: the "hf" engine). Logged:
-    ``sampling/router_disagreement`` (docs/training.md "Metrics")."""
+    ``sampling/router_disagreement`` (docs/algorithm.md "Routing replay")."""
     routing_replay_diagnostics: bool = False
     """With ``routing_replay`` on: one more no-grad forward pass of the policy over each rollout, without replay,
     that logs what the sampler/trainer mismatch would have been without it on the same rollout
