@@ -151,6 +151,7 @@ class GRPOModule(L.LightningModule):
         self.logprobs, self.experience_maker, self.timer = parts.logprobs, parts.experience_maker, parts.timer
         self.step_selection, self.step_metrics = parts.step_selection, parts.step_metrics
         self.nonfinite, self.preemption, self.evaluator = parts.nonfinite, parts.preemption, parts.evaluator
+        self.routing = parts.routing
         self.hparams["tools"] = [t.name for t in self.tools]
         self._record_resolved()
         self.data_plan = DataPlan()  # what the trainer's datamodule says, read at each setup
@@ -313,6 +314,9 @@ class GRPOModule(L.LightningModule):
         ``training_step`` (:meth:`lightning_grpo.training.selection.StepSelection.plan`), so that accumulation does
         not change the gradient. Counts as ``timing/forward_s``."""
         with self.timer.span("forward_s"):
+            if self.routing is not None:  # the load-balancing loss's expert shares of the step
+                self.routing.prepare_step(self.policy, micro_batches, lambda mb: self.logprobs(self.policy, mb),
+                                          self.collectives)
             return self.step_selection.plan(self.policy, micro_batches, self.collectives, self.global_step)
 
     @override
@@ -410,6 +414,8 @@ class GRPOModule(L.LightningModule):
         self.step_metrics.update(output)
         if batch.step_end:
             metrics = self.step_metrics.compute(self.collectives) | batch.metrics
+            if self.routing is not None:  # sampling/router_disagreement, aux_loss
+                metrics |= self.routing.step_metrics(self.collectives)
             self.nonfinite.observe_loss(metrics.get("loss"))
             shown = {k: metrics.pop(k) for k in ("loss", "reward") if k in metrics}
             self.log_dict(shown, prog_bar=True, on_step=True, on_epoch=False, batch_size=1)
@@ -425,7 +431,11 @@ class GRPOModule(L.LightningModule):
         """
         logprobs, entropy = self.completion_logprobs(self.policy, batch, True,
                                                      entropy_grad=self.config.entropy_coef > 0)
-        return self.objective(batch, logprobs, entropy)
+        output = self.objective(batch, logprobs, entropy)
+        aux = None if self.routing is None else self.routing.aux_loss()
+        if aux is not None:  # the load-balancing loss's share of this micro-batch (GRPOConfig.router_aux_loss_coef)
+            output = dataclasses.replace(output, loss=output.loss + self.config.router_aux_loss_coef * aux)
+        return output
 
     def objective(self, batch: Experience, logprobs: Tensor, entropy: Optional[Tensor]) -> ObjectiveOutput:
         """:func:`lightning_grpo.algorithm.grpo_objective` of ``batch`` given the policy's ``(B, T)`` float32 logprobs

@@ -37,11 +37,14 @@ class EngineCapabilities:
             torch's global generator.
         sync_is_collective: whether ``sync_weights`` must be called by every trainer process together (the rollout
             servers: global rank 0 streams the weights, the others wait); False: each process syncs its own engine.
+        returns_routed_experts: whether its rollouts carry the experts a mixture-of-experts policy routed each token to
+            (``prompt_routed_experts``, ``completion_routed_experts``: routing replay "R3"); False: none.
     """
 
     uses_policy_parameters: bool = False
     seeds_per_request: bool = False
     sync_is_collective: bool = False
+    returns_routed_experts: bool = False
 
 
 #: What an engine that does not declare a capability is taken to have: its own weights, no per-request seeds, a
@@ -150,6 +153,16 @@ class EngineWrapper:
         is wrapped only after it entered the rollout worker, which reads what it declares)."""
         return bool(self.engine.accepts_images)  # type: ignore[attr-defined]
 
+    @property
+    def pad_token_id(self) -> int:
+        """``engine.pad_token_id``."""
+        return self.engine.pad_token_id
+
+    @property
+    def capabilities(self) -> EngineCapabilities:
+        """``engine.capabilities``."""
+        return self.engine.capabilities
+
     def sync_weights(self, weights: PolicyWeights) -> None:
         """``engine.sync_weights``."""
         self.engine.sync_weights(weights)
@@ -169,13 +182,3 @@ class EngineWrapper:
     def set_lockstep(self, enabled: bool) -> None:
         """``engine.set_lockstep(enabled)``."""
         self.engine.set_lockstep(enabled)
-
-    @property
-    def pad_token_id(self) -> int:
-        """``engine.pad_token_id``."""
-        return self.engine.pad_token_id
-
-    @property
-    def capabilities(self) -> EngineCapabilities:
-        """``engine.capabilities``."""
-        return self.engine.capabilities

@@ -24,6 +24,7 @@ from torch import nn
 from lightning_grpo.config import GRPOConfig
 from lightning_grpo.protocols.engine import RolloutEngine
 from lightning_grpo.protocols.rollout import StopFlag
+from lightning_grpo.protocols.routing import RoutingRecorder
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +50,9 @@ class EngineSpec:
         resolved: what the factory resolved of the engine's "auto" settings, by
             :class:`~lightning_grpo.config.ResolvedConfig` field (the vLLM factory records ``kv_cache_space_gib``);
             the rollout worker records them in the run's ``ResolvedConfig``. Empty when it is made.
+        routing: a mixture-of-experts policy's routing recorder when routing replay needs the rollouts' routed
+            experts (``GRPOConfig.routing_replay="R3"``), for an engine that generates with the policy's own modules;
+            else None.
     """
 
     config: GRPOConfig
@@ -59,6 +63,7 @@ class EngineSpec:
     name: str
     rollout_prompts: Optional[int] = None
     resolved: dict[str, Any] = field(default_factory=dict)
+    routing: Optional[RoutingRecorder] = None
 
 
 EngineFactory = Callable[[EngineSpec], RolloutEngine]

@@ -38,6 +38,7 @@ from lightning_grpo.protocols.engine import RolloutEngine
 from lightning_grpo.protocols.images import EncodedPrompts, RowImages
 from lightning_grpo.protocols.multimodal import ImagePromptEncoder, has_images
 from lightning_grpo.protocols.rollout import RolloutOutput, StopFlag
+from lightning_grpo.protocols.routing import RoutingRecorder
 from lightning_grpo.protocols.sampler import PromptEncoder, Sampler
 from lightning_grpo.protocols.sampling import SamplingConfig
 from lightning_grpo.protocols.weights import PolicyWeights
@@ -75,6 +76,8 @@ class RolloutWorker:
             (:class:`~lightning_grpo.protocols.multimodal.ImagePromptEncoder`, ``lightning_grpo.episodes.build``):
             :meth:`encode` gives the prompts' images with their ids and :attr:`banned_token_ids` its placeholders;
             None for a causal LM.
+        routing: a mixture-of-experts policy's routing recorder, for the engine the worker makes when routing replay
+            replays the sampler's routing (``GRPOConfig.routing_replay="R3"``); None otherwise.
 
     Attributes:
         engine: the rollout engine, None before :meth:`start` (during a stage, the backend's wrapper of it).
@@ -91,8 +94,10 @@ class RolloutWorker:
 
     def __init__(self, config: GRPOConfig, tokenizer: PreTrainedTokenizerBase, events: Optional[EventSink] = None, *,
                  prompts: Optional[PromptEncoder] = None, sampler: Optional[Sampler] = None,
-                 stop: Optional[StopFlag] = None, images: Optional[ImagePromptEncoder] = None) -> None:
+                 stop: Optional[StopFlag] = None, images: Optional[ImagePromptEncoder] = None,
+                 routing: Optional[RoutingRecorder] = None) -> None:
         self.config = config
+        self.routing = routing
         self.events = events
         self.tokenizer = tokenizer
         self.prompts: PromptEncoder = prompts if prompts is not None else TemplatePrompts(tokenizer)
@@ -124,10 +129,10 @@ class RolloutWorker:
         self._set_own(None if engine is None else as_rollout_engine(engine), type(engine).__name__)
 
     def _set_own(self, engine: Optional[RolloutEngine], name: Optional[str] = None) -> None:
+        self._engine_type = name or type(engine).__name__  # the engine as given, not its adapter
         if engine is not None:
             self._check_capabilities(engine)
         self._accepts_images = engine is not None and declares_images(engine)
-        self._engine_type = name or type(engine).__name__  # the engine as given, not its adapter
         self._own = self._engine = engine
         if engine is not None and not engine.capabilities.uses_policy_parameters:
             self.engine_version = -1
@@ -154,13 +159,14 @@ class RolloutWorker:
             ``resolved`` with what making the engine resolved (the KV-cache size); unchanged when an engine exists.
 
         Raises:
-            ValueError: ``max_staleness > 0`` with an engine that generates with the policy's own parameters.
+            ValueError: ``max_staleness > 0`` with an engine that generates with the policy's own parameters;
+                ``routing_replay="R3"`` with an engine whose rollouts do not carry the routed experts.
         """
         self.engine_name = resolved.engine_name
         if self._own is not None:
             return resolved
         spec = EngineSpec(self.config, model, self.tokenizer, checkpoint, self.stop, resolved.engine_name,
-                          rollout_prompts)
+                          rollout_prompts, routing=self.routing)
         made = make_engine(spec)
         engine = as_rollout_engine(made)
         self._set_own(engine, type(made).__name__)
@@ -211,6 +217,12 @@ class RolloutWorker:
         self.weights_version = int(state["weights_version"])
 
     def _check_capabilities(self, engine: RolloutEngine) -> None:
+        if self.config.routing_replay == "R3" and not engine.capabilities.returns_routed_experts:
+            raise ValueError(
+                f"GRPOConfig.routing_replay='R3' replays the experts the rollout engine routed each token to, but the "
+                f"engine {self._engine_type} (engine.name={self.engine_name!r}) does not return them (its capabilities "
+                "say returns_routed_experts=False): use the 'hf' engine with a mixture-of-experts policy, or "
+                "routing_replay='R2' (the old policy's routing) or 'off'")
         if self.config.max_staleness > 0 and engine.capabilities.uses_policy_parameters:
             raise ValueError(
                 f"GRPOConfig.max_staleness={self.config.max_staleness} needs a rollout engine with its own copy of "

@@ -97,6 +97,12 @@ NAMED: dict[tuple[str, str], tuple[bool, str]] = {
     ("lightning_grpo/training/logprobs.py", "getattr(model, 'config', None)"): (False, "an HF model's config"),
     ("lightning_grpo/training/logprob_head.py", "getattr(model, 'config', None)"): (False, "an HF model's config"),
     ("lightning_grpo/models/loading.py", "getattr(model, 'config', None)"): (False, "an HF model's config"),
+    ("lightning_grpo/models/moe.py", "getattr(model, 'config', None)"): (False, "an HF model's config"),
+    ("lightning_grpo/models/moe.py", "getattr(config, 'model_type', '')"): (False, "an HF config's model type"),
+    ("lightning_grpo/models/moe.py", "getattr(config, 'model_type', None)"): (False, "an HF config's model type"),
+    ("lightning_grpo/training/routing.py", "getattr(model, 'config', None)"): (False, "an HF model's config"),
+    ("lightning_grpo/training/routing.py", "getattr(config_of_model, 'model_type', None)"):
+        (False, "an HF config's model type"),
     ("lightning_grpo/models/lora.py", "getattr(base_model(policy), 'config', None)"): (False, "an HF model's config"),
     ("lightning_grpo/models/hf_weights.py", "getattr(model, 'config', None)"): (False, "an HF model's config"),
     ("lightning_grpo/strategies/weights.py", "getattr(model, 'config', None)"): (False, "an HF model's config"),

@@ -15,6 +15,8 @@ What is sampled is :func:`lightning_grpo.protocols.sampling.sampling_logits` of 
 
 from __future__ import annotations
 
+import contextlib
+from dataclasses import replace
 from typing import Any, Optional, Sequence
 
 import torch
@@ -38,9 +40,11 @@ from lightning_grpo.protocols.rollout import (
     finish_rollout,
     left_pad,
 )
+from lightning_grpo.protocols.routing import RoutingRecorder, mask_routed
 from lightning_grpo.protocols.sampling import SamplingConfig, sampling_logits
 from lightning_grpo.protocols.vision import VisionSpec, vision_spec
 from lightning_grpo.protocols.weights import PolicyWeights
+from lightning_grpo.rollout.engines.generate_routing import generation_routing
 from lightning_grpo.rollout.engines.multimodal import ImageRows
 from lightning_grpo.rollout.registry import EngineSpec
 
@@ -120,16 +124,20 @@ class HFRolloutEngine:
             on the trained weights they equal the trainer's own logprobs up to kernel differences.
         vision: a vision-language policy's image facts (:func:`lightning_grpo.protocols.vision.vision_spec`): prompts
             may then have images (``generate(..., images=...)``, :mod:`lightning_grpo.rollout.engines.multimodal`).
+        routing: a mixture-of-experts policy's routing recorder (routing replay, ``GRPOConfig.routing_replay="R3"``):
+            every rollout then carries the experts each token was routed to (``prompt_routed_experts``,
+            ``completion_routed_experts``, :mod:`lightning_grpo.rollout.engines.generate_routing`); None: nothing is
+            recorded (no cost).
     """
 
-    #: It generates with the trained module itself; sampling draws from torch's global generator; nothing to sync.
-    capabilities = EngineCapabilities(uses_policy_parameters=True)
 
     def __init__(
         self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, report_logprobs: bool = False,
         stop: Optional[StopFlag] = None, vision: Optional[VisionSpec] = None,
+        routing: Optional[RoutingRecorder] = None,
     ) -> None:
         self.model = model
+        self.routing = routing
         self.vision = vision
         self.tokenizer = tokenizer
         self.report_logprobs = report_logprobs
@@ -138,6 +146,12 @@ class HFRolloutEngine:
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_token_ids[0]
         self.pad_token_id = int(pad)
         self.synced_gpus: Optional[bool] = None  # None: transformers decides (DeepSpeed ZeRO-3 / FSDP2 modules)
+
+    @property
+    def capabilities(self) -> EngineCapabilities:
+        """It generates with the trained module itself; sampling draws from torch's global generator; nothing to sync;
+        its rollouts carry the routed experts when it was made with a routing recorder."""
+        return EngineCapabilities(uses_policy_parameters=True, returns_routed_experts=self.routing is not None)
 
     @property
     def accepts_images(self) -> bool:
@@ -212,12 +226,14 @@ class HFRolloutEngine:
         # generate() fills every unset field from model.generation_config: hand it one with nothing to fill from
         self.model.generation_config = neutral_generation_config(checkpoint_config)
         stop = _StopCriterion(self.stop)
+        recording = self.routing.record() if self.routing is not None else contextlib.nullcontext()
         try:
-            out = self.model.generate(
-                input_ids=ids, attention_mask=mask, generation_config=config,
-                logits_processor=LogitsProcessorList([processor]), stopping_criteria=[stop],
-                synced_gpus=self.synced_gpus, **rows.model_inputs(ids),
-            )
+            with recording as calls:
+                out = self.model.generate(
+                    input_ids=ids, attention_mask=mask, generation_config=config,
+                    logits_processor=LogitsProcessorList([processor]), stopping_criteria=[stop],
+                    synced_gpus=self.synced_gpus, **rows.model_inputs(ids),
+                )
         finally:
             self.model.generation_config = checkpoint_config
             self.model.train(was_training)
@@ -235,8 +251,17 @@ class HFRolloutEngine:
         completion_mask, truncated = completion_mask_from_eos(completion_ids, self.eos_token_ids)
         if sampler_logprobs is not None:  # finished rows continue with pad ids, whose logprob may be -inf
             sampler_logprobs = torch.where(completion_mask.bool(), sampler_logprobs.float(), 0.0)
-        return finish_rollout(ids, mask, rows.repeat, completion_ids, completion_mask, truncated, sampler_logprobs,
-                              self.tokenizer, self.pad_token_id, images=rows.images)
+        output = finish_rollout(ids, mask, rows.repeat, completion_ids, completion_mask, truncated, sampler_logprobs,
+                                self.tokenizer, self.pad_token_id, images=rows.images)
+        if self.routing is None:
+            return output
+        prompt, completion = generation_routing(calls, out.shape[0], ids.shape[1], output.completion_ids.shape[1],
+                                                self.routing.moe_layers, self.routing.top_k)
+        repeat = len(output) // out.shape[0]  # greedy: each prompt's one completion, repeated
+        return replace(output,
+                       prompt_routed_experts=mask_routed(prompt.repeat_interleave(repeat, dim=0), output.prompt_mask),
+                       completion_routed_experts=mask_routed(completion.repeat_interleave(repeat, dim=0),
+                                                             output.completion_mask))
 
 
 class _StopCriterion(StoppingCriteria):
@@ -256,5 +281,7 @@ class _StopCriterion(StoppingCriteria):
 
 def make(spec: EngineSpec) -> HFRolloutEngine:
     """The "hf" engine of the registry: generates with ``spec.model`` (the policy's transformers model; with LoRA,
-    its layers carry the adapters); a vision-language policy's prompts may have images."""
-    return HFRolloutEngine(spec.model, spec.tokenizer, stop=spec.stop, vision=vision_spec(spec.model.config))
+    its layers carry the adapters); a vision-language policy's prompts may have images; with ``spec.routing`` (routing
+    replay) the rollouts carry the routed experts."""
+    return HFRolloutEngine(spec.model, spec.tokenizer, stop=spec.stop, vision=vision_spec(spec.model.config),
+                           routing=spec.routing)
