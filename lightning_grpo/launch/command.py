@@ -184,7 +184,7 @@ def _plan(args: argparse.Namespace, fit_args: list[str]) -> tuple[LaunchPlan, Ru
     args.server_nodes = args.server_nodes if args.server_nodes is not None else args.servers
     workdir = os.path.abspath(args.workdir or os.getcwd())
     placeholders = ",".join(f"NODE{i}" for i in range(max(1, args.nodes + args.server_nodes)))
-    hosts = tuple((placeholders if args.slurm else args.hosts or "127.0.0.1").split(","))
+    hosts = tuple(h.strip() for h in (placeholders if args.slurm else args.hosts or "127.0.0.1").split(","))
     plan = LaunchPlan(nodes=args.nodes, devices_per_node=args.devices_per_node, servers=args.servers,
                       server_nodes=args.server_nodes, hosts=hosts, accelerator=args.accelerator,
                       server_gpus=args.server_gpus, master_port=args.master_port, server_port=args.server_port,

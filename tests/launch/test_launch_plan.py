@@ -15,7 +15,6 @@ from lightning_grpo.launch.scripts import (
     sbatch_script,
     srun_trainer_script,
     summary,
-    torchrun_node_script,
 )
 
 HOSTS = ("n0", "n1", "n2", "n3")
@@ -55,7 +54,8 @@ def test_two_trainer_nodes_and_two_servers_wiring():
     plan = two_by_two()
     assert (plan.world_size, plan.master_addr, plan.master_port) == (8, "n0", 29500)
     assert plan.trainer_nodes() == [TrainerNode(0, "n0", (0, 1, 2, 3)), TrainerNode(1, "n1", (4, 5, 6, 7))]
-    assert plan.servers_list() == [ServerSpec(0, 0, "n2", 8000, (0, 1, 2, 3)), ServerSpec(1, 1, "n3", 8000, (0, 1, 2, 3))]
+    assert plan.servers_list() == [ServerSpec(0, 0, "n2", 8000, (0, 1, 2, 3)),
+                                   ServerSpec(1, 1, "n3", 8000, (0, 1, 2, 3))]
     assert plan.server_urls() == ["http://n2:8000", "http://n3:8000"]
     # one group per server at the trainer's rank 0 (n0), one port for all: rank 0 + the server's 4 workers
     assert plan.weight_sync_groups() == [WeightSyncGroup("http://n2:8000", "n0", 51216, 5),

@@ -63,8 +63,10 @@ def _env(**extra: str) -> dict[str, str]:
 
 
 def _start(script: Path, log: Path, env: dict[str, str]) -> subprocess.Popen:
-    return subprocess.Popen(["bash", str(script)], env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT,
-                            start_new_session=True)
+    """``bash script`` in a session of its own (stopped as a whole), its output in ``log``."""
+    with open(log, "w") as out:
+        return subprocess.Popen(["bash", str(script)], env=env, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
 
 
 def _wait(procs: dict[str, subprocess.Popen], logs: Path, timeout: float) -> None:
