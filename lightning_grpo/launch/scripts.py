@@ -37,10 +37,10 @@ WIRED_OPTIONS = {
     "--model.config.engine.server_group_port": "--group-port",
     "--model.config.engine.server_secret_file": "--secret-file",
 }
+#: ``model.model``'s name of the embedded model (``lightning_grpo.models.embedded.EMBEDDED``).
 EMBEDDED = "embedded"
+#: The longest line of a written command before it continues on the next.
 WIDTH = 110
-
-
 
 
 def words(*literals: str) -> list[str]:
