@@ -31,7 +31,7 @@ def two_by_two(**kwargs) -> LaunchPlan:
 def settings(**kwargs) -> RunSettings:
     return RunSettings(**{**dict(configs=("recipes/gsm8k_grpo.yaml",), model="/models/policy", pass_model=True,
                                  fit_args=("--trainer.max_steps", "3"), serve_args=("--max-model-len", "4096"),
-                                 python=None, workdir="/work/run", health_timeout=600.0), **kwargs})
+                                 python=None, workdir="/shared/run", health_timeout=600.0), **kwargs})
 
 
 def commands(script: str) -> list[list[str]]:
@@ -68,12 +68,12 @@ def test_torchrun_scripts_carry_the_node_rank_master_and_the_servers_wiring():
     assert list(scripts) == ["server_node0.sh", "server_node1.sh", "trainer_node0.sh", "trainer_node1.sh"]
     for r in range(2):
         assert commands(scripts[f"trainer_node{r}.sh"]) == [
-            ["cd", "/work/run"], HEALTH,
+            ["cd", "/shared/run"], HEALTH,
             ["exec", "torchrun", "--nnodes", "2", "--node-rank", str(r), "--nproc-per-node", "4", "--master-addr",
              "n0", "--master-port", "29500", "-m", "lightning_grpo.cli", *FIT]]
     for i, host in enumerate(("n2", "n3")):
         assert commands(scripts[f"server_node{i}.sh"]) == [
-            ["cd", "/work/run"],
+            ["cd", "/shared/run"],
             ["exec", "env", "CUDA_VISIBLE_DEVICES=0,1,2,3", "lightning-grpo", "serve", "--model", "/models/policy",
              "--host", host, "--port", "8000", "--secret-file", SECRET, "--tensor-parallel-size", "4",
              "--max-model-len", "4096"]]
@@ -81,13 +81,13 @@ def test_torchrun_scripts_carry_the_node_rank_master_and_the_servers_wiring():
 
 def test_the_srun_task_script_exports_the_master_and_runs_fit():
     assert commands(srun_trainer_script(two_by_two(), settings())) == [
-        ["cd", "/work/run"], ["export", "MASTER_ADDR=n0", "MASTER_PORT=29500"], HEALTH,
+        ["cd", "/shared/run"], ["export", "MASTER_ADDR=n0", "MASTER_PORT=29500"], HEALTH,
         ["exec", "lightning-grpo", *FIT]]
 
 
 def test_the_sbatch_allocates_every_node_and_runs_one_step_per_role():
     plan = two_by_two()
-    text = sbatch_script(plan, settings(), ["--nodes", "2", "--secret-file", SECRET], "/work/run/launch",
+    text = sbatch_script(plan, settings(), ["--nodes", "2", "--secret-file", SECRET], "/shared/run/launch",
                          sbatch_args=["--time=04:00:00"])
     sbatch = [line for line in text.splitlines() if line.startswith("#SBATCH")]
     assert sbatch == ["#SBATCH --job-name=lightning-grpo", "#SBATCH --nodes=4", "#SBATCH --ntasks-per-node=4",
@@ -100,7 +100,7 @@ def test_the_sbatch_allocates_every_node_and_runs_one_step_per_role():
         'srun --nodes=1 --ntasks=1 --nodelist="${NODES[2]}" bash "$OUT/server_node0.sh" &',
         'srun --nodes=1 --ntasks=1 --nodelist="${NODES[3]}" bash "$OUT/server_node1.sh" &',
         'srun --nodes=2 --ntasks-per-node=4 --nodelist="${NODES[0]},${NODES[1]}" bash "$OUT/trainer.sh"']
-    assert 'OUT=/work/run/launch/job-"$SLURM_JOB_ID"' in text and '-ne 4 ]' in text
+    assert 'OUT=/shared/run/launch/job-"$SLURM_JOB_ID"' in text and '-ne 4 ]' in text
 
 
 def test_one_host_for_every_node_gives_consecutive_ports_and_needs_no_secret():
