@@ -13,7 +13,7 @@ pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip
 from transformers import AutoConfig, AutoModelForCausalLM, OlmoeConfig  # noqa: E402
 
 from lightning_grpo.strategies.megatron import convert, cpu_shims  # noqa: E402
-from lightning_grpo.strategies.megatron.experts import ExpertRanks, moe_settings  # noqa: E402
+from lightning_grpo.strategies.megatron.experts import ExpertRanks, check_dense_layout, moe_settings  # noqa: E402
 from lightning_grpo.strategies.megatron.model import Architecture, transformer_config  # noqa: E402
 from support.megatron_moe import experience, hf_routing, save_tiny_moe  # noqa: E402
 
@@ -98,9 +98,12 @@ def test_unsupported_moe_settings_are_named(moe_models):
         moe_settings(arch.moe, 3)
     with pytest.raises(ValueError, match=r"inner size 32 is not divisible by expert_tensor_parallel_size=3"):
         moe_settings(arch.moe, 1, 3)
-    with pytest.raises(ValueError, match=r"expert_model_parallel_size=2, expert_tensor_parallel_size=1: the model is "
-                                         r"dense"):
-        moe_settings(None, 2)
+    with pytest.raises(ValueError, match=r"MegatronStrategy\(expert_model_parallel_size=2, "
+                                         r"expert_tensor_parallel_size=1\): the model is dense"):
+        check_dense_layout(None, 2, 1)
+    check_dense_layout(None, 1, 1)
+    check_dense_layout(arch.moe, 2, 2)
+    assert moe_settings(None, 1, 2) == {}  # megatron-core's expert-TP size defaults to TP: nothing for a dense model
     with pytest.raises(ValueError, match=r"use_transformer_engine=True with a mixture of experts"):
         build_gpt_model(arch, use_transformer_engine=True)
 

@@ -104,17 +104,14 @@ def moe_from_hf_config(config: Any) -> Optional[MoE]:
 
 def moe_settings(moe: Optional[MoE], expert_model_parallel_size: int = 1,
                  expert_tensor_parallel_size: int = 1) -> dict[str, Any]:
-    """``TransformerConfig`` fields of ``moe`` (see the module docstring); {} for a dense model.
+    """``TransformerConfig`` fields of ``moe`` (see the module docstring); {} for a dense model (whatever the expert
+    sizes: megatron-core's expert-TP size defaults to the TP size, and a dense model has no expert to split).
 
     Raises:
-        ValueError: expert parallelism for a dense model, or sizes that do not divide
-            (:meth:`MoE.check_expert_parallel`).
+        ValueError: sizes that do not divide (:meth:`MoE.check_expert_parallel`).
     """
     ep, etp = expert_model_parallel_size, expert_tensor_parallel_size
     if moe is None:
-        if ep > 1 or etp > 1:
-            raise ValueError(f"expert_model_parallel_size={ep}, expert_tensor_parallel_size={etp}: the model is "
-                             "dense (no mixture of experts to split); leave both 1")
         return {}
     moe.check_expert_parallel(ep, etp)
     return dict(
@@ -129,6 +126,14 @@ def moe_settings(moe: Optional[MoE], expert_model_parallel_size: int = 1,
         expert_model_parallel_size=ep,
         expert_tensor_parallel_size=etp,
     )
+
+
+def check_dense_layout(moe: Optional[MoE], expert_model_parallel_size: int, expert_tensor_parallel_size: int) -> None:
+    """Raise ``ValueError`` for expert parallelism asked of a dense model (``moe`` None)."""
+    ep, etp = expert_model_parallel_size, expert_tensor_parallel_size
+    if moe is None and ep * etp > 1:
+        raise ValueError(f"MegatronStrategy(expert_model_parallel_size={ep}, expert_tensor_parallel_size={etp}): the "
+                         "model is dense (no mixture of experts to split); leave both 1")
 
 
 def moe_layer_spec(config: Any, pp_rank: int) -> Any:

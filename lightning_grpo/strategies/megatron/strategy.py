@@ -56,6 +56,7 @@ from lightning_grpo.algorithm import ObjectiveOutput
 from lightning_grpo.config import GRPOConfig
 from lightning_grpo.strategies.base import ClipFallback, GRPOModels, ParallelBackend, StepObjective, clips_by_norm
 from lightning_grpo.strategies.megatron import checkpoint, convert, gradients
+from lightning_grpo.strategies.megatron.experts import check_dense_layout, moe_from_hf_config
 from lightning_grpo.strategies.megatron.layout import MegatronLayout
 from lightning_grpo.strategies.megatron.model import recompute_settings
 from lightning_grpo.strategies.megatron.optimizer import (
@@ -209,13 +210,16 @@ class MegatronStrategy(MegatronLayout):
         after the process groups exist and before a checkpoint is restored.
 
         Raises:
-            ValueError: a policy that cannot be converted (see :meth:`MegatronPolicy.from_hf`), a LoRA policy.
+            ValueError: a policy that cannot be converted (see :meth:`MegatronPolicy.from_hf`), a LoRA policy,
+                expert parallelism for a dense policy.
         """
         if models.lora:
             raise ValueError("GRPOModule(lora=...) is not supported with MegatronStrategy: the policy is converted to "
                              "megatron-core layers, which carry no PEFT adapters; use strategy='grpo_fsdp2', 'ddp' "
                              "or a single device")
         if self._policy is None or models.policy is not self._policy:
+            check_dense_layout(moe_from_hf_config(models.policy.config), self.expert_model_parallel_size,
+                               self.expert_tensor_parallel_size)
             self._policy, self._ref, self._teacher = self._convert(models)
         policy = self._policy
         engine = None if models.engine is None else TensorParallelRolloutEngine(models.engine, policy,
