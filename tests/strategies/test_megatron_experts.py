@@ -96,8 +96,9 @@ def four_processes(tmp_path_factory, files):
     out = tmp_path_factory.mktemp("experts_four")
     distributed = {"pipeline_model_parallel_size": 2, "use_distributed_optimizer": True}
     _torchrun(out, 4, [
-        _fit("pp2_ep1", files, strategy=distributed),
-        _fit("pp2_ep2", files, strategy={**distributed, "expert_model_parallel_size": 2}),
+        {"kind": "replay", "name": "replay_pp2", "model": files["model"], "pipeline_model_parallel_size": 2},
+        _fit("pp2_ep1", files, strategy=distributed, checkpoints=True),
+        _fit("pp2_ep2", files, strategy={**distributed, "expert_model_parallel_size": 2}, checkpoints=True),
         {"kind": "gradients", "name": "dp4", "model": files["model"], "expert_model_parallel_size": 2},
     ])
     return out
@@ -143,7 +144,27 @@ def test_routing_replay_under_ep2_replays_the_recorded_experts(two_processes):
 
 @pytest.mark.distributed
 def test_pp2_with_the_distributed_optimizer_ep2_equals_ep1(four_processes):
+    """Also the checkpoints: the distributed optimizer's Adam moments of the experts (sharded over the
+    expert-data-parallel group, the experts split over EP) gathered into HF's stacked layout equal EP=1's."""
     _assert_same_run(four_processes, "pp2_ep2", "pp2_ep1")
+    states = [torch.load(four_processes / name / "ckpt" / "epoch=0-step=3.ckpt", weights_only=False)
+              ["optimizer_states"][0]["state"] for name in ("pp2_ep1", "pp2_ep2")]
+    assert sorted(states[0]) == sorted(states[1])
+    for name in ("model.layers.0.mlp.experts.gate_up_proj", "model.layers.1.mlp.experts.down_proj"):
+        for key in ("exp_avg", "exp_avg_sq"):
+            ep1, ep2 = states[0][name][key], states[1][name][key]
+            assert bool((ep2.flatten(1).abs().sum(dim=1) > 0).all()), (name, key)  # every expert's moments
+            torch.testing.assert_close(ep2, ep1, atol=1e-6, rtol=1e-3, msg=f"{name} {key}")
+
+
+@pytest.mark.distributed
+def test_routing_replay_under_pp2_and_ep2_replays_the_recorded_experts(four_processes):
+    for rank in range(4):
+        result = json.loads((four_processes / f"replay_pp2_rank{rank}.json").read_text())
+        replica, stage = rank % 2, rank // 2  # megatron-core's order tp-dp-pp
+        assert result["moe_layers"] == [stage] and result["local_experts"] == 2 and result["rows"] == 2 + replica
+        assert result["replayed_equal_recorded"] == [True]
+        assert result["logprob_diff"] < 1e-5 and result["weights_exact"]
 
 
 @pytest.mark.distributed

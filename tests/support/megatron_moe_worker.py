@@ -9,8 +9,8 @@ torchrun (CPU processes, gloo):
   with the ``strategy`` init args given, HF rollouts of the tiny MoE, ``max_steps`` steps; CSV metrics under
   ``OUT/<name>`` and (rank 0) the trained HF policy's weights in ``OUT/<name>/weights.pt``, a checkpoint after every
   step with ``checkpoints``, resumed from ``resume``;
-- ``replay``: megatron-core's parallel state with EP = the world size, the policy's routers replaying the routing
-  the HF model chose for each rank's own rows: ``OUT/<name>_rank<r>.json``;
+- ``replay``: megatron-core's parallel state with PP stages of EP = DP = world / PP ranks, the policy's routers
+  replaying the routing the HF model chose for each data-parallel replica's own rows: ``OUT/<name>_rank<r>.json``;
 - ``gradients``: one backward pass of each rank's own rows at EP=1 and at EP=``expert_model_parallel_size`` (all
   ranks data-parallel), the gradients reduced as ``MegatronStrategy`` does and gathered into HF names: their largest
   differences and the full gradient's norms, ``OUT/<name>_rank<r>.json``.
@@ -89,10 +89,12 @@ def fit(out: Path, name: str, model: str, data: str, strategy: dict, max_steps: 
         torch.save(cli.model.policy.state_dict(), run / "weights.pt")  # the HF policy again after fit
 
 
-def replay(out: Path, name: str, model: str) -> dict:
-    """EP = world size: each rank scores its own rows (different lengths, so the all-to-all moves uneven token
-    counts) with the HF model's recorded routing, at the HF weights (logprobs against transformers') and with the
-    routers negated (the replayed experts against the recorded ones); the weight stream against the HF state dict."""
+def replay(out: Path, name: str, model: str, pipeline_model_parallel_size: int = 1) -> dict:
+    """PP stages of EP = DP = world / PP ranks: each data-parallel replica scores its own rows (different lengths, so
+    the all-to-all moves uneven token counts) with the HF model's recorded routing, at the HF weights (logprobs
+    against transformers') and with the routers negated (each stage's replayed experts against the recorded ones);
+    the weight stream against the HF state dict."""
+    from megatron.core import parallel_state
     from transformers import AutoModelForCausalLM
 
     from lightning_grpo.functional import token_logprobs
@@ -101,12 +103,13 @@ def replay(out: Path, name: str, model: str) -> dict:
     from lightning_grpo.strategies.megatron.policy import MegatronPolicy
     from support.megatron_moe import experience, hf_routing
 
-    world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
-    _init(world)
+    pp = pipeline_model_parallel_size
+    _init(int(os.environ["WORLD_SIZE"]) // pp, pp)
     hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
     with default_tensor_init():
         policy = MegatronPolicy.from_hf(hf, replay_routing=True)
-    batch = hf_routing(hf, experience(hf.config.pad_token_id, rows=2 + rank, seed=rank))
+    replica = parallel_state.get_data_parallel_rank()  # the stages of one pipeline score the same rows
+    batch = hf_routing(hf, experience(hf.config.pad_token_id, rows=2 + replica, seed=replica))
     mask = batch.completion_mask.bool()
     with torch.no_grad():
         input_ids = torch.cat([batch.prompt_ids, batch.completion_ids], dim=1)
@@ -124,11 +127,12 @@ def replay(out: Path, name: str, model: str) -> dict:
     routing = replayed_routing(batch)
     needed = routing[..., 0, 0] >= 0
     b, s = routing.shape[:2]
-    equal = [bool(torch.equal(chosen[0].view(s, b, -1).transpose(0, 1)[needed], routing[:, :, i][needed]))
-             for i, chosen in enumerate(lists)]
+    slots = [index for index, _ in policy.replay.slots]  # this stage's MoE layers
+    equal = [bool(torch.equal(chosen[0].view(s, b, -1).transpose(0, 1)[needed], routing[:, :, index][needed]))
+             for index, chosen in zip(slots, lists, strict=True)]
     reference = hf.state_dict()
     result = {
-        "local_experts": len(policy.model.decoder.layers[0].mlp.experts.local_experts),
+        "local_experts": len(policy.model.decoder.layers[0].mlp.experts.local_experts), "moe_layers": slots,
         "rows": b, "needed_tokens": int(needed.sum()), "replayed_equal_recorded": equal,
         "logprob_diff": float((replayed - expected)[mask].abs().max()),
         "weights_exact": sorted(gathered) == sorted(reference) and all(torch.equal(gathered[k], reference[k])
@@ -138,7 +142,7 @@ def replay(out: Path, name: str, model: str) -> dict:
     return result
 
 
-def _init(expert_model_parallel_size: int) -> None:
+def _init(expert_model_parallel_size: int, pipeline_model_parallel_size: int = 1) -> None:
     from megatron.core import parallel_state
 
     from lightning_grpo.strategies.megatron import cpu_shims
@@ -146,7 +150,8 @@ def _init(expert_model_parallel_size: int) -> None:
     if not torch.distributed.is_initialized():
         torch.distributed.init_process_group("gloo")
     cpu_shims.apply()
-    parallel_state.initialize_model_parallel(expert_model_parallel_size=expert_model_parallel_size,
+    parallel_state.initialize_model_parallel(pipeline_model_parallel_size=pipeline_model_parallel_size,
+                                             expert_model_parallel_size=expert_model_parallel_size,
                                              create_gloo_process_groups=True)
 
 
