@@ -1,4 +1,5 @@
-"""Weights between Hugging Face Llama-family checkpoints and megatron-core ``GPTModel`` shards.
+"""Weights between Hugging Face Llama-family (and Qwen3-MoE / Mixtral) checkpoints and megatron-core ``GPTModel``
+shards.
 
 Each megatron-core parameter is made from one or more HF tensors (:class:`ParamMap`), split for tensor
 parallelism (TP) in one of five ways:

@@ -297,9 +297,11 @@ class MegatronPolicy(nn.Module):
 
 class MegatronWeights(PolicyWeights):
     """A :class:`MegatronPolicy`'s weights as the engines read them: HF names, gathered from its tensor- and
-    pipeline-parallel shards one tensor at a time (:meth:`MegatronPolicy.iter_hf_weights`; ``lm_head.weight`` with
-    the embedding's value when tied), and the probe scored by the shards (:meth:`MegatronPolicy.
-    teacher_forced_logprobs`). Both are collectives over the policy's model-parallel group: every rank reads them.
+    pipeline-parallel shards one tensor at a time (a mixture's experts over the expert-TP and expert-parallel groups
+    into transformers' stacked ``mlp.experts.*`` tensors) (:meth:`MegatronPolicy.iter_hf_weights`; ``lm_head.weight``
+    with the embedding's value when tied), and the probe scored by the shards (:meth:`MegatronPolicy.
+    teacher_forced_logprobs`). Both are collectives over the policy's model-parallel group (and its expert groups):
+    every rank reads them.
     """
 
     def __init__(self, policy: MegatronPolicy) -> None:
