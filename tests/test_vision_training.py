@@ -115,7 +115,8 @@ def test_a_resumed_run_ends_where_the_uninterrupted_one_ends(tiny_qwen_vl_path, 
     _fit(tiny_qwen_vl_path, tmp_path / "cut", image_data, steps=1, callbacks=[checkpoint], **knobs)
     (path,) = (tmp_path / "ckpt").glob("*step=1*.ckpt")
     state = torch.load(path, weights_only=True)  # plain data, images included
-    assert state["loops"]["fit_loop"]["state_dict"]["partial_rollouts"][0]["experience"]["images"] is not None
+    (cursor,) = state["loops"]["fit_loop"]["state_dict"]["rollout_cursors"]
+    assert cursor["partial_rollout"]["experience"]["images"] is not None
     resumed = _fit(tiny_qwen_vl_path, tmp_path / "resumed", image_data, steps=4, ckpt_path=str(path), **knobs)
     for (name, a), (_, b) in zip(whole.policy.state_dict().items(), resumed.policy.state_dict().items(), strict=True):
         assert torch.equal(a, b), name
@@ -138,3 +139,23 @@ def test_lora_adapts_the_language_model_only(tiny_llava_path, image_data, tmp_pa
     moved = {n for n, p in after.items() if not torch.equal(p.detach(), before[n])}
     assert moved and moved <= trainable
     assert any("multi_modal_projector" in n for n in moved) and any("lora_" in n for n in moved)
+
+
+def test_an_image_column_with_a_causal_lm_is_refused_at_setup_naming_the_column(tiny_llama_path, image_data,
+                                                                                tmp_path):
+    """A causal LM (no vision tower) and a dataset with an image column: ``trainer.fit`` stops at setup with an error
+    naming the column, before an engine is made or anything sampled (not inside the chat template, and never one
+    optimizer step on the prompts without their pictures)."""
+    scored = []
+
+    def reward(prompts, completions, **kwargs):
+        scored.append(len(completions))
+        return [0.0] * len(completions)
+
+    module = GRPOModule(tiny_llama_path, reward_funcs=[reward], config=GRPOConfig(num_generations=2,
+                                                                                  max_new_tokens=4), export_dir="")
+    trainer = make_cpu_trainer(tmp_path, 1, logger=False, enable_checkpointing=False, num_sanity_val_steps=0)
+    data = PromptDataModule(dataset=image_data, image_field="image", prompts_per_step=2, val_size=0)
+    with pytest.raises(ValueError, match=r"image column 'image' .*not a vision-language model"):
+        trainer.fit(module, datamodule=data)
+    assert scored == [] and module.rollout.engine is None and trainer.global_step == 0

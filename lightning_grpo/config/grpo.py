@@ -26,6 +26,7 @@ RolloutImportanceSamplingLevel = Literal["token", "sequence", "geometric"]
 PolicyLossMode = Literal["vanilla", "clip_cov", "kl_cov"]
 ImportanceSamplingMode = Literal["truncate", "mask"]
 OnNonFinite = Literal["error", "skip"]
+RoutingReplayMode = Literal["off", "R3", "R2"]
 
 #: The truncated-importance-sampling cap C that ``max_staleness > 0`` uses when ``importance_sampling_cap`` is None
 #: (Yao et al. 2025 and verl's ``rollout_is_threshold`` use 2); see :meth:`GRPOConfig.tis_cap`.
@@ -267,6 +268,35 @@ class GRPOConfig:
     as soon as a rollout is generated, while the trainer trains. The rewards do not depend on it. Logged:
     ``timing/reward_<name>_s`` per reward function."""
 
+    # --- Mixture-of-experts policies (docs/algorithm.md "Routing replay") ---
+    routing_replay: RoutingReplayMode = "off"
+    """Which experts a mixture-of-experts policy's routers use in the trainer's forward passes of the policy (the
+    old-logprob pass, the training forward and the step's statistics pass; never the reference's or a teacher's):
+    "off": their own top-k. "R3" (rollout routing replay, Ma et al. 2025, arXiv:2510.11370): the experts the rollout
+    engine's routers selected for each token (the engine records them: ``RolloutOutput.prompt_routed_experts`` and
+    ``completion_routed_experts``), so the trainer scores the sampled tokens through the sampler's experts. "R2"
+    (routing replay, GSPO, arXiv:2507.18071 sec. 4.3; slime ``--use-routing-replay``): the experts of the trainer's
+    own old-policy pass, replayed in the updates after the rollout's first optimizer step (a rollout trained by one
+    optimizer step has no old pass: its routing is the policy's own). Either way the mixing weights come from the
+    live router logits at the replayed experts, so the router is still trained. Needs a policy of a supported family
+    (:data:`lightning_grpo.models.moe.FAMILIES`: Qwen3-MoE, OLMoE, Mixtral; an error at setup otherwise) and, for
+    "R3", an engine whose rollouts carry the routing (``returns_routed_experts``: the "hf" engine). Logged:
+    ``sampling/router_disagreement`` (docs/algorithm.md "Routing replay")."""
+    routing_replay_diagnostics: bool = False
+    """With ``routing_replay`` on: one more no-grad forward pass of the policy over each rollout, without replay,
+    that logs what the sampler/trainer mismatch would have been without it on the same rollout
+    (``sampling/without_replay/router_disagreement`` and, when the engine reports sampler logprobs,
+    ``sampling/without_replay/k3_kl`` and ``sampling/without_replay/sampling_logp_difference/mean``)."""
+    router_aux_loss_coef: float = 0.0
+    """Weight of a mixture-of-experts policy's load-balancing loss (Switch Transformer, Fedus et al. 2021,
+    arXiv:2101.03961 eq. 4-6, transformers' ``load_balancing_loss_func``), added to the loss: ``coef * E * sum_e f_e
+    P_e`` per routing layer (mean over layers), ``f_e`` the share of the step's loss tokens routed to expert ``e``
+    and ``P_e`` their mean router probability, over the whole optimizer step on every process (``f_e`` from a no-grad
+    pass at the step's start, like the other step statistics), so accumulation and the process count do not change
+    it. 0 (default) = off, as RL recipes for MoE policies set it (slime's Qwen3.5-35B-A3B ``--moe-aux-loss-coeff 0``;
+    SkyRL's ``moe_aux_loss_coeff: 0.0``; TRL instead uses the checkpoint's ``router_aux_loss_coef``). Logged:
+    ``aux_loss``. Needs a policy of a supported family."""
+
     on_nonfinite: OnNonFinite = "error"
     """What a NaN or infinite loss or gradient norm, found before an optimizer step, does: "error" stops the run
     with an error naming the step and the quantity (the step is not taken); "skip" drops the step's gradients, so
@@ -290,6 +320,15 @@ class GRPOConfig:
         self._check_policy_loss()
         self._check_batches()
         self._check_staleness()
+        if self.router_aux_loss_coef < 0:
+            fail("router_aux_loss_coef", self.router_aux_loss_coef, "must be >= 0 (0 = off)")
+        if self.max_tokens_per_microbatch == "auto" and (self.routing_replay == "R3" or self.router_aux_loss_coef):
+            fail("max_tokens_per_microbatch", "auto", "measures synthetic micro-batches, which carry no routed experts "
+                  "(routing_replay='R3') and no step for the load-balancing loss's expert shares "
+                  "(router_aux_loss_coef > 0): give a number of tokens")
+        if self.routing_replay_diagnostics and self.routing_replay == "off":
+            fail("routing_replay_diagnostics", True, "compares the mismatch with and without routing replay: set "
+                  "routing_replay='R3' or 'R2'")
         # issue 33: the correction and distillation groups' combinations with the fields above
         self.correction.check_with(importance_sampling_cap=self.importance_sampling_cap,
                                    importance_sampling_min=self.importance_sampling_min,

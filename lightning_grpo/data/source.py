@@ -1,6 +1,7 @@
 """What ``GRPOModule`` reads from the trainer's datamodule: :class:`PromptSource` for training (any
-``LightningDataModule`` with ``prompts_per_step``) and :class:`EvalSource` for per-dataset evaluation metrics;
-``PromptDataModule`` implements both. They are read once per stage, at setup, into a :class:`DataPlan`.
+``LightningDataModule`` with ``prompts_per_step``), :class:`EvalSource` for per-dataset evaluation metrics and
+:class:`ImageSource` for the column of the prompts' images; ``PromptDataModule`` implements the three. They are read
+once per stage, at setup, into a :class:`DataPlan`.
 :data:`EVAL_INDEX` is the column of an evaluation batch that numbers its prompts."""
 
 from __future__ import annotations
@@ -42,6 +43,17 @@ class EvalSource(Protocol):
         ...
 
 
+@runtime_checkable
+class ImageSource(Protocol):
+    """A datamodule whose prompts hold images read from a column (docs/vision.md)."""
+
+    @property
+    def image_field(self) -> Optional[str]:
+        """The column of each row's image or images (None: text prompts); the policy must be a vision-language
+        model when it is set."""
+        ...
+
+
 @dataclass(frozen=True)
 class DataPlan:
     """What the run knows of its datamodule, read once at setup (:meth:`of`).
@@ -53,19 +65,23 @@ class DataPlan:
             without them (every DataLoader is the datamodule's own dataset).
         eval_accuracy: each evaluated dataset's answer check (a reward function's name or path), as ``eval_names``;
             None: the module's ``accuracy_reward``.
+        image_field: the column the prompts' images come from (:class:`ImageSource`), None: text prompts (or a
+            datamodule that does not say).
     """
 
     prompts_per_step: Optional[int] = None
     eval_names: list[Optional[str]] = field(default_factory=lambda: [None])
     eval_accuracy: list[Optional[str]] = field(default_factory=lambda: [None])
+    image_field: Optional[str] = None
 
     @classmethod
     def of(cls, datamodule: Any) -> "DataPlan":
         """Read ``datamodule`` (None: dataloaders given to the trainer directly) once."""
         prompts = datamodule.prompts_per_step if isinstance(datamodule, PromptSource) else None
+        images = datamodule.image_field if isinstance(datamodule, ImageSource) else None
         if not isinstance(datamodule, EvalSource):
-            return cls(prompts)
-        return cls(prompts, list(datamodule.eval_names), list(datamodule.eval_accuracy))
+            return cls(prompts, image_field=images)
+        return cls(prompts, list(datamodule.eval_names), list(datamodule.eval_accuracy), images)
 
     def evaluated(self, dataloader_idx: int) -> tuple[Optional[str], Optional[str]]:
         """``(dataset name, answer check)`` of a validation/test DataLoader: ``(None, None)`` for the first (the

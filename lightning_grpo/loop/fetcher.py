@@ -1,23 +1,23 @@
 """The experience fetcher: Lightning's data fetcher that turns prompt batches into experience micro-batches, and the
-:class:`ExperienceSource` protocol it calls (the loop is described in :mod:`lightning_grpo.loop.fit_loop`)."""
+:class:`ExperienceSource` protocol it calls (the loop is described in :mod:`lightning_grpo.loop.fit_loop`).
+
+The fetcher runs the :class:`~lightning_grpo.loop.schedule.LoopPlan` the module handed the loop once: it cuts each
+rollout into micro-batches, plans each optimizer step before its first (the plan travels with the micro-batches,
+:class:`~lightning_grpo.training.experience.StepPlan`) and keeps its place in the epoch in a
+:class:`~lightning_grpo.loop.cursor.RolloutCursor`. It asks the module only for experience.
+"""
 
 from __future__ import annotations
 
-from collections import deque
-from typing import Any, Callable, Iterator, Optional, Protocol
+import dataclasses
+from typing import Any, Callable, Optional, Protocol
 
-import torch
 from lightning.pytorch.loops.fetchers import _DataFetcher
 from typing_extensions import override
 
-from lightning_grpo.loop.resume import (
-    PROMPT_BATCHES_KEY,
-    ResumeState,
-    experience_from_state,
-    experience_state,
-    rng_states,
-    set_rng_states,
-)
+from lightning_grpo.loop.cursor import CURSOR_KEY, PROMPT_BATCHES, RNG, RolloutCursor
+from lightning_grpo.loop.resume import rng_states, set_rng_states
+from lightning_grpo.loop.schedule import LoopPlan
 from lightning_grpo.rollout.prefetch import PrefetchedRollout
 from lightning_grpo.training.experience import Experience
 
@@ -27,12 +27,7 @@ class ExperienceSource(Protocol):
 
     @property
     def global_step(self) -> int:
-        """Optimizer steps taken so far."""
-        ...
-
-    @property
-    def device(self) -> torch.device:
-        """Where experience tensors live."""
+        """Optimizer steps taken so far (a rollout is cut with the step it is made at)."""
         ...
 
     def make_experience(
@@ -43,11 +38,6 @@ class ExperienceSource(Protocol):
         ``prefetch_rollout`` started for it."""
         ...
 
-    def rollouts_ahead(self, prompt_batches: Optional[int] = None) -> int:
-        """Rollouts generated in the background ahead of the one being trained; 0 = synchronous. Raises ValueError
-        when they would not fit in an epoch of ``prompt_batches`` rollout batches (None: unknown)."""
-        ...
-
     def prefetch_rollout(self, batch: Any) -> PrefetchedRollout:
         """Start generating a prompt batch's rollout in the background from the current weights."""
         ...
@@ -56,92 +46,48 @@ class ExperienceSource(Protocol):
         """Wait until no rollout is generated in the background."""
         ...
 
-    def micro_batches(self, experience: Experience, step: Optional[int] = None) -> Iterator[Experience]:
-        """The rollout's micro-batches in training order; ``step`` (the optimizer step the rollout was made at)
-        seeds their shuffle."""
-        ...
-
-    def micro_batches_per_rollout(self) -> Optional[int]:
-        """``training_step`` calls per rollout, or None when it varies (token budgets)."""
-        ...
-
-    def prepare_step(self, micro_batches: list[Experience]) -> None:
-        """Called with an optimizer step's micro-batches (in training order) just before the ``training_step`` of
-        the first: whatever the step needs from all of them (step-level token statistics)."""
-        ...
-
 
 class ExperienceFetcher(_DataFetcher):
     """Yields ``(micro_batch, index, 0)`` like Lightning's fetchers, making a rollout whenever the last one is
     used up.
 
     Args:
-        source: the module that makes experience (``make_experience`` and ``micro_batches`` are called on it).
-        micro_batches_per_rollout: training_step calls that one rollout yields; None when it varies (token-budget
-            micro-batches): the epoch's length is then unknown and ends when the prompts run out.
-        resume: the position of a loaded checkpoint, applied before the first micro-batch of the resumed run.
+        source: the module that makes experience.
+        plan: the fit's schedule (:class:`~lightning_grpo.loop.schedule.LoopPlan`): micro-batches per rollout (None
+            when they vary, token-budget micro-batches: the epoch's length is then unknown and ends when the prompts
+            run out), rollouts generated ahead, how a rollout is cut, how a step is planned.
+        resume: this process's :meth:`RolloutCursor.state_dict` of a loaded checkpoint, applied before the first
+            micro-batch of the resumed run.
 
     Attributes:
         current: the micro-batch handed out last (its ``step_start``/``step_end`` place the optimizer steps when
-            the count varies, see :func:`install_step_boundaries`).
-        prompt_batches_drawn: prompt batches taken from the DataLoader in this epoch (saved in checkpoints).
-        rollout_rng: while a rollout is being made, the RNG states it started from (a checkpoint written then,
-            e.g. on SIGTERM, regenerates the same rollout on resume), else None.
+            the count varies, see :func:`lightning_grpo.loop.fit_loop.install_step_boundaries`).
+        cursor: the position in the epoch (saved in checkpoints).
     """
 
-    def __init__(self, source: ExperienceSource, micro_batches_per_rollout: Optional[int],
-                 resume: Optional[ResumeState] = None) -> None:
+    def __init__(self, source: ExperienceSource, plan: LoopPlan, resume: Optional[dict] = None) -> None:
         super().__init__()
         self.source = source
-        self.micro_batches_per_rollout = micro_batches_per_rollout
+        self.plan = plan
         self.resume = resume
-        self.rollout_rng: Optional[dict] = None
-        self._rollout: list[Experience] = []  # the current rollout's micro-batches
-        self._position = 0  # how many of them were handed out
-        self._experience: Optional[Experience] = None
-        self._step = 0
-        self._index = 0
-        self._drawn_before_rollout: Optional[int] = None
+        self.cursor = RolloutCursor()
         self.current: Optional[Experience] = None
-        self._ahead: Optional[int] = None  # rollouts generated ahead (source.rollouts_ahead, asked once)
-        self._prefetched: deque[tuple[int, PrefetchedRollout]] = deque()  # (prompt batches drawn before, rollout)
-        self._exhausted = False  # the epoch's prompt batches are all drawn
+        self._depth: Optional[int] = None  # rollouts generated ahead (the plan's, once the loader's length is known)
         self._prompt_batches: Optional[int] = None  # prompt batches per epoch, when the loader knows
-
-    @property
-    def prompt_batches_drawn(self) -> int:
-        """Prompt batches of this epoch's finished rollouts (a rollout in progress, e.g. when a signal handler saves a
-        checkpoint in its middle, does not count: the resumed run regenerates it)."""
-        return self._index if self._drawn_before_rollout is None else self._drawn_before_rollout
-
-    def current_step(self) -> list[Experience]:
-        """The micro-batches of the optimizer step whose first micro-batch was handed out last, in order."""
-        start = end = self._position - 1
-        while end + 1 < len(self._rollout) and not self._rollout[end].step_end:
-            end += 1
-        return self._rollout[start : end + 1]
-
-    def partial_rollout(self) -> Optional[dict]:
-        """The current rollout as plain data when some of its micro-batches are still to be trained on, else None."""
-        if self._experience is None or self._position >= len(self._rollout):
-            return None
-        return {"experience": experience_state(self._experience), "step": self._step, "consumed": self._position}
 
     @override
     def reset(self) -> None:
         super().reset()
         self._prompt_batches = self.length
         if self.length is not None:
-            if self.micro_batches_per_rollout is None:
+            per_rollout = self.plan.micro_batches_per_rollout()
+            if per_rollout is None:
                 self.length = None
             else:
-                self.length *= self.micro_batches_per_rollout
+                self.length *= per_rollout
                 self.done = self.length == 0
-        self._rollout, self._position, self._experience = [], 0, None
-        self._index = 0
+        self.cursor = RolloutCursor()  # rollouts generated ahead are never carried into another epoch
         self.current = None
-        self._prefetched.clear()  # never carried into another epoch
-        self._exhausted = False
 
     @override
     def __next__(self) -> Any:
@@ -154,89 +100,79 @@ class ExperienceFetcher(_DataFetcher):
             if self.resume is not None:
                 resume, self.resume = self.resume, None
                 self._apply(resume)
-            if self._position >= len(self._rollout):
-                self._new_rollout()
-            micro = self._rollout[self._position]
-            self._position += 1
+            cursor = self.cursor
+            if cursor.consumed >= len(cursor.micro_batches):
+                self._start_rollout()
+            micro = cursor.micro_batches[cursor.consumed]
+            cursor.consumed += 1
         finally:
             self._stop_profiler()
         self.fetched += 1
         if self.length is not None:
             self.done = self.fetched >= self.length
         self.current = micro
-        if micro.step_start:  # the step's plan goes forward: its token statistics before its first training_step
-            self.source.prepare_step(self.current_step())
+        if micro.step_start:  # the step's plan goes with its micro-batches: its token statistics, before its first
+            self._plan_step(cursor.consumed - 1)
         return micro, self.fetched - 1, 0
 
-    def _new_rollout(self) -> None:
-        if self._ahead is None:
-            self._ahead = self.source.rollouts_ahead(self._prompt_batches)
-        if self._ahead > 0:
-            self._new_prefetched_rollout(self._ahead)
-            return
-        drawn_before = self._index
-        prompt_batch = self._draw_or_finish()
-        self.rollout_rng, self._drawn_before_rollout = rng_states(), drawn_before
-        self._step = self.source.global_step
-        self._experience, self._rollout, self._position = None, [], 0
-        try:
-            experience = self.source.make_experience(prompt_batch, next_prompt_batch=self._next_prompt_batch)
-        except BaseException:  # e.g. a rollout stopped by SIGTERM: a checkpoint saved now regenerates it
-            self._index = drawn_before
-            raise
-        finally:
-            self.rollout_rng, self._drawn_before_rollout = None, None
-        self._experience = experience
-        self._rollout = list(self.source.micro_batches(experience, self._step))
+    def _plan_step(self, first: int) -> None:
+        """Plan the optimizer step whose first micro-batch is ``micro_batches[first]`` (the plan's ``plan_step``, a
+        collective) and attach each micro-batch's plan; the first's names the others (``StepPlan.later``)."""
+        rollout = self.cursor.micro_batches
+        last = first
+        while last + 1 < len(rollout) and not rollout[last].step_end:
+            last += 1
+        members = rollout[first : last + 1]
+        for member, plan in zip(members, self.plan.plan_step(members), strict=True):
+            member.step_plan = plan
+        head = members[0].step_plan
+        assert head is not None
+        members[0].step_plan = dataclasses.replace(head, later=tuple(members[1:]))
 
-    def _new_prefetched_rollout(self, ahead: int) -> None:
-        """Asynchronous: take the oldest prefetched rollout (start it first if none is), start the next ones from
-        the current weights until ``ahead`` are generated ahead, then make the taken one's experience."""
-        if not self._prefetched:
-            drawn_before = self._index
-            prompt_batch = self._draw_or_finish()
-            self._prefetched.append((drawn_before, self.source.prefetch_rollout(prompt_batch)))
-        drawn_before, prefetched = self._prefetched.popleft()
-        self._drawn_before_rollout = drawn_before
-        self._step = self.source.global_step
-        self._experience, self._rollout, self._position = None, [], 0
+    def _start_rollout(self) -> None:
+        """Make the next rollout's experience: the oldest rollout generated ahead, or, when none is (synchronous
+        rollouts are depth 0), the next prompt batch's, drawn now; first start generating the next prompt batches in
+        the background from the current weights until the plan's depth is ahead. Raises ``StopIteration`` (the
+        epoch is done) when no prompt batch is left."""
+        cursor = self.cursor
+        if self._depth is None:
+            self._depth = self.plan.rollouts_ahead(self._prompt_batches)
+        if not cursor.ahead:
+            drawn_before, batch = cursor.drawn, self._draw_or_finish()
+            prefetched = self.source.prefetch_rollout(batch) if self._depth else None
+        else:
+            drawn_before, prefetched = cursor.ahead.popleft()
+            batch = prefetched.batch
+        # a synchronous rollout keeps the RNG states it starts from: a checkpoint written while it is made redoes it
+        cursor.begin_rollout(drawn_before, self.source.global_step, rng_states() if prefetched is None else None)
         try:
-            while len(self._prefetched) < ahead and not self._exhausted:
-                index = self._index
+            while len(cursor.ahead) < self._depth and not cursor.exhausted:
+                drawn = cursor.drawn
                 try:
-                    prompt_batch = self._draw()
+                    following = self._draw()
                 except StopIteration:
-                    self._exhausted = True
+                    cursor.exhausted = True
                     break
-                self._prefetched.append((index, self.source.prefetch_rollout(prompt_batch)))
-            experience = self.source.make_experience(prefetched.batch, prefetched=prefetched)
+                cursor.ahead.append((drawn, self.source.prefetch_rollout(following)))
+            more = self._next_prompt_batch if prefetched is None else None
+            experience = self.source.make_experience(batch, next_prompt_batch=more, prefetched=prefetched)
         except BaseException:  # e.g. SIGTERM: a checkpoint saved now regenerates this rollout and the ones after
-            self._index = drawn_before
-            self._prefetched.clear()
+            cursor.drawn = drawn_before
+            cursor.ahead.clear()
             raise
         finally:
-            self._drawn_before_rollout = None
-        self._experience = experience
-        self._rollout = list(self.source.micro_batches(experience, self._step))
+            cursor.making, cursor.rng = None, None
+        cursor.experience = experience
+        cursor.micro_batches = list(self.plan.micro_batches(experience, cursor.step))
+
+    def use_plan(self, plan: LoopPlan) -> None:
+        """Run ``plan`` from the next rollout on (the token budget resolved once training starts)."""
+        self.plan = plan
 
     def wait_for_rollouts(self) -> None:
         """Wait for the rollouts generated in the background (asynchronous; a no-op otherwise)."""
-        if self._ahead:
+        if self._depth:
             self.source.wait_for_rollouts()
-
-    def position(self) -> tuple[int, list[dict]]:
-        """For a checkpoint (call :meth:`wait_for_rollouts` first): the prompt batches drawn and the prefetched
-        rollouts that finished, oldest first, as plain data. A prefetched rollout that failed or was interrupted,
-        and the ones after it, are not kept: their prompt batches count as not drawn (regenerated on resume); so
-        are all of them while a rollout is being made."""
-        if self._drawn_before_rollout is not None:
-            return self._drawn_before_rollout, []
-        states: list[dict] = []
-        for drawn_before, prefetched in self._prefetched:
-            if not prefetched.succeeded():
-                return drawn_before, states
-            states.append({"drawn_before": drawn_before, "rollout": prefetched.state()})
-        return self._index, states
 
     def _draw_or_finish(self) -> Any:
         """:meth:`_draw`, marking the epoch done when the prompts are exhausted (``StopIteration`` re-raised)."""
@@ -249,41 +185,37 @@ class ExperienceFetcher(_DataFetcher):
     def _draw(self) -> Any:
         assert self.iterator is not None
         prompt_batch, _, _ = next(self.iterator)
-        self._index += 1
+        self.cursor.drawn += 1
         return prompt_batch
 
     def _next_prompt_batch(self) -> Optional[Any]:
         """Another prompt batch for the rollout being made (dynamic sampling), or None when the epoch's data is used
-        up. The rollout still yields ``micro_batches_per_rollout`` micro-batches, so the epoch simply ends after
-        fewer rollouts."""
+        up. The rollout still yields the plan's micro-batches, so the epoch simply ends after fewer rollouts."""
         try:
             return self._draw()
         except StopIteration:
             return None
 
-    def _apply(self, resume: ResumeState) -> None:
+    def _apply(self, resume: dict) -> None:
         """Continue where the checkpoint stopped: restore the RNG states, skip the prompt batches drawn before it
         (Lightning restored ``fetched``, the micro-batches already trained on) and hand out the rest of a partly
-        used rollout.
+        used rollout, then the rollouts it had generated ahead.
 
         Raises:
-            ValueError: the checkpoint stopped inside an epoch but holds no position (``prompt_batches_drawn``).
+            ValueError: the checkpoint stopped inside an epoch but holds no position (no ``rollout_cursors``).
         """
-        if resume.rng is not None:
-            set_rng_states(resume.rng)
+        if resume.get(RNG) is not None:
+            set_rng_states(resume[RNG])
         if self.fetched == 0:
             return  # the checkpoint ended an epoch: this one starts from its beginning
-        drawn = resume.prompt_batches
+        drawn = resume.get(PROMPT_BATCHES)
         if drawn is None:
             raise ValueError("the checkpoint stopped inside an epoch but its fit loop state holds no "
-                             f"{PROMPT_BATCHES_KEY!r}: it was not written by GRPOFitLoop, so the position in the epoch "
-                             "is unknown")
-        while self._index < drawn:
+                             f"{CURSOR_KEY!r}: it was not written by GRPOFitLoop, so the position in the epoch is "
+                             "unknown")
+        while self.cursor.drawn < drawn:
             self._draw()
-        if resume.partial is not None:
-            self._experience = experience_from_state(resume.partial["experience"], self.source.device)
-            self._step = int(resume.partial["step"])
-            self._rollout = list(self.source.micro_batches(self._experience, self._step))
-            self._position = int(resume.partial["consumed"])
-        for entry in resume.prefetched or []:
-            self._prefetched.append((int(entry["drawn_before"]), PrefetchedRollout.from_state(entry["rollout"])))
+        cursor = self.cursor
+        cursor.load_state_dict(resume, self.plan.device)
+        if cursor.experience is not None:
+            cursor.micro_batches = list(self.plan.micro_batches(cursor.experience, cursor.step))

@@ -31,24 +31,18 @@ import lightning as L
 from lightning.pytorch.loops.fit_loop import _FitLoop
 from typing_extensions import override
 
+from lightning_grpo.loop.cursor import CURSOR_KEY, pending_rollouts, saved_cursors
 from lightning_grpo.loop.fetcher import ExperienceFetcher, ExperienceSource
-from lightning_grpo.loop.resume import (
-    PARTIAL_KEY,
-    PREFETCHED_KEY,
-    PROMPT_BATCHES_KEY,
-    REPLICAS_KEY,
-    RNG_KEY,
-    ResumeState,
-    check_replicas,
-    rng_states,
-    this_process,
-)
+from lightning_grpo.loop.resume import REPLICAS_KEY, check_replicas, this_process
+from lightning_grpo.loop.schedule import LoopPlan
 from lightning_grpo.protocols.collectives import gather_per_process
 
 
 class GRPOFitLoop(_FitLoop):
-    """Lightning's fit loop with an :class:`ExperienceFetcher`. State (progress counters) is the base class's,
-    so checkpoints of either loop load into the other.
+    """Lightning's fit loop with an :class:`ExperienceFetcher`, which runs the :class:`LoopPlan` the module hands it
+    when the fit starts (:meth:`use_plan`). State (progress counters) is the base class's, so checkpoints of either
+    loop load into the other; the fetcher's position is every process's
+    :class:`~lightning_grpo.loop.cursor.RolloutCursor` (:data:`~lightning_grpo.loop.cursor.CURSOR_KEY`).
 
     A training "batch" here is one experience micro-batch; ``val_check_interval`` given as an int counts them,
     as a float it is a fraction of the epoch's micro-batches (the prompt batches times micro-batches per rollout).
@@ -58,23 +52,29 @@ class GRPOFitLoop(_FitLoop):
         super().__init__(trainer, min_epochs=source.min_epochs, max_epochs=source.max_epochs)
         self.epoch_loop = source.epoch_loop
         self._data_source = source._data_source  # the Trainer attached the user's datamodule/dataloaders to it
-        self.resume_state: Optional[ResumeState] = None  # the position of a loaded checkpoint
+        self.resume_state: Optional[dict] = None  # this process's cursor state of a loaded checkpoint
+        self.plan: Optional[LoopPlan] = None  # the module's (use_plan)
         self._experience: Optional[ExperienceFetcher] = None  # the fetcher setup_data made
+
+    def use_plan(self, plan: LoopPlan) -> None:
+        """The fit's schedule (the module hands it when the fit starts, and again once the token budget is resolved):
+        how many micro-batches a rollout makes, how many rollouts are generated ahead, how a rollout is cut and how a
+        step is planned."""
+        self.plan = plan
+        if self._experience is not None:
+            self._experience.use_plan(plan)
 
     @override
     def on_save_checkpoint(self) -> dict:
-        """The base state plus the position inside the epoch: prompt batches drawn, every process's RNG states
-        (those the current rollout started from while one is being made) and a partly used rollout. A collective
-        under multi-process strategies (Lightning builds a checkpoint on every process)."""
+        """The base state plus the position inside the epoch: every process's
+        :meth:`~lightning_grpo.loop.cursor.RolloutCursor.state_dict` (prompt batches drawn, RNG states, a partly used
+        rollout, rollouts generated ahead) and data-parallel replica. A collective under multi-process strategies
+        (Lightning builds a checkpoint on every process)."""
         state_dict = super().on_save_checkpoint()
         fetcher = self._experience
         if fetcher is not None and fetcher is self._data_fetcher:  # not torn down
             fetcher.wait_for_rollouts()  # asynchronous: the prefetched rollouts and the RNG states are final now
-            drawn, prefetched = fetcher.position()
-            state_dict[PROMPT_BATCHES_KEY] = drawn
-            state_dict[RNG_KEY] = gather_per_process(fetcher.rollout_rng or rng_states())
-            state_dict[PARTIAL_KEY] = gather_per_process(fetcher.partial_rollout())
-            state_dict[PREFETCHED_KEY] = gather_per_process(prefetched)
+            state_dict[CURSOR_KEY] = gather_per_process(fetcher.cursor.state_dict())
             state_dict[REPLICAS_KEY] = gather_per_process(self._replica())
         return state_dict
 
@@ -89,15 +89,18 @@ class GRPOFitLoop(_FitLoop):
 
     @override
     def on_load_checkpoint(self, state_dict: dict) -> None:
+        """This process's cursor (:func:`~lightning_grpo.loop.cursor.saved_cursors`, which reads the earlier one-key-
+        per-part layout too), applied before the resumed run's first micro-batch.
+
+        Raises:
+            ValueError: the checkpoint was written by another number of processes, or (with a partly used rollout or
+                rollouts generated ahead) by other data-parallel replicas.
+        """
+        cursors = saved_cursors(state_dict)
         if REPLICAS_KEY in state_dict:  # a collective: every process loads the checkpoint
-            pending = any(state_dict.get(PARTIAL_KEY) or []) or any(state_dict.get(PREFETCHED_KEY) or [])
-            check_replicas(state_dict[REPLICAS_KEY], gather_per_process(self._replica()), pending)
-        self.resume_state = ResumeState(
-            prompt_batches=state_dict.get(PROMPT_BATCHES_KEY),
-            rng=this_process(state_dict.get(RNG_KEY), "RNG states"),
-            partial=this_process(state_dict.get(PARTIAL_KEY), "partly used rollouts"),
-            prefetched=this_process(state_dict.get(PREFETCHED_KEY), "prefetched rollouts"),
-        )
+            check_replicas(state_dict[REPLICAS_KEY], gather_per_process(self._replica()), pending_rollouts(cursors))
+        # {}: no position (e.g. a checkpoint of Lightning's own loop), refused when it stopped inside an epoch
+        self.resume_state = {} if cursors is None else this_process(cursors, "rollout cursors")
         super().on_load_checkpoint(state_dict)
 
     @override
@@ -112,9 +115,12 @@ class GRPOFitLoop(_FitLoop):
             trainer.val_check_interval = val_check_interval
         if not first or self._combined_loader is None:
             return
+        if self.plan is None:
+            raise RuntimeError("GRPOFitLoop runs the LoopPlan its module hands it when the fit starts "
+                               "(GRPOFitLoop.use_plan, as GRPOModule.on_fit_start does): none was handed")
         source: ExperienceSource = trainer.lightning_module  # type: ignore[assignment]
-        per_rollout = source.micro_batches_per_rollout()
-        fetcher = ExperienceFetcher(source, per_rollout, self.resume_state)
+        per_rollout = self.plan.micro_batches_per_rollout()
+        fetcher = ExperienceFetcher(source, self.plan, self.resume_state)
         fetcher.setup(self._combined_loader)
         iter(fetcher)
         self.use_fetcher(fetcher)

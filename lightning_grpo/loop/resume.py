@@ -1,7 +1,9 @@
-"""What an exact resume needs beyond Lightning's own state: every process's RNG states and a partly used rollout.
+"""What an exact resume needs beyond Lightning's own state, as plain data: every process's RNG states, an
+:class:`Experience` (a partly used rollout), and the checks that a checkpoint's processes and data-parallel replicas
+are this run's.
 
-The fit loop (:mod:`lightning_grpo.loop.fit_loop`) stores both in its checkpoint state. Everything here is plain data
-(ints,
+The fit loop (:mod:`lightning_grpo.loop.fit_loop`) stores them with the fetcher's position
+(:class:`~lightning_grpo.loop.cursor.RolloutCursor`) in its checkpoint state. Everything here is plain data (ints,
 floats, strings, tensors, lists, dicts), so a checkpoint still loads with ``torch.load(weights_only=True)``.
 """
 
@@ -9,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import random
-from dataclasses import dataclass
 from typing import Any, Optional
 
 import numpy as np
@@ -19,34 +20,9 @@ import torch.distributed as dist
 from lightning_grpo.protocols.images import images_to, row_images_from_state, row_images_state
 from lightning_grpo.training.experience import Experience
 
-#: Keys in the fit loop's own checkpoint state: prompt batches drawn in the current epoch, every process's RNG
-#: states, every process's partly used rollout (or None), every process's prefetched rollouts (asynchronous).
-PROMPT_BATCHES_KEY = "prompt_batches_drawn"
-RNG_KEY = "rng_states"
-PARTIAL_KEY = "partial_rollouts"
-PREFETCHED_KEY = "prefetched_rollouts"
 #: Every process's data-parallel replica ``[sampler rank, replicas]`` (the strategy's ``distributed_sampler_kwargs``;
-#: None on one process): a partly used rollout belongs to its replica.
+#: None on one process), a key of the fit loop's checkpoint state: a partly used rollout belongs to its replica.
 REPLICAS_KEY = "data_parallel_replicas"
-
-
-@dataclass
-class ResumeState:
-    """What a checkpoint says about the loop's position, for this process.
-
-    Attributes:
-        prompt_batches: prompt batches drawn in the checkpoint's epoch.
-        rng: the RNG states (:func:`lightning_grpo.loop.resume.rng_states`) the next rollout starts from, or None.
-        partial: a rollout whose micro-batches were not all trained on: ``experience``
-            (:func:`lightning_grpo.loop.resume.experience_state`), ``step`` (seeds its shuffle) and ``consumed``.
-        prefetched: rollouts generated ahead (asynchronous), oldest first: ``drawn_before`` (prompt batches drawn
-            before its own) and ``rollout`` (:meth:`lightning_grpo.rollout.prefetch.PrefetchedRollout.state`).
-    """
-
-    prompt_batches: Optional[int] = None
-    rng: Optional[dict] = None
-    partial: Optional[dict] = None
-    prefetched: Optional[list] = None
 
 
 def rng_states() -> dict[str, Any]:
@@ -113,6 +89,8 @@ def experience_state(experience: Experience) -> dict[str, Any]:
     """An :class:`Experience` as plain data on the CPU."""
     state = {}
     for field in dataclasses.fields(experience):
+        if field.name == "step_plan":  # planned again when its step's first micro-batch is handed out
+            continue
         value = getattr(experience, field.name)
         state[field.name] = value.detach().cpu() if isinstance(value, torch.Tensor) else value
     state["images"] = row_images_state(experience.images)  # the images once per prompt, as plain data

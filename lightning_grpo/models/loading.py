@@ -1,5 +1,5 @@
 """Policy loading and saving: a model id, folder or module -> ``(policy, tokenizer, model_path)``; the frozen
-reference policy; ``save_pretrained`` of the trained policy."""
+reference policy; ``save_pretrained`` of the trained policy and the folder it is exported to."""
 
 from __future__ import annotations
 
@@ -104,3 +104,11 @@ def save_policy(policy: nn.Module, tokenizer: PreTrainedTokenizerBase, path: str
     policy.save_pretrained(path, state_dict=state_dict)
     tokenizer.save_pretrained(path)
     log.info("saved the trained policy to %s", path)
+
+
+def export_folder(export_dir: Optional[str], log_dir: Optional[str], default_root_dir: str) -> Optional[str]:
+    """Where ``GRPOModule`` exports the trained policy at the end of a fit: ``export_dir``; by default (None)
+    ``<log_dir or default_root_dir>/hf_model`` (the trainer's); None (no export) when it is ""."""
+    if export_dir is not None:
+        return export_dir or None
+    return os.path.join(log_dir or default_root_dir, "hf_model")

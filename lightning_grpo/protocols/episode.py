@@ -31,7 +31,7 @@ class Turn:
 
 @dataclass
 class SampleRecord:
-    """One training sample of an agent's episode (:mod:`lightning_grpo.episodes.session`): a token sequence that
+    """One training sample of an agent's episode (:mod:`lightning_grpo.episodes.agents.session`): a token sequence that
     one or more of the session's model calls extended in turn.
 
     Attributes:

@@ -18,6 +18,7 @@ lists what this does and does not guarantee.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import threading
@@ -26,6 +27,8 @@ from typing import Any, Optional, Sequence
 from lightning_grpo.rewards.code_harness import CHECKER, SOLUTION
 from lightning_grpo.rewards.pool import PooledReward, RewardChunk
 from lightning_grpo.sandbox import Sandbox, SandboxLimits, SandboxResult
+
+log = logging.getLogger(__name__)
 
 #: The last fenced code block (its language tag python/py/Python or none); an unclosed one runs to the end. The
 #: quantifiers before the newline are possessive and cannot trade characters, so a fence followed by a long run of
@@ -66,8 +69,11 @@ class CodeReward(PooledReward):
         setup_column: the column holding code run before the completion's (None or a missing column: none); the
             tests see the setup's own definitions, never the completion's versions of them.
         entry_point_column: the column naming the function(s) under test (a name or a list of names; HumanEval's
-            ``entry_point``), which the tests call in the program even where the setup defines a stub of the same
-            name (None or a missing column: only the names the tests use that the setup does not define).
+            ``entry_point``), which the tests call in the program even where the setup defines a function of the
+            same name (None or a missing column: the setup's stubs, functions whose body is only docstrings,
+            ``pass``, ``...`` and imports, and the names the tests use that the setup does not define). A setup
+            function with a body of its own that a completion defines again is the setup's for the tests (it may be
+            a helper the tests rely on): a warning names it, once, asking for the entry point.
         test_timeout_s: seconds each test (and the program itself, and each call) may run before it counts as
             failed (a timer in each process; the sandbox's wall-clock limit bounds the whole run).
         name: the metric name.
@@ -93,6 +99,8 @@ class CodeReward(PooledReward):
         self.sandbox = sandbox if sandbox is not None else Sandbox(SandboxLimits())
         self.tests_column, self.setup_column, self.test_timeout_s = tests_column, setup_column, test_timeout_s
         self.entry_point_column = entry_point_column
+        self._warned: set[str] = set()  # the setup functions a warning named already
+        self._warn_lock = threading.Lock()
 
     def score_chunk(self, prompts: list, completions: list[str], columns: dict[str, list]) -> RewardChunk:
         if self.tests_column not in columns:
@@ -122,7 +130,23 @@ class CodeReward(PooledReward):
             ValueError: ``tests`` is empty or not a list of strings; ``entry_point`` is not a name or names.
         """
         runs = self.run_processes(completion, tests, setup, entry_point)
-        return (0.0, "no_code") if runs is None else read_report(*runs, len(tests))
+        if runs is None:
+            return 0.0, "no_code"
+        self._warn_kept(kept_functions(runs[0], len(tests)))
+        return read_report(*runs, len(tests))
+
+    def _warn_kept(self, names: Sequence[str]) -> None:
+        """Warn once per name of a setup function the tests called in the setup's version though the completion
+        wrote it (the checker's ``kept`` report line)."""
+        with self._warn_lock:
+            new = [n for n in names if n not in self._warned]
+            self._warned.update(new)
+        for name in new:
+            log.warning("%s: a completion defines %r again, but the task's setup defines %r with a body of its own "
+                        "(not only a docstring, pass, ... and imports) and no entry point names it, so the tests "
+                        "call the setup's %r, not the completion's; if %r is the function under test, name it in "
+                        "the %r column (entry_point=%r)", self.__name__, name, name, name, name,
+                        self.entry_point_column, name)
 
     def run_processes(self, completion: str, tests: Sequence[str], setup: Optional[str] = None,
                       entry_point: str | Sequence[str] | None = None
@@ -210,16 +234,26 @@ def read_report(checker: SandboxResult, solution: SandboxResult, n_tests: int) -
     return rate, "passed" if passed == n_tests else "failed"
 
 
+def kept_functions(checker: SandboxResult, n_tests: int) -> list[str]:
+    """The setup functions with a body of their own that the completion defined again and the tests called in the
+    setup's version (the checker's ``kept`` line; none for a malformed report)."""
+    report = _parse_report(checker.stdout, n_tests)
+    return [] if report is None else report["kept"]
+
+
 def _parse_report(stdout: str, n_tests: int) -> Optional[dict[str, Any]]:
-    """The checker's report lines gathered (``syntax_error``, ``program``, ``results``, ``done``, ``channel``), or
-    None when a whole line is not a report line."""
-    report: dict[str, Any] = {"syntax_error": False, "program": None, "results": {}, "done": False, "channel": None}
+    """The checker's report lines gathered (``syntax_error``, ``kept``, ``program``, ``results``, ``done``,
+    ``channel``), or None when a whole line is not a report line."""
+    report: dict[str, Any] = {"syntax_error": False, "kept": [], "program": None, "results": {}, "done": False,
+                              "channel": None}
     for line in stdout.split("\n")[:-1]:
         entry = _entry(line, n_tests)
         if entry is None:
             return None
         if "syntax_error" in entry:
             report["syntax_error"] = True
+        elif "kept" in entry:
+            report["kept"] = entry["kept"]
         elif "program" in entry:
             report["program"] = entry["program"]
         elif "test" in entry:
@@ -238,6 +272,9 @@ def _entry(line: str, n_tests: int) -> Optional[dict[str, Any]]:
     if not isinstance(entry, dict):
         return None
     if entry == {"syntax_error": True}:
+        return entry
+    if set(entry) == {"kept"} and type(entry["kept"]) is list and 0 < len(entry["kept"]) <= 64 \
+            and all(type(n) is str and n.isidentifier() for n in entry["kept"]):
         return entry
     if set(entry) == {"program"} and entry["program"] in _KINDS:
         return entry

@@ -11,16 +11,18 @@ does:
   timeout, and the arguments' new contents when the call changed them;
 * the **checker** process (:data:`CHECKER`, in another sandbox; the completion's code never runs there) compiles the
   program (a syntax error is decided here), runs the task's setup (its helper functions are the task's, not the
-  completion's), binds the task's entry points, the functions the setup declares without a body (a docstring,
-  ``pass`` or ``...`` only: HumanEval's prompt) and every other name the tests use that the setup does not define
-  to a stub that calls the solution, and runs each test under its own timer, in order, in that one namespace, as the
-  tests would run in the program's. Arguments and results cross as plain data
+  completion's), binds the task's entry points, the functions the setup declares without a body (docstrings,
+  ``pass``, ``...`` and imports only: HumanEval's prompt) and every other name the tests use that the setup does not
+  define to a stub that calls the solution, and runs each test under its own timer, in order, in that one namespace,
+  as the tests would run in the program's. Arguments and results cross as plain data
   (:mod:`lightning_grpo.rewards.plain_data`, JSON): an object that fakes ``__eq__`` cannot cross, and a result is
   compared by the checker's own operators and builtins. A call that changed its arguments (a list sorted in place)
   changes the checker's arguments the same way, and an exception of a builtin type is raised again as that type,
   so ``check(candidate)`` means what it means in one process. ``random`` is seeded with 0 before each test (and in
   the solution once), so a task's random tests are the same at every scoring;
 * the checker alone writes its standard output: one JSON object per line, ``{"syntax_error": true}``, or
+  ``{"kept": [names]}`` (the setup's functions with a body of their own that the completion defines again, which the
+  tests call in the setup's version, :data:`lightning_grpo.rewards.code.CodeReward` warns) when there are any, then
   ``{"program": kind}``, then ``{"test": i, "result": kind}`` per test, then ``{"done": true, "channel": state}``;
   what the tests print goes to ``/dev/null``. The solution's output is never read as a report.
 
@@ -334,17 +336,36 @@ def _names(code):
     return found
 
 
-def _stubs(setup):
-    """The functions the setup declares without a body (a docstring, ``pass`` or ``...`` only): the ones to write."""
+def _declares(statement):
     import ast
-    found = []
-    for node in ast.parse(setup).body:
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and all(
-                isinstance(s, ast.Pass) or (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant)
-                                            and (isinstance(s.value.value, str) or s.value.value is Ellipsis))
-                for s in node.body):
-            found.append(node.name)
-    return found
+    return isinstance(statement, (ast.Pass, ast.Import, ast.ImportFrom)) or (
+        isinstance(statement, ast.Expr) and isinstance(statement.value, ast.Constant)
+        and (isinstance(statement.value.value, str) or statement.value.value is Ellipsis))
+
+
+def _functions(tree):
+    import ast
+    return [n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+
+
+def _stubs(setup):
+    """The functions the setup declares without a body (docstrings, ``pass``, ``...`` and imports only, in any
+    order: HumanEval/115 imports before its docstring): the ones to write."""
+    import ast
+    return [n.name for n in _functions(ast.parse(setup)) if all(_declares(s) for s in n.body)]
+
+
+def _rewritten(setup, program):
+    """The setup's top-level functions that the program's code after the setup (the completion's) defines again, or
+    continues (a body written after the setup's last line): the functions the completion wrote."""
+    import ast
+    lines = setup.count("\n") + (0 if setup.endswith("\n") else 1)
+    try:
+        later = [n for n in _functions(ast.parse(program)) if n.end_lineno > lines]
+    except (SyntaxError, ValueError, OverflowError, RecursionError, MemoryError):
+        return []
+    own = {n.name for n in _functions(ast.parse(setup))}
+    return sorted({n.name for n in later} & own)
 
 
 def _run(code, namespace, seconds):
@@ -388,7 +409,12 @@ def _check(answers, requests):
             codes.append(compile(test, "test_%d.py" % index, "exec"))
         except (SyntaxError, ValueError, OverflowError, RecursionError, MemoryError):
             codes.append(None)
-    used = set(task["entry_points"]) | set(_stubs(task["setup"]) if setup == "pass" else ())
+    stubs = set(_stubs(task["setup"]) if setup == "pass" else ())
+    used = set(task["entry_points"]) | stubs
+    if setup == "pass":  # a function of the setup with a body of its own that the completion wrote again: the tests
+        kept = [n for n in _rewritten(task["setup"], task["program"]) if n not in used]  # call the setup's (said)
+        if kept:
+            _write(report_fd, {"kept": kept[:64]})
     for code in codes:
         if code is not None:
             used |= {n for n in _names(code) if n not in namespace and not hasattr(_builtins, n)}

@@ -3,7 +3,7 @@
 A :class:`PooledReward` is a reward function (``fn(prompts, completions, **columns) -> list[float | None]``) that
 also declares how its calls may be split: ``chunk_size`` completions per call (or one group of G, or the whole
 rollout), each call a task of the :class:`RewardPool`, so a rollout's slow rewards are scored ``width`` at a time
-and, with asynchronous rollouts, while the trainer trains (:mod:`lightning_grpo.experience_maker`). It may also
+and, with asynchronous rollouts, while the trainer trains (:mod:`lightning_grpo.experience.maker`). It may also
 declare ``outcomes``: labels it counts per completion (e.g. a sandbox's ``timeout``), logged as
 ``rewards/<name>/<outcome>`` (the fraction of completions).
 

@@ -43,8 +43,9 @@ class RewardScores:
         per_function: ``(N, F)`` float32 raw (unweighted) rewards; NaN where a function returned ``None`` (or
             raised, for a function listed in ``tolerant``).
         names: ``F`` unique function names (see :func:`reward_function_names`), e.g. for metric keys.
-        seconds: ``name -> wall seconds`` each function took (a pooled one: from its first call's start to its last
-            call's end), for ``timing/reward_<name>_s``.
+        seconds: ``name -> wall seconds`` each function ran, for ``timing/reward_<name>_s``: a plain function's call;
+            a pooled one's calls, the length of the union of their spans (:func:`busy_seconds`: calls that ran at
+            once count once, the time a call waited for a pool thread or its start does not count).
         outcomes: ``"<name>/<outcome>" -> completions`` counted by the pooled functions' declared ``outcomes``
             (every declared outcome is present, 0 included), for ``rewards/<name>/<outcome>``.
     """
@@ -247,8 +248,21 @@ def _collect(fn: PooledReward, name: str, calls: list[tuple[_Call, Optional[Futu
                 raise ValueError(f"reward function {name!r} counted outcome {key!r}, which it does not declare "
                                  f"(outcomes={fn.outcomes})")
             outcomes[key] += int(count)
-    seconds = max(c.ended for c, _ in calls) - min(c.began for c, _ in calls) if calls else 0.0
-    return values, outcomes, seconds
+    return values, outcomes, busy_seconds([(c.began, c.ended) for c, _ in calls])
+
+
+def busy_seconds(spans: Sequence[tuple[float, float]]) -> float:
+    """The seconds during which at least one of the ``(began, ended)`` spans ran: the length of their union (calls
+    that ran at once count once; the gaps between them, a call waiting for a pool thread, count not at all).
+
+    Example: ``[(0, 2), (1, 3), (5, 6)]`` -> 4.0 (``[0, 3]`` and ``[5, 6]``).
+    """
+    total, end = 0.0, -math.inf
+    for began, ended in sorted(spans):
+        if ended > end:
+            total += ended - max(began, end)
+            end = ended
+    return total
 
 
 def score_completions(  # noqa: C901 - input checks, then one loop

@@ -5,7 +5,7 @@ release the GIL while they compute) and then, when given, ``on_generated`` (the 
 slow rewards' calls in the reward pool, :mod:`lightning_grpo.rewards.pool`, so that they run while the trainer
 trains). Everything else happens on the trainer's thread, at points the training schedule fixes: encoding the
 prompts, the weight sync, the per-request seed, scoring (collecting those calls), logprob passes and advantages
-(:class:`lightning_grpo.experience_maker.ExperienceMaker`). So:
+(:class:`lightning_grpo.experience.maker.ExperienceMaker`). So:
 
 * a weight sync never overlaps a generation: :meth:`RolloutPrefetcher.start` first waits until the engine is idle
   (every generation it started has finished), then syncs the policy's current weights, then starts the next one;

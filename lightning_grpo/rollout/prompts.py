@@ -47,6 +47,38 @@ def _chat_ids(tokenizer: PreTrainedTokenizerBase, messages: list, index: int,
     return [int(t) for t in ids]
 
 
+def image_parts(prompt: Any) -> list[tuple[int, int]]:
+    """The ``(message, part)`` positions of a chat-message prompt's image parts (``{"type": "image", ...}`` in a
+    content list, TRL's format; docs/vision.md), in order; none for a string."""
+    if isinstance(prompt, str) or not isinstance(prompt, Sequence):
+        return []
+    found = []
+    for m, message in enumerate(prompt):
+        content = message.get("content") if isinstance(message, Mapping) else None
+        if isinstance(content, list):
+            found += [(m, p) for p, part in enumerate(content) if isinstance(part, Mapping)
+                      and part.get("type") == "image"]
+    return found
+
+
+def refuse_images(prompts: Sequence[Any]) -> None:
+    """Refuse prompts with images for a policy without an image encoder (a causal LM): the chat template would
+    drop them, or fail on the list content, and the model would be trained on the prompt without its pictures.
+
+    Raises:
+        ValueError: the first prompt with an image part (its index, message and part named).
+    """
+    for index, prompt in enumerate(prompts):
+        parts = image_parts(prompt)
+        if parts:
+            m, p = parts[0]
+            raise ValueError(
+                f"prompts[{index}] has {len(parts)} image part(s) (message {m} part {p} is {{'type': 'image'}}), but "
+                "the policy is not a vision-language model (it has no image processor): its images would be "
+                "dropped. Train a vision-language checkpoint (docs/vision.md) or give prompts without image parts "
+                "(PromptDataModule(image_field=None))")
+
+
 def encode_prompt(
     tokenizer: PreTrainedTokenizerBase, prompt: Any, index: int = 0, with_bos: Optional[bool] = None,
     tools: Optional[list[dict]] = None,

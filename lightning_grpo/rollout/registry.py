@@ -4,10 +4,11 @@ Adding an engine (SGLang, say) is a file in :mod:`lightning_grpo.rollout.engines
 ``make(spec: EngineSpec) -> RolloutEngine`` plus a line in :data:`BUILTIN_ENGINES` (or, from user code, one call of
 :func:`register_engine`). Nothing outside the engine's own file and this registry asks which engine it is: the
 rest of the package reads the engine's declared capabilities (:class:`~lightning_grpo.protocols.engine.RolloutEngine`'s
-``uses_policy_parameters`` and ``seeds_per_request``). Built-in factories are imported on first use, so
-``import lightning_grpo`` never imports vLLM. The registry resolves the engine's "auto" settings
-(:func:`resolve_engine_name`, :func:`engine_spec`) into the spec a factory gets, and the run records them
-(:class:`~lightning_grpo.config.ResolvedConfig`).
+``capabilities``, an :class:`~lightning_grpo.protocols.engine.EngineCapabilities` record). Built-in factories are
+imported on first use, so ``import lightning_grpo`` never imports vLLM. The registry resolves the engine's name
+("auto": :func:`resolve_engine_name`); an engine's own "auto" settings are its factory's to resolve (the vLLM factory
+sizes its KV cache), which it records in :attr:`EngineSpec.resolved` for the run's
+:class:`~lightning_grpo.config.ResolvedConfig`.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from torch import nn
@@ -23,7 +24,7 @@ from torch import nn
 from lightning_grpo.config import GRPOConfig
 from lightning_grpo.protocols.engine import RolloutEngine
 from lightning_grpo.protocols.rollout import StopFlag
-from lightning_grpo.rollout.engines.kv_cache import kv_cache_space_gib
+from lightning_grpo.protocols.routing import RoutingRecorder
 
 log = logging.getLogger(__name__)
 
@@ -44,9 +45,14 @@ class EngineSpec:
             the first call); its weights follow by ``sync_weights``.
         stop: the flag the engine polls while it generates.
         name: the engine's name (``engine.name``, "auto" resolved).
-        kv_cache_space_gib: the KV-cache size in GiB (``engine.kv_cache_space_gib``, "auto" resolved) for the
-            engines that take one ("vllm"), else None.
-        rollout_prompts: prompts per rollout on this process when the datamodule says, else None.
+        rollout_prompts: prompts per rollout on this process when the datamodule says, else None (what the vLLM
+            factory sizes ``engine.kv_cache_space_gib="auto"`` by).
+        resolved: what the factory resolved of the engine's "auto" settings, by
+            :class:`~lightning_grpo.config.ResolvedConfig` field (the vLLM factory records ``kv_cache_space_gib``);
+            the rollout worker records them in the run's ``ResolvedConfig``. Empty when it is made.
+        routing: a mixture-of-experts policy's routing recorder when routing replay needs the rollouts' routed
+            experts (``GRPOConfig.routing_replay="R3"``), for an engine that generates with the policy's own modules;
+            else None.
     """
 
     config: GRPOConfig
@@ -55,8 +61,9 @@ class EngineSpec:
     checkpoint: Callable[[], str]
     stop: StopFlag
     name: str
-    kv_cache_space_gib: Optional[float] = None
     rollout_prompts: Optional[int] = None
+    resolved: dict[str, Any] = field(default_factory=dict)
+    routing: Optional[RoutingRecorder] = None
 
 
 EngineFactory = Callable[[EngineSpec], RolloutEngine]
@@ -64,11 +71,9 @@ EngineFactory = Callable[[EngineSpec], RolloutEngine]
 #: Built-in engines: name -> "module:factory", imported when first made.
 BUILTIN_ENGINES: dict[str, str] = {
     "hf": "lightning_grpo.rollout.engines.hf:make",
-    "vllm": "lightning_grpo.rollout.engines.vllm:make",
-    "vllm_server": "lightning_grpo.rollout.engines.remote:make",
+    "vllm": "lightning_grpo.rollout.engines.vllm.colocated:make",
+    "vllm_server": "lightning_grpo.rollout.server.remote:make",
 }
-#: The engines that size a KV cache from ``engine.kv_cache_space_gib`` (colocated vLLM on CPU).
-SIZES_KV_CACHE = frozenset({"vllm"})
 _REGISTERED: dict[str, EngineFactory] = {}
 
 
@@ -102,16 +107,6 @@ def resolve_engine_name(name: str) -> str:
     if name not in BUILTIN_ENGINES and name not in _REGISTERED:
         raise ValueError(f"GRPOConfig.engine.name={name!r} is invalid: choose one of {', '.join(engine_names())}")
     return name
-
-
-def engine_spec(config: GRPOConfig, name: str, model: nn.Module, tokenizer: Any, checkpoint: Callable[[], str],
-                stop: StopFlag, rollout_prompts: Optional[int] = None) -> EngineSpec:
-    """The spec of the engine ``name`` (resolved: :func:`resolve_engine_name`), with its KV-cache size resolved
-    (:func:`~lightning_grpo.rollout.engines.kv_cache.kv_cache_space_gib`, logged) for the engines that take one."""
-    kv = None
-    if name in SIZES_KV_CACHE:
-        kv = kv_cache_space_gib(config, model.config, next(model.parameters()).itemsize, rollout_prompts)
-    return EngineSpec(config, model, tokenizer, checkpoint, stop, name, kv, rollout_prompts)
 
 
 def make_engine(spec: EngineSpec) -> RolloutEngine:

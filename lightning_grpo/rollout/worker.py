@@ -4,11 +4,13 @@ The trainer's weights change at every optimizer step (:meth:`RolloutWorker.mark_
 the next :meth:`RolloutWorker.awake` when ``engine.sync_every`` steps have passed (always when forced, e.g. before
 validation), as the stream the trainer's backend makes of them (:attr:`RolloutWorker.weights`, a
 :class:`~lightning_grpo.protocols.weights.PolicyWeights`). An engine that generates with the policy's own parameters
-(HF) needs no sync.
+(HF, ``uses_policy_parameters``) needs no sync: its ``sync_weights`` is never called and no view of the weights is
+made for it.
 
 The engine the worker made (:meth:`RolloutWorker.start`) or was given lives across stages: a backend wraps it for a
 stage (:meth:`RolloutWorker.attach`) and the wrapper goes at the stage's end (:meth:`RolloutWorker.detach`), so a
-validation before a fit hands its engine to the fit. :meth:`RolloutWorker.close` releases an engine it made.
+validation before a fit hands its engine to the fit, and the end of a fit (:meth:`RolloutWorker.end_stage`) or
+:meth:`RolloutWorker.close` releases an engine it made.
 
 Every rollout goes through the :class:`~lightning_grpo.protocols.sampler.PromptEncoder` and
 :class:`~lightning_grpo.protocols.sampler.Sampler` the worker is made with: single-turn (the chat template, one
@@ -36,12 +38,13 @@ from lightning_grpo.protocols.engine import RolloutEngine
 from lightning_grpo.protocols.images import EncodedPrompts, RowImages
 from lightning_grpo.protocols.multimodal import ImagePromptEncoder, has_images
 from lightning_grpo.protocols.rollout import RolloutOutput, StopFlag
+from lightning_grpo.protocols.routing import RoutingRecorder
 from lightning_grpo.protocols.sampler import PromptEncoder, Sampler
 from lightning_grpo.protocols.sampling import SamplingConfig
 from lightning_grpo.protocols.weights import PolicyWeights
 from lightning_grpo.rollout.adapter import as_rollout_engine, declares_images
-from lightning_grpo.rollout.prompts import TemplatePrompts
-from lightning_grpo.rollout.registry import engine_spec, make_engine
+from lightning_grpo.rollout.prompts import TemplatePrompts, refuse_images
+from lightning_grpo.rollout.registry import EngineSpec, make_engine
 from lightning_grpo.rollout.single_turn import SingleTurnSampler
 from lightning_grpo.strategies.weights import ModuleWeights
 from lightning_grpo.training.metrics import StepTimer
@@ -73,6 +76,8 @@ class RolloutWorker:
             (:class:`~lightning_grpo.protocols.multimodal.ImagePromptEncoder`, ``lightning_grpo.episodes.build``):
             :meth:`encode` gives the prompts' images with their ids and :attr:`banned_token_ids` its placeholders;
             None for a causal LM.
+        routing: a mixture-of-experts policy's routing recorder, for the engine the worker makes when routing replay
+            replays the sampler's routing (``GRPOConfig.routing_replay="R3"``); None otherwise.
 
     Attributes:
         engine: the rollout engine, None before :meth:`start` (during a stage, the backend's wrapper of it).
@@ -89,8 +94,10 @@ class RolloutWorker:
 
     def __init__(self, config: GRPOConfig, tokenizer: PreTrainedTokenizerBase, events: Optional[EventSink] = None, *,
                  prompts: Optional[PromptEncoder] = None, sampler: Optional[Sampler] = None,
-                 stop: Optional[StopFlag] = None, images: Optional[ImagePromptEncoder] = None) -> None:
+                 stop: Optional[StopFlag] = None, images: Optional[ImagePromptEncoder] = None,
+                 routing: Optional[RoutingRecorder] = None) -> None:
         self.config = config
+        self.routing = routing
         self.events = events
         self.tokenizer = tokenizer
         self.prompts: PromptEncoder = prompts if prompts is not None else TemplatePrompts(tokenizer)
@@ -122,12 +129,12 @@ class RolloutWorker:
         self._set_own(None if engine is None else as_rollout_engine(engine), type(engine).__name__)
 
     def _set_own(self, engine: Optional[RolloutEngine], name: Optional[str] = None) -> None:
+        self._engine_type = name or type(engine).__name__  # the engine as given, not its adapter
         if engine is not None:
             self._check_capabilities(engine)
         self._accepts_images = engine is not None and declares_images(engine)
-        self._engine_type = name or type(engine).__name__  # the engine as given, not its adapter
         self._own = self._engine = engine
-        if engine is not None and not engine.uses_policy_parameters:
+        if engine is not None and not engine.capabilities.uses_policy_parameters:
             self.engine_version = -1
 
     @property
@@ -152,18 +159,19 @@ class RolloutWorker:
             ``resolved`` with what making the engine resolved (the KV-cache size); unchanged when an engine exists.
 
         Raises:
-            ValueError: ``max_staleness > 0`` with an engine that generates with the policy's own parameters.
+            ValueError: ``max_staleness > 0`` with an engine that generates with the policy's own parameters;
+                ``routing_replay="R3"`` with an engine whose rollouts do not carry the routed experts.
         """
         self.engine_name = resolved.engine_name
         if self._own is not None:
             return resolved
-        spec = engine_spec(self.config, resolved.engine_name, model, self.tokenizer, checkpoint, self.stop,
-                           rollout_prompts)
+        spec = EngineSpec(self.config, model, self.tokenizer, checkpoint, self.stop, resolved.engine_name,
+                          rollout_prompts, routing=self.routing)
         made = make_engine(spec)
         engine = as_rollout_engine(made)
         self._set_own(engine, type(made).__name__)
         self._made = engine
-        return resolved.replace(kv_cache_space_gib=spec.kv_cache_space_gib)
+        return resolved.replace(**spec.resolved)
 
     def attach(self, engine: Optional[RolloutEngine], weights: Optional[PolicyWeights]) -> None:
         """For a stage: the trainer's backend's view of the engine (:attr:`own_engine`, or a wrapper of it) and the
@@ -174,6 +182,13 @@ class RolloutWorker:
     def detach(self) -> None:
         """The end of a stage: the backend's wrapper goes, the engine stays (for the next stage)."""
         self._engine = self._own
+
+    def end_stage(self, stage: str) -> None:
+        """The end of a stage (fit, validate, test): :meth:`detach`, and at the end of a fit :meth:`close` (an engine
+        the worker made; a validation or test keeps it for a following stage)."""
+        self.detach()
+        if stage == "fit":
+            self.close()
 
     def close(self) -> None:
         """Release the engine :meth:`start` made (``engine.close()``: vLLM's KV cache and weights, the
@@ -202,7 +217,13 @@ class RolloutWorker:
         self.weights_version = int(state["weights_version"])
 
     def _check_capabilities(self, engine: RolloutEngine) -> None:
-        if self.config.max_staleness > 0 and engine.uses_policy_parameters:
+        if self.config.routing_replay == "R3" and not engine.capabilities.returns_routed_experts:
+            raise ValueError(
+                f"GRPOConfig.routing_replay='R3' replays the experts the rollout engine routed each token to, but the "
+                f"engine {self._engine_type} (engine.name={self.engine_name!r}) does not return them (its capabilities "
+                "say returns_routed_experts=False): use the 'hf' engine with a mixture-of-experts policy, or "
+                "routing_replay='R2' (the old policy's routing) or 'off'")
+        if self.config.max_staleness > 0 and engine.capabilities.uses_policy_parameters:
             raise ValueError(
                 f"GRPOConfig.max_staleness={self.config.max_staleness} needs a rollout engine with its own copy of "
                 f"the weights (engine.name='vllm' or 'vllm_server'): engine.name={self.engine_name!r} "
@@ -215,15 +236,33 @@ class RolloutWorker:
         (:attr:`images`); none for a text model."""
         return () if self.images is None else self.images.banned_token_ids
 
+    def check_image_column(self, image_field: Optional[str]) -> None:
+        """Refuse a datamodule whose prompts hold images (``image_field``: its image column,
+        :attr:`~lightning_grpo.data.source.DataPlan.image_field`) for a policy that is not a vision-language model
+        (no :attr:`images`): checked at setup, before anything is sampled.
+
+        Raises:
+            ValueError: ``image_field`` is set and the policy has no image encoder (the column named).
+        """
+        if image_field is not None and self.images is None:
+            raise ValueError(
+                f"the datamodule's image column {image_field!r} (PromptDataModule(image_field={image_field!r})) puts "
+                "images into the prompts, but the policy is not a vision-language model (it has no image processor): "
+                "its images would be dropped. Train a vision-language checkpoint (docs/vision.md) or set "
+                "image_field=None")
+
     def encode(self, prompts: Sequence[Any]) -> EncodedPrompts:
         """The prompts' ids and, with a vision-language policy's encoder, their images (never truncated through
         one); else :meth:`encode_prompts` with no images.
 
         Raises:
-            ValueError: as the encoder (a prompt that does not fit without cutting an image).
+            ValueError: as the encoder (a prompt that does not fit without cutting an image); without an image
+                encoder (a causal LM), a prompt with an image part
+                (:func:`~lightning_grpo.rollout.prompts.refuse_images`): its images would be dropped.
         """
         if self.images is not None:
             return self.images.encode_image_prompts(prompts, self.config.max_prompt_length)
+        refuse_images(prompts)
         ids, truncated = self.encode_prompts(prompts)
         return EncodedPrompts(ids, truncated, [None] * len(ids))
 
@@ -277,11 +316,14 @@ class RolloutWorker:
     def sync(self, policy: nn.Module, force: bool = False) -> None:
         """Push the policy's weights (:attr:`weights`, else ``policy``'s own) into the engine every
         ``engine.sync_every`` optimizer steps (always when ``force`` and they differ, and before the first rollout of
-        an engine with its own weights)."""
+        an engine with its own weights). An engine whose ``capabilities.uses_policy_parameters`` (HF ``generate``, and
+        the backends' wrappers of it, which refresh their own copy in ``wake_up``) generates with the current weights:
+        nothing is pushed and no view of the weights is made (no LoRA merge, no gather), only the version moves."""
         engine = self.require_engine()
         behind = self.weights_version - self.engine_version
         if behind >= self.config.engine.sync_every or (force and behind > 0) or self.engine_version < 0:
-            engine.sync_weights(self.weights if self.weights is not None else ModuleWeights(policy))
+            if not engine.capabilities.uses_policy_parameters:
+                engine.sync_weights(self.weights if self.weights is not None else ModuleWeights(policy))
             self.engine_version = self.weights_version
             if self.events is not None:
                 self.events(ON_WEIGHTS_SYNCED, self.engine_version)

@@ -19,7 +19,7 @@ class ReleaseOnException(Callback):
     raised over the run's own.
 
     Args:
-        release: what the module releases (e.g. ``GRPOModule.release``).
+        release: what the module releases (e.g. ``ExperienceMaker.release``).
     """
 
     def __init__(self, release: Callable[[], None]) -> None:

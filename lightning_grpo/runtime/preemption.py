@@ -14,7 +14,7 @@ with a rollout that can take minutes, during which Lightning would not look at t
   micro-batch (:meth:`Preemption.on_micro_batch_end`), so the checkpoint is never taken in the middle of a step.
 
 Every process must receive the signal (SLURM and Lightning's launchers deliver it to all); the processes agree
-before they stop a rollout (:class:`lightning_grpo.experience_maker.ExperienceMaker`).
+before they stop a rollout (:class:`lightning_grpo.experience.maker.ExperienceMaker`).
 """
 
 from __future__ import annotations

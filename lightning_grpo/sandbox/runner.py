@@ -145,6 +145,10 @@ class Sandbox:
         Raises:
             ValueError: a file name that is not plain, or an ``argv`` whose first entry is not an absolute path.
             RuntimeError: no isolation mechanism works (see :attr:`mechanism`).
+            PermissionError: under ``rlimits`` as root, the folder of the run user ids' locks
+                (``<temporary folder>/lightning_grpo_sandbox_uids``, :func:`lightning_grpo.sandbox.users.run_user`)
+                exists but is not root's alone (mode 0700): another user made or opened it, and could hold or free
+                ids; nothing runs (delete the folder to go on).
         """
         try:
             if not argv or not os.path.isabs(argv[0]):

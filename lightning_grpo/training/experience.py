@@ -1,10 +1,10 @@
-"""The Experience batch: one rollout's token ids, masks, logprobs and advantages, and how it is cut into
-the micro-batches that ``training_step`` receives."""
+"""The Experience batch: one rollout's token ids, masks, logprobs and advantages, how it is cut into the micro-batches
+that ``training_step`` receives, and the :class:`StepPlan` each of them carries (its optimizer step's statistics)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Iterator, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 from torch import Tensor
@@ -13,6 +13,7 @@ from lightning_grpo.functional import loss_normalizer
 from lightning_grpo.protocols.collectives import Collectives
 from lightning_grpo.protocols.images import RowImages, images_to
 from lightning_grpo.protocols.rollout import RolloutOutput
+from lightning_grpo.protocols.routing import NO_EXPERT
 from lightning_grpo.protocols.tokens import (
     PAD_ID,
     ROW_META,
@@ -23,6 +24,39 @@ from lightning_grpo.protocols.tokens import (
     trim_columns,
 )
 from lightning_grpo.training.packing import sequence_token_counts, token_budget_partition
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """What the objective takes from the whole optimizer step a micro-batch belongs to
+    (:meth:`lightning_grpo.training.selection.StepSelection.plan`), carried by the micro-batch: the loop plans each
+    step before its first micro-batch is handed out, so accumulation does not change the gradient.
+
+    Attributes:
+        statistics: ``grpo_objective`` keyword arguments shared by the step's micro-batches (``entropy_threshold``,
+            ``covariance_stats``, Clip-Cov's ``generator``); {} when the objective needs none.
+        clip_cov_selected: ``(B, T)`` bool, this micro-batch's tokens of Clip-Cov's draw over the whole step, else
+            None.
+        later: on the step's first micro-batch, the step's other micro-batches in training order (each with its own
+            plan), which a backend that runs whole optimizer steps trains at the first; () on the others.
+    """
+
+    statistics: dict[str, Any] = field(default_factory=dict)
+    clip_cov_selected: Optional[Tensor] = None
+    later: tuple["Experience", ...] = ()
+
+    def to(self, device: Any, **kwargs: Any) -> StepPlan:
+        """Lightning moves each micro-batch it trains on to the trainer's device (``move_data_to_device`` calls
+        ``to`` on what defines it instead of copying a record field by field): a plan is made where its micro-batches
+        are, on that device, so this returns the plan itself."""
+        return self
+
+    def objective_kwargs(self) -> dict[str, Any]:
+        """The keyword arguments of ``grpo_objective`` for this micro-batch."""
+        kwargs = dict(self.statistics)
+        if self.clip_cov_selected is not None:
+            kwargs["clip_cov_selected"] = self.clip_cov_selected
+        return kwargs
 
 
 @dataclass
@@ -66,6 +100,13 @@ class Experience:
             None row) without images.
         teacher_logprobs: ``(N, T)`` float32 teacher logprobs of the completion tokens (on-policy distillation,
             ``GRPOConfig.distillation``), else None.
+        step_plan: the :class:`StepPlan` of the optimizer step this micro-batch belongs to (the loop's fetcher sets it
+            before handing the micro-batch out); None elsewhere (the objective then takes this batch's own
+            statistics). Never saved (:func:`lightning_grpo.loop.resume.experience_state`).
+        prompt_routed_experts, completion_routed_experts: ``(N, P | T, moe_layers, top_k)`` int16, the experts each
+            token is routed to in the policy's forward passes (routing replay: the sampler's with "R3", the old
+            policy's with "R2"; -1: the router's own choice), else None
+            (:class:`~lightning_grpo.protocols.rollout.RolloutOutput`).
     """
 
     prompt_ids: Tensor = field(metadata=token_meta(Layout.PROMPT, PAD_ID))
@@ -86,6 +127,9 @@ class Experience:
     env_mask: Optional[Tensor] = field(default=None, metadata=token_meta(Layout.COMPLETION, 0))
     images: Optional[list[Optional[RowImages]]] = None
     teacher_logprobs: Optional[Tensor] = field(default=None, metadata=token_meta(Layout.COMPLETION, 0.0))
+    step_plan: Optional[StepPlan] = None
+    prompt_routed_experts: Optional[Tensor] = field(default=None, metadata=token_meta(Layout.PROMPT, NO_EXPERT))
+    completion_routed_experts: Optional[Tensor] = field(default=None, metadata=token_meta(Layout.COMPLETION, NO_EXPERT))
 
     @classmethod
     def of(cls, rollout: RolloutOutput, device: torch.device) -> "Experience":
@@ -107,10 +151,15 @@ class Experience:
             return self.completion_mask
         return (self.completion_mask.bool() | self.env_mask.bool()).long()
 
+    def step_members(self) -> tuple["Experience", ...]:
+        """The micro-batches of this batch's optimizer step, this one first (the first micro-batch's plan names the
+        others); just this batch without a plan."""
+        return (self,) if self.step_plan is None else (self, *self.step_plan.later)
+
     def select(self, index: Tensor) -> "Experience":
         """Rows ``index`` (a 1-D long tensor), with all-padding columns trimmed away."""
         images = None if self.images is None else [self.images[i] for i in index.tolist()]
-        selected = replace(self, **select_rows(self, index), metrics={}, images=images)
+        selected = replace(self, **select_rows(self, index), metrics={}, images=images, step_plan=None)
         return selected.trimmed()
 
     def trimmed(self) -> "Experience":

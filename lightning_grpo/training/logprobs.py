@@ -40,6 +40,7 @@ from lightning_grpo.training.packing import (
     shared_prefix_rows,
     token_budget_partition,
 )
+from lightning_grpo.training.routing import PolicyRouting
 from lightning_grpo.training.vision import VisionInputs
 
 #: ``(model inputs, target ids (1, K), (rows, cols) of the K targets in the padded completion layout, the layout's
@@ -95,6 +96,8 @@ class CompletionLogprobs:
 
     Attributes:
         scorer: the backend's own scorer of its models (:meth:`use`), else None.
+        routing: the policy's routing (a mixture-of-experts policy with routing replay or the load-balancing loss:
+            :meth:`use_routing`), else None.
         sharded: the models all-gather their parameters on every forward call (FSDP): the padding-free paths then
             make one large forward pass instead of one per row (:meth:`use`; default False).
     """
@@ -105,10 +108,20 @@ class CompletionLogprobs:
         self.scorer: Optional[CompletionScorer] = None
         self.sharded = False
         self.position_inputs: list[PositionInputs] = []
+        self.routing: Optional[PolicyRouting] = None
 
     def add_position_inputs(self, inputs: PositionInputs) -> None:
         """Run every forward pass of the padded, packed and shared-prefix layouts inside ``inputs(batch, source)``."""
         self.position_inputs.append(inputs)
+
+    def use_routing(self, routing: Optional[PolicyRouting]) -> None:
+        """A mixture-of-experts policy's routing replay and load-balancing loss (:mod:`lightning_grpo.training.
+        routing`): a :class:`PositionInputs` of every forward pass (it acts on the policy's routers only; the
+        reference's pass suspends it: :meth:`PolicyRouting.suspended`), which the logprob passes find here (``R2``
+        recording, the diagnostics). None: nothing."""
+        self.routing = routing
+        if routing is not None:
+            self.add_position_inputs(routing)
 
     def _positions(self, batch: Experience, source: Tensor) -> ContextManager[object]:
         """The contexts of :attr:`position_inputs` for one forward pass, entered in order."""
@@ -150,9 +163,13 @@ class CompletionLogprobs:
 
         Raises:
             ValueError: ``entropy_grad`` or truncation with a model that computes its own logprobs (no entropy
-                gradient and no truncation there).
+                gradient and no truncation there), or position inputs for it (it runs no forward layout).
         """
         if self.scorer is not None:
+            if self.position_inputs:
+                raise ValueError(f"{type(model).__name__} scores its completions itself, without the forward layouts "
+                                 "that per-position inputs (routing replay, the load-balancing loss) need: set "
+                                 "GRPOConfig.routing_replay='off' and router_aux_loss_coef=0 with this backend")
             if batch.images is not None and any(batch.images):
                 raise ValueError(f"{type(model).__name__} scores text only: images in the prompts need an HF "
                                  "vision-language policy (single device, DDP or FSDP2)")
@@ -170,10 +187,13 @@ class CompletionLogprobs:
         micro_batch_size: int,
         forward_context: Callable[[], ContextManager] = contextlib.nullcontext,
         max_tokens: Optional[int] = None,
+        around: Optional[Callable[[Tensor, Experience], ContextManager[object]]] = None,
     ) -> Tensor:
         """Logprobs ``(N, T)`` float32 of every completion of ``experience`` under ``model`` in eval mode, no grad,
         in chunks of ``micro_batch_size`` sequences (of ``max_tokens`` tokens when given: the run's resolved
-        ``max_tokens_per_microbatch``), inside ``forward_context()`` (the trainer's precision context)."""
+        ``max_tokens_per_microbatch``), inside ``forward_context()`` (the trainer's precision context) and, for each
+        chunk, ``around(rows, chunk)`` (``chunk = experience.select(rows)``; e.g. routing replay "R2" recording the
+        old policy's routing)."""
         if max_tokens is not None:
             counts = sequence_token_counts(experience.prompt_mask, experience.completion_attention_mask).tolist()
             parts = [torch.tensor(p, dtype=torch.long) for p in token_budget_partition(counts, max_tokens)]
@@ -185,7 +205,9 @@ class CompletionLogprobs:
         try:
             with forward_context():
                 for index in parts:
-                    logprobs, _ = self(model, experience.select(index))
+                    part = experience.select(index)
+                    with around(index, part) if around is not None else contextlib.nullcontext():
+                        logprobs, _ = self(model, part)
                     result[index.to(result.device), : logprobs.shape[1]] = logprobs.float()
         finally:
             model.train(was_training)

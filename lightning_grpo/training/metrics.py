@@ -30,7 +30,8 @@ log = logging.getLogger(__name__)
 
 #: The ``timing/<key>`` parts of a step, in seconds (``step_s`` and ``other_s`` are derived from them).
 TIMING_KEYS = ("rollout_s", "scoring_s", "logprobs_s", "sync_s", "forward_s", "backward_s", "optimizer_s")
-#: ``timing/reward_<name>_s``: the wall seconds of reward function ``<name>`` in the step's rollout.
+#: ``timing/reward_<name>_s``: the wall seconds of reward function ``<name>`` in the step's rollout (0.0 on a step that
+#: scored nothing, once the function was seen: never the last rollout's value again).
 REWARD_TIMING_PREFIX = "reward_"
 #: ``sampling/mismatch_ratio/<name>``: quantiles of ``pi_old / pi_sampler`` over the step's loss tokens.
 MISMATCH_QUANTILES = {"min": 0.0, "p01": 0.01, "p05": 0.05, "p50": 0.5, "p95": 0.95, "p99": 0.99, "max": 1.0}
@@ -283,6 +284,7 @@ class StepTimer:
         self._backward_start = 0.0
         self._backward_end: Optional[float] = None
         self._rollout_end: Optional[float] = None
+        self._reward_keys: set[str] = set()  # the reward timings seen so far (0.0 on the steps without them)
 
     def add(self, key: str, value: float) -> None:
         self._parts[key] = self._parts.get(key, 0.0) + value
@@ -330,7 +332,8 @@ class StepTimer:
         self._backward_end = None
         metrics = {f"timing/{k}": parts.get(k, 0.0) for k in TIMING_KEYS}
         # each reward function's own wall time (may overlap scoring_s and, asynchronously, the training: not in other_s)
-        metrics.update({f"timing/{k}": v for k, v in parts.items() if k.startswith(REWARD_TIMING_PREFIX)})
+        self._reward_keys.update(k for k in parts if k.startswith(REWARD_TIMING_PREFIX))
+        metrics.update({f"timing/{k}": parts.get(k, 0.0) for k in sorted(self._reward_keys)})
         if start is not None:
             metrics["timing/step_s"] = now - start
             metrics["timing/other_s"] = metrics["timing/step_s"] - sum(metrics[f"timing/{k}"] for k in TIMING_KEYS)

@@ -1,4 +1,6 @@
-"""Statistics of a whole optimizer step that the objective needs per token, computed once at the step's start.
+"""Statistics of a whole optimizer step that the objective needs per token, computed once at the step's start (the
+loop plans each step before its first micro-batch; each micro-batch carries its plan, a
+:class:`~lightning_grpo.training.experience.StepPlan`).
 
 Three knobs select tokens by a statistic of "the batch" (the papers' definition): the high-entropy cut of
 ``top_entropy_quantile`` (arXiv:2506.01939 sec. 4), the covariance centers and KL-Cov's top-k cut, and Clip-Cov's
@@ -31,7 +33,7 @@ from lightning_grpo.algorithm.covariance import (
 from lightning_grpo.algorithm.entropy import entropy_threshold
 from lightning_grpo.config import GRPOConfig
 from lightning_grpo.protocols.collectives import Collectives, gather_per_process
-from lightning_grpo.training.experience import Experience
+from lightning_grpo.training.experience import Experience, StepPlan
 from lightning_grpo.training.logprobs import CompletionLogprobs
 
 
@@ -41,8 +43,9 @@ def needs_step_selection(config: GRPOConfig) -> bool:
 
 
 class StepSelection:
-    """Prepares, at each optimizer step's first micro-batch, the keyword arguments of
-    :func:`lightning_grpo.algorithm.grpo_objective` that make the step's loss independent of its micro-batch split.
+    """Plans each optimizer step before its first micro-batch: the keyword arguments of
+    :func:`lightning_grpo.algorithm.grpo_objective` that make the step's loss independent of its micro-batch split
+    (:class:`~lightning_grpo.training.experience.StepPlan`, carried by each micro-batch).
 
     Args:
         config: the algorithm settings.
@@ -52,46 +55,33 @@ class StepSelection:
     def __init__(self, config: GRPOConfig, logprobs: CompletionLogprobs) -> None:
         self.config = config
         self.logprobs = logprobs
-        self._common: dict[str, Any] = {}
-        self._selected: list[Tensor] = []
-        self._left = 0  # micro-batches of the prepared step not yet trained on
 
-    def prepare(self, policy: nn.Module, members: list[Experience], collectives: Collectives, step: int) -> None:
-        """Compute the statistics of the step whose micro-batches are ``members`` (in training order); the next
-        ``len(members)`` :meth:`objective_kwargs` calls are for them. A collective under data parallelism (every
-        process calls it at each step's start)."""
+    def plan(self, policy: nn.Module, members: list[Experience], collectives: Collectives, step: int) -> list[StepPlan]:
+        """The statistics of the step whose micro-batches are ``members`` (in training order), one plan per
+        micro-batch (the same statistics; Clip-Cov's selection of each). A collective under data parallelism (every
+        process plans each step)."""
         cfg = self.config
-        self._common, self._selected, self._left = {}, [], len(members)
+        statistics: dict[str, Any] = {}
+        selected: list[Tensor] = []
         if cfg.policy_loss_mode == "clip_cov":
-            self._common["generator"] = clip_cov_generator(cfg.shuffle_seed, step)
-        if not needs_step_selection(cfg) or not members:
-            return
-        with torch.no_grad():
-            passes = [self.logprobs(policy, mb, with_entropy=cfg.top_entropy_quantile < 1) for mb in members]
-        masks = [mb.completion_mask.bool() for mb in members]
-        if cfg.top_entropy_quantile < 1:
-            local = torch.cat([e[m].float().cpu() for (_, e), m in zip(passes, masks, strict=True)])
-            values = torch.cat(gather_per_process(local))
-            self._common["entropy_threshold"] = entropy_threshold(values, cfg.top_entropy_quantile)
-        if cfg.policy_loss_mode != "vanilla":
-            self._covariance(members, [lp for lp, _ in passes], masks, collectives, step)
-
-    def objective_kwargs(self) -> dict[str, Any]:
-        """The keyword arguments of ``grpo_objective`` for the next micro-batch of the prepared step; {} when no
-        step was prepared (the objective then uses the micro-batch's own statistics)."""
-        if self._left <= 0:
-            return {}
-        kwargs = dict(self._common)
-        if self._selected:
-            kwargs["clip_cov_selected"] = self._selected[len(self._selected) - self._left]
-        self._left -= 1
-        return kwargs
+            statistics["generator"] = clip_cov_generator(cfg.shuffle_seed, step)
+        if needs_step_selection(cfg) and members:
+            with torch.no_grad():
+                passes = [self.logprobs(policy, mb, with_entropy=cfg.top_entropy_quantile < 1) for mb in members]
+            masks = [mb.completion_mask.bool() for mb in members]
+            if cfg.top_entropy_quantile < 1:
+                local = torch.cat([e[m].float().cpu() for (_, e), m in zip(passes, masks, strict=True)])
+                values = torch.cat(gather_per_process(local))
+                statistics["entropy_threshold"] = entropy_threshold(values, cfg.top_entropy_quantile)
+            if cfg.policy_loss_mode != "vanilla":
+                selected = self._covariance(members, [lp for lp, _ in passes], masks, collectives, step, statistics)
+        return [StepPlan(statistics, selected[i] if selected else None) for i in range(len(members))]
 
     def objective(self, batch: Experience, logprobs: Tensor, entropy: Optional[Tensor]) -> ObjectiveOutput:
-        """:func:`lightning_grpo.algorithm.grpo_objective` of the prepared step's next micro-batch ``batch`` given the
-        policy's ``(B, T)`` float32 logprobs and entropy, with the step's statistics (:meth:`objective_kwargs`); the
-        old logprobs only after the rollout's first optimizer step, the reference ones unless the KL is in the reward,
-        the teacher's with on-policy distillation.
+        """:func:`lightning_grpo.algorithm.grpo_objective` of the micro-batch ``batch`` given the policy's ``(B, T)``
+        float32 logprobs and entropy, with its step's statistics (``batch.step_plan``; without one, the batch's own);
+        the old logprobs only after the rollout's first optimizer step, the reference ones unless the KL is in the
+        reward, the teacher's with on-policy distillation.
 
         Raises:
             ValueError: ``batch`` is not ``on_policy`` but has no ``old_logprobs`` (outside
@@ -105,11 +95,13 @@ class StepSelection:
             old_logprobs=None if batch.on_policy else batch.old_logprobs,
             ref_logprobs=None if cfg.kl_in_reward else batch.ref_logprobs, sampler_logprobs=batch.sampler_logprobs,
             entropy=entropy, normalizer=batch.loss_normalizer, teacher_logprobs=batch.teacher_logprobs,
-            **self.objective_kwargs(),
+            **({} if batch.step_plan is None else batch.step_plan.objective_kwargs()),
         )
 
     def _covariance(self, members: list[Experience], logprobs: list[Tensor], masks: list[Tensor],
-                    collectives: Collectives, step: int) -> None:
+                    collectives: Collectives, step: int, statistics: dict[str, Any]) -> list[Tensor]:
+        """The covariance centers (and KL-Cov's cut) over the step into ``statistics``; Clip-Cov's selection per
+        micro-batch, else []."""
         cfg = self.config
         advantages = [torch.where(m, mb.advantages.float().unsqueeze(1), 0.0) for mb, m in zip(members, masks,
                                                                                                 strict=True)]
@@ -127,12 +119,13 @@ class StepSelection:
             values = torch.cat(gather_per_process(torch.cat([c[m].cpu() for c, m in zip(covariances, masks,
                                                                                          strict=True)])))
             threshold = kl_cov_threshold(values, torch.ones_like(values, dtype=torch.bool), cfg.kl_cov_ratio)
-        self._common["covariance_stats"] = CovarianceStats(centers[0], centers[1], threshold)
+        statistics["covariance_stats"] = CovarianceStats(centers[0], centers[1], threshold)
         if cfg.policy_loss_mode == "clip_cov":
-            self._draw_clip_cov(members, logprobs, advantages, masks, covariances, step)
+            return self._draw_clip_cov(members, logprobs, advantages, masks, covariances, step)
+        return []
 
     def _draw_clip_cov(self, members: list[Experience], logprobs: list[Tensor], advantages: list[Tensor],
-                       masks: list[Tensor], covariances: list[Tensor], step: int) -> None:
+                       masks: list[Tensor], covariances: list[Tensor], step: int) -> list[Tensor]:
         """Clip-Cov's draw over the step: candidates ``lb < cov < ub`` whose PPO clip is not active, in the
         canonical order (rollout row, position), ``selection_count(step tokens)`` of them at random."""
         cfg = self.config
@@ -152,8 +145,10 @@ class StepSelection:
         place = place[key.argsort()]  # [K, 3] in canonical order
         count = selection_count(int(sum(m.sum() for m in masks)), cfg.clip_cov_ratio)
         chosen = place[torch.randperm(len(place), generator=clip_cov_generator(cfg.shuffle_seed, step))[:count]]
+        selections = []
         for index in range(len(members)):
             selected = torch.zeros_like(masks[index])
             picked = chosen[chosen[:, 0] == index]
             selected[picked[:, 1], picked[:, 2]] = True
-            self._selected.append(selected)
+            selections.append(selected)
+        return selections

@@ -23,9 +23,10 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, ContextManager, Optional
 
 import torch
+from torch import Tensor, nn
 
 from lightning_grpo.config import GRPOConfig
 from lightning_grpo.runtime.memory import GIB, MemoryLimit, PeakMeter, available_memory
@@ -186,18 +187,29 @@ def adamw_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     return total
 
 
-def fit_token_budget(train_step: Callable[[Experience], None], config: GRPOConfig, vocab_size: int,
-                     device: torch.device, mini_batch_sequences: int, optimizers: list[torch.optim.Optimizer],
+def fit_token_budget(loss: Callable[[Experience], Tensor], policy: nn.Module,
+                     forward_context: Callable[[], ContextManager], config: GRPOConfig, prompts_per_step: Optional[int],
+                     device: torch.device, optimizers: list[torch.optim.Optimizer],
                      reduce_max: Callable[[torch.Tensor], torch.Tensor]) -> int:
-    """``max_tokens_per_microbatch="auto"`` resolved: :func:`choose_token_budget` on this process (with the first
-    optimizer's :func:`adamw_state_bytes`), the smallest over the data-parallel processes (``reduce_max`` of the
-    negated budget, a collective), logged.
+    """``max_tokens_per_microbatch="auto"`` resolved: :func:`choose_token_budget` on this process for the training
+    step of ``policy`` (``loss`` of a micro-batch in the trainer's precision ``forward_context``, its backward, the
+    gradients freed after; a mini-batch of ``mini_batch_size`` sequences, else the whole rollout of
+    ``prompts_per_step * num_generations``), with the first optimizer's :func:`adamw_state_bytes`, the smallest over
+    the data-parallel processes (``reduce_max`` of the negated budget, a collective), logged.
 
     Raises:
         MemoryError: as :func:`choose_token_budget`.
     """
+
+    def train_step(batch: Experience) -> None:
+        with forward_context():
+            value = loss(batch)
+        value.backward()
+        policy.zero_grad(set_to_none=True)
+
+    sequences = config.mini_batch_size or (prompts_per_step or 1) * config.num_generations
     state_bytes = adamw_state_bytes(optimizers[0]) if optimizers else 0
-    budget = choose_token_budget(train_step, config, vocab_size, device, mini_batch_sequences, state_bytes)
+    budget = choose_token_budget(train_step, config, int(policy.config.vocab_size), device, sequences, state_bytes)
     smallest = -reduce_max(torch.tensor([-float(budget.tokens)], device=device))
     log.info("token budget: %s", budget.describe())
     return int(smallest.item())

@@ -115,3 +115,16 @@ def test_bad_images_are_named(tmp_path, bad):
         data.setup("fit")
         batches = iter(data.train_dataloader())
         next(batches)
+
+
+def test_a_row_whose_image_is_null_is_a_text_only_prompt(tmp_path):
+    """docs/vision.md: a null image (or an empty list) gives the row's user message no image part, its text alone."""
+    rows = _rows(tmp_path, 3)
+    rows[1]["image"] = None
+    data = PromptDataModule(_write(tmp_path / "d.jsonl", rows), image_field="image", prompts_per_step=3, val_size=0,
+                            system_prompt=None, seed=0)
+    batch = _batch(data)
+    assert sorted(len(_images(p)) for p in batch["prompt"]) == [0, 1, 1]
+    (text_only,) = [p for p in batch["prompt"] if not _images(p)]
+    (part,) = text_only[0]["content"]
+    assert len(text_only) == 1 and part["type"] == "text" and "Colour 1?" in part["text"]

@@ -8,6 +8,7 @@ from transformers import AutoTokenizer
 
 from lightning_grpo.config import EpisodeConfig, GRPOConfig
 from lightning_grpo.episodes import ChatFormat, EnvStep, EpisodeRunner, HermesToolCallParser, as_tools, episode_runner
+from lightning_grpo.protocols.engine import EngineCapabilities
 from lightning_grpo.protocols.rollout import RolloutInterrupted, StopFlag
 from lightning_grpo.protocols.sampling import SamplingConfig
 from support.episodes import EchoEnvironment, ScriptedEngine
@@ -290,7 +291,7 @@ def test_lockstep_with_processes_whose_episodes_run_longer(tokenizer):
     assert [e.model_turns for e in out.episodes] == [2, 2]  # the extra calls changed nothing
     # engines with their own weights do not need the agreement
     own = ScriptedEngine(tokenizer, lambda t, k, p: call if t == 0 else answer)
-    own.uses_policy_parameters = False
+    own.capabilities = EngineCapabilities()
     runner.sample(own, prompt_ids, 2, SamplingConfig(max_new_tokens=64), any_process=lambda flag: pytest.fail("asked"))
     # a stop on another process
     stopping = ScriptedEngine(tokenizer, lambda t, k, p: call if t == 0 else answer)

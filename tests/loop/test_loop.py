@@ -232,11 +232,11 @@ def test_token_budget_resume_skips_the_drawn_prompt_batches(tmp_path, tiny_llama
     trainer.fit(_module(tiny_llama_path, **config), datamodule=PromptDataModule(prompts_per_step=2, val_size=0))
     assert trainer.global_step == 2
     saved = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=False)
-    assert saved["loops"]["fit_loop"]["state_dict"]["prompt_batches_drawn"] == 2
+    assert saved["loops"]["fit_loop"]["state_dict"]["rollout_cursors"][0]["prompt_batches_drawn"] == 2
 
     class DrawnRecorder(StepRecorder):
         def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
-            self.drawn = trainer.fit_loop._data_fetcher.prompt_batches_drawn
+            self.drawn = trainer.fit_loop._data_fetcher.cursor.prompt_batches_drawn
 
     recorder = DrawnRecorder()
     resumed = cpu_trainer(4, callbacks=[recorder], logger=False)
@@ -244,13 +244,13 @@ def test_token_budget_resume_skips_the_drawn_prompt_batches(tmp_path, tiny_llama
     resumed.fit(module, datamodule=PromptDataModule(prompts_per_step=2, val_size=0),
                 ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"))
     assert resumed.global_step == 4 and recorder.steps == 2
-    assert resumed.fit_loop.resume_state.prompt_batches == 2
+    assert resumed.fit_loop.resume_state["prompt_batches_drawn"] == 2
     assert recorder.drawn == 4  # 2 skipped + 2 trained on
 
     # a checkpoint without the position (not written by GRPOFitLoop) inside an epoch is refused, not guessed
-    del saved["loops"]["fit_loop"]["state_dict"]["prompt_batches_drawn"]
+    del saved["loops"]["fit_loop"]["state_dict"]["rollout_cursors"]
     torch.save(saved, tmp_path / "foreign.ckpt")
-    with pytest.raises(ValueError, match="holds no 'prompt_batches_drawn'"):
+    with pytest.raises(ValueError, match="holds no 'rollout_cursors'"):
         cpu_trainer(4, logger=False).fit(_module(tiny_llama_path, **config),
                                                 datamodule=PromptDataModule(prompts_per_step=2, val_size=0),
                                                 ckpt_path=str(tmp_path / "foreign.ckpt"))

@@ -27,14 +27,16 @@ from lightning_grpo.data import PromptDataModule
 from lightning_grpo.models.hf_weights import hf_weights, merged_state_dict
 from lightning_grpo.models.loading import load_policy
 from lightning_grpo.models.lora import AdapterDisabledReference, LoraSettings, as_lora_config, check_quantized_engine
+from lightning_grpo.protocols.engine import EngineCapabilities
 from lightning_grpo.protocols.rollout import StopFlag
 from lightning_grpo.protocols.sampling import SamplingConfig
 from lightning_grpo.rollout.adapter import as_rollout_engine
 from lightning_grpo.rollout.engines.hf import HFRolloutEngine
-from lightning_grpo.rollout.registry import engine_spec, make_engine
+from lightning_grpo.rollout.registry import EngineSpec, make_engine
 from lightning_grpo.strategies import FSDP1Backend, GRPOModels
 from lightning_grpo.training.experience import Experience
 from support.algorithm import FixedRolloutEngine, fixed_completions, write_prompts
+from support.fixtures import make_cpu_trainer, read_metrics_rows
 
 LORA = dict(r=4, lora_alpha=8, lora_dropout=0.1, target_modules=["q_proj", "v_proj", "up_proj"],
             modules_to_save=["lm_head"])
@@ -184,8 +186,8 @@ def test_hf_engine_samples_from_the_adapted_model(run, tiny_llama_path):
     """The HF engine generates with the PEFT model's transformers model (LoRA layers in place, its generation config
     neutralized): its sampler logprobs are the trainer's logprobs of the adapted policy."""
     module = run["module"]
-    engine = make_engine(engine_spec(module.config, "hf", module.hf_model, module.tokenizer, lambda: tiny_llama_path,
-                                     StopFlag()))
+    engine = make_engine(EngineSpec(module.config, module.hf_model, module.tokenizer, lambda: tiny_llama_path,
+                                    StopFlag(), "hf"))
     assert engine.model is module.policy.get_base_model() and module.hf_model is engine.model
     engine.report_logprobs = True
     torch.manual_seed(0)
@@ -273,7 +275,7 @@ def test_quantization_needs_cuda_and_lora(tiny_llama_path):
                        "export_merged=False"):
         GRPOModule(tiny_llama_path, lora=lora, quantization="4bit", export_merged=True)
     class OwnWeights(FixedRolloutEngine):
-        uses_policy_parameters = False  # as vLLM's engines declare
+        capabilities = EngineCapabilities()  # its own weights, as vLLM's engines declare
 
     quantized = LoraSettings(lora, quantization_config=object())  # what lora_settings returns for a quantized base
     check_quantized_engine(quantized, HFRolloutEngine(AutoModelForCausalLM.from_pretrained(tiny_llama_path),
@@ -358,3 +360,62 @@ def test_disable_dropout_makes_the_training_forward_the_old_logprobs_forward(tin
     off.policy.train()
     with torch.no_grad():
         assert torch.equal(off.policy(input_ids=ids).logits, _logits(off.policy, ids))
+
+
+def test_a_lora_run_with_the_hf_engine_syncs_nothing_and_times_each_part_exactly(tmp_path, tiny_llama_path,
+                                                                                  monkeypatch):
+    """The HF engine generates with the policy itself (``uses_policy_parameters``): a LoRA run never reads the
+    weights for it (no merged view: reading them would cost 5 s on this clock) and never calls its ``sync_weights``,
+    so ``timing/sync_s`` is 0.0. On a clock that only the rewards move, a plain reward that "sleeps" 2 s and a pooled
+    one whose single call "sleeps" 1 s give ``timing/reward_slow_s`` 2.0, ``timing/reward_judge_s`` 1.0 and
+    ``timing/scoring_s`` 3.0 (they run one after the other) on the rollout's step, and 0.0 each on the second step of
+    the same rollout (``num_iterations=2``), which scored nothing; the third step's rollout, after two optimizer
+    steps, pushes nothing either."""
+    import time
+
+    from lightning_grpo.rewards import pooled
+    from lightning_grpo.strategies import weights as weights_module
+
+    clock = [100.0]
+    monkeypatch.setattr(time, "perf_counter", lambda: clock[0])
+    reads, syncs = [], []
+    tensors = weights_module.ModuleWeights.tensors
+
+    def read(self):
+        reads.append(1)
+        clock[0] += 5.0
+        return tensors(self)
+
+    monkeypatch.setattr(weights_module.ModuleWeights, "tensors", read)
+    monkeypatch.setattr(HFRolloutEngine, "sync_weights", lambda self, weights: syncs.append(weights))
+
+    def slow(prompts, completions, **kwargs):
+        clock[0] += 2.0
+        return [float(i % 2) for i in range(len(completions))]
+
+    def judge(prompts, completions, **kwargs):
+        clock[0] += 1.0
+        return [0.5] * len(completions)
+
+    engines: list = []
+
+    class Engine(L.Callback):
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            engines.append(type(module.rollout.own_engine).__name__)
+
+    L.seed_everything(0, verbose=False)
+    module = GRPOModule(tiny_llama_path, reward_funcs=[slow, pooled(judge, chunk_size=None, name="judge")],
+                        lora=LoraConfig(**LORA), export_dir="",
+                        config=GRPOConfig(num_generations=2, max_new_tokens=4, num_iterations=2))
+    trainer = make_cpu_trainer(tmp_path, 3, enable_checkpointing=False, num_sanity_val_steps=0, callbacks=[Engine()])
+    trainer.fit(module, datamodule=PromptDataModule(dataset=write_prompts(tmp_path / "p.jsonl"), prompts_per_step=2,
+                                                    val_size=0))
+    rows = [{k: float(v) for k, v in row.items() if k.startswith("timing/")}
+            for row in read_metrics_rows(tmp_path, where="timing/step_s")]
+    assert set(engines) == {"HFRolloutEngine"} and reads == [] and syncs == []  # the third step's rollout: no sync
+    keys = ("timing/sync_s", "timing/reward_slow_s", "timing/reward_judge_s", "timing/scoring_s", "timing/step_s",
+            "timing/other_s")
+    # steps 1 and 3 score a rollout (2 + 1 s, one after the other); step 2 trains on step 1's rollout again
+    assert [tuple(row[k] for k in keys) for row in rows] == [(0.0, 2.0, 1.0, 3.0, 3.0, 0.0),
+                                                              (0.0, 0.0, 0.0, 0.0, 0.0, 0.0),
+                                                              (0.0, 2.0, 1.0, 3.0, 3.0, 0.0)]

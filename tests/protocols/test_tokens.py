@@ -56,7 +56,8 @@ def test_declared_fields_in_order():
     assert [name for name, _ in token_fields(_Routed)] == ["prompt_ids", "completion_ids", "prompt_experts",
                                                            "completion_experts"]
     assert [name for name, _ in token_fields(RolloutOutput)] == ["prompt_ids", "prompt_mask", "completion_ids",
-                                                                 "completion_mask", "sampler_logprobs", "env_mask"]
+                                                                 "completion_mask", "sampler_logprobs", "env_mask",
+                                                                 "prompt_routed_experts", "completion_routed_experts"]
 
 
 def test_pad_columns_left_for_prompts_right_for_completions_with_trailing_dims():

@@ -5,6 +5,7 @@ passes every test)."""
 from __future__ import annotations
 
 import ast
+import logging
 import subprocess
 import sys
 import uuid
@@ -252,3 +253,37 @@ def test_every_humaneval_canonical_solution_passes_and_a_raising_body_fails_ever
         ids = [r["task_id"] for r in group]
         assert reward.run(block(canonical), tests, setup, entry_points) == (1.0, "passed"), ids
         assert reward.run(block(raising), tests, setup, entry_points) == (0.0, "failed"), ids
+
+
+#: HumanEval/115's shape: the function to write imports before its docstring.
+IMPORT_FIRST = 'def f(x):\n    import math\n    """Round x up."""\n'
+CEIL_TESTS = ["assert f(1.2) == 2", "assert f(3.0) == 3", "assert f(-0.5) == 0"]
+
+
+@pytest.mark.parametrize("mechanism", _mechanisms())
+def test_a_setup_function_that_imports_before_its_docstring_is_the_one_to_write(mechanism, caplog):
+    """Its body is imports and a docstring only: a stub, so the tests call the completion's ``f`` with no
+    ``entry_point`` (ceil(1.2) = 2, ceil(3.0) = 3, ceil(-0.5) = 0: 3 of 3 pass, 1.0), whether the completion gives
+    the whole function or its body alone; the setup's own ``f`` returns None and would pass none (0.0)."""
+    reward = CodeReward(Sandbox(LIMITS, isolation=mechanism), test_timeout_s=5.0)
+    whole = "import math\ndef f(x):\n    return math.ceil(x)"
+    with caplog.at_level(logging.WARNING, logger="lightning_grpo.rewards.code"):
+        assert reward.run(block(whole), CEIL_TESTS, IMPORT_FIRST) == (1.0, "passed")
+        assert reward.run(block("    return math.ceil(x)"), CEIL_TESTS, IMPORT_FIRST) == (1.0, "passed")
+        assert reward.run(block(whole), CEIL_TESTS, IMPORT_FIRST, "f") == (1.0, "passed")
+        assert reward.run(block("def f(x):\n    return None"), CEIL_TESTS, IMPORT_FIRST) == (0.0, "failed")
+    assert caplog.records == []
+
+
+def test_a_rewritten_setup_function_with_a_body_is_the_setups_and_a_warning_names_it(reward, caplog):
+    """A setup function with a statement that computes before its docstring may be a helper the tests rely on, so
+    the tests keep calling it (it returns None: 0 of 3 pass) though the completion defines ``f`` again; a warning,
+    once, names ``f`` and asks for the entry point, with which the completion's ``f`` passes all three."""
+    setup = 'def f(x):\n    y = x\n    """Round x up."""\n'
+    code = block("import math\ndef f(x):\n    return math.ceil(x)")
+    with caplog.at_level(logging.WARNING, logger="lightning_grpo.rewards.code"):
+        assert reward.run(code, CEIL_TESTS, setup) == (0.0, "failed")
+        assert reward.run(code, CEIL_TESTS, setup) == (0.0, "failed")
+    (record,) = caplog.records
+    assert "defines 'f' again" in record.getMessage() and "entry_point='f'" in record.getMessage()
+    assert reward.run(code, CEIL_TESTS, setup, "f") == (1.0, "passed")

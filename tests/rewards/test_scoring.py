@@ -4,6 +4,7 @@ import functools
 import logging
 import math
 import os
+import time
 
 import pytest
 import torch
@@ -157,3 +158,39 @@ def test_argument_errors(kwargs, message):
     arguments = dict(reward_funcs=[length, first], prompts=PROMPTS, completions=COMPLETIONS, columns={}) | kwargs
     with pytest.raises(ValueError, match=message):
         score_completions(**arguments)
+
+
+def test_busy_seconds_is_the_length_of_the_union_of_the_spans():
+    from lightning_grpo.rewards.scoring import busy_seconds
+
+    assert busy_seconds([]) == 0.0
+    assert busy_seconds([(5.0, 6.0), (0.0, 2.0), (1.0, 3.0)]) == 4.0  # [0, 3] and [5, 6]; the gap 3..5 not counted
+    assert busy_seconds([(0.0, 5.0), (1.0, 2.0)]) == 5.0  # a call inside another counts once
+    assert busy_seconds([(0.0, 1.0), (1.0, 2.0), (2.0, 3.0)]) == 3.0  # back to back: the sum
+
+
+def test_a_pooled_rewards_seconds_are_the_time_its_calls_ran_not_the_gaps(monkeypatch):
+    """``timing/reward_<name>_s`` of a pooled function: its calls ran 0..2 and 1..3 (at once) and 5..6 (after
+    waiting for a pool thread): 4 s, not the 6 s from the first call's start to the last call's end. A plain
+    function that "sleeps" 2 s on a fake clock: 2 s."""
+    from concurrent.futures import Future
+
+    from lightning_grpo.rewards import RewardChunk, StartedScores, pooled
+    from lightning_grpo.rewards.scoring import _Call
+
+    clock = [10.0]
+    monkeypatch.setattr(time, "perf_counter", lambda: clock[0])
+
+    def slow(prompts, completions, **kwargs):
+        clock[0] += 2.0
+        return [1.0] * len(completions)
+
+    ran = []
+    for row, (began, ended) in enumerate([(0.0, 2.0), (1.0, 3.0), (5.0, 6.0)]):
+        done: Future = Future()
+        done.set_result(None)
+        ran.append((_Call(row, row + 1, RewardChunk([0.5]), began=began, ended=ended), done))
+    funcs = [slow, pooled(lambda p, c, **k: [0.5] * len(c), chunk_size=1, name="judge")]
+    scores = score_completions(funcs, ["p"] * 3, ["a", "b", "c"], {}, started=StartedScores([1], [ran], 3))
+    assert scores.seconds == {"slow": 2.0, "judge": 4.0}
+    assert scores.per_function.tolist() == [[1.0, 0.5]] * 3

@@ -36,7 +36,7 @@ from lightning_grpo import GRPOConfig, GRPOModule  # noqa: E402
 from lightning_grpo.callbacks import GRPOCallback
 from lightning_grpo.config import CorrectionConfig, EngineConfig, EpisodeConfig  # noqa: E402
 from lightning_grpo.data import PromptDataModule  # noqa: E402
-from lightning_grpo.rollout.engines.vllm import VLLMRolloutEngine  # noqa: E402
+from lightning_grpo.rollout.engines.vllm.colocated import VLLMRolloutEngine  # noqa: E402
 from support.checkpoint_generation import trainer_logprobs  # noqa: E402
 
 pytestmark = pytest.mark.engine
@@ -237,7 +237,8 @@ def test_rerun_and_checkpointed_run_are_equal_and_resume_is_exact(runs, tmp_path
     _assert_same_run((plain.steps, plain_weights), (checkpointed.steps, weights))
     # after 2 steps: the rollouts of steps 2 (version 0) and 3 (version 1) are generated ahead, stored finished
     ckpt = ckpt_dir / "epoch=0-step=2.ckpt"
-    prefetched = torch.load(ckpt, weights_only=True)["loops"]["fit_loop"]["state_dict"]["prefetched_rollouts"][0]
+    (cursor,) = torch.load(ckpt, weights_only=True)["loops"]["fit_loop"]["state_dict"]["rollout_cursors"]
+    prefetched = cursor["prefetched_rollouts"]
     assert [entry["rollout"]["weights_version"] for entry in prefetched] == [0, 1]
     resumed, resumed_weights, _ = runs("async_2_resumed", max_staleness=2, resume_from=str(ckpt))
     assert sorted(resumed.steps) == list(range(2, STEPS))
@@ -257,8 +258,8 @@ def test_several_steps_per_rollout_and_resume_inside_a_rollout(runs, tmp_path_fa
         assert _sampler_vs_policy(recorder, step, step - step % 2 - int(_staleness(recorder)[step])) < 1e-4
     ckpt = ckpt_dir / "epoch=0-step=3.ckpt"
     state = torch.load(ckpt, weights_only=True)["loops"]["fit_loop"]["state_dict"]
-    assert state["partial_rollouts"][0]["consumed"] == 1
-    assert [entry["rollout"]["weights_version"] for entry in state["prefetched_rollouts"][0]] == [2]
+    assert state["rollout_cursors"][0]["partial_rollout"]["consumed"] == 1
+    assert [entry["rollout"]["weights_version"] for entry in state["rollout_cursors"][0]["prefetched_rollouts"]] == [2]
     resumed, resumed_weights, _ = runs("two_steps_resumed", max_staleness=2, mini_batch_size=4,
                                        resume_from=str(ckpt))
     _assert_same_run(({s: r for s, r in recorder.steps.items() if s >= 3}, weights),
@@ -316,14 +317,15 @@ def test_per_request_seed_bases_are_disjoint_per_process(tiny_llama_path):
     rank r's base is offset by r * 2**32, so no two processes sample with the same per-request seed."""
     from transformers import AutoTokenizer
 
-    from lightning_grpo.experience_maker import ExperienceMaker, RolloutContext
+    from lightning_grpo.experience.maker import ExperienceMaker, RolloutContext
+    from lightning_grpo.protocols.engine import EngineCapabilities
     from lightning_grpo.rewards import RewardSet
     from lightning_grpo.rollout.worker import RolloutWorker
     from lightning_grpo.training.logprobs import CompletionLogprobs
     from support.algorithm import FixedRolloutEngine
 
     class Seeded(FixedRolloutEngine):
-        seeds_per_request = True  # as vLLM's engines declare
+        capabilities = EngineCapabilities(uses_policy_parameters=True, seeds_per_request=True)  # seeds as vLLM's
 
     config = GRPOConfig()
     worker = RolloutWorker(config, AutoTokenizer.from_pretrained(tiny_llama_path))
@@ -355,7 +357,8 @@ def test_multiturn_prefetched_episodes_resume_exactly(tmp_path_factory, smollm2_
     plain, plain_weights, _ = _fit(model, data_file, root / "plain", engine, ckpt_dir=ckpt_dir, **kwargs)
     assert all(plain.steps[s]["turns/mean"] > 1 for s in range(STEPS))
     ckpt = ckpt_dir / "epoch=0-step=2.ckpt"
-    state = torch.load(ckpt, weights_only=True)["loops"]["fit_loop"]["state_dict"]["prefetched_rollouts"][0]
+    (cursor,) = torch.load(ckpt, weights_only=True)["loops"]["fit_loop"]["state_dict"]["rollout_cursors"]
+    state = cursor["prefetched_rollouts"]
     output = state[0]["rollout"]["output"]
     assert output["env_mask"].sum() > 0 and len(output["episodes"]) == 8 and output["episodes"][0]["turns"]
     resumed, resumed_weights, _ = _fit(model, data_file, root / "resumed", engine, resume_from=str(ckpt), **kwargs)
@@ -391,7 +394,8 @@ def test_agent_prefetched_rollouts_resume_exactly(tmp_path_factory, smollm2_path
     plain, plain_weights, _ = _fit(model, data_file, root / "plain", engine, ckpt_dir=ckpt_dir, **kwargs)
     assert all(plain.steps[s]["turns/mean"] > 1 for s in range(STEPS))
     ckpt = ckpt_dir / "epoch=0-step=2.ckpt"
-    state = torch.load(ckpt, weights_only=True)["loops"]["fit_loop"]["state_dict"]["prefetched_rollouts"][0]
+    (cursor,) = torch.load(ckpt, weights_only=True)["loops"]["fit_loop"]["state_dict"]["rollout_cursors"]
+    state = cursor["prefetched_rollouts"]
     output = state[0]["rollout"]["output"]
     assert output["env_mask"].sum() > 0 and output["episodes"][0]["samples"][0]["trained"]
     resumed, resumed_weights, _ = _fit(model, data_file, root / "resumed", engine, resume_from=str(ckpt), **kwargs)

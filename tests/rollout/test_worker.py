@@ -130,7 +130,7 @@ def test_the_wake_up_and_sync_count_as_sync_s(tokenizer, monkeypatch):
         def wake_up(self):
             clock.now += 1.0
 
-        def sync_weights(self, model):
+        def sync_weights(self, weights):
             clock.now += 2.0
 
     worker, _ = _worker(tokenizer)
@@ -151,7 +151,7 @@ class _CoreOnly:
     def generate(self, prompt_ids, num_generations, sampling):
         raise NotImplementedError
 
-    def sync_weights(self, model):
+    def sync_weights(self, weights):
         self.synced += 1
 
 
@@ -240,3 +240,44 @@ def test_every_rollout_goes_through_the_prompt_encoder_and_sampler_it_was_made_w
     assert engine.prompts == [[[2, 9], [3, 9]], [[4, 9]]]
     assert sampler.calls == [([[2, 9], [3, 9]], 2, [{"x": 1}, {"x": 2}], agree.any_process),
                              ([[4, 9]], 1, [{}], None)]
+
+
+#: A chat template that writes the text parts of a message's content and nothing of its image parts: with it, a causal
+#: LM's prompt with pictures would encode as the text alone (the images silently dropped).
+TEXT_PARTS_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.content is string %}{{ m.content }}{% else %}"
+    "{% for p in m.content %}{% if p.type == 'text' %}{{ p.text }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+@pytest.mark.parametrize("template", ["own", "text_parts"])
+def test_image_prompts_for_a_causal_lm_are_refused_before_the_engine(tokenizer, template):
+    """A causal LM has no image encoder: a prompt with an image part is refused naming it (its index, message and
+    part), whether the chat template would fail on the part list (SmolLM2's own) or write its text alone; the engine
+    generates nothing. A prompt without image parts is a text prompt (text parts where the template writes them)."""
+    from support.vision import image_prompt, picture
+
+    if template == "text_parts":
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer.name_or_path)
+        tokenizer.chat_template = TEXT_PARTS_TEMPLATE
+    worker, _ = _worker(tokenizer)
+    engine = _engine()
+    worker.engine = engine
+    text = [{"role": "user", "content": "What colour?"}]
+    if template == "text_parts":
+        text = [{"role": "user", "content": [{"type": "text", "text": "What colour?"}]}]
+    pictured = [{"role": "system", "content": "Look."}, *image_prompt("What colour?", picture(), picture("blue"))]
+    with pytest.raises(ValueError, match=r"prompts\[1\] has 2 image part\(s\) \(message 1 part 0 is .*not a "
+                                         r"vision-language model"):
+        worker.sample_prompts([text, pictured], 2, SamplingConfig(max_new_tokens=4))
+    assert engine.prompts == []
+    worker.sample_prompts([text], 2, SamplingConfig(max_new_tokens=4))
+    assert len(engine.prompts) == 1
+
+
+def test_an_image_column_for_a_causal_lm_is_refused_naming_the_column(tokenizer):
+    worker, _ = _worker(tokenizer)
+    worker.check_image_column(None)  # text prompts
+    with pytest.raises(ValueError, match=r"image column 'picture' \(PromptDataModule\(image_field='picture'\)\).*"
+                                         r"not a vision-language model"):
+        worker.check_image_column("picture")

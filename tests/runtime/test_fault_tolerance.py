@@ -319,7 +319,8 @@ def test_sigterm_during_a_rollout_saves_the_last_step_and_exits_fast(tmp_path, t
     assert last.is_symlink() and os.readlink(last) == "epoch=0-step=1.ckpt"
     saved = torch.load(last, weights_only=False)
     assert saved["global_step"] == 1
-    assert saved["loops"]["fit_loop"]["state_dict"]["prompt_batches_drawn"] == 1  # not the interrupted rollout's
+    (cursor,) = saved["loops"]["fit_loop"]["state_dict"]["rollout_cursors"]
+    assert cursor["prompt_batches_drawn"] == 1  # not the interrupted rollout's
     assert saved["loops"]["fit_loop"]["epoch_loop.batch_progress"]["total"]["completed"] == 1
     after_step1 = torch.load(tmp_path / "after_step1.pt")
     for name, value in after_step1.items():

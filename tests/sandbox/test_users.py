@@ -73,3 +73,23 @@ def test_bad_ranges_are_errors():
     with pytest.raises(ValueError, match=r"run_user\(base=1, count=0\): both must be >= 1"):
         with run_user(1, 0):
             pass
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="only a root trainer takes an id of its own under rlimits")
+def test_a_planted_lock_folder_makes_sandbox_run_raise_permission_error(private_tmp):
+    """``Sandbox.run`` under ``rlimits`` as root: a lock folder others may open (planted, or opened up) is refused
+    with a ``PermissionError`` naming it, before anything runs; removed, runs go on."""
+    from lightning_grpo.sandbox import Sandbox, SandboxLimits
+
+    sandbox = Sandbox(SandboxLimits(wall_s=30.0), isolation="rlimits")
+    assert sandbox.mechanism == "rlimits"
+    folder = private_tmp / users.LOCK_FOLDER
+    folder.mkdir(mode=0o700, exist_ok=True)
+    folder.chmod(0o777)
+    command = [sandbox.python, "-I", "-S", "-c", "print('ran')"]  # no file: this test's folder is root's only
+    with pytest.raises(PermissionError, match=rf"{folder}: must be a folder of user 0 that no one else may open"):
+        sandbox.run(command)
+    for entry in folder.iterdir():
+        entry.unlink()
+    folder.rmdir()
+    assert sandbox.run(command).stdout == "ran\n"

@@ -9,8 +9,10 @@ from typing import Callable, Optional
 import torch
 
 from lightning_grpo.episodes import BaseEnvironment, EnvStep
+from lightning_grpo.protocols.engine import EngineCapabilities
 from lightning_grpo.protocols.rollout import RolloutOutput
 from lightning_grpo.protocols.sampling import SamplingConfig
+from lightning_grpo.protocols.weights import PolicyWeights
 from lightning_grpo.rollout.engines.rows import rollout_from_rows
 
 
@@ -19,8 +21,7 @@ class ScriptedEngine:
     ``sampling.max_new_tokens``; EOS where the script puts it), with sampler logprobs ``-0.01 * (position + 1)``.
     Records every call: ``(prompt_ids, num_generations, sampling)``."""
 
-    uses_policy_parameters = True
-    seeds_per_request = False
+    capabilities = EngineCapabilities(uses_policy_parameters=True)
 
     def __init__(self, tokenizer, script: Callable[[int, int, list[int]], list[int]], eos: int = 2,
                  weight_versions: Optional[list[int]] = None) -> None:
@@ -41,8 +42,8 @@ class ScriptedEngine:
         return rollout_from_rows(prompt_ids, rows, num_generations, self.pad_token_id, [self.eos], self.tokenizer,
                                  weight_version=version)
 
-    def sync_weights(self, model: torch.nn.Module) -> None:
-        pass
+    def sync_weights(self, weights: PolicyWeights) -> None:
+        """Nothing to do: the script is the model (``uses_policy_parameters``)."""
 
     def set_lockstep(self, enabled: bool) -> None:
         pass

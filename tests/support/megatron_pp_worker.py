@@ -131,7 +131,7 @@ def probe_after_sync(probes: list) -> Any:
 
     class Probe(Callback):
         def on_train_batch_start(self, trainer: Any, module: Any, batch: Any, batch_idx: int) -> None:
-            if batch_idx % module.micro_batches_per_rollout() != 0:
+            if batch_idx % trainer.fit_loop.plan.micro_batches_per_rollout() != 0:
                 return
             sequences = probe_sequences(min(len(module.tokenizer), module.policy.config.vocab_size))
             entry = {"policy": module.policy.teacher_forced_logprobs(sequences).tolist(), "engine": None}

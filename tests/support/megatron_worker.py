@@ -86,7 +86,7 @@ class FixedRolloutEngine:
     def close(self) -> None:
         pass
 
-    def sync_weights(self, model: torch.nn.Module) -> None:
+    def sync_weights(self, weights: Any) -> None:  # a PolicyWeights
         pass
 
     def generate(self, prompt_ids: Sequence[Sequence[int]], num_generations: int, sampling: Any) -> Any:
@@ -360,7 +360,7 @@ def scenario_train(out: Path, model_path: str, data_path: str) -> dict:
         def on_train_batch_start(self, trainer: Any, module: Any, batch: Any, batch_idx: int) -> None:
             if self.checkpoint is None and batch.step_end:
                 checks["step_tokens"].append(int(batch.completion_mask.sum()))  # one micro-batch per step here
-            if batch_idx % module.micro_batches_per_rollout() != 0:
+            if batch_idx % trainer.fit_loop.plan.micro_batches_per_rollout() != 0:
                 return
             # right after a rollout: the HF copy that generated it must hold the current (gathered) weights
             gathered = dict(module.policy.iter_hf_weights())

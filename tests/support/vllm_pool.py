@@ -34,7 +34,7 @@ class VLLMPool:
     def get(self, path: str, reload: bool = True) -> Any:
         """The engine for ``path`` (built on first use). ``reload``: load the folder's weights into it again (a
         fit's module syncs its policy's weights before the first rollout anyway; False skips the reload)."""
-        from lightning_grpo.rollout.engines.vllm import VLLMRolloutEngine
+        from lightning_grpo.rollout.engines.vllm.colocated import VLLMRolloutEngine
 
         engine = self.engines.get(path)
         if engine is None:

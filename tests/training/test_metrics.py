@@ -227,6 +227,19 @@ def test_step_timer_breakdown_on_a_fake_clock(monkeypatch):
     assert second["timing/other_s"] == 4.0 and second["generated_tokens"] == 0.0 and timer.get("backward_s") == 0.0
 
 
+def test_a_reward_timing_is_zero_on_a_step_that_scored_nothing(monkeypatch):
+    """``timing/reward_<name>_s`` is the step's own: a later step of the same rollout logs 0.0, never the value of the
+    step that scored (which a logger's last-value view would keep showing)."""
+    clock = _Clock()
+    monkeypatch.setattr(metrics_module.time, "perf_counter", clock)
+    timer = StepTimer()
+    timer.start()
+    timer.add("reward_slow_s", 2.0)
+    assert timer.step_end()["timing/reward_slow_s"] == 2.0
+    assert timer.step_end()["timing/reward_slow_s"] == 0.0
+    assert "timing/reward_other_s" not in timer.step_end()  # a function never timed: no key
+
+
 def test_step_timer_without_start_has_no_step_time():
     timer = StepTimer()
     timer.add("rollout_s", 2.0)

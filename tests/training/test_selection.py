@@ -1,13 +1,14 @@
 """StepSelection on its own: the step-level statistics (high-entropy cut, covariance centers, KL-Cov's cut, Clip-Cov's
 draw) are the same whether the step is one micro-batch or four, and equal the statistics of the whole step computed
-directly. A tiny random Llama and CompletionLogprobs, no GRPOModule, no Trainer."""
+directly; a micro-batch without a step plan gets its own. A tiny random Llama and CompletionLogprobs, no GRPOModule,
+no Trainer."""
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 from lightning_grpo import GRPOConfig
-from lightning_grpo.algorithm import selection_count, token_covariance
+from lightning_grpo.algorithm import grpo_objective, selection_count, token_covariance
 from lightning_grpo.algorithm.entropy import entropy_threshold
 from lightning_grpo.protocols.collectives import Collectives
 from lightning_grpo.training.experience import Experience, micro_batches
@@ -49,11 +50,11 @@ def _members(experience: Experience, accumulate: int, config: GRPOConfig) -> lis
 
 
 def _prepared(policy, config: GRPOConfig, members, collectives=Collectives(), step: int = 7) -> list[dict]:  # noqa: B008
-    selection = StepSelection(config, CompletionLogprobs(config))
-    selection.prepare(policy, members, collectives, step)
-    kwargs = [selection.objective_kwargs() for _ in members]
-    assert selection.objective_kwargs() == {}  # the prepared step is used up
-    return kwargs
+    """The objective's keyword arguments of each micro-batch, from the step's plans (one per micro-batch, sharing the
+    step's statistics)."""
+    plans = StepSelection(config, CompletionLogprobs(config)).plan(policy, members, collectives, step)
+    assert len(plans) == len(members) and all(p.statistics is plans[0].statistics for p in plans)
+    return [plan.objective_kwargs() for plan in plans]
 
 
 def _selected_tokens(members, kwargs) -> set[tuple[int, int]]:
@@ -125,3 +126,25 @@ def test_no_knob_needs_no_extra_forward_pass(policy):
         assert calls  # with a knob on, the step's no-grad pass runs
     finally:
         hook.remove()
+
+
+def test_each_micro_batch_is_trained_with_the_plan_it_carries(policy):
+    """``StepSelection.objective`` takes the micro-batch's own ``step_plan`` (the step's high-entropy cut), and,
+    without one, the micro-batch's own statistics: equal to ``grpo_objective`` called with and without the cut."""
+    config = GRPOConfig(top_entropy_quantile=0.5)
+    members = _members(_experience(policy.config.vocab_size), 4, config)
+    selection = StepSelection(config, CompletionLogprobs(config))
+    plans = selection.plan(policy, members, Collectives(), 7)
+    member = members[2]
+    with torch.no_grad():
+        logprobs, entropy = CompletionLogprobs(config)(policy, member, with_entropy=True)
+    inputs = dict(entropy=entropy, normalizer=member.loss_normalizer)
+    own = grpo_objective(logprobs, member.completion_mask, member.advantages, config, **inputs)
+    cut = plans[2].statistics["entropy_threshold"]
+    step = grpo_objective(logprobs, member.completion_mask, member.advantages, config, entropy_threshold=cut, **inputs)
+    assert member.step_plan is None and torch.equal(selection.objective(member, logprobs, entropy).entropy_mask,
+                                                     own.entropy_mask)
+    member.step_plan = plans[2]
+    planned = selection.objective(member, logprobs, entropy)
+    assert torch.equal(planned.entropy_mask, step.entropy_mask) and torch.equal(planned.loss, step.loss)
+    assert not torch.equal(own.entropy_mask, step.entropy_mask)  # the step's cut is not this micro-batch's

@@ -5,11 +5,11 @@
                          [--tensor-parallel-size 1] [--max-request-tokens N] [--max-queued-requests 64]
                          [--max-body-mib 64]
 
-The engine is the colocated engine's (:class:`~lightning_grpo.rollout.engines.vllm.VLLMRolloutEngine`, same sampling
-parameters, same processed sampler logprobs, same per-request seeds) with the worker extension
+The engine is the colocated engine's (:class:`~lightning_grpo.rollout.engines.vllm.colocated.VLLMRolloutEngine`, same
+sampling parameters, same processed sampler logprobs, same per-request seeds) with the worker extension
 :class:`~lightning_grpo.rollout.server.vllm_extension.WeightSyncWorkerExtension`, through which the trainer streams its
 weights over a ``torch.distributed`` group (:mod:`lightning_grpo.rollout.server.weight_sync`). The trainer's side is
-:class:`~lightning_grpo.rollout.engines.remote.VLLMServerEngine` (``engine.name="vllm_server"``).
+:class:`~lightning_grpo.rollout.server.remote.VLLMServerEngine` (``engine.name="vllm_server"``).
 
 Security: it listens on 127.0.0.1 unless ``--host`` says otherwise, and another address needs a shared secret
 (``$LIGHTNING_GRPO_SERVER_SECRET`` or ``--secret-file``), which every request must then carry
@@ -84,7 +84,7 @@ class RolloutServer:
     Args:
         model: folder of the HF checkpoint (weights, config, tokenizer) the engine starts from.
         kv_cache_space_gib, max_model_len, seed, dtype, gpu_memory_utilization: as
-            :class:`~lightning_grpo.rollout.engines.vllm.VLLMRolloutEngine`.
+            :class:`~lightning_grpo.rollout.engines.vllm.colocated.VLLMRolloutEngine`.
         tensor_parallel_size: vLLM workers per instance (GPU); each joins the weight-sync group.
         max_request_tokens: the most work (:func:`request_work`) of one generate or probe request.
 
@@ -96,7 +96,7 @@ class RolloutServer:
     def __init__(self, model: str, *, kv_cache_space_gib: float = 2, max_model_len: Optional[int] = None,
                  seed: int = 0, dtype: Optional[str] = None, gpu_memory_utilization: float = 0.9,
                  tensor_parallel_size: int = 1, max_request_tokens: int = MAX_REQUEST_TOKENS) -> None:
-        from lightning_grpo.rollout.engines.vllm import VLLMRolloutEngine
+        from lightning_grpo.rollout.engines.vllm.colocated import VLLMRolloutEngine
 
         if max_request_tokens < 1:
             raise ValueError(f"--max-request-tokens must be >= 1, got {max_request_tokens}")

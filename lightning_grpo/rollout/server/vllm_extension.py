@@ -14,7 +14,10 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from lightning_grpo.rollout.engines.vllm.runtime import quiet_known_reload_warnings
 from lightning_grpo.rollout.server.weight_sync import join_store, make_group, receive_weights
+
+quiet_known_reload_warnings()  # in each vLLM worker that loads the streamed weights (vllm_runtime.RotaryReloadFilter)
 
 
 class WeightSyncWorkerExtension:

@@ -1,0 +1,423 @@
+"""The experience maker: one prompt batch -> one scored, shaped :class:`~lightning_grpo.training.experience.Experience`.
+
+generate -> score -> (dynamic sampling: more rounds) -> shape the rewards -> behaviour (old), reference and teacher
+logprobs -> KL in the reward -> group advantages -> rollout metrics. It sees models, a rollout worker, a reward set
+and a :class:`RolloutContext` (the collectives and the trainer's settings, bound once per fit), never a Trainer or a
+LightningModule.
+
+Asynchronous rollouts (``GRPOConfig.max_staleness > 0``): :meth:`ExperienceMaker.prefetch` starts a rollout's
+generation in the background (:class:`lightning_grpo.rollout.prefetch.RolloutPrefetcher`) and
+:meth:`ExperienceMaker.make` given that :class:`~lightning_grpo.rollout.prefetch.PrefetchedRollout` waits for it and
+does the rest (scoring, shaping, logprobs, advantages) on the trainer's thread, with the weights of the moment.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import dataclass, field
+from typing import Callable, ContextManager, Optional
+
+import torch
+from torch import Tensor, nn
+
+from lightning_grpo import functional as F
+from lightning_grpo.algorithm import DynamicSampler, ScoredRollout
+from lightning_grpo.algorithm.shaping import batch_reward_std, overlong_penalty, transform_rewards
+from lightning_grpo.config import GRPOConfig
+from lightning_grpo.evaluation.evaluator import EvalBatch
+from lightning_grpo.events import ON_EXPERIENCE, ON_ROLLOUT_END, EventSink, ExperienceReady, RolloutEnd
+from lightning_grpo.experience.collected import RolloutRows, reward_columns
+from lightning_grpo.experience.evaluation import evaluate_batch
+from lightning_grpo.experience.passes import LogprobPasses
+from lightning_grpo.protocols.collectives import Collectives
+from lightning_grpo.protocols.rollout import RolloutInterrupted, RolloutOutput
+from lightning_grpo.protocols.sampling import SamplingConfig
+from lightning_grpo.protocols.teacher import Teacher
+from lightning_grpo.rewards import RewardSet, StartedScores
+from lightning_grpo.rollout.prefetch import PrefetchedRollout, RolloutPrefetcher
+from lightning_grpo.rollout.worker import RolloutWorker, prompt_rows
+from lightning_grpo.training.experience import Experience
+from lightning_grpo.training.logprobs import CompletionLogprobs
+from lightning_grpo.training.metrics import REWARD_TIMING_PREFIX, StepTimer, rollout_metrics
+
+log = logging.getLogger(__name__)
+
+PromptBatch = dict[str, list]
+
+
+@dataclass(frozen=True)
+class RolloutContext:
+    """What the experience maker needs from the run, fixed for a fit (``GRPOModule`` binds it when the trainer's
+    backend is known: :meth:`ExperienceMaker.bind`).
+
+    Attributes:
+        collectives: the data-parallel reductions (the backend's), flags on the device of the experience.
+        timer: the step timer (``rollout_s``, ``scoring_s``, ``logprobs_s``, ``sync_s``, ``generated_tokens``).
+        forward_context: the trainer's precision context for the no-grad logprob passes.
+        micro_batches_per_step: ``Trainer(accumulate_grad_batches)``; a logprob pass takes
+            ``mini_batch_size // micro_batches_per_step`` sequences (the rollout batch without ``mini_batch_size``).
+        rank: this process's global rank: per-request seeds of rank r are offset by r * 2**32, so processes seeded
+            alike never sample with the same seeds.
+        token_budget: the micro-batch token budget (``max_tokens_per_microbatch`` as resolved,
+            :class:`~lightning_grpo.config.ResolvedConfig`): the logprob passes take that many tokens at a time; None:
+            ``micro_batches_per_step`` sequences.
+    """
+
+    collectives: Collectives = field(default_factory=Collectives)
+    timer: StepTimer = field(default_factory=StepTimer)
+    forward_context: Callable[[], ContextManager] = contextlib.nullcontext
+    micro_batches_per_step: int = 1
+    rank: int = 0
+    token_budget: Optional[int] = None
+
+    @property
+    def device(self) -> torch.device:
+        """Where the experience's tensors go."""
+        return self.collectives.device
+
+
+@dataclass
+class _Collected:
+    """What the generation rounds of one rollout produced (step 1 of :meth:`ExperienceMaker.make`)."""
+
+    rollout: ScoredRollout
+    sampling_stats: Optional[dict]
+    weights_version: int
+    totals: dict[str, float]
+    rows: RolloutRows  # every row generated, by row_index
+    generation_s: float
+    outcomes: dict[str, list[float]]  # "<reward>/<outcome>" -> [completions, of all completions] (pooled rewards)
+
+
+def _check_prompt_column(batch: PromptBatch) -> None:
+    if "prompt" not in batch:
+        raise KeyError(f"prompt batches need a 'prompt' column, got columns {sorted(batch)}")
+
+
+def _expand(batch: PromptBatch, g: int) -> tuple[list, dict[str, list]]:
+    """A prompt batch's prompts and other columns, each entry repeated G times (prompt-major, as the completions)."""
+    prompts = [p for p in batch["prompt"] for _ in range(g)]
+    columns = {k: [v for v in values for _ in range(g)] for k, values in batch.items() if k != "prompt"}
+    return prompts, columns
+
+
+class ExperienceMaker:
+    """Makes experience from prompt batches (see :meth:`make`).
+
+    Args:
+        config: the algorithm settings.
+        rollout: the rollout worker (engine, prompt encoding, weight sync).
+        rewards: the reward functions.
+        logprobs: the completion-logprob computer (old and reference passes).
+        events: called as ``events(name, payload)`` with ``on_rollout_end`` (:class:`~lightning_grpo.events.RolloutEnd`)
+            and ``on_experience`` (:class:`~lightning_grpo.events.ExperienceReady`), see :mod:`lightning_grpo.events`.
+        teacher: on-policy distillation's teacher (:mod:`lightning_grpo.distillation`), which scores every
+            rollout's tokens into ``Experience.teacher_logprobs``; None without distillation.
+
+    Attributes:
+        prefetcher: the background generation of asynchronous rollouts (its thread starts with the first
+            :meth:`prefetch`).
+        context: the run's :class:`RolloutContext` (single-process defaults until :meth:`bind`).
+    """
+
+    def __init__(self, config: GRPOConfig, rollout: RolloutWorker, rewards: RewardSet,
+                 logprobs: CompletionLogprobs, events: Optional[EventSink] = None,
+                 teacher: Optional[Teacher] = None) -> None:
+        self.config = config
+        self.rollout = rollout
+        self.rewards = rewards
+        self.logprobs = logprobs
+        self.passes = LogprobPasses(config, logprobs, teacher)
+        self.events = events
+        self.prefetcher = RolloutPrefetcher(rollout, on_generated=self._start_rewards)
+        self.context = RolloutContext()
+
+    def bind(self, context: RolloutContext) -> None:
+        """Use ``context`` (the collectives, timer, precision context, accumulation and rank of this run) from now
+        on."""
+        self.context = context
+
+    def prefetch(self, batch: PromptBatch, policy: nn.Module) -> PrefetchedRollout:
+        """Asynchronous rollouts: start generating ``batch``'s G completions per prompt in the background, from
+        ``policy``'s current weights (:meth:`lightning_grpo.rollout.prefetch.RolloutPrefetcher.start`: waits for the
+        engine to be idle, syncs, draws the seed base, starts). Pass the result to :meth:`make`.
+
+        Raises:
+            KeyError: ``batch`` has no "prompt" column.
+            NonFiniteError: the policy has NaN or infinite weights.
+        """
+        _check_prompt_column(batch)
+        ctx = self.context
+        return self.prefetcher.start(batch, policy, self.config.num_generations, self._sampling, ctx.timer,
+                                     ctx.collectives)
+
+    def wait_for_rollouts(self) -> None:
+        """Wait until no rollout is being generated in the background (before a checkpoint or a weight sync)."""
+        self.prefetcher.wait_idle()
+
+    def close(self) -> None:
+        """Stop background generations and end their thread and the reward pool's (end of fit)."""
+        self.prefetcher.close()
+        self.rewards.close()
+
+    def release(self) -> None:
+        """What a failed run leaves (:class:`~lightning_grpo.runtime.cleanup.ReleaseOnException`): :meth:`close`, and
+        the rollout engine the worker made is closed. Idempotent."""
+        self.close()
+        self.rollout.close()
+
+    def _start_rewards(self, prefetched: PrefetchedRollout, out: RolloutOutput) -> Optional[StartedScores]:
+        """On the generating thread, when a prefetched rollout is generated: start its slow rewards in the pool."""
+        if not self.rewards.has_pooled:
+            return None
+        prompts, columns = _expand(prefetched.batch, prefetched.num_generations)
+        return self.rewards.start(prompts, out.completions, reward_columns(columns, out), prefetched.num_generations)
+
+    @torch.no_grad()
+    def make(self, batch: PromptBatch, policy: nn.Module, ref: Optional[nn.Module], *,
+             next_prompt_batch: Optional[Callable[[], Optional[PromptBatch]]] = None,
+             prefetched: Optional[PrefetchedRollout] = None) -> Experience:
+        """One rollout batch: generate G completions per prompt, score them, shape the rewards, compute advantages
+        and (when needed) the old, reference and teacher logprobs. Runs on this process's prompts only.
+
+        With ``prefetched`` (asynchronous rollouts, from :meth:`prefetch` of the same ``batch``) the completions are
+        that rollout's, generated from older weights (waited for if still running); the rest uses ``policy`` as it
+        is now, which is the proximal policy of the decoupled objective (docs/algorithm.md, "Asynchronous
+        rollouts"). ``rollout/staleness_{mean,max}``: optimizer steps between the weights that generated the rollout
+        and ``policy``'s (0 for a synchronous rollout with ``engine.sync_every=1``).
+
+        Rewards become advantages in this order (docs/algorithm.md): weighted sum of the reward functions (a
+        completion that no function could score is "unscored": it gets no loss and is left out of its group's
+        statistics) -> + soft overlong penalty -> scale, bias, clip -> - beta * sequence KL (``kl_in_reward``) ->
+        :func:`lightning_grpo.functional.group_advantages`.
+
+        With ``dynamic_sampling``, groups whose primary reward is the same for all G completions are dropped and
+        ``next_prompt_batch`` is called for more prompts until ``len(batch["prompt"])`` informative groups are held
+        or ``max_num_gen_batches`` prompt batches were generated; the batch is then filled up with dropped groups
+        (:class:`lightning_grpo.algorithm.DynamicSampler`). Every process generates the same number of prompt
+        batches (decided together), so every process ends with ``len(batch["prompt"]) * G`` sequences.
+
+        Args:
+            batch: a prompt batch, a dict of equal-length lists with a "prompt" key (message lists or strings)
+                and the dataset's other columns (passed to the reward functions).
+            policy: the policy (old logprobs); ``ref``: the reference policy (beta > 0) or None.
+            next_prompt_batch: returns the next prompt batch, or None when the data is used up (dynamic sampling).
+            prefetched: the rollout :meth:`prefetch` started for ``batch`` (None: generate it now).
+
+        Raises:
+            KeyError: a prompt batch has no "prompt" column.
+            ValueError, RuntimeError: a reward function misbehaves or raises (see
+                :func:`lightning_grpo.rewards.scoring.score_completions`).
+            RolloutInterrupted: the rollout worker's stop flag was set (e.g. SIGTERM) on any process: during
+                generation (the engine stops within a token), scoring (after the reward function in progress) or
+                the logprob passes; the partial rollout is discarded, on every process together.
+            NonFiniteError: the policy has NaN or infinite weights (checked before sampling).
+        """
+        _check_prompt_column(batch)
+        ctx = self.context
+        # 1. generate and score: the prefetched rollout, or generation rounds now (more with dynamic sampling)
+        collected = self._collect(batch, policy, next_prompt_batch, prefetched)
+        rollout = collected.rollout.rollout  # the rows as sampled (ids, masks, per-token fields)
+        scored_rollout = self._rollout_event(collected)
+        if self.events is not None:
+            self.events(ON_ROLLOUT_END, scored_rollout)
+        # 2. shape the rewards: overlong penalty, scale / bias / clip
+        extra: dict[str, tuple[Tensor, Tensor]] = {}  # metric -> (sum, count)
+        shaped, scored = self._shaped_rewards(collected.rollout, extra)
+        # 3. the experience (every per-token field of the rollout), its old, reference and teacher logprobs (and the
+        # KL in the reward); an unscored row gets no loss token and is not laid out
+        experience = Experience.of(rollout, ctx.device)
+        experience.completion_mask = experience.completion_mask * scored.unsqueeze(1)  # [N, T] through the EOS
+        if experience.env_mask is not None:
+            experience.env_mask = experience.env_mask * scored.unsqueeze(1)
+        with ctx.timer.span("logprobs_s"):
+            shaped = self._behaviour_logprobs(experience, shaped, scored, extra, policy, ref, len(batch["prompt"]))
+        if self.config.mask_truncated_completions:
+            kept = (~rollout.truncated.to(ctx.device)).unsqueeze(1)
+            experience.completion_mask = experience.completion_mask * kept
+            if experience.env_mask is not None:  # a row without loss tokens is not laid out at all
+                experience.env_mask = experience.env_mask * kept
+        # 4. group advantages
+        cfg = self.config
+        experience.advantages = F.group_advantages(
+            shaped, cfg.num_generations, cfg.scale_rewards, cfg.advantage_eps, estimator=cfg.advantage_estimator,
+            std_floor=cfg.advantage_std_floor, valid=scored,
+            batch_std=batch_reward_std(shaped, scored, ctx.collectives) if cfg.scale_rewards == "batch" else None,
+        )
+        # 5. rollout metrics, and a stop during the logprob passes still discards the rollout
+        extra["reward_shaped"] = (shaped[scored].sum(), scored.sum().float())
+        for key, (count, total) in collected.outcomes.items():  # every process has the same keys (declared ones)
+            extra[f"rewards/{key}"] = (torch.tensor(count), torch.tensor(total))
+        experience.metrics = self._metrics(collected, extra)
+        if ctx.collectives.any_process(self.rollout.stop.is_set()):
+            raise RolloutInterrupted("the rollout was stopped by a stop request (e.g. SIGTERM) before it finished")
+        ctx.timer.add("generated_tokens", collected.totals["generated_tokens"])
+        ctx.timer.rollout_end()
+        if self.events is not None:
+            self.events(ON_EXPERIENCE, ExperienceReady(experience, scored_rollout, shaped))
+        return experience
+
+    def _collect(self, batch: PromptBatch, policy: nn.Module,
+                 next_prompt_batch: Optional[Callable[[], Optional[PromptBatch]]],
+                 prefetched: Optional[PrefetchedRollout]) -> _Collected:
+        """Step 1 of :meth:`make`: the scored completions of the rollout, with what its metrics need."""
+        ctx, cfg = self.context, self.config
+        sampler = DynamicSampler(len(batch["prompt"]), self.rewards.primary_index, cfg.dynamic_sampling)
+        rows = RolloutRows()
+        outcomes: dict[str, list[float]] = {}
+        totals = {"prompts/truncated": 0.0, "generated_tokens": 0.0}
+        rollout_s_before = ctx.timer.get("rollout_s")
+        if prefetched is not None:  # asynchronous: generated in the background (no dynamic sampling there)
+            with ctx.timer.span("rollout_s"):
+                try:
+                    out: Optional[RolloutOutput] = prefetched.result()
+                except RolloutInterrupted:
+                    out = None
+            pad = int(self.rollout.require_engine().pad_token_id)
+            sampler.add(self._score(batch, out, prefetched.num_truncated, pad, totals, rows, outcomes,
+                                    prefetched.started_rewards))
+            version = prefetched.weights_version
+        else:
+            with self.rollout.awake(policy, timer=ctx.timer, collectives=ctx.collectives):
+                version = self.rollout.engine_version
+                while True:
+                    sampler.add(self._generate_and_score(batch, totals, rows, outcomes))
+                    if not cfg.dynamic_sampling or sampler.gen_batches >= cfg.max_num_gen_batches:
+                        break
+                    if not ctx.collectives.any_process(sampler.need_more):
+                        break
+                    next_batch = next_prompt_batch() if next_prompt_batch is not None else None
+                    if ctx.collectives.any_process(next_batch is None):
+                        break
+                    assert next_batch is not None
+                    batch = next_batch
+        rollout, sampling_stats = sampler.batch()
+        generation_s = ctx.timer.get("rollout_s") - rollout_s_before  # this rollout's generation time, all rounds
+        if prefetched is not None:  # the engine's own time, not the wait for it
+            generation_s = prefetched.generate_s
+        return _Collected(rollout, sampling_stats if cfg.dynamic_sampling else None, version, totals, rows,
+                          generation_s, outcomes)
+
+    def _shaped_rewards(self, rollout: ScoredRollout, extra: dict[str, tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
+        """Step 2 of :meth:`make`: ``(shaped, scored)``, the ``[N]`` rewards after the overlong penalty and
+        scale / bias / clip (NaN = unscored) and the ``[N]`` bool mask of the scored completions."""
+        cfg, device = self.config, self.context.device
+        shaped = rollout.rewards.to(device)  # [N] weighted sum, NaN = unscored
+        scored = ~torch.isnan(shaped)  # [N]
+        if cfg.overlong_buffer > 0:
+            lengths = rollout.rollout.completion_mask.to(device).sum(dim=1)
+            penalty = overlong_penalty(lengths, cfg.max_new_tokens, cfg.overlong_buffer, cfg.overlong_penalty_factor)
+            shaped = shaped + penalty
+            extra["rewards/overlong_penalty/mean"] = (penalty.sum(), torch.tensor(float(len(penalty))))
+        return transform_rewards(shaped, cfg.reward_scale, cfg.reward_bias, cfg.reward_clip), scored
+
+    def _metrics(self, collected: _Collected, extra: dict[str, tuple[Tensor, Tensor]]) -> dict[str, float]:
+        """Step 5 of :meth:`make`: the rollout metrics (all processes; with the sampler's per-row metrics of the rows
+        trained on, e.g. multi-turn ``turns/*``), ``tokens_per_s`` and the staleness."""
+        rollout = collected.rollout
+        metrics = rollout_metrics(rollout, self.rewards.names, extra, collected.totals, collected.sampling_stats,
+                                  self.context.collectives, collected.rows.metrics(rollout.row_index))
+        metrics["tokens_per_s"] = collected.totals["generated_tokens"] / max(collected.generation_s, 1e-9)
+        staleness = float(self.rollout.weights_version - collected.weights_version)
+        metrics["rollout/staleness_mean"] = metrics["rollout/staleness_max"] = staleness
+        return metrics
+
+    def _rollout_event(self, collected: _Collected) -> RolloutEnd:
+        """The texts and scores of the rollout to be trained on (rows found by ``row_index``)."""
+        rollout = collected.rollout
+        rows = collected.rows.select(rollout.row_index)
+        names = sorted({k for row in rows for k in row.columns})
+        return RolloutEnd(
+            prompts=[r.prompt for r in rows], completions=[r.completion for r in rows], rewards=rollout.rewards,
+            per_function=rollout.per_function, reward_names=list(self.rewards.names),
+            lengths=rollout.rollout.completion_mask.sum(dim=1), truncated=rollout.rollout.truncated,
+            columns={k: [r.columns.get(k) for r in rows] for k in names}, num_generations=rollout.num_generations,
+            weights_version=collected.weights_version, episodes=collected.rows.episodes(rollout.row_index),
+        )
+
+    def _generate_and_score(self, batch: PromptBatch, totals: dict[str, float], rows: RolloutRows,
+                            outcomes: dict[str, list[float]]) -> ScoredRollout:
+        """Generate G completions for each prompt of ``batch`` and score them (one generation round). A stopped
+        round raises :class:`RolloutInterrupted` on every process together (so that no process is left waiting in
+        a collective)."""
+        _check_prompt_column(batch)
+        engine = self.rollout.require_engine()
+        with self.context.timer.span("rollout_s"):
+            encoded = self.rollout.encode(batch["prompt"])
+            sampling = self._sampling()
+            try:
+                out: Optional[RolloutOutput] = self.rollout.sample(engine, encoded.ids, self.config.num_generations,
+                                                                   sampling, prompt_rows(batch),
+                                                                   self.context.collectives, images=encoded.images)
+            except RolloutInterrupted:
+                out = None
+        return self._score(batch, out, encoded.num_truncated, int(engine.pad_token_id), totals, rows, outcomes)
+
+    def _sampling(self) -> SamplingConfig:
+        """The rollouts' sampling settings, with a per-request seed base (:meth:`_request_seed`)."""
+        cfg = self.config
+        return SamplingConfig(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
+                              top_k=cfg.top_k, min_p=cfg.min_p, seed=self._request_seed(),
+                              banned_token_ids=self.rollout.banned_token_ids)
+
+    def _score(self, batch: PromptBatch, out: Optional[RolloutOutput], num_truncated: int, pad_token_id: int,
+               totals: dict[str, float], rows: RolloutRows, outcomes: dict[str, list[float]],
+               started: Optional[StartedScores] = None) -> ScoredRollout:
+        """Score one generation round's completions (``out`` None: it was interrupted, which every process then
+        raises as :class:`RolloutInterrupted`); its rows go into ``rows``. ``started``: its slow rewards,
+        started when it was generated. Adds ``timing/reward_<name>_s`` to the timer and the pooled rewards' outcome
+        counts to ``outcomes``."""
+        g, timer = self.config.num_generations, self.context.timer
+        prompts, columns = _expand(batch, g)
+        if out is not None and not self.rollout.stop.is_set():
+            columns = reward_columns(columns, out)
+            with timer.span("scoring_s"):
+                scores = self.rewards.score(prompts, out.completions, columns, group_size=g, started=started)
+            for name, seconds in scores.seconds.items():
+                timer.add(f"{REWARD_TIMING_PREFIX}{name}_s", seconds)
+            for key, count in scores.outcomes.items():
+                tally = outcomes.setdefault(key, [0.0, 0.0])
+                tally[0] += count
+                tally[1] += len(out.completions)
+        if self.context.collectives.any_process(out is None or self.rollout.stop.is_set()):
+            raise RolloutInterrupted("the rollout was stopped by a stop request (e.g. SIGTERM) before it finished")
+        assert out is not None
+        scores.rewards = out.unscored_as_nan(scores.rewards)  # e.g. a failed agent's episode under on_error="skip"
+        if unscored := torch.isnan(scores.rewards).nonzero().flatten().tolist():
+            log.warning("no reward function scored completions %s (or the sampler marked them): no loss", unscored)
+        totals["prompts/truncated"] += num_truncated
+        totals["generated_tokens"] += float(out.completion_mask.sum())
+        row_index = rows.add(prompts, columns, out)
+        return ScoredRollout(out, per_function=scores.per_function, rewards=scores.rewards, num_generations=g,
+                             pad_token_id=pad_token_id, row_index=row_index)
+
+    def evaluate(self, batch: PromptBatch, policy: nn.Module, accuracy: Optional[Callable[..., list]] = None,
+                 replica: tuple[int, int] = (0, 1)) -> EvalBatch:
+        """The evaluation rollouts of a validation batch (:func:`lightning_grpo.experience.evaluation.evaluate_batch`,
+        ``replica``: this process's distributed sampler ``(rank, num_replicas)``), scored by ``accuracy`` (default:
+        the reward set's), once no background rollout runs (no sync while one does)."""
+        self.prefetcher.wait_idle()
+        return evaluate_batch(self.rollout, self.config, batch, policy, accuracy or self.rewards.accuracy,
+                              self.context.collectives, replica)
+
+    def _request_seed(self) -> Optional[int]:
+        """A base for per-request seeds (engines that ``seeds_per_request``: vLLM, colocated or served), drawn from
+        torch's global generator (restored on resume), offset by ``rank * 2**32`` (disjoint per process); None for an
+        engine that samples from that generator itself (HF)."""
+        if not self.rollout.require_engine().capabilities.seeds_per_request:
+            return None
+        return int(torch.randint(0, 2**31 - 1, (1,)).item()) + self.context.rank * 2**32
+
+    def _behaviour_logprobs(self, experience: Experience, shaped: Tensor, scored: Tensor,
+                            extra: dict[str, tuple[Tensor, Tensor]], policy: nn.Module, ref: Optional[nn.Module],
+                            num_prompts: int) -> Tensor:
+        """Step 3 of :meth:`make`: the old, reference and teacher logprobs and the KL in the reward
+        (:class:`~lightning_grpo.experience.passes.LogprobPasses`), in passes of ``mini_batch_size //
+        micro_batches_per_step`` sequences (the rollout batch of ``num_prompts`` prompts without ``mini_batch_size``)
+        or of the run's token budget. Returns the rewards (minus beta * sequence KL with ``kl_in_reward``)."""
+        cfg, ctx = self.config, self.context
+        micro_batch_size = max(1, (cfg.mini_batch_size or num_prompts * cfg.num_generations)
+                               // ctx.micro_batches_per_step)
+        return self.passes.run(experience, shaped, scored, extra, policy, ref, micro_batch_size, ctx.forward_context,
+                               max_tokens=ctx.token_budget)
