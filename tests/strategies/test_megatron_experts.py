@@ -1,8 +1,9 @@
 """Expert parallelism under MegatronStrategy on CPU processes (gloo, real megatron-core MoE layers and all-to-all token
 dispatcher), through the documented CLI (``lightning-grpo fit --config recipes/megatron.yaml
 --trainer.strategy.init_args.expert_model_parallel_size 2``, run by ``tests/support/megatron_moe_worker.py`` under
-torchrun): a tiny random Qwen3-MoE (4 experts, top-2) trains three GRPO steps (HF rollouts, reference model, two
-passes per rollout, clipping) with its experts split over the ranks and without, on the same data: the rewards are
+torchrun): a tiny random Qwen3-MoE (4 experts, top-2) trains three GRPO steps (HF rollouts whose routing the policy
+replays, ``routing_replay="R3"``; reference model, two passes per rollout, clipping) with its experts split over the
+ranks and without, on the same data: the rewards are
 identical, the gradient norms and losses equal to 1e-6, the trained HF weights to 1e-5. Routing replay under EP:
 each rank's replayed experts are the ones the HF model recorded.
 

@@ -262,23 +262,49 @@ def test_replay_under_activation_recompute_and_micro_batches_gives_the_same_grad
         torch.testing.assert_close(grads_recomputed[name], grad, atol=1e-6, rtol=1e-5, msg=name)
 
 
-def test_a_needed_token_without_recorded_routing_is_refused(model_parallel, moe_models):
-    """-1 (no routing) on padding and on each row's last completion token is routed live; on a token whose hidden
-    states reach a scored logprob it raises, naming the field and its position."""
+def test_a_token_without_recorded_routing_is_routed_by_its_router(model_parallel, moe_models):
+    """-1 (nothing recorded: padding, a token never fed to the sampler's model) lets the router choose for that token
+    only, as the HF path does; under "R3" an experience without routing is an error, as is one field without the
+    other."""
     import dataclasses
 
+    from lightning_grpo.strategies.megatron.pipeline import replayed_routing
+
     hf, policy = _policy(moe_models["qwen3_moe"])
-    batch = hf_routing(hf, experience(hf.config.pad_token_id))
-    completion = batch.completion_routed_experts.clone()
-    completion[0, 3] = -1  # row 0's last completion token: predicts nothing that is scored
-    with torch.no_grad():
-        policy.completion_logprobs(dataclasses.replace(batch, completion_routed_experts=completion), 1.0)
+    plain = experience(hf.config.pad_token_id)
+    batch = hf_routing(hf, plain)
     prompt = batch.prompt_routed_experts.clone()
-    prompt[1, 3, 1] = -1  # row 1's second real prompt token, second MoE layer
-    with pytest.raises(ValueError, match=r"prompt_routed_experts\[1, 3\] holds no routed experts"):
-        policy.completion_logprobs(dataclasses.replace(batch, prompt_routed_experts=prompt), 1.0)
+    prompt[1, 3, 0] = -1  # row 1's second real prompt token, first MoE layer (its input is the same either way)
+    batch = dataclasses.replace(batch, prompt_routed_experts=prompt)
+    with torch.no_grad():
+        for layer in policy.model.decoder.layers:
+            if hasattr(layer.mlp, "router"):
+                layer.mlp.router.weight.neg_()
+        lists = policy.replay.record()
+        policy.completion_logprobs(plain, 1.0)  # live
+        policy.completion_logprobs(batch, 1.0)  # replayed
+    routing = replayed_routing(batch)
+    live, replayed = (_chosen(c, routing.shape) for c in lists[0])
+    position = 1  # row 1's prompt starts at position 0 in the policy's layout: its column 3 is position 1
+    assert int(routing[1, position, 0, 0]) == -1
+    assert torch.equal(replayed[1, position], live[1, position])
+    recorded = routing[:, :, 0][..., 0] >= 0
+    assert torch.equal(replayed[recorded], routing[:, :, 0][recorded])
+    assert not torch.equal(live[recorded].sort(-1).values, replayed[recorded].sort(-1).values)
+    with pytest.raises(ValueError, match="routing_replay='R3': this micro-batch carries no routed experts"):
+        replayed_routing(plain, required=True)
     with pytest.raises(ValueError, match="completion_routed_experts is missing"):
-        policy.completion_logprobs(dataclasses.replace(batch, completion_routed_experts=None), 1.0)
+        replayed_routing(dataclasses.replace(batch, completion_routed_experts=None))
+
+
+def test_routing_options_without_a_megatron_counterpart_are_refused():
+    from lightning_grpo.strategies.megatron.strategy import check_routing_options
+
+    refused = (("routing_replay", "R2"), ("routing_replay_diagnostics", True), ("router_aux_loss_coef", 0.01))
+    for field, value in refused:
+        with pytest.raises(ValueError, match=rf"GRPOConfig.{field}={value!r} is not offered with MegatronStrategy"):
+            check_routing_options({"routing_replay": "off", field: value})
+    check_routing_options({"routing_replay": "R3", "routing_replay_diagnostics": False, "router_aux_loss_coef": 0.0})
 
 
 def test_a_token_budget_is_refused_with_the_experts_split_over_ranks():

@@ -1,20 +1,19 @@
 """Mixture-of-experts helpers shared by the Megatron MoE tests (in this process) and their torchrun worker
-(``tests/support/megatron_moe_worker.py``): tiny random Qwen3-MoE / Mixtral checkpoints, the routing an HF forward
-pass chooses for each token, and an Experience that carries it.
-
-The rollout's per-token routing fields (``prompt_routed_experts``, ``completion_routed_experts``) are declared on
-:class:`RoutedExperience` here, as the HF-side MoE work declares them on ``Experience`` and ``RolloutOutput``.
+(``tests/support/megatron_moe_worker.py``): tiny random Qwen3-MoE / Mixtral checkpoints (with dense layers between
+the mixtures and random norms, which :func:`lightning_grpo.demos.tiny_models.save_tiny_moe` does not make), and an
+Experience carrying the routing an HF forward pass chooses for each token (``prompt_routed_experts``,
+``completion_routed_experts``), as a rollout under ``GRPOConfig.routing_replay="R3"`` records it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Optional
+import dataclasses
+from typing import Any
 
 import torch
 from torch import Tensor
 
-from lightning_grpo.protocols.tokens import Layout, token_meta
+from lightning_grpo.protocols.routing import ROUTED_DTYPE, mask_routed
 from lightning_grpo.training.experience import Experience
 
 
@@ -55,15 +54,6 @@ def save_tiny_moe(root: str, tokenizer_path: str, model_type: str = "qwen3_moe",
     return root
 
 
-@dataclass
-class RoutedExperience(Experience):
-    """An Experience with the rollout's recorded routing: ``(N, P, moe_layers, top_k)`` / ``(N, T, moe_layers,
-    top_k)`` long, padded with -1."""
-
-    prompt_routed_experts: Optional[Tensor] = field(default=None, metadata=token_meta(Layout.PROMPT, -1))
-    completion_routed_experts: Optional[Tensor] = field(default=None, metadata=token_meta(Layout.COMPLETION, -1))
-
-
 def experience(pad_id: int, rows: int = 3, seed: int = 0) -> Experience:
     """``rows`` rows (3: left-padded prompts of lengths 5, 3, 4, right-padded completions of lengths 4, 2, 3) of
     ids in [200, 2000)."""
@@ -78,9 +68,9 @@ def experience(pad_id: int, rows: int = 3, seed: int = 0) -> Experience:
 
 
 @torch.no_grad()
-def hf_routing(hf: Any, batch: Experience) -> RoutedExperience:
+def hf_routing(hf: Any, batch: Experience) -> Experience:
     """``batch`` with the experts the HF model's routers choose for each real token in a left-padded forward pass
-    (position ids from the mask, as the sampler's), -1 on padding: what a rollout records."""
+    (position ids from the mask, as the sampler's), -1 on padding, ``int16``: what a rollout records."""
     input_ids = torch.cat([batch.prompt_ids, batch.completion_ids], dim=1)
     mask = torch.cat([batch.prompt_mask, batch.completion_mask], dim=1)
     chosen: list[Tensor] = []
@@ -91,9 +81,8 @@ def hf_routing(hf: Any, batch: Experience) -> RoutedExperience:
     finally:
         for handle in handles:
             handle.remove()
-    routing = torch.stack([c.view(*input_ids.shape, -1) for c in chosen], dim=2).long()  # [B, P+T, layers, k]
-    routing[mask == 0] = -1
+    routing = torch.stack([c.view(*input_ids.shape, -1) for c in chosen], dim=2)  # [B, P+T, layers, k]
+    routing = mask_routed(routing.to(ROUTED_DTYPE), mask)
     p = batch.prompt_ids.shape[1]
-    fields = {f: getattr(batch, f) for f in batch.__dataclass_fields__}
-    return RoutedExperience(**fields, prompt_routed_experts=routing[:, :p].clone(),
-                            completion_routed_experts=routing[:, p:].clone())
+    return dataclasses.replace(batch, prompt_routed_experts=routing[:, :p].clone(),
+                               completion_routed_experts=routing[:, p:].clone())

@@ -6,7 +6,8 @@ torchrun (CPU processes, gloo):
 ``RUNS_JSON`` is a list of runs, each ``{"name": ..., "kind": "fit" | "replay" | "gradients", ...}``:
 
 - ``fit``: ``lightning-grpo fit --config recipes/megatron.yaml`` (the documented CLI's ``GRPOCLI``, in this process)
-  with the ``strategy`` init args given, HF rollouts of the tiny MoE, ``max_steps`` steps; CSV metrics under
+  with the ``strategy`` init args given, HF rollouts of the tiny MoE whose routing the policy replays
+  (``routing_replay="R3"``), ``max_steps`` steps; CSV metrics under
   ``OUT/<name>`` and (rank 0) the trained HF policy's weights in ``OUT/<name>/weights.pt``, a checkpoint after every
   step with ``checkpoints``, resumed from ``resume``;
 - ``replay``: megatron-core's parallel state with PP stages of EP = DP = world / PP ranks, the policy's routers
@@ -78,7 +79,7 @@ def fit(out: Path, name: str, model: str, data: str, strategy: dict, max_steps: 
         "--model.learning_rate", "0.01", "--model.export_dir", "",
         "--model.config.engine.name", "hf", "--model.config.num_generations", "4",
         "--model.config.max_new_tokens", "8", "--model.config.beta", "0.04", "--model.config.num_iterations", "2",
-        "--model.config.mini_batch_size", "4",
+        "--model.config.mini_batch_size", "4", "--model.config.routing_replay", "R3",
         "--data.dataset", data, "--data.prompts_per_step", "1", "--data.val_size", "0",
     ]
     if resume is not None:

@@ -94,18 +94,15 @@ def sequence_layout(batch: Any) -> tuple[Tensor, Tensor]:
     return tokens, predicting
 
 
-def replayed_routing(batch: Any) -> Optional[Tensor]:
+def replayed_routing(batch: Any, required: bool = False) -> Optional[Tensor]:
     """The batch's recorded routing laid out like :func:`sequence_layout`'s tokens, ``(B, P + T, moe_layers, top_k)``
-    (:func:`~lightning_grpo.strategies.megatron.replay.routing_layout`), or None when it carries none. The positions
-    needed are each row's prompt and its completion but the last token (of ``completion_attention_mask``)."""
-    recorded = recorded_routing(batch)
+    (:func:`~lightning_grpo.strategies.megatron.replay.routing_layout`), or None when it carries none (``required``:
+    an error then, :func:`~lightning_grpo.strategies.megatron.replay.recorded_routing`)."""
+    recorded = recorded_routing(batch, required)
     if recorded is None:
         return None
-    source, prompt_lengths = sequence_source(batch)
-    completion_lengths = batch.completion_attention_mask.sum(dim=1)  # right-padded: the real tokens come first
-    positions = torch.arange(source.shape[1], device=source.device).unsqueeze(0)
-    needed = positions < (prompt_lengths + completion_lengths - 1).unsqueeze(1)
-    return routing_layout(*recorded, source, needed)
+    source, _ = sequence_source(batch)
+    return routing_layout(*recorded, source)
 
 
 def keep_positions(predicting: Tensor) -> Callable[[nn.Module, tuple], tuple]:
@@ -136,7 +133,7 @@ def stage_forward(model: nn.Module, batch: Any, replay: Optional[RoutingReplay] 
     (:func:`replayed_routing`)."""
     tokens, predicting = sequence_layout(batch)
     if replay is not None:
-        replay.push(replayed_routing(batch))
+        replay.push(replayed_routing(batch, replay.required))
     gpt = unwrap(model)
     handle = gpt.output_layer.register_forward_pre_hook(keep_positions(predicting)) if gpt.post_process else None
     try:

@@ -90,7 +90,7 @@ class MegatronPolicy(nn.Module):
         self.arch = arch
         self.stage = stage or current_stage(arch)
         self.experts = experts or ExpertRanks.current()
-        self.replay = None
+        self.replay: Optional[RoutingReplay] = None
         if replay_routing and arch.moe is not None:
             self.replay = RoutingReplay(model, arch, self.stage, model.config.recompute_granularity == "full")
         self._hf: list[nn.Module] = [hf_model] if hf_model is not None else []

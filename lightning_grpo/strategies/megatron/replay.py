@@ -11,8 +11,8 @@ top_k)``, int, padded with -1, aligned with the prompt and completion ids. :func
 the scorer's own input ids (:func:`lightning_grpo.training.packing.arrange` with the unpadded layout's map of
 positions, :func:`~lightning_grpo.strategies.megatron.pipeline.sequence_source`), so a replayed choice sits on
 exactly its token (a routing padded unlike its ids would detach every choice from its token without an error:
-google/tunix PR #2046). A token without a recorded routing (-1: padding, the last completion token) is routed live;
-a token whose hidden states reach a scored logprob must have one (:func:`routing_layout` raises).
+google/tunix PR #2046). A token without a recorded routing (``NO_EXPERT``, -1: padding, a token never fed to the
+sampler's model) is routed by the router itself, as in the HF path (:mod:`lightning_grpo.training.routing`).
 
 Mechanism: megatron-core's ``TopKRouter`` asks its ``router_replay`` (``megatron.core.transformer.moe.
 router_replay.RouterReplay``, megatron-core 0.16) for the top-k of each forward; :class:`TokenRoutingReplay`, installed
@@ -41,18 +41,23 @@ from lightning_grpo.training.packing import arrange
 ROUTED_FIELDS = ("prompt_routed_experts", "completion_routed_experts")
 
 
-def recorded_routing(batch: Any) -> Optional[tuple[Tensor, Tensor]]:
+def recorded_routing(batch: Any, required: bool = False) -> Optional[tuple[Tensor, Tensor]]:
     """The batch's recorded routing ``(prompt (N, P, moe_layers, top_k), completion (N, T, moe_layers, top_k))``, or
-    None when its record declares no such fields (:data:`ROUTED_FIELDS`) or holds none.
+    None when its record declares no such fields (:data:`ROUTED_FIELDS`: e.g. the rollout server's weight-sync probe)
+    or holds none.
 
     Raises:
-        ValueError: one of the two fields is set and the other is not.
+        ValueError: ``required`` (``GRPOConfig.routing_replay="R3"``) and an Experience without them; one of the two
+            fields set and the other not.
     """
     declared = {name for name, _ in token_fields(batch)}
     if not declared.issuperset(ROUTED_FIELDS):
         return None
     prompt, completion = (getattr(batch, name) for name in ROUTED_FIELDS)  # declared per-token fields
     if prompt is None and completion is None:
+        if required:
+            raise ValueError("GRPOConfig.routing_replay='R3': this micro-batch carries no routed experts (the rollout "
+                             "engine returned none, or the experience was made without them)")
         return None
     if prompt is None or completion is None:
         raise ValueError(f"{ROUTED_FIELDS[0] if prompt is None else ROUTED_FIELDS[1]} is missing while the other "
@@ -60,34 +65,23 @@ def recorded_routing(batch: Any) -> Optional[tuple[Tensor, Tensor]]:
     return prompt, completion
 
 
-def routing_layout(prompt: Tensor, completion: Tensor, source: Tensor, needed: Tensor) -> Tensor:
-    """The recorded routing laid out like the input ids of a layout: ``(B, S, moe_layers, top_k)`` long.
+def routing_layout(prompt: Tensor, completion: Tensor, source: Tensor) -> Tensor:
+    """The recorded routing laid out like the input ids of a layout: ``(B, S, moe_layers, top_k)`` long (-1 where
+    nothing was recorded).
 
     Args:
         prompt: ``(B, P, moe_layers, top_k)`` int, left-padded with -1.
         completion: ``(B, T, moe_layers, top_k)`` int, right-padded with -1.
         source: ``(B, S)`` long, the layout's map of each input position into ``[prompt, completion]``
             (``row * (P + T) + column``, :func:`~lightning_grpo.training.packing.arrange`).
-        needed: ``(B, S)`` bool, the positions whose hidden states reach a scored logprob.
 
     Raises:
-        ValueError: shapes that do not match, or a needed position without a recorded routing (-1), named with the
-            field, the row and its column there.
+        ValueError: shapes that do not match (named).
     """
     if prompt.shape[2:] != completion.shape[2:] or prompt.shape[0] != completion.shape[0]:
         raise ValueError(f"{ROUTED_FIELDS[0]} {tuple(prompt.shape)} and {ROUTED_FIELDS[1]} "
                          f"{tuple(completion.shape)} must have the same rows, moe_layers and top_k")
-    routing = arrange(prompt.long(), completion.long(), source)  # [B, S, layers, k]
-    missing = needed.to(routing.device) & (routing < 0).any(dim=-1).any(dim=-1)
-    if missing.any():
-        row, position = (int(i) for i in missing.nonzero()[0])
-        p = prompt.shape[1]
-        column = int(source[row, position]) % (p + completion.shape[1])
-        field, column = (ROUTED_FIELDS[0], column) if column < p else (ROUTED_FIELDS[1], column - p)
-        raise ValueError(f"{field}[{row}, {column}] holds no routed experts (-1), but that token's hidden states reach "
-                         "a scored logprob: the rollout must record the routing of every prompt token and of every "
-                         "completion token but the last")
-    return routing
+    return arrange(prompt.long(), completion.long(), source)  # [B, S, layers, k]
 
 
 class TokenRoutingReplay:
@@ -157,11 +151,16 @@ class RoutingReplay:
         arch: its architecture (a mixture of experts).
         stage: the stage.
         recompute: the layers are recomputed in backward (``TransformerConfig.recompute_granularity == "full"``).
+
+    Attributes:
+        required: every Experience scored must carry a recorded routing (``GRPOConfig.routing_replay="R3"``, set by
+            ``MegatronStrategy.setup``).
     """
 
     def __init__(self, model: nn.Module, arch: Architecture, stage: StageLayout, recompute: bool = False) -> None:
         assert arch.moe is not None
         moe_index = {layer: i for i, layer in enumerate(arch.moe.moe_layers)}
+        self.required = False
         self.slots: list[tuple[int, TokenRoutingReplay]] = []
         for local, layer in enumerate(stage.layers):
             if layer in moe_index:

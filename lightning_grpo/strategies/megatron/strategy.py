@@ -166,7 +166,8 @@ class MegatronStrategy(MegatronLayout):
         Raises:
             ValueError: the module's policy is not a ``MegatronPolicy``; ``GRPOConfig.max_tokens_per_microbatch``
                 with EP x ETP > 1 (each rank's token budget makes its own number of micro-batches, and every forward
-                of a mixture split over ranks is a collective of its expert groups).
+                of a mixture split over ranks is a collective of its expert groups); a routing option the Megatron
+                policy does not offer (:func:`check_routing_options`).
         """
         if self._policy is None:
             raise ValueError(
@@ -174,8 +175,12 @@ class MegatronStrategy(MegatronLayout):
                 f"module's configure_model; {type(self.lightning_module).__name__}.policy is not a MegatronPolicy"
             )
         assert self.lightning_module is not None
-        budget = self.lightning_module.hparams.get("config", {}).get("max_tokens_per_microbatch")
-        check_no_token_budget(budget, self.expert_model_parallel_size, self.expert_tensor_parallel_size)
+        config = self.lightning_module.hparams.get("config", {})
+        check_no_token_budget(config.get("max_tokens_per_microbatch"), self.expert_model_parallel_size,
+                              self.expert_tensor_parallel_size)
+        check_routing_options(config)
+        if self._policy.replay is not None:  # "R3": every scored experience carries the sampler's routing
+            self._policy.replay.required = config.get("routing_replay") == "R3"
         super().setup(trainer)
 
     def setup_optimizers(self, trainer: "L.Trainer") -> None:
@@ -225,7 +230,7 @@ class MegatronStrategy(MegatronLayout):
         engine = None if models.engine is None else TensorParallelRolloutEngine(models.engine, policy,
                                                                                   self._rollout_group)
         return GRPOModels(policy, self._ref, engine, weights=MegatronWeights(policy), scorer=score_completions,
-                          teacher=self._teacher)
+                          teacher=self._teacher, scorer_replays_routing=policy.replay is not None)
 
     def _convert(self, models: GRPOModels) -> tuple[MegatronPolicy, Optional[MegatronPolicy],
                                                     Optional[MegatronPolicy]]:
@@ -475,6 +480,24 @@ def _backend(strategy: MegatronStrategy) -> ParallelBackend:
 
 def _uses_te(policy: MegatronPolicy) -> bool:
     return any(n.endswith("layer_norm_weight") for n, _ in policy.model.named_parameters())
+
+
+def check_routing_options(config: Mapping[str, Any]) -> None:
+    """Raise ``ValueError`` for the mixture-of-experts options of ``config`` (a ``GRPOConfig`` as a dict) that the
+    Megatron policy does not offer: ``routing_replay="R2"`` (the old-logprob pass would have to record the
+    routers' choices into the experience), ``routing_replay_diagnostics`` and ``router_aux_loss_coef > 0`` (both
+    observe the HF model's routers, which the Megatron policy's forward passes do not run). ``routing_replay="R3"``
+    is offered (the policy's routers replay the rollout's routing, :mod:`~lightning_grpo.strategies.megatron.
+    replay`)."""
+    refused = {"routing_replay": config.get("routing_replay") == "R2",
+               "routing_replay_diagnostics": bool(config.get("routing_replay_diagnostics")),
+               "router_aux_loss_coef": bool(config.get("router_aux_loss_coef"))}
+    for field, bad in refused.items():
+        if bad:
+            raise ValueError(f"GRPOConfig.{field}={config[field]!r} is not offered with MegatronStrategy (its "
+                             "megatron-core routers replay the rollout's routing, routing_replay='R3', but neither "
+                             "record the old policy's ('R2') nor add the load-balancing loss); use 'R3' or 'off' and "
+                             "router_aux_loss_coef=0, or the HF policy (single device, DDP, FSDP2)")
 
 
 def check_no_token_budget(budget: Any, expert_model_parallel_size: int, expert_tensor_parallel_size: int) -> None:
