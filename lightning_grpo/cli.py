@@ -71,7 +71,8 @@ class GRPOCLI(LightningCLI):
     ``--ckpt_path``: Lightning applies the checkpoint's hyperparameters over the parsed config. ``reward_weights`` is
     never taken from the checkpoint (it belongs with ``reward_funcs``, which checkpoints do not hold: a checkpoint of
     two weighted rewards evaluated with one reward would otherwise fail); ``validate``, ``test`` and ``predict`` take
-    only :data:`WEIGHT_HPARAMS`, so ``--config recipes/eval.yaml`` evaluates with its own settings.
+    only :data:`WEIGHT_HPARAMS`, so ``--config recipes/eval.yaml`` evaluates with its own settings. ``resolved``
+    (what the run made of the config's "auto" values) is a record, not an argument: it is left out.
     """
 
     @override
@@ -84,7 +85,8 @@ class GRPOCLI(LightningCLI):
         if "_class_path" in hparams:  # a subclass of the module: Lightning's own handling
             super()._parse_ckpt_path()
             return
-        hparams = {k: v for k, v in hparams.items() if k not in ("_instantiator", "reward_weights")}
+        # "resolved" records what a run made of the config's "auto" values (lifecycle), not an argument of the module
+        hparams = {k: v for k, v in hparams.items() if k not in ("_instantiator", "reward_weights", "resolved")}
         if subcommand != "fit":
             hparams = {k: v for k, v in hparams.items() if k in WEIGHT_HPARAMS}
         if hparams:

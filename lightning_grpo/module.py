@@ -268,7 +268,7 @@ class GRPOModule(L.LightningModule):
         if self.teacher is not None and self.teacher.model is not None:  # sharded or converted like the reference
             self.teacher.model = models.teacher
         self.rollout.attach(models.engine, models.weights)
-        self.logprobs.use(models.scorer, models.sharded)
+        self.logprobs.use(models.scorer, models.sharded, models.scorer_replays_routing)
 
     def _bind_context(self) -> None:
         """The experience maker's :class:`~lightning_grpo.experience.RolloutContext` for this run (the backend,

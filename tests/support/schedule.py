@@ -23,6 +23,7 @@ MULTI_PROCESS_FILES = frozenset({
     "tests/strategies/test_ddp.py",
     "tests/strategies/test_fsdp.py",
     "tests/strategies/test_megatron_engines.py",
+    "tests/strategies/test_megatron_experts.py",
     "tests/strategies/test_megatron_pipeline.py",
     "tests/strategies/test_megatron_strategy.py",
     "tests/test_vision_training.py",
