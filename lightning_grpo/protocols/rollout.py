@@ -114,6 +114,11 @@ class RolloutOutput:
         unscored: ``(N,)`` bool, rows the sampler says get no reward (an agent's episode that failed, with
             ``AgentRollout(on_error="skip")``): unscored as when every reward function returns None (no loss, left out
             of their group's statistics); None = every row is scored.
+        completion_versions: ``(N, T)`` long, the engine's weight version of each sampled token (a sample whose
+            sampling spanned an in-flight weight update has several, non-decreasing; streaming rollouts: the
+            trainer's optimizer step, which stamps every update, :mod:`lightning_grpo.rollout.streaming`; a multi-turn
+            episode: each model turn's), -1 where no engine sampled the token (the environment's tokens, padding, a
+            turn whose engine reported no version); None when the engine reports no versions.
     """
 
     prompt_ids: Tensor = field(metadata=token_meta(Layout.PROMPT, PAD_ID))
@@ -130,6 +135,7 @@ class RolloutOutput:
     metrics: dict[str, RowMetric] = field(default_factory=dict)
     images: Optional[list[Optional[RowImages]]] = None
     unscored: Optional[Tensor] = field(default=None, metadata=ROW_META)
+    completion_versions: Optional[Tensor] = field(default=None, metadata=token_meta(Layout.COMPLETION, -1))
 
     def __len__(self) -> int:
         return self.completion_ids.shape[0]
