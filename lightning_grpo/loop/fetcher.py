@@ -98,6 +98,8 @@ class ExperienceFetcher(_DataFetcher):
                 self.done = self.length == 0
         self.cursor = RolloutCursor()  # rollouts generated ahead are never carried into another epoch
         self.current = None
+        if self.stream is not None:  # an epoch that ended on its count (not on an empty stream) ends the stream's too
+            self.stream.end_epoch()
 
     @override
     def __next__(self) -> Any:

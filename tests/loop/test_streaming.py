@@ -125,6 +125,13 @@ def test_groups_arriving_out_of_order_are_trained_as_they_finish_with_the_engine
     assert module.rollout_stream is None  # closed at the end of the fit
 
 
+def test_a_second_epoch_streams_its_prompts_under_the_next_keys(tmp_path, tiny_llama_path, data_file):
+    """An epoch of 4 rollouts ends on its count; the next one's prompts get keys 8..15, each trained once."""
+    recorder, _ = _fit(tiny_llama_path, data_file, tmp_path, ScriptedStreamingEngine(script, EOS), max_steps=8)
+    keys = [k for step in recorder.keys for k in step[::G]]
+    assert Counter(keys[:8]) == Counter(range(8)) and Counter(keys[8:]) == Counter(range(8, 16))
+
+
 def test_a_run_resumed_from_a_checkpoint_with_groups_in_flight_trains_every_prompt_exactly_once(tmp_path,
                                                                                                tiny_llama_path,
                                                                                                data_file):

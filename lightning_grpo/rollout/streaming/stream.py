@@ -249,15 +249,19 @@ class RolloutStream:
 
     # ---------------------------------------------------------------- epochs and checkpoints
     def end_epoch(self) -> None:
-        """The epoch's data is used up: finished groups too few for a rollout are dropped (a warning names them),
-        and the next epoch's keys follow this one's."""
-        with self.buffer.cond:
-            left = [g.key for g in self.buffer.ready]
-            self.buffer.ready.clear()
-            self.buffer.trained, self.buffer.dropped = [], []
+        """The epoch is over (its data used up, or its rollouts all made): groups not trained (finished ones too few
+        for a rollout, any still sampled or waiting) are dropped, a warning names them, and the next epoch's keys
+        follow this one's. Nothing happens before the first prompt is drawn."""
+        buffer = self.buffer
+        with buffer.cond:
+            left = sorted([g.key for g in buffer.ready] + list(buffer.in_flight) + [i.key for i in buffer.pending])
+            buffer.ready.clear()
+            buffer.in_flight.clear()  # a group that still comes back is ignored (GroupBuffer.finish)
+            buffer.pending.clear()
+            buffer.trained, buffer.dropped = [], []
         if left:
-            log.warning("the epoch's data is used up with %d finished group(s) (keys %s), fewer than the %d of a "
-                        "rollout: they are not trained", len(left), left, self.prompts_per_step)
+            log.warning("the epoch ended with %d group(s) not trained (keys %s; fewer than the %d of a rollout): they "
+                        "are dropped", len(left), left, self.prompts_per_step)
         self.first_key += self.prompts_drawn
         self.prompts_drawn, self.exhausted = 0, False
 
