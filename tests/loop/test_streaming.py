@@ -156,6 +156,7 @@ def test_a_run_resumed_from_a_checkpoint_with_groups_in_flight_trains_every_prom
     ready = [g["item"]["key"] for g in stream["ready"]]
     assert [k for keys in resumed.keys for k in keys[::G]][: len(ready)] == ready  # the finished ones first
     assert (0, 1) in resumed_engine.sampled  # the group in flight was sampled again
+    assert [v for v, _ in resumed_engine.updates] == [2, 3, 4]  # the resumed weights first, as the step's version
 
 
 def test_a_sample_spanning_two_versions_is_scored_against_each_segments_behaviour_logprobs(tmp_path,
