@@ -18,13 +18,14 @@ from lightning_grpo.config import (
     EpisodeConfig,
     EvalConfig,
     GRPOConfig,
+    StreamingConfig,
 )
 from lightning_grpo.data import PromptDataModule
 from lightning_grpo.module import GRPOModule
 
 #: The config groups: flag prefix -> dataclass (the nested groups are fields of GRPOConfig).
 GROUPS = {"": GRPOConfig, "engine.": EngineConfig, "eval.": EvalConfig, "episode.": EpisodeConfig,
-          "correction.": CorrectionConfig, "distillation.": DistillationConfig}
+          "correction.": CorrectionConfig, "distillation.": DistillationConfig, "streaming.": StreamingConfig}
 
 
 def _field_docstrings(cls: type = GRPOConfig) -> dict[str, str]:
