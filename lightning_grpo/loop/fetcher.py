@@ -102,6 +102,17 @@ class ExperienceFetcher(_DataFetcher):
             self.stream.end_epoch()
 
     @override
+    def teardown(self) -> None:
+        """The fit's end, or its failure (a SIGTERM after its checkpoint): Lightning's teardown resets the fetcher,
+        which does not end the stream's epoch (its groups are not dropped and named as if the epoch ran out; the
+        stream closes with the experience maker)."""
+        stream, self.stream = self.stream, None
+        try:
+            super().teardown()
+        finally:
+            self.stream = stream
+
+    @override
     def __next__(self) -> Any:
         assert self.iterator is not None
         if self.length is not None and self.fetched >= self.length:

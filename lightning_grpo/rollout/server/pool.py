@@ -13,6 +13,11 @@
   the default: their sequences continue under the new weights, their later tokens stamped with the new version;
   ``mode="wait"``: each server finishes what it is sampling first). The answer is a
   :class:`~lightning_grpo.protocols.streaming.WeightUpdate` (the longest pause of any server's generation).
+* **The post-sync check** (``engine.weight_sync_check``): after each update every server that received it scores the
+  fixed probe batch (``/probe_logprobs``) and the policy scores it too
+  (:meth:`~lightning_grpo.protocols.weights.PolicyWeights.probe_logprobs`, every trainer process when the weights are
+  sharded); a difference over the bound fails the update on every process, naming the server. The groups in flight
+  keep sampling meanwhile.
 * **Faults**: a server that cannot be reached, or whose answer is lost (it was killed), is marked down and each of
   its groups in flight raises :class:`~lightning_grpo.protocols.streaming.EngineUnavailable`: the producer samples it
   again and the pool sends it to another server (counted: :attr:`ServerPool.groups_resubmitted`; a group is never
@@ -24,6 +29,8 @@
   ``timeout_s``; with no live server for that long, sampling fails naming the servers.
 
 Multi-GPU weight transfer (NCCL) works as for the fixed schedule's engine; it is tested here on gloo over loopback.
+:func:`make_pool` is the factory of ``streaming.enabled`` with ``engine.name="vllm_server"``
+(:data:`lightning_grpo.rollout.streaming.engine.STREAMING_ENGINES`).
 """
 
 from __future__ import annotations
@@ -41,7 +48,10 @@ import torch.distributed as dist
 
 from lightning_grpo.protocols.streaming import EngineUnavailable, GroupRequest, SampledGroup, WeightUpdate
 from lightning_grpo.protocols.weights import PolicyWeights, check_tied_engine
+from lightning_grpo.rollout.engines.probe import probe_sequences
+from lightning_grpo.rollout.registry import EngineSpec
 from lightning_grpo.rollout.server.client import AsyncServerClient, RolloutServerError, ServerClient, ServerUnreachable
+from lightning_grpo.rollout.server.security import read_secret
 from lightning_grpo.rollout.server.sync_groups import Instance, init_group, push
 from lightning_grpo.rollout.server.weight_sync import host_store
 from lightning_grpo.rollout.server.wire import sampled_completions, sampling_fields
@@ -88,6 +98,8 @@ class ServerPool:
         secret: the servers' shared secret (None: servers without one, on the loopback interface).
         mode: how :meth:`update_weights` treats the sequences in flight: "interrupt" (continue under the new
             weights) or "wait" (finish first).
+        weight_sync_check: ``engine.weight_sync_check``: bound on the largest absolute difference between a server's
+            probe logprobs and the policy's after each update; None: not checked.
 
     Attributes:
         groups_resubmitted: groups that raised :class:`EngineUnavailable` (their server was lost) and were to be
@@ -95,20 +107,23 @@ class ServerPool:
 
     Raises:
         ValueError: no URL, a URL given twice or malformed, servers that serve different models, a group port in use,
-            or an unknown ``mode``.
+            an unknown ``mode`` or a ``weight_sync_check`` that is not > 0.
         RolloutServerError: a server does not answer within ``timeout_s``.
     """
 
     def __init__(self, urls: Sequence[str], *, timeout_s: float = 600.0, group_host: Optional[str] = None,
                  group_port: int = 51216, secret: Optional[str] = None,
-                 mode: Literal["interrupt", "wait"] = "interrupt") -> None:
+                 mode: Literal["interrupt", "wait"] = "interrupt",
+                 weight_sync_check: Optional[float] = None) -> None:
         if not urls:
             raise ValueError("urls is empty: give the rollout servers' URLs (GRPOConfig.engine.server_urls)")
         if len({u.rstrip("/") for u in urls}) != len(urls):
             raise ValueError(f"urls {list(urls)} name a server twice: each server holds one weight-sync group")
         if mode not in ("interrupt", "wait"):
             raise ValueError(f"mode={mode!r}: choose 'interrupt' or 'wait'")
-        self.timeout_s, self.mode = float(timeout_s), mode
+        if weight_sync_check is not None and not weight_sync_check > 0:
+            raise ValueError(f"weight_sync_check={weight_sync_check!r}: must be > 0 or None (off)")
+        self.timeout_s, self.mode, self.weight_sync_check = float(timeout_s), mode, weight_sync_check
         self.rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         self.servers = [PoolServer(Instance(ServerClient(url, timeout_s, secret)), AsyncServerClient(url, timeout_s,
                                                                                                      secret), i)
@@ -132,6 +147,7 @@ class ServerPool:
                 raise ValueError(f"the rollout servers disagree on {key}: {values}; serve one model everywhere")
         self.eos_token_ids = [int(i) for i in infos[0]["eos_token_ids"]]
         self.max_model_len = int(infos[0]["max_model_len"])
+        self.vocab_size = int(infos[0]["vocab_size"])
         self.tie_word_embeddings = bool(infos[0]["tie_word_embeddings"])
         self.max_request_tokens = min(int(i["max_request_tokens"]) for i in infos)
         self.backend = "nccl" if infos[0]["device"] == "cuda" and torch.cuda.is_available() else "gloo"
@@ -308,7 +324,44 @@ class ServerPool:
             for _ in weights.tensors():  # the gathers are collectives
                 pass
         self._version = int(version)
+        if self.weight_sync_check is not None:
+            self._check(weights, [s for s in self.servers if s.state == "live"] if self.rank == 0 else [])
         return WeightUpdate(version=int(version), seconds=time.monotonic() - start, paused_s=paused, engines=engines)
+
+    def _check(self, weights: PolicyWeights, servers: Sequence[PoolServer]) -> None:
+        """The post-sync check (module docstring) against ``servers`` (rank 0; none elsewhere): the policy's probe
+        logprobs (a collective when ``weights.collective``), each server's, and the processes' agreement on the
+        largest difference.
+
+        Raises:
+            RolloutServerError: a difference over ``weight_sync_check`` (the server, the difference, the bound and the
+                version named), or the check failed on another process.
+        """
+        assert self.weight_sync_check is not None
+        sequences = probe_sequences(min(self.vocab_size, weights.vocab_size or self.vocab_size))
+        ours = weights.probe_logprobs(sequences)
+        worst, where, failure = 0.0, "", 0.0
+        error: Optional[BaseException] = None
+        try:
+            deadline = time.monotonic() + self.timeout_s
+            for s in servers:
+                answer = s.inst.client.request("POST", "/probe_logprobs", {"sequences": sequences}, deadline)
+                diff = float((torch.tensor(answer["logprobs"], dtype=torch.float32) - ours.float().cpu()).abs().max())
+                if diff > worst or not where:
+                    worst, where = diff, s.url
+        except Exception as err:  # noqa: BLE001 - raised below, after the other processes learn of it
+            failure, error = 1.0, err
+        failure, worst = _agree(failure, worst)
+        if error is not None:
+            raise error
+        if failure:
+            raise RolloutServerError(f"the post-sync check of weights version {self._version} failed on another "
+                                     "trainer process")
+        if worst > self.weight_sync_check:
+            raise RolloutServerError(
+                f"post-sync check failed for weights version {self._version}: the rollout server's logprobs of the "
+                f"probe batch differ from the policy's by up to {worst:.3g} > engine.weight_sync_check="
+                f"{self.weight_sync_check:g} (at {where}): the server is not sampling with the trained weights")
 
     def _reachable(self, deadline: float) -> list[PoolServer]:
         """The servers that answer ``/health`` now, each restarted one with a new weight-sync group."""
@@ -358,3 +411,29 @@ class ServerPool:
                 s.inst.group = None
         self._store = None
 
+
+
+def _agree(failure: float, worst: float) -> tuple[float, float]:
+    """The max of ``failure`` and ``worst`` over the trainer's processes (each calls it in the same update)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return failure, worst
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
+    values = torch.tensor([failure, worst], dtype=torch.float64, device=device)
+    dist.all_reduce(values, op=dist.ReduceOp.MAX)
+    return float(values[0]), float(values[1])
+
+
+def make_pool(spec: EngineSpec) -> ServerPool:
+    """``streaming.enabled`` with ``engine.name="vllm_server"``: the pool of the servers at ``engine.server_urls``,
+    with the settings the fixed schedule's engine reads (:func:`lightning_grpo.rollout.server.remote.make`):
+    ``engine.server_timeout``, ``engine.server_group_host`` and ``engine.server_group_port``, the shared secret
+    (``$LIGHTNING_GRPO_SERVER_SECRET`` or ``engine.server_secret_file``) and ``engine.weight_sync_check``. Its
+    weights come from the trainer before the first group (as the trainer's optimizer steps: ``update_weights``).
+
+    Raises:
+        ValueError, RolloutServerError: as :class:`ServerPool`; an unreadable secret file (named).
+    """
+    engine = spec.config.engine
+    secret = read_secret(engine.server_secret_file, "engine.server_secret_file")
+    return ServerPool(engine.server_urls, timeout_s=engine.server_timeout, group_host=engine.server_group_host,
+                      group_port=engine.server_group_port, secret=secret, weight_sync_check=engine.weight_sync_check)
