@@ -186,6 +186,22 @@ def vllm_engine():
     return POOL.get
 
 
+@pytest.fixture
+def streaming_servers(tiny_llama_path, tmp_path_factory, monkeypatch):
+    """Two rollout servers of the tiny Llama, shared by the files that stream on real servers
+    (:mod:`support.server_pair`: started once, stopped before this worker's first test that does not ask for them);
+    ``$LIGHTNING_GRPO_SERVER_SECRET`` is their secret (``support.server_pair.SECRET``) during the test. Tests using
+    them are marked ``engine`` and ``distributed``."""
+    pytest.importorskip("vllm")
+    from lightning_grpo.rollout.server.security import SECRET_ENV
+    from support.server_pair import PAIR, SECRET
+
+    monkeypatch.setenv(SECRET_ENV, SECRET)
+    if PAIR.servers is None:
+        return PAIR.get(tiny_llama_path, tmp_path_factory.mktemp("streaming_servers"))
+    return PAIR.get(tiny_llama_path, Path(PAIR.servers[0].log).parent)
+
+
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
     """``--dist loadfile`` with the files that train on several processes at once run one after another, never side
@@ -198,10 +214,14 @@ def pytest_xdist_make_scheduler(config, log):
 
 
 def pytest_collection_modifyitems(items):
-    """Tests that use the pooled vLLM engine are in the ``engine`` lane."""
+    """Tests that use the pooled vLLM engine are in the ``engine`` lane, and those that use the shared rollout servers
+    in the ``engine`` and ``distributed`` lanes."""
     for item in items:
         if "vllm_engine" in item.fixturenames:
             item.add_marker(pytest.mark.engine)
+        if "streaming_servers" in item.fixturenames:
+            item.add_marker(pytest.mark.engine)
+            item.add_marker(pytest.mark.distributed)
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -231,15 +251,19 @@ def pytest_runtest_setup(item):
     worker holds the default process group, which the tests that make their own must not find. Before a file's first
     test, a default process group that no pooled engine holds is one an earlier file left (its tests ran in some order
     beside others on this worker): it is destroyed, with a warning naming that file, so that no file's result depends
-    on which files ran before it in the same worker. The running test is what :mod:`support.lanes` checks an engine
+    on which files ran before it in the same worker. The shared rollout servers (:mod:`support.server_pair`) are
+    stopped before a test that does not use them. The running test is what :mod:`support.lanes` checks an engine
     build or a server start against."""
     import torch.distributed as dist
 
     from support import lanes
+    from support.server_pair import PAIR
     from support.vllm_pool import POOL
 
     lanes.CURRENT = item
     lanes.watch_vllm_constructions()
+    if PAIR.servers is not None and "streaming_servers" not in item.fixturenames:
+        PAIR.close()
     if POOL.engines and item.get_closest_marker("engine") is None:
         POOL.close()
     previous, _LAST_FILE[0] = _LAST_FILE[0], item.path
@@ -268,7 +292,9 @@ def pytest_runtest_teardown(item, nextitem):
 
 def pytest_sessionfinish(session, exitstatus):
     from support import lanes
+    from support.server_pair import PAIR
     from support.vllm_pool import POOL
 
     lanes.CURRENT = None
     POOL.close()
+    PAIR.close()

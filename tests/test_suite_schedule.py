@@ -5,7 +5,7 @@ from types import SimpleNamespace
 
 from xdist.scheduler import LoadFileScheduling
 
-from support.schedule import CHAIN, MULTI_PROCESS_FILES, MultiProcessFilesInOneChain
+from support.schedule import CHAIN, MULTI_PROCESS_FILES, SERVER_PAIR, SERVER_PAIR_FILES, MultiProcessFilesInOneChain
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -63,6 +63,12 @@ def test_every_listed_file_exists_and_is_distributed():
     for path in MULTI_PROCESS_FILES:
         text = (REPO / path).read_text()
         assert "pytest.mark.distributed" in text, path
+
+
+def test_the_files_sharing_the_server_pair_exist_use_it_and_are_one_unit():
+    for path in SERVER_PAIR_FILES:
+        assert "streaming_servers" in (REPO / path).read_text(), path
+        assert MultiProcessFilesInOneChain(_Config())._split_scope(f"{path}::test_a") == SERVER_PAIR
 
 
 def test_the_multi_process_files_go_to_one_worker_first():

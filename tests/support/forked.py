@@ -20,7 +20,7 @@ from typing import Any, Optional
 #: What the forkserver imports once: the heavy libraries and the workers' own modules (which import the rest).
 PRELOAD = ["torch", "lightning", "transformers", "transformers.models.llama.modeling_llama", "peft", "datasets",
            "lightning_grpo", "lightning_grpo.module", "lightning_grpo.data", "lightning_grpo.episodes",
-           "support.resume_worker", "support.preemption_worker"]
+           "support.resume_worker", "support.preemption_worker", "support.streaming_worker"]
 
 _CONTEXT: Optional[Any] = None
 

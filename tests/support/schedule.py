@@ -6,7 +6,8 @@ thread, synchronising at every collective) then run at the same time on a 2-core
 cores, where each collective waits for a rank the kernel has descheduled (a TP2xPP2 test's setup took 99 s beside
 another Megatron file against 61 s beside single-process tests; tests/README.md). :class:`MultiProcessFilesInOneChain`
 makes those files one unit of work, run one after another by one worker, first; the other worker meanwhile runs
-the single-process files, and whichever frees first takes the next file as before.
+the single-process files, and whichever frees first takes the next file as before. The files that share one pair of
+rollout servers (:mod:`support.server_pair`) are one unit too, so one worker starts the pair once for all of them.
 """
 
 from __future__ import annotations
@@ -31,6 +32,13 @@ MULTI_PROCESS_FILES = frozenset({
 
 #: The unit of work those files make together.
 CHAIN = "multi-process files, one after another"
+#: The files whose tests share one pair of rollout servers (:mod:`support.server_pair`, the ``streaming_servers``
+#: fixture), and the unit of work they make: one worker runs them one after the other, so the pair starts once.
+SERVER_PAIR_FILES = frozenset({
+    "tests/rollout/server/test_streaming_fit.py",
+    "tests/rollout/server/test_streaming_servers.py",
+})
+SERVER_PAIR = "files sharing the rollout server pair"
 
 
 class MultiProcessFilesInOneChain(LoadFileScheduling):
@@ -38,6 +46,8 @@ class MultiProcessFilesInOneChain(LoadFileScheduling):
 
     def _split_scope(self, nodeid: str) -> str:
         path = super()._split_scope(nodeid)
+        if path in SERVER_PAIR_FILES:
+            return SERVER_PAIR
         return CHAIN if path in MULTI_PROCESS_FILES else path
 
     def _assign_work_unit(self, node) -> None:

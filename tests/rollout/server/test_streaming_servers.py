@@ -14,8 +14,8 @@ the pool that samples groups from them (``ServerPool``), by value:
   it gets no group until the next weight update gives it a new weight-sync group and the current weights (its probe
   logprobs equal the trainer's), then it samples again under the current version.
 
-One pair of servers for the module, started side by side; each test makes its own pool (a new weight-sync group
-per server).
+One pair of servers, started side by side and shared with ``test_streaming_fit.py`` (``support/server_pair.py``);
+each test makes its own pool (a new weight-sync group per server).
 """
 
 from __future__ import annotations
@@ -36,27 +36,18 @@ from lightning_grpo.protocols.sampling import SamplingConfig  # noqa: E402
 from lightning_grpo.protocols.streaming import EngineUnavailable, GroupRequest  # noqa: E402
 from lightning_grpo.rollout.engines.probe import probe_sequences  # noqa: E402
 from lightning_grpo.rollout.server.pool import ServerPool  # noqa: E402
-from lightning_grpo.rollout.server.security import SECRET_ENV  # noqa: E402
 from lightning_grpo.strategies.weights import ModuleWeights  # noqa: E402
 from support.dist import free_port  # noqa: E402
-from support.rollout_server import Server  # noqa: E402
+from support.server_pair import SECRET  # noqa: E402
 
 pytestmark = [pytest.mark.distributed, pytest.mark.engine]  # rollout servers in subprocesses
-SECRET = "test-secret-streaming-4b1d9e7c2a"
 ATOL = 1e-4
 
 
-@pytest.fixture(scope="module")
-def servers(tiny_llama_path, tmp_path_factory):
-    """Two servers of the tiny Llama, started at once (each start is mostly vLLM's import and start-up)."""
-    logs = tmp_path_factory.mktemp("streaming_servers")
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv(SECRET_ENV, SECRET)
-        with ThreadPoolExecutor(2) as pool:
-            pair = list(pool.map(lambda name: Server(tiny_llama_path, logs / f"{name}.log"), ["a", "b"]))
-        yield pair
-        for server in pair:
-            server.stop()
+@pytest.fixture
+def servers(streaming_servers):
+    """The two servers of the tiny Llama shared with ``test_streaming_fit.py`` (``conftest.py``)."""
+    return streaming_servers
 
 
 @pytest.fixture(scope="module")
