@@ -35,7 +35,8 @@ class GroupRequest:
 
     Attributes:
         key: the prompt's place in the run's data order (unique in the run): what the streaming cursor counts as drawn,
-            in flight, ready and trained, so a resume knows which prompts are done.
+            in flight, ready and trained, so a resume knows which prompts are done; negative for the groups of a
+            one-off rollout (validation, ``GRPOModule.generate``), which are not the stream's.
         prompt_ids: the prompt's token ids (unpadded, non-empty).
         num_generations: G (>= 1).
         sampling: the sampling distribution and ``max_new_tokens`` (its ``seed`` unused: see ``seed``).

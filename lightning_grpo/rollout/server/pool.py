@@ -206,7 +206,7 @@ class ServerPool:
             self.groups_resubmitted += 1
             raise EngineUnavailable(f"group {request.key}: rollout server {server.url} restarted (instance "
                                     f"{answer['instance_id']}) before it got the current weights")
-        del self._attempts[request.key]
+        self._attempts.pop(request.key, None)
         server.sampled += 1
         return SampledGroup(request=request, completions=sampled_completions(answer, self.eos_token_ids),
                             engine=server.url, attempts=attempts)

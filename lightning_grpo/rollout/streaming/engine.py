@@ -106,12 +106,14 @@ class StreamingRolloutEngine:
                  sampling: SamplingConfig) -> RolloutOutput:
         """``num_generations`` completions of each prompt (prompt-major), each prompt's group sampled on the
         streaming engine, all at once; completion ``j`` of prompt ``i`` seeded with ``sampling.seed + i * G + j`` as
-        the other engines do, on the engine's event loop; the calling thread waits.
+        the other engines do, on the engine's event loop; the calling thread waits. The groups' keys are negative
+        (``-1 - i``), so a one-off rollout during a streaming fit (a validation) never shares a key with the stream's
+        groups, whose keys are places in the data order (>= 0).
 
         Raises:
             EngineUnavailable: the engine lost a group (a one-off rollout is not sampled again).
         """
-        requests = [GroupRequest(key=i, prompt_ids=tuple(int(t) for t in ids), num_generations=num_generations,
+        requests = [GroupRequest(key=-1 - i, prompt_ids=tuple(int(t) for t in ids), num_generations=num_generations,
                                  sampling=sampling,
                                  seed=None if sampling.seed is None else sampling.seed + i * num_generations)
                     for i, ids in enumerate(prompt_ids)]
