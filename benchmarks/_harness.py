@@ -264,22 +264,27 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def start_server(model: str, cpus: str, threads: int, kv_cache_gib: float, max_model_len: int,
-                 log_path: str) -> tuple[subprocess.Popen, str]:
-    """``lightning-grpo serve`` pinned to ``cpus`` with ``threads`` torch threads; returns ``(process, url)`` once
-    ``/health`` answers (raises RuntimeError after 600 s or when it exits)."""
+def start_server(model: str, cpus: Optional[str], threads: int, kv_cache_gib: Optional[float], max_model_len: int,
+                 log_path: str, options: Sequence[str] = (), timeout_s: float = 600) -> tuple[subprocess.Popen, str]:
+    """``lightning-grpo serve`` pinned to ``cpus`` (None: not pinned) with ``threads`` torch threads, a KV cache of
+    ``kv_cache_gib`` (None: vLLM's on a GPU, ``--gpu-memory-utilization`` among ``options``), and any further
+    ``options``; returns ``(process, url)`` once ``/health`` answers (raises RuntimeError after ``timeout_s`` or when it
+    exits)."""
     from lightning_grpo.rollout.server.client import RolloutServerError, ServerClient
 
     port = free_port()
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                PYTHONPATH=os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p))
     env.pop("VLLM_CPU_KVCACHE_SPACE", None)
-    command = ["taskset", "-c", cpus, sys.executable, "-m", "lightning_grpo.cli", "serve", "--model", model,
-               "--host", "127.0.0.1", "--port", str(port), "--kv-cache-space-gib", f"{kv_cache_gib:.6f}",
-               "--max-model-len", str(max_model_len)]
+    command = [sys.executable, "-m", "lightning_grpo.cli", "serve", "--model", model, "--host", "127.0.0.1", "--port",
+               str(port), "--max-model-len", str(max_model_len), *options]
+    if kv_cache_gib is not None:
+        command += ["--kv-cache-space-gib", f"{kv_cache_gib:.6f}"]
+    if cpus:
+        command = ["taskset", "-c", cpus, *command]
     proc = subprocess.Popen(command, env=env, stdout=open(log_path, "a"), stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 600
+    deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"the rollout server exited with {proc.returncode}; see {log_path}")
@@ -289,7 +294,7 @@ def start_server(model: str, cpus: str, threads: int, kv_cache_gib: float, max_m
         except RolloutServerError:
             time.sleep(1)
     proc.kill()
-    raise RuntimeError(f"the rollout server did not start within 600 s; see {log_path}")
+    raise RuntimeError(f"the rollout server did not start within {timeout_s:g} s; see {log_path}")
 
 
 def stop_server(proc: subprocess.Popen) -> int:
@@ -374,6 +379,7 @@ def run_ours(spec: dict) -> dict:
 
     import lightning_grpo.strategies  # noqa: F401 (registers "grpo_fsdp2")
     from lightning_grpo import EngineConfig, GRPOConfig, GRPOModule
+    from lightning_grpo.config import StreamingConfig
 
     class MemoryLogger(Logger):
         """Keeps every ``log_metrics`` call in memory, merged by step (one dict per optimizer step)."""
@@ -441,19 +447,23 @@ def run_ours(spec: dict) -> dict:
         num_iterations=1,
     )
     engine_options = {"name": spec["engine"], "kv_cache_space_gib": spec.get("kv_cache_gib", "auto")}
+    streaming_options: dict[str, Any] = {}
     ignored = {}
     extra = dict(spec.get("config") or {})
     for name in ("padding_free", "max_tokens_per_microbatch"):
         if spec.get(name) is not None:
             extra[name] = spec[name]
-    for name, value in extra.items():  # "engine.<field>" for EngineConfig's fields
+    for name, value in extra.items():  # "engine.<field>" / "streaming.<field>" for EngineConfig's / StreamingConfig's
         if name.startswith("engine."):
             engine_options[name.removeprefix("engine.")] = value
+        elif name.startswith("streaming."):
+            streaming_options[name.removeprefix("streaming.")] = value
         elif name in known:
             options[name] = value
         else:
             ignored[name] = value
-    config = GRPOConfig(**options, engine=EngineConfig(**engine_options))
+    config = GRPOConfig(**options, engine=EngineConfig(**engine_options),
+                        streaming=StreamingConfig(**streaming_options))
     token_budget = getattr(config, "max_tokens_per_microbatch", None)
     accumulate = 1 if token_budget else n // spec["micro_batch_size"]
 

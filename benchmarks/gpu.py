@@ -12,9 +12,13 @@ Rows (each a fresh subprocess through ``benchmarks/_harness.py``, the same promp
   reductions), HF engine;
 * ``fsdp1``: ours under Lightning's ``FSDPStrategy`` with ``precision="bf16-mixed"``, HF engine;
 * ``vllm``: ours, ``bf16-mixed``, colocated vLLM on CUDA (``engine.gpu_memory_utilization``);
+* ``streaming``: ours, ``bf16-mixed``, streaming rollouts (``GRPOConfig.streaming``) from a rollout server
+  (``lightning-grpo serve``, vLLM on the same GPU with ``--gpu-memory-utilization``, started for the row; the
+  weights go to it in flight after every optimizer step);
 * ``hf_offload`` (not in the default set): ``hf`` with the layers' inputs offloaded to pinned CPU memory.
 
-A row whose package is not installed is skipped with the reason (``vllm``: a vLLM CUDA build; ``trl``: TRL), and so
+A row whose package is not installed is skipped with the reason (``vllm``, ``streaming``: a vLLM CUDA build; ``trl``:
+TRL), and so
 is a row that would start after ``--budget`` seconds; each row is abandoned after ``--timeout`` seconds (the vLLM row:
 ``TIMEOUTS``) and reported as failed.
 
@@ -51,6 +55,8 @@ from _harness import (  # noqa: E402
     median,
     resolve_model,
     run_worker,
+    start_server,
+    stop_server,
     write_report,
 )
 
@@ -62,16 +68,20 @@ ROWS: dict[str, dict[str, Any]] = {
               "strategy": {"name": "grpo_fsdp2", "mixed_precision": "bf16"}},
     "fsdp1": {"trainer": "ours", "engine": "hf", "precision": "bf16-mixed", "strategy": {"name": "fsdp"}},
     "vllm": {"trainer": "ours", "engine": "vllm", "precision": "bf16-mixed"},
+    "streaming": {"trainer": "ours", "engine": "vllm_server", "precision": "bf16-mixed", "streaming": True},
     "hf_offload": {"trainer": "ours", "engine": "hf", "precision": "bf16-mixed", "gradient_checkpointing": "offload"},
 }
-DEFAULT_ROWS = ("hf", "trl", "hf_fp32", "fsdp2", "fsdp1", "vllm")
+DEFAULT_ROWS = ("hf", "trl", "hf_fp32", "fsdp2", "fsdp1", "vllm", "streaming")
 #: The package each row needs beyond the package's own, and how the skip names it.
-NEEDS = {"trl": ("trl", "trl"), "vllm": ("vllm", "a vLLM CUDA build")}
+NEEDS = {"trl": ("trl", "trl"), "vllm": ("vllm", "a vLLM CUDA build"), "streaming": ("vllm", "a vLLM CUDA build")}
 #: Rows that need CUDA, and why.
 CUDA_ONLY = {"hf_offload": "pinned host memory for the offloaded activations",
              "fsdp1": "Lightning's FSDPStrategy runs on CUDA only"}
-#: seconds per row before it is abandoned: vLLM compiles and captures CUDA graphs at start-up
-TIMEOUTS = {"vllm": 200.0}
+#: seconds per row before it is abandoned: vLLM compiles and captures CUDA graphs at start-up (the streaming row's
+#: server start included)
+TIMEOUTS = {"vllm": 200.0, "streaming": 240.0}
+#: The streaming row's rollout server: most tokens of prompt + completion.
+SERVER_MAX_MODEL_LEN = 2048
 #: A row is not started with less than this many seconds of the budget left.
 MIN_ROW_S = 30.0
 #: What ``--dry-run`` sets (a CPU, the tiny random model, a little work, the GPU machine's packages only).
@@ -89,7 +99,8 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser.add_argument("--micro-batch-size", type=int, default=8)
     parser.add_argument("--steps", type=int, default=3, help="optimizer steps per run; the first is a warm-up")
     parser.add_argument("--timeout", type=float, default=90,
-                        help=f"seconds per row before it is abandoned (the vllm row: {TIMEOUTS['vllm']:g})")
+                        help=f"seconds per row before it is abandoned (the vllm row: {TIMEOUTS['vllm']:g}, the "
+                             f"streaming row: {TIMEOUTS['streaming']:g})")
     parser.add_argument("--budget", type=float, default=480,
                         help=f"seconds for the model's build and all rows: a row is not started with under "
                              f"{MIN_ROW_S:g} s of it left, and none runs past it")
@@ -250,16 +261,27 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
             print(f"{row}: {reason}", flush=True)
             continue
         print(f"running {row} ...", flush=True)
+        server = None
         try:
+            started = time.perf_counter()
             timeout = min(max(args.timeout, TIMEOUTS.get(row, 0.0)), remaining)
             spec = spec_for(args, row, model["path"], workdir, allowed if args.emulate_machine else None)
-            result = run_worker(spec, workdir, row, timeout=timeout)
+            if ROWS[row].get("streaming"):  # its rollout server, on the same device, counted in the row's time
+                server, url = start_server(model["path"], None, 1, None, SERVER_MAX_MODEL_LEN,
+                                           os.path.join(workdir, f"{row}.server.log"),
+                                           ["--gpu-memory-utilization", str(args.vllm_gpu_memory_utilization)],
+                                           timeout_s=timeout)
+                spec["config"].update({"engine.server_urls": [url], "streaming.enabled": True})
+            result = run_worker(spec, workdir, row, timeout=max(1.0, timeout - (time.perf_counter() - started)))
         except Exception as error:  # noqa: BLE001 - a failed row is reported, the others still run
             failures[row] = f"{type(error).__name__}: {str(error)[-2000:]}"
             last = [line for line in str(error).splitlines() if line.strip()][-1:] or [type(error).__name__]
             outcomes[row] = f"failed: {last[0][:200]}"
             print(f"  failed: {failures[row][:300]}", flush=True)
             continue
+        finally:
+            if server is not None:
+                stop_server(server)
         raw[row] = result
         summaries[row] = summarize(result)
         outcomes[row] = "ok"

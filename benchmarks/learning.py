@@ -2,6 +2,7 @@
 
     python benchmarks/learning.py                       # the recorded run: 30 steps (<= 30 min on a 2-core CPU)
     python benchmarks/learning.py --max-steps 10 --name pilot
+    python benchmarks/learning.py --streaming           # synchronous vs streaming on a rollout server (below)
 
 Runs :func:`recipes.arithmetic_grpo.main` (held-out greedy accuracy before training, ``max_steps`` GRPO steps, the
 same validation after) and records in ``benchmarks/results/learning_<name>.json``: the settings, the per-step curve
@@ -10,6 +11,14 @@ training included), and the acceptance checks (the reward's mean over the last 5
 >= 0.3; the held-out accuracy rises by >= 0.15; the run took <= 30 minutes). The plot is copied to
 ``benchmarks/results/learning_<name>.png``.
 
+``--streaming``: the same recipe twice on this machine's split, a rollout server (``lightning-grpo serve``) pinned to
+``--server-core`` and the trainer to ``--trainer-core`` (one torch thread each), first synchronously on the server
+(``--mode sync``), then with streaming rollouts (``--mode streaming``), each in a fresh process; recorded in
+``benchmarks/results/learning_<name>_streaming.json`` and ``.png``: both runs' summaries, the held-out accuracy
+after the same steps and the wall time, and issue 42's check (streaming's greedy held-out accuracy within 3 points of
+the synchronous run's, in less wall time). The server restarts between the runs, so both start from the
+checkpoint's weights and an idle engine.
+
 Honesty: the 500 held-out questions are drawn from the same seeded pool as, and disjoint from, the training
 questions (:mod:`lightning_grpo.data.synthetic`); evaluation is greedy both times with the same prompts and limits.
 """
@@ -17,6 +26,7 @@ questions (:mod:`lightning_grpo.data.synthetic`); evaluation is greedy both time
 from __future__ import annotations
 
 import json
+import os
 import platform
 import shutil
 import sys
@@ -75,5 +85,98 @@ def run(argv: list[str]) -> dict:
     return summary
 
 
+def streaming_check(sync: dict, streaming: dict) -> dict:
+    """Issue 42's learning check: streaming's greedy held-out accuracy after the same steps is at most 3 points
+    below the synchronous run's, and its run took less wall time."""
+    gap = streaming["heldout_accuracy"]["after"] - sync["heldout_accuracy"]["after"]
+    return {"heldout_greedy_streaming_minus_sync": gap, "accuracy_ok": gap >= -0.03,
+            "seconds": {"sync": sync["seconds"], "streaming": streaming["seconds"]},
+            "wall_time_ok": streaming["seconds"] < sync["seconds"]}
+
+
+def _flag(argv: list[str], name: str, default: str) -> tuple[str, list[str]]:
+    """``--name VALUE`` taken out of ``argv``: ``(VALUE or default, the rest)``."""
+    if name not in argv:
+        return default, argv
+    i = argv.index(name)
+    return argv[i + 1], argv[:i] + argv[i + 2:]
+
+
+def run_streaming(argv: list[str]) -> dict:
+    """``--streaming`` (module docstring): a server per run, the recipe in a child process pinned to a core."""
+    import subprocess
+    import tempfile
+
+    sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
+    from _harness import start_server, stop_server
+
+    from lightning_grpo.models.embedded import resolve_model_path
+
+    name, argv = _flag([a for a in argv if a != "--streaming"], "--name", "arithmetic")
+    server_core, argv = _flag(argv, "--server-core", "0")
+    trainer_core, argv = _flag(argv, "--trainer-core", "1")
+    model, _ = _flag(argv, "--model", "embedded")
+    model = resolve_model_path(model)
+    root = Path("outputs/learning_benchmark_streaming")
+    root.mkdir(parents=True, exist_ok=True)
+    summaries: dict[str, dict] = {}
+    for mode in ("sync", "streaming"):
+        server, url = start_server(model, server_core, 1, 2.0, 1024, str(root / f"server_{mode}.log"))
+        try:
+            out = Path(tempfile.mkdtemp(prefix=f"learning_{mode}_", dir=root)) / "summary.json"
+            child = [*BENCHMARK_ARGS, "--root", str(root / mode), *argv, "--model", model, "--server-urls", url,
+                     "--mode", mode]
+            env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO_ROOT))
+            subprocess.run(["taskset", "-c", trainer_core, sys.executable, __file__, "--child", str(out),
+                            *child], check=True, env=env)
+            summaries[mode] = json.loads(out.read_text())
+        finally:
+            stop_server(server)
+    summary = {"sync": summaries["sync"], "streaming": summaries["streaming"],
+               "acceptance": streaming_check(summaries["sync"], summaries["streaming"]),
+               "split": {"server_core": server_core, "trainer_core": trainer_core},
+               "machine": {"platform": platform.platform(), "processor": platform.processor(),
+                           "python": platform.python_version()},
+               "command": "python benchmarks/learning.py --streaming " + " ".join(argv)}
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    out = RESULTS / f"learning_{name}_streaming.json"
+    out.write_text(json.dumps(summary, indent=2) + "\n")
+    _plot_streaming(summary, out.with_suffix(".png"))
+    print(json.dumps(summary["acceptance"], indent=2))
+    print(f"wrote {out} and {out.with_suffix('.png')}")
+    return summary
+
+
+def _plot_streaming(summary: dict, path: Path) -> None:
+    """The train reward per step of both runs, and their held-out accuracy before and after."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.5))
+    for mode in ("sync", "streaming"):
+        run = summary[mode]
+        left.plot(run["curve"]["step"], run["curve"]["reward"], label=f"{mode} ({run['seconds'] / 60:.1f} min)")
+    left.set_xlabel("optimizer step")
+    left.set_ylabel("train reward")
+    left.legend(fontsize=8)
+    modes = ["sync", "streaming"]
+    for offset, when in ((-0.2, "before"), (0.2, "after")):
+        right.bar([i + offset for i in range(2)], [summary[m]["heldout_accuracy"][when] for m in modes], width=0.4,
+                  label=when)
+    right.set_xticks(range(2), modes)
+    right.set_ylabel("held-out greedy accuracy")
+    right.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 if __name__ == "__main__":
-    run(sys.argv[1:])
+    if sys.argv[1:2] == ["--child"]:  # run_streaming's child: the recipe, its summary written to sys.argv[2]
+        Path(sys.argv[2]).write_text(json.dumps(main(**parse_args(sys.argv[3:])), default=str))
+    elif "--streaming" in sys.argv[1:]:
+        run_streaming(sys.argv[1:])
+    else:
+        run(sys.argv[1:])
