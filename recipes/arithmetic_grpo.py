@@ -2,10 +2,16 @@
 
     python recipes/arithmetic_grpo.py                  # validate, train 30 steps, validate, report
     python recipes/arithmetic_grpo.py --max-steps 40   # longer
+    lightning-grpo serve --model $(lightning-grpo-model) --port 8123 &   # then, on that rollout server:
+    python recipes/arithmetic_grpo.py --server-urls http://127.0.0.1:8123                    # synchronous
+    python recipes/arithmetic_grpo.py --server-urls http://127.0.0.1:8123 --mode streaming   # streaming rollouts
 
 The task (:mod:`lightning_grpo.data.synthetic`, ``dataset="arithmetic"``, level 1): "What is 13 - 6?" (numbers 0-15)
 after one worked example, the answer on a last line ``#### <number>``; 130 held-out questions are never trained on.
 The reward is strict accuracy (the number on the ``####`` line is right; the format is logged, not rewarded). The
+``--server-urls`` (comma-separated) samples on rollout servers (``engine.name="vllm_server"``) instead, synchronously
+(``--mode sync``) or with streaming rollouts (``--mode streaming``: ``GRPOConfig.streaming``, the weights sent to the
+servers in flight after every optimizer step). The
 held-out scores, greedy accuracy and the unbiased pass@1 of ``eval_samples`` samples at the training temperature
 (seeded), are measured by the same validation before training (``trainer.validate``) and after it (the fit's last
 validation). The run ends by printing a before/after table and the paths of the plot
@@ -32,7 +38,7 @@ from lightning.pytorch.loggers import CSVLogger  # noqa: E402
 
 from lightning_grpo import GRPOConfig, GRPOModule  # noqa: E402
 from lightning_grpo.callbacks import CompletionTable, GRPOModelCheckpoint, GRPOProgressBar  # noqa: E402
-from lightning_grpo.config import DistillationConfig, EngineConfig, EvalConfig  # noqa: E402
+from lightning_grpo.config import DistillationConfig, EngineConfig, EvalConfig, StreamingConfig  # noqa: E402
 from lightning_grpo.data import PromptDataModule  # noqa: E402
 from lightning_grpo.evaluation.plot import plot_metrics  # noqa: E402
 from lightning_grpo.rollout.registry import resolve_engine_name
@@ -91,12 +97,24 @@ def main(max_steps: int = 30, prompts_per_step: int = 8, num_generations: int = 
          learning_rate: float = 1e-5, val_size: int = 130, level: int = 1, temperature: float = 1.2,
          eval_samples: int = 4, loss_type: str = "grpo", engine: Optional[str] = None,
          root: str = "outputs/arithmetic_grpo", model: str = "embedded", seed: int = 42, val_every: int = 0,
-         teacher: Optional[str] = None, distill_coef: float = 1.0) -> dict[str, Any]:
+         teacher: Optional[str] = None, distill_coef: float = 1.0, server_urls: str = "",
+         mode: str = "sync") -> dict[str, Any]:
     """Validate, train ``max_steps`` GRPO steps, validate again; print the table and paths; return the summary
     (:func:`summarize` plus ``seconds``, ``plot``, ``completions``, ``log_dir``, ``export``: the trained policy's
     folder). ``val_every`` > 0 validates every that many steps as well; ``teacher`` (a model folder with this
     tokenizer) trains by on-policy distillation from it instead of the reward (``GRPOConfig.distillation``, the
-    per-token reverse KL times ``distill_coef`` as the advantage; the reward is still scored and logged)."""
+    per-token reverse KL times ``distill_coef`` as the advantage; the reward is still scored and logged);
+    ``server_urls`` (comma-separated) samples on those rollout servers, ``mode`` "sync" or "streaming" (streaming
+    rollouts; needs ``server_urls``).
+
+    Raises:
+        ValueError: an unknown ``mode``, or "streaming" without ``server_urls``.
+    """
+    if mode not in ("sync", "streaming"):
+        raise ValueError(f"mode={mode!r}: choose 'sync' or 'streaming'")
+    urls = [u.strip() for u in server_urls.split(",") if u.strip()]
+    if mode == "streaming" and not urls:
+        raise ValueError("mode='streaming' samples on rollout servers: give --server-urls (lightning-grpo serve)")
     start = time.perf_counter()
     L.seed_everything(seed)
     module = GRPOModule(
@@ -105,7 +123,9 @@ def main(max_steps: int = 30, prompts_per_step: int = 8, num_generations: int = 
         reward_weights=WEIGHTS,
         config=GRPOConfig(num_generations=num_generations, max_prompt_length=128, max_new_tokens=max_new_tokens,
                           temperature=temperature, beta=0.0, loss_type=loss_type,
-                          engine=EngineConfig(name=engine or "auto"),
+                          engine=EngineConfig(name="vllm_server", server_urls=urls) if urls
+                          else EngineConfig(name=engine or "auto"),
+                          streaming=StreamingConfig(enabled=mode == "streaming"),
                           distillation=DistillationConfig(teacher=teacher, coef=distill_coef),
                           eval=EvalConfig(max_new_tokens=max_new_tokens, num_samples=eval_samples,
                                           temperature=temperature)),
@@ -134,7 +154,8 @@ def main(max_steps: int = 30, prompts_per_step: int = 8, num_generations: int = 
     trainer.fit(module, datamodule=data)
     log_dir = Path(logger.log_dir)
     summary = summarize(log_dir / "metrics.csv")
-    summary["plot"] = str(plot_metrics(log_dir, title=f"GRPO on arithmetic-{level}, SmolLM2-135M ({engine})"))
+    how = f"{engine}, streaming" if mode == "streaming" else engine
+    summary["plot"] = str(plot_metrics(log_dir, title=f"GRPO on arithmetic-{level}, SmolLM2-135M ({how})"))
     summary["completions"] = str(log_dir / "completions.csv")
     summary["log_dir"] = str(log_dir)
     summary["export"] = str(log_dir / "hf_model")  # GRPOModule's default export_dir
@@ -143,7 +164,8 @@ def main(max_steps: int = 30, prompts_per_step: int = 8, num_generations: int = 
                                max_new_tokens=max_new_tokens, learning_rate=learning_rate, val_size=val_size,
                                level=level, temperature=temperature, eval_samples=eval_samples, loss_type=loss_type,
                                engine=engine, seed=seed, rewards=REWARDS, weights=WEIGHTS, val_every=val_every,
-                               teacher=teacher, distill_coef=distill_coef, model=model)
+                               teacher=teacher, distill_coef=distill_coef, model=model, server_urls=urls,
+                               mode=mode)
     print(table(summary))
     print(f"plot: {summary['plot']}\ncompletions: {summary['completions']}\ntook {summary['seconds'] / 60:.1f} min")
     return summary
