@@ -4,16 +4,19 @@
     forked.start("support.streaming_worker:main", model, out, data, urls_json, secret_file, log=...)
 
 :func:`streaming_config` and :func:`prompt_data` are the settings of the test file's runs too; here G = 2, 160 new
-tokens, 4 groups in flight, 6 held. After each optimizer
-step the step's prompt keys are appended to ``<out>/trained.jsonl``. After step 2, once the stream holds a finished
-group and one being sampled, ``<out>/groups_held`` is written (their keys) and the run waits for SIGTERM; the only
-checkpoint callback saves on exception, so the checkpoint in ``<out>/ckpt`` is the SIGTERM's.
+tokens, 4 groups in flight, 6 held. After each optimizer step the step's prompt keys are appended to
+``<out>/trained.jsonl``. After step 2, once the stream holds a finished group and one being sampled, their keys are
+written to ``<out>/groups_held`` and the process sends itself SIGTERM (at that moment, as a scheduler's would arrive:
+sent from outside, the groups in flight could finish while the signal is on its way) and waits for Lightning to see
+it; the only checkpoint callback saves on exception, so the checkpoint in ``<out>/ckpt`` is the SIGTERM's.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
+import signal
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -77,10 +80,11 @@ class HoldForSigterm(GRPOCallback):
                                      f"{in_flight}")
             time.sleep(0.01)
         (self.out / "groups_held").write_text(json.dumps({"ready": ready, "in_flight": in_flight}))
+        os.kill(os.getpid(), signal.SIGTERM)
         while not trainer.received_sigterm:
             if time.monotonic() > deadline + 120:
-                raise AssertionError("no SIGTERM within 120 s of the marker")
-            time.sleep(0.005)
+                raise AssertionError("Lightning did not see the SIGTERM within 120 s")
+            time.sleep(0.001)
 
 
 def main(model_path: str, out: str, data: str, urls: str, secret_file: str) -> None:
