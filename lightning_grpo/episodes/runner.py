@@ -50,10 +50,9 @@ import torch
 from lightning_grpo.episodes.chat import ChatFormat
 from lightning_grpo.episodes.environment import Environment, EnvironmentFactory, EnvStep, step_all
 from lightning_grpo.episodes.metrics import episode_columns, episode_metrics
-from lightning_grpo.protocols.engine import RolloutEngine
+from lightning_grpo.protocols.engine import RolloutEngine, generate
 from lightning_grpo.protocols.episode import EpisodeRecord, Turn
-from lightning_grpo.protocols.images import PromptImage, RowImages
-from lightning_grpo.protocols.multimodal import generate
+from lightning_grpo.protocols.images import EncodedPrompts, PromptImage
 from lightning_grpo.protocols.rollout import RolloutInterrupted, RolloutOutput, StopFlag, left_pad
 from lightning_grpo.protocols.sampling import SamplingConfig
 from lightning_grpo.rollout.images import ImagePrompts, split_images
@@ -96,7 +95,7 @@ class EpisodeRunner:
 
     Args:
         chat: the chat template's prompt and turn encoding (with the tools the prompt describes).
-        environment_factory: makes one episode's environment (called once per episode).
+        environment_factory: makes one episode's environment (called once per episode; reset with its prompt's row).
         max_turns: most model turns per episode (``episode.max_turns``).
         max_tokens: the token budget of an episode after its prompt (``episode.max_tokens``; None = the sampling's
             ``max_new_tokens``, which is also the most tokens of one model turn).
@@ -126,15 +125,13 @@ class EpisodeRunner:
         """The prompts' ids with their tools (:meth:`ChatFormat.encode_prompts`): ``(ids, num_truncated)``."""
         return self.chat.encode_prompts(prompts, max_prompt_length)
 
-    def sample(self, engine: RolloutEngine, prompt_ids: Sequence[Sequence[int]], num_generations: int,
-               sampling: SamplingConfig, rows: Optional[Sequence[Mapping[str, Any]]] = None,
-               any_process: Optional[Callable[[bool], bool]] = None,
-               images: Optional[Sequence[Optional[RowImages]]] = None) -> RolloutOutput:
-        """The ``B * G`` episodes of ``B`` prompts (prompt-major, as a single-turn rollout), ``rows[i]`` the dataset
-        row of prompt i (``reset(**row)`` of its episodes' environments). ``any_process``: the data-parallel
-        agreement (:meth:`lightning_grpo.protocols.collectives.Collectives.any_process`), for engines that generate
-        with the policy's parameters (see the module docstring); None = this process alone. ``images[i]``: prompt
-        i's images (vision-language policies).
+    def sample(self, engine: RolloutEngine, prompts: EncodedPrompts, num_generations: int, sampling: SamplingConfig,
+               any_process: Optional[Callable[[bool], bool]] = None) -> RolloutOutput:
+        """The ``B * G`` episodes of ``B`` encoded prompts (prompt-major, as a single-turn rollout): ``prompts.rows[i]``
+        is the dataset row of prompt i (``reset(**row)`` of its episodes' environments), ``prompts.images[i]`` its
+        images (vision-language policies). ``any_process``: the data-parallel agreement
+        (:meth:`lightning_grpo.protocols.collectives.Collectives.any_process`), for engines that generate with the
+        policy's parameters (see the module docstring); None = this process alone.
 
         Returns:
             A :class:`RolloutOutput` with ``env_mask`` and ``episodes`` (one
@@ -147,44 +144,39 @@ class EpisodeRunner:
             RolloutInterrupted: the stop flag was set.
             RuntimeError: an environment's ``reset``/``step`` raised (the episode is named; tools never raise), or
                 the turns of one episode report different weight versions.
-            ValueError: ``rows`` does not have one entry per prompt; an observation with images for a policy
-                without them.
+            ValueError: an observation with images for a policy without them; images for an engine that does not
+                take them.
         """
-        b, g = len(prompt_ids), num_generations
+        b, g = len(prompts), num_generations
         per_turn = sampling.max_new_tokens
         budget = self.max_tokens or per_turn
-        rows = [{} for _ in range(b)] if rows is None else [dict(row) for row in rows]
-        if len(rows) != b:
-            raise ValueError(f"{len(rows)} dataset rows for {b} prompts: one row per prompt")
         episodes: list[_Episode] = []
         reported: list[bool] = []  # whether each turn's engine call reported sampler logprobs
         lockstep = any_process is not None and engine.capabilities.uses_policy_parameters
         try:
             for k in range(b * g):
-                episodes.append(_Episode([int(t) for t in prompt_ids[k // g]], self._environment(k, rows[k // g]),
-                                         images=tuple((images[k // g] or ()) if images is not None else ())))
+                episodes.append(_Episode(list(prompts.ids[k // g]), self._environment(k, prompts.rows[k // g]),
+                                         images=prompts.images[k // g]))
             first = replace(sampling, max_new_tokens=min(per_turn, budget))
-            out = generate(engine, prompt_ids, g, first, images)
+            out = generate(engine, prompts.ids, g, first, prompts.images)
             reported.append(self._take(episodes, list(range(b * g)), out, budget))
             turn = 1
             while self._more_turns(episodes, budget, any_process if lockstep else None):
                 running = [k for k, e in enumerate(episodes) if e.running]
                 if not running:  # another process still generates: take part in its collective, discard the result
-                    generate(engine, [list(prompt_ids[0])], 1, replace(sampling, max_new_tokens=1),
-                             None if images is None else [images[0]])
+                    generate(engine, prompts.ids[:1], 1, replace(sampling, max_new_tokens=1), prompts.images[:1])
                     turn += 1
                     continue
                 room = max(budget - len(episodes[k].ids) for k in running)
                 seed = None if sampling.seed is None else sampling.seed + turn * b * g
                 turn_sampling = replace(sampling, max_new_tokens=min(per_turn, room), seed=seed)
                 prefixes = [episodes[k].prompt + episodes[k].ids for k in running]
-                shown = [episodes[k].images or None for k in running]
-                out = generate(engine, prefixes, 1, turn_sampling, shown)
+                out = generate(engine, prefixes, 1, turn_sampling, [episodes[k].images for k in running])
                 reported.append(self._take(episodes, running, out, budget))
                 turn += 1
         finally:
             _close(episodes)
-        return self._output(episodes, prompt_ids, g, int(engine.pad_token_id), all(reported))
+        return self._output(episodes, prompts.ids, g, int(engine.pad_token_id), all(reported))
 
     def _more_turns(self, episodes: list[_Episode], budget: int,
                     any_process: Optional[Callable[[bool], bool]]) -> bool:

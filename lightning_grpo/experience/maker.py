@@ -344,12 +344,11 @@ class ExperienceMaker:
         _check_prompt_column(batch)
         engine = self.rollout.require_engine()
         with self.context.timer.span("rollout_s"):
-            encoded = self.rollout.encode(batch["prompt"])
+            encoded = self.rollout.encode(batch["prompt"], prompt_rows(batch))
             sampling = self._sampling()
             try:
-                out: Optional[RolloutOutput] = self.rollout.sample(engine, encoded.ids, self.config.num_generations,
-                                                                   sampling, prompt_rows(batch),
-                                                                   self.context.collectives, images=encoded.images)
+                out: Optional[RolloutOutput] = self.rollout.sample(engine, encoded, self.config.num_generations,
+                                                                   sampling, self.context.collectives)
             except RolloutInterrupted:
                 out = None
         return self._score(batch, out, encoded.num_truncated, int(engine.pad_token_id), totals, rows, outcomes)

@@ -8,7 +8,7 @@ speak, and nothing else (this folder imports only torch and the standard library
 * :mod:`~lightning_grpo.protocols.engine`: :class:`RolloutEngine`, :class:`CoreRolloutEngine`, what an engine is
   (:class:`EngineCapabilities`), :class:`EngineWrapper`;
 * :mod:`~lightning_grpo.protocols.sampler`: :class:`Sampler` and :class:`PromptEncoder`, the rollout path a worker is
-  given;
+  given (a sampler takes one :class:`EncodedPrompts` record);
 * :mod:`~lightning_grpo.protocols.episode`: :class:`EpisodeRecord` and :class:`Turn` (what a multi-turn episode was);
 * :mod:`~lightning_grpo.protocols.weights`: :class:`PolicyWeights`, what an engine is synced with;
 * :mod:`~lightning_grpo.protocols.collectives`: :class:`Collectives` over the data-parallel processes;
@@ -19,6 +19,7 @@ speak, and nothing else (this folder imports only torch and the standard library
 from lightning_grpo.protocols.collectives import Collectives
 from lightning_grpo.protocols.engine import CoreRolloutEngine, EngineCapabilities, EngineWrapper, RolloutEngine
 from lightning_grpo.protocols.episode import EpisodeRecord, Turn
+from lightning_grpo.protocols.images import EncodedPrompts
 from lightning_grpo.protocols.rollout import (
     RolloutInterrupted,
     RolloutOutput,
@@ -38,6 +39,7 @@ __all__ = [
     "Collectives",
     "CoreRolloutEngine",
     "EngineCapabilities",
+    "EncodedPrompts",
     "EngineWrapper",
     "EpisodeRecord",
     "PolicyWeights",

@@ -11,7 +11,7 @@ is checked against these ids.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -190,16 +190,42 @@ def collapse_runs(ids: Sequence[int], images: RowImages, placeholder_id: int) ->
     return out
 
 
-@dataclass
+@dataclass(frozen=True)
 class EncodedPrompts:
-    """A prompt batch encoded for the engine (:class:`ImagePromptEncoder`).
+    """A prompt batch encoded for the engine: what a :class:`~lightning_grpo.protocols.sampler.Sampler` samples from
+    (:meth:`lightning_grpo.rollout.worker.RolloutWorker.encode`).
 
     Attributes:
-        ids: one token-id list per prompt, each image's placeholder run expanded.
+        ids: ``B`` token-id lists (no padding), each image's placeholder run expanded.
+        images: each prompt's images in the order of their runs (``()``: a prompt without images).
+        rows: each prompt's dataset row, every column (an environment's ``reset(**row)``, an agent's row).
         num_truncated: prompts shortened to ``max_prompt_length`` (never through an image).
-        images: each prompt's images in the order of their runs (None: a prompt without images).
+
+    Raises:
+        ValueError: ``images`` or ``rows`` not one per prompt.
     """
 
     ids: list[list[int]]
-    num_truncated: int
-    images: list[Optional[RowImages]]
+    images: list[RowImages]
+    rows: list[dict[str, Any]]
+    num_truncated: int = 0
+
+    def __post_init__(self) -> None:
+        if len(self.images) != len(self.ids) or len(self.rows) != len(self.ids):
+            raise ValueError(f"EncodedPrompts has {len(self.images)} image entries and {len(self.rows)} rows for "
+                             f"{len(self.ids)} prompts: one of each per prompt")
+
+    @classmethod
+    def of(cls, ids: Sequence[Sequence[int]], rows: Optional[Sequence[Mapping[str, Any]]] = None,
+           images: Sequence[RowImages] = (), num_truncated: int = 0) -> "EncodedPrompts":
+        """The record of ``ids`` (lists of ints); ``rows`` default one empty row per prompt, ``images`` default none.
+
+        Raises:
+            ValueError: as the class.
+        """
+        listed = [[int(t) for t in p] for p in ids]
+        return cls(listed, list(images) or [()] * len(listed),
+                   [{} for _ in listed] if rows is None else [dict(r) for r in rows], num_truncated)
+
+    def __len__(self) -> int:
+        return len(self.ids)

@@ -1,5 +1,6 @@
 """How a rollout turns prompts into completions: :class:`PromptEncoder` (prompts -> token ids) and :class:`Sampler`
-(token ids -> a :class:`~lightning_grpo.protocols.rollout.RolloutOutput`, through a rollout engine).
+(one :class:`~lightning_grpo.protocols.images.EncodedPrompts` record -> a
+:class:`~lightning_grpo.protocols.rollout.RolloutOutput`, through a rollout engine).
 
 The :class:`~lightning_grpo.rollout.worker.RolloutWorker` is given one of each when it is made, and every rollout
 (training, asynchronous prefetch, evaluation) goes through them:
@@ -14,9 +15,10 @@ The :class:`~lightning_grpo.rollout.worker.RolloutWorker` is given one of each w
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, Optional, Protocol, Sequence
+from typing import Any, Callable, Optional, Protocol, Sequence
 
 from lightning_grpo.protocols.engine import RolloutEngine
+from lightning_grpo.protocols.images import EncodedPrompts
 from lightning_grpo.protocols.rollout import RolloutOutput
 from lightning_grpo.protocols.sampling import SamplingConfig
 
@@ -47,29 +49,29 @@ class PromptEncoder(Protocol):
 class Sampler(Protocol):
     """Samples a rollout's completions with an engine: ``num_generations`` rows per prompt, prompt-major."""
 
-    def sample(self, engine: RolloutEngine, prompt_ids: Sequence[Sequence[int]], num_generations: int,
-               sampling: SamplingConfig, rows: Sequence[Mapping[str, Any]],
+    def sample(self, engine: RolloutEngine, prompts: EncodedPrompts, num_generations: int, sampling: SamplingConfig,
                any_process: Optional[AnyProcess] = None) -> RolloutOutput:
-        """The ``B * G`` completions of ``B`` prompts. A sampler of vision-language prompts also takes
-        ``images=`` (each prompt's :data:`~lightning_grpo.protocols.images.RowImages`, passed only when a prompt has
-        images: a sampler without the argument is refused images by the worker's call) and returns each row's in
-        the output's ``images``.
+        """The ``B * G`` completions of ``B`` encoded prompts.
 
         Args:
-            engine: the rollout engine, awake and synced (its ``generate`` is the only way to sample).
-            prompt_ids: ``B`` token-id lists (:meth:`PromptEncoder.encode_prompts`).
+            engine: the rollout engine, awake and synced (it is called through
+                :func:`lightning_grpo.protocols.engine.generate`, which passes the prompts' images to an engine that
+                declares ``accepts_images``).
+            prompts: the prompt batch as one record (:class:`~lightning_grpo.protocols.images.EncodedPrompts`): ``B``
+                token-id lists (:meth:`PromptEncoder.encode_prompts`), each prompt's images (``()``: none) and its
+                dataset row, every column (an environment's ``reset(**row)``).
             num_generations: G, completions per prompt.
             sampling: the sampling distribution and the per-request seed base.
-            rows: the prompt batch as one dict per prompt, every column (an environment's ``reset(**row)``).
             any_process: the processes' agreement, given on the trainer's thread only (None on the prefetch thread,
                 and on one process): a sampler whose engine call may be a collective (an engine that
                 ``uses_policy_parameters`` under FSDP) agrees with it on how many engine calls every process makes.
 
         Returns:
-            The :class:`~lightning_grpo.protocols.rollout.RolloutOutput` (its ``columns`` and ``metrics`` say what
-            the sampler adds for the reward functions and the logs).
+            The :class:`~lightning_grpo.protocols.rollout.RolloutOutput` (its ``images`` each row's; its ``columns``
+            and ``metrics`` say what the sampler adds for the reward functions and the logs).
 
         Raises:
             RolloutInterrupted: the stop flag was set while sampling.
+            ValueError: images for an engine that does not take them.
         """
         ...

@@ -167,7 +167,7 @@ class ImagePrompts:
         collapsed, _ = self.text.encode_prompts([messages for messages, _ in split], sys.maxsize)
         with_bos = adds_bos(self.tokenizer)
         ids_out: list[list[int]] = []
-        images_out: list[Optional[RowImages]] = []
+        images_out: list[RowImages] = []
         truncated = 0
         for i, ((_, raw), ids) in enumerate(zip(split, collapsed, strict=True)):
             images = tuple(self.process(image) for image in raw)
@@ -184,8 +184,8 @@ class ImagePrompts:
                 expanded = expanded[:keep] + expanded[len(expanded) - (max_prompt_length - keep):]
                 truncated += 1
             ids_out.append(expanded)
-            images_out.append(images or None)
-        return EncodedPrompts(ids_out, truncated, images_out)
+            images_out.append(images)
+        return EncodedPrompts.of(ids_out, images=images_out, num_truncated=truncated)
 
 
 def image_prompts(text: PromptEncoder, tokenizer: PreTrainedTokenizerBase, policy: Any, processor: Any = None,

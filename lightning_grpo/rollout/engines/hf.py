@@ -120,10 +120,11 @@ class HFRolloutEngine:
             on the trained weights they equal the trainer's own logprobs up to kernel differences.
         vision: a vision-language policy's image facts (:func:`lightning_grpo.protocols.vision.vision_spec`): prompts
             may then have images (``generate(..., images=...)``, :mod:`lightning_grpo.rollout.engines.multimodal`).
-    """
 
-    #: It generates with the trained module itself; sampling draws from torch's global generator; nothing to sync.
-    capabilities = EngineCapabilities(uses_policy_parameters=True)
+    Attributes:
+        capabilities: it generates with the trained module itself; sampling draws from torch's global generator;
+            nothing to sync; it takes images when the policy is a vision-language model.
+    """
 
     def __init__(
         self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, report_logprobs: bool = False,
@@ -138,11 +139,7 @@ class HFRolloutEngine:
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_token_ids[0]
         self.pad_token_id = int(pad)
         self.synced_gpus: Optional[bool] = None  # None: transformers decides (DeepSpeed ZeRO-3 / FSDP2 modules)
-
-    @property
-    def accepts_images(self) -> bool:
-        """Whether the policy is a vision-language model (prompts may have images)."""
-        return self.vision is not None
+        self.capabilities = EngineCapabilities(uses_policy_parameters=True, accepts_images=vision is not None)
 
     def set_lockstep(self, enabled: bool) -> None:
         """``generate(synced_gpus=True)`` when enabled (FSDP1 with nested units: every forward is a collective)."""
@@ -188,11 +185,11 @@ class HFRolloutEngine:
     @torch.no_grad()
     def generate(
         self, prompt_ids: Sequence[Sequence[int]], num_generations: int, sampling: SamplingConfig,
-        images: Optional[Sequence[Optional[RowImages]]] = None,
+        images: Sequence[RowImages] = (),
     ) -> RolloutOutput:
         """See :class:`lightning_grpo.protocols.engine.RolloutEngine`. ``sampler_logprobs`` are reported when the
         engine was built with ``report_logprobs``. ``images``: each prompt's images (a vision-language policy;
-        :class:`~lightning_grpo.protocols.multimodal.ImageRolloutEngine`).
+        :class:`~lightning_grpo.protocols.engine.ImageRolloutEngine`).
 
         Raises:
             RolloutInterrupted: :attr:`stop` was set before or during generation (polled at every token).

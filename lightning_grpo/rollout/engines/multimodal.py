@@ -14,7 +14,6 @@ from typing import Any, Optional, Sequence
 from torch import Tensor
 
 from lightning_grpo.protocols.images import RowImages, check_image_tokens, collapse_runs, image_batch
-from lightning_grpo.protocols.multimodal import has_images
 from lightning_grpo.protocols.vision import VisionSpec
 
 #: Most bytes of one image on the wire to a rollout server (a PNG of 4096 x 4096 RGB pixels is at most ~48 MiB; the
@@ -47,16 +46,15 @@ class ImageRows:
     spec: Optional[VisionSpec] = None
 
     @classmethod
-    def of(cls, prompt_ids: Sequence[Sequence[int]], images: Optional[Sequence[Optional[RowImages]]],
-           num_generations: int, greedy: bool, spec: Optional[VisionSpec]) -> "ImageRows":
-        """The rows of ``prompt_ids`` with ``images`` (see the class docstring).
+    def of(cls, prompt_ids: Sequence[Sequence[int]], images: Sequence[RowImages], num_generations: int, greedy: bool,
+           spec: Optional[VisionSpec]) -> "ImageRows":
+        """The rows of ``prompt_ids`` with ``images`` (each prompt's; ``()``: none; see the class docstring).
 
         Raises:
             ValueError: images for a policy without ``spec``, or a prompt whose placeholders are not its images'.
         """
-        if not has_images(images):
+        if not any(images):
             return cls(prompt_ids, num_generations, num_generations)
-        assert images is not None
         if spec is None:
             raise ValueError("the prompts have images, but the policy is not a vision-language model")
         for i, (ids, row) in enumerate(zip(prompt_ids, images, strict=True)):
@@ -145,7 +143,7 @@ def check_expansions(engine_ids: Sequence[Sequence[int]], prompts: Sequence[Sequ
         check_expansion(ran, ids, i)
 
 
-def wire_images(prompts: Sequence[Sequence[int]], images: Sequence[Optional[RowImages]],
+def wire_images(prompts: Sequence[Sequence[int]], images: Sequence[RowImages],
                 placeholder_id: Optional[int]) -> list[tuple[list[int], list[str]]]:
     """Each prompt as a rollout server takes it with images: its ids with every placeholder run collapsed and its
     pictures as base64 PNG (:func:`vllm_prompt`, :func:`encode_picture`).
