@@ -52,7 +52,7 @@ from lightning_grpo.episodes.environment import Environment, EnvironmentFactory,
 from lightning_grpo.episodes.metrics import episode_columns, episode_metrics
 from lightning_grpo.protocols.engine import RolloutEngine, generate
 from lightning_grpo.protocols.episode import EpisodeRecord, Turn
-from lightning_grpo.protocols.images import EncodedPrompts, PromptImage
+from lightning_grpo.protocols.images import EncodedPrompts, RowImages
 from lightning_grpo.protocols.rollout import RolloutInterrupted, RolloutOutput, StopFlag, left_pad
 from lightning_grpo.protocols.sampling import SamplingConfig
 from lightning_grpo.rollout.images import ImagePrompts, split_images
@@ -73,7 +73,7 @@ class _Episode:
     running: bool = True
     pending: Optional[str] = None  # a finished model turn the environment has not answered yet
     versions: set = field(default_factory=set)
-    images: tuple[PromptImage, ...] = ()  # the prompt's, then each observation's (vision-language policies)
+    images: RowImages = ()  # the prompt's, then each observation's (vision-language policies)
 
 
 def _close(episodes: list[_Episode]) -> None:
@@ -267,14 +267,7 @@ class EpisodeRunner:
             e.running = False
             return
         messages, pictures = split_images(step.messages, "an observation")
-        if pictures and self.images is None:
-            raise ValueError("an environment's observation has images, but the policy is not a vision-language model")
-        ids = self.chat.env_turn_ids(messages)
-        shown: tuple[PromptImage, ...] = ()
-        if pictures:
-            assert self.images is not None
-            shown = tuple(self.images.process(p) for p in pictures)
-            ids = self.images.expand(ids, shown, "an observation")
+        ids, shown = self._observation(messages, pictures)
         if len(e.ids) + len(ids) >= budget:  # no room for a model token after it: the episode is cut here
             e.running, record.truncated, record.budget_exceeded = False, True, True
             return
@@ -284,6 +277,20 @@ class EpisodeRunner:
         e.logprobs += [0.0] * len(ids)
         e.images += shown
         record.turns.append(Turn("env", start, len(e.ids), [dict(m) for m in messages]))
+
+    def _observation(self, messages: Any, pictures: list[Any]) -> tuple[list[int], RowImages]:
+        """An observation's ids (each picture's placeholder run expanded) and its images.
+
+        Raises:
+            ValueError: pictures for a policy that is not a vision-language model.
+        """
+        if not pictures:
+            return self.chat.env_turn_ids(messages), ()
+        images = self.images
+        if images is None:
+            raise ValueError("an environment's observation has images, but the policy is not a vision-language model")
+        shown = tuple(images.process(p) for p in pictures)
+        return images.expand(self.chat.env_turn_ids(messages), shown, "an observation"), shown
 
     def _output(self, episodes: list[_Episode], prompt_ids: Sequence[Sequence[int]], g: int, pad: int,
                 reports_logprobs: bool) -> RolloutOutput:
@@ -314,5 +321,5 @@ class EpisodeRunner:
             sampler_logprobs=logprobs if reports_logprobs else None,
             weight_version=min(versions) if versions else None,
             episodes=records, columns=episode_columns(records), metrics=episode_metrics(records, model, env),
-            images=[e.images or None for e in episodes] if any(e.images for e in episodes) else None,
+            images=[e.images for e in episodes],
         )

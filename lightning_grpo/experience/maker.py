@@ -229,15 +229,13 @@ class ExperienceMaker:
         # KL in the reward); an unscored row gets no loss token and is not laid out
         experience = Experience.of(rollout, ctx.device)
         experience.completion_mask = experience.completion_mask * scored.unsqueeze(1)  # [N, T] through the EOS
-        if experience.env_mask is not None:
-            experience.env_mask = experience.env_mask * scored.unsqueeze(1)
+        experience.env_mask = experience.env_mask * scored.unsqueeze(1)
         with ctx.timer.span("logprobs_s"):
             shaped = self._behaviour_logprobs(experience, shaped, scored, extra, policy, ref, len(batch["prompt"]))
         if self.config.mask_truncated_completions:
             kept = (~rollout.truncated.to(ctx.device)).unsqueeze(1)
             experience.completion_mask = experience.completion_mask * kept
-            if experience.env_mask is not None:  # a row without loss tokens is not laid out at all
-                experience.env_mask = experience.env_mask * kept
+            experience.env_mask = experience.env_mask * kept  # a row without loss tokens is not laid out at all
         # 4. group advantages
         cfg = self.config
         experience.advantages = F.group_advantages(

@@ -83,17 +83,12 @@ def image_batch(images: Sequence[PromptImage]) -> dict[str, Tensor]:
     return {k: torch.cat([image.tensors[k] for image in images], dim=0) for k in keys}
 
 
-def row_images_state(images: Optional[Sequence[Optional[RowImages]]]) -> Optional[list]:
-    """Per-row images as plain data, each image once (rows that share an image refer to it by index), or None."""
-    if images is None:
-        return None
+def row_images_state(images: Sequence[RowImages]) -> list:
+    """Per-row images as plain data, each image once (rows that share an image refer to it by index)."""
     index: dict[int, int] = {}
     table: list[dict] = []
-    rows: list[Optional[list[int]]] = []
+    rows: list[list[int]] = []
     for row in images:
-        if row is None:
-            rows.append(None)
-            continue
         for image in row:
             if id(image) not in index:
                 index[id(image)] = len(table)
@@ -102,35 +97,25 @@ def row_images_state(images: Optional[Sequence[Optional[RowImages]]]) -> Optiona
     return [table, rows]
 
 
-def row_images_from_state(state: Optional[list]) -> Optional[list[Optional[RowImages]]]:
-    """The per-row images :func:`row_images_state` returned (what rows shared they share again)."""
-    if state is None:
-        return None
+def row_images_from_state(state: Optional[list]) -> list[RowImages]:
+    """The per-row images :func:`row_images_state` returned (what rows shared they share again). A checkpoint written
+    before every row had an entry holds None (no images: ``[]``, one ``()`` per row made by the record) or None rows
+    (``()``)."""
+    if not state:
+        return []
     table, rows = state
     unique = [PromptImage.from_state(s) for s in table]
     made: dict[tuple, RowImages] = {}
-    out: list[Optional[RowImages]] = []
-    for r in rows:
-        if r is None:
-            out.append(None)
-            continue
-        key = tuple(int(i) for i in r)
-        out.append(made.setdefault(key, tuple(unique[i] for i in key)))
-    return out
+    return [made.setdefault(key, tuple(unique[i] for i in key)) for key in
+            (tuple(int(i) for i in (r or ())) for r in rows)]
 
 
-def images_to(images: Optional[list[Optional[RowImages]]],
-              device: torch.device) -> Optional[list[Optional[RowImages]]]:
+def images_to(images: Sequence[RowImages], device: torch.device) -> list[RowImages]:
     """Per-row images with their tensors on ``device``; what rows shared (a tuple, an image) they share moved."""
-    if images is None:
-        return None
     rows: dict[int, RowImages] = {}
     moved: dict[int, PromptImage] = {}
-    out: list[Optional[RowImages]] = []
+    out: list[RowImages] = []
     for row in images:
-        if row is None:
-            out.append(None)
-            continue
         if id(row) not in rows:
             for image in row:
                 if id(image) not in moved:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import base64
 import io
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
 from torch import Tensor
@@ -35,14 +35,14 @@ class ImageRows:
         prompt_ids: the rows' prompt ids.
         per_row: ``num_return_sequences`` of each row (G, or 1 once repeated).
         repeat: how often :func:`~lightning_grpo.protocols.rollout.finish_rollout` repeats each row's prompt.
-        images: each row's images (None without images).
+        images: each row's images (``()``: none; empty without images).
         spec: the policy's image facts.
     """
 
     prompt_ids: Sequence[Sequence[int]]
     per_row: int
     repeat: int
-    images: Optional[list[Optional[RowImages]]] = None
+    images: list[RowImages] = field(default_factory=list)
     spec: Optional[VisionSpec] = None
 
     @classmethod
@@ -67,9 +67,9 @@ class ImageRows:
     def model_inputs(self, ids: Tensor) -> dict[str, Tensor]:
         """``generate``'s image keyword arguments for the left-padded ``(N, P)`` ``ids`` of these rows: the rows'
         images in order and, for Qwen-VL, ``mm_token_type_ids`` (1 on image tokens: transformers' 3-D positions)."""
-        if self.images is None or self.spec is None:
+        if self.spec is None or not any(self.images):
             return {}
-        out = {k: v.to(ids.device) for k, v in image_batch([im for row in self.images for im in (row or ())]).items()}
+        out = {k: v.to(ids.device) for k, v in image_batch([im for row in self.images for im in row]).items()}
         if self.spec.mrope:
             out["mm_token_type_ids"] = (ids == self.spec.placeholder_id).int()
         return out

@@ -191,7 +191,7 @@ class VLLMServerEngine:
         if wire is not None:
             check_expansions([ids for answer in answers for ids in answer["prompt_token_ids"]], prompts)
         return rollout_from_rows(prompts, rows, num_generations, self.pad_token_id, self.eos_token_ids,
-                                 self.tokenizer, weight_version=version, images=None if wire is None else images)
+                                 self.tokenizer, weight_version=version, images=images)
 
     def _generate_on(self, inst: Instance, prompts: list[list[int]], num_generations: int, sampling: SamplingConfig,
                      seeds: Optional[list[int]], wire: Optional[list[tuple[list[int], list[str]]]] = None) -> dict:
