@@ -52,9 +52,10 @@ from lightning_grpo.episodes.environment import Environment, EnvironmentFactory,
 from lightning_grpo.episodes.metrics import episode_columns, episode_metrics
 from lightning_grpo.protocols.engine import RolloutEngine, generate
 from lightning_grpo.protocols.episode import EpisodeRecord, Turn
-from lightning_grpo.protocols.images import EncodedPrompts, RowImages
 from lightning_grpo.protocols.rollout import RolloutInterrupted, RolloutOutput, StopFlag, left_pad
+from lightning_grpo.protocols.sampler import EncodedPrompts
 from lightning_grpo.protocols.sampling import SamplingConfig
+from lightning_grpo.protocols.vision import RowImages
 from lightning_grpo.rollout.images import ImagePrompts, split_images
 
 log = logging.getLogger(__name__)

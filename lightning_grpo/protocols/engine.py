@@ -20,9 +20,9 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Protocol, Sequence, cast, runtime_checkable
 
-from lightning_grpo.protocols.images import RowImages
 from lightning_grpo.protocols.rollout import RolloutOutput
 from lightning_grpo.protocols.sampling import SamplingConfig
+from lightning_grpo.protocols.vision import RowImages
 from lightning_grpo.protocols.weights import PolicyWeights
 
 

@@ -13,7 +13,6 @@ import torch
 from torch import Tensor
 
 from lightning_grpo.protocols.episode import EpisodeRecord
-from lightning_grpo.protocols.images import RowImages, row_images_from_state, row_images_state
 from lightning_grpo.protocols.tokens import (
     PAD_ID,
     ROW_META,
@@ -26,6 +25,7 @@ from lightning_grpo.protocols.tokens import (
     token_fields,
     token_meta,
 )
+from lightning_grpo.protocols.vision import RowImages, row_images_from_state, row_images_state
 
 
 @dataclass(frozen=True)
@@ -112,7 +112,7 @@ class RolloutOutput:
         metrics: the sampler's per-row metrics (:class:`RowMetric`; multi-turn: ``turns/*``, ``tools/*``, ...),
             logged over the rows trained on; every process's sampler reports the same names. Empty for single-turn
             rollouts.
-        images: each row's images (:class:`~lightning_grpo.protocols.images.PromptImage`; vision-language prompts),
+        images: each row's images (:class:`~lightning_grpo.protocols.vision.PromptImage`; vision-language prompts),
             in the order of their placeholder runs in the row's prompt and completion ids (multi-turn: the
             prompt's, then those of image observations); the G rows of a prompt share one tuple. ``()`` for a row
             without images.

@@ -26,9 +26,9 @@ from lightning_grpo.protocols.engine import (
     RolloutEngine,
     check_images_accepted,
 )
-from lightning_grpo.protocols.images import RowImages
 from lightning_grpo.protocols.rollout import RolloutOutput
 from lightning_grpo.protocols.sampling import SamplingConfig
+from lightning_grpo.protocols.vision import RowImages
 
 log = logging.getLogger(__name__)
 

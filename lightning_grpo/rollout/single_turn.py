@@ -7,9 +7,8 @@ from __future__ import annotations
 from typing import Optional
 
 from lightning_grpo.protocols.engine import RolloutEngine, generate
-from lightning_grpo.protocols.images import EncodedPrompts
 from lightning_grpo.protocols.rollout import RolloutOutput
-from lightning_grpo.protocols.sampler import AnyProcess
+from lightning_grpo.protocols.sampler import AnyProcess, EncodedPrompts
 from lightning_grpo.protocols.sampling import SamplingConfig
 
 

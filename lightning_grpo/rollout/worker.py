@@ -35,10 +35,8 @@ from lightning_grpo.config import GRPOConfig, ResolvedConfig
 from lightning_grpo.events import ON_WEIGHTS_SYNCED, EventSink
 from lightning_grpo.protocols.collectives import Collectives
 from lightning_grpo.protocols.engine import RolloutEngine, check_images_accepted
-from lightning_grpo.protocols.images import EncodedPrompts
-from lightning_grpo.protocols.multimodal import ImagePromptEncoder
 from lightning_grpo.protocols.rollout import RolloutOutput, StopFlag
-from lightning_grpo.protocols.sampler import PromptEncoder, Sampler
+from lightning_grpo.protocols.sampler import EncodedPrompts, ImagePromptEncoder, PromptEncoder, Sampler
 from lightning_grpo.protocols.sampling import SamplingConfig
 from lightning_grpo.protocols.weights import PolicyWeights
 from lightning_grpo.rollout.adapter import as_rollout_engine
@@ -72,7 +70,7 @@ class RolloutWorker:
             the :class:`~lightning_grpo.episodes.runner.EpisodeRunner` is both (``lightning_grpo.episodes.build``).
         stop: the stop flag (default a new one); the sampler's, when it polls one, is this one.
         images: a vision-language policy's prompt encoding with images
-            (:class:`~lightning_grpo.protocols.multimodal.ImagePromptEncoder`, ``lightning_grpo.episodes.build``):
+            (:class:`~lightning_grpo.protocols.sampler.ImagePromptEncoder`, ``lightning_grpo.episodes.build``):
             :meth:`encode` gives the prompts' images with their ids and :attr:`banned_token_ids` its placeholders;
             None for a causal LM.
 

@@ -16,9 +16,9 @@ from typing import Any, Iterator, Sequence
 from torch import Tensor, nn
 
 from lightning_grpo.protocols.engine import EngineWrapper, RolloutEngine
-from lightning_grpo.protocols.images import RowImages
 from lightning_grpo.protocols.rollout import RolloutOutput
 from lightning_grpo.protocols.sampling import SamplingConfig
+from lightning_grpo.protocols.vision import RowImages
 
 #: Attribute set on every module :func:`lightning_grpo.strategies.fsdp.shard_model` shards: its
 #: ``reshard_after_forward`` (restored after a rollout).

@@ -11,7 +11,6 @@ from torch import Tensor
 
 from lightning_grpo.functional import loss_normalizer
 from lightning_grpo.protocols.collectives import Collectives
-from lightning_grpo.protocols.images import RowImages, images_to
 from lightning_grpo.protocols.rollout import RolloutOutput
 from lightning_grpo.protocols.tokens import (
     PAD_ID,
@@ -24,6 +23,7 @@ from lightning_grpo.protocols.tokens import (
     token_meta,
     trim_columns,
 )
+from lightning_grpo.protocols.vision import RowImages, images_to
 from lightning_grpo.training.packing import sequence_token_counts, token_budget_partition
 
 
@@ -96,7 +96,7 @@ class Experience:
             ``completion_mask`` holds the model's tokens only, so the loss, KL, entropy and every ``loss_type``'s
             normalizer count those only); all 0 for single-turn rollouts (the default: left out, it is filled). See
             :attr:`completion_attention_mask`.
-        images: each row's images (:class:`~lightning_grpo.protocols.images.PromptImage`: ``pixel_values`` and grid
+        images: each row's images (:class:`~lightning_grpo.protocols.vision.PromptImage`: ``pixel_values`` and grid
             sizes; vision-language prompts), in the order of their placeholder runs in the row's ids; a prompt's G
             rows share one tuple, and every cut (mini-, micro-batch, token budget) takes each row's own. ``()`` for a
             row without images (the default: left out, one ``()`` per row).

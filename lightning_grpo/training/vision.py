@@ -1,6 +1,6 @@
 """The image inputs of a vision-language policy's training forward, in each layout of
 :class:`~lightning_grpo.training.logprobs.CompletionLogprobs`: each row's images (``pixel_values`` and grid sizes,
-:class:`~lightning_grpo.protocols.images.PromptImage`) concatenated in the order their placeholder runs appear in the
+:class:`~lightning_grpo.protocols.vision.PromptImage`) concatenated in the order their placeholder runs appear in the
 forward's ``input_ids``, and Qwen-VL's 3-D rotary positions (:func:`mrope_positions`).
 
 * padded ``(B, P + T)`` rows: every row's images, row after row; positions ``(3, B, P + T)``;
@@ -21,8 +21,7 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor
 
-from lightning_grpo.protocols.images import PromptImage, RowImages, check_image_tokens, image_batch
-from lightning_grpo.protocols.vision import VisionSpec
+from lightning_grpo.protocols.vision import PromptImage, RowImages, VisionSpec, check_image_tokens, image_batch
 
 
 def mrope_positions(ids: Tensor, images: Optional[RowImages], spec: VisionSpec) -> Tensor:

@@ -34,7 +34,7 @@ from lightning_grpo.episodes import (  # noqa: E402
     as_tools,
     calculator,
 )
-from lightning_grpo.protocols.images import EncodedPrompts  # noqa: E402
+from lightning_grpo.protocols.sampler import EncodedPrompts  # noqa: E402
 from lightning_grpo.protocols.sampling import SamplingConfig  # noqa: E402
 from support.episodes import ScriptedEngine  # noqa: E402
 

@@ -18,8 +18,8 @@ from lightning_grpo import GRPOConfig
 from lightning_grpo.config import EpisodeConfig
 from lightning_grpo.episodes import BaseEnvironment, EnvStep
 from lightning_grpo.episodes.build import rollout_path
-from lightning_grpo.protocols.images import EncodedPrompts
 from lightning_grpo.protocols.rollout import StopFlag
+from lightning_grpo.protocols.sampler import EncodedPrompts
 from lightning_grpo.protocols.sampling import SamplingConfig
 from lightning_grpo.rollout.engines.hf import HFRolloutEngine
 from lightning_grpo.rollout.images import ImagePrompts

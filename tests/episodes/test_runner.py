@@ -9,8 +9,8 @@ from transformers import AutoTokenizer
 from lightning_grpo.config import EpisodeConfig, GRPOConfig
 from lightning_grpo.episodes import ChatFormat, EnvStep, EpisodeRunner, HermesToolCallParser, as_tools, episode_runner
 from lightning_grpo.protocols.engine import EngineCapabilities
-from lightning_grpo.protocols.images import EncodedPrompts
 from lightning_grpo.protocols.rollout import RolloutInterrupted, StopFlag
+from lightning_grpo.protocols.sampler import EncodedPrompts
 from lightning_grpo.protocols.sampling import SamplingConfig
 from support.episodes import EchoEnvironment, ScriptedEngine
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from lightning_grpo.protocols.episode import EpisodeRecord, Turn
-from lightning_grpo.protocols.images import PromptImage
 from lightning_grpo.protocols.rollout import RolloutOutput, finish_rollout
+from lightning_grpo.protocols.vision import PromptImage
 from lightning_grpo.training.experience import Experience
 
 

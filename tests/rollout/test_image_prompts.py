@@ -1,4 +1,4 @@
-"""Prompts with images (lightning_grpo.rollout.images, lightning_grpo.protocols.images):
+"""Prompts with images (lightning_grpo.rollout.images, lightning_grpo.protocols.vision):
 
 * the ids and pixels are the model's processor's: LLaVA's ``LlavaProcessor`` gives the same ids and
   ``pixel_values``; a Qwen-VL image becomes ``t*h*w/4`` tokens of the processor's own grid and its pixels;
@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from lightning_grpo.protocols.images import PromptImage, collapse_runs, row_images_from_state, row_images_state
+from lightning_grpo.protocols.vision import PromptImage, collapse_runs, row_images_from_state, row_images_state
 from lightning_grpo.rollout.engines.multimodal import bad_words, check_expansion, vllm_prompt
 from lightning_grpo.rollout.images import pictures_from_state, pictures_state
 from support.vision import Loaded, image_prompt, picture

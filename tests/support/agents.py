@@ -10,7 +10,7 @@ from typing import Any, Callable, Optional
 from openai import OpenAI
 
 from lightning_grpo.episodes import AgentRollout, AgentSampler
-from lightning_grpo.protocols.images import EncodedPrompts
+from lightning_grpo.protocols.sampler import EncodedPrompts
 from lightning_grpo.protocols.sampling import SamplingConfig
 from support.episodes import ScriptedEngine
 

@@ -38,9 +38,8 @@ from lightning_grpo.episodes.agents.output import agent_output, describe, reward
 from lightning_grpo.episodes.agents.session import AgentSession, SessionRenderer
 from lightning_grpo.episodes.parsers import AnswerParser, HermesToolCallParser
 from lightning_grpo.protocols.engine import RolloutEngine
-from lightning_grpo.protocols.images import EncodedPrompts
 from lightning_grpo.protocols.rollout import RolloutInterrupted, RolloutOutput, StopFlag
-from lightning_grpo.protocols.sampler import AnyProcess
+from lightning_grpo.protocols.sampler import AnyProcess, EncodedPrompts
 from lightning_grpo.protocols.sampling import SamplingConfig
 from lightning_grpo.rollout.prompts import TemplatePrompts
 

@@ -28,7 +28,6 @@ from transformers import (
 )
 
 from lightning_grpo.protocols.engine import EngineCapabilities
-from lightning_grpo.protocols.images import RowImages
 from lightning_grpo.protocols.rollout import (
     RolloutInterrupted,
     RolloutOutput,
@@ -39,7 +38,7 @@ from lightning_grpo.protocols.rollout import (
     left_pad,
 )
 from lightning_grpo.protocols.sampling import SamplingConfig, sampling_logits
-from lightning_grpo.protocols.vision import VisionSpec, vision_spec
+from lightning_grpo.protocols.vision import RowImages, VisionSpec, vision_spec
 from lightning_grpo.protocols.weights import PolicyWeights
 from lightning_grpo.rollout.engines.multimodal import ImageRows
 from lightning_grpo.rollout.registry import EngineSpec

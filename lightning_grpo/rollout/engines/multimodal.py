@@ -13,8 +13,7 @@ from typing import Any, Optional, Sequence
 
 from torch import Tensor
 
-from lightning_grpo.protocols.images import RowImages, check_image_tokens, collapse_runs, image_batch
-from lightning_grpo.protocols.vision import VisionSpec
+from lightning_grpo.protocols.vision import RowImages, VisionSpec, check_image_tokens, collapse_runs, image_batch
 
 #: Most bytes of one image on the wire to a rollout server (a PNG of 4096 x 4096 RGB pixels is at most ~48 MiB; the
 #: processors' pixel limits keep real ones far smaller).

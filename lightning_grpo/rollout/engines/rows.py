@@ -10,9 +10,9 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from lightning_grpo.protocols.images import RowImages
 from lightning_grpo.protocols.rollout import RolloutOutput, completion_mask_from_eos, finish_rollout, left_pad
 from lightning_grpo.protocols.sampling import SamplingConfig
+from lightning_grpo.protocols.vision import RowImages
 
 
 def check_prompts(prompt_ids: Sequence[Sequence[int]], num_generations: int, sampling: SamplingConfig,

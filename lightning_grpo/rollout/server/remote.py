@@ -47,9 +47,9 @@ import torch
 import torch.distributed as dist
 
 from lightning_grpo.protocols.engine import EngineCapabilities
-from lightning_grpo.protocols.images import RowImages
 from lightning_grpo.protocols.rollout import RolloutOutput, StopFlag
 from lightning_grpo.protocols.sampling import SamplingConfig
+from lightning_grpo.protocols.vision import RowImages
 from lightning_grpo.protocols.weights import PolicyWeights, check_tied_engine
 from lightning_grpo.rollout.engines.multimodal import check_expansions, wire_images
 from lightning_grpo.rollout.engines.probe import probe_batch

@@ -31,9 +31,9 @@ from typing import Any, Optional, Sequence
 import torch
 
 from lightning_grpo.protocols.engine import EngineWrapper, RolloutEngine
-from lightning_grpo.protocols.images import RowImages
 from lightning_grpo.protocols.rollout import RolloutOutput
 from lightning_grpo.protocols.sampling import SamplingConfig
+from lightning_grpo.protocols.vision import RowImages
 from lightning_grpo.protocols.weights import PolicyWeights
 from lightning_grpo.strategies.megatron.policy import MegatronPolicy
 

@@ -10,8 +10,8 @@ import torch
 from transformers import AutoTokenizer
 
 from lightning_grpo.episodes import AgentRollout
-from lightning_grpo.protocols.images import EncodedPrompts
 from lightning_grpo.protocols.rollout import RolloutInterrupted, StopFlag
+from lightning_grpo.protocols.sampler import EncodedPrompts
 from lightning_grpo.protocols.sampling import SamplingConfig
 from support.agents import CALL, EOS, Recorder, by_prompt, client, encode, run_agents, tool_loop_agent
 

@@ -56,10 +56,9 @@ import torch
 from transformers import AutoTokenizer, GenerationConfig
 
 from lightning_grpo.protocols.engine import EngineCapabilities
-from lightning_grpo.protocols.images import RowImages
 from lightning_grpo.protocols.rollout import RolloutOutput, StopFlag, eos_token_ids_from
 from lightning_grpo.protocols.sampling import SamplingConfig
-from lightning_grpo.protocols.vision import vision_spec
+from lightning_grpo.protocols.vision import RowImages, vision_spec
 from lightning_grpo.protocols.weights import PolicyWeights, check_tied_engine
 from lightning_grpo.rollout.engines.multimodal import bad_words, check_expansions, vllm_prompt
 from lightning_grpo.rollout.engines.probe import WeightSyncCheckError, probe_batch
@@ -227,7 +226,7 @@ class VLLMRolloutEngine:
 
         Args:
             prompt_ids: ``B`` prompts as token-id lists (no padding), each non-empty; with images, each image's
-                placeholder run expanded (:mod:`lightning_grpo.protocols.images`).
+                placeholder run expanded (:mod:`lightning_grpo.protocols.vision`).
             num_generations: G >= 1 completions per prompt.
             sampling: temperature / top-p / top-k / min-p / max_new_tokens / greedy / seed (completion ``j`` of
                 prompt ``i`` is seeded with ``seed + i * G + j``, see the module docstring).
