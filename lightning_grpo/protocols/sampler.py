@@ -109,8 +109,8 @@ class ImagePromptEncoder(Protocol):
         ...
 
     def encode_image_prompts(self, prompts: Sequence[Any], max_prompt_length: int) -> EncodedPrompts:
-        """The prompts' ids with their images (``rows`` left empty: the worker adds the dataset rows), never
-        truncated through an image.
+        """The prompts' ids with their images (an empty ``rows`` entry per prompt: the worker adds the dataset rows),
+        never truncated through an image.
 
         Raises:
             ValueError: a prompt that does not fit ``max_prompt_length`` without cutting an image (its index named).
@@ -129,9 +129,9 @@ class Sampler(Protocol):
             engine: the rollout engine, awake and synced (it is called through
                 :func:`lightning_grpo.protocols.engine.generate`, which passes the prompts' images to an engine that
                 declares ``accepts_images``).
-            prompts: the prompt batch as one record (:class:`EncodedPrompts`): ``B``
-                token-id lists (:meth:`PromptEncoder.encode_prompts`), each prompt's images (``()``: none) and its
-                dataset row, every column (an environment's ``reset(**row)``).
+            prompts: the prompt batch as one record (:class:`EncodedPrompts`): ``B`` token-id lists
+                (:meth:`PromptEncoder.encode_prompts`), each prompt's images (``()``: none) and its dataset row, every
+                column (an environment's ``reset(**row)``).
             num_generations: G, completions per prompt.
             sampling: the sampling distribution and the per-request seed base.
             any_process: the processes' agreement, given on the trainer's thread only (None on the prefetch thread,
