@@ -339,3 +339,43 @@ def test_the_probe_count_sees_a_planted_seam_probe(tmp_path):
     assert found == {"isinstance(data, PromptSource)": True, "getattr(module, 'policy', None)": True,
                      "getattr(trainer.strategy, 'world_size', 1)": True, "isinstance(value, (int, float))": False,
                      "getattr(config, 'rope_theta', None)": False}
+
+
+#: Architecture review 4's grep (section 0) for a branch on whether a rollout row's images, episode or environment
+#: mask is there: ``grep -rn "images is None\|images is not None\|has_images(\|episodes is None\|..." lightning_grpo``.
+OPTIONAL_FIELD_BRANCH = re.compile(r"images is None|images is not None|has_images\(|episodes is None|"
+                                   r"episodes is not None|env_mask is None|env_mask is not None")
+
+
+def optional_field_branches(package: Path) -> list[str]:
+    """``path:line: text`` of each line of ``package``'s modules that :data:`OPTIONAL_FIELD_BRANCH` matches."""
+    return [f"{path.relative_to(package.parent)}:{number}: {line.strip()}"
+            for path in sorted(package.rglob("*.py"))
+            for number, line in enumerate(path.read_text().splitlines(), start=1) if OPTIONAL_FIELD_BRANCH.search(line)]
+
+
+def test_few_branches_ask_whether_a_rollout_row_field_is_there():
+    """One row shape out (review 4, section 5.4): every rollout and experience row carries its environment mask,
+    episode and images, so at most 10 lines of the package ask whether one is there (37 at the pass's start; those
+    left ask whether the policy has an image encoder)."""
+    found = optional_field_branches(PACKAGE)
+    assert len(found) <= 10, "\n".join(found)
+
+
+def test_the_branch_count_sees_a_planted_branch(tmp_path):
+    package = tmp_path / "lightning_grpo"
+    (package / "sub").mkdir(parents=True)
+    (package / "sub" / "planted.py").write_text(
+        "def f(out, images):\n"
+        "    if out.env_mask is None or has_images(images):\n"
+        "        return out.episodes is not None\n"
+        "    return not any(images)\n")
+    assert optional_field_branches(package) == [
+        "lightning_grpo/sub/planted.py:2: if out.env_mask is None or has_images(images):",
+        "lightning_grpo/sub/planted.py:3: return out.episodes is not None"]
+
+
+def test_the_engine_protocols_reach_no_capability_through_a_type_ignore():
+    """``protocols/engine.py`` declares what an engine is (``EngineCapabilities``, ``ImageRolloutEngine``), so nothing
+    in it needs a ``type: ignore`` to reach a member an engine may lack."""
+    assert "type: ignore" not in (PACKAGE / "protocols" / "engine.py").read_text()

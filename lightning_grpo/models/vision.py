@@ -24,8 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from lightning_grpo.protocols.images import PromptImage
-from lightning_grpo.protocols.vision import VisionSpec, vision_spec
+from lightning_grpo.protocols.vision import PromptImage, VisionSpec, vision_spec
 
 if TYPE_CHECKING:
     from peft import LoraConfig

@@ -1,6 +1,6 @@
 """Prompts with images (vision-language models): chat messages whose parts hold images -> token ids with each image's
 placeholder run expanded, and the processed images (an
-:class:`~lightning_grpo.protocols.multimodal.ImagePromptEncoder`).
+:class:`~lightning_grpo.protocols.sampler.ImagePromptEncoder`).
 
 A prompt is a list of chat messages whose ``content`` may be a list of parts (``{"type": "text", "text": ...}`` and
 ``{"type": "image", "image": <PIL image>}``, TRL's format). The chat template writes each image part as the
@@ -20,9 +20,8 @@ from typing import Any, Optional, Sequence
 from transformers import PreTrainedTokenizerBase
 
 from lightning_grpo.models.vision import load_image_processor, process_image
-from lightning_grpo.protocols.images import EncodedPrompts, PromptImage, RowImages, count_tokens
-from lightning_grpo.protocols.sampler import PromptEncoder
-from lightning_grpo.protocols.vision import VisionSpec, vision_spec
+from lightning_grpo.protocols.sampler import EncodedPrompts, PromptEncoder
+from lightning_grpo.protocols.vision import PromptImage, RowImages, VisionSpec, count_tokens, vision_spec
 from lightning_grpo.rollout.prompts import adds_bos
 
 
@@ -91,7 +90,7 @@ def pictures_from_state(value: Any) -> Any:
 
 class ImagePrompts:
     """The prompt encoding of a vision-language policy (an
-    :class:`~lightning_grpo.protocols.multimodal.ImagePromptEncoder` and a
+    :class:`~lightning_grpo.protocols.sampler.ImagePromptEncoder` and a
     :class:`~lightning_grpo.protocols.sampler.PromptEncoder`).
 
     Args:
@@ -167,7 +166,7 @@ class ImagePrompts:
         collapsed, _ = self.text.encode_prompts([messages for messages, _ in split], sys.maxsize)
         with_bos = adds_bos(self.tokenizer)
         ids_out: list[list[int]] = []
-        images_out: list[Optional[RowImages]] = []
+        images_out: list[RowImages] = []
         truncated = 0
         for i, ((_, raw), ids) in enumerate(zip(split, collapsed, strict=True)):
             images = tuple(self.process(image) for image in raw)
@@ -184,8 +183,8 @@ class ImagePrompts:
                 expanded = expanded[:keep] + expanded[len(expanded) - (max_prompt_length - keep):]
                 truncated += 1
             ids_out.append(expanded)
-            images_out.append(images or None)
-        return EncodedPrompts(ids_out, truncated, images_out)
+            images_out.append(images)
+        return EncodedPrompts.of(ids_out, images=images_out, num_truncated=truncated)
 
 
 def image_prompts(text: PromptEncoder, tokenizer: PreTrainedTokenizerBase, policy: Any, processor: Any = None,

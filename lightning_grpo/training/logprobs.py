@@ -150,7 +150,7 @@ class CompletionLogprobs:
         Raises:
             ValueError: a batch with images for a policy without images (no ``vision``).
         """
-        if batch.images is None or not any(batch.images):
+        if not any(batch.images):
             return None
         if self.vision is None:
             raise ValueError("the experience has images, but the policy is not a vision-language model: load it from "
@@ -175,7 +175,7 @@ class CompletionLogprobs:
                 raise ValueError(f"{type(model).__name__} scores its completions itself, without the forward layouts "
                                  "that per-position inputs (routing replay, the load-balancing loss) need: set "
                                  "GRPOConfig.routing_replay='off' and router_aux_loss_coef=0 with this backend")
-            if batch.images is not None and any(batch.images):
+            if any(batch.images):
                 raise ValueError(f"{type(model).__name__} scores text only: images in the prompts need an HF "
                                  "vision-language policy (single device, DDP or FSDP2)")
             check_untruncated_scoring(self.config, type(model).__name__, entropy_grad)

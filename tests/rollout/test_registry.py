@@ -234,8 +234,9 @@ def test_a_core_only_engine_that_declares_uses_policy_parameters_trains_as_one(t
                                                       sync_is_collective=False, returns_routed_experts=False)
     defaults = [r.getMessage() for r in caplog.records]
     assert defaults == ["rollout engine DeclaresPolicyParameters declares no seeds_per_request, sync_is_collective, "
-                        "returns_routed_experts: taking seeds_per_request=False, sync_is_collective=False, "
-                        "returns_routed_experts=False (RolloutEngine's defaults)"]
+                        "returns_routed_experts, accepts_images: taking seeds_per_request=False, "
+                        "sync_is_collective=False, returns_routed_experts=False, accepts_images=False (RolloutEngine's "
+                        "defaults)"]
     assert module.rollout.engine_version == 0  # it is the policy: nothing to push before the first rollout
     before = {n: p.detach().clone() for n, p in module.policy.named_parameters()}
     trainer = quiet_trainer(tmp_path, 2)

@@ -18,7 +18,7 @@ import torch
 
 from lightning_grpo import GRPOConfig
 from lightning_grpo import functional as F
-from lightning_grpo.protocols.images import image_batch
+from lightning_grpo.protocols.vision import image_batch
 from lightning_grpo.training.logprobs import CompletionLogprobs
 from lightning_grpo.training.vision import mrope_positions
 from support.vision import Loaded, image_experience, image_prompt, picture

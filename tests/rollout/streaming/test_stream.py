@@ -13,8 +13,8 @@ from transformers import AutoTokenizer
 
 from lightning_grpo.config import StreamingConfig
 from lightning_grpo.protocols.collectives import Collectives
-from lightning_grpo.protocols.images import EncodedPrompts
 from lightning_grpo.protocols.rollout import RolloutInterrupted, StopFlag
+from lightning_grpo.protocols.sampler import EncodedPrompts
 from lightning_grpo.protocols.sampling import SamplingConfig
 from lightning_grpo.rewards import RewardSet
 from lightning_grpo.rollout.streaming import RolloutStream
@@ -49,7 +49,7 @@ def alternating(prompts, completions, **columns):
 
 
 def encode(prompts):
-    return EncodedPrompts([[5, 6, int(p.split()[-1])] for p in prompts], 0, [None] * len(prompts))
+    return EncodedPrompts.of([[5, 6, int(p.split()[-1])] for p in prompts])
 
 
 class Data:
