@@ -4,8 +4,9 @@ Every import of a ``lightning_grpo`` module counts: top-level, function-local an
 is checked three ways: module by module (no cycle); collapsed to folders (each top-level folder, or top-level file, is
 one node and one row of the layer table: no cycle, and no folder importing a folder of a higher layer); and, inside
 every folder at every depth, collapsed to that folder's subfolders and files (``rollout/engines``,
-``rollout/engines/vllm``, ``rollout/server``, ``rollout/registry.py``, ...: no cycle, so a subfolder's imports of its
-siblings run one way). Module basenames are unique (but ``__init__.py`` and the settings files of ``config/``).
+``rollout/engines/vllm``, ``rollout/server``, ``rollout/engine_registry.py``, ...: no cycle, so a subfolder's
+imports of its siblings run one way). Module basenames are unique (but ``__init__.py`` and the settings files of
+``config/``).
 """
 
 import ast
@@ -186,7 +187,7 @@ def test_no_folder_cycle():
 
 def _node(module: str, package: str, modules: dict[str, Path]) -> str:
     """The child of ``package`` that ``module`` is in, as a path: a subfolder (``rollout/engines``), a file
-    (``rollout/registry.py``) or the package's own ``__init__.py``."""
+    (``rollout/engine_registry.py``) or the package's own ``__init__.py``."""
     folder = "/".join(package.split(".")[1:])
     prefix = f"{folder}/" if folder else ""
     if module == package:
@@ -270,7 +271,6 @@ def repeated_basenames(paths: list[Path], package: Path) -> dict[str, list[str]]
     return repeated
 
 
-@pytest.mark.xfail(strict=True, reason="basename renames pending (issue 41 final pass)")
 def test_module_basenames_are_unique():
     """A file's name says what it is wherever it is found (a search, a traceback, an editor tab): no two modules share
     a basename, but ``__init__.py`` and the ``config/`` settings files named after their concept's module."""

@@ -42,7 +42,7 @@ from lightning_grpo.protocols.teacher import Teacher
 from lightning_grpo.rewards import RewardSet, StartedScores
 from lightning_grpo.rollout.prefetch import PrefetchedRollout, RolloutPrefetcher
 from lightning_grpo.rollout.streaming import RolloutStream, TakenGroups
-from lightning_grpo.rollout.streaming.scoring import GroupScorer
+from lightning_grpo.rollout.streaming.group_scoring import GroupScorer
 from lightning_grpo.rollout.streaming.versions import newest_version_mask, version_metrics
 from lightning_grpo.rollout.worker import RolloutWorker, prompt_rows
 from lightning_grpo.training.experience import Experience

@@ -51,7 +51,7 @@ class SampleRecord:
 @dataclass
 class EpisodeRecord:
     """One episode of a rollout: every row of a :class:`~lightning_grpo.protocols.rollout.RolloutOutput` has one. A
-    multi-turn rollout's (:class:`lightning_grpo.episodes.runner.EpisodeRunner`, the agents) are its turns; a
+    multi-turn rollout's (:class:`lightning_grpo.episodes.turn_loop.EpisodeRunner`, the agents) are its turns; a
     single-turn rollout's row is a one-turn episode (:meth:`one_turn`, as verl's ``single_turn_agent_loop`` and
     prime-rl's training samples have it).
 

@@ -8,7 +8,7 @@ The :class:`~lightning_grpo.rollout.worker.RolloutWorker` is given one of each w
 * single-turn: :class:`~lightning_grpo.rollout.prompts.TemplatePrompts` (the chat template) and
   :class:`~lightning_grpo.rollout.single_turn.SingleTurnSampler` (one ``engine.generate``);
 * multi-turn (``GRPOModule(tools=..., environment_factory=...)``): the
-  :class:`~lightning_grpo.episodes.runner.EpisodeRunner` is both (the prompts with their tools; the turn loop);
+  :class:`~lightning_grpo.episodes.turn_loop.EpisodeRunner` is both (the prompts with their tools; the turn loop);
 * agents (``GRPOModule(agent=...)``): the :class:`~lightning_grpo.episodes.agents.agent_sampler.AgentSampler` is
   both (the agents behind an OpenAI-compatible gateway write their own prompts).
 """
@@ -89,7 +89,7 @@ class PromptEncoder(Protocol):
 
 
 class ImagePromptEncoder(Protocol):
-    """Encodes prompts whose chat messages hold images (:class:`lightning_grpo.rollout.images.ImagePrompts`)."""
+    """Encodes prompts whose chat messages hold images (:class:`lightning_grpo.rollout.image_prompts.ImagePrompts`)."""
 
     @property
     def placeholder_id(self) -> int:

@@ -3,7 +3,7 @@ image is, and the rule their placeholder tokens follow.
 
 * The checkpoint's facts, read from its transformers config (:func:`vision_spec`): its family
   (:data:`VISION_FAMILIES`), placeholder token, the tokens never sampled, Qwen-VL's merge size and 3-D positions
-  (:class:`VisionSpec`; loading and processing images: :mod:`lightning_grpo.models.vision`).
+  (:class:`VisionSpec`; loading and processing images: :mod:`lightning_grpo.models.vision_loading`).
 * One image as the model takes it (:class:`PromptImage`), the images of a prompt or rollout row (:data:`RowImages`,
   ``()`` for none), their batch inputs (:func:`image_batch`), checkpoints (:func:`row_images_state`) and devices
   (:func:`images_to`).

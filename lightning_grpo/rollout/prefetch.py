@@ -44,7 +44,7 @@ from lightning_grpo.protocols.engine import RolloutEngine
 from lightning_grpo.protocols.rollout import RolloutOutput
 from lightning_grpo.protocols.sampler import EncodedPrompts
 from lightning_grpo.protocols.sampling import SamplingConfig
-from lightning_grpo.rollout.images import pictures_from_state, pictures_state
+from lightning_grpo.rollout.image_prompts import pictures_from_state, pictures_state
 from lightning_grpo.rollout.worker import RolloutWorker, prompt_rows
 from lightning_grpo.training.metrics import StepTimer
 

@@ -1,6 +1,6 @@
 """The single-turn sampler: one ``engine.generate`` call per rollout (a
 :class:`~lightning_grpo.protocols.sampler.Sampler`; the multi-turn one is
-:class:`~lightning_grpo.episodes.runner.EpisodeRunner`)."""
+:class:`~lightning_grpo.episodes.turn_loop.EpisodeRunner`)."""
 
 from __future__ import annotations
 

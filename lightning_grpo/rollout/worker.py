@@ -15,7 +15,7 @@ validation before a fit hands its engine to the fit, and the end of a fit (:meth
 Every rollout goes through the :class:`~lightning_grpo.protocols.sampler.PromptEncoder` and
 :class:`~lightning_grpo.protocols.sampler.Sampler` the worker is made with: single-turn (the chat template, one
 ``engine.generate``) and multi-turn (the prompts with their tools, the turn loop of
-:class:`~lightning_grpo.episodes.runner.EpisodeRunner`) alike.
+:class:`~lightning_grpo.episodes.turn_loop.EpisodeRunner`) alike.
 
 The worker's :class:`~lightning_grpo.protocols.rollout.StopFlag` (``stop``) is polled by its engine while it generates
 (preemption: ``GRPOModule`` sets it to watch ``trainer.received_sigterm``), and the policy's weights are checked for
@@ -42,11 +42,11 @@ from lightning_grpo.protocols.sampling import SamplingConfig
 from lightning_grpo.protocols.streaming import StreamingEngine, WeightUpdate
 from lightning_grpo.protocols.weights import PolicyWeights
 from lightning_grpo.rollout.adapter import as_rollout_engine
+from lightning_grpo.rollout.engine_registry import EngineSpec, make_engine
 from lightning_grpo.rollout.prompts import TemplatePrompts, refuse_images
-from lightning_grpo.rollout.registry import EngineSpec, make_engine
 from lightning_grpo.rollout.single_turn import SingleTurnSampler
-from lightning_grpo.rollout.streaming.engine import StreamingRolloutEngine, make_streaming_engine
-from lightning_grpo.strategies.weights import ModuleWeights
+from lightning_grpo.rollout.streaming.streaming_engine import StreamingRolloutEngine, make_streaming_engine
+from lightning_grpo.strategies.module_weights import ModuleWeights
 from lightning_grpo.training.metrics import StepTimer
 from lightning_grpo.training.nonfinite import check_finite_parameters
 
@@ -70,7 +70,7 @@ class RolloutWorker:
             (the tokenizer's chat template).
         sampler: how token ids become a rollout; default
             :class:`~lightning_grpo.rollout.single_turn.SingleTurnSampler` (one ``engine.generate``). Multi-turn:
-            the :class:`~lightning_grpo.episodes.runner.EpisodeRunner` is both (``lightning_grpo.episodes.build``).
+            the :class:`~lightning_grpo.episodes.turn_loop.EpisodeRunner` is both (``lightning_grpo.episodes.build``).
         stop: the stop flag (default a new one); the sampler's, when it polls one, is this one.
         images: a vision-language policy's prompt encoding with images
             (:class:`~lightning_grpo.protocols.sampler.ImagePromptEncoder`, ``lightning_grpo.episodes.build``):
@@ -83,7 +83,7 @@ class RolloutWorker:
         engine: the rollout engine, None before :meth:`start` (during a stage, the backend's wrapper of it).
         weights: the policy's weights as the trainer's backend streams them to the engine (:meth:`attach`); None:
             the policy module's own, as the single-process backend gives them
-            (:class:`~lightning_grpo.strategies.weights.ModuleWeights` of the policy :meth:`sync` is given).
+            (:class:`~lightning_grpo.strategies.module_weights.ModuleWeights` of the policy :meth:`sync` is given).
         weights_version: optimizer steps taken so far (the trainer's ``global_step``; restored from a checkpoint by
             :meth:`load_state_dict`).
         engine_version: the ``weights_version`` the engine generates with (-1: not yet synced).
@@ -169,8 +169,8 @@ class RolloutWorker:
     def start(self, model: nn.Module, checkpoint: Callable[[], str], resolved: ResolvedConfig,
               rollout_prompts: Optional[int] = None) -> ResolvedConfig:
         """Make the engine ``resolved.engine_name`` names, once (an engine made or given is kept, across stages
-        too; :func:`~lightning_grpo.rollout.registry.make_engine`). An engine with its own weights gets the policy's
-        before its first rollout (they may differ from the checkpoint's, e.g. after a resume).
+        too; :func:`~lightning_grpo.rollout.engine_registry.make_engine`). An engine with its own weights gets the
+        policy's before its first rollout (they may differ from the checkpoint's, e.g. after a resume).
 
         Args:
             model: the policy's transformers model (a PEFT policy's base model).

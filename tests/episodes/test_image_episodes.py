@@ -1,4 +1,4 @@
-"""Image observations in multi-turn episodes (lightning_grpo.episodes.runner with a vision-language policy):
+"""Image observations in multi-turn episodes (lightning_grpo.episodes.turn_loop with a vision-language policy):
 
 * an environment that shows a picture: its observation's image part becomes the model's placeholder run in the
   environment tokens, and the picture joins the row's images after the prompt's;
@@ -22,7 +22,7 @@ from lightning_grpo.protocols.rollout import StopFlag
 from lightning_grpo.protocols.sampler import EncodedPrompts
 from lightning_grpo.protocols.sampling import SamplingConfig
 from lightning_grpo.rollout.engines.hf import HFRolloutEngine
-from lightning_grpo.rollout.images import ImagePrompts
+from lightning_grpo.rollout.image_prompts import ImagePrompts
 from lightning_grpo.training.experience import Experience
 from lightning_grpo.training.logprobs import CompletionLogprobs
 from support.vision import Loaded, image_prompt, picture

@@ -1,4 +1,4 @@
-"""Prompts with images (lightning_grpo.rollout.images, lightning_grpo.protocols.vision):
+"""Prompts with images (lightning_grpo.rollout.image_prompts, lightning_grpo.protocols.vision):
 
 * the ids and pixels are the model's processor's: LLaVA's ``LlavaProcessor`` gives the same ids and
   ``pixel_values``; a Qwen-VL image becomes ``t*h*w/4`` tokens of the processor's own grid and its pixels;
@@ -20,7 +20,7 @@ import torch
 
 from lightning_grpo.protocols.vision import PromptImage, collapse_runs, row_images_from_state, row_images_state
 from lightning_grpo.rollout.engines.multimodal import bad_words, check_expansion, vllm_prompt
-from lightning_grpo.rollout.images import pictures_from_state, pictures_state
+from lightning_grpo.rollout.image_prompts import pictures_from_state, pictures_state
 from support.vision import Loaded, image_prompt, picture
 
 
@@ -83,7 +83,7 @@ def test_a_long_prompt_loses_text_never_an_image(qwen):
 
 
 def test_a_template_that_does_not_write_images_is_refused(qwen):
-    from lightning_grpo.rollout.images import ImagePrompts
+    from lightning_grpo.rollout.image_prompts import ImagePrompts
     from lightning_grpo.rollout.prompts import TemplatePrompts
 
     tokenizer = qwen.tokenizer.__class__.from_pretrained(qwen.path)

@@ -4,14 +4,14 @@ members (adapted, and trained with end to end), and capability-driven behaviour 
 import pytest
 import torch
 
-import lightning_grpo.rollout.registry as registry
+import lightning_grpo.rollout.engine_registry as registry
 from lightning_grpo import EngineConfig, GRPOConfig, GRPOModule
 from lightning_grpo.data import PromptDataModule
 from lightning_grpo.protocols.engine import EngineCapabilities, RolloutEngine
 from lightning_grpo.protocols.rollout import StopFlag
 from lightning_grpo.rollout.adapter import CoreEngineAdapter, as_rollout_engine
+from lightning_grpo.rollout.engine_registry import EngineSpec, engine_names, make_engine, register_engine
 from lightning_grpo.rollout.engines.hf import HFRolloutEngine
-from lightning_grpo.rollout.registry import EngineSpec, engine_names, make_engine, register_engine
 from lightning_grpo.rollout.worker import RolloutWorker
 from support.algorithm import FixedRolloutEngine, Recorder, fixed_completions, quiet_trainer, write_prompts
 from support.engines import RecordingEngine, weights_of

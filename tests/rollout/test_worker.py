@@ -14,7 +14,7 @@ from lightning_grpo.protocols.engine import EngineWrapper
 from lightning_grpo.protocols.sampling import SamplingConfig
 from lightning_grpo.rollout.adapter import CoreEngineAdapter
 from lightning_grpo.rollout.worker import RolloutWorker
-from lightning_grpo.strategies.weights import ModuleWeights
+from lightning_grpo.strategies.module_weights import ModuleWeights
 from lightning_grpo.training import metrics as metrics_module
 from lightning_grpo.training.metrics import StepTimer
 from lightning_grpo.training.nonfinite import NonFiniteError

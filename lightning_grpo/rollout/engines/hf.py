@@ -43,9 +43,9 @@ from lightning_grpo.protocols.routing import RoutingRecorder, mask_routed
 from lightning_grpo.protocols.sampling import SamplingConfig, sampling_logits
 from lightning_grpo.protocols.vision import RowImages, VisionSpec, vision_spec
 from lightning_grpo.protocols.weights import PolicyWeights
+from lightning_grpo.rollout.engine_registry import EngineSpec
 from lightning_grpo.rollout.engines.generate_routing import generation_routing
 from lightning_grpo.rollout.engines.multimodal import ImageRows
-from lightning_grpo.rollout.registry import EngineSpec
 
 
 def eos_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> list[int]:

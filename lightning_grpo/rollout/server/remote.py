@@ -50,10 +50,10 @@ from lightning_grpo.protocols.rollout import RolloutOutput, StopFlag
 from lightning_grpo.protocols.sampling import SamplingConfig
 from lightning_grpo.protocols.vision import RowImages
 from lightning_grpo.protocols.weights import PolicyWeights, check_tied_engine
+from lightning_grpo.rollout.engine_registry import EngineSpec
 from lightning_grpo.rollout.engines.multimodal import check_expansions, wire_images
 from lightning_grpo.rollout.engines.probe import probe_batch
 from lightning_grpo.rollout.engines.rows import check_prompts, request_seeds, rollout_from_rows
-from lightning_grpo.rollout.registry import EngineSpec
 from lightning_grpo.rollout.server.client import RolloutServerError, ServerClient
 from lightning_grpo.rollout.server.security import read_secret
 from lightning_grpo.rollout.server.sync_groups import Instance, init_group, push

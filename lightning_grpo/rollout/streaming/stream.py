@@ -36,9 +36,9 @@ from lightning_grpo.protocols.sampling import SamplingConfig
 from lightning_grpo.protocols.streaming import GroupRequest, StreamingEngine
 from lightning_grpo.rollout.streaming.buffer import GroupBuffer, StreamCounts
 from lightning_grpo.rollout.streaming.event_loop import EngineLoop
-from lightning_grpo.rollout.streaming.groups import PromptItem, ScoredGroup
+from lightning_grpo.rollout.streaming.group_scoring import GroupScorer
 from lightning_grpo.rollout.streaming.producer import StreamingProducer
-from lightning_grpo.rollout.streaming.scoring import GroupScorer
+from lightning_grpo.rollout.streaming.scored_groups import PromptItem, ScoredGroup
 
 log = logging.getLogger(__name__)
 

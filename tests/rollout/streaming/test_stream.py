@@ -19,8 +19,8 @@ from lightning_grpo.protocols.sampling import SamplingConfig
 from lightning_grpo.rewards import RewardSet
 from lightning_grpo.rollout.streaming import RolloutStream
 from lightning_grpo.rollout.streaming.event_loop import EngineLoop
-from lightning_grpo.rollout.streaming.groups import ScoredGroup
-from lightning_grpo.rollout.streaming.scoring import GroupScorer
+from lightning_grpo.rollout.streaming.group_scoring import GroupScorer
+from lightning_grpo.rollout.streaming.scored_groups import ScoredGroup
 from lightning_grpo.rollout.streaming.versions import newest_version_mask, version_metrics
 from support.streaming import Gate, ScriptedStreamingEngine
 

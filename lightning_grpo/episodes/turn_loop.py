@@ -30,7 +30,7 @@ further turn with a one-token ``generate`` it discards, and a stop request is ag
 weights (vLLM, rollout servers) run each process's turns independently.
 
 Images (vision-language policies, docs/vision.md): with ``images`` (the policy's
-:class:`~lightning_grpo.rollout.images.ImagePrompts`) the prompts' images go with every turn's ``generate`` (an
+:class:`~lightning_grpo.rollout.image_prompts.ImagePrompts`) the prompts' images go with every turn's ``generate`` (an
 episode's prompt images, then those of its observations so far), and an observation may show images: its messages'
 ``{"type": "image", "image": <PIL image>}`` parts are written as the model's placeholder runs and their images
 appended to the episode's (the rollout's ``images``); the records keep the messages without the pictures.
@@ -58,7 +58,7 @@ from torch import Tensor
 
 from lightning_grpo.episodes.chat import ChatFormat
 from lightning_grpo.episodes.environment import Environment, EnvironmentFactory, EnvStep, step_all
-from lightning_grpo.episodes.metrics import episode_columns, episode_metrics
+from lightning_grpo.episodes.episode_metrics import episode_columns, episode_metrics
 from lightning_grpo.protocols.engine import RolloutEngine, generate
 from lightning_grpo.protocols.episode import EpisodeRecord, Turn
 from lightning_grpo.protocols.rollout import RolloutInterrupted, RolloutOutput, StopFlag, left_pad
@@ -66,7 +66,7 @@ from lightning_grpo.protocols.routing import NO_EXPERT, ROUTED_DTYPE
 from lightning_grpo.protocols.sampler import EncodedPrompts
 from lightning_grpo.protocols.sampling import SamplingConfig
 from lightning_grpo.protocols.vision import RowImages
-from lightning_grpo.rollout.images import ImagePrompts, split_images
+from lightning_grpo.rollout.image_prompts import ImagePrompts, split_images
 
 log = logging.getLogger(__name__)
 
@@ -158,7 +158,7 @@ class EpisodeRunner:
         Returns:
             A :class:`RolloutOutput` with ``env_mask`` and ``episodes`` (one
             :class:`~lightning_grpo.protocols.episode.EpisodeRecord` each) set, the reward functions' ``transcript``
-            and ``env_reward`` columns and the episodes' metrics (:mod:`lightning_grpo.episodes.metrics`);
+            and ``env_reward`` columns and the episodes' metrics (:mod:`lightning_grpo.episodes.episode_metrics`);
             ``completions`` are each episode's last model turn (its answer); ``weight_version`` the oldest version any
             turn reported (each episode's record: its own oldest) and ``completion_versions`` every model token's
             (None when no turn reported a version).
