@@ -66,6 +66,7 @@ from lightning_grpo.rollout.engines.multimodal import bad_words, check_expansion
 from lightning_grpo.rollout.engines.probe import WeightSyncCheckError, probe_batch
 from lightning_grpo.rollout.engines.rows import check_prompts, request_seeds, rollout_from_rows
 from lightning_grpo.rollout.engines.vllm.kv_cache import kv_cache_space_gib
+from lightning_grpo.rollout.engines.vllm.moe_reload import reload_policy_weights
 from lightning_grpo.rollout.engines.vllm.process_groups import GroupLease
 from lightning_grpo.rollout.engines.vllm.runtime import abort_between_steps, import_vllm, model_max_len, vllm_on_cpu
 from lightning_grpo.rollout.registry import EngineSpec
@@ -340,10 +341,11 @@ class VLLMRolloutEngine:
         cache (its KV entries were computed with the old weights).
 
         Uses the worker's ``reload_weights`` (vLLM's in-place, layer-by-layer reload, which also redoes
-        the CPU backend's GEMM weight pre-packing) through ``LLM.collective_rpc``, fed ``weights.tensors()`` one
-        tensor at a time (a collective when ``weights.collective``, e.g. FSDP2's gathered ``DTensor`` parameters: every
-        rank calls this method). With tied embeddings the stream holds ``lm_head.weight`` too, which refreshes the
-        CPU backend's pre-packed head.
+        the CPU backend's GEMM weight pre-packing; a mixture of experts' packing is redone after it:
+        :mod:`~lightning_grpo.rollout.engines.vllm.moe_reload`) through ``LLM.collective_rpc``, fed
+        ``weights.tensors()`` one tensor at a time (a collective when ``weights.collective``, e.g. FSDP2's gathered
+        ``DTensor`` parameters: every rank calls this method). With tied embeddings the stream holds ``lm_head.weight``
+        too, which refreshes the CPU backend's pre-packed head.
 
         Args:
             weights: the policy's weights in HF names (the trainer's backend makes them: LoRA merged, shards
@@ -355,8 +357,7 @@ class VLLMRolloutEngine:
             WeightSyncCheckError: with ``weight_sync_check``, the post-sync check failed (:meth:`check_weights`).
         """
         check_tied_engine(weights, self.tie_word_embeddings)  # before the reload starts: a failed one breaks it
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights.tensors(),
-                                                          "is_checkpoint_format": True})
+        self.llm.collective_rpc(reload_policy_weights, kwargs={"weights_iterator": weights.tensors()})
         self.llm.reset_prefix_cache()
         if self.weight_sync_check is not None:
             self.check_weights(weights)
