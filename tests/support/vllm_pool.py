@@ -28,17 +28,20 @@ class VLLMPool:
     """``get(path)``: the pool's engine for a model folder, holding that folder's weights."""
 
     def __init__(self) -> None:
-        self.engines: dict[str, Any] = {}
+        self.engines: dict[Any, Any] = {}
         self.builds = 0
 
-    def get(self, path: str, reload: bool = True) -> Any:
+    def get(self, path: str, reload: bool = True, record_routing: bool = False) -> Any:
         """The engine for ``path`` (built on first use). ``reload``: load the folder's weights into it again (a
-        fit's module syncs its policy's weights before the first rollout anyway; False skips the reload)."""
+        fit's module syncs its policy's weights before the first rollout anyway; False skips the reload).
+        ``record_routing``: the engine of a mixture of experts whose rollouts carry the routed experts (routing
+        replay "R3"; another engine than the one without)."""
         from lightning_grpo.rollout.engines.vllm.colocated import VLLMRolloutEngine
 
-        engine = self.engines.get(path)
+        key = (path, True) if record_routing else path
+        engine = self.engines.get(key)
         if engine is None:
-            engine = self.engines[path] = VLLMRolloutEngine(path, **SETTINGS)
+            engine = self.engines[key] = VLLMRolloutEngine(path, **SETTINGS, record_routing=record_routing)
             self.builds += 1
         elif reload:
             import torch

