@@ -3,7 +3,7 @@
     lightning-grpo serve --model PATH --port 8000 [--host 127.0.0.1] [--secret-file FILE] [--max-model-len N]
                          [--kv-cache-space-gib 2] [--seed 0] [--dtype float32] [--gpu-memory-utilization 0.9]
                          [--tensor-parallel-size 1] [--max-request-tokens N] [--max-queued-requests 64]
-                         [--max-body-mib 64]
+                         [--max-body-mib 64] [--record-routing]
 
 The engine is the colocated engine's (:class:`~lightning_grpo.rollout.engines.vllm.colocated.VLLMRolloutEngine`, same
 sampling parameters, same processed sampler logprobs, same per-request seeds) with the worker extension
@@ -22,10 +22,14 @@ wrong secret, 404/405, 408/413 body too slow/large, 503 queue full, 500 otherwis
 * ``GET /health``: ``instance_id`` (new at every start: the trainer notices a restart), ``version`` (of the
   weights: 0 = the checkpoint, then what the trainer's last ``/update_weights`` set), ``eos_token_ids``,
   ``pad_token_id``, ``max_model_len``, ``vocab_size``, ``tie_word_embeddings``, ``world_size`` (the engine's
-  workers), ``device``, ``model``, ``max_request_tokens``.
+  workers), ``device``, ``model``, ``max_request_tokens``, ``records_routing`` (started with ``--record-routing``).
 * ``POST /generate``: ``prompts`` (token-id lists), ``num_generations``, ``sampling`` (the fields of
   :class:`~lightning_grpo.protocols.sampling.SamplingConfig` but ``seed``), ``seeds`` (one per prompt, or null) ->
-  ``token_ids`` and ``logprobs`` (one list per completion, prompt-major, unpadded), ``version``, ``instance_id``.
+  ``token_ids`` and ``logprobs`` (one list per completion, prompt-major, unpadded), ``version``, ``instance_id``;
+  with ``return_routed_experts`` (a server started with ``--record-routing``: a mixture of experts under routing
+  replay "R3"), ``extra``: the per-token fields ``prompt_routed_experts`` and ``completion_routed_experts``, one
+  nested list per completion aligned with its prompt's and its own ids
+  (:mod:`lightning_grpo.rollout.engines.routed_rows`).
   Its work, ``sum over prompts of num_generations * (prompt tokens + max_new_tokens)``, may be at most
   ``--max-request-tokens`` (the trainer splits its calls to fit).
 * ``POST /probe_logprobs``: ``sequences`` -> ``logprobs`` (teacher-forced, temperature 1, ``L - 1`` per
@@ -48,6 +52,7 @@ from typing import Any, Optional, Sequence
 
 from lightning_grpo.protocols.sampling import SamplingConfig
 from lightning_grpo.rollout.engines.multimodal import decode_picture
+from lightning_grpo.rollout.engines.routed_rows import routing_extra
 from lightning_grpo.rollout.engines.rows import check_prompts
 from lightning_grpo.rollout.server.schema import GenerateRequest, InitWeightSyncRequest, ProbeRequest
 from lightning_grpo.rollout.server.security import check_bind, read_secret
@@ -87,6 +92,8 @@ class RolloutServer:
             :class:`~lightning_grpo.rollout.engines.vllm.colocated.VLLMRolloutEngine`.
         tensor_parallel_size: vLLM workers per instance (GPU); each joins the weight-sync group.
         max_request_tokens: the most work (:func:`request_work`) of one generate or probe request.
+        record_routing: record the experts a mixture of experts routes each token to (``--record-routing``:
+            :class:`~lightning_grpo.rollout.engines.vllm.colocated.VLLMRolloutEngine`'s ``record_routing``).
 
     Raises:
         ValueError: ``model`` is not a model folder or holds no tokenizer (the folder is named), or an option is
@@ -95,7 +102,8 @@ class RolloutServer:
 
     def __init__(self, model: str, *, kv_cache_space_gib: float = 2, max_model_len: Optional[int] = None,
                  seed: int = 0, dtype: Optional[str] = None, gpu_memory_utilization: float = 0.9,
-                 tensor_parallel_size: int = 1, max_request_tokens: int = MAX_REQUEST_TOKENS) -> None:
+                 tensor_parallel_size: int = 1, max_request_tokens: int = MAX_REQUEST_TOKENS,
+                 record_routing: bool = False) -> None:
         from lightning_grpo.rollout.engines.vllm.colocated import VLLMRolloutEngine
 
         if max_request_tokens < 1:
@@ -105,7 +113,7 @@ class RolloutServer:
         self.engine = VLLMRolloutEngine(model, kv_cache_space_gib=kv_cache_space_gib, max_model_len=max_model_len,
                                         seed=seed, dtype=dtype, gpu_memory_utilization=gpu_memory_utilization,
                                         worker_extension_cls=WORKER_EXTENSION,
-                                        tensor_parallel_size=tensor_parallel_size)
+                                        tensor_parallel_size=tensor_parallel_size, record_routing=record_routing)
         vllm_config = self.engine.llm.llm_engine.vllm_config
         self.world_size = int(vllm_config.parallel_config.world_size)
         self.vocab_size = int(vllm_config.model_config.get_vocab_size())
@@ -119,7 +127,8 @@ class RolloutServer:
                     max_model_len=engine.max_model_len, vocab_size=self.vocab_size,
                     tie_word_embeddings=engine.tie_word_embeddings, world_size=self.world_size,
                     device="cpu" if engine.on_cpu else "cuda", max_request_tokens=self.max_request_tokens,
-                    image_token_id=None if engine.vision is None else engine.vision.placeholder_id)
+                    image_token_id=None if engine.vision is None else engine.vision.placeholder_id,
+                    records_routing=engine.routing is not None)
 
     # ------------------------------------------------------------------ generation
     def prepare_generate(self, request: GenerateRequest) -> tuple:
@@ -143,7 +152,11 @@ class RolloutServer:
         seeds = request.seeds
         if seeds is not None and len(seeds) != len(prompts):
             raise ValueError(f"seeds has {len(seeds)} entries for {len(prompts)} prompts")
-        return prompts, request.num_generations, sampling, seeds, self._pictures(request, len(prompts))
+        if request.return_routed_experts and self.engine.routing is None:
+            raise ValueError("return_routed_experts: this server does not record the routing (start it with "
+                             "--record-routing, for a mixture-of-experts model)")
+        return (prompts, request.num_generations, sampling, seeds, self._pictures(request, len(prompts)),
+                request.return_routed_experts)
 
     def _pictures(self, request: GenerateRequest, num_prompts: int) -> Optional[list[list[Any]]]:
         """The request's pictures per prompt, decoded (None without images)."""
@@ -157,16 +170,21 @@ class RolloutServer:
                 for i, row in enumerate(request.images)]
 
     def generate(self, prompts: list[list[int]], num_generations: int, sampling: SamplingConfig,
-                 seeds: Optional[list[int]], pictures: Optional[list[list[Any]]] = None) -> dict:
+                 seeds: Optional[list[int]], pictures: Optional[list[list[Any]]] = None,
+                 routed_experts: bool = False) -> dict:
         if pictures is None:
             rows = self.engine.generate_rows(prompts, num_generations, sampling, seeds)
-            return dict(token_ids=[ids for ids, _ in rows], logprobs=[lp for _, lp in rows], version=self.version,
-                        instance_id=self.instance_id)
-        requests = [{"prompt_token_ids": p, **({"multi_modal_data": {"image": pics}} if pics else {})}
-                    for p, pics in zip(prompts, pictures, strict=True)]
-        rows, expanded = self.engine.generate_requests(requests, num_generations, sampling, seeds)
-        return dict(token_ids=[ids for ids, _ in rows], logprobs=[lp for _, lp in rows], version=self.version,
-                    instance_id=self.instance_id, prompt_token_ids=expanded)
+            answer = dict(token_ids=[row[0] for row in rows], logprobs=[row[1] for row in rows], version=self.version,
+                          instance_id=self.instance_id)
+        else:
+            requests = [{"prompt_token_ids": p, **({"multi_modal_data": {"image": pics}} if pics else {})}
+                        for p, pics in zip(prompts, pictures, strict=True)]
+            rows, expanded = self.engine.generate_requests(requests, num_generations, sampling, seeds)
+            answer = dict(token_ids=[row[0] for row in rows], logprobs=[row[1] for row in rows], version=self.version,
+                          instance_id=self.instance_id, prompt_token_ids=expanded)
+        if routed_experts:  # the rows of a recording engine carry the routing fields (routed_rows)
+            answer["extra"] = routing_extra([row[2] for row in rows])
+        return answer
 
     def prepare_probe(self, request: ProbeRequest) -> tuple:
         """Checked arguments of :meth:`probe_logprobs`.
@@ -208,6 +226,8 @@ class RolloutServer:
         only an authenticated trainer reaches this)."""
         counts = self.engine.llm.collective_rpc("receive_weights")
         self.engine.llm.reset_prefix_cache()
+        if self.engine.routing is not None:
+            self.engine.routing.clear()  # no later request reuses the blocks the records hold
         self.version = int(version)
         return dict(version=self.version, num_tensors=int(counts[0]), instance_id=self.instance_id)
 
@@ -262,6 +282,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-queued-requests", type=int, default=64,
                         help="most requests waiting for the engine; more get HTTP 503 (default 64)")
     parser.add_argument("--max-body-mib", type=float, default=64.0, help="largest request body in MiB (default 64)")
+    parser.add_argument("--record-routing", action="store_true",
+                        help="record the experts a mixture-of-experts model routes each token to, for trainers with "
+                             "routing replay R3 (GRPOConfig.routing_replay='R3')")
     return parser
 
 
@@ -284,7 +307,7 @@ def serve_main(argv: Sequence[str]) -> None:
                                max_model_len=args.max_model_len, seed=args.seed, dtype=args.dtype,
                                gpu_memory_utilization=args.gpu_memory_utilization,
                                tensor_parallel_size=args.tensor_parallel_size,
-                               max_request_tokens=args.max_request_tokens)
+                               max_request_tokens=args.max_request_tokens, record_routing=args.record_routing)
     except ValueError as err:
         sock.close()
         parser.error(str(err))
