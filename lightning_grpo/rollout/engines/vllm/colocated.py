@@ -452,15 +452,29 @@ class VLLMRolloutEngine:
 def _start_llm(vllm: Any, kwargs: dict[str, Any], native_routing: bool) -> tuple[Any, bool]:
     """``vllm.LLM(**kwargs)``, with vLLM's own routing record (``enable_return_routed_experts``) when
     ``native_routing`` and vLLM accepts it (its check at start: Model Runner V2 and prefix caching); returns the engine
-    and whether it records the routing itself (else :class:`VLLMRouting` records it in the worker)."""
-    if native_routing:
-        try:
-            return vllm.LLM(**kwargs, enable_return_routed_experts=True), True
-        except ValueError as err:  # "AuxOutput Connector requires Model Runner V2; ..."
-            if "AuxOutput" not in str(err):
-                raise
-            log.info("vLLM does not record the routed experts itself here (%s): recorded in its worker instead", err)
-    return vllm.LLM(**kwargs), False
+    and whether it records the routing itself (else :class:`VLLMRouting` records it in the worker).
+
+    Raises:
+        RuntimeError: a mixture of experts after a dense model's engine in this process (vLLM's process-wide
+            model-parallel groups have no expert-parallel group then): the message says so.
+    """
+    try:
+        if native_routing:
+            try:
+                return vllm.LLM(**kwargs, enable_return_routed_experts=True), True
+            except ValueError as err:  # "AuxOutput Connector requires Model Runner V2; ..."
+                if "AuxOutput" not in str(err):
+                    raise
+                log.info("vLLM does not record the routed experts itself here (%s): recorded in its worker instead",
+                         err)
+        return vllm.LLM(**kwargs), False
+    except AssertionError as err:
+        if "expert parallel group is not initialized" not in str(err):
+            raise
+        raise RuntimeError(
+            f"vLLM cannot start the mixture-of-experts model {kwargs['model']} in this process while a vLLM engine of "
+            "a dense model lives in it: vLLM's process-wide model-parallel groups were made by that engine, without an "
+            "expert-parallel group; close it first (VLLMRolloutEngine.close), or build the MoE engine first") from err
 
 
 def make(spec: EngineSpec) -> VLLMRolloutEngine:
