@@ -192,6 +192,7 @@ def test_gpu_sh_dry_run_runs_every_row_it_can_on_the_gpu_machines_packages(tmp_p
         "hf": "ok", "trl": "ok", "hf_fp32": "ok", "fsdp2": "ok",
         "fsdp1": "skipped: needs CUDA (Lightning's FSDPStrategy runs on CUDA only)",
         "vllm": "skipped: needs a vLLM CUDA build, not installed on this machine",
+        "vllm_moe_r3": "skipped: needs a vLLM CUDA build, not installed on this machine",
     }
     assert report["model"]["parameters"] == TINY and report["hidden_modules"] > 0
     for row, summary in report["summary"].items():

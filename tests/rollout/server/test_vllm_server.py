@@ -413,6 +413,9 @@ def test_bad_requests_are_400_and_the_server_keeps_serving(untied_server, tiny_l
          r"HTTP 400: ValueError: sampling.top_p=1.5 is invalid"),
         ({"prompts": [[5]], "num_generations": 1, "sampling": sampling, "seeds": [1, 2]},
          r"HTTP 400: ValueError: seeds has 2 entries for 1 prompts"),
+        ({"prompts": [[5]], "num_generations": 1, "sampling": sampling, "return_routed_experts": True},
+         r"HTTP 400: ValueError: return_routed_experts: this server does not record the routing \(start it with "
+         r"--record-routing"),
     ]
     for body, message in cases:
         with pytest.raises(RolloutServerError, match=message):
@@ -424,7 +427,11 @@ def test_bad_requests_are_400_and_the_server_keeps_serving(untied_server, tiny_l
                                                                               "Content-Length": length}, timeout=60)
         assert status in (400, 413), (length, status)
     answer = client.request("POST", "/generate", {"prompts": [[5, 6]], "num_generations": 2, "sampling": sampling})
-    assert len(answer["token_ids"]) == 2
+    assert len(answer["token_ids"]) == 2 and not answer.get("extra")
+    assert untied_server.health()["records_routing"] is False
+    with pytest.raises(ValueError, match=r"rollout servers \['http://127.0.0.1:\d+'\] do not record them: start "
+                                         "them with lightning-grpo serve --record-routing"):
+        _engine(untied_server, tokenizer, record_routing=True)
 
 
 def test_a_call_split_by_the_work_limit_samples_the_same_completions(untied_server, tiny_llama_path):
