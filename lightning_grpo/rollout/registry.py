@@ -12,12 +12,14 @@ rest of the package reads the engine's declared capabilities (:class:`~lightning
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import logging
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, ContextManager, Optional
 
+import torch
 from torch import nn
 
 from lightning_grpo.config import GRPOConfig
@@ -47,6 +49,11 @@ class EngineSpec:
         kv_cache_space_gib: the KV-cache size in GiB (``engine.kv_cache_space_gib``, "auto" resolved) for the
             engines that take one ("vllm"), else None.
         rollout_prompts: prompts per rollout on this process when the datamodule says, else None.
+        dtype: the dtype name ("float32", "bfloat16", "float16") of an engine with its own copy of the weights
+            (``engine.dtype``, "auto" resolved: :func:`engine_dtype`); the weight sync casts to it.
+        forward_context: the trainer's precision context (Lightning's ``precision_plugin.forward_context``): an
+            engine that generates with the policy's parameters runs its forward passes inside it, so it samples in
+            the precision the trainer scores in (bf16 autocast under ``precision="bf16-mixed"``).
     """
 
     config: GRPOConfig
@@ -57,6 +64,8 @@ class EngineSpec:
     name: str
     kv_cache_space_gib: Optional[float] = None
     rollout_prompts: Optional[int] = None
+    dtype: str = "float32"
+    forward_context: Callable[[], ContextManager] = contextlib.nullcontext
 
 
 EngineFactory = Callable[[EngineSpec], RolloutEngine]
@@ -69,6 +78,10 @@ BUILTIN_ENGINES: dict[str, str] = {
 }
 #: The engines that size a KV cache from ``engine.kv_cache_space_gib`` (colocated vLLM on CPU).
 SIZES_KV_CACHE = frozenset({"vllm"})
+#: The engines that hold their own copy of the weights in ``engine.dtype`` (colocated vLLM).
+TAKES_DTYPE = frozenset({"vllm"})
+#: ``engine.dtype`` names -> torch dtypes.
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _REGISTERED: dict[str, EngineFactory] = {}
 
 
@@ -104,14 +117,36 @@ def resolve_engine_name(name: str) -> str:
     return name
 
 
+def engine_dtype(config: GRPOConfig, compute_dtype: torch.dtype) -> str:
+    """``config.engine.dtype``, with "auto" resolved to ``compute_dtype`` (the dtype the trainer computes the policy
+    in: :func:`lightning_grpo.strategies.compute_dtype`): an engine with its own weights samples in the trainer's
+    precision by default.
+
+    Raises:
+        ValueError: "auto" with a ``compute_dtype`` no engine takes (float64).
+    """
+    if config.engine.dtype != "auto":
+        return config.engine.dtype
+    for name, dtype in DTYPES.items():
+        if dtype == compute_dtype:
+            return name
+    raise ValueError(f"GRPOConfig.engine.dtype='auto' resolves to the trainer's compute dtype {compute_dtype}, which "
+                     f"no rollout engine takes: set engine.dtype to one of {', '.join(DTYPES)}")
+
+
 def engine_spec(config: GRPOConfig, name: str, model: nn.Module, tokenizer: Any, checkpoint: Callable[[], str],
-                stop: StopFlag, rollout_prompts: Optional[int] = None) -> EngineSpec:
-    """The spec of the engine ``name`` (resolved: :func:`resolve_engine_name`), with its KV-cache size resolved
-    (:func:`~lightning_grpo.rollout.engines.kv_cache.kv_cache_space_gib`, logged) for the engines that take one."""
+                stop: StopFlag, rollout_prompts: Optional[int] = None, compute_dtype: Optional[torch.dtype] = None,
+                forward_context: Callable[[], ContextManager] = contextlib.nullcontext) -> EngineSpec:
+    """The spec of the engine ``name`` (resolved: :func:`resolve_engine_name`), with its dtype resolved
+    (:func:`engine_dtype`; ``compute_dtype`` None: the policy's parameter dtype) and its KV-cache size resolved at
+    that dtype (:func:`~lightning_grpo.rollout.engines.kv_cache.kv_cache_space_gib`, logged) for the engines that
+    take one; ``forward_context``: the trainer's precision context (:class:`EngineSpec`)."""
+    compute = compute_dtype if compute_dtype is not None else next(model.parameters()).dtype
+    dtype = engine_dtype(config, compute) if name in TAKES_DTYPE else str(compute).removeprefix("torch.")
     kv = None
     if name in SIZES_KV_CACHE:
-        kv = kv_cache_space_gib(config, model.config, next(model.parameters()).itemsize, rollout_prompts)
-    return EngineSpec(config, model, tokenizer, checkpoint, stop, name, kv, rollout_prompts)
+        kv = kv_cache_space_gib(config, model.config, DTYPES[dtype].itemsize, rollout_prompts)
+    return EngineSpec(config, model, tokenizer, checkpoint, stop, name, kv, rollout_prompts, dtype, forward_context)
 
 
 def make_engine(spec: EngineSpec) -> RolloutEngine:

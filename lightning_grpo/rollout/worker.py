@@ -26,8 +26,9 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import replace
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, ContextManager, Iterator, Optional, Sequence
 
+import torch
 from torch import nn
 from transformers import PreTrainedTokenizerBase
 
@@ -43,7 +44,7 @@ from lightning_grpo.protocols.sampling import SamplingConfig
 from lightning_grpo.protocols.weights import PolicyWeights
 from lightning_grpo.rollout.adapter import as_rollout_engine, declares_images
 from lightning_grpo.rollout.prompts import TemplatePrompts, refuse_images
-from lightning_grpo.rollout.registry import engine_spec, make_engine
+from lightning_grpo.rollout.registry import TAKES_DTYPE, engine_spec, make_engine
 from lightning_grpo.rollout.single_turn import SingleTurnSampler
 from lightning_grpo.strategies.weights import ModuleWeights
 from lightning_grpo.training.metrics import StepTimer
@@ -138,7 +139,8 @@ class RolloutWorker:
         return self._own
 
     def start(self, model: nn.Module, checkpoint: Callable[[], str], resolved: ResolvedConfig,
-              rollout_prompts: Optional[int] = None) -> ResolvedConfig:
+              rollout_prompts: Optional[int] = None, compute_dtype: Optional[torch.dtype] = None,
+              forward_context: Callable[[], ContextManager] = contextlib.nullcontext) -> ResolvedConfig:
         """Make the engine ``resolved.engine_name`` names, once (an engine made or given is kept, across stages
         too; :func:`~lightning_grpo.rollout.registry.make_engine`). An engine with its own weights gets the policy's
         before its first rollout (they may differ from the checkpoint's, e.g. after a resume).
@@ -149,9 +151,14 @@ class RolloutWorker:
             resolved: the run's resolved settings (the engine's name).
             rollout_prompts: prompts per rollout on this process, if known (sizes ``engine.kv_cache_space_gib=
                 "auto"``).
+            compute_dtype: the dtype the trainer computes the policy in (resolves ``engine.dtype="auto"``); None:
+                the policy's parameter dtype.
+            forward_context: the trainer's precision context, which an engine that generates with the policy's
+                parameters (HF) enters around its forward passes.
 
         Returns:
-            ``resolved`` with what making the engine resolved (the KV-cache size); unchanged when an engine exists.
+            ``resolved`` with what making the engine resolved (the KV-cache size, the engine's dtype); unchanged
+            when an engine exists.
 
         Raises:
             ValueError: ``max_staleness > 0`` with an engine that generates with the policy's own parameters.
@@ -160,12 +167,13 @@ class RolloutWorker:
         if self._own is not None:
             return resolved
         spec = engine_spec(self.config, resolved.engine_name, model, self.tokenizer, checkpoint, self.stop,
-                           rollout_prompts)
+                           rollout_prompts, compute_dtype, forward_context)
         made = make_engine(spec)
         engine = as_rollout_engine(made)
         self._set_own(engine, type(made).__name__)
         self._made = engine
-        return resolved.replace(kv_cache_space_gib=spec.kv_cache_space_gib)
+        return resolved.replace(kv_cache_space_gib=spec.kv_cache_space_gib,
+                                engine_dtype=spec.dtype if spec.name in TAKES_DTYPE else None)
 
     def attach(self, engine: Optional[RolloutEngine], weights: Optional[PolicyWeights]) -> None:
         """For a stage: the trainer's backend's view of the engine (:attr:`own_engine`, or a wrapper of it) and the

@@ -266,3 +266,24 @@ def test_an_engine_declaring_every_member_is_not_wrapped_and_lifecycle_methods_a
     assert sleeper.calls == [("sleep", 2), ("close",)]
     assert isinstance(adapter, CoreEngineAdapter) and as_rollout_engine(RecordingEngine(torch.zeros(1, 1), 0)) \
         is not None
+
+
+def test_the_engine_dtype_follows_the_trainers_compute_dtype(tiny_llama_path):
+    """``engine.dtype="auto"`` is the dtype the trainer computes in (issue 44): a bf16 trainer's colocated engine is
+    bfloat16 and its "auto" KV cache half the float32 one (2 bytes a value); an explicit dtype stays; a float64
+    trainer has no engine dtype to follow."""
+    module = GRPOModule(tiny_llama_path)
+
+    def spec(dtype="auto", compute=None):
+        config = GRPOConfig(engine=EngineConfig(name="vllm", dtype=dtype))
+        return engine_spec(config, "vllm", module.hf_model, module.tokenizer, lambda: tiny_llama_path, StopFlag(),
+                           rollout_prompts=2, compute_dtype=compute)
+
+    assert spec().dtype == "float32"  # no trainer: the policy's parameters
+    bf16 = spec(compute=torch.bfloat16)
+    assert bf16.dtype == "bfloat16" and bf16.kv_cache_space_gib == pytest.approx(spec().kv_cache_space_gib / 2)
+    assert spec("float32", torch.bfloat16).dtype == "float32"
+    with pytest.raises(ValueError, match="engine.dtype='auto' resolves to the trainer's compute dtype torch.float64"):
+        spec(compute=torch.float64)
+    with pytest.raises(ValueError, match="GRPOConfig.engine.dtype='float8' is invalid"):
+        EngineConfig(dtype="float8")

@@ -28,17 +28,18 @@ class VLLMPool:
     """``get(path)``: the pool's engine for a model folder, holding that folder's weights."""
 
     def __init__(self) -> None:
-        self.engines: dict[str, Any] = {}
+        self.engines: dict[tuple[str, str], Any] = {}
         self.builds = 0
 
-    def get(self, path: str, reload: bool = True) -> Any:
-        """The engine for ``path`` (built on first use). ``reload``: load the folder's weights into it again (a
-        fit's module syncs its policy's weights before the first rollout anyway; False skips the reload)."""
+    def get(self, path: str, reload: bool = True, dtype: str = "float32") -> Any:
+        """The engine for ``path`` in ``dtype`` (built on first use; a bfloat16 engine for the bf16 tests is another
+        engine). ``reload``: load the folder's weights into it again (a fit's module syncs its policy's weights before
+        the first rollout anyway; False skips the reload)."""
         from lightning_grpo.rollout.engines.vllm import VLLMRolloutEngine
 
-        engine = self.engines.get(path)
+        engine = self.engines.get((path, dtype))
         if engine is None:
-            engine = self.engines[path] = VLLMRolloutEngine(path, **SETTINGS)
+            engine = self.engines[(path, dtype)] = VLLMRolloutEngine(path, **{**SETTINGS, "dtype": dtype})
             self.builds += 1
         elif reload:
             import torch

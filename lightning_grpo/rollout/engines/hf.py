@@ -15,7 +15,8 @@ What is sampled is :func:`lightning_grpo.functional.sampling_logits` of the poli
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+import contextlib
+from typing import Any, Callable, ContextManager, Optional, Sequence
 
 import torch
 from transformers import (
@@ -120,13 +121,17 @@ class HFRolloutEngine:
             on the trained weights they equal the trainer's own logprobs up to kernel differences.
         vision: a vision-language policy's image facts (:func:`lightning_grpo.protocols.vision.vision_spec`): prompts
             may then have images (``generate(..., images=...)``, :mod:`lightning_grpo.rollout.engines.multimodal`).
+        forward_context: entered around ``generate`` (the trainer's precision context: bf16 autocast under
+            ``precision="bf16-mixed"``), so the rollout samples in the precision the trainer scores it in.
     """
 
     def __init__(
         self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, report_logprobs: bool = False,
         stop: Optional[StopFlag] = None, vision: Optional[VisionSpec] = None,
+        forward_context: Callable[[], ContextManager] = contextlib.nullcontext,
     ) -> None:
         self.model = model
+        self.forward_context = forward_context
         self.vision = vision
         self.tokenizer = tokenizer
         self.report_logprobs = report_logprobs
@@ -225,11 +230,12 @@ class HFRolloutEngine:
         self.model.generation_config = neutral_generation_config(checkpoint_config)
         stop = _StopCriterion(self.stop)
         try:
-            out = self.model.generate(
-                input_ids=ids, attention_mask=mask, generation_config=config,
-                logits_processor=LogitsProcessorList([processor]), stopping_criteria=[stop],
-                synced_gpus=self.synced_gpus, **rows.model_inputs(ids),
-            )
+            with self.forward_context():  # the trainer's precision (bf16 autocast under "bf16-mixed")
+                out = self.model.generate(
+                    input_ids=ids, attention_mask=mask, generation_config=config,
+                    logits_processor=LogitsProcessorList([processor]), stopping_criteria=[stop],
+                    synced_gpus=self.synced_gpus, **rows.model_inputs(ids),
+                )
         finally:
             self.model.generation_config = checkpoint_config
             self.model.train(was_training)
@@ -268,5 +274,7 @@ class _StopCriterion(StoppingCriteria):
 
 def make(spec: EngineSpec) -> HFRolloutEngine:
     """The "hf" engine of the registry: generates with ``spec.model`` (the policy's transformers model; with LoRA,
-    its layers carry the adapters); a vision-language policy's prompts may have images."""
-    return HFRolloutEngine(spec.model, spec.tokenizer, stop=spec.stop, vision=vision_spec(spec.model.config))
+    its layers carry the adapters), inside the trainer's precision context (``spec.forward_context``); a
+    vision-language policy's prompts may have images."""
+    return HFRolloutEngine(spec.model, spec.tokenizer, stop=spec.stop, vision=vision_spec(spec.model.config),
+                           forward_context=spec.forward_context)

@@ -170,6 +170,7 @@ class VLLMRolloutEngine:
         self.llm = vllm.LLM(**kwargs, **engine_kwargs)
         self._groups.built()
         self.weight_sync_check = weight_sync_check
+        self.last_sync_check: Optional[float] = None  # the difference the last post-sync check measured
         self.stop = stop if stop is not None else StopFlag()
         abort_between_steps(self.llm.llm_engine, self.stop)
 
@@ -184,6 +185,7 @@ class VLLMRolloutEngine:
         pad = self.tokenizer.pad_token_id
         self.pad_token_id = int(pad if pad is not None else self.eos_token_ids[0])
         model_config = self.llm.llm_engine.model_config
+        self.dtype: torch.dtype = model_config.dtype  # what the weights are cast to and computed in
         self.vision = vision_spec(model_config.hf_config)  # images in prompts (docs/vision.md)
         self.max_model_len = int(model_config.max_model_len)
         self.tie_word_embeddings = bool(getattr(model_config.hf_text_config, "tie_word_embeddings", False))
@@ -381,12 +383,12 @@ class VLLMRolloutEngine:
         sequences = probe_batch(weights, len(self.tokenizer))
         ours = weights.probe_logprobs(sequences)
         theirs = torch.tensor(self.teacher_forced_logprobs(sequences), dtype=torch.float32)
-        worst = float((theirs - ours).abs().max())
+        worst = self.last_sync_check = float((theirs - ours).abs().max())
         if self.weight_sync_check is not None and worst > self.weight_sync_check:
             raise WeightSyncCheckError(
                 f"post-sync check failed: the colocated vLLM engine's logprobs of the probe batch differ from the "
                 f"policy's by up to {worst:.3g} > engine.weight_sync_check={self.weight_sync_check:g}: the engine is "
-                "not generating with the trained weights")
+                f"not generating with the trained weights (in {self.dtype}, see probe.sync_check_tolerance)")
         return worst
 
     def sleep(self, level: int = 1) -> None:
@@ -423,8 +425,9 @@ class VLLMRolloutEngine:
 
 def make(spec: EngineSpec) -> VLLMRolloutEngine:
     """The "vllm" engine of the registry: a colocated engine loaded from ``spec.checkpoint()`` (the policy's folder,
-    or a temporary one it is exported to), in the policy's dtype, with the resolved KV-cache size. Its weights
-    follow by :meth:`VLLMRolloutEngine.sync_weights` (before the first rollout too)."""
+    or a temporary one it is exported to), in ``spec.dtype`` (``engine.dtype``; "auto": the dtype the trainer computes
+    in), with the resolved KV-cache size. Its weights follow by :meth:`VLLMRolloutEngine.sync_weights` (before the
+    first rollout too; vLLM's loader casts them to its dtype)."""
     config, engine = spec.config, spec.config.engine
     return VLLMRolloutEngine(
         spec.checkpoint(),
@@ -432,7 +435,7 @@ def make(spec: EngineSpec) -> VLLMRolloutEngine:
         kv_cache_space_gib=2.0 if spec.kv_cache_space_gib is None else spec.kv_cache_space_gib,
         max_model_len=config.max_prompt_length + max(config.max_new_tokens, config.eval.max_new_tokens or 0),
         enable_sleep_mode=engine.enable_sleep_mode,
-        dtype=str(next(spec.model.parameters()).dtype).removeprefix("torch."),
+        dtype=spec.dtype,
         weight_sync_check=engine.weight_sync_check,
         stop=spec.stop,
     )

@@ -22,7 +22,7 @@ wrong secret, 404/405, 408/413 body too slow/large, 503 queue full, 500 otherwis
 * ``GET /health``: ``instance_id`` (new at every start: the trainer notices a restart), ``version`` (of the
   weights: 0 = the checkpoint, then what the trainer's last ``/update_weights`` set), ``eos_token_ids``,
   ``pad_token_id``, ``max_model_len``, ``vocab_size``, ``tie_word_embeddings``, ``world_size`` (the engine's
-  workers), ``device``, ``model``, ``max_request_tokens``.
+  workers), ``device``, ``model``, ``max_request_tokens``, ``dtype`` (what the engine computes in, ``--dtype``).
 * ``POST /generate``: ``prompts`` (token-id lists), ``num_generations``, ``sampling`` (the fields of
   :class:`~lightning_grpo.protocols.sampling.SamplingConfig` but ``seed``), ``seeds`` (one per prompt, or null) ->
   ``token_ids`` and ``logprobs`` (one list per completion, prompt-major, unpadded), ``version``, ``instance_id``.
@@ -119,7 +119,8 @@ class RolloutServer:
                     max_model_len=engine.max_model_len, vocab_size=self.vocab_size,
                     tie_word_embeddings=engine.tie_word_embeddings, world_size=self.world_size,
                     device="cpu" if engine.on_cpu else "cuda", max_request_tokens=self.max_request_tokens,
-                    image_token_id=None if engine.vision is None else engine.vision.placeholder_id)
+                    image_token_id=None if engine.vision is None else engine.vision.placeholder_id,
+                    dtype=str(engine.dtype).removeprefix("torch."))
 
     # ------------------------------------------------------------------ generation
     def prepare_generate(self, request: GenerateRequest) -> tuple:
@@ -253,7 +254,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="most prompt + completion tokens (default: the model's)")
     parser.add_argument("--seed", type=int, default=0, help="the engine's seed (default 0)")
-    parser.add_argument("--dtype", default=None, help="float32 / bfloat16 / auto (default: float32 on CPU)")
+    parser.add_argument("--dtype", default=None, help="float32 / bfloat16 / auto (default: float32 on CPU); bfloat16 "
+                        "for a trainer that computes in bf16 (docs/performance.md, bf16)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="GPU: memory fraction")
     parser.add_argument("--tensor-parallel-size", type=int, default=1, help="GPU: workers per instance")
     parser.add_argument("--max-request-tokens", type=int, default=MAX_REQUEST_TOKENS,
