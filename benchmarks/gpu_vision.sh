@@ -24,5 +24,5 @@ fi
 print('GPU:', torch.cuda.get_device_name(0), '| vllm', vllm.__version__, '| torchvision', torchvision.__version__)"
 # -rs: a skip would say why (the test skips only where vLLM cannot serve the model); here it must run
 timeout 290 "$PYTHON" -m pytest -q -p no:cacheprovider -rs ${OUT:+--junitxml "$OUT/gpu_vision.xml"} \
-  "tests/rollout/test_image_engines.py::test_vllm_logprobs_of_image_prompts_are_the_trainers" \
-  "tests/rollout/test_image_engines.py::test_vllm_never_samples_banned_tokens_and_scores_without_them" "$@"
+  "tests/rollout/engines/test_image_engines.py::test_vllm_logprobs_of_image_prompts_are_the_trainers" \
+  "tests/rollout/engines/test_image_engines.py::test_vllm_never_samples_banned_tokens_and_scores_without_them" "$@"

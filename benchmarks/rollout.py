@@ -93,7 +93,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from lightning_grpo.rollout.engines.hf import HFRolloutEngine
-    from lightning_grpo.rollout.engines.vllm import VLLMRolloutEngine
+    from lightning_grpo.rollout.engines.vllm.colocated import VLLMRolloutEngine
 
     if args.model is None:
         from lightning_grpo.models.embedded import default_model_path

@@ -215,7 +215,7 @@ def server_kv_cache_gib(args: argparse.Namespace, model_path: str, precision: st
         return float(args.kv_cache_gib)
     from transformers import AutoConfig
 
-    from lightning_grpo.rollout.engines.kv_cache import rollout_kv_cache_bytes
+    from lightning_grpo.rollout.engines.vllm.kv_cache import rollout_kv_cache_bytes
 
     sequences = args.prompts_per_step * args.num_generations
     value_bytes = 4 if engine_dtype(precision) == "float32" else 2

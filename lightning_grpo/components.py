@@ -35,6 +35,7 @@ from lightning_grpo.runtime.preemption import Preemption
 from lightning_grpo.training.logprobs import CompletionLogprobs
 from lightning_grpo.training.metrics import StepMetrics, StepTimer
 from lightning_grpo.training.nonfinite import NonFiniteGuard
+from lightning_grpo.training.routing import PolicyRouting
 from lightning_grpo.training.selection import StepSelection
 
 
@@ -56,6 +57,8 @@ class GRPOComponents:
         teacher: on-policy distillation's teacher (:func:`~lightning_grpo.rollout.teacher.make_teacher`), or None.
         experience_maker: generate -> score -> shape -> logprobs -> advantages (single-process context bound).
         step_selection, step_metrics, timer, nonfinite, preemption, evaluator: the training step's helpers.
+        routing: a mixture-of-experts policy's routing replay and load-balancing loss
+            (:class:`~lightning_grpo.training.routing.PolicyRouting`), or None.
     """
 
     rewards: RewardSet
@@ -74,6 +77,7 @@ class GRPOComponents:
     nonfinite: NonFiniteGuard
     preemption: Preemption
     evaluator: Evaluator
+    routing: Optional[PolicyRouting] = None
 
     @classmethod
     def build(
@@ -111,22 +115,30 @@ class GRPOComponents:
         if config.disable_dropout:
             disable_dropout(loaded.policy)
         reference = reference_for(loaded, config.beta)  # outside the module tree; LoRA: adapters off
+        # a mixture-of-experts policy's routing replay and load-balancing loss (after the reference's copy: its
+        # routers stay unhooked), None otherwise
+        routing = PolicyRouting.of(config, loaded.base)
         budget = config.max_tokens_per_microbatch
         resolved = ResolvedConfig(resolve_engine_name(config.engine.name),
                                   max_tokens_per_microbatch=None if budget == "auto" else budget)
         built_tools = as_tools(tools)  # multi-turn episodes (docs/multiturn.md)
+        if config.streaming.enabled and (built_tools or environment_factory is not None or agent is not None):
+            raise ValueError("GRPOConfig.streaming.enabled=True samples single-turn groups; multi-turn episodes "
+                             "(tools, environment_factory) and agents run on the fixed schedule (max_staleness), "
+                             "whose rollouts carry each token's weight version too")
         stop = StopFlag()  # polled by the engine and the sampler (with tools or an environment: the turn loop)
         path = rollout_path(config, loaded.tokenizer, loaded.policy, built_tools, environment_factory, tool_parser,
                             stop, processor, loaded.path, agent)
         rollout = RolloutWorker(config, loaded.tokenizer, events, prompts=path.prompts, sampler=path.sampler,
-                                stop=stop, images=path.images)
+                                stop=stop, images=path.images, routing=None if routing is None else routing.recorder)
         processor_saver = None if path.images is None else path.images.save_processor
         checkpoint = functools.partial(engine_checkpoint, loaded, processor_saver)
         logprobs = CompletionLogprobs(config, vision=loaded.vision)
+        logprobs.use_routing(routing)
         teacher = make_teacher(config.distillation, loaded.tokenizer, dtype, logprobs)  # or None
         maker = ExperienceMaker(config, rollout, rewards, logprobs, events, teacher=teacher)
         timer = StepTimer()
         maker.bind(RolloutContext(timer=timer, token_budget=resolved.max_tokens_per_microbatch))
         return cls(rewards, loaded, reference, built_tools, resolved, rollout, checkpoint, logprobs, teacher, maker,
                    StepSelection(config, logprobs), StepMetrics(config.clip_ratio_c, config.tis_cap()), timer,
-                   NonFiniteGuard(config.on_nonfinite), Preemption(rollout.stop), Evaluator(config.eval.k))
+                   NonFiniteGuard(config.on_nonfinite), Preemption(rollout.stop), Evaluator(config.eval.k), routing)

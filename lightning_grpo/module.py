@@ -41,8 +41,10 @@ from lightning_grpo.models.lora import (
     trim_frozen_weights,
 )
 from lightning_grpo.protocols import Collectives, RolloutEngine, RolloutOutput, SamplingConfig
+from lightning_grpo.protocols.streaming import StreamingEngine
 from lightning_grpo.rewards import RewardSpec
 from lightning_grpo.rollout.prefetch import PrefetchedRollout
+from lightning_grpo.rollout.streaming import RolloutStream
 from lightning_grpo.runtime.checkpointing import use_atomic_checkpoint_io
 from lightning_grpo.runtime.cleanup import ReleaseOnException, install
 from lightning_grpo.strategies import backend_for, compute_dtype
@@ -152,6 +154,7 @@ class GRPOModule(L.LightningModule):
         self.logprobs, self.experience_maker, self.timer = parts.logprobs, parts.experience_maker, parts.timer
         self.step_selection, self.step_metrics = parts.step_selection, parts.step_metrics
         self.nonfinite, self.preemption, self.evaluator = parts.nonfinite, parts.preemption, parts.evaluator
+        self.routing = parts.routing
         self.hparams["tools"] = [t.name for t in self.tools]
         self._record_resolved()
         self.data_plan = DataPlan()  # what the trainer's datamodule says, read at each setup
@@ -205,6 +208,25 @@ class GRPOModule(L.LightningModule):
     @rollout_engine.setter
     def rollout_engine(self, engine: Optional[RolloutEngine]) -> None:
         self.rollout.engine = engine
+
+    @property
+    def streaming_engine(self) -> Optional[StreamingEngine]:
+        """Streaming rollouts' engine (``GRPOConfig.streaming.enabled``): made in ``setup`` from ``config.engine``
+        (the rollout servers' pool) unless given; None otherwise."""
+        adapter = self.rollout.streaming_engine
+        return None if adapter is None else adapter.streaming
+
+    @streaming_engine.setter
+    def streaming_engine(self, engine: Optional[StreamingEngine]) -> None:
+        """Give a :class:`~lightning_grpo.protocols.streaming.StreamingEngine` (yours: kept, never closed by the
+        module) for streaming rollouts; it is the rollout engine too (validation samples on it)."""
+        self.rollout.streaming_engine = engine
+
+    @property
+    def rollout_stream(self) -> Optional[RolloutStream]:
+        """Streaming rollouts' stream while a fit trains (handed to the loop, which takes its groups and checkpoints
+        it), else None."""
+        return self.experience_maker.stream
 
     @property
     def collectives(self) -> Collectives:
@@ -276,7 +298,7 @@ class GRPOModule(L.LightningModule):
         if self.teacher is not None and self.teacher.model is not None:  # sharded or converted like the reference
             self.teacher.model = models.teacher
         self.rollout.attach(models.engine, models.weights)
-        self.logprobs.use(models.scorer, models.sharded)
+        self.logprobs.use(models.scorer, models.sharded, models.scorer_replays_routing)
 
     def _bind_context(self) -> None:
         """The experience maker's :class:`~lightning_grpo.experience.RolloutContext` for this run (the backend,
@@ -325,6 +347,9 @@ class GRPOModule(L.LightningModule):
         ``training_step`` (:meth:`lightning_grpo.training.selection.StepSelection.plan`), so that accumulation does
         not change the gradient. Counts as ``timing/forward_s``."""
         with self.timer.span("forward_s"):
+            if self.routing is not None:  # the load-balancing loss's expert shares of the step
+                self.routing.prepare_step(self.policy, micro_batches, lambda mb: self.logprobs(self.policy, mb),
+                                          self.collectives)
             return self.step_selection.plan(self.policy, micro_batches, self.collectives, self.global_step)
 
     @override
@@ -340,6 +365,11 @@ class GRPOModule(L.LightningModule):
         if self.config.max_tokens_per_microbatch == "auto" and self.resolved.max_tokens_per_microbatch is None:
             self._fit_token_budget()
         self.timer.start()
+        if self.config.streaming.enabled:  # the engine gets the weights, then groups start streaming
+            prompts = self.data_plan.prompts_per_step
+            steps = schedule.steps_per_rollout(self.config, prompts)  # raises without prompts_per_step
+            assert prompts is not None
+            install_loop(self.trainer).use_stream(self.experience_maker.open_stream(self.policy, prompts, steps))
 
     def _fit_token_budget(self) -> None:
         """Choose ``max_tokens_per_microbatch="auto"`` from probe steps (the smallest over processes,
@@ -371,13 +401,15 @@ class GRPOModule(L.LightningModule):
         return export_folder(self.hparams.export_dir, self.trainer.log_dir, self.trainer.default_root_dir)
 
     def make_experience(
-        self, batch: dict[str, list], next_prompt_batch: Optional[Callable[[], Optional[dict[str, list]]]] = None,
+        self, batch: Optional[dict[str, list]],
+        next_prompt_batch: Optional[Callable[[], Optional[dict[str, list]]]] = None,
         prefetched: Optional[PrefetchedRollout] = None,
-    ) -> Experience:
+    ) -> Optional[Experience]:
         """One rollout batch -> experience (:meth:`lightning_grpo.experience.maker.ExperienceMaker.make`, which
         documents the steps and errors; ``prefetched``: the background rollout :meth:`prefetch_rollout` started for
-        ``batch``). Called by the loop; runs on this process's prompts only. On SIGTERM the rollout stops and
-        Lightning's ``SIGTERMException`` is raised (:mod:`lightning_grpo.runtime.preemption`)."""
+        ``batch``; ``batch`` None: streaming rollouts, the next finished groups of :attr:`rollout_stream`, None when
+        the epoch's data is used up). Called by the loop; runs on this process's prompts only. On SIGTERM the rollout
+        stops and Lightning's ``SIGTERMException`` is raised (:mod:`lightning_grpo.runtime.preemption`)."""
         with self.preemption.exit_on_stop():
             return self.experience_maker.make(batch, self.policy, self.ref_model, next_prompt_batch=next_prompt_batch,
                                               prefetched=prefetched)
@@ -422,6 +454,8 @@ class GRPOModule(L.LightningModule):
         self.step_metrics.update(output)
         if batch.step_end:
             metrics = self.step_metrics.compute(self.collectives) | batch.metrics
+            if self.routing is not None:  # sampling/router_disagreement, aux_loss
+                metrics |= self.routing.step_metrics(self.collectives)
             self.nonfinite.observe_loss(metrics.get("loss"))
             shown = {k: metrics.pop(k) for k in ("loss", "reward") if k in metrics}
             self.log_dict(shown, prog_bar=True, on_step=True, on_epoch=False, batch_size=1)
@@ -437,7 +471,11 @@ class GRPOModule(L.LightningModule):
         """
         logprobs, entropy = self.completion_logprobs(self.policy, batch, True,
                                                      entropy_grad=self.config.entropy_coef > 0)
-        return self.objective(batch, logprobs, entropy)
+        output = self.objective(batch, logprobs, entropy)
+        aux = None if self.routing is None else self.routing.aux_loss()
+        if aux is not None:  # the load-balancing loss's share of this micro-batch (GRPOConfig.router_aux_loss_coef)
+            output = dataclasses.replace(output, loss=output.loss + self.config.router_aux_loss_coef * aux)
+        return output
 
     def objective(self, batch: Experience, logprobs: Tensor, entropy: Optional[Tensor]) -> ObjectiveOutput:
         """:func:`lightning_grpo.algorithm.grpo_objective` of ``batch`` given the policy's ``(B, T)`` float32 logprobs
@@ -474,9 +512,12 @@ class GRPOModule(L.LightningModule):
 
     @override
     def optimizer_step(self, *args: Any, **kwargs: Any) -> None:
+        """Lightning's step; the engine's weights are a version older (streaming rollouts: the new weights go to the
+        engine in flight now, :meth:`lightning_grpo.experience.maker.ExperienceMaker.after_optimizer_step`)."""
         super().optimizer_step(*args, **kwargs)
         self.timer.after_optimizer_step()
         self.rollout.mark_stale()
+        self.experience_maker.after_optimizer_step(self.policy)
 
     @override
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
@@ -503,9 +544,11 @@ class GRPOModule(L.LightningModule):
         """After an optimizer step, log where its wall time went
         (:meth:`lightning_grpo.training.metrics.StepTimer.step_end`:
         ``timing/{rollout,scoring,logprobs,sync,forward,backward,optimizer,step,other,train}_s``, seconds) and
-        ``generated_tokens``, ``train_tokens``."""
+        ``generated_tokens``, ``train_tokens``; streaming rollouts: ``timing/weight_update_s`` and
+        ``timing/weight_pause_s`` of the step's weight update."""
         if batch.step_end:  # the loop's batches are experience micro-batches
-            self.log_dict(self.timer.step_end(), on_step=True, on_epoch=False, batch_size=1)
+            metrics = self.timer.step_end() | self.experience_maker.weight_update_metrics()
+            self.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)
         self.preemption.on_micro_batch_end(batch.step_end)  # SIGTERM inside a step waits for its end
 
     @override

@@ -1,4 +1,5 @@
-"""Shared fixtures: the embedded SmolLM2-135M-Instruct folder and tiny random Llamas with its tokenizer.
+"""Shared fixtures: the embedded SmolLM2-135M-Instruct folder and tiny random Llamas (and mixtures of experts) with its
+tokenizer.
 
 The hub is never contacted: the offline switches are set here, before any test module imports
 ``huggingface_hub``/``transformers``/``datasets``.
@@ -72,6 +73,32 @@ def tiny_tied_llama_full_vocab_path(tmp_path_factory, smollm2_path) -> str:
 def tiny_tied_llama_path(tmp_path_factory, smollm2_path) -> str:
     """As :func:`tiny_llama_path` with tied input/output embeddings (like SmolLM2)."""
     return _save_tiny_llama(tmp_path_factory.mktemp("tiny_tied_llama"), smollm2_path, tie_word_embeddings=True)
+
+
+def _save_tiny_moe(factory, smollm2_path: str, model_type: str) -> str:
+    from lightning_grpo.demos.tiny_models import save_tiny_moe
+
+    return save_tiny_moe(factory.mktemp(f"tiny_{model_type}"), smollm2_path, model_type, vocab_size=TINY_VOCAB)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_moe_path(tmp_path_factory, smollm2_path) -> str:
+    """A random 2-layer Qwen3-MoE (hidden 64, 2 heads of 32, 1 KV head; every layer 8 experts of 64, top-2,
+    renormalized; routers N(0, 1); seed 0) with SmolLM2's tokenizer cut to :data:`TINY_VOCAB` tokens
+    (:func:`lightning_grpo.demos.tiny_models.save_tiny_moe`)."""
+    return _save_tiny_moe(tmp_path_factory, smollm2_path, "qwen3_moe")
+
+
+@pytest.fixture(scope="session")
+def tiny_olmoe_path(tmp_path_factory, smollm2_path) -> str:
+    """As :func:`tiny_qwen3_moe_path`, an OLMoE: 4 experts, top-2, not renormalized."""
+    return _save_tiny_moe(tmp_path_factory, smollm2_path, "olmoe")
+
+
+@pytest.fixture(scope="session")
+def tiny_mixtral_path(tmp_path_factory, smollm2_path) -> str:
+    """As :func:`tiny_qwen3_moe_path`, a Mixtral: 4 experts, top-2 (always renormalized, float32 weights)."""
+    return _save_tiny_moe(tmp_path_factory, smollm2_path, "mixtral")
 
 
 @pytest.fixture(scope="session")

@@ -7,7 +7,7 @@ prompts, a few tokens, the HF engine).
   recipes/gsm8k_grpo.yaml``, whose checkpoint holds two weighted rewards where eval.yaml has one;
 * docs/distributed.md: the 2-process CPU DDP command line.
 
-``lightning-grpo serve --model ... --port ...`` as documented is run in tests/rollout/test_vllm_server.py.
+``lightning-grpo serve --model ... --port ...`` as documented is run in tests/rollout/server/test_vllm_server.py.
 """
 
 from __future__ import annotations

@@ -299,47 +299,6 @@ def test_rewards_too_large_for_float64_raise_naming_them(rewards, scale, match):
 
 
 # ---------------------------------------------------------------- issue 12: the sampling distribution (truncation)
-def _hf_warped(logits, temperature, top_k=0, top_p=1.0, min_p=0.0):
-    """transformers' own warpers (an independent implementation), in its order: temperature, top-k, top-p, min-p."""
-    from transformers import MinPLogitsWarper, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
-
-    scores = TemperatureLogitsWarper(temperature)(None, logits.clone())
-    if top_k:
-        scores = TopKLogitsWarper(top_k)(None, scores)
-    if top_p < 1:
-        scores = TopPLogitsWarper(top_p)(None, scores)
-    if min_p:
-        scores = MinPLogitsWarper(min_p)(None, scores)
-    return scores
-
-
-@pytest.mark.parametrize("temperature,top_k,top_p,min_p", [
-    (1.0, 5, 1.0, 0.0), (0.7, 0, 0.9, 0.0), (1.3, 0, 1.0, 0.1), (0.8, 20, 0.8, 0.0), (1.0, 64, 1.0, 0.0),
-])
-def test_sampling_logits_equal_transformers_warpers(temperature, top_k, top_p, min_p):
-    torch.manual_seed(4)
-    logits = torch.randn(6, 64) * 3
-    ours = F.sampling_logits(logits, temperature, top_k, top_p, min_p)
-    expected = _hf_warped(logits, temperature, top_k, top_p, min_p)
-    assert torch.equal(torch.isinf(ours), torch.isinf(expected))
-    kept = ~torch.isinf(ours)
-    torch.testing.assert_close(ours[kept], expected[kept])
-    removed = (~kept).sum().item()
-    assert removed == 0 if (top_k in (0, 64) and top_p == 1 and min_p == 0) else removed > 0
-
-
-def test_min_p_comes_before_top_p_as_in_vllm():
-    # p = [0.5, 0.3, 0.12, 0.08], min_p 0.2 removes 0.08 (< 0.1); renormalized [0.5435, 0.3261, 0.1304]; top_p 0.85
-    # then removes 0.1304 (<= 0.15): {0, 1} stay. transformers' order (top-p first) would keep {0, 1, 2}.
-    logits = torch.tensor([[0.5, 0.3, 0.12, 0.08]]).log()
-    kept = ~torch.isinf(F.sampling_logits(logits, 1.0, top_p=0.85, min_p=0.2))
-    assert kept.tolist() == [[True, True, False, False]]
-    assert (~torch.isinf(_hf_warped(logits, 1.0, top_p=0.85, min_p=0.2))).tolist() == [[True, True, True, False]]
-    labels = torch.tensor([[0, 1]])
-    lp, _ = F.token_logprobs(logits.expand(1, 2, 4), labels, top_p=0.85, min_p=0.2)
-    torch.testing.assert_close(lp, torch.tensor([[math.log(0.5 / 0.8), math.log(0.3 / 0.8)]]))
-
-
 def test_token_logprobs_top_k_golden_and_label_kept():
     # logits [2, 1, 0, -1], top_k 2: log(e / (e^2 + e)) = -1.3133 for label 1; label 3 is outside the top 2 but
     # kept: log(e^-1 / (e^2 + e + e^-1)) = -3.3490; the entropy is that of the renormalized kept tokens.

@@ -2,7 +2,7 @@
 ``scripts/train.sh`` runs) validates, trains one step and validates on the real SmolLM2-135M-Instruct with the engine
 it picks (vLLM where installed; slow); every other recipe's wiring (its rows, report lines, plot, completion table,
 checkpoint names) runs one or two steps on the tiny random Llama with SmolLM2's tokenizer and the HF engine.
-``recipes/server_async.yaml`` runs against a real rollout server in tests/rollout/test_vllm_server.py."""
+``recipes/server_async.yaml`` runs against a real rollout server in tests/rollout/server/test_vllm_server.py."""
 
 import csv
 import glob

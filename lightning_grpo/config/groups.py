@@ -58,9 +58,10 @@ def parse_server_url(url: object) -> tuple[str, str, int]:
 class EngineConfig:
     """Settings of the rollout engine (``GRPOConfig.engine``; ``--model.config.engine.<field>`` on the command line).
 
-    Engines are looked up by ``name`` in :data:`lightning_grpo.rollout.registry.ENGINES` when the module is built;
-    every field a given engine does not use is ignored by it (the server fields by colocated engines, the vLLM
-    memory fields by the HF engine and the servers, which set their own when started).
+    Engines are looked up by ``name`` in :data:`lightning_grpo.rollout.registry.BUILTIN_ENGINES` (or those added with
+    :func:`~lightning_grpo.rollout.registry.register_engine`) when the module is built; every field a given engine
+    does not use is ignored by it (the server fields by colocated engines, the vLLM memory fields by the HF engine and
+    the servers, which set their own when started).
 
     Raises:
         ValueError: on construction, a field out of range or not finite (the field and value are named).
@@ -80,7 +81,7 @@ class EngineConfig:
     kv_cache_space_gib: Union[float, Literal["auto"]] = "auto"
     """vLLM on CPU: KV-cache size in GiB (> 0; ``VLLM_CPU_KVCACHE_SPACE``, which an exported variable still
     overrides). "auto": what one rollout's ``prompts_per_step * num_generations`` sequences of ``max_prompt_length +
-    max_new_tokens`` tokens occupy (:mod:`lightning_grpo.rollout.engines.kv_cache`; SmolLM2-135M float32, 16 x 768
+    max_new_tokens`` tokens occupy (:mod:`lightning_grpo.rollout.engines.vllm.kv_cache`; SmolLM2-135M float32, 16 x 768
     tokens: 0.53 GiB), 2 GiB when the datamodule does not say ``prompts_per_step``."""
     enable_sleep_mode: bool = False
     """vLLM: release its GPU memory while training (GPU only)."""

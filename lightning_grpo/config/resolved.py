@@ -7,7 +7,7 @@ hyperparameters (``hparams["resolved"]``, beside ``hparams["config"]``):
 * ``engine.name="auto"`` -> :attr:`ResolvedConfig.engine_name` when the module is built
   (:func:`lightning_grpo.rollout.registry.resolve_engine_name`);
 * ``engine.kv_cache_space_gib="auto"`` -> :attr:`ResolvedConfig.kv_cache_space_gib` when the engine is made (the
-  prompts per rollout are known: :mod:`lightning_grpo.rollout.engines.kv_cache`);
+  prompts per rollout are known: :mod:`lightning_grpo.rollout.engines.vllm.kv_cache`);
 * ``engine.dtype="auto"`` -> :attr:`ResolvedConfig.engine_dtype` when the engine is made (the trainer's precision is
   known: :func:`lightning_grpo.rollout.registry.engine_dtype`);
 * ``max_tokens_per_microbatch="auto"`` -> :attr:`ResolvedConfig.max_tokens_per_microbatch` at the start of training

@@ -1,5 +1,5 @@
-"""A testing helper shipped with the package: tiny random Llamas with a real tokenizer, for tests and benchmarks of
-the training mechanics (never a model to train for real).
+"""A testing helper shipped with the package: tiny random Llamas and mixtures of experts (Qwen3-MoE, OLMoE, Mixtral)
+with a real tokenizer, for tests and benchmarks of the training mechanics (never a model to train for real).
 
 A tiny Llama with SmolLM2's 49,152-token vocabulary spends about 97 % of each token's FLOPs in its output layer; with
 ``vocab_size`` its tokenizer is SmolLM2's cut to the first ``vocab_size`` tokens (:func:`save_tiny_tokenizer`: the
@@ -116,6 +116,77 @@ def save_tiny_reward_model(dest: Union[str, os.PathLike], tokenizer_path: Union[
     model = LlamaForSequenceClassification(config).to(torch.float32)
     with torch.no_grad():  # a random head of std 0.02 gives scores ~1e-2 apart: widen it so they differ clearly
         model.score.weight.normal_(0.0, 1.0)
+    model.save_pretrained(str(dest))
+    tokenizer.save_pretrained(str(dest))
+    return str(dest)
+
+
+#: The tiny mixture-of-experts families :func:`save_tiny_moe` builds: ``model_type`` -> (experts, whether the top-k
+#: weights are renormalized). Qwen3-MoE renormalizes (``norm_topk_prob=True``, as Qwen3-30B-A3B), OLMoE does not
+#: (``norm_topk_prob=False``, as OLMoE-1B-7B), Mixtral always does.
+TINY_MOE_FAMILIES = {"qwen3_moe": (8, True), "olmoe": (4, False), "mixtral": (4, True)}
+
+
+def save_tiny_moe(
+    dest: Union[str, os.PathLike],
+    tokenizer_path: Union[str, os.PathLike],
+    model_type: str,
+    *,
+    hidden_size: int = 64,
+    expert_size: int = 64,
+    num_hidden_layers: int = 2,
+    num_attention_heads: int = 2,
+    num_key_value_heads: int = 1,
+    top_k: int = 2,
+    num_experts: Optional[int] = None,
+    vocab_size: Optional[int] = None,
+) -> str:
+    """Save a tiny random mixture-of-experts causal LM (float32, seed 0) of family ``model_type`` ("qwen3_moe",
+    "olmoe" or "mixtral": :data:`TINY_MOE_FAMILIES`) with the tokenizer at ``tokenizer_path`` into ``dest``, loadable
+    by transformers and vLLM alike. Every decoder layer is a mixture of ``num_experts`` (default: the family's entry)
+    experts of ``expert_size`` hidden units with top-``top_k`` routing; the attention heads have
+    ``hidden_size // num_attention_heads`` dimensions (vLLM's CPU attention needs 32, 64, 80, ...: 16 fails). The
+    routers are initialized N(0, 1) instead of the families' 0 or N(0, 0.02), so that a token's top-k experts are
+    clearly ahead of the others (random routers of std 0.02 tie within float noise, and every test of routing would
+    then test noise). ``vocab_size``: the tokenizer cut to its first ``vocab_size`` tokens
+    (:func:`save_tiny_tokenizer`). Returns ``dest`` as a str.
+
+    Raises:
+        ValueError: an unknown ``model_type`` (the families are named).
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, MixtralConfig, OlmoeConfig, Qwen3MoeConfig
+
+    if model_type not in TINY_MOE_FAMILIES:
+        raise ValueError(f"model_type={model_type!r} is invalid: choose one of {sorted(TINY_MOE_FAMILIES)}")
+    experts, normalized = TINY_MOE_FAMILIES[model_type]
+    experts = num_experts or experts
+    if vocab_size is not None:
+        tokenizer_path = save_tiny_tokenizer(tokenizer_path, dest, vocab_size)
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_path))
+    common = dict(vocab_size=len(tokenizer), hidden_size=hidden_size, num_hidden_layers=num_hidden_layers,
+                  num_attention_heads=num_attention_heads, num_key_value_heads=num_key_value_heads,
+                  num_experts_per_tok=top_k, max_position_embeddings=2048, tie_word_embeddings=False,
+                  bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                  pad_token_id=tokenizer.pad_token_id)
+    config: object
+    if model_type == "qwen3_moe":
+        config = Qwen3MoeConfig(**common, intermediate_size=2 * expert_size, moe_intermediate_size=expert_size,
+                                num_experts=experts, norm_topk_prob=normalized,
+                                head_dim=hidden_size // num_attention_heads)
+    elif model_type == "olmoe":
+        config = OlmoeConfig(**common, intermediate_size=expert_size, num_experts=experts, norm_topk_prob=normalized)
+    else:
+        config = MixtralConfig(**common, intermediate_size=expert_size, num_local_experts=experts,
+                               head_dim=hidden_size // num_attention_heads)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).to(torch.float32)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):  # the routers of all three families
+                param.normal_(0.0, 1.0)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.save_pretrained(str(dest))
     tokenizer.save_pretrained(str(dest))
     return str(dest)

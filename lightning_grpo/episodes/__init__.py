@@ -1,6 +1,7 @@
 """Multi-turn episodes: tools, environments, tool-call formats and the turn loop (docs/multiturn.md).
 
-``GRPOModule(agent=fn)`` trains an unmodified agent through an OpenAI-compatible gateway (docs/agents.md).
+``GRPOModule(agent=fn)`` trains an unmodified agent through an OpenAI-compatible gateway (:mod:`lightning_grpo.episodes.
+agents`, docs/agents.md).
 ``GRPOModule(tools=[fn, ...])`` or ``GRPOModule(environment_factory=MyEnv)`` makes every rollout a batch of
 episodes: the model's turn is sampled, the environment answers (tool results, an observation), the model samples its
 next turn, ... until the environment says it is done or a limit (``GRPOConfig.episode``) ends it. The trained
@@ -8,8 +9,8 @@ sequence is the prompt's ids, the sampled ids of every model turn and the enviro
 (:mod:`lightning_grpo.episodes.runner`); only the model's tokens get a loss.
 """
 
-from lightning_grpo.episodes.agent import AgentFn, AgentRollout, AgentSampler
-from lightning_grpo.episodes.answer import ReasoningTags
+from lightning_grpo.episodes.agents.agent_sampler import AgentFn, AgentRollout, AgentSampler
+from lightning_grpo.episodes.agents.answer import ReasoningTags
 from lightning_grpo.episodes.build import episode_runner, rollout_path
 from lightning_grpo.episodes.calculator import CalculatorError, calculator
 from lightning_grpo.episodes.chat import ChatFormat

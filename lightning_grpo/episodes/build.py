@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any, Optional, Sequence, Union
 
 from lightning_grpo.config import GRPOConfig
-from lightning_grpo.episodes.agent import AgentFn, AgentRollout, AgentSampler
+from lightning_grpo.episodes.agents.agent_sampler import AgentFn, AgentRollout, AgentSampler
 from lightning_grpo.episodes.chat import ChatFormat
 from lightning_grpo.episodes.environment import EnvironmentFactory, ToolEnvironment
 from lightning_grpo.episodes.parsers import HermesToolCallParser, ToolCallParser
@@ -67,8 +67,8 @@ class RolloutPath:
 
 def agent_sampler(config: GRPOConfig, tokenizer: Any, eos_token_ids: Sequence[int],
                   agent: Union[AgentFn, AgentRollout], stop: StopFlag) -> AgentSampler:
-    """The :class:`~lightning_grpo.episodes.agent.AgentSampler` of ``GRPOModule(agent=...)`` (a plain function gets
-    :class:`AgentRollout`'s defaults), limited by ``config.episode`` and ``config.max_prompt_length``."""
+    """The :class:`~lightning_grpo.episodes.agents.agent_sampler.AgentSampler` of ``GRPOModule(agent=...)`` (a plain
+    function gets :class:`AgentRollout`'s defaults), limited by ``config.episode`` and ``config.max_prompt_length``."""
     settings = agent if isinstance(agent, AgentRollout) else AgentRollout(agent)
     return AgentSampler(settings, tokenizer, eos_token_ids, max_turns=config.episode.max_turns,
                         max_tokens=config.episode.max_tokens, max_prompt_length=config.max_prompt_length, stop=stop)
@@ -89,7 +89,8 @@ def rollout_path(config: GRPOConfig, tokenizer: Any, policy: Any, tools: Sequenc
     Raises:
         ValueError: an agent with tools, an environment or a ``tool_parser`` (an agent runs its own tools; its
             parser is ``AgentRollout(tool_parser=...)``), or with a vision-language policy (the agent gateway serves
-            text, and would not keep the image placeholders out of the sampled tokens); else as
+            text, and would not keep the image placeholders out of the sampled tokens), or with routing replay "R3"
+            (its episodes carry no routed experts); else as
             :func:`episode_runner` and :func:`~lightning_grpo.rollout.images.image_prompts`.
     """
     eos_token_ids = eos_token_ids_from(getattr(policy, "generation_config", None), tokenizer)
@@ -100,6 +101,9 @@ def rollout_path(config: GRPOConfig, tokenizer: Any, policy: Any, tools: Sequenc
         if processor is not None or vision_spec(policy.config) is not None:
             raise ValueError("GRPOModule(agent=...) trains text policies: the agent gateway serves text, so a "
                              "vision-language policy (or processor=...) is not supported with an agent")
+        if config.routing_replay == "R3":
+            raise ValueError("GRPOConfig.routing_replay='R3' is not supported with GRPOModule(agent=...): the agent "
+                             "gateway's episodes do not carry the routed experts; use routing_replay='R2' or 'off'")
         sampler = agent_sampler(config, tokenizer, eos_token_ids, agent, stop)
         return RolloutPath(sampler, sampler)
     runner = episode_runner(config, tokenizer, eos_token_ids, tools, environment_factory, parser, stop)

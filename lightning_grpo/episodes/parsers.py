@@ -43,7 +43,7 @@ class ToolCallParser(Protocol):
 @runtime_checkable
 class AnswerParser(ToolCallParser, Protocol):
     """A tool-call format that also gives the text around the calls: what the agent gateway needs to answer with
-    OpenAI's ``content`` and ``tool_calls`` (:mod:`lightning_grpo.episodes.answer`)."""
+    OpenAI's ``content`` and ``tool_calls`` (:mod:`lightning_grpo.episodes.agents.answer`)."""
 
     def split(self, text: str) -> tuple[str, list[ToolCall]]:
         """``(content, calls)``: the turn's text without its tool-call blocks (stripped), and the calls as

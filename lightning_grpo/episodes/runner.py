@@ -12,7 +12,9 @@ EOS; never decoded and encoded again), then each observation's ids, ...: ``compl
 :class:`~lightning_grpo.protocols.rollout.RolloutOutput` is everything after the prompt, ``completion_mask`` is 1 on the
 model's tokens (the loss, KL, entropy and every ``loss_type``'s normalizer count those only) and ``env_mask`` 1 on
 the environment's (context: attended to, never trained), ``sampler_logprobs`` the engine's logprobs of the model's
-tokens (0 on the environment's).
+tokens (0 on the environment's) and ``completion_versions`` the weight version of each model token (the turn's
+per-token versions when the engine reports them, else its ``weight_version``; -1 on the environment's tokens): an
+episode, and a turn, may span weight versions when the engine takes new weights while it generates.
 
 Limits (``GRPOConfig.episode``): at most ``max_turns`` model turns; one budget of ``max_tokens`` tokens (None:
 the sampling's ``max_new_tokens``, i.e. ``GRPOConfig.max_new_tokens`` in training and ``eval.max_new_tokens`` in
@@ -33,6 +35,12 @@ episode's prompt images, then those of its observations so far), and an observat
 ``{"type": "image", "image": <PIL image>}`` parts are written as the model's placeholder runs and their images
 appended to the episode's (the rollout's ``images``); the records keep the messages without the pictures.
 
+Routed experts (routing replay "R3", an engine that ``returns_routed_experts``): each token keeps the experts it was
+routed to when an engine call first fed it to the model: the prompt's in turn 0's prefill, a model token's in the
+decode step after it was sampled, and a turn's last model token and the environment's tokens in the next turn's
+prefill (AReaL accumulates ``routed_experts`` across a request's segments the same way); a token no call fed (the
+episode's last) has -1.
+
 Seeds (engines that ``seeds_per_request``): turn 0 seeds completion j of prompt i with ``seed + i * G + j`` as a
 single-turn rollout does; turn t > 0 seeds the r-th running episode with ``seed + t * N + r`` (N = B * G episodes),
 disjoint from every other turn's seeds, so a rollout is a function of its seed base and the weights and a resumed run
@@ -46,6 +54,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
+from torch import Tensor
 
 from lightning_grpo.episodes.chat import ChatFormat
 from lightning_grpo.episodes.environment import Environment, EnvironmentFactory, EnvStep, step_all
@@ -55,6 +64,7 @@ from lightning_grpo.protocols.episode import EpisodeRecord, Turn
 from lightning_grpo.protocols.images import PromptImage, RowImages
 from lightning_grpo.protocols.multimodal import generate
 from lightning_grpo.protocols.rollout import RolloutInterrupted, RolloutOutput, StopFlag, left_pad
+from lightning_grpo.protocols.routing import NO_EXPERT, ROUTED_DTYPE
 from lightning_grpo.protocols.sampling import SamplingConfig
 from lightning_grpo.rollout.images import ImagePrompts, split_images
 
@@ -74,7 +84,10 @@ class _Episode:
     running: bool = True
     pending: Optional[str] = None  # a finished model turn the environment has not answered yet
     versions: set = field(default_factory=set)
+    token_versions: list[int] = field(default_factory=list)  # each token's weight version, -1 = not sampled
     images: tuple[PromptImage, ...] = ()  # the prompt's, then each observation's (vision-language policies)
+    prompt_routed: Optional[Tensor] = None  # [len(prompt), layers, k] the prompt's routed experts (turn 0)
+    routed: Optional[Tensor] = None  # [len(ids), layers, k] each token's, -1 until a turn's engine call fed it
 
 
 def _close(episodes: list[_Episode]) -> None:
@@ -87,6 +100,14 @@ def _close_environment(env: Environment) -> None:
         env.close()
     except Exception as err:  # noqa: BLE001 - a failing close must not hide the rollout's outcome
         log.warning("closing an episode's environment failed: %s", err)
+
+
+def _turn_versions(out: RolloutOutput, row: int, length: int) -> list[int]:
+    """The weight version of each of the first ``length`` tokens of row ``row`` of one turn's ``out``: its per-token
+    ``completion_versions`` when the engine reports them, else its ``weight_version``, else -1 (none reported)."""
+    if out.completion_versions is not None:
+        return [int(v) for v in out.completion_versions[row, :length].tolist()]
+    return [-1 if out.weight_version is None else int(out.weight_version)] * length
 
 
 class EpisodeRunner:
@@ -140,13 +161,13 @@ class EpisodeRunner:
             A :class:`RolloutOutput` with ``env_mask`` and ``episodes`` (one
             :class:`~lightning_grpo.protocols.episode.EpisodeRecord` each) set, the reward functions' ``transcript``
             and ``env_reward`` columns and the episodes' metrics (:mod:`lightning_grpo.episodes.metrics`);
-            ``completions`` are each episode's last model turn (its answer); ``weight_version`` the engine's (all
-            turns of a rollout are sampled by the same weights: no sync happens inside a rollout).
+            ``completions`` are each episode's last model turn (its answer); ``weight_version`` the oldest version any
+            turn reported (each episode's record: its own oldest) and ``completion_versions`` every model token's
+            (None when no turn reported a version).
 
         Raises:
             RolloutInterrupted: the stop flag was set.
-            RuntimeError: an environment's ``reset``/``step`` raised (the episode is named; tools never raise), or
-                the turns of one episode report different weight versions.
+            RuntimeError: an environment's ``reset``/``step`` raised (the episode is named; tools never raise).
             ValueError: ``rows`` does not have one entry per prompt; an observation with images for a policy
                 without them.
         """
@@ -157,8 +178,8 @@ class EpisodeRunner:
         if len(rows) != b:
             raise ValueError(f"{len(rows)} dataset rows for {b} prompts: one row per prompt")
         episodes: list[_Episode] = []
-        reported: list[bool] = []  # whether each turn's engine call reported sampler logprobs
-        lockstep = any_process is not None and engine.uses_policy_parameters
+        reported: list[tuple[bool, bool]] = []  # whether each turn's call reported sampler logprobs, routed experts
+        lockstep = any_process is not None and engine.capabilities.uses_policy_parameters
         try:
             for k in range(b * g):
                 episodes.append(_Episode([int(t) for t in prompt_ids[k // g]], self._environment(k, rows[k // g]),
@@ -184,7 +205,8 @@ class EpisodeRunner:
                 turn += 1
         finally:
             _close(episodes)
-        return self._output(episodes, prompt_ids, g, int(engine.pad_token_id), all(reported))
+        return self._output(episodes, prompt_ids, g, int(engine.pad_token_id), all(r[0] for r in reported),
+                            all(r[1] for r in reported))
 
     def _more_turns(self, episodes: list[_Episode], budget: int,
                     any_process: Optional[Callable[[bool], bool]]) -> bool:
@@ -221,9 +243,10 @@ class EpisodeRunner:
             raise RuntimeError(f"episode {k}: resetting its environment failed: {err}") from err
         return env
 
-    def _take(self, episodes: list[_Episode], index: list[int], out: RolloutOutput, budget: int) -> bool:
+    def _take(self, episodes: list[_Episode], index: list[int], out: RolloutOutput,
+              budget: int) -> tuple[bool, bool]:
         """Append one model turn to each episode ``index[r]`` from row r of ``out``, cut to its budget; whether
-        ``out`` has sampler logprobs."""
+        ``out`` has sampler logprobs and routed experts."""
         tokenizer = self.chat.tokenizer
         for r, k in enumerate(index):
             e = episodes[k]
@@ -233,19 +256,21 @@ class EpisodeRunner:
             finished = not bool(out.truncated[r]) and n <= room
             logprobs = [] if out.sampler_logprobs is None else out.sampler_logprobs[r, : len(ids)].tolist()
             start = len(e.ids)
+            _take_routing(e, out, r, len(ids))
             e.ids += ids
             e.model += [1] * len(ids)
             e.logprobs += logprobs if out.sampler_logprobs is not None else [0.0] * len(ids)
             text = tokenizer.decode(ids, skip_special_tokens=True)
             e.record.turns.append(Turn("model", start, len(e.ids), [{"role": "assistant", "content": text}]))
             e.record.model_turns += 1
-            if out.weight_version is not None:
-                e.versions.add(int(out.weight_version))
+            versions = _turn_versions(out, r, len(ids))
+            e.token_versions += versions
+            e.versions.update(v for v in versions if v >= 0)
             if finished:
                 e.pending = text
             else:
                 e.running, e.record.truncated = False, True
-        return out.sampler_logprobs is not None
+        return out.sampler_logprobs is not None, out.completion_routed_experts is not None
 
     def _answer(self, episodes: list[_Episode], budget: int) -> None:
         """Step the environment of every episode with a finished model turn; append the observations that fit."""
@@ -287,14 +312,17 @@ class EpisodeRunner:
             e.running, record.truncated, record.budget_exceeded = False, True, True
             return
         start = len(e.ids)
+        if e.routed is not None:  # fed to the model by the next turn's call
+            e.routed = torch.cat([e.routed, e.routed.new_full((len(ids), *e.routed.shape[1:]), NO_EXPERT)])
         e.ids += ids
         e.model += [0] * len(ids)
         e.logprobs += [0.0] * len(ids)
+        e.token_versions += [-1] * len(ids)
         e.images += shown
         record.turns.append(Turn("env", start, len(e.ids), [dict(m) for m in messages]))
 
     def _output(self, episodes: list[_Episode], prompt_ids: Sequence[Sequence[int]], g: int, pad: int,
-                reports_logprobs: bool) -> RolloutOutput:
+                reports_logprobs: bool, reports_routing: bool) -> RolloutOutput:
         n, t = len(episodes), max(1, max(len(e.ids) for e in episodes))
         completion_ids = torch.full((n, t), pad, dtype=torch.long)
         model = torch.zeros((n, t), dtype=torch.long)
@@ -307,11 +335,10 @@ class EpisodeRunner:
         for i, e in enumerate(episodes):
             env[i, : len(e.ids)] = 1 - model[i, : len(e.ids)]
         versions = set().union(*(e.versions for e in episodes))
+        token_versions = torch.full((n, t), -1, dtype=torch.long)
         for i, e in enumerate(episodes):
-            if len(e.versions) > 1:
-                raise RuntimeError(f"episode {i} was sampled by weight versions {sorted(e.versions)}: every turn of an "
-                                   "episode must come from one weight version")
-            e.record.weight_version = next(iter(e.versions)) if e.versions else None
+            e.record.weight_version = min(e.versions) if e.versions else None
+            token_versions[i, : len(e.ids)] = torch.tensor(e.token_versions, dtype=torch.long)
         ids, mask = left_pad([list(p) for p in prompt_ids], pad, torch.device("cpu"))
         records = [e.record for e in episodes]
         return RolloutOutput(
@@ -323,4 +350,37 @@ class EpisodeRunner:
             weight_version=min(versions) if versions else None,
             episodes=records, columns=episode_columns(records), metrics=episode_metrics(records, model, env),
             images=[e.images or None for e in episodes] if any(e.images for e in episodes) else None,
+            **(_routed_fields(episodes, ids.shape[1], t) if reports_routing else {}),
+            completion_versions=token_versions if versions else None,
         )
+
+
+def _take_routing(e: _Episode, out: RolloutOutput, r: int, n: int) -> None:
+    """Row ``r`` of ``out`` (one engine call: episode ``e``'s prompt and tokens so far, then its ``n`` new model
+    tokens): the routed experts of the tokens no earlier call fed (the prompt in turn 0, the last model token and the
+    environment's tokens of the previous turns), then of the new tokens."""
+    prompt, completion = out.prompt_routed_experts, out.completion_routed_experts
+    if prompt is None or completion is None:
+        return
+    fed = prompt[r, prompt.shape[1] - len(e.prompt) - len(e.ids):]  # the call's real prompt: e.prompt + e.ids
+    if e.prompt_routed is None:
+        e.prompt_routed = fed[: len(e.prompt)]
+        e.routed = fed.new_empty((0, *fed.shape[1:]))
+    assert e.routed is not None
+    earlier = fed[len(e.prompt):]
+    e.routed = torch.where(e.routed >= 0, e.routed, earlier.to(e.routed.device))
+    e.routed = torch.cat([e.routed, completion[r, :n].to(e.routed.device)])
+
+
+def _routed_fields(episodes: list[_Episode], prompt_width: int, completion_width: int) -> dict[str, Tensor]:
+    """``prompt_routed_experts`` ``(N, P, layers, k)`` (left-padded) and ``completion_routed_experts`` ``(N, T,
+    layers, k)`` (right-padded) of the episodes, -1 at padding."""
+    first = next(e.prompt_routed for e in episodes if e.prompt_routed is not None)
+    shape = first.shape[1:]
+    prompt = torch.full((len(episodes), prompt_width, *shape), NO_EXPERT, dtype=ROUTED_DTYPE)
+    completion = torch.full((len(episodes), completion_width, *shape), NO_EXPERT, dtype=ROUTED_DTYPE)
+    for i, e in enumerate(episodes):
+        if e.prompt_routed is not None and e.routed is not None:
+            prompt[i, prompt_width - len(e.prompt_routed):] = e.prompt_routed.cpu()
+            completion[i, : len(e.routed)] = e.routed.cpu()
+    return {"prompt_routed_experts": prompt, "completion_routed_experts": completion}

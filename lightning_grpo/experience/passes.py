@@ -7,20 +7,31 @@ reward.
 * reference logprobs: ``beta > 0``;
 * teacher logprobs: with a teacher (``GRPOConfig.distillation``, :mod:`lightning_grpo.distillation`);
 * with ``kl_in_reward``: the shaped rewards minus ``beta * sum_t KL_t`` of the behaviour policy (the old one, or the
-  sampler in bypass mode) to the reference.
+  sampler in bypass mode) to the reference;
+* a mixture-of-experts policy with ``routing_replay="R2"``: the old-logprob pass records its routing into the
+  experience (replayed in the updates); with ``routing_replay_diagnostics``, one more no-grad pass of the policy
+  without replay measures what the sampler/trainer mismatch would be without it
+  (``sampling/without_replay/*``, docs/training.md "Metrics").
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import Callable, ContextManager, Optional
 
+import torch
 from torch import Tensor, nn
 
 from lightning_grpo.algorithm.shaping import sequence_kl
 from lightning_grpo.config import GRPOConfig
+from lightning_grpo.models.moe import ReplayStats
 from lightning_grpo.protocols.teacher import Teacher
 from lightning_grpo.training.experience import Experience
 from lightning_grpo.training.logprobs import CompletionLogprobs
+from lightning_grpo.training.routing import PolicyRouting
+
+#: The prefix of the mismatch metrics measured without routing replay (``routing_replay_diagnostics``).
+WITHOUT_REPLAY = "sampling/without_replay"
 
 
 class LogprobPasses:
@@ -66,12 +77,18 @@ class LogprobPasses:
         if bypass and experience.sampler_logprobs is None:
             raise ValueError("GRPOConfig.correction.bypass_mode=True takes the sampler's logprobs as the old policy's, "
                              "but the rollout engine reported none: use an engine that does (vLLM, rollout servers)")
+        routing = self.logprobs.routing
         if (reused_later or cfg.kl_in_reward) and not bypass:
-            experience.old_logprobs = self.logprobs.batched(policy, experience, micro_batch_size, forward_context,
-                                                            max_tokens=max_tokens)
-        if ref is not None:
-            experience.ref_logprobs = self.logprobs.batched(ref, experience, micro_batch_size, forward_context,
-                                                            max_tokens=max_tokens)
+            recording = routing.recording(experience) if routing is not None and routing.mode == "R2" else None
+            with recording if recording is not None else contextlib.nullcontext() as around:
+                experience.old_logprobs = self.logprobs.batched(policy, experience, micro_batch_size,
+                                                                forward_context, max_tokens=max_tokens, around=around)
+        if routing is not None and cfg.routing_replay_diagnostics:
+            self._without_replay(routing, experience, extra, policy, micro_batch_size, forward_context, max_tokens)
+        if ref is not None:  # the reference routes by itself (a LoRA policy's reference shares its routers)
+            with routing.suspended() if routing is not None else contextlib.nullcontext():
+                experience.ref_logprobs = self.logprobs.batched(ref, experience, micro_batch_size, forward_context,
+                                                                max_tokens=max_tokens)
         if self.teacher is not None:
             experience.teacher_logprobs = self.teacher.score(experience, micro_batch_size, forward_context,
                                                              max_tokens=max_tokens)
@@ -86,3 +103,28 @@ class LogprobPasses:
         if not reused_later:
             experience.old_logprobs = None
         return shaped - cfg.beta * kl
+
+    def _without_replay(self, routing: PolicyRouting, experience: Experience, extra: dict[str, tuple[Tensor, Tensor]],
+                        policy: nn.Module, micro_batch_size: int, forward_context: Callable[[], ContextManager],
+                        max_tokens: Optional[int]) -> None:
+        """``routing_replay_diagnostics``: the policy's logprobs with its routers' own choices, and the mismatch they
+        would give against the sampler's, over the loss tokens, into ``extra`` as ``(sum, count)``:
+        ``sampling/without_replay/router_disagreement`` (over (position, MoE layer) pairs with a replayed selection),
+        and with sampler logprobs ``sampling/without_replay/k3_kl`` and
+        ``sampling/without_replay/sampling_logp_difference/mean`` (as ``sampling/k3_kl`` and
+        ``sampling/sampling_logp_difference/mean`` of the training step, which replays)."""
+        stats = ReplayStats()
+        with routing.unreplayed(stats):
+            logprobs = self.logprobs.batched(policy, experience, micro_batch_size, forward_context,
+                                             max_tokens=max_tokens)
+        zero = torch.zeros((), dtype=torch.float64)
+        extra[f"{WITHOUT_REPLAY}/router_disagreement"] = (
+            (stats.differing if stats.differing is not None else zero).cpu(),
+            (stats.counted if stats.counted is not None else zero).cpu())
+        if experience.sampler_logprobs is None:
+            return
+        mask = experience.completion_mask.bool()
+        d = (logprobs.float() - experience.sampler_logprobs.float())[mask].double()
+        count = mask.sum().double()
+        extra[f"{WITHOUT_REPLAY}/k3_kl"] = ((torch.exp(d) - d - 1).sum(), count)
+        extra[f"{WITHOUT_REPLAY}/sampling_logp_difference/mean"] = (d.abs().sum(), count)

@@ -106,7 +106,18 @@ def merge_lora(names: Iterable[str], layers: Mapping[str, nn.Module],
     Raises:
         ValueError: a LoRA layer's base weight is not floating point (a 4/8-bit quantized base); see also
             :func:`lora_delta`.
+        NotImplementedError: LoRA on a parameter rather than a linear layer (PEFT's ``target_parameters``: what
+            ``target_modules="all-linear"`` makes of a mixture-of-experts' fused experts and router), whose merged
+            tensors are not computed here (they would be streamed unmerged, under the wrong names).
     """
+    on_parameters = sorted(n for n, layer in layers.items() if getattr(layer, "parameter_name", None))
+    if on_parameters:
+        more = " ..." if len(on_parameters) > 3 else ""
+        raise NotImplementedError(
+            f"LoRA adapts parameters, not linear layers, at {on_parameters[:3]}{more} (PEFT target_parameters, "
+            "e.g. a mixture-of-experts' experts and router under target_modules='all-linear'): their merged weights "
+            "for an engine with its own copy are not computed; use engine.name='hf', or name the attention "
+            "projections in target_modules")
     for name in names:
         parts = name.split(".")
         if not layers:

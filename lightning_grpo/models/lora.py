@@ -180,7 +180,7 @@ def check_quantized_engine(settings: LoraSettings, engine: RolloutEngine) -> Non
     Raises:
         ValueError: ``settings`` quantize the base and ``engine`` holds its own weights (vLLM, the rollout servers).
     """
-    if settings.quantization_config is not None and not engine.uses_policy_parameters:
+    if settings.quantization_config is not None and not engine.capabilities.uses_policy_parameters:
         raise ValueError("quantization: a quantized base is not merged with its adapters, so an engine with its own "
                          "weights cannot sample from it: use GRPOConfig.engine.name='hf'")
 
@@ -195,7 +195,7 @@ def check_tied_head(policy: nn.Module, base: nn.Module, engine: RolloutEngine) -
         ValueError: the checkpoint ties, the policy has a separate head and ``engine`` holds its own weights.
     """
     tied = bool(getattr(getattr(base, "config", None), "tie_word_embeddings", False))
-    if not engine.uses_policy_parameters:
+    if not engine.capabilities.uses_policy_parameters:
         check_syncable(policy, tied)
 
 

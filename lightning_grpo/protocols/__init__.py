@@ -5,7 +5,8 @@ speak, and nothing else (this folder imports only torch and the standard library
 * :mod:`~lightning_grpo.protocols.rollout`: :class:`RolloutOutput` (and its per-row :class:`RowMetric`), its layout
   (:func:`left_pad`, :func:`completion_mask_from_eos`, :func:`eos_token_ids_from`), :class:`StopFlag`,
   :class:`RolloutInterrupted`;
-* :mod:`~lightning_grpo.protocols.engine`: :class:`RolloutEngine`, :class:`CoreRolloutEngine`, :class:`EngineWrapper`;
+* :mod:`~lightning_grpo.protocols.engine`: :class:`RolloutEngine`, :class:`CoreRolloutEngine`, what an engine is
+  (:class:`EngineCapabilities`), :class:`EngineWrapper`;
 * :mod:`~lightning_grpo.protocols.sampler`: :class:`Sampler` and :class:`PromptEncoder`, the rollout path a worker is
   given;
 * :mod:`~lightning_grpo.protocols.episode`: :class:`EpisodeRecord` and :class:`Turn` (what a multi-turn episode was);
@@ -16,7 +17,7 @@ speak, and nothing else (this folder imports only torch and the standard library
 """
 
 from lightning_grpo.protocols.collectives import Collectives
-from lightning_grpo.protocols.engine import CoreRolloutEngine, EngineWrapper, RolloutEngine
+from lightning_grpo.protocols.engine import CoreRolloutEngine, EngineCapabilities, EngineWrapper, RolloutEngine
 from lightning_grpo.protocols.episode import EpisodeRecord, Turn
 from lightning_grpo.protocols.rollout import (
     RolloutInterrupted,
@@ -36,6 +37,7 @@ __all__ = [
     "AnyProcess",
     "Collectives",
     "CoreRolloutEngine",
+    "EngineCapabilities",
     "EngineWrapper",
     "EpisodeRecord",
     "PolicyWeights",

@@ -1,16 +1,18 @@
 """The rollout-engine protocols: token ids in; completions, masks and optional sampler logprobs out.
 
 Every engine (HF ``generate`` in :mod:`lightning_grpo.rollout.engines.hf`, vLLM in
-:mod:`lightning_grpo.rollout.engines.vllm`, the rollout servers' client in :mod:`lightning_grpo.rollout.engines.remote`)
-implements :class:`RolloutEngine`; a user's engine may implement only :class:`CoreRolloutEngine`
-(:func:`lightning_grpo.rollout.adapter.as_rollout_engine` adds the rest). :class:`EngineWrapper` is the base of the
-engines that wrap another (the backends' gathering and tensor-parallel wrappers). The trainer never depends on an
-engine's internals, and an engine never sees the trainer's model: it generates from token ids and is synced with a
-:class:`~lightning_grpo.protocols.weights.PolicyWeights` stream that the trainer's backend produces.
+:mod:`lightning_grpo.rollout.engines.vllm.colocated`, the rollout servers' client in
+:mod:`lightning_grpo.rollout.server.remote`) implements :class:`RolloutEngine`; a user's engine may implement only
+:class:`CoreRolloutEngine` (:func:`lightning_grpo.rollout.adapter.as_rollout_engine` adds the rest).
+:class:`EngineWrapper` is the base of the engines that wrap another (the backends' gathering and tensor-parallel
+wrappers). The trainer never depends on an engine's internals, and an engine never sees the trainer's model: it
+generates from token ids and is synced with a :class:`~lightning_grpo.protocols.weights.PolicyWeights` stream that
+the trainer's backend produces.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, fields
 from typing import Optional, Protocol, Sequence, runtime_checkable
 
 from lightning_grpo.protocols import multimodal
@@ -19,13 +21,37 @@ from lightning_grpo.protocols.rollout import RolloutOutput
 from lightning_grpo.protocols.sampling import SamplingConfig
 from lightning_grpo.protocols.weights import PolicyWeights
 
-#: The optional members of :class:`RolloutEngine` that say what an engine is, and the value an engine that does not
-#: declare one is taken to have (:func:`lightning_grpo.rollout.adapter.as_rollout_engine`, logged once).
-CAPABILITY_DEFAULTS: dict[str, bool] = {
-    "uses_policy_parameters": False,
-    "seeds_per_request": False,
-    "sync_is_collective": False,
-}
+
+@dataclass(frozen=True)
+class EngineCapabilities:
+    """What an engine is, declared once per engine (:attr:`RolloutEngine.capabilities`) and read by the backends, the
+    worker, the samplers and the experience maker instead of its type; a wrapper forwards it whole.
+
+    Attributes:
+        uses_policy_parameters: True: the engine generates with the policy module itself (HF ``generate``): its
+            weights are always the trainer's, a sharding backend gathers the parameters around ``generate``, and it
+            cannot generate while the trainer trains (no asynchronous rollouts). False: it holds its own copy,
+            updated by ``sync_weights``.
+        seeds_per_request: whether ``SamplingConfig.seed`` seeds each request (completion j of prompt i with
+            ``seed + i*G + j``), so a rollout is reproducible whatever the batch; False: the engine samples from
+            torch's global generator.
+        sync_is_collective: whether ``sync_weights`` must be called by every trainer process together (the rollout
+            servers: global rank 0 streams the weights, the others wait); False: each process syncs its own engine.
+        returns_routed_experts: whether its rollouts carry the experts a mixture-of-experts policy routed each token to
+            (``prompt_routed_experts``, ``completion_routed_experts``: routing replay "R3"); False: none.
+    """
+
+    uses_policy_parameters: bool = False
+    seeds_per_request: bool = False
+    sync_is_collective: bool = False
+    returns_routed_experts: bool = False
+
+
+#: What an engine that does not declare a capability is taken to have: its own weights, no per-request seeds, a
+#: per-process sync (:func:`lightning_grpo.rollout.adapter.as_rollout_engine`, logged once).
+CAPABILITY_DEFAULTS = EngineCapabilities()
+#: The names of the capabilities, which a user engine may also declare one by one (``uses_policy_parameters = True``).
+CAPABILITY_NAMES = tuple(f.name for f in fields(EngineCapabilities))
 #: The optional lifecycle methods of :class:`RolloutEngine`: an engine that does not define one gets a no-op.
 LIFECYCLE_METHODS = ("wake_up", "sleep", "close", "set_lockstep")
 
@@ -34,12 +60,12 @@ LIFECYCLE_METHODS = ("wake_up", "sleep", "close", "set_lockstep")
 class RolloutEngine(Protocol):
     """What the trainer needs from a generator: every member the rest of the package uses on an engine.
 
-    An engine says what it is through capabilities, which the backends, the worker and the experience maker read
-    instead of asking for its type: :attr:`uses_policy_parameters`, :attr:`seeds_per_request` and
-    :attr:`sync_is_collective`. A user engine may implement only the core (:class:`CoreRolloutEngine`: ``generate``,
-    ``sync_weights``, ``pad_token_id``) and any of the rest:
-    :func:`lightning_grpo.rollout.adapter.as_rollout_engine` honours each member it declares and gives it the
-    defaults of :data:`CAPABILITY_DEFAULTS` (and no-op :data:`LIFECYCLE_METHODS`) for the others.
+    An engine says what it is through one record, :attr:`capabilities` (:class:`EngineCapabilities`), which the
+    backends, the worker and the experience maker read instead of asking for its type. A user engine may implement
+    only the core (:class:`CoreRolloutEngine`: ``generate``, ``sync_weights``, ``pad_token_id``) and any of the rest,
+    capabilities one by one included (``seeds_per_request = True``): :func:`lightning_grpo.rollout.adapter.
+    as_rollout_engine` honours each member it declares and gives it the defaults of :data:`CAPABILITY_DEFAULTS` (and
+    no-op :data:`LIFECYCLE_METHODS`) for the others.
     """
 
     def generate(
@@ -51,8 +77,8 @@ class RolloutEngine(Protocol):
     def sync_weights(self, weights: PolicyWeights) -> None:
         """Make the engine generate with the policy's current weights, read from ``weights`` (called after optimizer
         steps; every process calls it when ``weights.collective``). Never called for an engine that generates with the
-        policy's own parameters (:attr:`uses_policy_parameters`): it has nothing to do (a wrapper that keeps a copy,
-        e.g. Megatron's HF model, refreshes it in :meth:`wake_up`)."""
+        policy's own parameters (``capabilities.uses_policy_parameters``): it has nothing to do (a wrapper that keeps a
+        copy, e.g. Megatron's HF model, refreshes it in :meth:`wake_up`)."""
         ...
 
     @property
@@ -61,23 +87,9 @@ class RolloutEngine(Protocol):
         ...
 
     @property
-    def uses_policy_parameters(self) -> bool:
-        """True: the engine generates with the policy module itself (HF ``generate``): its weights are always the
-        trainer's, a sharding backend gathers the parameters around :meth:`generate`, and it cannot generate while
-        the trainer trains (no asynchronous rollouts), and the rollout worker never calls its :meth:`sync_weights` nor
-        makes a view of the weights for it. False: it holds its own copy, updated by :meth:`sync_weights`."""
-        ...
-
-    @property
-    def seeds_per_request(self) -> bool:
-        """Whether ``SamplingConfig.seed`` seeds each request (completion j of prompt i with ``seed + i*G + j``), so
-        a rollout is reproducible whatever the batch; False: the engine samples from torch's global generator."""
-        ...
-
-    @property
-    def sync_is_collective(self) -> bool:
-        """Whether :meth:`sync_weights` must be called by every trainer process together (the rollout servers:
-        global rank 0 streams the weights, the others wait); False: each process syncs its own engine."""
+    def capabilities(self) -> EngineCapabilities:
+        """What the engine is (:class:`EngineCapabilities`: whether it uses the policy's parameters, seeds each
+        request, syncs collectively)."""
         ...
 
     def set_lockstep(self, enabled: bool) -> None:
@@ -141,6 +153,16 @@ class EngineWrapper:
         is wrapped only after it entered the rollout worker, which reads what it declares)."""
         return bool(self.engine.accepts_images)  # type: ignore[attr-defined]
 
+    @property
+    def pad_token_id(self) -> int:
+        """``engine.pad_token_id``."""
+        return self.engine.pad_token_id
+
+    @property
+    def capabilities(self) -> EngineCapabilities:
+        """``engine.capabilities``."""
+        return self.engine.capabilities
+
     def sync_weights(self, weights: PolicyWeights) -> None:
         """``engine.sync_weights``."""
         self.engine.sync_weights(weights)
@@ -160,23 +182,3 @@ class EngineWrapper:
     def set_lockstep(self, enabled: bool) -> None:
         """``engine.set_lockstep(enabled)``."""
         self.engine.set_lockstep(enabled)
-
-    @property
-    def pad_token_id(self) -> int:
-        """``engine.pad_token_id``."""
-        return self.engine.pad_token_id
-
-    @property
-    def uses_policy_parameters(self) -> bool:
-        """``engine.uses_policy_parameters``."""
-        return self.engine.uses_policy_parameters
-
-    @property
-    def seeds_per_request(self) -> bool:
-        """``engine.seeds_per_request``."""
-        return self.engine.seeds_per_request
-
-    @property
-    def sync_is_collective(self) -> bool:
-        """``engine.sync_is_collective``."""
-        return self.engine.sync_is_collective

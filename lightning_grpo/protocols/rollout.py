@@ -14,6 +14,7 @@ from torch import Tensor
 
 from lightning_grpo.protocols.episode import EpisodeRecord
 from lightning_grpo.protocols.images import RowImages, row_images_from_state, row_images_state
+from lightning_grpo.protocols.routing import NO_EXPERT
 from lightning_grpo.protocols.tokens import (
     PAD_ID,
     ROW_META,
@@ -114,6 +115,18 @@ class RolloutOutput:
         unscored: ``(N,)`` bool, rows the sampler says get no reward (an agent's episode that failed, with
             ``AgentRollout(on_error="skip")``): unscored as when every reward function returns None (no loss, left out
             of their group's statistics); None = every row is scored.
+        prompt_routed_experts: a mixture-of-experts policy under ``GRPOConfig.routing_replay="R3"``: ``(N, P,
+            moe_layers, top_k)`` int16, the experts the sampler's routers selected for each prompt token (the
+            policy's routing layers in order, :class:`~lightning_grpo.models.moe.MoeRouters`), -1 at padding and
+            wherever nothing was recorded (:mod:`lightning_grpo.protocols.routing`); None otherwise.
+        completion_routed_experts: likewise ``(N, T, moe_layers, top_k)`` int16 for the completion tokens
+            (multi-turn: the model's and the environment's tokens of every turn); -1 at padding and for a token the
+            engine never fed to the model (a completion's last generated token).
+        completion_versions: ``(N, T)`` long, the engine's weight version of each sampled token (a sample whose
+            sampling spanned an in-flight weight update has several, non-decreasing; streaming rollouts: the
+            trainer's optimizer step, which stamps every update, :mod:`lightning_grpo.rollout.streaming`; a multi-turn
+            episode: each model turn's), -1 where no engine sampled the token (the environment's tokens, padding, a
+            turn whose engine reported no version); None when the engine reports no versions.
     """
 
     prompt_ids: Tensor = field(metadata=token_meta(Layout.PROMPT, PAD_ID))
@@ -130,6 +143,9 @@ class RolloutOutput:
     metrics: dict[str, RowMetric] = field(default_factory=dict)
     images: Optional[list[Optional[RowImages]]] = None
     unscored: Optional[Tensor] = field(default=None, metadata=ROW_META)
+    prompt_routed_experts: Optional[Tensor] = field(default=None, metadata=token_meta(Layout.PROMPT, NO_EXPERT))
+    completion_routed_experts: Optional[Tensor] = field(default=None, metadata=token_meta(Layout.COMPLETION, NO_EXPERT))
+    completion_versions: Optional[Tensor] = field(default=None, metadata=token_meta(Layout.COMPLETION, -1))
 
     def __len__(self) -> int:
         return self.completion_ids.shape[0]

@@ -8,8 +8,8 @@ The :class:`~lightning_grpo.rollout.worker.RolloutWorker` is given one of each w
   :class:`~lightning_grpo.rollout.single_turn.SingleTurnSampler` (one ``engine.generate``);
 * multi-turn (``GRPOModule(tools=..., environment_factory=...)``): the
   :class:`~lightning_grpo.episodes.runner.EpisodeRunner` is both (the prompts with their tools; the turn loop);
-* agents (``GRPOModule(agent=...)``): the :class:`~lightning_grpo.episodes.agent.AgentSampler` is both (the agents
-  behind an OpenAI-compatible gateway write their own prompts).
+* agents (``GRPOModule(agent=...)``): the :class:`~lightning_grpo.episodes.agents.agent_sampler.AgentSampler` is
+  both (the agents behind an OpenAI-compatible gateway write their own prompts).
 """
 
 from __future__ import annotations

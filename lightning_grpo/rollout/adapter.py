@@ -2,21 +2,26 @@
 core: :class:`~lightning_grpo.protocols.engine.CoreRolloutEngine`) as a full one: :func:`as_rollout_engine`, which
 the rollout worker applies to every engine it is given or makes.
 
-What the engine declares is read once, when it is given, and honoured member by member: a capability it declares
-(``uses_policy_parameters = True``, say) is its own, one it does not takes the documented default
-(:data:`~lightning_grpo.protocols.engine.CAPABILITY_DEFAULTS`, logged once), a lifecycle method it lacks is a no-op.
+What the engine declares is read once, when it is given, and honoured member by member: its capabilities, as one
+:class:`~lightning_grpo.protocols.engine.EngineCapabilities` record (``capabilities``) or one by one
+(``uses_policy_parameters = True``, say: those it does not declare take the documented defaults,
+:data:`~lightning_grpo.protocols.engine.CAPABILITY_DEFAULTS`, logged once), and its lifecycle methods (one it lacks is
+a no-op).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any, Optional, Sequence
 
 from lightning_grpo.protocols import multimodal
 from lightning_grpo.protocols.engine import (
     CAPABILITY_DEFAULTS,
+    CAPABILITY_NAMES,
     LIFECYCLE_METHODS,
     CoreRolloutEngine,
+    EngineCapabilities,
     EngineWrapper,
     RolloutEngine,
 )
@@ -28,7 +33,7 @@ log = logging.getLogger(__name__)
 
 CORE_MEMBERS = ("generate", "sync_weights", "pad_token_id")
 #: Every member of :class:`RolloutEngine` beyond the core.
-OPTIONAL_MEMBERS = (*CAPABILITY_DEFAULTS, *LIFECYCLE_METHODS)
+OPTIONAL_MEMBERS = ("capabilities", *LIFECYCLE_METHODS)
 #: The member of an engine that takes images in its prompts
 #: (:class:`~lightning_grpo.protocols.multimodal.ImageRolloutEngine`); an engine without it takes none.
 IMAGE_MEMBERS = ("accepts_images",)
@@ -37,7 +42,7 @@ IMAGE_MEMBERS = ("accepts_images",)
 def declared_members(engine: Any) -> dict[str, Any]:
     """The members of :class:`RolloutEngine` (and ``accepts_images``) that ``engine`` has, with their values (read
     once, where an engine enters: the worker's engine setter, an engine a factory made)."""
-    members = (*CORE_MEMBERS, *OPTIONAL_MEMBERS, *IMAGE_MEMBERS)
+    members = (*CORE_MEMBERS, *OPTIONAL_MEMBERS, *CAPABILITY_NAMES, *IMAGE_MEMBERS)
     return {name: getattr(engine, name) for name in members if hasattr(engine, name)}
 
 
@@ -48,12 +53,14 @@ def declares_images(engine: Any) -> bool:
 
 
 def as_rollout_engine(engine: Any) -> RolloutEngine:
-    """``engine`` as a full :class:`RolloutEngine`: itself when it has every member, else wrapped in a
-    :class:`CoreEngineAdapter` that keeps each capability and lifecycle method it declares and gives the others
-    their defaults (its own weights, no per-request seeds, a per-process sync; no-op lifecycle), logged once.
+    """``engine`` as a full :class:`RolloutEngine`: itself when it has every member (its capabilities as one
+    ``capabilities`` record), else wrapped in a :class:`CoreEngineAdapter` that keeps each capability and lifecycle
+    method it declares and gives the others their defaults (its own weights, no per-request seeds, a per-process sync;
+    no-op lifecycle), logged once.
 
     Raises:
-        TypeError: ``engine`` lacks a core member (``generate``, ``sync_weights``, ``pad_token_id``), named.
+        TypeError: ``engine`` lacks a core member (``generate``, ``sync_weights``, ``pad_token_id``), named; or it
+            declares both a ``capabilities`` record and capabilities one by one.
     """
     declared = declared_members(engine)
     missing = [name for name in CORE_MEMBERS if name not in declared]
@@ -65,6 +72,28 @@ def as_rollout_engine(engine: Any) -> RolloutEngine:
     return CoreEngineAdapter(engine, declared)
 
 
+def declared_capabilities(engine_name: str, declared: dict[str, Any]) -> EngineCapabilities:
+    """The capabilities of an engine (named ``engine_name``) that declared ``declared`` (:func:`declared_members`):
+    its ``capabilities`` record, or those it declares one by one with :data:`~lightning_grpo.protocols.engine.
+    CAPABILITY_DEFAULTS` for the others (logged once).
+
+    Raises:
+        TypeError: it declares both a ``capabilities`` record and capabilities one by one (named).
+    """
+    one_by_one = {name: bool(declared[name]) for name in CAPABILITY_NAMES if name in declared}
+    if "capabilities" in declared:
+        if one_by_one:
+            raise TypeError(f"{engine_name} declares capabilities and also {', '.join(one_by_one)}: declare them in "
+                            "one place (an EngineCapabilities record, or each capability as its own member)")
+        return declared["capabilities"]
+    defaults = dataclasses.asdict(CAPABILITY_DEFAULTS)
+    defaulted = [name for name in CAPABILITY_NAMES if name not in one_by_one]
+    if defaulted:
+        log.info("rollout engine %s declares no %s: taking %s (RolloutEngine's defaults)", engine_name,
+                 ", ".join(defaulted), ", ".join(f"{n}={defaults[n]}" for n in defaulted))
+    return dataclasses.replace(CAPABILITY_DEFAULTS, **one_by_one)
+
+
 class CoreEngineAdapter(EngineWrapper):
     """A user engine with the core members and any of the others as a full :class:`RolloutEngine` (see
     :func:`as_rollout_engine`).
@@ -73,21 +102,16 @@ class CoreEngineAdapter(EngineWrapper):
         engine: the user's engine.
         declared: the members it has, with their values (:func:`declared_members`; default: read here).
 
-    Attributes:
-        capabilities: ``uses_policy_parameters``, ``seeds_per_request`` and ``sync_is_collective`` as the engine
-            declares them or, for those it does not, :data:`~lightning_grpo.protocols.engine.CAPABILITY_DEFAULTS`.
+    Raises:
+        TypeError: ``engine`` declares both a ``capabilities`` record and capabilities one by one (named).
     """
 
     def __init__(self, engine: CoreRolloutEngine, declared: dict[str, Any] | None = None) -> None:
         self.engine = engine  # type: ignore[assignment]
         declared = declared_members(engine) if declared is None else declared
         self._lifecycle = {name for name in LIFECYCLE_METHODS if name in declared}
-        self.capabilities = {name: bool(declared.get(name, default)) for name, default in CAPABILITY_DEFAULTS.items()}
+        self._capabilities = declared_capabilities(type(engine).__name__, declared)
         self.images = bool(declared.get("accepts_images", False))
-        defaulted = [name for name in CAPABILITY_DEFAULTS if name not in declared]
-        if defaulted:
-            log.info("rollout engine %s declares no %s: taking %s (RolloutEngine's defaults)", type(engine).__name__,
-                     ", ".join(defaulted), ", ".join(f"{n}={CAPABILITY_DEFAULTS[n]}" for n in defaulted))
 
     def wake_up(self) -> None:
         """The engine's ``wake_up``, if it has one."""
@@ -110,19 +134,10 @@ class CoreEngineAdapter(EngineWrapper):
             self.engine.set_lockstep(enabled)
 
     @property
-    def uses_policy_parameters(self) -> bool:
-        """As declared; default False (a user engine is taken to hold its own weights)."""
-        return self.capabilities["uses_policy_parameters"]
-
-    @property
-    def seeds_per_request(self) -> bool:
-        """As declared; default False."""
-        return self.capabilities["seeds_per_request"]
-
-    @property
-    def sync_is_collective(self) -> bool:
-        """As declared; default False (each process syncs its own engine)."""
-        return self.capabilities["sync_is_collective"]
+    def capabilities(self) -> EngineCapabilities:
+        """As declared; each capability not declared takes its default (a user engine is taken to hold its own
+        weights, to sample from torch's global generator and to sync on each process)."""
+        return self._capabilities
 
     @property
     def accepts_images(self) -> bool:

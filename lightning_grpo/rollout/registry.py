@@ -4,10 +4,11 @@ Adding an engine (SGLang, say) is a file in :mod:`lightning_grpo.rollout.engines
 ``make(spec: EngineSpec) -> RolloutEngine`` plus a line in :data:`BUILTIN_ENGINES` (or, from user code, one call of
 :func:`register_engine`). Nothing outside the engine's own file and this registry asks which engine it is: the
 rest of the package reads the engine's declared capabilities (:class:`~lightning_grpo.protocols.engine.RolloutEngine`'s
-``uses_policy_parameters`` and ``seeds_per_request``). Built-in factories are imported on first use, so
-``import lightning_grpo`` never imports vLLM. The registry resolves the engine's "auto" settings
-(:func:`resolve_engine_name`, :func:`engine_spec`) into the spec a factory gets, and the run records them
-(:class:`~lightning_grpo.config.ResolvedConfig`).
+``capabilities``, an :class:`~lightning_grpo.protocols.engine.EngineCapabilities` record). Built-in factories are
+imported on first use, so ``import lightning_grpo`` never imports vLLM. The registry resolves the engine's name
+("auto": :func:`resolve_engine_name`); an engine's own "auto" settings are its factory's to resolve (the vLLM factory
+sizes its KV cache), which it records in :attr:`EngineSpec.resolved` for the run's
+:class:`~lightning_grpo.config.ResolvedConfig`.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import contextlib
 import importlib
 import importlib.util
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager, Optional
 
 import torch
@@ -25,7 +26,7 @@ from torch import nn
 from lightning_grpo.config import GRPOConfig
 from lightning_grpo.protocols.engine import RolloutEngine
 from lightning_grpo.protocols.rollout import StopFlag
-from lightning_grpo.rollout.engines.kv_cache import kv_cache_space_gib
+from lightning_grpo.protocols.routing import RoutingRecorder
 
 log = logging.getLogger(__name__)
 
@@ -46,11 +47,17 @@ class EngineSpec:
             the first call); its weights follow by ``sync_weights``.
         stop: the flag the engine polls while it generates.
         name: the engine's name (``engine.name``, "auto" resolved).
-        kv_cache_space_gib: the KV-cache size in GiB (``engine.kv_cache_space_gib``, "auto" resolved) for the
-            engines that take one ("vllm"), else None.
-        rollout_prompts: prompts per rollout on this process when the datamodule says, else None.
-        dtype: the dtype name ("float32", "bfloat16", "float16") of an engine with its own copy of the weights
-            (``engine.dtype``, "auto" resolved: :func:`engine_dtype`); the weight sync casts to it.
+        rollout_prompts: prompts per rollout on this process when the datamodule says, else None (what the vLLM
+            factory sizes ``engine.kv_cache_space_gib="auto"`` by).
+        resolved: what the factory resolved of the engine's "auto" settings, by
+            :class:`~lightning_grpo.config.ResolvedConfig` field (the vLLM factory records ``kv_cache_space_gib``);
+            the rollout worker records them in the run's ``ResolvedConfig``. Empty when it is made.
+        routing: a mixture-of-experts policy's routing recorder when routing replay needs the rollouts' routed
+            experts (``GRPOConfig.routing_replay="R3"``), for an engine that generates with the policy's own modules;
+            else None.
+        compute_dtype: the dtype the trainer computes the policy in (:func:`lightning_grpo.strategies.compute_dtype`:
+            bfloat16 under ``precision="bf16-mixed"`` or ``"bf16-true"``), what ``engine.dtype="auto"`` resolves to
+            (:func:`engine_dtype`); None: the policy's parameter dtype.
         forward_context: the trainer's precision context (Lightning's ``precision_plugin.forward_context``): an
             engine that generates with the policy's parameters runs its forward passes inside it, so it samples in
             the precision the trainer scores in (bf16 autocast under ``precision="bf16-mixed"``).
@@ -62,9 +69,10 @@ class EngineSpec:
     checkpoint: Callable[[], str]
     stop: StopFlag
     name: str
-    kv_cache_space_gib: Optional[float] = None
     rollout_prompts: Optional[int] = None
-    dtype: str = "float32"
+    resolved: dict[str, Any] = field(default_factory=dict)
+    routing: Optional[RoutingRecorder] = None
+    compute_dtype: Optional[torch.dtype] = None
     forward_context: Callable[[], ContextManager] = contextlib.nullcontext
 
 
@@ -73,16 +81,12 @@ EngineFactory = Callable[[EngineSpec], RolloutEngine]
 #: Built-in engines: name -> "module:factory", imported when first made.
 BUILTIN_ENGINES: dict[str, str] = {
     "hf": "lightning_grpo.rollout.engines.hf:make",
-    "vllm": "lightning_grpo.rollout.engines.vllm:make",
-    "vllm_server": "lightning_grpo.rollout.engines.remote:make",
+    "vllm": "lightning_grpo.rollout.engines.vllm.colocated:make",
+    "vllm_server": "lightning_grpo.rollout.server.remote:make",
 }
-#: The engines that size a KV cache from ``engine.kv_cache_space_gib`` (colocated vLLM on CPU).
-SIZES_KV_CACHE = frozenset({"vllm"})
-#: The engines that hold their own copy of the weights in ``engine.dtype`` (colocated vLLM).
-TAKES_DTYPE = frozenset({"vllm"})
+_REGISTERED: dict[str, EngineFactory] = {}
 #: ``engine.dtype`` names -> torch dtypes.
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_REGISTERED: dict[str, EngineFactory] = {}
 
 
 def register_engine(name: str, factory: EngineFactory) -> None:
@@ -117,36 +121,22 @@ def resolve_engine_name(name: str) -> str:
     return name
 
 
-def engine_dtype(config: GRPOConfig, compute_dtype: torch.dtype) -> str:
-    """``config.engine.dtype``, with "auto" resolved to ``compute_dtype`` (the dtype the trainer computes the policy
-    in: :func:`lightning_grpo.strategies.compute_dtype`): an engine with its own weights samples in the trainer's
-    precision by default.
+def engine_dtype(spec: EngineSpec) -> str:
+    """``engine.dtype`` of an engine with its own weights, with "auto" resolved to ``spec.compute_dtype`` (the dtype
+    the trainer computes the policy in; None: the policy's parameter dtype): such an engine samples in the trainer's
+    precision by default. Its factory records it (``spec.resolved["engine_dtype"]``).
 
     Raises:
-        ValueError: "auto" with a ``compute_dtype`` no engine takes (float64).
+        ValueError: "auto" with a compute dtype no engine takes (float64).
     """
-    if config.engine.dtype != "auto":
-        return config.engine.dtype
+    if spec.config.engine.dtype != "auto":
+        return spec.config.engine.dtype
+    compute = spec.compute_dtype if spec.compute_dtype is not None else next(spec.model.parameters()).dtype
     for name, dtype in DTYPES.items():
-        if dtype == compute_dtype:
+        if dtype == compute:
             return name
-    raise ValueError(f"GRPOConfig.engine.dtype='auto' resolves to the trainer's compute dtype {compute_dtype}, which "
+    raise ValueError(f"GRPOConfig.engine.dtype='auto' resolves to the trainer's compute dtype {compute}, which "
                      f"no rollout engine takes: set engine.dtype to one of {', '.join(DTYPES)}")
-
-
-def engine_spec(config: GRPOConfig, name: str, model: nn.Module, tokenizer: Any, checkpoint: Callable[[], str],
-                stop: StopFlag, rollout_prompts: Optional[int] = None, compute_dtype: Optional[torch.dtype] = None,
-                forward_context: Callable[[], ContextManager] = contextlib.nullcontext) -> EngineSpec:
-    """The spec of the engine ``name`` (resolved: :func:`resolve_engine_name`), with its dtype resolved
-    (:func:`engine_dtype`; ``compute_dtype`` None: the policy's parameter dtype) and its KV-cache size resolved at
-    that dtype (:func:`~lightning_grpo.rollout.engines.kv_cache.kv_cache_space_gib`, logged) for the engines that
-    take one; ``forward_context``: the trainer's precision context (:class:`EngineSpec`)."""
-    compute = compute_dtype if compute_dtype is not None else next(model.parameters()).dtype
-    dtype = engine_dtype(config, compute) if name in TAKES_DTYPE else str(compute).removeprefix("torch.")
-    kv = None
-    if name in SIZES_KV_CACHE:
-        kv = kv_cache_space_gib(config, model.config, DTYPES[dtype].itemsize, rollout_prompts)
-    return EngineSpec(config, model, tokenizer, checkpoint, stop, name, kv, rollout_prompts, dtype, forward_context)
 
 
 def make_engine(spec: EngineSpec) -> RolloutEngine:

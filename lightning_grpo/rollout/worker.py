@@ -39,13 +39,16 @@ from lightning_grpo.protocols.engine import RolloutEngine
 from lightning_grpo.protocols.images import EncodedPrompts, RowImages
 from lightning_grpo.protocols.multimodal import ImagePromptEncoder, has_images
 from lightning_grpo.protocols.rollout import RolloutOutput, StopFlag
+from lightning_grpo.protocols.routing import RoutingRecorder
 from lightning_grpo.protocols.sampler import PromptEncoder, Sampler
 from lightning_grpo.protocols.sampling import SamplingConfig
+from lightning_grpo.protocols.streaming import StreamingEngine, WeightUpdate
 from lightning_grpo.protocols.weights import PolicyWeights
 from lightning_grpo.rollout.adapter import as_rollout_engine, declares_images
 from lightning_grpo.rollout.prompts import TemplatePrompts, refuse_images
-from lightning_grpo.rollout.registry import TAKES_DTYPE, engine_spec, make_engine
+from lightning_grpo.rollout.registry import EngineSpec, make_engine
 from lightning_grpo.rollout.single_turn import SingleTurnSampler
+from lightning_grpo.rollout.streaming.engine import StreamingRolloutEngine, make_streaming_engine
 from lightning_grpo.strategies.weights import ModuleWeights
 from lightning_grpo.training.metrics import StepTimer
 from lightning_grpo.training.nonfinite import check_finite_parameters
@@ -76,6 +79,8 @@ class RolloutWorker:
             (:class:`~lightning_grpo.protocols.multimodal.ImagePromptEncoder`, ``lightning_grpo.episodes.build``):
             :meth:`encode` gives the prompts' images with their ids and :attr:`banned_token_ids` its placeholders;
             None for a causal LM.
+        routing: a mixture-of-experts policy's routing recorder, for the engine the worker makes when routing replay
+            replays the sampler's routing (``GRPOConfig.routing_replay="R3"``); None otherwise.
 
     Attributes:
         engine: the rollout engine, None before :meth:`start` (during a stage, the backend's wrapper of it).
@@ -88,12 +93,15 @@ class RolloutWorker:
         stop: the stop request the engine and the sampler poll (a stopped rollout raises
             :class:`~lightning_grpo.protocols.rollout.RolloutInterrupted`).
         prompts, sampler, images: the rollout path (see the arguments).
+        last_update: streaming rollouts: what the last weight update took (:class:`WeightUpdate`), else None.
     """
 
     def __init__(self, config: GRPOConfig, tokenizer: PreTrainedTokenizerBase, events: Optional[EventSink] = None, *,
                  prompts: Optional[PromptEncoder] = None, sampler: Optional[Sampler] = None,
-                 stop: Optional[StopFlag] = None, images: Optional[ImagePromptEncoder] = None) -> None:
+                 stop: Optional[StopFlag] = None, images: Optional[ImagePromptEncoder] = None,
+                 routing: Optional[RoutingRecorder] = None) -> None:
         self.config = config
+        self.routing = routing
         self.events = events
         self.tokenizer = tokenizer
         self.prompts: PromptEncoder = prompts if prompts is not None else TemplatePrompts(tokenizer)
@@ -104,6 +112,8 @@ class RolloutWorker:
         self._own: Optional[RolloutEngine] = None  # the engine as made or given (kept across stages)
         self._engine: Optional[RolloutEngine] = None  # the stage's: the backend's wrapper of _own, or _own
         self._made: Optional[RolloutEngine] = None  # the engine start() made, which close() releases
+        self._streaming: Optional[StreamingRolloutEngine] = None  # streaming rollouts: the engine as a rollout engine
+        self.last_update: Optional[WeightUpdate] = None
         self.weights: Optional[PolicyWeights] = None
         self.engine_name = config.engine.name  # "auto" until start() is given the resolved name
         self.weights_version = 0
@@ -122,15 +132,37 @@ class RolloutWorker:
         (adapted by :func:`~lightning_grpo.rollout.adapter.as_rollout_engine`, which honours each capability it
         declares; a TypeError names a core member it lacks). An engine with its own weights gets the policy's before
         its first rollout."""
+        if engine is not None and self.config.streaming.enabled:
+            raise ValueError("GRPOConfig.streaming.enabled=True samples with a StreamingEngine: give one as "
+                             "GRPOModule.streaming_engine (RolloutWorker.streaming_engine), not as a rollout engine")
+        self._streaming = None
         self._set_own(None if engine is None else as_rollout_engine(engine), type(engine).__name__)
 
+    @property
+    def streaming_engine(self) -> Optional[StreamingRolloutEngine]:
+        """Streaming rollouts: the streaming engine as a rollout engine (its ``streaming`` engine and event ``loop``);
+        None otherwise."""
+        return self._streaming
+
+    @streaming_engine.setter
+    def streaming_engine(self, engine: Optional[StreamingEngine]) -> None:
+        """Give the worker a :class:`~lightning_grpo.protocols.streaming.StreamingEngine` (the caller's: kept, never
+        closed by the worker) for streaming rollouts; it is also the worker's rollout engine (validation and other
+        one-off rollouts sample on it)."""
+        self._streaming = None if engine is None else self._streaming_adapter(engine)
+        self._set_own(self._streaming, None if engine is None else type(engine).__name__)
+
+    def _streaming_adapter(self, engine: StreamingEngine) -> StreamingRolloutEngine:
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
+        return StreamingRolloutEngine(engine, self.tokenizer, int(pad))
+
     def _set_own(self, engine: Optional[RolloutEngine], name: Optional[str] = None) -> None:
+        self._engine_type = name or type(engine).__name__  # the engine as given, not its adapter
         if engine is not None:
             self._check_capabilities(engine)
         self._accepts_images = engine is not None and declares_images(engine)
-        self._engine_type = name or type(engine).__name__  # the engine as given, not its adapter
         self._own = self._engine = engine
-        if engine is not None and not engine.uses_policy_parameters:
+        if engine is not None and not engine.capabilities.uses_policy_parameters:
             self.engine_version = -1
 
     @property
@@ -161,19 +193,25 @@ class RolloutWorker:
             when an engine exists.
 
         Raises:
-            ValueError: ``max_staleness > 0`` with an engine that generates with the policy's own parameters.
+            ValueError: ``max_staleness > 0`` with an engine that generates with the policy's own parameters;
+                ``routing_replay="R3"`` with an engine whose rollouts do not carry the routed experts.
         """
         self.engine_name = resolved.engine_name
         if self._own is not None:
             return resolved
-        spec = engine_spec(self.config, resolved.engine_name, model, self.tokenizer, checkpoint, self.stop,
-                           rollout_prompts, compute_dtype, forward_context)
-        made = make_engine(spec)
-        engine = as_rollout_engine(made)
-        self._set_own(engine, type(made).__name__)
+        spec = EngineSpec(self.config, model, self.tokenizer, checkpoint, self.stop, resolved.engine_name,
+                          rollout_prompts, routing=self.routing, compute_dtype=compute_dtype,
+                          forward_context=forward_context)
+        if self.config.streaming.enabled:  # the rollout servers' pool (or a registered streaming engine)
+            streaming = make_streaming_engine(spec)
+            self._streaming = engine = self._streaming_adapter(streaming)
+            self._set_own(engine, type(streaming).__name__)
+        else:
+            made = make_engine(spec)
+            engine = as_rollout_engine(made)
+            self._set_own(engine, type(made).__name__)
         self._made = engine
-        return resolved.replace(kv_cache_space_gib=spec.kv_cache_space_gib,
-                                engine_dtype=spec.dtype if spec.name in TAKES_DTYPE else None)
+        return resolved.replace(**spec.resolved)
 
     def attach(self, engine: Optional[RolloutEngine], weights: Optional[PolicyWeights]) -> None:
         """For a stage: the trainer's backend's view of the engine (:attr:`own_engine`, or a wrapper of it) and the
@@ -202,7 +240,7 @@ class RolloutWorker:
         if made is None:
             return
         if self._own is made:
-            self._own = self._engine = None
+            self._own = self._engine = self._streaming = None
         made.close()
 
     @property
@@ -219,7 +257,13 @@ class RolloutWorker:
         self.weights_version = int(state["weights_version"])
 
     def _check_capabilities(self, engine: RolloutEngine) -> None:
-        if self.config.max_staleness > 0 and engine.uses_policy_parameters:
+        if self.config.routing_replay == "R3" and not engine.capabilities.returns_routed_experts:
+            raise ValueError(
+                f"GRPOConfig.routing_replay='R3' replays the experts the rollout engine routed each token to, but the "
+                f"engine {self._engine_type} (engine.name={self.engine_name!r}) does not return them (its capabilities "
+                "say returns_routed_experts=False): use the 'hf' engine with a mixture-of-experts policy, or "
+                "routing_replay='R2' (the old policy's routing) or 'off'")
+        if self.config.max_staleness > 0 and engine.capabilities.uses_policy_parameters:
             raise ValueError(
                 f"GRPOConfig.max_staleness={self.config.max_staleness} needs a rollout engine with its own copy of "
                 f"the weights (engine.name='vllm' or 'vllm_server'): engine.name={self.engine_name!r} "
@@ -312,14 +356,20 @@ class RolloutWorker:
     def sync(self, policy: nn.Module, force: bool = False) -> None:
         """Push the policy's weights (:attr:`weights`, else ``policy``'s own) into the engine every
         ``engine.sync_every`` optimizer steps (always when ``force`` and they differ, and before the first rollout of
-        an engine with its own weights). An engine that declares ``uses_policy_parameters`` (HF ``generate``, and the
-        backends' wrappers of it, which refresh their own copy in ``wake_up``) generates with the current weights:
-        nothing is pushed and no view of the weights is made (no LoRA merge, no gather), only the version moves."""
+        an engine with its own weights). An engine whose ``capabilities.uses_policy_parameters`` (HF ``generate``, and
+        the backends' wrappers of it, which refresh their own copy in ``wake_up``) generates with the current weights:
+        nothing is pushed and no view of the weights is made (no LoRA merge, no gather), only the version moves. A
+        streaming engine gets them in flight, stamped with the trainer's optimizer steps
+        (``StreamingEngine.update_weights(weights, version=weights_version)``, :attr:`last_update`), so each token's
+        version is the optimizer step whose weights sampled it."""
         engine = self.require_engine()
         behind = self.weights_version - self.engine_version
         if behind >= self.config.engine.sync_every or (force and behind > 0) or self.engine_version < 0:
-            if not engine.uses_policy_parameters:
-                engine.sync_weights(self.weights if self.weights is not None else ModuleWeights(policy))
+            weights = self.weights if self.weights is not None else ModuleWeights(policy)
+            if self._streaming is not None:
+                self.last_update = self._streaming.streaming.update_weights(weights, version=self.weights_version)
+            elif not engine.capabilities.uses_policy_parameters:
+                engine.sync_weights(weights)
             self.engine_version = self.weights_version
             if self.events is not None:
                 self.events(ON_WEIGHTS_SYNCED, self.engine_version)

@@ -262,7 +262,7 @@ class FSDP2Backend(LocalBackend):
         for frozen in (ref, models.teacher):  # the reference and the distillation teacher
             if frozen is not None and not is_fsdp2(frozen):
                 shard_model(frozen, dp_mesh, reshard_after_forward=True, root_reshard_after_forward=True, **kwargs)
-        if engine is not None and engine.uses_policy_parameters:
+        if engine is not None and engine.capabilities.uses_policy_parameters:
             engine = GatheredGenerationEngine(engine, policy)
         weights = ModuleWeights(policy, collective=True, forward_context=self.forward_context)
         return GRPOModels(policy, ref, engine, lora=models.lora, weights=weights, sharded=True, teacher=models.teacher)

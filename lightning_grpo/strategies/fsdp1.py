@@ -88,7 +88,7 @@ class FSDP1Backend(LocalBackend):
             policy = _wrap(policy, self.strategy, auto_wrap_policy)
             ref = _wrap(ref, self.strategy, auto_wrap_policy) if ref is not None else None
             teacher = _wrap(teacher, self.strategy, auto_wrap_policy) if teacher is not None else None
-        if engine is not None and engine.uses_policy_parameters:
+        if engine is not None and engine.capabilities.uses_policy_parameters:
             if nested:
                 # nested units all-gather in every forward: every rank must run as many forwards as the longest
                 # rank (transformers' synced_gpus, as for FSDP2 modules)

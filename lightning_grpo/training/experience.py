@@ -13,6 +13,7 @@ from lightning_grpo.functional import loss_normalizer
 from lightning_grpo.protocols.collectives import Collectives
 from lightning_grpo.protocols.images import RowImages, images_to
 from lightning_grpo.protocols.rollout import RolloutOutput
+from lightning_grpo.protocols.routing import NO_EXPERT
 from lightning_grpo.protocols.tokens import (
     PAD_ID,
     ROW_META,
@@ -99,9 +100,17 @@ class Experience:
             None row) without images.
         teacher_logprobs: ``(N, T)`` float32 teacher logprobs of the completion tokens (on-policy distillation,
             ``GRPOConfig.distillation``), else None.
+        completion_versions: ``(N, T)`` long, the weight version that sampled each completion token (the rollout's
+            :attr:`~lightning_grpo.protocols.rollout.RolloutOutput.completion_versions`; -1 on tokens no engine
+            sampled), else None: the staleness metrics and the age bound of streaming rollouts read it, and
+            ``streaming.newest_version_only`` masks the loss with it.
         step_plan: the :class:`StepPlan` of the optimizer step this micro-batch belongs to (the loop's fetcher sets it
             before handing the micro-batch out); None elsewhere (the objective then takes this batch's own
             statistics). Never saved (:func:`lightning_grpo.loop.resume.experience_state`).
+        prompt_routed_experts, completion_routed_experts: ``(N, P | T, moe_layers, top_k)`` int16, the experts each
+            token is routed to in the policy's forward passes (routing replay: the sampler's with "R3", the old
+            policy's with "R2"; -1: the router's own choice), else None
+            (:class:`~lightning_grpo.protocols.rollout.RolloutOutput`).
     """
 
     prompt_ids: Tensor = field(metadata=token_meta(Layout.PROMPT, PAD_ID))
@@ -122,7 +131,10 @@ class Experience:
     env_mask: Optional[Tensor] = field(default=None, metadata=token_meta(Layout.COMPLETION, 0))
     images: Optional[list[Optional[RowImages]]] = None
     teacher_logprobs: Optional[Tensor] = field(default=None, metadata=token_meta(Layout.COMPLETION, 0.0))
+    completion_versions: Optional[Tensor] = field(default=None, metadata=token_meta(Layout.COMPLETION, -1))
     step_plan: Optional[StepPlan] = None
+    prompt_routed_experts: Optional[Tensor] = field(default=None, metadata=token_meta(Layout.PROMPT, NO_EXPERT))
+    completion_routed_experts: Optional[Tensor] = field(default=None, metadata=token_meta(Layout.COMPLETION, NO_EXPERT))
 
     @classmethod
     def of(cls, rollout: RolloutOutput, device: torch.device) -> "Experience":

@@ -40,6 +40,7 @@ from lightning_grpo.training.packing import (
     shared_prefix_rows,
     token_budget_partition,
 )
+from lightning_grpo.training.routing import PolicyRouting
 from lightning_grpo.training.vision import VisionInputs
 
 #: ``(model inputs, target ids (1, K), (rows, cols) of the K targets in the padded completion layout, the layout's
@@ -95,8 +96,12 @@ class CompletionLogprobs:
 
     Attributes:
         scorer: the backend's own scorer of its models (:meth:`use`), else None.
+        routing: the policy's routing (a mixture-of-experts policy with routing replay or the load-balancing loss:
+            :meth:`use_routing`), else None.
         sharded: the models all-gather their parameters on every forward call (FSDP): the padding-free paths then
             make one large forward pass instead of one per row (:meth:`use`; default False).
+        scorer_replays_routing: the scorer replays the batches' routed experts itself (:meth:`use`; Megatron): the
+            routing's per-position inputs are then its, not an error.
     """
 
     def __init__(self, config: GRPOConfig, vision: Optional[VisionSpec] = None) -> None:
@@ -104,11 +109,22 @@ class CompletionLogprobs:
         self.vision = vision
         self.scorer: Optional[CompletionScorer] = None
         self.sharded = False
+        self.scorer_replays_routing = False
         self.position_inputs: list[PositionInputs] = []
+        self.routing: Optional[PolicyRouting] = None
 
     def add_position_inputs(self, inputs: PositionInputs) -> None:
         """Run every forward pass of the padded, packed and shared-prefix layouts inside ``inputs(batch, source)``."""
         self.position_inputs.append(inputs)
+
+    def use_routing(self, routing: Optional[PolicyRouting]) -> None:
+        """A mixture-of-experts policy's routing replay and load-balancing loss (:mod:`lightning_grpo.training.
+        routing`): a :class:`PositionInputs` of every forward pass (it acts on the policy's routers only; the
+        reference's pass suspends it: :meth:`PolicyRouting.suspended`), which the logprob passes find here (``R2``
+        recording, the diagnostics). None: nothing."""
+        self.routing = routing
+        if routing is not None:
+            self.add_position_inputs(routing)
 
     def _positions(self, batch: Experience, source: Tensor) -> ContextManager[object]:
         """The contexts of :attr:`position_inputs` for one forward pass, entered in order."""
@@ -117,10 +133,11 @@ class CompletionLogprobs:
             stack.enter_context(inputs(batch, source))
         return stack
 
-    def use(self, scorer: Optional[CompletionScorer], sharded: bool) -> None:
-        """What the trainer's backend said of its models (``GRPOModels.scorer``, ``GRPOModels.sharded``), once per
-        configured run."""
+    def use(self, scorer: Optional[CompletionScorer], sharded: bool, scorer_replays_routing: bool = False) -> None:
+        """What the trainer's backend said of its models (``GRPOModels.scorer``, ``GRPOModels.sharded``,
+        ``GRPOModels.scorer_replays_routing``), once per configured run."""
         self.scorer, self.sharded = scorer, sharded
+        self.scorer_replays_routing = scorer_replays_routing
 
     @property
     def banned_token_ids(self) -> tuple[int, ...]:
@@ -150,9 +167,14 @@ class CompletionLogprobs:
 
         Raises:
             ValueError: ``entropy_grad`` or truncation with a model that computes its own logprobs (no entropy
-                gradient and no truncation there).
+                gradient and no truncation there), or position inputs for it (it runs no forward layout).
         """
         if self.scorer is not None:
+            handled = self.routing if self.scorer_replays_routing else None  # its own replay of the routed experts
+            if any(inputs is not handled for inputs in self.position_inputs):
+                raise ValueError(f"{type(model).__name__} scores its completions itself, without the forward layouts "
+                                 "that per-position inputs (routing replay, the load-balancing loss) need: set "
+                                 "GRPOConfig.routing_replay='off' and router_aux_loss_coef=0 with this backend")
             if batch.images is not None and any(batch.images):
                 raise ValueError(f"{type(model).__name__} scores text only: images in the prompts need an HF "
                                  "vision-language policy (single device, DDP or FSDP2)")
@@ -170,10 +192,13 @@ class CompletionLogprobs:
         micro_batch_size: int,
         forward_context: Callable[[], ContextManager] = contextlib.nullcontext,
         max_tokens: Optional[int] = None,
+        around: Optional[Callable[[Tensor, Experience], ContextManager[object]]] = None,
     ) -> Tensor:
         """Logprobs ``(N, T)`` float32 of every completion of ``experience`` under ``model`` in eval mode, no grad,
         in chunks of ``micro_batch_size`` sequences (of ``max_tokens`` tokens when given: the run's resolved
-        ``max_tokens_per_microbatch``), inside ``forward_context()`` (the trainer's precision context)."""
+        ``max_tokens_per_microbatch``), inside ``forward_context()`` (the trainer's precision context) and, for each
+        chunk, ``around(rows, chunk)`` (``chunk = experience.select(rows)``; e.g. routing replay "R2" recording the
+        old policy's routing)."""
         if max_tokens is not None:
             counts = sequence_token_counts(experience.prompt_mask, experience.completion_attention_mask).tolist()
             parts = [torch.tensor(p, dtype=torch.long) for p in token_budget_partition(counts, max_tokens)]
@@ -186,7 +211,9 @@ class CompletionLogprobs:
         try:
             with forward_context():
                 for index in parts:
-                    logprobs, _ = self(model, experience.select(index))
+                    part = experience.select(index)
+                    with around(index, part) if around is not None else contextlib.nullcontext():
+                        logprobs, _ = self(model, part)
                     result[index.to(result.device), : logprobs.shape[1]] = logprobs.float()
         finally:
             model.train(was_training)

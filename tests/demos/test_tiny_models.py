@@ -42,3 +42,26 @@ def test_a_cut_tokenizer_keeps_the_first_tokens_the_specials_and_the_template(tm
         save_tiny_tokenizer(smollm2_path, tmp_path / "whole", 49152)
     with pytest.raises(ValueError, match=r"vocab_size=100 is invalid: the first 100 ids .* byte alphabet"):
         save_tiny_tokenizer(smollm2_path, tmp_path / "too_small", 100)
+
+
+@pytest.mark.parametrize("fixture, experts, renormalized", [("tiny_qwen3_moe_path", 8, True),
+                                                            ("tiny_olmoe_path", 4, False),
+                                                            ("tiny_mixtral_path", 4, True)])
+def test_tiny_moe_fixtures(request, tmp_path, fixture, experts, renormalized):
+    """The tiny mixtures of experts: 2 layers of hidden 64 with heads of 32 (vLLM's CPU attention takes 32), every
+    layer routing top-2 of its experts with N(0, 1) routers, the cut tokenizer's 2,048 tokens and special ids."""
+    from lightning_grpo.demos.tiny_models import save_tiny_moe
+    from lightning_grpo.models.moe import FAMILIES
+
+    path = request.getfixturevalue(fixture)
+    model = AutoModelForCausalLM.from_pretrained(path)
+    config = model.config
+    assert (config.num_hidden_layers, config.hidden_size, config.vocab_size, config.num_experts_per_tok) == (2, 64,
+                                                                                                          2048, 2)
+    assert model.model.layers[0].self_attn.head_dim == 32
+    gate = model.model.layers[0].mlp.gate
+    assert gate.weight.shape == (experts, 64) and 0.8 < float(gate.weight.detach().std()) < 1.2
+    assert FAMILIES[config.model_type].renormalizes(config) is renormalized
+    assert model.generation_config.eos_token_id == model.generation_config.pad_token_id == 2
+    with pytest.raises(ValueError, match=r"model_type='deepseek_v3' is invalid: choose one of"):
+        save_tiny_moe(tmp_path / "unknown", path, "deepseek_v3")

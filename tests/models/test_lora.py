@@ -27,11 +27,12 @@ from lightning_grpo.data import PromptDataModule
 from lightning_grpo.models.hf_weights import hf_weights, merged_state_dict
 from lightning_grpo.models.loading import load_policy
 from lightning_grpo.models.lora import AdapterDisabledReference, LoraSettings, as_lora_config, check_quantized_engine
+from lightning_grpo.protocols.engine import EngineCapabilities
 from lightning_grpo.protocols.rollout import StopFlag
 from lightning_grpo.protocols.sampling import SamplingConfig
 from lightning_grpo.rollout.adapter import as_rollout_engine
 from lightning_grpo.rollout.engines.hf import HFRolloutEngine
-from lightning_grpo.rollout.registry import engine_spec, make_engine
+from lightning_grpo.rollout.registry import EngineSpec, make_engine
 from lightning_grpo.strategies import FSDP1Backend, GRPOModels
 from lightning_grpo.training.experience import Experience
 from support.algorithm import FixedRolloutEngine, fixed_completions, write_prompts
@@ -185,8 +186,8 @@ def test_hf_engine_samples_from_the_adapted_model(run, tiny_llama_path):
     """The HF engine generates with the PEFT model's transformers model (LoRA layers in place, its generation config
     neutralized): its sampler logprobs are the trainer's logprobs of the adapted policy."""
     module = run["module"]
-    engine = make_engine(engine_spec(module.config, "hf", module.hf_model, module.tokenizer, lambda: tiny_llama_path,
-                                     StopFlag()))
+    engine = make_engine(EngineSpec(module.config, module.hf_model, module.tokenizer, lambda: tiny_llama_path,
+                                    StopFlag(), "hf"))
     assert engine.model is module.policy.get_base_model() and module.hf_model is engine.model
     engine.report_logprobs = True
     torch.manual_seed(0)
@@ -274,7 +275,7 @@ def test_quantization_needs_cuda_and_lora(tiny_llama_path):
                        "export_merged=False"):
         GRPOModule(tiny_llama_path, lora=lora, quantization="4bit", export_merged=True)
     class OwnWeights(FixedRolloutEngine):
-        uses_policy_parameters = False  # as vLLM's engines declare
+        capabilities = EngineCapabilities()  # its own weights, as vLLM's engines declare
 
     quantized = LoraSettings(lora, quantization_config=object())  # what lora_settings returns for a quantized base
     check_quantized_engine(quantized, HFRolloutEngine(AutoModelForCausalLM.from_pretrained(tiny_llama_path),

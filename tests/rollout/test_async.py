@@ -36,7 +36,7 @@ from lightning_grpo import GRPOConfig, GRPOModule  # noqa: E402
 from lightning_grpo.callbacks import GRPOCallback
 from lightning_grpo.config import CorrectionConfig, EngineConfig, EpisodeConfig  # noqa: E402
 from lightning_grpo.data import PromptDataModule  # noqa: E402
-from lightning_grpo.rollout.engines.vllm import VLLMRolloutEngine  # noqa: E402
+from lightning_grpo.rollout.engines.vllm.colocated import VLLMRolloutEngine  # noqa: E402
 from support.checkpoint_generation import trainer_logprobs  # noqa: E402
 
 pytestmark = pytest.mark.engine
@@ -318,13 +318,14 @@ def test_per_request_seed_bases_are_disjoint_per_process(tiny_llama_path):
     from transformers import AutoTokenizer
 
     from lightning_grpo.experience.maker import ExperienceMaker, RolloutContext
+    from lightning_grpo.protocols.engine import EngineCapabilities
     from lightning_grpo.rewards import RewardSet
     from lightning_grpo.rollout.worker import RolloutWorker
     from lightning_grpo.training.logprobs import CompletionLogprobs
     from support.algorithm import FixedRolloutEngine
 
     class Seeded(FixedRolloutEngine):
-        seeds_per_request = True  # as vLLM's engines declare
+        capabilities = EngineCapabilities(uses_policy_parameters=True, seeds_per_request=True)  # seeds as vLLM's
 
     config = GRPOConfig()
     worker = RolloutWorker(config, AutoTokenizer.from_pretrained(tiny_llama_path))

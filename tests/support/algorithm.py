@@ -11,6 +11,7 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback
 
+from lightning_grpo.protocols.engine import EngineCapabilities
 from lightning_grpo.protocols.rollout import RolloutOutput, completion_mask_from_eos, left_pad
 from lightning_grpo.protocols.sampling import SamplingConfig
 from lightning_grpo.protocols.weights import PolicyWeights
@@ -34,9 +35,7 @@ class FixedRolloutEngine:
     sampler logprobs = ``logprob_fn(...) + offsets`` like an engine whose numerics differ from the trainer's. It stands
     in for the HF engine: it declares ``uses_policy_parameters`` (nothing to sync) and no per-request seeds."""
 
-    uses_policy_parameters = True
-    seeds_per_request = False
-    sync_is_collective = False
+    capabilities = EngineCapabilities(uses_policy_parameters=True)
 
     def __init__(self, completion_ids: torch.Tensor, eos_id: int, sampler_logprobs: Optional[torch.Tensor] = None):
         self.completion_ids = completion_ids

@@ -183,6 +183,12 @@ def fixed_step(cfg: dict) -> None:
                                        "beta": beta, **case.get("config", {})})  # + issue 33's knobs
         model = case.get("model", cfg["model"])
         fixed = fixed_experience(num_prompts, g, AutoConfig.from_pretrained(model).vocab_size)
+        if case.get("routed"):  # routed experts of the rollout, [layers, top_k, experts] (routing replay, issue 43)
+            from support.moe import experts_of
+
+            fixed["prompt_routed_experts"] = experts_of(fixed["prompt_ids"], fixed["prompt_mask"], *case["routed"])
+            fixed["completion_routed_experts"] = experts_of(fixed["completion_ids"], fixed["completion_mask"],
+                                                            *case["routed"])
         offsets = None
         if case.get("sampler_offsets"):
             offsets = 0.05 * torch.randn(num_prompts * g, 7, generator=torch.Generator().manual_seed(1))
@@ -481,7 +487,7 @@ def agents_run(cfg: dict) -> None:
     """2 GRPO steps of :func:`rank_agent`'s episodes (HF engine) under ``cfg["strategy"]``: each rank saves its
     global step, its episodes' model calls per rollout, the logged ``turns/max`` and its gateways' addresses."""
     from lightning_grpo.config import EpisodeConfig
-    from lightning_grpo.rollout.server import gateway
+    from lightning_grpo.episodes.agents import gateway
 
     out = cfg["out"]
     data = _index_prompts(out, 8)

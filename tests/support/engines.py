@@ -8,6 +8,7 @@ from typing import Optional
 
 import torch
 
+from lightning_grpo.protocols.engine import EngineCapabilities
 from lightning_grpo.protocols.rollout import RolloutInterrupted, RolloutOutput, StopFlag
 from lightning_grpo.protocols.sampling import SamplingConfig
 from lightning_grpo.protocols.weights import PolicyWeights
@@ -42,8 +43,7 @@ class RecordingEngine(FixedRolloutEngine):
         gate: a ``threading.Event`` each generation waits for (None: generate at once).
     """
 
-    uses_policy_parameters = False
-    seeds_per_request = True
+    capabilities = EngineCapabilities(seeds_per_request=True)
 
     def __init__(self, completion_ids: torch.Tensor, eos_id: int, stop: Optional[StopFlag] = None,
                  gate: Optional[threading.Event] = None) -> None:

@@ -21,7 +21,7 @@ def require_engine_lane(what: str) -> None:
 
 def watch_vllm_constructions() -> None:
     """Wrap ``VLLMRolloutEngine.__init__`` (the product class, unchanged otherwise) with the lane check."""
-    from lightning_grpo.rollout.engines.vllm import VLLMRolloutEngine
+    from lightning_grpo.rollout.engines.vllm.colocated import VLLMRolloutEngine
 
     init = VLLMRolloutEngine.__init__
     if getattr(init, "_lane_checked", False):

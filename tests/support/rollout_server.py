@@ -1,5 +1,5 @@
 """A rollout server (``python -m lightning_grpo.cli serve``, real vLLM) in a subprocess, for the tests that need one
-(``tests/rollout/test_vllm_server.py``, ``tests/strategies/test_megatron_engines.py``)."""
+(``tests/rollout/server/test_vllm_server.py``, ``tests/strategies/test_megatron_engines.py``)."""
 
 from __future__ import annotations
 

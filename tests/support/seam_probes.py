@@ -97,6 +97,12 @@ NAMED: dict[tuple[str, str], tuple[bool, str]] = {
     ("lightning_grpo/training/logprobs.py", "getattr(model, 'config', None)"): (False, "an HF model's config"),
     ("lightning_grpo/training/logprob_head.py", "getattr(model, 'config', None)"): (False, "an HF model's config"),
     ("lightning_grpo/models/loading.py", "getattr(model, 'config', None)"): (False, "an HF model's config"),
+    ("lightning_grpo/models/moe.py", "getattr(model, 'config', None)"): (False, "an HF model's config"),
+    ("lightning_grpo/models/moe.py", "getattr(config, 'model_type', '')"): (False, "an HF config's model type"),
+    ("lightning_grpo/models/moe.py", "getattr(config, 'model_type', None)"): (False, "an HF config's model type"),
+    ("lightning_grpo/training/routing.py", "getattr(model, 'config', None)"): (False, "an HF model's config"),
+    ("lightning_grpo/training/routing.py", "getattr(config_of_model, 'model_type', None)"):
+        (False, "an HF config's model type"),
     ("lightning_grpo/models/lora.py", "getattr(base_model(policy), 'config', None)"): (False, "an HF model's config"),
     ("lightning_grpo/models/hf_weights.py", "getattr(model, 'config', None)"): (False, "an HF model's config"),
     ("lightning_grpo/strategies/weights.py", "getattr(model, 'config', None)"): (False, "an HF model's config"),
@@ -107,13 +113,17 @@ NAMED: dict[tuple[str, str], tuple[bool, str]] = {
         (False, "an HF model's generation config"),
     ("lightning_grpo/episodes/build.py", "getattr(policy, 'generation_config', None)"):
         (False, "an HF model's generation config"),
-    ("lightning_grpo/rollout/engines/vllm.py", "getattr(model_config.hf_text_config, 'tie_word_embeddings', False)"):
+    ("lightning_grpo/rollout/engines/vllm/colocated.py",
+     "getattr(model_config.hf_text_config, 'tie_word_embeddings', False)"):
+        (False, "vLLM's model config"),
+    ("lightning_grpo/rollout/server/async_engine.py",
+     "getattr(model_config.hf_text_config, 'tie_word_embeddings', False)"):
         (False, "vLLM's model config"),
     ("lightning_grpo/strategies/megatron/model.py", "getattr(config, 'tie_word_embeddings', False)"):
         (False, "an HF config"),
     ("lightning_grpo/strategies/megatron/model.py", "getattr(config, 'pad_token_id', None)"): (False, "an HF config"),
     ("lightning_grpo/strategies/megatron/model.py", "getattr(config, 'head_dim', None)"): (False, "an HF config"),
-    ("lightning_grpo/rollout/engines/kv_cache.py", "getattr(text, 'head_dim', None)"): (False, "an HF config"),
+    ("lightning_grpo/rollout/engines/vllm/kv_cache.py", "getattr(text, 'head_dim', None)"): (False, "an HF config"),
     ("lightning_grpo/strategies/base.py", "getattr(gradient_clip_algorithm, 'value', gradient_clip_algorithm)"):
         (False, "Lightning's GradClipAlgorithmType enum value (a user setting)"),
     ("lightning_grpo/rollout/server/vllm_extension.py", "getattr(self, 'rank', 0)"): (False, "vLLM worker's rank"),

@@ -35,7 +35,7 @@ class VLLMPool:
         """The engine for ``path`` in ``dtype`` (built on first use; a bfloat16 engine for the bf16 tests is another
         engine). ``reload``: load the folder's weights into it again (a fit's module syncs its policy's weights before
         the first rollout anyway; False skips the reload)."""
-        from lightning_grpo.rollout.engines.vllm import VLLMRolloutEngine
+        from lightning_grpo.rollout.engines.vllm.colocated import VLLMRolloutEngine
 
         engine = self.engines.get((path, dtype))
         if engine is None:

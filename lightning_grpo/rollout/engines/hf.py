@@ -1,6 +1,6 @@
 """Rollouts with transformers' ``generate`` on the policy itself (sampling, left padding, KV cache).
 
-What is sampled is :func:`lightning_grpo.functional.sampling_logits` of the policy's logits and nothing else:
+What is sampled is :func:`lightning_grpo.protocols.sampling.sampling_logits` of the policy's logits and nothing else:
 
 * ``generate`` fills every field a ``GenerationConfig`` leaves unset (None) from ``model.generation_config``, the
   checkpoint's ``generation_config.json``, and turns many of them into logits processors (repetition penalty,
@@ -16,6 +16,7 @@ What is sampled is :func:`lightning_grpo.functional.sampling_logits` of the poli
 from __future__ import annotations
 
 import contextlib
+from dataclasses import replace
 from typing import Any, Callable, ContextManager, Optional, Sequence
 
 import torch
@@ -28,7 +29,7 @@ from transformers import (
     StoppingCriteria,
 )
 
-from lightning_grpo.functional import sampling_logits
+from lightning_grpo.protocols.engine import EngineCapabilities
 from lightning_grpo.protocols.images import RowImages
 from lightning_grpo.protocols.rollout import (
     RolloutInterrupted,
@@ -39,9 +40,11 @@ from lightning_grpo.protocols.rollout import (
     finish_rollout,
     left_pad,
 )
-from lightning_grpo.protocols.sampling import SamplingConfig
+from lightning_grpo.protocols.routing import RoutingRecorder, mask_routed
+from lightning_grpo.protocols.sampling import SamplingConfig, sampling_logits
 from lightning_grpo.protocols.vision import VisionSpec, vision_spec
 from lightning_grpo.protocols.weights import PolicyWeights
+from lightning_grpo.rollout.engines.generate_routing import generation_routing
 from lightning_grpo.rollout.engines.multimodal import ImageRows
 from lightning_grpo.rollout.registry import EngineSpec
 
@@ -62,8 +65,8 @@ def neutral_generation_config(model_config: Optional[GenerationConfig], **fields
 
 
 class SamplingProcessor(LogitsProcessor):
-    """Replaces the scores by :func:`lightning_grpo.functional.sampling_logits` (temperature, min-p, top-k, top-p;
-    greedy: the raw logits). It is the last processor of the list, so with ``record=True`` the log-softmax of its
+    """Replaces the scores by :func:`lightning_grpo.protocols.sampling.sampling_logits` (temperature, min-p, top-k,
+    top-p; greedy: the raw logits). It is the last processor of the list, so with ``record=True`` the log-softmax of its
     output is the log-probability of the distribution ``generate`` samples (or takes the argmax) from: the
     logprob of each token is read at the next call, when the token has been appended to ``input_ids``.
 
@@ -108,7 +111,7 @@ class HFRolloutEngine:
     """Generates with the policy module itself, so it always uses the current weights (``sync_weights`` is a
     no-op). The model is put in eval mode for the rollout and restored afterwards; no gradients are kept.
 
-    Sampling draws from :func:`lightning_grpo.functional.sampling_logits` (``softmax(logits / temperature)``
+    Sampling draws from :func:`lightning_grpo.protocols.sampling.sampling_logits` (``softmax(logits / temperature)``
     renormalized over what min-p / top-k / top-p keep) and nothing else: the checkpoint's generation config is
     neutralized (see the module docstring), so the trainer's logprobs with the same settings describe exactly the
     sampled distribution.
@@ -121,16 +124,23 @@ class HFRolloutEngine:
             on the trained weights they equal the trainer's own logprobs up to kernel differences.
         vision: a vision-language policy's image facts (:func:`lightning_grpo.protocols.vision.vision_spec`): prompts
             may then have images (``generate(..., images=...)``, :mod:`lightning_grpo.rollout.engines.multimodal`).
+        routing: a mixture-of-experts policy's routing recorder (routing replay, ``GRPOConfig.routing_replay="R3"``):
+            every rollout then carries the experts each token was routed to (``prompt_routed_experts``,
+            ``completion_routed_experts``, :mod:`lightning_grpo.rollout.engines.generate_routing`); None: nothing is
+            recorded (no cost).
         forward_context: entered around ``generate`` (the trainer's precision context: bf16 autocast under
             ``precision="bf16-mixed"``), so the rollout samples in the precision the trainer scores it in.
     """
 
+
     def __init__(
         self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, report_logprobs: bool = False,
         stop: Optional[StopFlag] = None, vision: Optional[VisionSpec] = None,
+        routing: Optional[RoutingRecorder] = None,
         forward_context: Callable[[], ContextManager] = contextlib.nullcontext,
     ) -> None:
         self.model = model
+        self.routing = routing
         self.forward_context = forward_context
         self.vision = vision
         self.tokenizer = tokenizer
@@ -142,24 +152,15 @@ class HFRolloutEngine:
         self.synced_gpus: Optional[bool] = None  # None: transformers decides (DeepSpeed ZeRO-3 / FSDP2 modules)
 
     @property
-    def uses_policy_parameters(self) -> bool:
-        """True: ``generate`` runs on the trained module."""
-        return True
+    def capabilities(self) -> EngineCapabilities:
+        """It generates with the trained module itself; sampling draws from torch's global generator; nothing to sync;
+        its rollouts carry the routed experts when it was made with a routing recorder."""
+        return EngineCapabilities(uses_policy_parameters=True, returns_routed_experts=self.routing is not None)
 
     @property
     def accepts_images(self) -> bool:
         """Whether the policy is a vision-language model (prompts may have images)."""
         return self.vision is not None
-
-    @property
-    def seeds_per_request(self) -> bool:
-        """False: sampling draws from torch's global generator."""
-        return False
-
-    @property
-    def sync_is_collective(self) -> bool:
-        """False: nothing to sync."""
-        return False
 
     def set_lockstep(self, enabled: bool) -> None:
         """``generate(synced_gpus=True)`` when enabled (FSDP1 with nested units: every forward is a collective)."""
@@ -229,8 +230,9 @@ class HFRolloutEngine:
         # generate() fills every unset field from model.generation_config: hand it one with nothing to fill from
         self.model.generation_config = neutral_generation_config(checkpoint_config)
         stop = _StopCriterion(self.stop)
+        recording = self.routing.record() if self.routing is not None else contextlib.nullcontext()
         try:
-            with self.forward_context():  # the trainer's precision (bf16 autocast under "bf16-mixed")
+            with recording as calls, self.forward_context():  # the trainer's precision (bf16 autocast: "bf16-mixed")
                 out = self.model.generate(
                     input_ids=ids, attention_mask=mask, generation_config=config,
                     logits_processor=LogitsProcessorList([processor]), stopping_criteria=[stop],
@@ -253,8 +255,17 @@ class HFRolloutEngine:
         completion_mask, truncated = completion_mask_from_eos(completion_ids, self.eos_token_ids)
         if sampler_logprobs is not None:  # finished rows continue with pad ids, whose logprob may be -inf
             sampler_logprobs = torch.where(completion_mask.bool(), sampler_logprobs.float(), 0.0)
-        return finish_rollout(ids, mask, rows.repeat, completion_ids, completion_mask, truncated, sampler_logprobs,
-                              self.tokenizer, self.pad_token_id, images=rows.images)
+        output = finish_rollout(ids, mask, rows.repeat, completion_ids, completion_mask, truncated, sampler_logprobs,
+                                self.tokenizer, self.pad_token_id, images=rows.images)
+        if self.routing is None:
+            return output
+        prompt, completion = generation_routing(calls, out.shape[0], ids.shape[1], output.completion_ids.shape[1],
+                                                self.routing.moe_layers, self.routing.top_k)
+        repeat = len(output) // out.shape[0]  # greedy: each prompt's one completion, repeated
+        return replace(output,
+                       prompt_routed_experts=mask_routed(prompt.repeat_interleave(repeat, dim=0), output.prompt_mask),
+                       completion_routed_experts=mask_routed(completion.repeat_interleave(repeat, dim=0),
+                                                             output.completion_mask))
 
 
 class _StopCriterion(StoppingCriteria):
@@ -275,6 +286,7 @@ class _StopCriterion(StoppingCriteria):
 def make(spec: EngineSpec) -> HFRolloutEngine:
     """The "hf" engine of the registry: generates with ``spec.model`` (the policy's transformers model; with LoRA,
     its layers carry the adapters), inside the trainer's precision context (``spec.forward_context``); a
-    vision-language policy's prompts may have images."""
+    vision-language policy's prompts may have images; with ``spec.routing`` (routing replay) the rollouts carry the
+    routed experts."""
     return HFRolloutEngine(spec.model, spec.tokenizer, stop=spec.stop, vision=vision_spec(spec.model.config),
-                           forward_context=spec.forward_context)
+                           routing=spec.routing, forward_context=spec.forward_context)

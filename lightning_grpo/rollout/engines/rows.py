@@ -1,8 +1,7 @@
 """Completions as plain token-id rows and back: the pieces the colocated vLLM engine
-(:mod:`lightning_grpo.rollout.engines.vllm`), the rollout server (:mod:`lightning_grpo.rollout.server.app`) and its
-client
-(:mod:`lightning_grpo.rollout.engines.remote`) share, so that a rollout is checked, seeded and assembled the same way
-whether it was sampled in this process or on a server.
+(:mod:`lightning_grpo.rollout.engines.vllm.colocated`), the rollout server (:mod:`lightning_grpo.rollout.server.app`)
+and its client (:mod:`lightning_grpo.rollout.server.remote`) share, so that a rollout is checked, seeded and
+assembled the same way whether it was sampled in this process or on a server.
 """
 
 from __future__ import annotations

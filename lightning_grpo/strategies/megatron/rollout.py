@@ -59,8 +59,8 @@ class TensorParallelRolloutEngine(EngineWrapper):
     def sync_weights(self, weights: PolicyWeights) -> None:
         """Push the trained weights into the engine (see the module docstring). A collective over the
         model-parallel group: every rank calls it."""
-        if self.engine.uses_policy_parameters:  # HF generate: it generates with the HF copy, refreshed when stale
-            if self._any_stale():
+        if self.engine.capabilities.uses_policy_parameters:  # HF generate: it generates with the HF copy, refreshed
+            if self._any_stale():  # when stale
                 self._sync_hf_model()
         else:  # every rank's engine reads the gathered stream (the gathers and the probe are collectives)
             self.engine.sync_weights(weights)
@@ -68,7 +68,7 @@ class TensorParallelRolloutEngine(EngineWrapper):
     def wake_up(self) -> None:
         """Refresh the HF copy if the weights changed (HF engine; a collective over the model-parallel group), then
         the wrapped engine's ``wake_up``."""
-        if self.engine.uses_policy_parameters and self._any_stale():
+        if self.engine.capabilities.uses_policy_parameters and self._any_stale():
             self._sync_hf_model()
         self.engine.wake_up()
 
@@ -88,7 +88,7 @@ class TensorParallelRolloutEngine(EngineWrapper):
             raise ValueError("MegatronStrategy trains text-only models: prompts with images need the HF policy on one "
                              "device, DDP or FSDP2")
         on_main = threading.current_thread() is threading.main_thread()
-        if on_main and self.engine.uses_policy_parameters and self._any_stale():
+        if on_main and self.engine.capabilities.uses_policy_parameters and self._any_stale():
             self._sync_hf_model()
         out = self.engine.generate(prompt_ids, num_generations, sampling) if self.generates else None
         if self._group_size() == 1:
