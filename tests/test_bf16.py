@@ -129,22 +129,17 @@ def test_two_bf16_steps_with_the_hf_engine(tiny_llama_path, tmp_path, prompt_fil
                                                                                               "bf16-true-lora"])
 def test_two_bf16_steps_with_colocated_vllm_synced_in_bf16(tiny_llama_path, tmp_path, prompt_file, precision, lora,
                                                            vllm_engine):
-    """The colocated engine computes in bfloat16 (``engine.dtype="auto"`` resolved to the trainer's compute dtype:
-    "bf16-mixed" makes its own engine; "bf16-true" with LoRA is given the pooled bfloat16 engine), every sync casts
-    the policy's (merged) weights into it, and the post-sync check passes at the derived bf16 tolerance with a
-    difference it really measured (bfloat16 rounding: not 0)."""
-    given = vllm_engine(tiny_llama_path, reload=False, dtype="bfloat16") if lora else None
-    if given is not None:  # the pooled engine checks nothing by default
-        given.weight_sync_check = TINY_SYNC_CHECK
+    """A bfloat16 colocated engine (the pooled one: what ``engine.dtype="auto"`` makes for a bf16 trainer,
+    ``tests/rollout/test_registry.py``), every sync casting the policy's (merged) weights into it, and the post-sync
+    check passing at the derived bf16 tolerance with a difference it really measured (bfloat16 rounding: not 0)."""
+    given = vllm_engine(tiny_llama_path, reload=False, dtype="bfloat16")
+    given.weight_sync_check = TINY_SYNC_CHECK  # the pooled engine checks nothing by default
     try:
         module, trainer, recorder, rollouts, before = _two_steps(tiny_llama_path, tmp_path, prompt_file, precision,
                                                                  engine="vllm", lora=lora, given=given)
     finally:
-        if given is not None:
-            given.weight_sync_check = None
+        given.weight_sync_check = None
     _assert_trained_in(precision, module, trainer, recorder, before)
-    if given is None:
-        assert module.resolved.engine_dtype == "bfloat16"
     for dtype, check in rollouts.engine:
         assert dtype == torch.bfloat16 and 0 < check <= TINY_SYNC_CHECK
     for metrics in recorder.metrics:  # the mismatch metrics of the bf16 sampler: measured, within the bound
