@@ -265,9 +265,9 @@ def free_port() -> int:
 
 
 def start_server(model: str, cpus: str, threads: int, kv_cache_gib: float, max_model_len: int,
-                 log_path: str) -> tuple[subprocess.Popen, str]:
-    """``lightning-grpo serve`` pinned to ``cpus`` with ``threads`` torch threads; returns ``(process, url)`` once
-    ``/health`` answers (raises RuntimeError after 600 s or when it exits)."""
+                 log_path: str, dtype: str = "float32") -> tuple[subprocess.Popen, str]:
+    """``lightning-grpo serve`` pinned to ``cpus`` with ``threads`` torch threads, computing in ``dtype``; returns
+    ``(process, url)`` once ``/health`` answers (raises RuntimeError after 600 s or when it exits)."""
     from lightning_grpo.rollout.server.client import RolloutServerError, ServerClient
 
     port = free_port()
@@ -276,7 +276,7 @@ def start_server(model: str, cpus: str, threads: int, kv_cache_gib: float, max_m
     env.pop("VLLM_CPU_KVCACHE_SPACE", None)
     command = ["taskset", "-c", cpus, sys.executable, "-m", "lightning_grpo.cli", "serve", "--model", model,
                "--host", "127.0.0.1", "--port", str(port), "--kv-cache-space-gib", f"{kv_cache_gib:.6f}",
-               "--max-model-len", str(max_model_len)]
+               "--max-model-len", str(max_model_len), "--dtype", dtype]
     proc = subprocess.Popen(command, env=env, stdout=open(log_path, "a"), stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 600
@@ -504,6 +504,7 @@ def run_ours(spec: dict) -> dict:
         "accumulate_grad_batches": accumulate,
         "config": dataclasses.asdict(config),
         "token_budget": module.token_budget,
+        "resolved": module.resolved.as_dict(),  # e.g. the engine's dtype ("auto": the trainer's compute dtype)
         "cuda_train_peak_bytes": clock.cuda_train_peak or None,
         "ignored_options": ignored,
     }
@@ -708,6 +709,8 @@ def worker_main(spec_path: str, out_path: str) -> None:
         imported_modules=imported_modules(),
         trainer=spec["trainer"],
         engine=spec.get("engine"),
+        precision=spec.get("precision", "32-true"),
+        dtype=spec.get("dtype", "float32"),
         torch_threads=torch.get_num_threads(),
         vllm_imported=sys.modules.get("vllm") is not None,
         wall_s=time.perf_counter() - _WORKER_START,

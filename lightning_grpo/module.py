@@ -6,6 +6,7 @@ experience), the training step, the optimizer's hooks, the validation and test s
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import logging
@@ -46,12 +47,12 @@ from lightning_grpo.rollout.prefetch import PrefetchedRollout
 from lightning_grpo.rollout.streaming import RolloutStream
 from lightning_grpo.runtime.checkpointing import use_atomic_checkpoint_io
 from lightning_grpo.runtime.cleanup import ReleaseOnException, install
-from lightning_grpo.strategies import backend_for
+from lightning_grpo.strategies import backend_for, compute_dtype
 from lightning_grpo.strategies.backend import GRPOModels, ParallelBackend
 from lightning_grpo.strategies.local import LocalBackend
 from lightning_grpo.training.experience import Experience, StepPlan
 from lightning_grpo.training.nonfinite import check_finite_checkpoint
-from lightning_grpo.training.optim import adamw_with_warmup, check_optimizer_arguments
+from lightning_grpo.training.optim import adamw_with_warmup, check_optimizer_arguments, warn_rounded_away_updates
 from lightning_grpo.training.token_budget import fit_token_budget
 
 log = logging.getLogger(__name__)
@@ -247,7 +248,8 @@ class GRPOModule(L.LightningModule):
         self.make_rollout_engine(prompts.prompts_per_step)
         install(self.trainer, self._release_on_exception)  # no teardown runs after a failure
         check_quantized_engine(self._lora_settings, self.rollout.require_engine())
-        self.rewards.setup(self.trainer.strategy.root_device)  # e.g. a reward model's device="auto": this rank's
+        self.rewards.setup(self.trainer.strategy.root_device,  # e.g. a reward model's device="auto": this rank's
+                           compute_dtype(self.trainer.strategy, next(self.policy.parameters()).dtype))
         check_tied_head(self.policy, self._loaded.base, self.rollout.require_engine())
         if stage == "fit":
             updates = 1 if prompts.prompts_per_step is None else schedule.steps_per_rollout(self.config,
@@ -260,8 +262,15 @@ class GRPOModule(L.LightningModule):
         """Make the rollout engine ``config.engine`` names, once (``setup`` does; a made or given engine is kept;
         :meth:`lightning_grpo.rollout.worker.RolloutWorker.start`), resolving its "auto" settings into
         :attr:`resolved`. ``rollout_prompts``: prompts per rollout on this process, when known (sizes
-        ``engine.kv_cache_space_gib="auto"``). Returns the engine."""
-        self.resolved = self.rollout.start(self._loaded.base, self._engine_checkpoint, self.resolved, rollout_prompts)
+        ``engine.kv_cache_space_gib="auto"``). Under a trainer, the engine samples in the dtype the trainer computes
+        in (``engine.dtype="auto"``: :func:`~lightning_grpo.strategies.compute_dtype`; the HF engine inside the
+        precision plugin's ``forward_context``). Returns the engine."""
+        trainer, dtype, context = self._trainer, None, contextlib.nullcontext
+        if trainer is not None:
+            dtype = compute_dtype(trainer.strategy, next(self.policy.parameters()).dtype)
+            context = trainer.precision_plugin.forward_context
+        self.resolved = self.rollout.start(self._loaded.base, self._engine_checkpoint, self.resolved, rollout_prompts,
+                                           dtype, context)
         self._record_resolved()
         return self.rollout.require_engine()
 
@@ -320,6 +329,9 @@ class GRPOModule(L.LightningModule):
         for frozen in (self.ref_model, self.teacher_model):
             if frozen is not None:
                 frozen.to(self.device)
+        if self.trainer.precision in ("bf16-true", "16-true"):  # half-precision weights: updates may round away
+            warn_rounded_away_updates((p for p in self.policy.parameters() if p.requires_grad),
+                                      self.hparams.learning_rate, self.trainer.precision)
         self._bind_context()
         self._hand_plan()
 

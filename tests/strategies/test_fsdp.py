@@ -14,7 +14,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from lightning_grpo.strategies import FSDP2Strategy, clip_grad_norm_, grad_norm, mixed_precision_policy
-from support.dist import assert_same_step, load, reference_step, run_worker
+from support.bf16 import assert_bf16_step
+from support.dist import ADAM_LR, assert_same_step, load, reference_step, run_worker
 
 pytestmark = pytest.mark.distributed  # 2-process runs
 
@@ -44,6 +45,14 @@ FIXED_CASES = [
     {"name": "fsdp2_qwen3_moe_r3", "strategy": {"name": "grpo_fsdp2", "activation_checkpointing": True},
      "loss_type": "grpo", "beta": 0.04, "moe": True, "routed": [2, 2, 8],
      "config": {"routing_replay": "R3", "router_aux_loss_coef": 0.05}},
+    # issue 44: bf16 (support/bf16.py: the bounds and why): FSDP2's own mixed precision (float32 shards, bfloat16
+    # all-gathers and compute, float32 reduce-scatter), Lightning's autocast, bfloat16 shards
+    {"name": "fsdp2_mp_bf16", "strategy": {"name": "grpo_fsdp2", "mixed_precision": "bf16"}, "loss_type": "dapo",
+     "beta": 0.04},
+    {"name": "fsdp2_bf16_mixed", "strategy": {"name": "grpo_fsdp2"}, "loss_type": "grpo", "beta": 0.04,
+     "precision": "bf16-mixed"},
+    {"name": "fsdp2_bf16_true", "strategy": {"name": "grpo_fsdp2"}, "loss_type": "dapo", "beta": 0.04,
+     "precision": "bf16-true"},
 ]
 
 
@@ -70,7 +79,12 @@ def test_two_ranks_match_one_process_on_fixed_experience(fixed_step_runs, name):
         assert all(r["ref_sharded"] for r in ranks)  # ... and so is the reference policy
     if reference["teacher_logprobs"]:
         assert all(r["teacher_sharded"] for r in ranks)  # ... and the distillation teacher (issue 33)
-    assert_same_step(reference, ranks)
+    if "bf16" in name:  # bfloat16's bounds (support/bf16.py); float32 shards and AdamW state but under "bf16-true"
+        assert_bf16_step(reference, ranks, lr=ADAM_LR)
+        dtype = "torch.bfloat16" if name.endswith("true") else "torch.float32"
+        assert all(r["dtypes"] == {"params": [dtype], "optimizer": [dtype]} for r in ranks)
+    else:
+        assert_same_step(reference, ranks)
 
 
 def test_clipping_by_norm_is_active_and_exact(fixed_step_runs):

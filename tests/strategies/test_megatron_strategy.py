@@ -2,6 +2,7 @@
 torchrun running ``tests/support/megatron_worker.py``) against transformers and the plain GRPOModule."""
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -45,11 +46,12 @@ def _results(out: Path, name: str) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def two_processes(tmp_path_factory, files):
-    """One torchrun with 2 processes: TP=2 logits, TP=2 logprobs, one GRPO step at TP=2 (DP=1) and at TP=1 (DP=2)."""
+    """One torchrun with 2 processes: TP=2 logits, TP=2 logprobs, one GRPO step at TP=2 (DP=1) and at TP=1 (DP=2),
+    and one at TP=2 in each bf16 precision."""
     out = tmp_path_factory.mktemp("megatron_two_processes")
     step = {"model_path": files["models"]["tied"], "data_path": files["prompts"], "clip": CLIP}
     _torchrun(out, [["logits", {"model_paths": list(files["models"].values())}], ["logprobs", {}],
-                    ["step", {**step, "tp": 2}], ["step", {**step, "tp": 1}]])
+                    ["step", {**step, "tp": 2}], ["step", {**step, "tp": 1}], ["bf16_step", step]])
     return out
 
 
@@ -117,6 +119,34 @@ def test_one_grpo_step_tp2_tp1_dp2_and_plain_agree(two_processes, files, restore
         assert result["policy_type"] == "LlamaForCausalLM"  # the HF policy is handed back after fit
         assert result["model_parallel_initialized"] is False and result["cpu_shims"] is False
         assert result["new_process_groups"] == 0  # the model-parallel groups are destroyed
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("precision", ["bf16-mixed", "bf16-true"])
+def test_a_bf16_grpo_step_at_tp2_agrees_with_plain_training_to_bf16_rounding(two_processes, files,
+                                                                             restore_distributed_env, precision):
+    """Issue 44: under "bf16-mixed" (float32 megatron-core weights, bf16 autocast) and "bf16-true" (megatron-core built
+    in bfloat16), a TP=2 step agrees with plain one-process training in the same precision to bfloat16's bounds
+    (support/bf16.py: loss and gradient norm 4 u relative; the SGD step (lr 5) moves each weight by lr * g, so the
+    weights agree to lr * 4 u max|g| (gradient clipped to norm CLIP: max|g| <= CLIP), plus one bfloat16 spacing of the
+    weights where they are bfloat16)."""
+    from support.bf16 import U
+
+    model, prompts = files["models"]["tied"], files["prompts"]
+    plain, plain_loss, plain_norm = megatron_worker.run_one_step(model, prompts, "auto", 1, 4, CLIP,
+                                                                 precision=precision)
+    expected = plain.policy.state_dict()
+    result, other = (r[precision] for r in _results(two_processes, "bf16_step"))
+    assert result == other  # both ranks logged the same step
+    assert result["megatron_dtypes"] == ["torch.float32" if precision == "bf16-mixed" else "torch.bfloat16"]
+    assert math.isfinite(result["loss"]) and result["loss"] == pytest.approx(plain_loss, rel=4 * U, abs=1e-6)
+    assert result["grad_norm"] == pytest.approx(plain_norm, rel=4 * U)
+    weights = torch.load(two_processes / f"bf16_step_{precision}_weights.pt", weights_only=True)
+    assert sorted(weights) == sorted(expected)
+    for key, value in expected.items():
+        spacing = 2 * U * float(value.float().abs().max()) if value.dtype == torch.bfloat16 else 0.0
+        torch.testing.assert_close(weights[key].float(), value.float(), atol=5.0 * 4 * U * CLIP + spacing, rtol=0,
+                                   msg=key)
 
 
 @pytest.mark.distributed

@@ -139,6 +139,14 @@ class FixedExperienceModule(GradRecording, GRPOModule):
         return exp
 
 
+def dtypes(policy, optimizer) -> dict:
+    """The dtypes of the trained parameters (local shards) and of the optimizer's float states (AdamW's moments)."""
+    params = {(p.to_local() if hasattr(p, "to_local") else p).dtype for p in policy.parameters() if p.requires_grad}
+    states = {(v.to_local() if hasattr(v, "to_local") else v).dtype for state in optimizer.state.values()
+              for k, v in state.items() if k != "step" and torch.is_tensor(v)}
+    return {"params": sorted(str(d) for d in params), "optimizer": sorted(str(d) for d in states)}
+
+
 class StepRecorder(Callback):
     """After each optimizer step: the logged loss and grad_norm, the full post-clip gradients (recorded by
     :class:`GradRecording`) and the full weights (collectives: every rank runs them in the same order)."""
@@ -198,10 +206,11 @@ def fixed_step(cfg: dict) -> None:
             accelerator="cpu", devices=cfg["devices"], strategy=make_strategy(case["strategy"]), max_steps=1,
             logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
             callbacks=[recorder], gradient_clip_val=case.get("gradient_clip_val"),
-            default_root_dir=cfg["out"],
+            default_root_dir=cfg["out"], precision=case.get("precision", "32-true"),
         )
         trainer.fit(module, datamodule=IndexPrompts(num_prompts, num_prompts // cfg["devices"]))
         record = recorder.records[-1]
+        record["dtypes"] = dtypes(module.policy, trainer.optimizers[0])
         record["ref_logprobs"] = module.seen
         record["teacher_logprobs"] = module.seen_teacher
         teacher = module.teacher_model

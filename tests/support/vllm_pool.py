@@ -30,24 +30,25 @@ class VLLMPool:
     """``get(path)``: the pool's engine for a model folder, holding that folder's weights."""
 
     def __init__(self) -> None:
-        self.engines: dict[Any, Any] = {}
-        self.moe: dict[Any, bool] = {}  # whether each engine's model is a mixture of experts
+        self.engines: dict[tuple[str, str, bool], Any] = {}
+        self.moe: dict[tuple[str, str, bool], bool] = {}  # whether each engine's model is a mixture of experts
         self.builds = 0
 
-    def get(self, path: str, reload: bool = True, record_routing: bool = False) -> Any:
-        """The engine for ``path`` (built on first use). ``reload``: load the folder's weights into it again (a
-        fit's module syncs its policy's weights before the first rollout anyway; False skips the reload).
-        ``record_routing``: the engine of a mixture of experts whose rollouts carry the routed experts (routing
-        replay "R3"; another engine than the one without)."""
+    def get(self, path: str, reload: bool = True, dtype: str = "float32", record_routing: bool = False) -> Any:
+        """The engine for ``path`` in ``dtype`` (built on first use; a bfloat16 engine for the bf16 tests is another
+        engine). ``reload``: load the folder's weights into it again (a fit's module syncs its policy's weights before
+        the first rollout anyway; False skips the reload). ``record_routing``: the engine of a mixture of experts
+        whose rollouts carry the routed experts (routing replay "R3"; another engine than the one without)."""
         from lightning_grpo.rollout.engines.vllm.colocated import VLLMRolloutEngine
 
-        key = (path, True) if record_routing else path
+        key = (path, dtype, record_routing)
         engine = self.engines.get(key)
         if engine is None:
             moe = _is_moe(path)
             if moe and any(not self.moe[k] for k in self.engines):
                 self.close()  # vLLM's groups made by a dense model's engine have no expert-parallel group
-            engine = self.engines[key] = VLLMRolloutEngine(path, **SETTINGS, record_routing=record_routing)
+            engine = self.engines[key] = VLLMRolloutEngine(path, **{**SETTINGS, "dtype": dtype},
+                                                           record_routing=record_routing)
             self.moe[key] = moe
             self.builds += 1
         elif reload:

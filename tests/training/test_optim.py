@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from lightning_grpo.training.optim import adamw_with_warmup
+from lightning_grpo.training.optim import adamw_with_warmup, rounded_away_fraction
 
 
 def _learning_rates(warmup_steps: int, steps: int) -> list[float]:
@@ -26,3 +26,19 @@ def test_the_learning_rate_rises_linearly_over_the_warmup_then_stays():
     # step k (0-based) trains with lr * min(1, (k + 1) / (warmup + 1))
     assert _learning_rates(3, 6) == pytest.approx([0.25e-3, 0.5e-3, 0.75e-3, 1e-3, 1e-3, 1e-3])
     assert _learning_rates(0, 3) == pytest.approx([1e-3] * 3)
+
+
+def test_an_update_below_half_a_bfloat16_spacing_is_rounded_away():
+    """Worked by hand at lr = 1e-3 (issue 44): 1.5 (spacing 2**-7, half 0.0039) and 0.75 (half 0.00195) cannot take
+    it, 3e-3 (half 2**-17) and 0 can; float32 weights always can: 2 of 6. One real AdamW step (whose first step
+    moves each weight by lr) leaves exactly those two unchanged."""
+    half = torch.tensor([1.5, 0.75, 0.0, 3e-3], dtype=torch.bfloat16)
+    full = torch.tensor([1.5, 0.75])
+    assert rounded_away_fraction([half, full], 1e-3) == pytest.approx(2 / 6)
+    params = [torch.nn.Parameter(half.clone()), torch.nn.Parameter(full.clone())]
+    for p in params:
+        p.grad = torch.ones_like(p)
+    torch.optim.AdamW(params, lr=1e-3, weight_decay=0.0).step()
+    assert (params[0].detach() == half).tolist() == [True, True, False, False]
+    assert not (params[1].detach() == full).any()
+    assert rounded_away_fraction([half], 1e-1) == 0.0 and rounded_away_fraction([], 1e-3) == 0.0

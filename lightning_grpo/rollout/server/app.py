@@ -27,7 +27,8 @@ wrong secret, 404/405, 408/413 body too slow/large, 503 queue full, 500 otherwis
   weights: 0 = the checkpoint, then what the trainer's last ``/update_weights`` set), ``eos_token_ids``,
   ``pad_token_id``, ``max_model_len``, ``vocab_size``, ``tie_word_embeddings``, ``world_size`` (the engine's
   workers), ``device``, ``model``, ``max_request_tokens``, ``image_token_id``, ``stats`` (the engine's batching
-  counters: :class:`~lightning_grpo.rollout.server.async_engine.EngineStats`).
+  counters: :class:`~lightning_grpo.rollout.server.async_engine.EngineStats`), ``dtype`` (what the engine computes
+  in, ``--dtype``).
 * ``POST /generate``: ``prompts`` (token-id lists), ``num_generations``, ``sampling`` (the fields of
   :class:`~lightning_grpo.protocols.sampling.SamplingConfig` but ``seed``), ``seeds`` (one per prompt, or null) ->
   ``token_ids``, ``logprobs`` and ``versions`` (one list per completion, prompt-major, unpadded, aligned token by
@@ -135,7 +136,7 @@ class RolloutServer:
                     tie_word_embeddings=engine.tie_word_embeddings, world_size=self.world_size,
                     device="cpu" if engine.on_cpu else "cuda", max_request_tokens=self.max_request_tokens,
                     image_token_id=None if engine.vision is None else engine.vision.placeholder_id,
-                    stats=engine.stats_dict(), records_routing=False)
+                    stats=engine.stats_dict(), records_routing=False, dtype=str(engine.dtype).removeprefix("torch."))
 
     # ------------------------------------------------------------------ generation
     def prepare_generate(self, request: GenerateRequest) -> tuple:
@@ -274,7 +275,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="most prompt + completion tokens (default: the model's)")
     parser.add_argument("--seed", type=int, default=0, help="the engine's seed (default 0)")
-    parser.add_argument("--dtype", default=None, help="float32 / bfloat16 / auto (default: float32 on CPU)")
+    parser.add_argument("--dtype", default=None, help="float32 / bfloat16 / auto (default: float32 on CPU); bfloat16 "
+                        "for a trainer that computes in bf16 (docs/performance.md, bf16)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="GPU: memory fraction")
     parser.add_argument("--tensor-parallel-size", type=int, default=1, help="GPU: workers per instance")
     parser.add_argument("--max-request-tokens", type=int, default=MAX_REQUEST_TOKENS,

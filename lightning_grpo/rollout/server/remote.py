@@ -112,6 +112,7 @@ class VLLMServerEngine:
         self.tokenizer = tokenizer
         self.timeout_s = float(timeout_s)
         self.weight_sync_check = weight_sync_check
+        self.last_sync_check: Optional[float] = None  # the difference the last post-sync check measured
         self.stop = stop if stop is not None else StopFlag()
         self.rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         self.instances = [Instance(ServerClient(url, timeout_s, secret)) for url in urls]
@@ -326,6 +327,7 @@ class VLLMServerEngine:
         except Exception as err:  # noqa: BLE001 - raised below, after the other ranks learn of it
             failure, error = 1.0, err
         failure, worst = self._agree(failure, worst)
+        self.last_sync_check = worst if self.weight_sync_check is not None else None
         if error is not None:
             raise error
         if failure:

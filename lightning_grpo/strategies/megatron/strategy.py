@@ -55,7 +55,7 @@ from torch.optim import Optimizer
 from lightning_grpo.algorithm import ObjectiveOutput
 from lightning_grpo.config import GRPOConfig
 from lightning_grpo.strategies.backend import ClipFallback, GRPOModels, ParallelBackend, StepObjective, clips_by_norm
-from lightning_grpo.strategies.backend_registry import backend_for
+from lightning_grpo.strategies.backend_registry import backend_for, compute_dtype, precision_dtype
 from lightning_grpo.strategies.megatron import checkpoint, convert, gradients
 from lightning_grpo.strategies.megatron.experts import check_dense_layout, moe_from_hf_config
 from lightning_grpo.strategies.megatron.layout import MegatronLayout
@@ -91,7 +91,11 @@ class MegatronStrategy(MegatronLayout):
             different data-parallel replicas (must divide the number of experts; EP x ETP must divide TP x DP).
         use_distributed_optimizer: megatron-core's distributed optimizer (optimizer states sharded over the DP
             group) built from the module's optimizer (torch AdamW or Adam with one param group).
-        params_dtype: dtype of the megatron-core weights; default: the HF policy's dtype.
+        params_dtype: dtype of the megatron-core weights; default: bfloat16 under ``Trainer(precision="bf16-true")``,
+            else the HF policy's dtype. With bfloat16 weights, ``use_distributed_optimizer=True`` keeps float32 main
+            weights and AdamW state (megatron-core's mixed precision); without it Lightning's AdamW steps the
+            bfloat16 weights themselves. ``Trainer(precision="bf16-mixed")`` instead autocasts float32 weights
+            (docs/megatron.md, "bf16").
         use_transformer_engine: build the layers from Transformer Engine (CUDA and ``transformer_engine`` needed).
         activation_checkpointing: recompute each transformer layer's activations in backward (megatron-core's
             ``recompute_granularity="full"``, :func:`~lightning_grpo.strategies.megatron.model.recompute_settings`);
@@ -236,7 +240,7 @@ class MegatronStrategy(MegatronLayout):
                                                     Optional[MegatronPolicy]]:
         """The policy (whose routers replay a rollout's recorded routing, for a mixture of experts), the reference
         policy and the teacher (routed live: the sampler recorded the policy's routing) as ``MegatronPolicy`` s."""
-        args = (self.tensor_model_parallel_size, self.params_dtype, self.use_transformer_engine)
+        args = (self.tensor_model_parallel_size, self.policy_params_dtype, self.use_transformer_engine)
         recompute = self.activation_checkpointing
         if recompute is None:  # GRPOModule(gradient_checkpointing=True) enabled transformers' checkpointing
             recompute = bool(getattr(models.policy, "is_gradient_checkpointing", False))
@@ -251,6 +255,16 @@ class MegatronStrategy(MegatronLayout):
         log.info("MegatronStrategy: converted the policy to megatron-core (TP=%d, PP=%d, stage %d)",
                  self.tensor_model_parallel_size, self.pipeline_model_parallel_size, policy.stage.pp_rank)
         return policy, ref, teacher
+
+    @property
+    def policy_params_dtype(self) -> Optional[torch.dtype]:
+        """The megatron-core weights' dtype: ``params_dtype``, else bfloat16 (float16) under ``Trainer(precision=
+        "bf16-true")`` (``"16-true"``: megatron-core is built in it rather than cast behind its back by Lightning),
+        else None (the HF policy's)."""
+        precision = str(self.precision_plugin.precision)
+        if self.params_dtype is not None or not precision.endswith("-true") or precision.startswith(("32", "64")):
+            return self.params_dtype
+        return precision_dtype(precision, torch.float32)
 
     def restore(self, models: GRPOModels) -> GRPOModels:
         """The HF models back (the ``hf_model`` of the policy, reference policy and teacher this strategy converted)
@@ -476,6 +490,13 @@ class MegatronStrategy(MegatronLayout):
 def _backend(strategy: MegatronStrategy) -> ParallelBackend:
     """A ``MegatronStrategy`` is its own backend."""
     return strategy
+
+
+@compute_dtype.register
+def _compute_dtype(strategy: MegatronStrategy, parameter_dtype: torch.dtype) -> torch.dtype:
+    """The megatron-core weights' dtype when set (``params_dtype``, or "bf16-true": megatron-core computes in its
+    parameters' dtype), else the precision plugin's."""
+    return strategy.policy_params_dtype or precision_dtype(strategy.precision_plugin.precision, parameter_dtype)
 
 
 def _uses_te(policy: MegatronPolicy) -> bool:

@@ -61,7 +61,7 @@ from lightning_grpo.protocols.rollout import RolloutOutput, StopFlag, eos_token_
 from lightning_grpo.protocols.sampling import SamplingConfig
 from lightning_grpo.protocols.vision import RowImages, vision_spec
 from lightning_grpo.protocols.weights import PolicyWeights, check_tied_engine
-from lightning_grpo.rollout.engine_registry import EngineSpec
+from lightning_grpo.rollout.engine_registry import DTYPES, EngineSpec, engine_dtype
 from lightning_grpo.rollout.engines.multimodal import bad_words, check_expansions, vllm_prompt
 from lightning_grpo.rollout.engines.probe import WeightSyncCheckError, probe_batch
 from lightning_grpo.rollout.engines.rows import check_prompts, request_seeds, rollout_from_rows
@@ -166,11 +166,13 @@ class VLLMRolloutEngine:
         self._start(vllm, {**kwargs, **engine_kwargs}, record_routing)
         self._groups.built()
         self.weight_sync_check = weight_sync_check
+        self.last_sync_check: Optional[float] = None  # the difference the last post-sync check measured
         self.stop = stop if stop is not None else StopFlag()
         abort_between_steps(self.llm.llm_engine, self.stop)
 
         self.eos_token_ids, self.pad_token_id = stop_and_pad_ids(path, self.tokenizer)
         model_config = self.llm.llm_engine.model_config
+        self.dtype: torch.dtype = model_config.dtype  # what the weights are cast to and computed in
         self.vision = vision_spec(model_config.hf_config)  # images in prompts (docs/vision.md)
         # its own copy of the weights (synced on each process), a seed per completion (see the module docstring),
         # images when its model is a vision-language one
@@ -357,12 +359,12 @@ class VLLMRolloutEngine:
         sequences = probe_batch(weights, len(self.tokenizer))
         ours = weights.probe_logprobs(sequences)
         theirs = torch.tensor(self.teacher_forced_logprobs(sequences), dtype=torch.float32)
-        worst = float((theirs - ours).abs().max())
+        worst = self.last_sync_check = float((theirs - ours).abs().max())
         if self.weight_sync_check is not None and worst > self.weight_sync_check:
             raise WeightSyncCheckError(
                 f"post-sync check failed: the colocated vLLM engine's logprobs of the probe batch differ from the "
                 f"policy's by up to {worst:.3g} > engine.weight_sync_check={self.weight_sync_check:g}: the engine is "
-                "not generating with the trained weights")
+                f"not generating with the trained weights (in {self.dtype}, see probe.sync_check_tolerance)")
         return worst
 
     def sleep(self, level: int = 1) -> None:
@@ -505,11 +507,14 @@ def _start_llm(vllm: Any, kwargs: dict[str, Any], native_routing: bool) -> tuple
 
 def make(spec: EngineSpec) -> VLLMRolloutEngine:
     """The "vllm" engine of the registry: a colocated engine loaded from ``spec.checkpoint()`` (the policy's folder,
-    or a temporary one it is exported to), in the policy's dtype, with its KV cache sized here
-    (:func:`~lightning_grpo.rollout.engines.vllm.kv_cache.kv_cache_space_gib`, recorded in ``spec.resolved``). Its
-    weights follow by :meth:`VLLMRolloutEngine.sync_weights` (before the first rollout too)."""
+    or a temporary one it is exported to), in ``engine.dtype`` ("auto": the dtype the trainer computes in,
+    :func:`~lightning_grpo.rollout.engine_registry.engine_dtype`), with its KV cache sized here at that dtype
+    (:func:`~lightning_grpo.rollout.engines.vllm.kv_cache.kv_cache_space_gib`); both recorded in ``spec.resolved``.
+    Its weights follow by :meth:`VLLMRolloutEngine.sync_weights` (before the first rollout too; vLLM's loader casts
+    them to its dtype)."""
     config, engine = spec.config, spec.config.engine
-    kv = kv_cache_space_gib(config, spec.model.config, next(spec.model.parameters()).itemsize, spec.rollout_prompts)
+    dtype = spec.resolved["engine_dtype"] = engine_dtype(spec)
+    kv = kv_cache_space_gib(config, spec.model.config, DTYPES[dtype].itemsize, spec.rollout_prompts)
     spec.resolved["kv_cache_space_gib"] = kv
     return VLLMRolloutEngine(
         spec.checkpoint(),
@@ -517,7 +522,7 @@ def make(spec: EngineSpec) -> VLLMRolloutEngine:
         kv_cache_space_gib=kv,
         max_model_len=config.max_prompt_length + max(config.max_new_tokens, config.eval.max_new_tokens or 0),
         enable_sleep_mode=engine.enable_sleep_mode,
-        dtype=str(next(spec.model.parameters()).dtype).removeprefix("torch."),
+        dtype=dtype,
         weight_sync_check=engine.weight_sync_check,
         stop=spec.stop,
         record_routing=spec.routing is not None,
