@@ -281,7 +281,8 @@ class GRPOModule(L.LightningModule):
         """The module's models for a backend: the engine as it was made or given, the policy's kind, the
         distillation teacher's model."""
         return GRPOModels(self.policy, self.ref_model, self.rollout.own_engine, lora=self._loaded.lora,
-                          teacher=self.teacher_model)
+                          teacher=self.teacher_model,
+                          routing_counts=None if self.routing is None else self.routing.add_replay_counts)
 
     def _set_models(self, models: GRPOModels) -> None:
         """Take what the backend made: the models, the engine's wrapper and weights, the scorer and layout."""
