@@ -12,7 +12,7 @@ the scorer's own input ids (:func:`lightning_grpo.training.packing.arrange` with
 positions, :func:`~lightning_grpo.strategies.megatron.pipeline.sequence_source`), so a replayed choice sits on
 exactly its token (a routing padded unlike its ids would detach every choice from its token without an error:
 google/tunix PR #2046). A token without a recorded routing (``NO_EXPERT``, -1: padding, a token never fed to the
-sampler's model) is routed by the router itself, as in the HF path (:mod:`lightning_grpo.training.routing`).
+sampler's model) is routed by the router itself, as in the HF path (:mod:`lightning_grpo.training.routing_replay`).
 
 Mechanism: megatron-core's ``TopKRouter`` asks its ``router_replay`` (``megatron.core.transformer.moe.
 router_replay.RouterReplay``, megatron-core 0.16) for the top-k of each forward; :class:`TokenRoutingReplay`, installed
@@ -24,11 +24,11 @@ grad go to a first-in first-out list that the recomputations (with grad) take fr
 ``REPLAY_BACKWARD`` does. Under expert parallelism the router runs on the rank's own tokens before the all-to-all,
 so the targets are per rank, whatever the EP size; under pipeline parallelism each stage replays its own MoE layers.
 
-Disagreement (``sampling/router_disagreement``, as on the HF path: :mod:`lightning_grpo.training.routing`): while
-:meth:`RoutingReplay.counting` is open (``MegatronStrategy.train_step``: the training forward passes), each router
-counts the (token, MoE layer) pairs with a replayed selection and those whose own top-k set (the live one it computes
-anyway) is not the replayed one, once per forward (not again in backward's recomputation); :func:`pipeline_sum` adds
-the stages' counts up.
+Disagreement (``sampling/router_disagreement``, as on the HF path: :mod:`lightning_grpo.training.routing_replay`):
+while :meth:`RoutingReplay.counting` is open (``MegatronStrategy.train_step``: the training forward passes), each
+router counts the (token, MoE layer) pairs with a replayed selection and those whose own top-k set (the live one it
+computes anyway) is not the replayed one, once per forward (not again in backward's recomputation);
+:func:`pipeline_sum` adds the stages' counts up.
 """
 
 from __future__ import annotations

@@ -61,7 +61,7 @@ class GRPOModels:
             (``scorer_replays_routing``) adds, at each training step, the (token, MoE layer) pairs with a replayed
             selection (``counted``) and those whose router would have chosen another top-k set (``differing``), over
             this data-parallel rank's training forward passes: the module's ``sampling/router_disagreement``
-            (:meth:`~lightning_grpo.training.routing.PolicyRouting.add_replay_counts`); None: nothing to count.
+            (:meth:`~lightning_grpo.training.routing_replay.PolicyRouting.add_replay_counts`); None: nothing to count.
     """
 
     policy: nn.Module
