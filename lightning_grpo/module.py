@@ -52,7 +52,12 @@ from lightning_grpo.strategies.backend import GRPOModels, ParallelBackend
 from lightning_grpo.strategies.local import LocalBackend
 from lightning_grpo.training.experience import Experience, StepPlan
 from lightning_grpo.training.nonfinite import check_finite_checkpoint
-from lightning_grpo.training.optim import adamw_with_warmup, check_optimizer_arguments, warn_rounded_away_updates
+from lightning_grpo.training.optim import (
+    adamw_with_warmup,
+    check_optimized_parameters,
+    check_optimizer_arguments,
+    warn_rounded_away_updates,
+)
 from lightning_grpo.training.token_budget import fit_token_budget
 
 log = logging.getLogger(__name__)
@@ -290,7 +295,8 @@ class GRPOModule(L.LightningModule):
         """The module's models for a backend: the engine as it was made or given, the policy's kind, the
         distillation teacher's model."""
         return GRPOModels(self.policy, self.ref_model, self.rollout.own_engine, lora=self._loaded.lora,
-                          teacher=self.teacher_model)
+                          teacher=self.teacher_model,
+                          routing_counts=None if self.routing is None else self.routing.add_replay_counts)
 
     def _set_models(self, models: GRPOModels) -> None:
         """Take what the backend made: the models, the engine's wrapper and weights, the scorer and layout."""
@@ -326,6 +332,9 @@ class GRPOModule(L.LightningModule):
 
     @override
     def on_fit_start(self) -> None:
+        """Check the optimizers (:func:`~lightning_grpo.training.optim.check_optimized_parameters`: they must hold
+        :meth:`trained_parameters`, raises ValueError otherwise); the frozen models onto the device; the loop's plan."""
+        check_optimized_parameters(self.policy, self.trainer.optimizers)
         for frozen in (self.ref_model, self.teacher_model):
             if frozen is not None:
                 frozen.to(self.device)
@@ -551,11 +560,22 @@ class GRPOModule(L.LightningModule):
             self.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)
         self.preemption.on_micro_batch_end(batch.step_end)  # SIGTERM inside a step waits for its end
 
+    def trained_parameters(self) -> list[nn.Parameter]:
+        """The parameters the optimizer steps: the policy's with ``requires_grad`` (a LoRA policy's adapters), as the
+        trainer's backend made them in ``configure_model`` (converted into megatron-core's by ``MegatronStrategy``,
+        sharded by FSDP). Build the optimizer from these inside ``configure_optimizers``, which Lightning calls after
+        ``configure_model``: parameters taken before it are not the trained ones, and a fit refuses an optimizer
+        over them (:meth:`on_fit_start`)."""
+        return [p for p in self.policy.parameters() if p.requires_grad]
+
     @override
     def configure_optimizers(self) -> Any:
+        """AdamW over :meth:`trained_parameters` with ``learning_rate``, ``weight_decay``, ``adam_betas`` and a linear
+        warmup of ``warmup_steps`` optimizer steps (:func:`~lightning_grpo.training.optim.adamw_with_warmup`);
+        ``lightning-grpo fit --optimizer ...`` replaces it (:func:`lightning_grpo.cli.use_cli_optimizer`)."""
         hp = self.hparams
-        return adamw_with_warmup((p for p in self.policy.parameters() if p.requires_grad), hp.learning_rate,
-                                 hp.weight_decay, hp.adam_betas, hp.warmup_steps)
+        return adamw_with_warmup(self.trained_parameters(), hp.learning_rate, hp.weight_decay, hp.adam_betas,
+                                 hp.warmup_steps)
 
     @override
     def validation_step(self, batch: dict[str, list], batch_idx: int, dataloader_idx: int = 0) -> None:

@@ -1,5 +1,6 @@
 """The optimizer of the policy: AdamW with a linear warmup, as Lightning's ``configure_optimizers`` returns it, and
-what half-precision weights do to its updates (:func:`rounded_away_fraction`)."""
+what half-precision weights do to its updates (:func:`rounded_away_fraction`), and the check that the optimizers a
+fit steps hold the parameters it trains."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import numbers
 from typing import Any, Iterable, Sequence
 
 import torch
+from torch import nn
 
 log = logging.getLogger(__name__)
 
@@ -106,3 +108,41 @@ def check_optimizer_arguments(
 
 def _is_number(value: object) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def check_optimized_parameters(policy: nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> None:
+    """Check that ``optimizers`` (the trainer's, from ``configure_optimizers``) step exactly the parameters the fit
+    trains: every parameter they hold is one of ``policy``'s as the trainer's backend made it (converted by
+    ``MegatronStrategy``, sharded by FSDP), and every parameter of ``policy`` with ``requires_grad`` is held by one.
+
+    An optimizer built before the backend's ``configure_model`` (in ``__init__``, or by LightningCLI's ``--optimizer``
+    as Lightning itself instantiates it) holds parameters that the converted or sharded policy no longer trains: each
+    step would leave the trained weights unchanged.
+
+    Args:
+        policy: the trained policy (``GRPOModule.policy`` after ``configure_model``).
+        optimizers: the trainer's optimizers (their ``param_groups``).
+
+    Raises:
+        ValueError: an optimizer holds a parameter that is not the policy's (their number and shapes are named), or
+            a trainable parameter of the policy is in no optimizer (named): either way ``configure_optimizers``
+            must build the optimizer from ``GRPOModule.trained_parameters()``.
+    """
+    owned = {id(param) for param in policy.parameters()}
+    held = {id(param): param for optimizer in optimizers for group in optimizer.param_groups
+            for param in group["params"]}
+    foreign = [param for key, param in held.items() if key not in owned]
+    if foreign:
+        shapes = ", ".join(str(tuple(param.shape)) for param in foreign[:3]) + (", ..." if len(foreign) > 3 else "")
+        raise ValueError(
+            f"configure_optimizers returned an optimizer over {len(foreign)} parameters that the trained policy "
+            f"({type(policy).__name__}) does not hold (shapes {shapes}): they were taken before the trainer's "
+            "backend converted or sharded the policy in configure_model, so no step would change the trained "
+            "weights; build the optimizer inside configure_optimizers from self.trained_parameters()")
+    missing = [name for name, param in policy.named_parameters() if param.requires_grad and id(param) not in held]
+    if missing:
+        names = ", ".join(missing[:3]) + (", ..." if len(missing) > 3 else "")
+        raise ValueError(
+            f"{len(missing)} trainable parameters of the policy are in no optimizer that configure_optimizers "
+            f"returned ({names}): they would get gradients but never change; build the optimizer from "
+            "self.trained_parameters(), or freeze those parameters with requires_grad_(False)")

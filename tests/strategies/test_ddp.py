@@ -7,13 +7,14 @@ references run in this process.
 import pytest
 
 from support.bf16 import assert_bf16_step
-from support.dist import ADAM_LR, assert_same_step, load, reference_step, run_worker
+from support.dist import ADAM_LR, CLI_SGD, assert_first_step_update, assert_same_step, load, reference_step, run_worker
 
 pytestmark = pytest.mark.distributed  # 2-process runs
 
 CASES = [
     {"name": "ddp_grpo", "strategy": {"name": "ddp"}, "loss_type": "grpo", "beta": 0.04, "gradient_clip_val": 0.05},
-    {"name": "ddp_dapo", "strategy": {"name": "ddp"}, "loss_type": "dapo"},
+    # the CLI's --optimizer (SGD, lr 0.1), built when Lightning calls configure_optimizers
+    {"name": "ddp_dapo", "strategy": {"name": "ddp"}, "loss_type": "dapo", "optimizer": CLI_SGD},
     # LoRA adapters (random B) on the frozen base; the KL reference is the same module with its adapters off
     {"name": "ddp_lora", "strategy": {"name": "ddp"}, "loss_type": "grpo", "beta": 0.04, "gradient_clip_val": 0.05,
      "lora": {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj", "up_proj"]}},
@@ -77,3 +78,11 @@ def test_ddp_two_ranks_match_one_process_on_fixed_experience(ddp_runs, name):
     if "lora" in name:  # only the adapters have gradients (and so moved)
         with_grad = {n for n, g in reference["grads"].items() if g is not None}
         assert with_grad and with_grad == {n for n in reference["grads"] if "lora_" in n}
+
+
+def test_the_cli_optimizer_steps_the_weights_on_one_device_and_under_ddp(ddp_runs, tiny_llama_path):
+    """``--optimizer torch.optim.SGD --optimizer.lr 0.1``: every weight moved by exactly -0.1 x its gradient, in one
+    process and on both DDP ranks."""
+    reference, ranks = ddp_runs["ddp_dapo"]
+    for result in (reference, *ranks):
+        assert_first_step_update(result, tiny_llama_path, 0.1)

@@ -31,6 +31,7 @@ from transformers import AutoConfig  # noqa: E402
 
 from lightning_grpo import GRPOConfig, GRPOModule  # noqa: E402
 from lightning_grpo.callbacks import CompletionTable  # noqa: E402
+from lightning_grpo.cli import use_cli_optimizer  # noqa: E402
 from lightning_grpo.config import EngineConfig, EvalConfig  # noqa: E402
 from lightning_grpo.data import PromptDataModule  # noqa: E402
 from lightning_grpo.data.datamodule import collate_prompts  # noqa: E402
@@ -192,10 +193,13 @@ def fixed_step(cfg: dict) -> None:
         offsets = None
         if case.get("sampler_offsets"):
             offsets = 0.05 * torch.randn(num_prompts * g, 7, generator=torch.Generator().manual_seed(1))
+        # the module's AdamW(lr=1e-3), or the CLI's --optimizer (and --lr_scheduler), installed as the CLI does
+        own = {} if case.get("optimizer") else {"learning_rate": 1e-3}
         module = FixedExperienceModule(model, reward_funcs=[lambda p, c, **k: [0.0] * len(c)], config=config,
-                                       learning_rate=1e-3, fixed=fixed, num_generations=g, export_dir="",
-                                       lora=case.get("lora"), sampler_offsets=offsets,
-                                       gradient_checkpointing=case.get("gradient_checkpointing", False))
+                                       fixed=fixed, num_generations=g, export_dir="", lora=case.get("lora"),
+                                       sampler_offsets=offsets,
+                                       gradient_checkpointing=case.get("gradient_checkpointing", False), **own)
+        use_cli_optimizer(module, case.get("optimizer"), case.get("lr_scheduler"))
         if case.get("lora"):  # LoRA's B starts at 0 (no gradient for A): a random B makes every adapter move
             with torch.no_grad():
                 for name, param in module.policy.named_parameters():

@@ -1,9 +1,12 @@
-"""adamw_with_warmup on its own: the learning rate of each optimizer step, worked by hand."""
+"""adamw_with_warmup on its own: the learning rate of each optimizer step, worked by hand; the check that the
+optimizers hold exactly the trained parameters."""
+
+import copy
 
 import pytest
 import torch
 
-from lightning_grpo.training.optim import adamw_with_warmup, rounded_away_fraction
+from lightning_grpo.training.optim import adamw_with_warmup, check_optimized_parameters, rounded_away_fraction
 
 
 def _learning_rates(warmup_steps: int, steps: int) -> list[float]:
@@ -42,3 +45,17 @@ def test_an_update_below_half_a_bfloat16_spacing_is_rounded_away():
     assert (params[0].detach() == half).tolist() == [True, True, False, False]
     assert not (params[1].detach() == full).any()
     assert rounded_away_fraction([half], 1e-1) == 0.0 and rounded_away_fraction([], 1e-3) == 0.0
+
+
+def test_the_optimizers_must_hold_exactly_the_trained_parameters():
+    policy = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.Linear(3, 1))
+    policy[1].bias.requires_grad_(False)  # frozen: may be held or left out
+    trained = [p for p in policy.parameters() if p.requires_grad]
+    check_optimized_parameters(policy, [torch.optim.SGD(trained, lr=0.1)])
+    check_optimized_parameters(policy, [torch.optim.SGD(policy.parameters(), lr=0.1)])
+    with pytest.raises(ValueError, match=r"an optimizer over 4 parameters that the trained policy \(Sequential\) "
+                                         r"does not hold \(shapes \(3, 2\), \(3,\), \(1, 3\), ...\)"):
+        check_optimized_parameters(policy, [torch.optim.SGD(copy.deepcopy(policy).parameters(), lr=0.1)])
+    with pytest.raises(ValueError, match=r"2 trainable parameters of the policy are in no optimizer that "
+                                         r"configure_optimizers returned \(0.bias, 1.weight\)"):
+        check_optimized_parameters(policy, [torch.optim.SGD(trained[:1], lr=0.1)])

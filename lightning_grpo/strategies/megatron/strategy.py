@@ -43,6 +43,7 @@ state only on rank 0, on the CPU).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence, Union
@@ -54,6 +55,7 @@ from torch.optim import Optimizer
 
 from lightning_grpo.algorithm import ObjectiveOutput
 from lightning_grpo.config import GRPOConfig
+from lightning_grpo.models.moe import ReplayStats
 from lightning_grpo.strategies.backend import ClipFallback, GRPOModels, ParallelBackend, StepObjective, clips_by_norm
 from lightning_grpo.strategies.backend_registry import backend_for, compute_dtype, precision_dtype
 from lightning_grpo.strategies.megatron import checkpoint, convert, gradients
@@ -68,6 +70,7 @@ from lightning_grpo.strategies.megatron.optimizer import (
 )
 from lightning_grpo.strategies.megatron.pipeline import detached, run_schedule
 from lightning_grpo.strategies.megatron.policy import MegatronPolicy, MegatronWeights, score_completions
+from lightning_grpo.strategies.megatron.replay import pipeline_sum
 from lightning_grpo.strategies.megatron.rollout_engine import TensorParallelRolloutEngine
 from lightning_grpo.training.experience import Experience
 from lightning_grpo.training.logprobs import check_untruncated_scoring
@@ -142,6 +145,7 @@ class MegatronStrategy(MegatronLayout):
         self._ref: Optional[MegatronPolicy] = None  # ... and its reference policy
         self._teacher: Optional[MegatronPolicy] = None  # ... and on-policy distillation's teacher
         self._dist_optimizer: Optional[DistributedOptimizerAdapter] = None  # what setup_optimizers built
+        self._routing_counts: Optional[Callable[[Tensor, Tensor], None]] = None  # GRPOModels.routing_counts
 
     # ------------------------------------------------------------------------ setup
     def setup_environment(self) -> None:
@@ -226,6 +230,7 @@ class MegatronStrategy(MegatronLayout):
             raise ValueError("GRPOModule(lora=...) is not supported with MegatronStrategy: the policy is converted to "
                              "megatron-core layers, which carry no PEFT adapters; use strategy='grpo_fsdp2', 'ddp' "
                              "or a single device")
+        self._routing_counts = models.routing_counts  # the module's sampling/router_disagreement, if replayed
         if self._policy is None or models.policy is not self._policy:
             check_dense_layout(moe_from_hf_config(models.policy.config), self.expert_model_parallel_size,
                                self.expert_tensor_parallel_size)
@@ -304,12 +309,27 @@ class MegatronStrategy(MegatronLayout):
         check_no_token_budget(config.max_tokens_per_microbatch, self.expert_model_parallel_size,
                                self.expert_tensor_parallel_size)
         self._zero_grad(policy)
-        outputs = run_schedule(policy.schedule_model, micro_batches, config.temperature, loss, with_entropy=True,
-                               replay=policy.replay)
+        counts = ReplayStats()
+        counting = (policy.replay.counting(counts) if policy.replay is not None and self._routing_counts is not None
+                    else contextlib.nullcontext())
+        with counting:
+            outputs = run_schedule(policy.schedule_model, micro_batches, config.temperature, loss, with_entropy=True,
+                                   replay=policy.replay)
+        if policy.replay is not None and self._routing_counts is not None:
+            self._routing_counts(*self._stage_sum(counts))
         optimizer = self._distributed_optimizer()
         if optimizer is not None:
             optimizer.gradients_ready()
         return outputs
+
+    def _stage_sum(self, counts: ReplayStats) -> tuple[Tensor, Tensor]:
+        """The routers' ``(differing, counted)`` of this step over every MoE layer: summed over the pipeline stages
+        (a collective of the pipeline group when PP > 1; the TP ranks of a stage count the same tokens, and TP is 1
+        for a mixture of experts)."""
+        from megatron.core import parallel_state
+
+        group = parallel_state.get_pipeline_model_parallel_group() if self.pipeline_model_parallel_size > 1 else None
+        return pipeline_sum(counts, group, self.root_device)
 
     def _zero_grad(self, policy: MegatronPolicy) -> None:
         optimizer = self._distributed_optimizer()
