@@ -128,6 +128,9 @@ def run_worker(spec: dict, workdir: str, label: str, verbose: bool = False, time
         os.remove(out_path)  # a result left by an earlier run in the same workdir
     busy = cpu_busy_fraction()
     env = dict(os.environ)
+    for key in TORCH_DISTRIBUTED_ENV:  # a row is its own run: not a rank of the caller's process group, if it has one
+        env.pop(key, None)
+    env["MASTER_PORT"] = str(free_port())  # its own rendezvous (two rows never share a port that may still be held)
     for key in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE"):
         env.setdefault(key, "1")
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -253,6 +256,12 @@ def cuda_peak() -> dict[str, Any]:
         return {}
     return {"cuda_max_allocated_bytes": torch.cuda.max_memory_allocated(),
             "cuda_max_reserved_bytes": torch.cuda.max_memory_reserved()}
+
+
+#: The variables a process of a torch.distributed job inherits (torchrun's, Lightning's): a benchmark's worker drops
+#: them (a caller inside a process group, e.g. a test worker, would hand it its rendezvous port).
+TORCH_DISTRIBUTED_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+                         "NODE_RANK", "GROUP_RANK", "TORCHELASTIC_RUN_ID")
 
 
 # --------------------------------------------------------------------------- rollout server
