@@ -11,26 +11,32 @@ from torch import Tensor
 
 from lightning_grpo.functional import loss_normalizer
 from lightning_grpo.protocols.collectives import Collectives
-from lightning_grpo.protocols.images import RowImages, images_to
 from lightning_grpo.protocols.rollout import RolloutOutput
 from lightning_grpo.protocols.routing import NO_EXPERT
 from lightning_grpo.protocols.tokens import (
     PAD_ID,
     ROW_META,
+    UNSET,
     Layout,
+    fill_unset,
     select_rows,
     token_fields,
     token_meta,
     trim_columns,
 )
+from lightning_grpo.protocols.vision import RowImages, images_to
 from lightning_grpo.training.packing import sequence_token_counts, token_budget_partition
 
 
-@dataclass(frozen=True)
 class StepPlan:
     """What the objective takes from the whole optimizer step a micro-batch belongs to
     (:meth:`lightning_grpo.training.selection.StepSelection.plan`), carried by the micro-batch: the loop plans each
     step before its first micro-batch is handed out, so accumulation does not change the gradient.
+
+    A plain object, not a dataclass or a collection, on purpose: Lightning's batch hooks (``move_data_to_device``, the
+    precision plugins' ``convert_input``, e.g. FSDP's) walk a batch's dataclass fields and collections and rebuild them,
+    which a plan neither needs (it is made where its micro-batches are, in their dtype) nor allows (it holds the step's
+    other micro-batches); an object they do not know they hand through as it is.
 
     Attributes:
         statistics: ``grpo_objective`` keyword arguments shared by the step's micro-batches (``entropy_threshold``,
@@ -41,15 +47,22 @@ class StepPlan:
             plan), which a backend that runs whole optimizer steps trains at the first; () on the others.
     """
 
-    statistics: dict[str, Any] = field(default_factory=dict)
-    clip_cov_selected: Optional[Tensor] = None
-    later: tuple["Experience", ...] = ()
+    __slots__ = ("statistics", "clip_cov_selected", "later")
 
-    def to(self, device: Any, **kwargs: Any) -> StepPlan:
-        """Lightning moves each micro-batch it trains on to the trainer's device (``move_data_to_device`` calls
-        ``to`` on what defines it instead of copying a record field by field): a plan is made where its micro-batches
-        are, on that device, so this returns the plan itself."""
-        return self
+    def __init__(self, statistics: Optional[dict[str, Any]] = None, clip_cov_selected: Optional[Tensor] = None,
+                 later: tuple["Experience", ...] = ()) -> None:
+        self.statistics: dict[str, Any] = {} if statistics is None else statistics
+        self.clip_cov_selected = clip_cov_selected
+        self.later = later
+
+    def with_later(self, later: tuple["Experience", ...]) -> "StepPlan":
+        """This plan naming the step's other micro-batches (the first micro-batch's)."""
+        return StepPlan(self.statistics, self.clip_cov_selected, later)
+
+    def __repr__(self) -> str:
+        return (f"StepPlan(statistics={sorted(self.statistics)}, clip_cov_selected="
+                f"{None if self.clip_cov_selected is None else tuple(self.clip_cov_selected.shape)}, "
+                f"later={len(self.later)} micro-batches)")
 
     def objective_kwargs(self) -> dict[str, Any]:
         """The keyword arguments of ``grpo_objective`` for this micro-batch."""
@@ -90,14 +103,15 @@ class Experience:
         metrics: rollout metrics (reward, lengths, timings), attached to step-end micro-batches.
         rows: ``(N,)`` long, the rows of the rollout's experience this micro-batch holds (a canonical order for
             step-level random choices), else None.
-        env_mask: multi-turn episodes: ``(N, T)`` long, 1 on the environment's tokens of the rows with loss tokens
+        env_mask: ``(N, T)`` long, 1 on the environment's tokens of multi-turn episodes in the rows with loss tokens
             (tool results, observations: context the forward pass attends to, with no loss and no gradient;
             ``completion_mask`` holds the model's tokens only, so the loss, KL, entropy and every ``loss_type``'s
-            normalizer count those only); None for single-turn rollouts. See :attr:`completion_attention_mask`.
-        images: vision-language prompts: each row's images (:class:`~lightning_grpo.protocols.images.PromptImage`:
-            ``pixel_values`` and grid sizes), in the order of their placeholder runs in the row's ids; a prompt's G
-            rows share one tuple, and every cut (mini-, micro-batch, token budget) takes each row's own. None (or a
-            None row) without images.
+            normalizer count those only); all 0 for single-turn rollouts (the default: left out, it is filled). See
+            :attr:`completion_attention_mask`.
+        images: each row's images (:class:`~lightning_grpo.protocols.vision.PromptImage`: ``pixel_values`` and grid
+            sizes; vision-language prompts), in the order of their placeholder runs in the row's ids; a prompt's G
+            rows share one tuple, and every cut (mini-, micro-batch, token budget) takes each row's own. ``()`` for a
+            row without images (the default: left out, one ``()`` per row).
         teacher_logprobs: ``(N, T)`` float32 teacher logprobs of the completion tokens (on-policy distillation,
             ``GRPOConfig.distillation``), else None.
         completion_versions: ``(N, T)`` long, the weight version that sampled each completion token (the rollout's
@@ -128,13 +142,25 @@ class Experience:
     on_policy: bool = True
     metrics: dict[str, float] = field(default_factory=dict)
     rows: Optional[Tensor] = field(default=None, metadata=ROW_META)
-    env_mask: Optional[Tensor] = field(default=None, metadata=token_meta(Layout.COMPLETION, 0))
-    images: Optional[list[Optional[RowImages]]] = None
+    env_mask: Tensor = field(default=UNSET, metadata=token_meta(Layout.COMPLETION, 0))
+    images: list[RowImages] = field(default_factory=list)
     teacher_logprobs: Optional[Tensor] = field(default=None, metadata=token_meta(Layout.COMPLETION, 0.0))
     completion_versions: Optional[Tensor] = field(default=None, metadata=token_meta(Layout.COMPLETION, -1))
     step_plan: Optional[StepPlan] = None
     prompt_routed_experts: Optional[Tensor] = field(default=None, metadata=token_meta(Layout.PROMPT, NO_EXPERT))
     completion_routed_experts: Optional[Tensor] = field(default=None, metadata=token_meta(Layout.COMPLETION, NO_EXPERT))
+
+    def __post_init__(self) -> None:
+        """Fill ``env_mask`` and ``images`` when they were left out (all 0; ``()`` per row).
+
+        Raises:
+            ValueError: ``images`` given, but not one per row.
+        """
+        fill_unset(self)
+        if not self.images:
+            self.images = [()] * len(self)
+        if len(self.images) != len(self):
+            raise ValueError(f"Experience has {len(self.images)} image entries for {len(self)} rows: one per row")
 
     @classmethod
     def of(cls, rollout: RolloutOutput, device: torch.device) -> "Experience":
@@ -150,10 +176,8 @@ class Experience:
 
     @property
     def completion_attention_mask(self) -> Tensor:
-        """``(N, T)`` long, the completion tokens the forward pass attends to: ``completion_mask``, and with
-        ``env_mask`` the environment's tokens too (a prefix mask in every row with loss tokens, all 0 in the others)."""
-        if self.env_mask is None:
-            return self.completion_mask
+        """``(N, T)`` long, the completion tokens the forward pass attends to: ``completion_mask`` and ``env_mask``, the
+        environment's tokens (a prefix mask in every row with loss tokens, all 0 in the others)."""
         return (self.completion_mask.bool() | self.env_mask.bool()).long()
 
     def step_members(self) -> tuple["Experience", ...]:
@@ -163,7 +187,7 @@ class Experience:
 
     def select(self, index: Tensor) -> "Experience":
         """Rows ``index`` (a 1-D long tensor), with all-padding columns trimmed away."""
-        images = None if self.images is None else [self.images[i] for i in index.tolist()]
+        images = [self.images[i] for i in index.tolist()]
         selected = replace(self, **select_rows(self, index), metrics={}, images=images, step_plan=None)
         return selected.trimmed()
 

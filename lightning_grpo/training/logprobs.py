@@ -13,8 +13,9 @@ default) the logprobs are computed from the output layer's input chunk by chunk
 Multi-turn episodes lay out their environment tokens too
 (:attr:`~lightning_grpo.training.experience.Experience.completion_attention_mask`: attended to, their logprobs computed
 and masked out of the loss). A vision-language policy gets each layout's images and 3-D positions
-(:mod:`lightning_grpo.training.vision`); its image placeholder tokens are out of the distribution, as the engines
-never sample them (``banned_token_ids``). A backend whose models score their completions themselves (the Megatron
+(:mod:`lightning_grpo.training.vision_layouts`); its image placeholder tokens are out of the distribution, as the
+engines never sample them (``banned_token_ids``). A backend whose models score their completions themselves (the
+Megatron
 policy: vocab-parallel) says so once, with a :class:`CompletionScorer` (``GRPOModels.scorer``,
 :meth:`CompletionLogprobs.use`).
 """
@@ -40,8 +41,8 @@ from lightning_grpo.training.packing import (
     shared_prefix_rows,
     token_budget_partition,
 )
-from lightning_grpo.training.routing import PolicyRouting
-from lightning_grpo.training.vision import VisionInputs
+from lightning_grpo.training.routing_replay import PolicyRouting
+from lightning_grpo.training.vision_layouts import VisionInputs
 
 #: ``(model inputs, target ids (1, K), (rows, cols) of the K targets in the padded completion layout, the layout's
 #: source map: :func:`lightning_grpo.training.packing.arrange`)``
@@ -150,7 +151,7 @@ class CompletionLogprobs:
         Raises:
             ValueError: a batch with images for a policy without images (no ``vision``).
         """
-        if batch.images is None or not any(batch.images):
+        if not any(batch.images):
             return None
         if self.vision is None:
             raise ValueError("the experience has images, but the policy is not a vision-language model: load it from "
@@ -175,7 +176,7 @@ class CompletionLogprobs:
                 raise ValueError(f"{type(model).__name__} scores its completions itself, without the forward layouts "
                                  "that per-position inputs (routing replay, the load-balancing loss) need: set "
                                  "GRPOConfig.routing_replay='off' and router_aux_loss_coef=0 with this backend")
-            if batch.images is not None and any(batch.images):
+            if any(batch.images):
                 raise ValueError(f"{type(model).__name__} scores text only: images in the prompts need an HF "
                                  "vision-language policy (single device, DDP or FSDP2)")
             check_untruncated_scoring(self.config, type(model).__name__, entropy_grad)
@@ -204,7 +205,8 @@ class CompletionLogprobs:
             parts = [torch.tensor(p, dtype=torch.long) for p in token_budget_partition(counts, max_tokens)]
         else:
             parts = list(torch.arange(len(experience)).split(max(1, micro_batch_size)))
-        result = torch.zeros(experience.completion_ids.shape, device=experience.completion_ids.device)
+        ids = experience.completion_ids
+        result = torch.zeros(ids.shape, dtype=torch.float32, device=ids.device)  # float32 under any default dtype
         was_training = model.training
         model.eval()
         try:
@@ -352,8 +354,8 @@ class CompletionLogprobs:
     ) -> tuple[Tensor, Optional[Tensor]]:
         """Run each pass of ``batch`` and scatter its per-token logprobs (and entropy) into zero ``shape`` tensors."""
         device = passes[0][1].device
-        logprobs = torch.zeros(shape, device=device)
-        entropy = torch.zeros(shape, device=device) if with_entropy else None
+        logprobs = torch.zeros(shape, dtype=torch.float32, device=device)  # float32 also where the default is not
+        entropy = torch.zeros(shape, dtype=torch.float32, device=device) if with_entropy else None
         head = self._chunked_head(model)
         for inputs, target_ids, index, source in passes:
             if head is None:

@@ -12,7 +12,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lightning_grpo.episodes import ChatFormat, EpisodeRunner, HermesToolCallParser
 from lightning_grpo.models.moe import MoeRouters
+from lightning_grpo.protocols.engine import EngineCapabilities
 from lightning_grpo.protocols.rollout import completion_mask_from_eos
+from lightning_grpo.protocols.sampler import EncodedPrompts
 from lightning_grpo.protocols.sampling import SamplingConfig
 from lightning_grpo.rollout.engines.hf import HFRolloutEngine
 from support.episodes import EchoEnvironment
@@ -23,7 +25,7 @@ class EndingEngine:
     (a random tiny model never samples it). That token was never fed to the model, so its routed experts stay -1
     (the next turn's prefill records them)."""
 
-    uses_policy_parameters = True
+    capabilities = EngineCapabilities(uses_policy_parameters=True)
 
     def __init__(self, engine: HFRolloutEngine, eos: int) -> None:
         self.engine, self.eos, self.calls = engine, eos, 0
@@ -53,14 +55,35 @@ def policy(tiny_qwen3_moe_path):
 
 def test_each_tokens_experts_are_accumulated_over_the_turns(policy):
     model, tokenizer, routers = policy
+    _check_episodes(EndingEngine(HFRolloutEngine(model, tokenizer, routing=routers), tokenizer.eos_token_id), policy)
+
+
+@pytest.mark.engine
+def test_the_vllm_engines_routing_is_accumulated_over_the_turns(policy, tiny_qwen3_moe_path, vllm_engine):
+    """The same with the colocated vLLM engine recording the routing in its worker, on a prompt of more than 256
+    tokens: each turn's prompt repeats the episode so far, which vLLM takes from its prefix cache where whole
+    128-token blocks of it were computed by an earlier request, of this turn or an earlier one (the recorder fills those
+    positions from that request)."""
+    pytest.importorskip("vllm")
+    from lightning_grpo.rollout.engines.vllm.routing_capture import _CAPTURERS
+
+    _, tokenizer, _ = policy
+    engine = vllm_engine(tiny_qwen3_moe_path, record_routing=True)
+    _check_episodes(EndingEngine(engine, tokenizer.eos_token_id), policy, "Add these: " + "1 + 2 + 3 + " * 30)
+    records = engine.llm.collective_rpc(lambda w: [(r.tag, r.first) for r in _CAPTURERS[w].records.values()])[0]
+    hits = {tag.split(":")[0] for tag, first in records if tag is not None and first}  # the calls with a cache hit
+    assert len(hits) == 3  # the first turn's call (a sibling's blocks) and each later turn's (an earlier turn's)
+
+
+def _check_episodes(engine, policy, question="What is 1 + 1?"):
+    model, tokenizer, routers = policy
     eos = tokenizer.eos_token_id
-    engine = EndingEngine(HFRolloutEngine(model, tokenizer, routing=routers), eos)
     runner = EpisodeRunner(ChatFormat(tokenizer, [eos], [], HermesToolCallParser()), lambda: EchoEnvironment(turns=3),
-                           max_turns=3, max_tokens=200)
-    prompts = [[{"role": "user", "content": "What is 1 + 1?"}], [{"role": "user", "content": "Say hi"}]]
+                           max_turns=3, max_tokens=400)
+    prompts = [[{"role": "user", "content": question}], [{"role": "user", "content": "Say hi"}]]
     prompt_ids, _ = runner.encode_prompts(prompts, 1024)
     torch.manual_seed(0)
-    out = runner.sample(engine, prompt_ids, 2, SamplingConfig(max_new_tokens=6))
+    out = runner.sample(engine, EncodedPrompts.of(prompt_ids), 2, SamplingConfig(max_new_tokens=6))
     assert [e.model_turns for e in out.episodes] == [3] * 4 and out.env_mask.sum() > 0
     n, t = out.completion_ids.shape
     assert out.prompt_routed_experts.shape == (*out.prompt_ids.shape, 2, 2)

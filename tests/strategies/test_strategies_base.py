@@ -1,4 +1,4 @@
-"""The backend seam (``lightning_grpo.strategies.base``): which backend each Lightning strategy gets, the
+"""The backend seam (``lightning_grpo.strategies.backend``): which backend each Lightning strategy gets, the
 single-process backend's reductions and gradient handling, the engine wrappers' explicit forwarding, and the
 import rule that keeps backends below the LightningModule."""
 
@@ -22,9 +22,10 @@ from lightning_grpo.strategies import (
     ParallelBackend,
     backend_for,
 )
-from lightning_grpo.strategies.base import clips_by_norm
+from lightning_grpo.strategies.backend import clips_by_norm
+from lightning_grpo.strategies.backend_registry import compute_dtype, precision_dtype
 from lightning_grpo.strategies.megatron.strategy import MegatronStrategy
-from lightning_grpo.strategies.weights import ModuleWeights
+from lightning_grpo.strategies.module_weights import ModuleWeights
 
 
 @pytest.mark.parametrize(
@@ -44,6 +45,30 @@ def test_backend_for_wraps_each_lightning_strategy(make, expected):
     assert type(backend) is expected
     assert backend.strategy is strategy
     assert isinstance(backend, ParallelBackend)
+
+
+@pytest.mark.parametrize(("precision", "expected"), [
+    ("bf16-mixed", torch.bfloat16), ("bf16-true", torch.bfloat16), ("16-mixed", torch.float16),
+    ("16-true", torch.float16), ("64-true", torch.float64), ("32-true", torch.float32), ("32", torch.float32),
+    ("transformer-engine", torch.float32)])
+def test_the_compute_dtype_of_each_lightning_precision(precision, expected):
+    """What ``engine.dtype="auto"`` and a reward model's ``dtype="auto"`` resolve to (issue 44): "32-true" computes in
+    the parameters' dtype (float32 here; a policy loaded in bfloat16 computes in bfloat16)."""
+    assert precision_dtype(precision, torch.float32) == expected
+    assert precision_dtype("32-true", torch.bfloat16) == torch.bfloat16
+
+
+def test_the_compute_dtype_of_each_strategy():
+    """FSDP2's own ``mixed_precision`` and Megatron's ``params_dtype`` set it; otherwise the precision plugin does."""
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    assert compute_dtype(DDPStrategy(), torch.float32) == torch.float32
+    assert compute_dtype(DDPStrategy(precision_plugin=MixedPrecision("bf16-mixed", "cpu")), torch.float32) == \
+        torch.bfloat16
+    assert compute_dtype(FSDP2Strategy(mixed_precision="bf16"), torch.float32) == torch.bfloat16
+    assert compute_dtype(FSDP2Strategy(), torch.float32) == torch.float32
+    assert compute_dtype(MegatronStrategy(params_dtype=torch.bfloat16), torch.float32) == torch.bfloat16
+    assert compute_dtype(MegatronStrategy(), torch.float32) == torch.float32
 
 
 def test_backend_for_returns_a_strategy_that_is_its_own_backend():
@@ -171,7 +196,7 @@ def test_backends_never_import_the_module_or_the_loop():
     from test_architecture import GRAPH
 
     backends = {m: imports for m, imports in GRAPH.items() if m.startswith("lightning_grpo.strategies")}
-    assert {"lightning_grpo.strategies.base", "lightning_grpo.strategies.local", "lightning_grpo.strategies.fsdp",
+    assert {"lightning_grpo.strategies.backend", "lightning_grpo.strategies.local", "lightning_grpo.strategies.fsdp",
             "lightning_grpo.strategies.fsdp1", "lightning_grpo.strategies.megatron.strategy"} <= set(backends)
     for module, imports in backends.items():
         bad = [m for m in imports if m == "lightning_grpo.module" or m.startswith("lightning_grpo.loop")]

@@ -34,7 +34,7 @@ import torch
 from lightning_grpo import GRPOConfig, GRPOModule
 from lightning_grpo.callbacks import GRPOCallback
 from lightning_grpo.rollout.engines.probe import probe_sequences
-from lightning_grpo.strategies.weights import ModuleWeights
+from lightning_grpo.strategies.module_weights import ModuleWeights
 from support import forked
 from support.checkpoint_generation import trainer_logprobs
 from support.fixtures import alternating_reward, make_cpu_trainer, read_metrics_rows

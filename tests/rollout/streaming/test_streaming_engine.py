@@ -8,7 +8,7 @@ import torch
 from transformers import AutoTokenizer
 
 from lightning_grpo.protocols.sampling import SamplingConfig
-from lightning_grpo.rollout.streaming.engine import StreamingRolloutEngine
+from lightning_grpo.rollout.streaming.streaming_engine import StreamingRolloutEngine
 from support.streaming import ScriptedStreamingEngine
 
 EOS = 2

@@ -30,7 +30,7 @@
 
 Multi-GPU weight transfer (NCCL) works as for the fixed schedule's engine; it is tested here on gloo over loopback.
 :func:`make_pool` is the factory of ``streaming.enabled`` with ``engine.name="vllm_server"``
-(:data:`lightning_grpo.rollout.streaming.engine.STREAMING_ENGINES`).
+(:data:`lightning_grpo.rollout.streaming.streaming_engine.STREAMING_ENGINES`).
 """
 
 from __future__ import annotations
@@ -48,8 +48,8 @@ import torch.distributed as dist
 
 from lightning_grpo.protocols.streaming import EngineUnavailable, GroupRequest, SampledGroup, WeightUpdate
 from lightning_grpo.protocols.weights import PolicyWeights, check_tied_engine
+from lightning_grpo.rollout.engine_registry import EngineSpec
 from lightning_grpo.rollout.engines.probe import probe_sequences
-from lightning_grpo.rollout.registry import EngineSpec
 from lightning_grpo.rollout.server.client import AsyncServerClient, RolloutServerError, ServerClient, ServerUnreachable
 from lightning_grpo.rollout.server.security import read_secret
 from lightning_grpo.rollout.server.sync_groups import Instance, init_group, push
