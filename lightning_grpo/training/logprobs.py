@@ -179,9 +179,22 @@ class CompletionLogprobs:
                                  "vision-language policy (single device, DDP or FSDP2)")
             check_untruncated_scoring(self.config, type(model).__name__, entropy_grad)
             return self.scorer(model, batch, self.config.temperature, with_entropy)
-        if self.config.padding_free:
+        if self.padding_free(model):
             return self._packed(model, batch, with_entropy, entropy_grad)
         return self._padded(model, batch, with_entropy, entropy_grad)
+
+    def padding_free(self, model: nn.Module) -> bool:
+        """Whether ``model``'s forward passes use the padding-free layouts: ``padding_free``, unless the model is
+        sharded and a packed row may hold only one of its sequences (:mod:`lightning_grpo.training.layout_limits`):
+        a sharded model's forward pass is a collective, so each rank must run one per call, which only the padded
+        layout then gives."""
+        if not (self.config.padding_free and self.sharded):
+            return self.config.padding_free
+        config = getattr(model, "config", None)
+        limits = layout_limits(config)
+        if not limits.several_sequences:
+            _log_once(config, "padding-free rows of a sharded model", limits.reason())
+        return limits.several_sequences
 
     @torch.no_grad()
     def batched(
@@ -220,7 +233,7 @@ class CompletionLogprobs:
     def forward_tokens(self, model: nn.Module, batch: Experience) -> int:
         """Tokens the training forward pass of ``batch`` computes: with ``padding_free`` the real tokens of the rows
         with loss tokens (a prompt shared by a group once, with ``shared_prefix``), else the padded ``B * (P + T)``."""
-        if not (self.config.padding_free and batch.completion_mask.any()):
+        if not (self.padding_free(model) and batch.completion_mask.any()):
             return int(batch.prompt_ids.numel() + batch.completion_ids.numel())
         has_loss = batch.completion_mask.any(dim=1)
         completion_tokens = int(batch.completion_attention_mask.sum())
