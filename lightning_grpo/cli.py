@@ -4,6 +4,9 @@
     lightning-grpo test --config recipes/eval.yaml --model.model outputs/.../hf_model     # or --ckpt_path x.ckpt
     lightning-grpo plot outputs/gsm8k_grpo                # PNG of the newest metrics.csv under the folder
     lightning-grpo serve --model PATH --port 8000         # a rollout server (engine.name="vllm_server")
+    lightning-grpo health http://127.0.0.1:8000 --wait 60  # the rollout servers' /health, once they answer
+    lightning-grpo launch --nodes 2 --devices-per-node 8 --servers 2 --hosts n0,n1,n2,n3 --secret-file secret \
+        --config recipes/gsm8k_grpo.yaml --dry-run        # the commands of a multi-node run (--slurm: an sbatch)
 
 ``fit --validate_before_fit true`` validates once before training (the held-out "before"); every ``fit`` ends by
 printing the before/after table of :mod:`lightning_grpo.evaluation.report` and the paths of the plot, the completion
@@ -32,6 +35,8 @@ from lightning_grpo.config import GRPOConfig
 from lightning_grpo.data import PromptDataModule
 from lightning_grpo.evaluation.plot import plot_metrics
 from lightning_grpo.evaluation.report import fit_report
+from lightning_grpo.launch.command import launch_main
+from lightning_grpo.launch.health import health_main
 from lightning_grpo.models.embedded import resolve_model_path
 from lightning_grpo.module import GRPOModule
 from lightning_grpo.rollout.server.app import serve_main
@@ -66,7 +71,8 @@ class GRPOCLI(LightningCLI):
     ``--ckpt_path``: Lightning applies the checkpoint's hyperparameters over the parsed config. ``reward_weights`` is
     never taken from the checkpoint (it belongs with ``reward_funcs``, which checkpoints do not hold: a checkpoint of
     two weighted rewards evaluated with one reward would otherwise fail); ``validate``, ``test`` and ``predict`` take
-    only :data:`WEIGHT_HPARAMS`, so ``--config recipes/eval.yaml`` evaluates with its own settings.
+    only :data:`WEIGHT_HPARAMS`, so ``--config recipes/eval.yaml`` evaluates with its own settings. ``resolved``
+    (what the run made of the config's "auto" values) is a record, not an argument: it is left out.
     """
 
     @override
@@ -79,7 +85,8 @@ class GRPOCLI(LightningCLI):
         if "_class_path" in hparams:  # a subclass of the module: Lightning's own handling
             super()._parse_ckpt_path()
             return
-        hparams = {k: v for k, v in hparams.items() if k not in ("_instantiator", "reward_weights")}
+        # "resolved" records what a run made of the config's "auto" values (lifecycle), not an argument of the module
+        hparams = {k: v for k, v in hparams.items() if k not in ("_instantiator", "reward_weights", "resolved")}
         if subcommand != "fit":
             hparams = {k: v for k, v in hparams.items() if k in WEIGHT_HPARAMS}
         if hparams:
@@ -151,6 +158,8 @@ DESCRIPTION = """GRPO training of language models with PyTorch Lightning (lightn
 subcommands:
   fit, validate, test, predict   Lightning's (lightning-grpo fit --help lists every option)
   serve                          a vLLM rollout server (lightning-grpo serve --help)
+  health                         rollout servers' /health, waiting until they answer (lightning-grpo health --help)
+  launch                         the commands of a multi-node run, or its sbatch (lightning-grpo launch --help)
   plot                           a PNG of a run's metrics.csv (lightning-grpo plot --help)
 """
 
@@ -162,6 +171,12 @@ def main(args: Optional[Sequence[str]] = None) -> None:
         return
     if argv[:1] == ["serve"]:
         serve_main(argv[1:])
+        return
+    if argv[:1] == ["health"]:
+        health_main(argv[1:])
+        return
+    if argv[:1] == ["launch"]:
+        launch_main(argv[1:])
         return
     GRPOCLI(
         GRPOModule,

@@ -122,6 +122,10 @@ class GRPOComponents:
         resolved = ResolvedConfig(resolve_engine_name(config.engine.name),
                                   max_tokens_per_microbatch=None if budget == "auto" else budget)
         built_tools = as_tools(tools)  # multi-turn episodes (docs/multiturn.md)
+        if config.streaming.enabled and (built_tools or environment_factory is not None or agent is not None):
+            raise ValueError("GRPOConfig.streaming.enabled=True samples single-turn groups; multi-turn episodes "
+                             "(tools, environment_factory) and agents run on the fixed schedule (max_staleness), "
+                             "whose rollouts carry each token's weight version too")
         stop = StopFlag()  # polled by the engine and the sampler (with tools or an environment: the turn loop)
         path = rollout_path(config, loaded.tokenizer, loaded.policy, built_tools, environment_factory, tool_parser,
                             stop, processor, loaded.path, agent)

@@ -55,11 +55,14 @@ class RolloutEnd:
         columns: the dataset's other columns, ``N`` values each (e.g. ``answer``).
         num_generations: G.
         weights_version: optimizer steps taken by the weights that generated it (older than the trained weights by
-            ``rollout/staleness_max`` with asynchronous rollouts), or None where unknown.
+            ``rollout/staleness_max`` with asynchronous rollouts; streaming rollouts: those of its oldest token, each
+            token's being in ``ExperienceReady.experience.completion_versions``), or None where unknown.
         episodes: multi-turn rollouts: each row's :class:`~lightning_grpo.protocols.episode.EpisodeRecord`
             (the whole transcript, turn by turn, with each turn's token span and whether the model wrote it);
             ``completions`` are then the episodes' last model turns and ``lengths`` count the model's tokens. None
             for single-turn rollouts.
+        prompt_keys: streaming rollouts: each row's prompt key (its place in this process's data order over the run,
+            :mod:`lightning_grpo.rollout.streaming`), ``N`` values; None in the fixed schedule.
     """
 
     prompts: list
@@ -73,6 +76,7 @@ class RolloutEnd:
     num_generations: int = 1
     weights_version: Optional[int] = None
     episodes: Optional[list[EpisodeRecord]] = None
+    prompt_keys: Optional[list[int]] = None
 
 
 @dataclass

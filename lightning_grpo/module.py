@@ -40,8 +40,10 @@ from lightning_grpo.models.lora import (
     trim_frozen_weights,
 )
 from lightning_grpo.protocols import Collectives, RolloutEngine, RolloutOutput, SamplingConfig
+from lightning_grpo.protocols.streaming import StreamingEngine
 from lightning_grpo.rewards import RewardSpec
 from lightning_grpo.rollout.prefetch import PrefetchedRollout
+from lightning_grpo.rollout.streaming import RolloutStream
 from lightning_grpo.runtime.checkpointing import use_atomic_checkpoint_io
 from lightning_grpo.runtime.cleanup import ReleaseOnException, install
 from lightning_grpo.strategies import backend_for
@@ -207,6 +209,25 @@ class GRPOModule(L.LightningModule):
         self.rollout.engine = engine
 
     @property
+    def streaming_engine(self) -> Optional[StreamingEngine]:
+        """Streaming rollouts' engine (``GRPOConfig.streaming.enabled``): made in ``setup`` from ``config.engine``
+        (the rollout servers' pool) unless given; None otherwise."""
+        adapter = self.rollout.streaming_engine
+        return None if adapter is None else adapter.streaming
+
+    @streaming_engine.setter
+    def streaming_engine(self, engine: Optional[StreamingEngine]) -> None:
+        """Give a :class:`~lightning_grpo.protocols.streaming.StreamingEngine` (yours: kept, never closed by the
+        module) for streaming rollouts; it is the rollout engine too (validation samples on it)."""
+        self.rollout.streaming_engine = engine
+
+    @property
+    def rollout_stream(self) -> Optional[RolloutStream]:
+        """Streaming rollouts' stream while a fit trains (handed to the loop, which takes its groups and checkpoints
+        it), else None."""
+        return self.experience_maker.stream
+
+    @property
     def collectives(self) -> Collectives:
         """The trainer's data-parallel reductions (the backend's), flags on this module's device."""
         return self.backend.collectives(self.device)
@@ -268,7 +289,7 @@ class GRPOModule(L.LightningModule):
         if self.teacher is not None and self.teacher.model is not None:  # sharded or converted like the reference
             self.teacher.model = models.teacher
         self.rollout.attach(models.engine, models.weights)
-        self.logprobs.use(models.scorer, models.sharded)
+        self.logprobs.use(models.scorer, models.sharded, models.scorer_replays_routing)
 
     def _bind_context(self) -> None:
         """The experience maker's :class:`~lightning_grpo.experience.RolloutContext` for this run (the backend,
@@ -332,6 +353,11 @@ class GRPOModule(L.LightningModule):
         if self.config.max_tokens_per_microbatch == "auto" and self.resolved.max_tokens_per_microbatch is None:
             self._fit_token_budget()
         self.timer.start()
+        if self.config.streaming.enabled:  # the engine gets the weights, then groups start streaming
+            prompts = self.data_plan.prompts_per_step
+            steps = schedule.steps_per_rollout(self.config, prompts)  # raises without prompts_per_step
+            assert prompts is not None
+            install_loop(self.trainer).use_stream(self.experience_maker.open_stream(self.policy, prompts, steps))
 
     def _fit_token_budget(self) -> None:
         """Choose ``max_tokens_per_microbatch="auto"`` from probe steps (the smallest over processes,
@@ -363,13 +389,15 @@ class GRPOModule(L.LightningModule):
         return export_folder(self.hparams.export_dir, self.trainer.log_dir, self.trainer.default_root_dir)
 
     def make_experience(
-        self, batch: dict[str, list], next_prompt_batch: Optional[Callable[[], Optional[dict[str, list]]]] = None,
+        self, batch: Optional[dict[str, list]],
+        next_prompt_batch: Optional[Callable[[], Optional[dict[str, list]]]] = None,
         prefetched: Optional[PrefetchedRollout] = None,
-    ) -> Experience:
+    ) -> Optional[Experience]:
         """One rollout batch -> experience (:meth:`lightning_grpo.experience.maker.ExperienceMaker.make`, which
         documents the steps and errors; ``prefetched``: the background rollout :meth:`prefetch_rollout` started for
-        ``batch``). Called by the loop; runs on this process's prompts only. On SIGTERM the rollout stops and
-        Lightning's ``SIGTERMException`` is raised (:mod:`lightning_grpo.runtime.preemption`)."""
+        ``batch``; ``batch`` None: streaming rollouts, the next finished groups of :attr:`rollout_stream`, None when
+        the epoch's data is used up). Called by the loop; runs on this process's prompts only. On SIGTERM the rollout
+        stops and Lightning's ``SIGTERMException`` is raised (:mod:`lightning_grpo.runtime.preemption`)."""
         with self.preemption.exit_on_stop():
             return self.experience_maker.make(batch, self.policy, self.ref_model, next_prompt_batch=next_prompt_batch,
                                               prefetched=prefetched)
@@ -472,9 +500,12 @@ class GRPOModule(L.LightningModule):
 
     @override
     def optimizer_step(self, *args: Any, **kwargs: Any) -> None:
+        """Lightning's step; the engine's weights are a version older (streaming rollouts: the new weights go to the
+        engine in flight now, :meth:`lightning_grpo.experience.maker.ExperienceMaker.after_optimizer_step`)."""
         super().optimizer_step(*args, **kwargs)
         self.timer.after_optimizer_step()
         self.rollout.mark_stale()
+        self.experience_maker.after_optimizer_step(self.policy)
 
     @override
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
@@ -501,9 +532,11 @@ class GRPOModule(L.LightningModule):
         """After an optimizer step, log where its wall time went
         (:meth:`lightning_grpo.training.metrics.StepTimer.step_end`:
         ``timing/{rollout,scoring,logprobs,sync,forward,backward,optimizer,step,other,train}_s``, seconds) and
-        ``generated_tokens``, ``train_tokens``."""
+        ``generated_tokens``, ``train_tokens``; streaming rollouts: ``timing/weight_update_s`` and
+        ``timing/weight_pause_s`` of the step's weight update."""
         if batch.step_end:  # the loop's batches are experience micro-batches
-            self.log_dict(self.timer.step_end(), on_step=True, on_epoch=False, batch_size=1)
+            metrics = self.timer.step_end() | self.experience_maker.weight_update_metrics()
+            self.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)
         self.preemption.on_micro_batch_end(batch.step_end)  # SIGTERM inside a step waits for its end
 
     @override

@@ -18,13 +18,14 @@ from lightning_grpo.config import (
     EpisodeConfig,
     EvalConfig,
     GRPOConfig,
+    StreamingConfig,
 )
 from lightning_grpo.data import PromptDataModule
 from lightning_grpo.module import GRPOModule
 
 #: The config groups: flag prefix -> dataclass (the nested groups are fields of GRPOConfig).
 GROUPS = {"": GRPOConfig, "engine.": EngineConfig, "eval.": EvalConfig, "episode.": EpisodeConfig,
-          "correction.": CorrectionConfig, "distillation.": DistillationConfig}
+          "correction.": CorrectionConfig, "distillation.": DistillationConfig, "streaming.": StreamingConfig}
 
 
 def _field_docstrings(cls: type = GRPOConfig) -> dict[str, str]:
@@ -109,6 +110,7 @@ def test_python_callers_may_still_pass_the_config_as_a_dict(tiny_llama_path):
 def test_top_level_help_names_every_subcommand():
     code, out, _ = _run(["--help"])
     assert code == 0
-    for subcommand in ("fit", "validate", "test", "serve", "plot"):
+    for subcommand in ("fit", "validate", "test", "serve", "health", "launch", "plot"):
         assert re.search(rf"^\s+{subcommand}\b|[ ,]{subcommand}[ ,]", out, re.MULTILINE), (subcommand, out[:600])
-    assert "lightning-grpo serve --help" in out and "lightning-grpo plot --help" in out
+    for subcommand in ("serve", "health", "launch", "plot"):
+        assert f"lightning-grpo {subcommand} --help" in out

@@ -45,7 +45,7 @@ REPO_DIRS = ("lightning_grpo", "tests", "benchmarks", "recipes", "scripts", "doc
 #: options of LightningCLI's subcommands beyond the ``--model.*`` / ``--data.*`` / ``--trainer.*`` trees
 CLI_OPTIONS = {"config", "print_config", "help", "seed_everything", "ckpt_path", "validate_before_fit"}
 #: ``lightning-grpo <sub>`` dispatched by ``lightning_grpo.cli.main`` before LightningCLI
-OWN_SUBCOMMANDS = ("serve", "plot")
+OWN_SUBCOMMANDS = ("serve", "health", "launch", "plot")
 
 
 # ---------------------------------------------------------------------------------------------------------- markdown
@@ -203,7 +203,8 @@ def own_subcommand_options() -> dict[str, frozenset[str]]:
     from lightning_grpo import cli
 
     assert all(f'"{name}"' in inspect.getsource(cli.main) for name in OWN_SUBCOMMANDS), "cli.main dispatch changed"
-    return {"serve": _argparse_options(cli.serve_main), "plot": _argparse_options(cli.plot_main)}
+    return {"serve": _argparse_options(cli.serve_main), "health": _argparse_options(cli.health_main),
+            "launch": _argparse_options(cli.launch_main), "plot": _argparse_options(cli.plot_main)}
 
 
 def cli_flag_problem(subcommand: str, flag: str) -> Optional[str]:
@@ -373,11 +374,15 @@ def check_command(where: str, tokens: list[str]) -> list[str]:
         return problems
     if subcommand not in lightning_subcommands() + OWN_SUBCOMMANDS:
         return problems + [f"{where}: `lightning-grpo {subcommand}` is no subcommand"]
-    for token in args[1:]:
-        if token.startswith("--"):
-            problem = cli_flag_problem(subcommand, token[2:])
-            if problem:
-                problems.append(f"{where}: {problem}")
+    own, passed = args[1:], []
+    if subcommand == "launch" and "--" in own:  # `launch ... -- <fit arguments>`
+        own, passed = own[:own.index("--")], own[own.index("--") + 1:]
+    for flags, checked_as in ((own, subcommand), (passed, "fit")):
+        for token in flags:
+            if token.startswith("--"):
+                problem = cli_flag_problem(checked_as, token[2:])
+                if problem:
+                    problems.append(f"{where}: {problem}")
     return problems
 
 
@@ -492,6 +497,7 @@ lightning-grpo fitt --config recipes/gsm8k_grpo.yaml
 lightning-grpo fit --config recipes/no_such.yaml --model.config.num_generationz 4 --trainer.max_stepz 3
 lightning-grpo fit --data.prompts_per_stepz 4 --model.lora.rank 8 --nope
 lightning-grpo serve --model PATH --portz 8000
+lightning-grpo launch --nodes 2 --nodez 2 -- --trainer.max_steps 3 --trainer.max_stepz 3
 python recipes/no_such.py
 bash scripts/no_such.sh tests/no_such_test.py
 ```
@@ -521,7 +527,8 @@ def test_checker_flags_every_kind_of_rot() -> None:
         "--trainer.max_stepz: 'max_stepz' is no argument of Trainer",
         "'prompts_per_stepz' is no argument of PromptDataModule",
         "--model.lora.rank: 'rank' is no argument of LoraConfig", "LightningCLI has no option --nope",
-        "`lightning-grpo serve` has no option --portz", "`python recipes/no_such.py`: no such file",
+        "`lightning-grpo serve` has no option --portz", "`lightning-grpo launch` has no option --nodez",
+        "_bad.md:28: --trainer.max_stepz", "`python recipes/no_such.py`: no such file",
         "`bash scripts/no_such.sh`: no such file", "tests/no_such_test.py: no such path",
         "yaml key model.config.num_generationz", "yaml key trainer.max_stepz",
     ]

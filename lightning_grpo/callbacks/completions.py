@@ -2,7 +2,9 @@
 optimizer steps, through whatever loggers the trainer has. For multi-turn episodes the completion is the whole
 transcript, turn by turn, each turn's boundary marked with who wrote it, its tokens and whether they were trained
 (:meth:`lightning_grpo.protocols.episode.EpisodeRecord.transcript`), followed by ``turns``, ``tool_calls``,
-``tool_errors`` and ``env_tokens`` columns; ``length`` counts the model's tokens.
+``tool_errors`` and ``env_tokens`` columns; ``length`` counts the model's tokens. When the rollout carries each
+token's weight version (``Experience.completion_versions``: streaming rollouts, rollout servers), a ``versions``
+column gives each completion's span: ``"3"`` (one version) or ``"3-5"`` (its oldest and newest token's).
 
 Where the rows go (history kept: each logged step adds rows, nothing is overwritten):
 
@@ -38,6 +40,18 @@ LEADING = ("step", "group", "prompt", "completion")
 TRAILING = ("reward", "advantage", "length")
 #: More columns for multi-turn episodes.
 EPISODE = ("turns", "tool_calls", "tool_errors", "env_tokens")
+#: The column of each completion's weight-version span (rollouts that carry per-token versions).
+VERSIONS = "versions"
+
+
+def version_span(versions: list[int]) -> str:
+    """A completion's weight versions as a span: ``"3"``, ``"3-5"`` (oldest-newest of its sampled tokens; -1, a
+    token no engine sampled, left out), ``""`` when none is known."""
+    known = [v for v in versions if v >= 0]
+    if not known:
+        return ""
+    low, high = min(known), max(known)
+    return str(low) if low == high else f"{low}-{high}"
 
 
 def prompt_text(prompt: Any) -> str:
@@ -83,9 +97,12 @@ class CompletionTable(GRPOCallback):
 
     def rows(self, step: int, event: ExperienceReady) -> tuple[list[str], list[list]]:
         """``(columns, rows)`` of one rollout: ``step, group, prompt, completion, <reward fns>..., reward,
-        advantage, length`` (multi-turn: then ``turns, tool_calls, tool_errors, env_tokens``)."""
+        advantage, length`` (multi-turn: then ``turns, tool_calls, tool_errors, env_tokens``; with per-token weight
+        versions: then ``versions``)."""
         rollout, episodes = event.rollout, event.rollout.episodes
+        versions = event.experience.completion_versions
         columns = list(LEADING) + list(rollout.reward_names) + list(TRAILING) + (list(EPISODE) if episodes else [])
+        columns += [VERSIONS] if versions is not None else []
         per_function, rewards = rollout.per_function.tolist(), rollout.rewards.tolist()
         advantages, lengths = event.advantages.tolist(), rollout.lengths.tolist()
         trained = event.experience.completion_mask.any(dim=1).tolist()
@@ -100,6 +117,8 @@ class CompletionTable(GRPOCallback):
                 e = episodes[i]
                 row += [e.model_turns, e.tool_calls, e.tool_errors, sum(t.end - t.start for t in e.turns
                                                                         if t.source == "env")]
+            if versions is not None:
+                row.append(version_span(versions[i].tolist()))
             rows.append(row)
         return columns, rows
 

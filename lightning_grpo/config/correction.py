@@ -115,11 +115,12 @@ class CorrectionConfig:
                 or self.off_policy_mask_threshold is not None)
 
     def check_with(self, *, importance_sampling_cap: Optional[float], importance_sampling_min: Optional[float],
-                   max_staleness: int) -> None:
+                   max_staleness: int, streaming: bool = False) -> None:
         """The combinations with ``GRPOConfig``'s own fields (called by ``GRPOConfig.__post_init__``).
 
         Raises:
-            ValueError: bypass mode with an importance weight, or with stale rollouts and no mask (named).
+            ValueError: bypass mode with an importance weight, or with stale rollouts (``max_staleness > 0`` or
+                ``streaming``) and no mask (named).
         """
         if not self.bypass_mode:
             return
@@ -134,3 +135,7 @@ class CorrectionConfig:
                   "sampler's logprobs with nothing bounding the gap (no importance weight in bypass mode): set a "
                   "rejection mask (geo_mask_low/high, kl_mask_threshold or off_policy_mask_threshold) or turn "
                   "bypass_mode off (the default decoupled objective corrects staleness with the TIS weight)")
+        if streaming and not self.masks_on:
+            _fail("bypass_mode", True, "with streaming.enabled trains stale samples against the stale sampler's "
+                  "logprobs with nothing bounding the gap (no importance weight in bypass mode): set a rejection mask "
+                  "(geo_mask_low/high, kl_mask_threshold or off_policy_mask_threshold) or turn bypass_mode off")

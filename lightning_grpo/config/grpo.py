@@ -15,6 +15,7 @@ from typing import Any, Literal, Optional, Union
 from lightning_grpo.config.correction import CorrectionConfig
 from lightning_grpo.config.distillation import DistillationConfig
 from lightning_grpo.config.groups import EngineConfig, EpisodeConfig, EvalConfig, check_fields, fail
+from lightning_grpo.config.streaming import StreamingConfig
 from lightning_grpo.protocols.sampling import sampling_errors
 
 LossType = Literal["grpo", "bnpo", "token_mean", "dapo", "dr_grpo", "cispo"]
@@ -28,8 +29,9 @@ ImportanceSamplingMode = Literal["truncate", "mask"]
 OnNonFinite = Literal["error", "skip"]
 RoutingReplayMode = Literal["off", "R3", "R2"]
 
-#: The truncated-importance-sampling cap C that ``max_staleness > 0`` uses when ``importance_sampling_cap`` is None
-#: (Yao et al. 2025 and verl's ``rollout_is_threshold`` use 2); see :meth:`GRPOConfig.tis_cap`.
+#: The truncated-importance-sampling cap C that ``max_staleness > 0`` and streaming rollouts use when
+#: ``importance_sampling_cap`` is None (Yao et al. 2025 and verl's ``rollout_is_threshold`` use 2); see
+#: :meth:`GRPOConfig.tis_cap`.
 ASYNC_IMPORTANCE_SAMPLING_CAP = 2.0
 
 
@@ -134,8 +136,9 @@ class GRPOConfig:
     arXiv:2506.01939, which uses 0.2); 1.0 = all tokens."""
     importance_sampling_cap: Optional[float] = None
     """Truncated importance sampling (TIS) cap C (>= 1) for engines that report sampler logprobs (vLLM): the
-    policy-gradient loss is weighted by ``min(pi_old / pi_sampler, C)``; None = off (2.0 when ``max_staleness > 0``,
-    where it corrects the stale rollouts: :meth:`tis_cap`). The HF engine reports none, so its weight is 1."""
+    policy-gradient loss is weighted by ``min(pi_old / pi_sampler, C)``; None = off (2.0 when ``max_staleness > 0``
+    or ``streaming.enabled``, where it corrects the stale rollouts: :meth:`tis_cap`). The HF engine reports none, so
+    its weight is 1."""
     importance_sampling_min: Optional[float] = None
     """Lower bound C_min in (0, 1] of the importance weight (TRL ``vllm_importance_sampling_clip_min``): "truncate"
     raises smaller weights to it, "mask" zeroes them; with ``importance_sampling_mode="mask"``,
@@ -260,6 +263,10 @@ class GRPOConfig:
     ``engine.sync_every=1``, no sleep mode and no ``dynamic_sampling``. The off-policy gap is corrected by truncated
     importance sampling against the sampler's logprobs (docs/algorithm.md, "Asynchronous rollouts"): with
     ``importance_sampling_cap=None`` the cap is 2.0 (:meth:`tis_cap`). Logged: ``rollout/staleness_{mean,max}``."""
+    streaming: StreamingConfig = field(default_factory=StreamingConfig)
+    """Streaming rollouts, the fully asynchronous mode beside the fixed schedule (:class:`StreamingConfig`:
+    ``enabled``, ``max_inflight_groups``, ``buffer_groups``, ``max_off_policy_steps``, ``on_stale``,
+    ``newest_version_only``; docs/engines.md, "Streaming rollouts")."""
 
     # --- Reward pool (lightning_grpo.rewards.pool; docs/rewards.md) ---
     reward_num_workers: int = 8
@@ -332,7 +339,7 @@ class GRPOConfig:
         # issue 33: the correction and distillation groups' combinations with the fields above
         self.correction.check_with(importance_sampling_cap=self.importance_sampling_cap,
                                    importance_sampling_min=self.importance_sampling_min,
-                                   max_staleness=self.max_staleness)
+                                   max_staleness=self.max_staleness, streaming=self.streaming.enabled)
         self.distillation.check_with(policy_loss_mode=self.policy_loss_mode, dynamic_sampling=self.dynamic_sampling,
                                      temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
                                      min_p=self.min_p)
@@ -340,7 +347,7 @@ class GRPOConfig:
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> GRPOConfig:
         """A config from plain data (``dataclasses.asdict`` of one, as checkpoints store it): the ``engine``,
-        ``eval``, ``episode``, ``correction`` and ``distillation`` groups may be dicts.
+        ``eval``, ``episode``, ``correction``, ``distillation`` and ``streaming`` groups may be dicts.
 
         Raises:
             TypeError: an unknown field (named by the dataclass constructor).
@@ -353,10 +360,11 @@ class GRPOConfig:
 
     def tis_cap(self) -> Optional[float]:
         """The truncated-importance-sampling cap in effect: ``importance_sampling_cap``, or
-        :data:`ASYNC_IMPORTANCE_SAMPLING_CAP` (2.0) when it is None and ``max_staleness > 0`` (the stale rollouts of
-        asynchronous training are always corrected; not in ``correction.bypass_mode``, whose old policy is the
-        sampler); None = no upper bound."""
-        if self.importance_sampling_cap is None and self.max_staleness > 0 and not self.correction.bypass_mode:
+        :data:`ASYNC_IMPORTANCE_SAMPLING_CAP` (2.0) when it is None and ``max_staleness > 0`` or
+        ``streaming.enabled`` (the stale rollouts of asynchronous training are always corrected; not in
+        ``correction.bypass_mode``, whose old policy is the sampler); None = no upper bound."""
+        asynchronous = self.max_staleness > 0 or self.streaming.enabled
+        if self.importance_sampling_cap is None and asynchronous and not self.correction.bypass_mode:
             return ASYNC_IMPORTANCE_SAMPLING_CAP
         return self.importance_sampling_cap
 
@@ -412,6 +420,8 @@ class GRPOConfig:
         k = self.max_staleness
         if not isinstance(k, int) or isinstance(k, bool) or k < 0:
             fail("max_staleness", k, "must be an int >= 0 (0 = synchronous rollouts)")
+        if self.streaming.enabled:
+            self._check_streaming()
         if k == 0:
             return
         if self.dynamic_sampling:
@@ -423,6 +433,19 @@ class GRPOConfig:
         if self.engine.enable_sleep_mode:
             fail("max_staleness", k, "needs the engine awake while the trainer trains: set "
                   "engine.enable_sleep_mode=False")
+
+    def _check_streaming(self) -> None:
+        """The settings streaming rollouts need (the engine is checked when it is made: a streaming engine, the rollout
+        servers' pool with ``engine.name="vllm_server"``)."""
+        if self.max_staleness > 0:
+            fail("streaming.enabled", True, f"streams rollouts; max_staleness={self.max_staleness} is the fixed "
+                 "schedule: choose one (set max_staleness=0, or streaming.enabled=False)")
+        if self.engine.sync_every != 1:
+            fail("streaming.enabled", True, f"sends the weights after every optimizer step; engine.sync_every="
+                 f"{self.engine.sync_every} must be 1")
+        if self.engine.enable_sleep_mode:
+            fail("streaming.enabled", True, "needs the engines awake while the trainer trains: set "
+                 "engine.enable_sleep_mode=False")
 
     def _check_policy_loss(self) -> None:  # noqa: C901 - one flat list of field checks
         """Knobs of the policy objectives (clipping, KL, entropy, TIS, GSPO, CISPO, Clip-Cov, KL-Cov) and their
@@ -477,4 +500,5 @@ class GRPOConfig:
 
 #: The nested setting groups of :class:`GRPOConfig`: field name -> dataclass.
 _GROUPS: tuple[tuple[str, type], ...] = (("engine", EngineConfig), ("eval", EvalConfig), ("episode", EpisodeConfig),
-                                         ("correction", CorrectionConfig), ("distillation", DistillationConfig))
+                                         ("correction", CorrectionConfig), ("distillation", DistillationConfig),
+                                         ("streaming", StreamingConfig))

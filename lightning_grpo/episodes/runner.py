@@ -12,7 +12,9 @@ EOS; never decoded and encoded again), then each observation's ids, ...: ``compl
 :class:`~lightning_grpo.protocols.rollout.RolloutOutput` is everything after the prompt, ``completion_mask`` is 1 on the
 model's tokens (the loss, KL, entropy and every ``loss_type``'s normalizer count those only) and ``env_mask`` 1 on
 the environment's (context: attended to, never trained), ``sampler_logprobs`` the engine's logprobs of the model's
-tokens (0 on the environment's).
+tokens (0 on the environment's) and ``completion_versions`` the weight version of each model token (the turn's
+per-token versions when the engine reports them, else its ``weight_version``; -1 on the environment's tokens): an
+episode, and a turn, may span weight versions when the engine takes new weights while it generates.
 
 Limits (``GRPOConfig.episode``): at most ``max_turns`` model turns; one budget of ``max_tokens`` tokens (None:
 the sampling's ``max_new_tokens``, i.e. ``GRPOConfig.max_new_tokens`` in training and ``eval.max_new_tokens`` in
@@ -82,6 +84,7 @@ class _Episode:
     running: bool = True
     pending: Optional[str] = None  # a finished model turn the environment has not answered yet
     versions: set = field(default_factory=set)
+    token_versions: list[int] = field(default_factory=list)  # each token's weight version, -1 = not sampled
     images: tuple[PromptImage, ...] = ()  # the prompt's, then each observation's (vision-language policies)
     prompt_routed: Optional[Tensor] = None  # [len(prompt), layers, k] the prompt's routed experts (turn 0)
     routed: Optional[Tensor] = None  # [len(ids), layers, k] each token's, -1 until a turn's engine call fed it
@@ -97,6 +100,14 @@ def _close_environment(env: Environment) -> None:
         env.close()
     except Exception as err:  # noqa: BLE001 - a failing close must not hide the rollout's outcome
         log.warning("closing an episode's environment failed: %s", err)
+
+
+def _turn_versions(out: RolloutOutput, row: int, length: int) -> list[int]:
+    """The weight version of each of the first ``length`` tokens of row ``row`` of one turn's ``out``: its per-token
+    ``completion_versions`` when the engine reports them, else its ``weight_version``, else -1 (none reported)."""
+    if out.completion_versions is not None:
+        return [int(v) for v in out.completion_versions[row, :length].tolist()]
+    return [-1 if out.weight_version is None else int(out.weight_version)] * length
 
 
 class EpisodeRunner:
@@ -150,13 +161,13 @@ class EpisodeRunner:
             A :class:`RolloutOutput` with ``env_mask`` and ``episodes`` (one
             :class:`~lightning_grpo.protocols.episode.EpisodeRecord` each) set, the reward functions' ``transcript``
             and ``env_reward`` columns and the episodes' metrics (:mod:`lightning_grpo.episodes.metrics`);
-            ``completions`` are each episode's last model turn (its answer); ``weight_version`` the engine's (all
-            turns of a rollout are sampled by the same weights: no sync happens inside a rollout).
+            ``completions`` are each episode's last model turn (its answer); ``weight_version`` the oldest version any
+            turn reported (each episode's record: its own oldest) and ``completion_versions`` every model token's
+            (None when no turn reported a version).
 
         Raises:
             RolloutInterrupted: the stop flag was set.
-            RuntimeError: an environment's ``reset``/``step`` raised (the episode is named; tools never raise), or
-                the turns of one episode report different weight versions.
+            RuntimeError: an environment's ``reset``/``step`` raised (the episode is named; tools never raise).
             ValueError: ``rows`` does not have one entry per prompt; an observation with images for a policy
                 without them.
         """
@@ -252,8 +263,9 @@ class EpisodeRunner:
             text = tokenizer.decode(ids, skip_special_tokens=True)
             e.record.turns.append(Turn("model", start, len(e.ids), [{"role": "assistant", "content": text}]))
             e.record.model_turns += 1
-            if out.weight_version is not None:
-                e.versions.add(int(out.weight_version))
+            versions = _turn_versions(out, r, len(ids))
+            e.token_versions += versions
+            e.versions.update(v for v in versions if v >= 0)
             if finished:
                 e.pending = text
             else:
@@ -305,6 +317,7 @@ class EpisodeRunner:
         e.ids += ids
         e.model += [0] * len(ids)
         e.logprobs += [0.0] * len(ids)
+        e.token_versions += [-1] * len(ids)
         e.images += shown
         record.turns.append(Turn("env", start, len(e.ids), [dict(m) for m in messages]))
 
@@ -322,11 +335,10 @@ class EpisodeRunner:
         for i, e in enumerate(episodes):
             env[i, : len(e.ids)] = 1 - model[i, : len(e.ids)]
         versions = set().union(*(e.versions for e in episodes))
+        token_versions = torch.full((n, t), -1, dtype=torch.long)
         for i, e in enumerate(episodes):
-            if len(e.versions) > 1:
-                raise RuntimeError(f"episode {i} was sampled by weight versions {sorted(e.versions)}: every turn of an "
-                                   "episode must come from one weight version")
-            e.record.weight_version = next(iter(e.versions)) if e.versions else None
+            e.record.weight_version = min(e.versions) if e.versions else None
+            token_versions[i, : len(e.ids)] = torch.tensor(e.token_versions, dtype=torch.long)
         ids, mask = left_pad([list(p) for p in prompt_ids], pad, torch.device("cpu"))
         records = [e.record for e in episodes]
         return RolloutOutput(
@@ -339,6 +351,7 @@ class EpisodeRunner:
             episodes=records, columns=episode_columns(records), metrics=episode_metrics(records, model, env),
             images=[e.images or None for e in episodes] if any(e.images for e in episodes) else None,
             **(_routed_fields(episodes, ids.shape[1], t) if reports_routing else {}),
+            completion_versions=token_versions if versions else None,
         )
 
 

@@ -9,13 +9,18 @@ Asynchronous rollouts (``GRPOConfig.max_staleness > 0``): :meth:`ExperienceMaker
 generation in the background (:class:`lightning_grpo.rollout.prefetch.RolloutPrefetcher`) and
 :meth:`ExperienceMaker.make` given that :class:`~lightning_grpo.rollout.prefetch.PrefetchedRollout` waits for it and
 does the rest (scoring, shaping, logprobs, advantages) on the trainer's thread, with the weights of the moment.
+
+Streaming rollouts (``GRPOConfig.streaming.enabled``): :meth:`ExperienceMaker.open_stream` starts a
+:class:`~lightning_grpo.rollout.streaming.RolloutStream` (groups sampled, scored and filtered as they arrive);
+:meth:`ExperienceMaker.make` without a batch takes the next ``prompts_per_step`` finished groups from it and does the
+rest; :meth:`ExperienceMaker.after_optimizer_step` sends every optimizer step's weights to the engine in flight.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, ContextManager, Optional
 
 import torch
@@ -36,6 +41,9 @@ from lightning_grpo.protocols.sampling import SamplingConfig
 from lightning_grpo.protocols.teacher import Teacher
 from lightning_grpo.rewards import RewardSet, StartedScores
 from lightning_grpo.rollout.prefetch import PrefetchedRollout, RolloutPrefetcher
+from lightning_grpo.rollout.streaming import RolloutStream, TakenGroups
+from lightning_grpo.rollout.streaming.scoring import GroupScorer
+from lightning_grpo.rollout.streaming.versions import newest_version_mask, version_metrics
 from lightning_grpo.rollout.worker import RolloutWorker, prompt_rows
 from lightning_grpo.training.experience import Experience
 from lightning_grpo.training.logprobs import CompletionLogprobs
@@ -88,6 +96,7 @@ class _Collected:
     rows: RolloutRows  # every row generated, by row_index
     generation_s: float
     outcomes: dict[str, list[float]]  # "<reward>/<outcome>" -> [completions, of all completions] (pooled rewards)
+    taken: Optional[TakenGroups] = None  # streaming rollouts: the groups taken from the stream
 
 
 def _check_prompt_column(batch: PromptBatch) -> None:
@@ -118,6 +127,7 @@ class ExperienceMaker:
     Attributes:
         prefetcher: the background generation of asynchronous rollouts (its thread starts with the first
             :meth:`prefetch`).
+        stream: streaming rollouts' stream (:meth:`open_stream`), else None.
         context: the run's :class:`RolloutContext` (single-process defaults until :meth:`bind`).
     """
 
@@ -131,6 +141,8 @@ class ExperienceMaker:
         self.passes = LogprobPasses(config, logprobs, teacher)
         self.events = events
         self.prefetcher = RolloutPrefetcher(rollout, on_generated=self._start_rewards)
+        self.stream: Optional[RolloutStream] = None
+        self._updates: list = []  # streaming: the weight updates since the last step's metrics
         self.context = RolloutContext()
 
     def bind(self, context: RolloutContext) -> None:
@@ -157,9 +169,60 @@ class ExperienceMaker:
         self.prefetcher.wait_idle()
 
     def close(self) -> None:
-        """Stop background generations and end their thread and the reward pool's (end of fit)."""
+        """Stop background generations and end their thread and the reward pool's (end of fit); a stream stops and
+        is dropped."""
         self.prefetcher.close()
+        if self.stream is not None:
+            stream, self.stream = self.stream, None
+            stream.close()
         self.rewards.close()
+
+    def open_stream(self, policy: nn.Module, prompts_per_step: int, steps_per_rollout: int) -> RolloutStream:
+        """Streaming rollouts: send ``policy``'s weights to the streaming engine as the trainer's version, then start
+        keeping groups in flight (:class:`~lightning_grpo.rollout.streaming.RolloutStream`, kept as :attr:`stream`;
+        idempotent). Group ``key`` is sampled with seeds from one base drawn now from torch's global generator.
+
+        Raises:
+            ValueError: the worker has no streaming engine; as :meth:`StreamingConfig.sizes`.
+            NonFiniteError: the policy has NaN or infinite weights.
+        """
+        if self.stream is not None:
+            return self.stream
+        adapter = self.rollout.streaming_engine
+        if adapter is None:
+            raise ValueError("GRPOConfig.streaming.enabled=True needs a streaming engine: engine.name='vllm_server' "
+                             "(the rollout servers' pool) or GRPOModule.streaming_engine = engine")
+        cfg, ctx = self.config, self.context
+        self.rollout.prepare(policy, force_sync=True, timer=ctx.timer, collectives=ctx.collectives)
+        scorer = GroupScorer(self.rewards, self.rollout.tokenizer, adapter.pad_token_id, cfg.dynamic_sampling)
+        sampling = replace(self._sampling(), seed=None)
+        self.stream = RolloutStream(adapter.streaming, adapter.loop, cfg.streaming, scorer, self.rollout.encode,
+                                    sampling, cfg.num_generations, prompts_per_step, steps_per_rollout,
+                                    self.rollout.stop, self._request_seed())
+        self.stream.open()
+        return self.stream
+
+    def after_optimizer_step(self, policy: nn.Module) -> None:
+        """Streaming rollouts: after an optimizer step (the worker's ``weights_version`` already counts it), send the
+        new weights to the engine in flight (:meth:`RolloutWorker.prepare`: the NaN check, the versioned update,
+        counted as ``sync_s``) and apply the age bound to the finished groups; nothing otherwise."""
+        if self.stream is None:
+            return
+        ctx = self.context
+        self.rollout.prepare(policy, force_sync=True, timer=ctx.timer, collectives=ctx.collectives)
+        if self.rollout.last_update is not None:
+            self._updates.append(self.rollout.last_update)
+        self.stream.purge(self.rollout.weights_version)
+
+    def weight_update_metrics(self) -> dict[str, float]:
+        """Streaming rollouts: ``timing/weight_update_s`` (the trainer's seconds sending weights) and
+        ``timing/weight_pause_s`` (the longest time an engine's generation paused for them), summed over the updates
+        since the last call; {} otherwise."""
+        if self.stream is None:
+            return {}
+        updates, self._updates = self._updates, []
+        return {"timing/weight_update_s": float(sum(u.seconds for u in updates)),
+                "timing/weight_pause_s": float(sum(u.paused_s for u in updates))}
 
     def release(self) -> None:
         """What a failed run leaves (:class:`~lightning_grpo.runtime.cleanup.ReleaseOnException`): :meth:`close`, and
@@ -175,11 +238,19 @@ class ExperienceMaker:
         return self.rewards.start(prompts, out.completions, reward_columns(columns, out), prefetched.num_generations)
 
     @torch.no_grad()
-    def make(self, batch: PromptBatch, policy: nn.Module, ref: Optional[nn.Module], *,
+    def make(self, batch: Optional[PromptBatch], policy: nn.Module, ref: Optional[nn.Module], *,
              next_prompt_batch: Optional[Callable[[], Optional[PromptBatch]]] = None,
-             prefetched: Optional[PrefetchedRollout] = None) -> Experience:
+             prefetched: Optional[PrefetchedRollout] = None) -> Optional[Experience]:
         """One rollout batch: generate G completions per prompt, score them, shape the rewards, compute advantages
         and (when needed) the old, reference and teacher logprobs. Runs on this process's prompts only.
+
+        Streaming rollouts (``batch`` None, after :meth:`open_stream`): the next ``prompts_per_step`` finished groups
+        of the stream (:meth:`lightning_grpo.rollout.streaming.RolloutStream.take`, ``next_prompt_batch`` drawing the
+        prompts it samples), scored when they arrived; the rest as below with ``policy`` as it is now (the proximal
+        policy of AReaL's decoupled objective; each token's behaviour logprob is the sampler's, whatever version
+        sampled it); with ``streaming.newest_version_only`` the tokens of each sample before its newest version
+        become context (``env_mask``: attended to, no loss). None when the epoch's data is used up on any process
+        (fewer groups than a rollout can still finish).
 
         With ``prefetched`` (asynchronous rollouts, from :meth:`prefetch` of the same ``batch``) the completions are
         that rollout's, generated from older weights (waited for if still running); the rest uses ``policy`` as it
@@ -208,16 +279,80 @@ class ExperienceMaker:
         Raises:
             KeyError: a prompt batch has no "prompt" column.
             ValueError, RuntimeError: a reward function misbehaves or raises (see
-                :func:`lightning_grpo.rewards.scoring.score_completions`).
+                :func:`lightning_grpo.rewards.scoring.score_completions`); streaming: ``batch`` None without a stream
+                (:meth:`open_stream`), or as :meth:`~lightning_grpo.rollout.streaming.RolloutStream.take`.
             RolloutInterrupted: the rollout worker's stop flag was set (e.g. SIGTERM) on any process: during
                 generation (the engine stops within a token), scoring (after the reward function in progress) or
                 the logprob passes; the partial rollout is discarded, on every process together.
             NonFiniteError: the policy has NaN or infinite weights (checked before sampling).
         """
+        if batch is None:
+            return self._make_streamed(policy, ref, next_prompt_batch)
         _check_prompt_column(batch)
-        ctx = self.context
         # 1. generate and score: the prefetched rollout, or generation rounds now (more with dynamic sampling)
         collected = self._collect(batch, policy, next_prompt_batch, prefetched)
+        return self._experience(collected, policy, ref, len(batch["prompt"]))
+
+    def _make_streamed(self, policy: nn.Module, ref: Optional[nn.Module],
+                       draw: Optional[Callable[[], Optional[PromptBatch]]]) -> Optional[Experience]:
+        """:meth:`make` of streaming rollouts: take the next finished groups (all processes agree whether the epoch
+        ended or a stop request came), then the rest; the groups count as trained once their experience is made, and
+        go back first in line when it fails."""
+        stream, ctx = self.stream, self.context
+        if stream is None:
+            raise ValueError("ExperienceMaker.make without a prompt batch takes streamed groups: open_stream first "
+                             "(GRPOModule does when GRPOConfig.streaming.enabled)")
+        taken: Optional[TakenGroups] = None
+        interrupted = False
+        with ctx.timer.span("rollout_s"):
+            try:
+                taken = stream.take(stream.prompts_per_step, self.rollout.weights_version, draw)
+            except RolloutInterrupted:
+                interrupted = True
+        stop, ended = ctx.collectives.any_process(interrupted), ctx.collectives.any_process(taken is None)
+        if (stop or ended) and taken is not None:
+            stream.untake()
+        if stop:
+            raise RolloutInterrupted("the rollout was stopped by a stop request (e.g. SIGTERM) before it finished")
+        if ended or taken is None:
+            return None
+        try:
+            experience = self._experience(self._collect_streamed(taken), policy, ref, len(taken.groups))
+        except BaseException:
+            stream.untake()
+            raise
+        stream.commit()
+        return experience
+
+    def _collect_streamed(self, taken: TakenGroups) -> _Collected:
+        """Step 1 of :meth:`make` for streamed groups: their rows, rewards and outcome counts, as one rollout."""
+        rows, timer = RolloutRows(), self.context.timer
+        outcomes: dict[str, list[float]] = {}
+        totals = {"prompts/truncated": 0.0, "generated_tokens": 0.0}
+        parts = []
+        for group in taken.groups:
+            out, row = group.scored.rollout, group.item.row
+            g = len(out)
+            columns = {k: [v] * g for k, v in row.items() if k != "prompt"}
+            parts.append(replace(group.scored, row_index=rows.add([row["prompt"]] * g, columns, out)))
+            totals["prompts/truncated"] += float(group.item.truncated)
+            totals["generated_tokens"] += float(out.completion_mask.sum())
+            for key, count in group.outcomes.items():
+                tally = outcomes.setdefault(key, [0.0, 0.0])
+                tally[0] += count
+                tally[1] += g
+            for name, seconds in group.reward_seconds.items():
+                timer.add(f"{REWARD_TIMING_PREFIX}{name}_s", seconds)
+        scored = ScoredRollout.cat(parts)
+        oldest = [v for v in (group.oldest_version for group in taken.groups) if v is not None]
+        return _Collected(scored, None, min(oldest) if oldest else taken.version, totals, rows, taken.interval_s,
+                          outcomes, taken)
+
+    def _experience(self, collected: _Collected, policy: nn.Module, ref: Optional[nn.Module],
+                    num_prompts: int) -> Experience:
+        """Steps 2-5 of :meth:`make`: from the scored rollout to the experience and its metrics (``num_prompts``: the
+        rollout's prompts, which size the logprob passes without ``mini_batch_size``)."""
+        ctx = self.context
         rollout = collected.rollout.rollout  # the rows as sampled (ids, masks, per-token fields)
         scored_rollout = self._rollout_event(collected)
         if self.events is not None:
@@ -231,8 +366,10 @@ class ExperienceMaker:
         experience.completion_mask = experience.completion_mask * scored.unsqueeze(1)  # [N, T] through the EOS
         if experience.env_mask is not None:
             experience.env_mask = experience.env_mask * scored.unsqueeze(1)
+        if collected.taken is not None and self.config.streaming.newest_version_only:
+            self._newest_version_only(experience)
         with ctx.timer.span("logprobs_s"):
-            shaped = self._behaviour_logprobs(experience, shaped, scored, extra, policy, ref, len(batch["prompt"]))
+            shaped = self._behaviour_logprobs(experience, shaped, scored, extra, policy, ref, num_prompts)
         if self.config.mask_truncated_completions:
             kept = (~rollout.truncated.to(ctx.device)).unsqueeze(1)
             experience.completion_mask = experience.completion_mask * kept
@@ -257,6 +394,18 @@ class ExperienceMaker:
         if self.events is not None:
             self.events(ON_EXPERIENCE, ExperienceReady(experience, scored_rollout, shaped))
         return experience
+
+    @staticmethod
+    def _newest_version_only(experience: Experience) -> None:
+        """``streaming.newest_version_only``: each sample's tokens before its newest weight version lose their loss
+        and become context (``env_mask``: attended to, no gradient; they are a prefix, versions never decrease)."""
+        versions = experience.completion_versions
+        assert versions is not None, "streamed rollouts carry their tokens' versions"
+        mask = experience.completion_mask
+        kept = newest_version_mask(versions, mask)
+        context = mask - kept
+        experience.env_mask = context if experience.env_mask is None else experience.env_mask + context
+        experience.completion_mask = kept
 
     def _collect(self, batch: PromptBatch, policy: nn.Module,
                  next_prompt_batch: Optional[Callable[[], Optional[PromptBatch]]],
@@ -321,6 +470,31 @@ class ExperienceMaker:
         metrics["tokens_per_s"] = collected.totals["generated_tokens"] / max(collected.generation_s, 1e-9)
         staleness = float(self.rollout.weights_version - collected.weights_version)
         metrics["rollout/staleness_mean"] = metrics["rollout/staleness_max"] = staleness
+        if collected.taken is not None:
+            metrics.update(self._stream_metrics(collected))
+        return metrics
+
+    def _stream_metrics(self, collected: _Collected) -> dict[str, float]:
+        """Streaming rollouts' metrics (docs/engines.md, "Streaming rollouts"): the tokens' and samples' staleness and
+        version spans (:func:`~lightning_grpo.rollout.streaming.versions.version_metrics`), the groups dropped or sent
+        again since the last rollout (summed over processes), the groups in flight and waiting, and the trainer's wait
+        for them (``timing/data_wait_s``, the longest of the processes')."""
+        taken, collectives = collected.taken, self.context.collectives
+        assert taken is not None
+        rollout = collected.rollout.rollout
+        assert rollout.completion_versions is not None, "streamed rollouts carry their tokens' versions"
+        metrics = version_metrics(rollout.completion_versions, rollout.completion_mask, taken.version, collectives)
+        counts = taken.counts
+        names = ("streaming/stale_groups", "streaming/regenerated_groups", "streaming/resampled_groups",
+                 "streaming/uninformative_groups", "streaming/inflight_groups", "streaming/buffered_groups")
+        local = torch.tensor([counts.stale, counts.regenerated, counts.resampled, counts.uninformative,
+                              taken.in_flight, taken.ready], dtype=torch.float64)
+        summed = collectives.reduce_sum(local.to(collectives.device)).cpu().tolist()
+        metrics.update(dict(zip(names, summed, strict=True)))
+        if self.config.dynamic_sampling:
+            metrics["dynamic_sampling/dropped_groups"] = metrics["streaming/uninformative_groups"]
+        wait = torch.tensor([taken.wait_s], dtype=torch.float64)
+        metrics["timing/data_wait_s"] = float(collectives.reduce_max(wait.to(collectives.device)).item())
         return metrics
 
     def _rollout_event(self, collected: _Collected) -> RolloutEnd:
@@ -334,6 +508,8 @@ class ExperienceMaker:
             lengths=rollout.rollout.completion_mask.sum(dim=1), truncated=rollout.rollout.truncated,
             columns={k: [r.columns.get(k) for r in rows] for k in names}, num_generations=rollout.num_generations,
             weights_version=collected.weights_version, episodes=collected.rows.episodes(rollout.row_index),
+            prompt_keys=None if collected.taken is None else [k for k in collected.taken.prompt_keys
+                                                              for _ in range(rollout.num_generations)],
         )
 
     def _generate_and_score(self, batch: PromptBatch, totals: dict[str, float], rows: RolloutRows,

@@ -25,6 +25,10 @@ CURSOR_KEY = "rollout_cursors"
 #: rollout starts from, the partly used rollout (or None) and the rollouts generated ahead (asynchronous).
 PROMPT_BATCHES, RNG = "prompt_batches_drawn", "rng_states"
 PARTIAL, PREFETCHED = "partial_rollout", "prefetched_rollouts"
+#: Streaming rollouts: the stream's state in a cursor's state
+#: (:meth:`lightning_grpo.rollout.streaming.RolloutStream.state_dict`: the keys trained and dropped this epoch, the
+#: finished groups, the keys to sample again).
+STREAM = "stream"
 #: The earlier layout, one fit-loop key per part (each but the first a list by global rank) -> the key in a cursor's
 #: state.
 LEGACY_KEYS = {"prompt_batches_drawn": PROMPT_BATCHES, "rng_states": RNG, "partial_rollouts": PARTIAL,
@@ -139,6 +143,8 @@ def saved_cursor(loop_state: dict) -> Optional[dict]:
 
 
 def pending_rollouts(cursors: Optional[list[dict]]) -> bool:
-    """Whether any process's cursor holds a partly used rollout or rollouts generated ahead (they belong to that
-    process's data-parallel replica)."""
-    return any(state.get(PARTIAL) is not None or state.get(PREFETCHED) for state in cursors or [])
+    """Whether any process's cursor holds a partly used rollout, rollouts generated ahead or streamed groups
+    (finished, or to sample again): they belong to that process's data-parallel replica."""
+    return any(state.get(PARTIAL) is not None or state.get(PREFETCHED)
+               or (state.get(STREAM) is not None and (state[STREAM]["ready"] or state[STREAM]["regenerate"]))
+               for state in cursors or [])

@@ -5,6 +5,13 @@ The fetcher runs the :class:`~lightning_grpo.loop.schedule.LoopPlan` the module 
 rollout into micro-batches, plans each optimizer step before its first (the plan travels with the micro-batches,
 :class:`~lightning_grpo.training.experience.StepPlan`) and keeps its place in the epoch in a
 :class:`~lightning_grpo.loop.cursor.RolloutCursor`. It asks the module only for experience.
+
+Streaming rollouts (a :class:`~lightning_grpo.rollout.streaming.RolloutStream` the module hands the loop when
+training starts, :meth:`ExperienceFetcher.use_stream`): each rollout is the stream's next finished groups
+(``make_experience(None, next_prompt_batch=...)``), the stream drawing the epoch's prompt batches as it needs them, in
+the data sampler's order; the epoch ends when the stream cannot finish another rollout. A checkpoint holds the
+stream's state (:data:`~lightning_grpo.loop.cursor.STREAM`) beside the prompt batches drawn, and a resume draws them
+again so the stream finds the prompts it must sample again.
 """
 
 from __future__ import annotations
@@ -15,10 +22,11 @@ from typing import Any, Callable, Optional, Protocol
 from lightning.pytorch.loops.fetchers import _DataFetcher
 from typing_extensions import override
 
-from lightning_grpo.loop.cursor import CURSOR_KEY, PROMPT_BATCHES, RNG, RolloutCursor
+from lightning_grpo.loop.cursor import CURSOR_KEY, PROMPT_BATCHES, RNG, STREAM, RolloutCursor
 from lightning_grpo.loop.resume import rng_states, set_rng_states
 from lightning_grpo.loop.schedule import LoopPlan
 from lightning_grpo.rollout.prefetch import PrefetchedRollout
+from lightning_grpo.rollout.streaming import RolloutStream
 from lightning_grpo.training.experience import Experience
 
 
@@ -33,9 +41,10 @@ class ExperienceSource(Protocol):
     def make_experience(
         self, batch: Any, next_prompt_batch: Optional[Callable[[], Optional[Any]]] = None,
         prefetched: Optional[PrefetchedRollout] = None,
-    ) -> Experience:
+    ) -> Optional[Experience]:
         """One rollout made from a prompt batch (and more batches with dynamic sampling), or from the rollout
-        ``prefetch_rollout`` started for it."""
+        ``prefetch_rollout`` started for it; ``batch`` None (streaming): from the stream's next finished groups,
+        ``next_prompt_batch`` drawing its prompts; None when the epoch's data is used up."""
         ...
 
     def prefetch_rollout(self, batch: Any) -> PrefetchedRollout:
@@ -72,6 +81,7 @@ class ExperienceFetcher(_DataFetcher):
         self.resume = resume
         self.cursor = RolloutCursor()
         self.current: Optional[Experience] = None
+        self.stream: Optional[RolloutStream] = None  # streaming rollouts' (use_stream)
         self._depth: Optional[int] = None  # rollouts generated ahead (the plan's, once the loader's length is known)
         self._prompt_batches: Optional[int] = None  # prompt batches per epoch, when the loader knows
 
@@ -88,6 +98,8 @@ class ExperienceFetcher(_DataFetcher):
                 self.done = self.length == 0
         self.cursor = RolloutCursor()  # rollouts generated ahead are never carried into another epoch
         self.current = None
+        if self.stream is not None:  # an epoch that ended on its count (not on an empty stream) ends the stream's too
+            self.stream.end_epoch()
 
     @override
     def __next__(self) -> Any:
@@ -135,6 +147,9 @@ class ExperienceFetcher(_DataFetcher):
         the background from the current weights until the plan's depth is ahead. Raises ``StopIteration`` (the
         epoch is done) when no prompt batch is left."""
         cursor = self.cursor
+        if self.stream is not None:
+            self._start_streamed_rollout(self.stream)
+            return
         if self._depth is None:
             self._depth = self.plan.rollouts_ahead(self._prompt_batches)
         if not cursor.ahead:
@@ -164,6 +179,35 @@ class ExperienceFetcher(_DataFetcher):
             cursor.making, cursor.rng = None, None
         cursor.experience = experience
         cursor.micro_batches = list(self.plan.micro_batches(experience, cursor.step))
+
+    def _start_streamed_rollout(self, stream: RolloutStream) -> None:
+        """Make the next rollout from the stream's next finished groups (the stream draws the prompt batches it
+        needs, :meth:`_next_prompt_batch`); when it cannot finish another, end the epoch (``StopIteration``). The
+        prompt batches drawn always count (the stream has keyed their prompts): a checkpoint written meanwhile keeps
+        the groups taken as finished ones."""
+        cursor = self.cursor
+        cursor.step = self.source.global_step
+        cursor.experience, cursor.micro_batches, cursor.consumed = None, [], 0
+        experience = self.source.make_experience(None, next_prompt_batch=self._next_prompt_batch)
+        if experience is None:
+            stream.end_epoch()
+            self.done = True
+            raise StopIteration
+        cursor.experience = experience
+        cursor.micro_batches = list(self.plan.micro_batches(experience, cursor.step))
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint keeps of this process's place: the cursor's state
+        (:meth:`~lightning_grpo.loop.cursor.RolloutCursor.state_dict`) and, streaming, the stream's
+        (:data:`~lightning_grpo.loop.cursor.STREAM`)."""
+        state = self.cursor.state_dict()
+        if self.stream is not None:
+            state[STREAM] = self.stream.state_dict()
+        return state
+
+    def use_stream(self, stream: Optional[RolloutStream]) -> None:
+        """Make every rollout from ``stream``'s finished groups (streaming rollouts; None: the fixed schedule)."""
+        self.stream = stream
 
     def use_plan(self, plan: LoopPlan) -> None:
         """Run ``plan`` from the next rollout on (the token budget resolved once training starts)."""
@@ -196,25 +240,54 @@ class ExperienceFetcher(_DataFetcher):
         except StopIteration:
             return None
 
+    def _skip_drawn(self, drawn: int, stream: Optional[RolloutStream], saved: Optional[dict]) -> None:
+        """Draw the checkpoint's ``drawn`` prompt batches again; streaming, restore the stream's state ``saved`` first
+        and hand it each batch (:meth:`RolloutStream.replay`).
+
+        Raises:
+            ValueError: the checkpoint was written by the other schedule (streaming or fixed).
+        """
+        if (stream is None) != (saved is None):
+            written, now = ("streaming", "fixed-schedule") if stream is None else ("fixed-schedule", "streaming")
+            raise ValueError(f"the checkpoint was written inside an epoch by {written} rollouts and this run uses "
+                             f"{now} rollouts (GRPOConfig.streaming.enabled): the prompts drawn do not mean the same; "
+                             "resume with the same setting, or from a checkpoint at an epoch's end")
+        if stream is not None:
+            assert saved is not None
+            stream.load_state_dict(saved)
+        while self.cursor.drawn < drawn:
+            batch = self._draw()
+            if stream is not None:
+                stream.replay(batch)
+        if stream is not None:
+            stream.check_replayed()
+
     def _apply(self, resume: dict) -> None:
         """Continue where the checkpoint stopped: restore the RNG states, skip the prompt batches drawn before it
         (Lightning restored ``fetched``, the micro-batches already trained on) and hand out the rest of a partly
         used rollout, then the rollouts it had generated ahead.
 
+        Streaming: the stream's state is restored first, the prompt batches drawn again are handed to it (it queues
+        the prompts that were being sampled), and an epoch the checkpoint ended moves the stream's keys on.
+
         Raises:
-            ValueError: the checkpoint stopped inside an epoch but holds no position (no ``rollout_cursors``).
+            ValueError: the checkpoint stopped inside an epoch but holds no position (no ``rollout_cursors``), or was
+                written by the other schedule (streaming or fixed) inside an epoch.
         """
         if resume.get(RNG) is not None:
             set_rng_states(resume[RNG])
-        if self.fetched == 0:
-            return  # the checkpoint ended an epoch: this one starts from its beginning
+        stream, saved = self.stream, resume.get(STREAM)
+        if self.fetched == 0:  # the checkpoint ended an epoch: this one starts from its beginning
+            if stream is not None and saved is not None:
+                stream.load_state_dict(saved)
+                stream.end_epoch()
+            return
         drawn = resume.get(PROMPT_BATCHES)
         if drawn is None:
             raise ValueError("the checkpoint stopped inside an epoch but its fit loop state holds no "
                              f"{CURSOR_KEY!r}: it was not written by GRPOFitLoop, so the position in the epoch is "
                              "unknown")
-        while self.cursor.drawn < drawn:
-            self._draw()
+        self._skip_drawn(drawn, stream, saved)
         cursor = self.cursor
         cursor.load_state_dict(resume, self.plan.device)
         if cursor.experience is not None:

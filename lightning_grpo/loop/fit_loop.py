@@ -36,6 +36,7 @@ from lightning_grpo.loop.fetcher import ExperienceFetcher, ExperienceSource
 from lightning_grpo.loop.resume import REPLICAS_KEY, check_replicas, this_process
 from lightning_grpo.loop.schedule import LoopPlan
 from lightning_grpo.protocols.collectives import gather_per_process
+from lightning_grpo.rollout.streaming import RolloutStream
 
 
 class GRPOFitLoop(_FitLoop):
@@ -54,6 +55,7 @@ class GRPOFitLoop(_FitLoop):
         self._data_source = source._data_source  # the Trainer attached the user's datamodule/dataloaders to it
         self.resume_state: Optional[dict] = None  # this process's cursor state of a loaded checkpoint
         self.plan: Optional[LoopPlan] = None  # the module's (use_plan)
+        self.stream: Optional[RolloutStream] = None  # streaming rollouts' stream, the module's (use_stream)
         self._experience: Optional[ExperienceFetcher] = None  # the fetcher setup_data made
 
     def use_plan(self, plan: LoopPlan) -> None:
@@ -64,17 +66,24 @@ class GRPOFitLoop(_FitLoop):
         if self._experience is not None:
             self._experience.use_plan(plan)
 
+    def use_stream(self, stream: Optional[RolloutStream]) -> None:
+        """Streaming rollouts: make every rollout from ``stream``'s finished groups (the module hands it when training
+        starts, once the engine holds the trainer's weights); None: the fixed schedule."""
+        self.stream = stream
+        if self._experience is not None:
+            self._experience.use_stream(stream)
+
     @override
     def on_save_checkpoint(self) -> dict:
         """The base state plus the position inside the epoch: every process's
-        :meth:`~lightning_grpo.loop.cursor.RolloutCursor.state_dict` (prompt batches drawn, RNG states, a partly used
-        rollout, rollouts generated ahead) and data-parallel replica. A collective under multi-process strategies
-        (Lightning builds a checkpoint on every process)."""
+        :meth:`~lightning_grpo.loop.fetcher.ExperienceFetcher.state_dict` (prompt batches drawn, RNG states, a partly
+        used rollout, rollouts generated ahead; streaming, the stream's state) and data-parallel replica. A collective
+        under multi-process strategies (Lightning builds a checkpoint on every process)."""
         state_dict = super().on_save_checkpoint()
         fetcher = self._experience
         if fetcher is not None and fetcher is self._data_fetcher:  # not torn down
             fetcher.wait_for_rollouts()  # asynchronous: the prefetched rollouts and the RNG states are final now
-            state_dict[CURSOR_KEY] = gather_per_process(fetcher.cursor.state_dict())
+            state_dict[CURSOR_KEY] = gather_per_process(fetcher.state_dict())
             state_dict[REPLICAS_KEY] = gather_per_process(self._replica())
         return state_dict
 
@@ -121,6 +130,7 @@ class GRPOFitLoop(_FitLoop):
         source: ExperienceSource = trainer.lightning_module  # type: ignore[assignment]
         per_rollout = self.plan.micro_batches_per_rollout()
         fetcher = ExperienceFetcher(source, self.plan, self.resume_state)
+        fetcher.use_stream(self.stream)
         fetcher.setup(self._combined_loader)
         iter(fetcher)
         self.use_fetcher(fetcher)

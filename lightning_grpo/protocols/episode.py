@@ -63,7 +63,9 @@ class EpisodeRecord:
             observation did not fit the budget (``budget_exceeded``): the same meaning as ``RolloutOutput.truncated``.
         budget_exceeded: an observation would have overflowed ``episode.max_tokens``; it was not appended.
         env_reward: the last non-None reward the environment's ``step`` returned, else None.
-        weight_version: the engine's weight version of every model turn (rollout servers count syncs), else None.
+        weight_version: the oldest weight version of its model tokens (rollout servers count syncs; an episode may
+            span versions when the engine takes weights while it runs: each token's is in the rollout's
+            ``completion_versions``), else None.
         done: the environment ended the episode (a final answer, a finished game), as opposed to a limit; for an
             agent's episode, the agent returned.
         samples: an agent's episode (``GRPOModule(agent=...)``): its samples (calls that extended one another), the

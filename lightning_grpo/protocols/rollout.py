@@ -122,6 +122,11 @@ class RolloutOutput:
         completion_routed_experts: likewise ``(N, T, moe_layers, top_k)`` int16 for the completion tokens
             (multi-turn: the model's and the environment's tokens of every turn); -1 at padding and for a token the
             engine never fed to the model (a completion's last generated token).
+        completion_versions: ``(N, T)`` long, the engine's weight version of each sampled token (a sample whose
+            sampling spanned an in-flight weight update has several, non-decreasing; streaming rollouts: the
+            trainer's optimizer step, which stamps every update, :mod:`lightning_grpo.rollout.streaming`; a multi-turn
+            episode: each model turn's), -1 where no engine sampled the token (the environment's tokens, padding, a
+            turn whose engine reported no version); None when the engine reports no versions.
     """
 
     prompt_ids: Tensor = field(metadata=token_meta(Layout.PROMPT, PAD_ID))
@@ -140,6 +145,7 @@ class RolloutOutput:
     unscored: Optional[Tensor] = field(default=None, metadata=ROW_META)
     prompt_routed_experts: Optional[Tensor] = field(default=None, metadata=token_meta(Layout.PROMPT, NO_EXPERT))
     completion_routed_experts: Optional[Tensor] = field(default=None, metadata=token_meta(Layout.COMPLETION, NO_EXPERT))
+    completion_versions: Optional[Tensor] = field(default=None, metadata=token_meta(Layout.COMPLETION, -1))
 
     def __len__(self) -> int:
         return self.completion_ids.shape[0]

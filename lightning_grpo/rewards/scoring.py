@@ -195,6 +195,10 @@ class StartedScores:
     calls: list[list[tuple[_Call, Optional[Future]]]]  # per pooled function; future None: not started (no pool)
     n: int
 
+    def futures(self) -> list[Future]:
+        """The calls running in the pool (a caller may wait for them without blocking, e.g. an event loop)."""
+        return [future for calls in self.calls for _, future in calls if future is not None]
+
 
 def start_pooled(reward_funcs: Sequence[Callable], prompts: list, completions: list[str], columns: dict[str, list],
                  pool: Optional[RewardPool], group_size: Optional[int] = None,

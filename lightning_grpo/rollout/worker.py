@@ -41,11 +41,13 @@ from lightning_grpo.protocols.rollout import RolloutOutput, StopFlag
 from lightning_grpo.protocols.routing import RoutingRecorder
 from lightning_grpo.protocols.sampler import PromptEncoder, Sampler
 from lightning_grpo.protocols.sampling import SamplingConfig
+from lightning_grpo.protocols.streaming import StreamingEngine, WeightUpdate
 from lightning_grpo.protocols.weights import PolicyWeights
 from lightning_grpo.rollout.adapter import as_rollout_engine, declares_images
 from lightning_grpo.rollout.prompts import TemplatePrompts, refuse_images
 from lightning_grpo.rollout.registry import EngineSpec, make_engine
 from lightning_grpo.rollout.single_turn import SingleTurnSampler
+from lightning_grpo.rollout.streaming.engine import StreamingRolloutEngine, make_streaming_engine
 from lightning_grpo.strategies.weights import ModuleWeights
 from lightning_grpo.training.metrics import StepTimer
 from lightning_grpo.training.nonfinite import check_finite_parameters
@@ -90,6 +92,7 @@ class RolloutWorker:
         stop: the stop request the engine and the sampler poll (a stopped rollout raises
             :class:`~lightning_grpo.protocols.rollout.RolloutInterrupted`).
         prompts, sampler, images: the rollout path (see the arguments).
+        last_update: streaming rollouts: what the last weight update took (:class:`WeightUpdate`), else None.
     """
 
     def __init__(self, config: GRPOConfig, tokenizer: PreTrainedTokenizerBase, events: Optional[EventSink] = None, *,
@@ -108,6 +111,8 @@ class RolloutWorker:
         self._own: Optional[RolloutEngine] = None  # the engine as made or given (kept across stages)
         self._engine: Optional[RolloutEngine] = None  # the stage's: the backend's wrapper of _own, or _own
         self._made: Optional[RolloutEngine] = None  # the engine start() made, which close() releases
+        self._streaming: Optional[StreamingRolloutEngine] = None  # streaming rollouts: the engine as a rollout engine
+        self.last_update: Optional[WeightUpdate] = None
         self.weights: Optional[PolicyWeights] = None
         self.engine_name = config.engine.name  # "auto" until start() is given the resolved name
         self.weights_version = 0
@@ -126,7 +131,29 @@ class RolloutWorker:
         (adapted by :func:`~lightning_grpo.rollout.adapter.as_rollout_engine`, which honours each capability it
         declares; a TypeError names a core member it lacks). An engine with its own weights gets the policy's before
         its first rollout."""
+        if engine is not None and self.config.streaming.enabled:
+            raise ValueError("GRPOConfig.streaming.enabled=True samples with a StreamingEngine: give one as "
+                             "GRPOModule.streaming_engine (RolloutWorker.streaming_engine), not as a rollout engine")
+        self._streaming = None
         self._set_own(None if engine is None else as_rollout_engine(engine), type(engine).__name__)
+
+    @property
+    def streaming_engine(self) -> Optional[StreamingRolloutEngine]:
+        """Streaming rollouts: the streaming engine as a rollout engine (its ``streaming`` engine and event ``loop``);
+        None otherwise."""
+        return self._streaming
+
+    @streaming_engine.setter
+    def streaming_engine(self, engine: Optional[StreamingEngine]) -> None:
+        """Give the worker a :class:`~lightning_grpo.protocols.streaming.StreamingEngine` (the caller's: kept, never
+        closed by the worker) for streaming rollouts; it is also the worker's rollout engine (validation and other
+        one-off rollouts sample on it)."""
+        self._streaming = None if engine is None else self._streaming_adapter(engine)
+        self._set_own(self._streaming, None if engine is None else type(engine).__name__)
+
+    def _streaming_adapter(self, engine: StreamingEngine) -> StreamingRolloutEngine:
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
+        return StreamingRolloutEngine(engine, self.tokenizer, int(pad))
 
     def _set_own(self, engine: Optional[RolloutEngine], name: Optional[str] = None) -> None:
         self._engine_type = name or type(engine).__name__  # the engine as given, not its adapter
@@ -167,9 +194,14 @@ class RolloutWorker:
             return resolved
         spec = EngineSpec(self.config, model, self.tokenizer, checkpoint, self.stop, resolved.engine_name,
                           rollout_prompts, routing=self.routing)
-        made = make_engine(spec)
-        engine = as_rollout_engine(made)
-        self._set_own(engine, type(made).__name__)
+        if self.config.streaming.enabled:  # the rollout servers' pool (or a registered streaming engine)
+            streaming = make_streaming_engine(spec)
+            self._streaming = engine = self._streaming_adapter(streaming)
+            self._set_own(engine, type(streaming).__name__)
+        else:
+            made = make_engine(spec)
+            engine = as_rollout_engine(made)
+            self._set_own(engine, type(made).__name__)
         self._made = engine
         return resolved.replace(**spec.resolved)
 
@@ -200,7 +232,7 @@ class RolloutWorker:
         if made is None:
             return
         if self._own is made:
-            self._own = self._engine = None
+            self._own = self._engine = self._streaming = None
         made.close()
 
     @property
@@ -318,12 +350,18 @@ class RolloutWorker:
         ``engine.sync_every`` optimizer steps (always when ``force`` and they differ, and before the first rollout of
         an engine with its own weights). An engine whose ``capabilities.uses_policy_parameters`` (HF ``generate``, and
         the backends' wrappers of it, which refresh their own copy in ``wake_up``) generates with the current weights:
-        nothing is pushed and no view of the weights is made (no LoRA merge, no gather), only the version moves."""
+        nothing is pushed and no view of the weights is made (no LoRA merge, no gather), only the version moves. A
+        streaming engine gets them in flight, stamped with the trainer's optimizer steps
+        (``StreamingEngine.update_weights(weights, version=weights_version)``, :attr:`last_update`), so each token's
+        version is the optimizer step whose weights sampled it."""
         engine = self.require_engine()
         behind = self.weights_version - self.engine_version
         if behind >= self.config.engine.sync_every or (force and behind > 0) or self.engine_version < 0:
-            if not engine.capabilities.uses_policy_parameters:
-                engine.sync_weights(self.weights if self.weights is not None else ModuleWeights(policy))
+            weights = self.weights if self.weights is not None else ModuleWeights(policy)
+            if self._streaming is not None:
+                self.last_update = self._streaming.streaming.update_weights(weights, version=self.weights_version)
+            elif not engine.capabilities.uses_policy_parameters:
+                engine.sync_weights(weights)
             self.engine_version = self.weights_version
             if self.events is not None:
                 self.events(ON_WEIGHTS_SYNCED, self.engine_version)

@@ -54,6 +54,9 @@ class GRPOModels:
         teacher: on-policy distillation's frozen teacher model (``GRPOConfig.distillation.teacher``), else None;
             a backend shards, converts and restores it as it does ``ref`` (the ``scorer`` and ``sharded`` hold for
             it too).
+        scorer_replays_routing: the ``scorer`` replays the routed experts a mixture-of-experts policy's batches carry
+            itself (``GRPOConfig.routing_replay="R3"``: Megatron's routers), where the forward layouts' per-position
+            inputs cannot reach.
     """
 
     policy: nn.Module
@@ -64,6 +67,7 @@ class GRPOModels:
     scorer: Optional[CompletionScorer] = None
     sharded: bool = False
     teacher: Optional[nn.Module] = None
+    scorer_replays_routing: bool = False
 
 
 @runtime_checkable

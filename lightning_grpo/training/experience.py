@@ -100,6 +100,10 @@ class Experience:
             None row) without images.
         teacher_logprobs: ``(N, T)`` float32 teacher logprobs of the completion tokens (on-policy distillation,
             ``GRPOConfig.distillation``), else None.
+        completion_versions: ``(N, T)`` long, the weight version that sampled each completion token (the rollout's
+            :attr:`~lightning_grpo.protocols.rollout.RolloutOutput.completion_versions`; -1 on tokens no engine
+            sampled), else None: the staleness metrics and the age bound of streaming rollouts read it, and
+            ``streaming.newest_version_only`` masks the loss with it.
         step_plan: the :class:`StepPlan` of the optimizer step this micro-batch belongs to (the loop's fetcher sets it
             before handing the micro-batch out); None elsewhere (the objective then takes this batch's own
             statistics). Never saved (:func:`lightning_grpo.loop.resume.experience_state`).
@@ -127,6 +131,7 @@ class Experience:
     env_mask: Optional[Tensor] = field(default=None, metadata=token_meta(Layout.COMPLETION, 0))
     images: Optional[list[Optional[RowImages]]] = None
     teacher_logprobs: Optional[Tensor] = field(default=None, metadata=token_meta(Layout.COMPLETION, 0.0))
+    completion_versions: Optional[Tensor] = field(default=None, metadata=token_meta(Layout.COMPLETION, -1))
     step_plan: Optional[StepPlan] = None
     prompt_routed_experts: Optional[Tensor] = field(default=None, metadata=token_meta(Layout.PROMPT, NO_EXPERT))
     completion_routed_experts: Optional[Tensor] = field(default=None, metadata=token_meta(Layout.COMPLETION, NO_EXPERT))

@@ -104,6 +104,8 @@ class CompletionLogprobs:
             :meth:`use_routing`), else None.
         sharded: the models all-gather their parameters on every forward call (FSDP): the padding-free paths then
             make one large forward pass instead of one per row (:meth:`use`; default False).
+        scorer_replays_routing: the scorer replays the batches' routed experts itself (:meth:`use`; Megatron): the
+            routing's per-position inputs are then its, not an error.
     """
 
     def __init__(self, config: GRPOConfig, vision: Optional[VisionSpec] = None) -> None:
@@ -111,6 +113,7 @@ class CompletionLogprobs:
         self.vision = vision
         self.scorer: Optional[CompletionScorer] = None
         self.sharded = False
+        self.scorer_replays_routing = False
         self.position_inputs: list[PositionInputs] = []
         self.routing: Optional[PolicyRouting] = None
 
@@ -134,10 +137,11 @@ class CompletionLogprobs:
             stack.enter_context(inputs(batch, source))
         return stack
 
-    def use(self, scorer: Optional[CompletionScorer], sharded: bool) -> None:
-        """What the trainer's backend said of its models (``GRPOModels.scorer``, ``GRPOModels.sharded``), once per
-        configured run."""
+    def use(self, scorer: Optional[CompletionScorer], sharded: bool, scorer_replays_routing: bool = False) -> None:
+        """What the trainer's backend said of its models (``GRPOModels.scorer``, ``GRPOModels.sharded``,
+        ``GRPOModels.scorer_replays_routing``), once per configured run."""
         self.scorer, self.sharded = scorer, sharded
+        self.scorer_replays_routing = scorer_replays_routing
 
     @property
     def banned_token_ids(self) -> tuple[int, ...]:
@@ -170,7 +174,8 @@ class CompletionLogprobs:
                 gradient and no truncation there), or position inputs for it (it runs no forward layout).
         """
         if self.scorer is not None:
-            if self.position_inputs:
+            handled = self.routing if self.scorer_replays_routing else None  # its own replay of the routed experts
+            if any(inputs is not handled for inputs in self.position_inputs):
                 raise ValueError(f"{type(model).__name__} scores its completions itself, without the forward layouts "
                                  "that per-position inputs (routing replay, the load-balancing loss) need: set "
                                  "GRPOConfig.routing_replay='off' and router_aux_loss_coef=0 with this backend")

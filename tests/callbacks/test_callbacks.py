@@ -310,3 +310,28 @@ def test_printed_completions_fit_an_80_column_console_without_a_terminal(capsys,
                   "completion: #### 72"):
         assert value in text, value
     assert text.count("…") == 3  # both prompts and the long completion were cut
+
+
+def test_completion_table_has_each_completions_version_span_when_the_rollout_carries_versions():
+    """Per-token weight versions (streaming rollouts) give a ``versions`` column: one version, or oldest-newest of
+    the sampled tokens (-1, padding, left out); without versions the table keeps its columns."""
+    from lightning_grpo.callbacks.completions import CompletionTable, version_span
+    from lightning_grpo.events import ExperienceReady, RolloutEnd
+    from lightning_grpo.training.experience import Experience
+
+    ids = torch.ones(3, 3, dtype=torch.long)
+    versions = torch.tensor([[3, 3, -1], [3, 4, 5], [-1, -1, -1]])
+    experience = Experience(prompt_ids=ids, prompt_mask=ids, completion_ids=ids, completion_mask=ids,
+                            advantages=torch.tensor([0.5, -0.5, 0.0]), completion_versions=versions)
+    rollout = RolloutEnd(prompts=["p"] * 3, completions=["a", "b", "c"], rewards=torch.tensor([1.0, 0.0, 0.0]),
+                         per_function=torch.tensor([[1.0], [0.0], [0.0]]), reward_names=["acc"],
+                         lengths=torch.tensor([2, 3, 0]), truncated=torch.zeros(3, dtype=torch.bool),
+                         num_generations=3)
+    columns, rows = CompletionTable().rows(7, ExperienceReady(experience, rollout, rollout.rewards))
+    assert columns == ["step", "group", "prompt", "completion", "acc", "reward", "advantage", "length", "versions"]
+    assert [row[-1] for row in rows] == ["3", "3-5", ""]
+    assert rows[1] == [7, 0, "p", "b", 0.0, 0.0, -0.5, 3, "3-5"]
+    experience.completion_versions = None
+    columns, rows = CompletionTable().rows(7, ExperienceReady(experience, rollout, rollout.rewards))
+    assert "versions" not in columns and len(rows[0]) == len(columns)
+    assert version_span([]) == "" and version_span([9, 9]) == "9"

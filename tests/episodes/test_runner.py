@@ -178,15 +178,33 @@ def test_the_episodes_reward_columns_and_per_row_metrics(tokenizer):
                             "tools/timeout_rate", "tokens/env_fraction", "episodes/budget_exceeded", "episodes/done"}
 
 
-def test_weight_versions_are_recorded_and_must_agree(tokenizer):
+def test_weight_versions_are_recorded_per_token(tokenizer):
+    """Each model token carries its turn's version (the engine's per-token versions when it reports them: a turn may
+    span an in-flight weight update), the environment's tokens -1; an episode's record holds its oldest version."""
     call, answer = encode(tokenizer, CALL) + [EOS], encode(tokenizer, "#### 1") + [EOS]
     prompt_ids, _ = tool_runner(tokenizer).encode_prompts(PROMPTS[:1], 1024)
     same = ScriptedEngine(tokenizer, lambda t, k, p: call if t == 0 else answer, weight_versions=[5, 5])
-    out = tool_runner(tokenizer).sample(same, prompt_ids, 2, SamplingConfig(max_new_tokens=64))
+    runner = tool_runner(tokenizer)
+    out = runner.sample(same, prompt_ids, 2, SamplingConfig(max_new_tokens=64))
     assert out.weight_version == 5 and [e.weight_version for e in out.episodes] == [5, 5]
+    observation = len(runner.chat.env_turn_ids([{"role": "tool", "name": "calculator", "content": "56088"}]))
+    for row in range(2):
+        assert out.completion_versions[row].tolist() == [5] * len(call) + [-1] * observation + [5] * len(answer)
     mixed = ScriptedEngine(tokenizer, lambda t, k, p: call if t == 0 else answer, weight_versions=[5, 6])
-    with pytest.raises(RuntimeError, match=r"weight versions \[5, 6\]"):
-        tool_runner(tokenizer).sample(mixed, prompt_ids, 2, SamplingConfig(max_new_tokens=64))
+    out = tool_runner(tokenizer).sample(mixed, prompt_ids, 2, SamplingConfig(max_new_tokens=64))
+    assert out.weight_version == 5 and [e.weight_version for e in out.episodes] == [5, 5]  # the oldest
+    assert out.completion_versions[0].tolist() == [5] * len(call) + [-1] * observation + [6] * len(answer)
+    # the first turn spans an update after its third token (the engine reports per-token versions)
+    spanning = ScriptedEngine(tokenizer, lambda t, k, p: call if t == 0 else answer,
+                              token_versions=lambda t, k: 7 + t + (t == 0 and k >= 3))
+    out = tool_runner(tokenizer).sample(spanning, prompt_ids, 2, SamplingConfig(max_new_tokens=64))
+    assert out.completion_versions[1].tolist() == ([7] * 3 + [8] * (len(call) - 3) + [-1] * observation
+                                                   + [8] * len(answer))
+    assert out.weight_version == 7 and out.episodes[1].weight_version == 7
+    assert out.completion_versions[:, len(call) + observation + len(answer):].eq(-1).all()  # padding
+    unversioned = ScriptedEngine(tokenizer, lambda t, k, p: call if t == 0 else answer)
+    assert tool_runner(tokenizer).sample(unversioned, prompt_ids, 2,
+                                         SamplingConfig(max_new_tokens=64)).completion_versions is None
 
 
 def test_stop_flag_and_environment_errors(tokenizer):

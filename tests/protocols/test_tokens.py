@@ -57,7 +57,8 @@ def test_declared_fields_in_order():
                                                            "completion_experts"]
     assert [name for name, _ in token_fields(RolloutOutput)] == ["prompt_ids", "prompt_mask", "completion_ids",
                                                                  "completion_mask", "sampler_logprobs", "env_mask",
-                                                                 "prompt_routed_experts", "completion_routed_experts"]
+                                                                 "prompt_routed_experts", "completion_routed_experts",
+                                                                 "completion_versions"]
 
 
 def test_pad_columns_left_for_prompts_right_for_completions_with_trailing_dims():
@@ -141,3 +142,25 @@ def test_rollout_cat_select_and_checkpoint_state():
         RolloutOutput.cat([a, replace(b, weight_version=4)], pad_token_id=0)
     with pytest.raises(ValueError, match="sampler_logprobs: some of the rollouts joined have it"):
         RolloutOutput.cat([a, replace(b, sampler_logprobs=None)], pad_token_id=0)
+
+
+def test_per_token_versions_are_carried_with_their_tokens():
+    """``completion_versions`` (pad -1: version 0 is a real version) through a join, a selection, a checkpoint state
+    and into the training record, each value on its token."""
+    from lightning_grpo.loop.resume import experience_from_state, experience_state
+    from lightning_grpo.training.experience import Experience
+
+    a = replace(_rollout([[4, 5], [6]], [[7], [8, 9]], -0.5, ["a0", "a1"]),
+                completion_versions=torch.tensor([[0, -1], [0, 1]]))
+    b = replace(_rollout([[1]], [[3, 3, 3]], -0.25, ["b0"]), completion_versions=torch.tensor([[2, 2, 3]]))
+    joined = RolloutOutput.cat([a, b], pad_token_id=0)
+    assert joined.completion_versions.tolist() == [[0, -1, -1], [0, 1, -1], [2, 2, 3]]
+    picked = RolloutOutput.from_state(joined.select(torch.tensor([2, 1])).state())
+    assert picked.completion_versions.tolist() == [[2, 2, 3], [0, 1, -1]]
+    experience = Experience.of(picked, torch.device("cpu"))
+    assert experience.completion_versions.tolist() == [[2, 2, 3], [0, 1, -1]]
+    assert experience.select(torch.tensor([1])).completion_versions.tolist() == [[0, 1]]  # trimmed with the ids
+    restored = experience_from_state(experience_state(experience), torch.device("cpu"))
+    assert torch.equal(restored.completion_versions, experience.completion_versions)
+    with pytest.raises(ValueError, match="completion_versions: some of the rollouts joined have it"):
+        RolloutOutput.cat([a, replace(b, completion_versions=None)], pad_token_id=0)

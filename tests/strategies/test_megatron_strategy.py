@@ -182,8 +182,10 @@ def test_a_distillation_teacher_is_converted_and_scored_as_in_plain_training(fil
 def test_unsupported_layouts_are_refused_naming_the_option():
     with pytest.raises(ValueError, match=r"virtual_pipeline_model_parallel_size=2\): the interleaved"):
         MegatronStrategy(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2)
-    with pytest.raises(ValueError, match=r"expert_model_parallel_size=2\): expert parallelism .* docs/megatron.md"):
-        MegatronStrategy(expert_model_parallel_size=2)
+    with pytest.raises(ValueError, match=r"expert_model_parallel_size=0\) must be >= 1"):
+        MegatronStrategy(expert_model_parallel_size=0)
+    with pytest.raises(ValueError, match=r"expert_tensor_parallel_size=0\) must be >= 1"):
+        MegatronStrategy(expert_tensor_parallel_size=0)
     with pytest.raises(ValueError, match="pipeline_model_parallel_size=0"):
         MegatronStrategy(pipeline_model_parallel_size=0)
     with pytest.raises(ValueError, match="tensor_model_parallel_size=0"):
@@ -195,3 +197,7 @@ def test_model_parallel_size_must_divide_the_processes(files, restore_distribute
     for strategy in (MegatronStrategy(2), MegatronStrategy(pipeline_model_parallel_size=2)):
         with pytest.raises(ValueError, match=message):
             megatron_worker.run_one_step(files["models"]["tied"], files["prompts"], strategy, 1, 4, None)
+    experts = r"EP x ETP = 2 must divide TP x DP = 1 \(the expert groups are carved out of the data-parallel replicas"
+    with pytest.raises(ValueError, match=experts):
+        megatron_worker.run_one_step(files["models"]["tied"], files["prompts"],
+                                     MegatronStrategy(expert_model_parallel_size=2), 1, 4, None)

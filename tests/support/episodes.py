@@ -19,16 +19,20 @@ from lightning_grpo.rollout.engines.rows import rollout_from_rows
 class ScriptedEngine:
     """A rollout engine whose model turns are ``script(call, row, prompt_ids) -> ids`` (cut at
     ``sampling.max_new_tokens``; EOS where the script puts it), with sampler logprobs ``-0.01 * (position + 1)``.
-    Records every call: ``(prompt_ids, num_generations, sampling)``."""
+    Records every call: ``(prompt_ids, num_generations, sampling)``. ``weight_versions[call]``: the call's
+    ``weight_version``; ``token_versions(call, position)``: each token's version (``completion_versions``, as an
+    engine that takes weights while it generates reports them)."""
 
     capabilities = EngineCapabilities(uses_policy_parameters=True)
 
     def __init__(self, tokenizer, script: Callable[[int, int, list[int]], list[int]], eos: int = 2,
-                 weight_versions: Optional[list[int]] = None) -> None:
+                 weight_versions: Optional[list[int]] = None,
+                 token_versions: Optional[Callable[[int, int], int]] = None) -> None:
         self.tokenizer, self.script, self.eos = tokenizer, script, eos
         self.pad_token_id = eos
         self.calls: list[tuple[list[list[int]], int, SamplingConfig]] = []
         self.weight_versions = weight_versions
+        self.token_versions = token_versions
 
     def generate(self, prompt_ids, num_generations: int, sampling: SamplingConfig) -> RolloutOutput:
         call = len(self.calls)
@@ -39,8 +43,13 @@ class ScriptedEngine:
                 ids = list(self.script(call, i * num_generations + j, list(prompt)))[: sampling.max_new_tokens]
                 rows.append((ids, [-0.01 * (k + 1) for k in range(len(ids))]))
         version = None if self.weight_versions is None else self.weight_versions[call]
-        return rollout_from_rows(prompt_ids, rows, num_generations, self.pad_token_id, [self.eos], self.tokenizer,
-                                 weight_version=version)
+        out = rollout_from_rows(prompt_ids, rows, num_generations, self.pad_token_id, [self.eos], self.tokenizer,
+                                weight_version=version)
+        if self.token_versions is not None:
+            width = out.completion_ids.shape[1]
+            versions = torch.tensor([[self.token_versions(call, k) for k in range(width)]] * len(out))
+            out.completion_versions = versions.masked_fill(out.completion_mask == 0, -1)
+        return out
 
     def sync_weights(self, weights: PolicyWeights) -> None:
         """Nothing to do: the script is the model (``uses_policy_parameters``)."""

@@ -18,10 +18,12 @@ from xdist.scheduler import LoadFileScheduling
 MULTI_PROCESS_FILES = frozenset({
     "tests/episodes/test_multiturn_distributed.py",
     "tests/evaluation/test_eval_distributed.py",
+    "tests/launch/test_multinode_loopback.py",
     "tests/rewards/test_reward_model_distributed.py",
     "tests/strategies/test_ddp.py",
     "tests/strategies/test_fsdp.py",
     "tests/strategies/test_megatron_engines.py",
+    "tests/strategies/test_megatron_experts.py",
     "tests/strategies/test_megatron_pipeline.py",
     "tests/strategies/test_megatron_strategy.py",
     "tests/test_vision_training.py",

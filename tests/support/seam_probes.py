@@ -116,6 +116,9 @@ NAMED: dict[tuple[str, str], tuple[bool, str]] = {
     ("lightning_grpo/rollout/engines/vllm/colocated.py",
      "getattr(model_config.hf_text_config, 'tie_word_embeddings', False)"):
         (False, "vLLM's model config"),
+    ("lightning_grpo/rollout/server/async_engine.py",
+     "getattr(model_config.hf_text_config, 'tie_word_embeddings', False)"):
+        (False, "vLLM's model config"),
     ("lightning_grpo/strategies/megatron/model.py", "getattr(config, 'tie_word_embeddings', False)"):
         (False, "an HF config"),
     ("lightning_grpo/strategies/megatron/model.py", "getattr(config, 'pad_token_id', None)"): (False, "an HF config"),

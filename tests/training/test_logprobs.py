@@ -164,6 +164,23 @@ def test_a_backends_scorer_gets_the_model_and_the_batch(model):
         CompletionLogprobs(GRPOConfig())(policy, batch)
 
 
+def test_a_scorer_that_replays_the_routing_itself_takes_the_policys_routing_only(model):
+    """Position inputs need the forward layouts, which a scorer skips: an error, except the policy's routing for a
+    scorer that replays the batches' routed experts itself (``GRPOModels.scorer_replays_routing``: Megatron's)."""
+    batch = _experience(model.config.vocab_size)
+    policy, routing, other = _ScoresItself(), lambda batch, source: contextlib.nullcontext(), object()
+    for replays in (False, True):
+        computer = CompletionLogprobs(GRPOConfig())
+        computer.use_routing(routing)
+        computer.use(_own_scores, sharded=False, scorer_replays_routing=replays)
+        if replays:
+            computer(policy, batch)
+            computer.add_position_inputs(other)
+        with pytest.raises(ValueError, match="_ScoresItself scores its completions itself, without the forward"):
+            computer(policy, batch)
+    assert len(policy.calls) == 1
+
+
 class _RecordPositions:
     """A :class:`PositionInputs` that lays out the batch's own ids by each pass's source map and records them beside
     the ids the model's forward really receives (read by a forward pre-hook while its context is open)."""

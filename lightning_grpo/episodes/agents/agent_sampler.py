@@ -299,8 +299,12 @@ class AgentSampler:
             length = min(int(out.completion_mask[r].sum()), pending.call.max_new_tokens)
             ids = [int(t) for t in out.completion_ids[r, :length].tolist()]
             logprobs = None if out.sampler_logprobs is None else [float(v) for v in out.sampler_logprobs[r, :length]]
+            if out.completion_versions is not None:  # per token: the engine took weights while it generated
+                versions: Optional[list[int]] = [int(v) for v in out.completion_versions[r, :length].tolist()]
+            else:
+                versions = None if out.weight_version is None else [int(out.weight_version)] * length
             if not pending.future.done():
-                pending.future.set_result((ids, logprobs, out.weight_version))
+                pending.future.set_result((ids, logprobs, versions))
 
 
 async def _awaited(value: Any) -> Any:

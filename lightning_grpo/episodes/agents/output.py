@@ -33,8 +33,8 @@ def agent_output(sessions: Sequence[AgentSession], prompt_ids: Sequence[Sequence
     ``rewards``: what the agents returned; ``skip_failed``: failed episodes are unscored (no loss, out of their
     group's statistics).
 
-    Raises:
-        RuntimeError: an episode was sampled by more than one weight version.
+    Each model token's weight version goes into ``completion_versions`` (-1 on the environment's tokens; None when
+    no call reported a version); an episode's record holds its oldest.
     """
     n = len(sessions)
     rows = []
@@ -46,19 +46,18 @@ def agent_output(sessions: Sequence[AgentSession], prompt_ids: Sequence[Sequence
     completion_ids = torch.full((n, t), pad, dtype=torch.long)
     model = torch.zeros((n, t), dtype=torch.long)
     logprobs = torch.zeros((n, t), dtype=torch.float32)
+    token_versions = torch.full((n, t), -1, dtype=torch.long)
     records: list[EpisodeRecord] = []
     versions: set[int] = set()
     for k, (session, (_, last)) in enumerate(zip(sessions, rows, strict=True)):
         episode_versions = set().union(*(s.versions for s in session.samples))
-        if len(episode_versions) > 1:
-            raise RuntimeError(f"episode {k} was sampled by weight versions {sorted(episode_versions)}: every call "
-                               "of an episode must come from one weight version")
         versions |= episode_versions
         if last is not None:
             length = len(last.ids)
             completion_ids[k, :length] = torch.tensor(last.ids, dtype=torch.long)
             model[k, :length] = torch.tensor(last.model, dtype=torch.long)
             logprobs[k, :length] = torch.tensor(last.logprobs, dtype=torch.float32)
+            token_versions[k, :length] = torch.tensor(last.token_versions, dtype=torch.long)
         records.append(_record(session, errors.get(k), rewards.get(k), k in timed_out, episode_versions))
     env = torch.zeros_like(model)
     for k, (_, last) in enumerate(rows):
@@ -77,7 +76,7 @@ def agent_output(sessions: Sequence[AgentSession], prompt_ids: Sequence[Sequence
         truncated=torch.tensor([r.truncated for r in records], dtype=torch.bool),
         completions=[s.last_answer for s in sessions], sampler_logprobs=logprobs if reports else None,
         weight_version=min(versions) if versions else None, episodes=records, columns=columns, metrics=metrics,
-        unscored=failed if skip_failed else None,
+        unscored=failed if skip_failed else None, completion_versions=token_versions if versions else None,
     )
 
 
@@ -92,7 +91,7 @@ def _record(session: AgentSession, error: Optional[str], reward: Optional[float]
         tool_calls=session.tool_calls, tool_errors=session.tool_errors,
         truncated=(last is not None and not last.finished) or session.budget_exceeded,
         budget_exceeded=session.budget_exceeded, env_reward=reward,
-        weight_version=next(iter(versions)) if versions else None, done=error is None and not timed_out,
+        weight_version=min(versions) if versions else None, done=error is None and not timed_out,
         samples=samples, error=error,
     )
 

@@ -164,6 +164,7 @@ class SampleState:
     turns: list[Turn] = field(default_factory=list)
     finished: bool = False  # its last model turn ended with EOS
     versions: set = field(default_factory=set)
+    token_versions: list[int] = field(default_factory=list)  # each token's weight version, -1 = not sampled
 
 
 class AgentSession:
@@ -262,10 +263,11 @@ class AgentSession:
 
     # ------------------------------------------------------------------ the engine's answer
     def record(self, call: PreparedCall, ids: list[int], logprobs: Optional[list[float]],
-               version: Optional[int]) -> dict[str, Any]:
+               versions: Optional[list[int]]) -> dict[str, Any]:
         """Append the sampled turn to its sample and build the OpenAI answer (``prompt_token_ids`` = the ids the
         engine continued, ``choices[0].token_ids`` = the sampled ids, ``logprobs`` the sampler's when asked and
-        reported, else null)."""
+        reported, else null). ``versions``: the weight version of each sampled id (-1 = unknown), or None when the
+        engine reported none."""
         tokenizer = self.renderer.tokenizer
         if call.new_sample:
             self.samples.append(SampleState(list(call.prompt_ids), list(call.messages), call.tools_key))
@@ -275,6 +277,7 @@ class AgentSession:
             sample.ids += call.tail_ids
             sample.model += [0] * len(call.tail_ids)
             sample.logprobs += [0.0] * len(call.tail_ids)
+            sample.token_versions += [-1] * len(call.tail_ids)
             sample.turns.append(Turn("env", start, len(sample.ids), [dict(m) for m in call.tail_messages]))
             sample.history += call.tail_messages
         text = tokenizer.decode(ids, skip_special_tokens=True)
@@ -294,8 +297,9 @@ class AgentSession:
         sample.history.append(own)
         sample.calls.append(call.call)
         sample.finished = finished
-        if version is not None:
-            sample.versions.add(int(version))
+        turn_versions = [-1] * len(ids) if versions is None else [int(v) for v in versions]
+        sample.token_versions += turn_versions
+        sample.versions.update(v for v in turn_versions if v >= 0)
         self.tool_calls += len(answer.tool_calls) + answer.tool_errors  # every call the model wrote, as the turn loop
         self.tool_errors += answer.tool_errors
         self.last_answer = answer.content or ""

@@ -5,11 +5,15 @@
                          [--tensor-parallel-size 1] [--max-request-tokens N] [--max-queued-requests 64]
                          [--max-body-mib 64]
 
-The engine is the colocated engine's (:class:`~lightning_grpo.rollout.engines.vllm.colocated.VLLMRolloutEngine`, same
-sampling parameters, same processed sampler logprobs, same per-request seeds) with the worker extension
+The engine is vLLM's ``AsyncLLM`` (:class:`~lightning_grpo.rollout.server.async_engine.AsyncVLLMEngine`): continuous
+batching, so concurrent requests join the running batch, sampled as the colocated engine samples
+(:class:`~lightning_grpo.rollout.engines.vllm.colocated.VLLMRolloutEngine`: the same sampling parameters, processed
+sampler logprobs and per-request seeds, so the same completions), with the worker extension
 :class:`~lightning_grpo.rollout.server.vllm_extension.WeightSyncWorkerExtension`, through which the trainer streams its
-weights over a ``torch.distributed`` group (:mod:`lightning_grpo.rollout.server.weight_sync`). The trainer's side is
-:class:`~lightning_grpo.rollout.server.remote.VLLMServerEngine` (``engine.name="vllm_server"``).
+weights over a ``torch.distributed`` group (:mod:`lightning_grpo.rollout.server.weight_sync`), between requests or,
+in the ``"interrupt"`` mode, while sequences are in flight. The trainer's side is
+:class:`~lightning_grpo.rollout.server.remote.VLLMServerEngine` (``engine.name="vllm_server"``, a fixed schedule) or
+:class:`~lightning_grpo.rollout.server.pool.ServerPool` (streaming groups over several servers).
 
 Security: it listens on 127.0.0.1 unless ``--host`` says otherwise, and another address needs a shared secret
 (``$LIGHTNING_GRPO_SERVER_SECRET`` or ``--secret-file``), which every request must then carry
@@ -22,18 +26,22 @@ wrong secret, 404/405, 408/413 body too slow/large, 503 queue full, 500 otherwis
 * ``GET /health``: ``instance_id`` (new at every start: the trainer notices a restart), ``version`` (of the
   weights: 0 = the checkpoint, then what the trainer's last ``/update_weights`` set), ``eos_token_ids``,
   ``pad_token_id``, ``max_model_len``, ``vocab_size``, ``tie_word_embeddings``, ``world_size`` (the engine's
-  workers), ``device``, ``model``, ``max_request_tokens``.
+  workers), ``device``, ``model``, ``max_request_tokens``, ``image_token_id``, ``stats`` (the engine's batching
+  counters: :class:`~lightning_grpo.rollout.server.async_engine.EngineStats`).
 * ``POST /generate``: ``prompts`` (token-id lists), ``num_generations``, ``sampling`` (the fields of
   :class:`~lightning_grpo.protocols.sampling.SamplingConfig` but ``seed``), ``seeds`` (one per prompt, or null) ->
-  ``token_ids`` and ``logprobs`` (one list per completion, prompt-major, unpadded), ``version``, ``instance_id``.
-  Its work, ``sum over prompts of num_generations * (prompt tokens + max_new_tokens)``, may be at most
-  ``--max-request-tokens`` (the trainer splits its calls to fit).
+  ``token_ids``, ``logprobs`` and ``versions`` (one list per completion, prompt-major, unpadded, aligned token by
+  token), ``extra`` (other per-token fields by name), ``version`` (the oldest token's), ``instance_id``
+  (:mod:`lightning_grpo.rollout.server.wire`). Its work, ``sum over prompts of num_generations * (prompt tokens +
+  max_new_tokens)``, may be at most ``--max-request-tokens`` (the trainer splits its calls to fit).
 * ``POST /probe_logprobs``: ``sequences`` -> ``logprobs`` (teacher-forced, temperature 1, ``L - 1`` per
   sequence), ``version``, ``instance_id``.
 * ``POST /init_weight_sync``: ``host``, ``port``, ``prefix``, ``world_size``, ``backend``, ``timeout_s``: the
   workers join the trainer's group (the trainer joins at the same time).
-* ``POST /update_weights``: ``version``: the workers receive the streamed weights and load them; the prefix
-  cache is dropped; answers ``num_tensors`` and the new ``version``.
+* ``POST /update_weights``: ``version``, ``mode`` (``"wait"``, the default: the sequences in flight finish first;
+  ``"interrupt"``: they are cut at the next step and continue under the new weights, their prefix recomputed): the
+  workers receive the streamed weights and load them; the prefix cache is dropped; answers ``num_tensors``,
+  ``paused_s`` (seconds generation was held) and the new ``version``.
 * ``POST /close_weight_sync``: the workers leave the group.
 """
 
@@ -41,6 +49,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import os
 import socket
 import sys
 import uuid
@@ -49,8 +58,10 @@ from typing import Any, Optional, Sequence
 from lightning_grpo.protocols.sampling import SamplingConfig
 from lightning_grpo.rollout.engines.multimodal import decode_picture
 from lightning_grpo.rollout.engines.rows import check_prompts
-from lightning_grpo.rollout.server.schema import GenerateRequest, InitWeightSyncRequest, ProbeRequest
+from lightning_grpo.rollout.server.async_engine import AsyncVLLMEngine
+from lightning_grpo.rollout.server.schema import GenerateRequest, InitWeightSyncRequest, ProbeRequest, UpdateMode
 from lightning_grpo.rollout.server.security import check_bind, read_secret
+from lightning_grpo.rollout.server.wire import completion_answer
 
 WORKER_EXTENSION = "lightning_grpo.rollout.server.vllm_extension.WeightSyncWorkerExtension"
 #: Default ``--max-request-tokens``: 2**22 (e.g. 512 prompts x 16 completions x 512 tokens).
@@ -79,7 +90,7 @@ def check_token_ids(rows: Sequence[Sequence[int]], vocab_size: int, field: str) 
 class RolloutServer:
     """The engine and the state behind the endpoints (``instance_id``, ``version``), without the HTTP layer
     (:func:`lightning_grpo.rollout.server.asgi.create_app`). ``prepare_*`` check a request without the engine;
-    the engine calls run one at a time on the app's engine thread.
+    the engine calls are blocking and thread-safe: many run at once, sharing the engine's batch.
 
     Args:
         model: folder of the HF checkpoint (weights, config, tokenizer) the engine starts from.
@@ -96,19 +107,16 @@ class RolloutServer:
     def __init__(self, model: str, *, kv_cache_space_gib: float = 2, max_model_len: Optional[int] = None,
                  seed: int = 0, dtype: Optional[str] = None, gpu_memory_utilization: float = 0.9,
                  tensor_parallel_size: int = 1, max_request_tokens: int = MAX_REQUEST_TOKENS) -> None:
-        from lightning_grpo.rollout.engines.vllm.colocated import VLLMRolloutEngine
-
         if max_request_tokens < 1:
             raise ValueError(f"--max-request-tokens must be >= 1, got {max_request_tokens}")
         self.model = model
         self.max_request_tokens = int(max_request_tokens)
-        self.engine = VLLMRolloutEngine(model, kv_cache_space_gib=kv_cache_space_gib, max_model_len=max_model_len,
-                                        seed=seed, dtype=dtype, gpu_memory_utilization=gpu_memory_utilization,
-                                        worker_extension_cls=WORKER_EXTENSION,
-                                        tensor_parallel_size=tensor_parallel_size)
-        vllm_config = self.engine.llm.llm_engine.vllm_config
-        self.world_size = int(vllm_config.parallel_config.world_size)
-        self.vocab_size = int(vllm_config.model_config.get_vocab_size())
+        self.engine = AsyncVLLMEngine(model, kv_cache_space_gib=kv_cache_space_gib, max_model_len=max_model_len,
+                                      seed=seed, dtype=dtype, gpu_memory_utilization=gpu_memory_utilization,
+                                      tensor_parallel_size=tensor_parallel_size, worker_extension_cls=WORKER_EXTENSION)
+        self.engine.collective_rpc("stop_with_server", kwargs={"server_pid": os.getpid()})  # no orphaned engine
+        self.world_size = self.engine.world_size
+        self.vocab_size = self.engine.vocab_size
         self.instance_id = uuid.uuid4().hex
         self.version = 0
 
@@ -119,7 +127,8 @@ class RolloutServer:
                     max_model_len=engine.max_model_len, vocab_size=self.vocab_size,
                     tie_word_embeddings=engine.tie_word_embeddings, world_size=self.world_size,
                     device="cpu" if engine.on_cpu else "cuda", max_request_tokens=self.max_request_tokens,
-                    image_token_id=None if engine.vision is None else engine.vision.placeholder_id)
+                    image_token_id=None if engine.vision is None else engine.vision.placeholder_id,
+                    stats=engine.stats_dict())
 
     # ------------------------------------------------------------------ generation
     def prepare_generate(self, request: GenerateRequest) -> tuple:
@@ -158,15 +167,16 @@ class RolloutServer:
 
     def generate(self, prompts: list[list[int]], num_generations: int, sampling: SamplingConfig,
                  seeds: Optional[list[int]], pictures: Optional[list[list[Any]]] = None) -> dict:
-        if pictures is None:
-            rows = self.engine.generate_rows(prompts, num_generations, sampling, seeds)
-            return dict(token_ids=[ids for ids, _ in rows], logprobs=[lp for _, lp in rows], version=self.version,
-                        instance_id=self.instance_id)
+        """The answer of ``/generate`` (:mod:`lightning_grpo.rollout.server.wire`); with pictures, also the
+        prompt ids the engine ran (placeholders expanded)."""
+        rows_pictures: list[Optional[list[Any]]] = list(pictures) if pictures is not None else [None] * len(prompts)
         requests = [{"prompt_token_ids": p, **({"multi_modal_data": {"image": pics}} if pics else {})}
-                    for p, pics in zip(prompts, pictures, strict=True)]
+                    for p, pics in zip(prompts, rows_pictures, strict=True)]
         rows, expanded = self.engine.generate_requests(requests, num_generations, sampling, seeds)
-        return dict(token_ids=[ids for ids, _ in rows], logprobs=[lp for _, lp in rows], version=self.version,
-                    instance_id=self.instance_id, prompt_token_ids=expanded)
+        answer = dict(completion_answer(rows, self.version), instance_id=self.instance_id)
+        if pictures is not None:
+            answer["prompt_token_ids"] = expanded
+        return answer
 
     def prepare_probe(self, request: ProbeRequest) -> tuple:
         """Checked arguments of :meth:`probe_logprobs`.
@@ -200,19 +210,20 @@ class RolloutServer:
         return (request.model_dump(),)
 
     def init_weight_sync(self, kwargs: dict) -> dict:
-        ranks = self.engine.llm.collective_rpc("init_weight_sync", kwargs=kwargs)
+        ranks = self.engine.collective_rpc("init_weight_sync", kwargs=kwargs)
         return dict(ranks=ranks, instance_id=self.instance_id)
 
-    def update_weights(self, version: int) -> dict:
+    def update_weights(self, version: int, mode: UpdateMode = "wait") -> dict:
         """Receive the weights the trainer streams now and serve them as ``version`` (the trainer numbers them;
-        only an authenticated trainer reaches this)."""
-        counts = self.engine.llm.collective_rpc("receive_weights")
-        self.engine.llm.reset_prefix_cache()
+        only an authenticated trainer reaches this), the sequences in flight waited for (``"wait"``) or continued
+        under the new weights (``"interrupt"``: :mod:`lightning_grpo.rollout.server.async_engine`)."""
+        loaded = self.engine.update_weights(version, mode)
         self.version = int(version)
-        return dict(version=self.version, num_tensors=int(counts[0]), instance_id=self.instance_id)
+        return dict(version=self.version, num_tensors=loaded["num_tensors"], paused_s=loaded["paused_s"],
+                    instance_id=self.instance_id)
 
     def close_weight_sync(self) -> dict:
-        self.engine.llm.collective_rpc("close_weight_sync")
+        self.engine.collective_rpc("close_weight_sync")
         return dict(instance_id=self.instance_id)
 
     def close(self) -> None:
@@ -301,7 +312,7 @@ def serve(server: RolloutServer, sock: socket.socket, *, secret: Optional[str], 
     from lightning_grpo.rollout.server.asgi import create_app
 
     app = create_app(server, secret=secret, max_body_bytes=max_body_bytes, max_queued=max_queued,
-                     client_errors=(VLLMClientError,))
+                     client_errors=(VLLMClientError,), batching=True)
     host, port = sock.getsockname()[:2]
     if secret is None:
         print("lightning-grpo serve: no shared secret: any process on this machine can call this server and change "
@@ -314,6 +325,7 @@ def serve(server: RolloutServer, sock: socket.socket, *, secret: Optional[str], 
         uvicorn.Server(config).run(sockets=[sock])
     finally:
         app.state.queue.close()
+        app.state.control.close()
         server.close()
         sock.close()
 

@@ -12,9 +12,13 @@ What it guarantees, whatever the client sends:
 * **Bad input**: JSON that does not parse, a missing, unknown or mistyped field, or a value out of range is 400 with
   ``{"error": "<field>: <problem>"}``; vLLM's own request errors (``VLLMClientError``) are 400 too; anything else
   is 500 with the exception's message. Unknown path 404, wrong method 405.
-* **Fair queueing**: the engine runs one request at a time on one worker thread, in arrival order (FIFO); at most
-  ``max_queued`` requests wait, one more is refused with 503 and ``Retry-After`` (the client retries it) rather
-  than held or reset. ``/health`` never waits for the engine.
+* **Queueing**: at most ``max_queued`` requests wait or run; one more is refused with 503 and ``Retry-After`` (the
+  client retries it) rather than held or reset. A synchronous engine (``batching=False``) runs one request at a
+  time on one worker thread, in arrival order (FIFO); a batching engine (``batching=True``: the server's
+  ``AsyncLLM``) gets up to ``max_queued`` generate and probe requests at once, which join its running batch, while
+  the weight-sync calls run one at a time, in arrival order, on a thread of their own (beside the generations, so
+  an in-flight update is never queued behind them, and each under its own ``max_queued`` bound). ``/health``
+  never waits for the engine.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from lightning_grpo.rollout.server.schema import (
     GenerateRequest,
     InitWeightSyncRequest,
     ProbeRequest,
+    UpdateMode,
     UpdateWeightsRequest,
 )
 from lightning_grpo.rollout.server.security import authorized
@@ -60,7 +65,7 @@ class Endpoints(Protocol):
 
     def init_weight_sync(self, *args: Any) -> dict: ...
 
-    def update_weights(self, version: int) -> dict: ...
+    def update_weights(self, version: int, mode: UpdateMode) -> dict: ...
 
     def close_weight_sync(self) -> dict: ...
 
@@ -70,15 +75,15 @@ class ServerBusy(Exception):
 
 
 class EngineQueue:
-    """One engine call at a time, on one worker thread, in arrival order; at most ``max_queued`` calls waiting or
-    running. Used from the event loop's thread only (the counter needs no lock)."""
+    """Engine calls on ``workers`` threads (1: one at a time, in arrival order); at most ``max_queued`` calls waiting
+    or running. Used from the event loop's thread only (the counter needs no lock)."""
 
-    def __init__(self, max_queued: int) -> None:
+    def __init__(self, max_queued: int, workers: int = 1) -> None:
         if max_queued < 1:
             raise ValueError(f"--max-queued-requests must be >= 1, got {max_queued}")
         self.max_queued = max_queued
         self.pending = 0
-        self.executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rollout-engine")
+        self.executor = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="rollout-engine")
 
     async def run(self, fn: Callable[..., dict], *args: Any) -> dict:
         """``fn(*args)`` on the engine's thread, after the calls queued before it.
@@ -201,7 +206,8 @@ def _field_errors(err: RequestValidationError) -> str:
 
 
 def create_app(server: Endpoints, *, secret: Optional[str], max_body_bytes: int, max_queued: int,
-               read_timeout_s: float = 60.0, client_errors: tuple[type[BaseException], ...] = ()) -> FastAPI:
+               read_timeout_s: float = 60.0, client_errors: tuple[type[BaseException], ...] = (),
+               batching: bool = False) -> FastAPI:
     """The FastAPI app of ``server``'s endpoints (see the module docstring for what it guarantees).
 
     Args:
@@ -212,12 +218,16 @@ def create_app(server: Endpoints, *, secret: Optional[str], max_body_bytes: int,
         read_timeout_s: longest pause while a request body is received.
         client_errors: exception types that mean bad input besides ``ValueError``, ``TypeError`` and ``KeyError``
             (the server passes vLLM's ``VLLMClientError``): answered 400.
+        batching: whether ``server``'s engine calls may run at once (they join one batch: the server's engine);
+            False: one at a time, in arrival order.
     """
-    queue = EngineQueue(max_queued)
+    queue = EngineQueue(max_queued, workers=max_queued if batching else 1)
+    control = EngineQueue(max_queued) if batching else queue
     app = FastAPI(title="lightning-grpo rollout server", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.queue = queue
+    app.state.control = control
     _add_error_handlers(app, client_errors)
-    _add_routes(app, server, queue)
+    _add_routes(app, server, queue, control)
     app.add_middleware(LimitBody, max_bytes=max_body_bytes, read_timeout_s=read_timeout_s)
     app.add_middleware(RequireSecret, secret=secret)  # added last: runs first
     return app
@@ -251,8 +261,9 @@ def _add_error_handlers(app: FastAPI, client_errors: tuple[type[BaseException], 
         return json_response({"error": f"{type(err).__name__}: {err}"}, 500)
 
 
-def _add_routes(app: FastAPI, server: Endpoints, queue: EngineQueue) -> None:
-    """The endpoints: ``/health`` on the event loop, the others checked there and run on the engine's queue."""
+def _add_routes(app: FastAPI, server: Endpoints, queue: EngineQueue, control: EngineQueue) -> None:
+    """The endpoints: ``/health`` on the event loop, the others checked there and run on the engine's queue
+    (generation, probes) or the weight-sync calls' (``control``)."""
 
     @app.get("/health")
     async def health() -> Response:
@@ -268,12 +279,12 @@ def _add_routes(app: FastAPI, server: Endpoints, queue: EngineQueue) -> None:
 
     @app.post("/init_weight_sync")
     async def init_weight_sync(request: InitWeightSyncRequest) -> Response:
-        return json_response(await queue.run(server.init_weight_sync, *server.prepare_init_weight_sync(request)))
+        return json_response(await control.run(server.init_weight_sync, *server.prepare_init_weight_sync(request)))
 
     @app.post("/update_weights")
     async def update_weights(request: UpdateWeightsRequest) -> Response:
-        return json_response(await queue.run(server.update_weights, request.version))
+        return json_response(await control.run(server.update_weights, request.version, request.mode))
 
     @app.post("/close_weight_sync")
     async def close_weight_sync(request: Optional[Empty] = None) -> Response:
-        return json_response(await queue.run(server.close_weight_sync))
+        return json_response(await control.run(server.close_weight_sync))

@@ -1,36 +1,52 @@
-"""JSON over HTTP to one rollout server (:mod:`lightning_grpo.rollout.server.app`), with retries and a deadline.
+"""JSON over HTTP to one rollout server (:mod:`lightning_grpo.rollout.server.app`) with httpx, with retries and a
+deadline, for many requests in flight.
 
-* **Deadline**: a request gives up at its deadline (``engine.server_timeout`` from its start unless told
-  otherwise) whatever the server does: a watchdog shuts the connection's socket at that moment, so a server that
-  accepts and never answers, or answers slowly but steadily (a byte at a time), costs the deadline and not more, on
-  every kind of answer (a ``Content-Length``, chunked, or read until the server closes: HTTP/1.0 or
-  ``Connection: close``).
+* :class:`AsyncServerClient`: ``await request(...)`` on the caller's event loop (the streaming pool keeps many
+  groups in flight on one loop; each request has a connection of its own);
+* :class:`ServerClient`: the same requests, blocking (the fixed schedule's engine, weight syncs, probes): each runs
+  on one event loop that a daemon thread of this process keeps for them.
+
+What a request guarantees:
+
+* **Deadline**: a request gives up at its deadline (``engine.server_timeout`` from its start unless told otherwise)
+  whatever the server does: the whole exchange (connect, send, the answer) is cancelled then (``asyncio``'s
+  timeout), so a server that accepts and never answers, or answers slowly but steadily (a byte at a time), costs the
+  deadline and not more; httpx's own timeouts (connect, read, write) are the time left, a backstop.
 * **Retries**: a request that could not be delivered (connection refused, no route, the connect timed out) is
   retried with exponential backoff (0.1 s doubling to 2 s) until the deadline, and so is one the server refused
   as busy (HTTP 503: its queue was full; nothing was done). A request that was sent and then lost (reset, no answer)
   is retried only when it is ``idempotent`` (generation, probes, health); weight-sync calls are not, since the
-  server may be half way through them.
+  server may be half way through them. ``retry=False`` (the pool, which moves a lost server's groups elsewhere)
+  raises :class:`ServerUnreachable` at the first failure to deliver or to answer (503 is still retried).
 * **Errors**: any other HTTP error status is the server's own error and is raised at once with its message.
-* **Secret**: every request carries the shared secret (:mod:`lightning_grpo.rollout.server.security`).
-
-Standard library only (``http.client``).
+* **Secret**: every request carries the shared secret (:mod:`lightning_grpo.rollout.server.security`); proxies from
+  the environment are not used (``trust_env=False``).
 """
 
 from __future__ import annotations
 
-import http.client
+import asyncio
 import json
-import socket
+import os
+import ssl
 import threading
 import time
-from typing import Any, Optional
+from typing import Any, Awaitable, Optional, TypeVar
+
+import httpx
 
 from lightning_grpo.config import parse_server_url
 from lightning_grpo.rollout.server.security import authorization_header
 
+T = TypeVar("T")
+
 
 class RolloutServerError(RuntimeError):
     """A rollout server answered with an error, did not answer in time, or lost its weight-sync group."""
+
+
+class ServerUnreachable(RolloutServerError):
+    """A request with ``retry=False`` could not be delivered, or its answer was lost (the server is gone)."""
 
 
 class _NotDelivered(Exception):
@@ -41,12 +57,19 @@ class _Lost(Exception):
     """The request was sent but no whole answer came back."""
 
 
-class _Expired(Exception):
-    """The deadline passed while waiting for the answer."""
+_SSL: Optional[ssl.SSLContext] = None
 
 
-class ServerClient:
-    """Requests to the server at ``url`` (``http://host:port``).
+def _ssl_context() -> ssl.SSLContext:
+    """One default TLS context for every client of this process (httpx would build one per client)."""
+    global _SSL
+    if _SSL is None:
+        _SSL = ssl.create_default_context()
+    return _SSL
+
+
+class AsyncServerClient:
+    """Requests to the server at ``url`` (``http(s)://host:port``), awaited on the caller's event loop.
 
     Args:
         url: the server's base URL.
@@ -75,8 +98,8 @@ class ServerClient:
         """``time.monotonic()`` value at which a request started now gives up."""
         return time.monotonic() + self.timeout_s
 
-    def request(self, method: str, path: str, body: Optional[dict] = None, deadline: Optional[float] = None,
-                idempotent: bool = True) -> dict[str, Any]:
+    async def request(self, method: str, path: str, body: Optional[dict] = None, deadline: Optional[float] = None,
+                      idempotent: bool = True, retry: bool = True) -> dict[str, Any]:
         """Send ``body`` as JSON and return the JSON answer.
 
         Args:
@@ -86,118 +109,153 @@ class ServerClient:
             deadline: ``time.monotonic()`` value to give up at; default :meth:`deadline`.
             idempotent: whether the request may run twice (retried after a lost answer); False for the weight-sync
                 calls, which are retried only when they were not delivered or refused as busy.
+            retry: False: a request not delivered or lost raises :class:`ServerUnreachable` at once.
 
         Raises:
             RolloutServerError: the server answered with an error status (its message is included), or gave no
                 answer before the deadline (the URL, the endpoint, ``engine.server_timeout`` and the last error
                 are named), or a non-idempotent request was lost.
+            ServerUnreachable: with ``retry=False``, the request was not delivered or its answer was lost.
         """
         deadline = self.deadline() if deadline is None else deadline
         data = None if body is None else json.dumps(body).encode()
         delay, last = 0.1, "none"
         while True:
-            if deadline - time.monotonic() <= 0:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
                 raise self._late(method, path, last)
             try:
-                status, raw = self._exchange(method, path, data, deadline)
+                status, raw = await self._attempt(method, path, data, remaining, last)
             except _NotDelivered as err:
-                last = str(err)
-            except _Expired as err:
-                raise self._late(method, path, str(err)) from None
+                last = self._failed(method, path, err, retry, True, "not delivered")
             except _Lost as err:
-                last = str(err)
-                if not idempotent:
-                    raise RolloutServerError(f"rollout server {self.url}: {method} {path} failed: {last}; not "
-                                             "retried (it may have been half done)") from None
+                last = self._failed(method, path, err, retry, idempotent, "got no answer")
             else:
                 if status < 300:
                     return json.loads(raw)
-                message = _error_message(raw)
-                if status != 503:
-                    raise RolloutServerError(
-                        f"rollout server {self.url} answered {method} {path} with HTTP {status}: {message}")
-                last = f"HTTP 503: {message}"
-            time.sleep(max(0.0, min(delay, deadline - time.monotonic())))
+                last = self._refused(method, path, status, raw)
+            await asyncio.sleep(max(0.0, min(delay, deadline - time.monotonic())))
             delay = min(2 * delay, 2.0)
+
+    async def _attempt(self, method: str, path: str, data: Optional[bytes], remaining: float,
+                       last: str) -> tuple[int, bytes]:
+        """One exchange, cut after ``remaining`` seconds (then :meth:`_late` is raised, naming how far it got)."""
+        progress: dict[str, Any] = {"connected": False, "body_bytes": 0}
+        try:
+            return await asyncio.wait_for(self._exchange(method, path, data, remaining, progress), remaining)
+        except asyncio.TimeoutError:
+            if not progress["connected"]:
+                raise self._late(method, path, f"connect: timed out (last error: {last})") from None
+            raise self._late(method, path, f"the answer was cut at the deadline ({progress['body_bytes']} bytes of "
+                             "the body read)") from None
+
+    def _failed(self, method: str, path: str, err: Exception, retry: bool, idempotent: bool, what: str) -> str:
+        """The error of a failed exchange (``what`` happened), to retry after; raised when the request is not
+        retried."""
+        if not retry:
+            raise ServerUnreachable(f"rollout server {self.url}: {method} {path} {what}: {err}") from None
+        if not idempotent:
+            raise RolloutServerError(f"rollout server {self.url}: {method} {path} failed: {err}; not retried (it may "
+                                     "have been half done)") from None
+        return str(err)
+
+    def _refused(self, method: str, path: str, status: int, raw: bytes) -> str:
+        """An HTTP 503 (busy: retried) as the last error; any other error status raised."""
+        message = _error_message(raw)
+        if status != 503:
+            raise RolloutServerError(f"rollout server {self.url} answered {method} {path} with HTTP {status}: "
+                                     f"{message}")
+        return f"HTTP 503: {message}"
 
     def _late(self, method: str, path: str, last: str) -> RolloutServerError:
         return RolloutServerError(
             f"rollout server {self.url} did not answer {method} {path} within engine.server_timeout="
             f"{self.timeout_s:g} s (last error: {last}); is it running and reachable?")
 
-    def _exchange(self, method: str, path: str, data: Optional[bytes], deadline: float) -> tuple[int, bytes]:
-        """One request on a new connection, cut at ``deadline`` by a :class:`_Watchdog`: ``(status, body)``."""
-        remaining = deadline - time.monotonic()
-        kind = http.client.HTTPSConnection if self.scheme == "https" else http.client.HTTPConnection
-        # The watchdog cuts at the deadline; the socket's own timeout is a backstop a second later (a loaded machine
-        # can wake the watchdog late: a read that times out past the deadline is still the deadline's cut).
-        conn = kind(self.host, self.port, timeout=max(remaining, 1e-3) + 1.0)
-        watchdog = _Watchdog(conn, remaining)
-        try:
+    async def _exchange(self, method: str, path: str, data: Optional[bytes], remaining: float,
+                        progress: dict[str, Any]) -> tuple[int, bytes]:
+        """One request on a new connection: ``(status, body)``; ``progress`` records whether it connected and how
+        much of the body came (for the deadline's message)."""
+
+        async def trace(event: str, info: dict) -> None:
+            if event in ("connection.connect_tcp.complete", "connection.start_tls.complete"):
+                progress["connected"] = True
+
+        timeout = httpx.Timeout(remaining + 1.0)  # the caller's deadline cuts first; this is a backstop
+        async with httpx.AsyncClient(timeout=timeout, verify=_ssl_context(), trust_env=False,
+                                     headers=self._headers) as http:
             try:
-                conn.connect()
-                watchdog.hold()
-            except (OSError, http.client.HTTPException) as err:
-                if watchdog.expired.is_set() or time.monotonic() >= deadline:
-                    raise _Expired(f"connect: {_describe(err)}") from None
+                request = http.build_request(method, f"{self.url}{path}", content=data, extensions={"trace": trace})
+                response = await http.send(request, stream=True)
+            except (httpx.ConnectError, httpx.ConnectTimeout) as err:
                 raise _NotDelivered(_describe(err)) from None
-            try:
-                conn.request(method, path, body=data, headers=self._headers)
-                response = conn.getresponse()
-                body = response.read()
-            except (OSError, http.client.HTTPException) as err:
-                if watchdog.expired.is_set() or time.monotonic() >= deadline:
-                    raise _Expired(f"the answer was cut at the deadline ({_describe(err)})") from None
+            except httpx.TransportError as err:
                 raise _Lost(_describe(err)) from None
-            if watchdog.expired.is_set():
-                raise _Expired(f"the answer was cut at the deadline ({len(body)} bytes of the body read)")
-            return response.status, body
-        finally:
-            watchdog.close()
+            try:
+                parts = []
+                async for chunk in response.aiter_bytes():
+                    parts.append(chunk)
+                    progress["body_bytes"] += len(chunk)
+            except httpx.TransportError as err:
+                raise _Lost(_describe(err)) from None
+            finally:
+                await response.aclose()
+            return response.status_code, b"".join(parts)
 
 
-class _Watchdog:
-    """Shuts the socket of ``conn`` down ``seconds`` from now, which wakes a blocked read or write at once.
+class _Loop:
+    """The event loop a daemon thread keeps for :class:`ServerClient`'s blocking requests (one per process; made
+    again in a forked child)."""
 
-    It keeps its own reference to the socket (:meth:`hold`, after the connect): ``http.client`` drops the
-    connection's as soon as it has read the headers of an answer that ends with the connection (HTTP/1.0,
-    ``Connection: close``), whose body is then read until the server closes; a body read to its end after the cut
-    is such a body cut short, so the caller checks :attr:`expired` after the read too."""
+    _lock = threading.Lock()
+    _loop: Optional[asyncio.AbstractEventLoop] = None
+    _pid = -1
 
-    def __init__(self, conn: http.client.HTTPConnection, seconds: float) -> None:
-        self.conn, self.expired = conn, threading.Event()
-        self._sock: Optional[socket.socket] = None
-        self._lock = threading.Lock()
-        self._timer = threading.Timer(max(seconds, 0.0), self._cut)
-        self._timer.daemon = True
-        self._timer.start()
+    @classmethod
+    def run(cls, coro: Awaitable[T]) -> T:
+        with cls._lock:
+            if cls._loop is None or cls._pid != os.getpid():
+                cls._loop, cls._pid = asyncio.new_event_loop(), os.getpid()
+                threading.Thread(target=cls._loop.run_forever, name="rollout-server-client", daemon=True).start()
+            loop = cls._loop
+        return asyncio.run_coroutine_threadsafe(coro, loop).result()  # type: ignore[arg-type]
 
-    def hold(self) -> None:
-        """Keep the connected socket; raises OSError when the deadline passed while connecting."""
-        with self._lock:
-            self._sock = self.conn.sock
-            if self.expired.is_set():
-                raise OSError("the deadline passed while connecting")
 
-    def _cut(self) -> None:
-        with self._lock:
-            self.expired.set()
-            for sock in {id(s): s for s in (self._sock, self.conn.sock) if s is not None}.values():
-                try:
-                    sock.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
+class ServerClient:
+    """:class:`AsyncServerClient`'s requests, blocking (from any thread but the client loop's; several at once run
+    side by side). Same arguments and errors as :class:`AsyncServerClient`, which it holds as :attr:`aio`."""
 
-    def close(self) -> None:
-        """Stop the timer and close the connection and the socket."""
-        self._timer.cancel()
-        self.conn.close()
-        if self._sock is not None:
-            self._sock.close()
+    def __init__(self, url: str, timeout_s: float, secret: Optional[str] = None,
+                 field: str = "engine.server_urls") -> None:
+        self.aio = AsyncServerClient(url, timeout_s, secret, field)
+        self.url, self.timeout_s = self.aio.url, self.aio.timeout_s
+
+    def deadline(self) -> float:
+        """``time.monotonic()`` value at which a request started now gives up."""
+        return self.aio.deadline()
+
+    def request(self, method: str, path: str, body: Optional[dict] = None, deadline: Optional[float] = None,
+                idempotent: bool = True, retry: bool = True) -> dict[str, Any]:
+        """:meth:`AsyncServerClient.request`, waited for.
+
+        Raises:
+            RolloutServerError: as :meth:`AsyncServerClient.request`.
+        """
+        return _Loop.run(self.aio.request(method, path, body, deadline, idempotent, retry))
 
 
 def _describe(err: BaseException) -> str:
-    return f"{type(err).__name__}: {err}"
+    """``Type: message``, with the innermost operating-system error under it when there is one (httpx's "All
+    connection attempts failed" hides "Connection refused")."""
+    text, cause, inner = f"{type(err).__name__}: {err}", err.__cause__ or err.__context__, None
+    while cause is not None:
+        if isinstance(cause, OSError):
+            inner = cause
+        cause = cause.__cause__ or cause.__context__
+    if inner is None:
+        return text
+    reason = f"[Errno {inner.errno}] {os.strerror(inner.errno)}" if inner.errno else str(inner)
+    return f"{text} ({reason})"
 
 
 def _error_message(raw: bytes) -> str:

@@ -38,9 +38,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import os
-import threading
 import time
-from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
 import torch
@@ -58,20 +56,11 @@ from lightning_grpo.rollout.engines.rows import check_prompts, request_seeds, ro
 from lightning_grpo.rollout.registry import EngineSpec
 from lightning_grpo.rollout.server.client import RolloutServerError, ServerClient
 from lightning_grpo.rollout.server.security import read_secret
-from lightning_grpo.rollout.server.weight_sync import group_prefix, host_store, make_group, send_weights
+from lightning_grpo.rollout.server.sync_groups import Instance, init_group, push
+from lightning_grpo.rollout.server.weight_sync import host_store
+from lightning_grpo.rollout.server.wire import sampling_fields
 
 log = logging.getLogger(__name__)
-
-@dataclass
-class Instance:
-    """What the trainer knows of one server instance."""
-
-    client: ServerClient
-    instance_id: str = ""
-    version: int = 0
-    group: Any = None
-    groups_made: int = 0
-    lock: threading.Lock = field(default_factory=threading.Lock)
 
 
 def split_evenly(count: int, parts: int) -> list[tuple[int, int]]:
@@ -199,11 +188,7 @@ class VLLMServerEngine:
 
     def _generate_on(self, inst: Instance, prompts: list[list[int]], num_generations: int, sampling: SamplingConfig,
                      seeds: Optional[list[int]], wire: Optional[list[tuple[list[int], list[str]]]] = None) -> dict:
-        fields: dict[str, Any] = dict(max_new_tokens=sampling.max_new_tokens, temperature=sampling.temperature,
-                                      top_p=sampling.top_p, top_k=sampling.top_k, min_p=sampling.min_p,
-                                      greedy=sampling.greedy)
-        if sampling.banned_token_ids:  # sent only when set: servers before it refuse the field
-            fields["banned_token_ids"] = list(sampling.banned_token_ids)
+        fields = sampling_fields(sampling)
         deadline = inst.client.deadline()
         answers = []
         for a, b in self._request_parts([len(p) for p in prompts], num_generations, sampling.max_new_tokens):
@@ -291,45 +276,14 @@ class VLLMServerEngine:
         """Form a new weight-sync group with ``inst`` (rank 0 only): the server's workers join it while this
         process does."""
         assert self._store is not None
-        inst.groups_made += 1
-        prefix = group_prefix(self.instances.index(inst))
-        timeout = max(1.0, deadline - time.monotonic())
-        world_size = 1 + int(info["world_size"])
-        body = dict(host=self.group_host, port=self.group_port, prefix=prefix, world_size=world_size,
-                    backend=self.backend, timeout_s=timeout)
-        with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            answer = pool.submit(inst.client.request, "POST", "/init_weight_sync", body, deadline, idempotent=False)
-            try:
-                group = make_group(self._store, prefix, 0, world_size, self.backend, timeout)
-            except Exception as err:
-                detail = answer.exception() if answer.done() else "no answer"
-                raise RolloutServerError(
-                    f"rollout server {inst.client.url} did not join the weight-sync group at {self.group_host}:"
-                    f"{self.group_port} within {timeout:.0f} s ({err}; server: {detail}); the servers must reach "
-                    "that address (GRPOConfig.engine.server_group_host / engine.server_group_port)") from err
-            answer.result()
-        inst.group, inst.instance_id, inst.version = group, info["instance_id"], int(info["version"])
+        init_group(inst, self.instances.index(inst), info, self._store, self.group_host, self.group_port,
+                   self.backend, deadline)
 
     # ------------------------------------------------------------------ weights
     def _push(self, instances: Sequence[Instance], weights: PolicyWeights, deadline: float) -> int:
         """Stream ``weights`` to ``instances`` as version ``self.version`` (rank 0)."""
         check_tied_engine(weights, self.tie_word_embeddings)  # before the servers start waiting for a stream
-        device = weights.device if self.backend == "nccl" else torch.device("cpu")
-        with concurrent.futures.ThreadPoolExecutor(len(instances)) as pool:
-            answers = [pool.submit(inst.client.request, "POST", "/update_weights", {"version": self.version},
-                                   deadline, idempotent=False) for inst in instances]
-            try:
-                count = send_weights([inst.group for inst in instances], weights.tensors(), device)
-            except Exception as err:
-                urls = ", ".join(inst.client.url for inst in instances)
-                raise RolloutServerError(f"sending weights version {self.version} to {urls} failed: {err}") from err
-            for inst, answer in zip(instances, answers, strict=True):
-                received = answer.result()["num_tensors"]
-                if received != count:
-                    raise RolloutServerError(f"rollout server {inst.client.url} received {received} of {count} "
-                                             "weight tensors")
-                inst.version = self.version
-        return count
+        return push(instances, weights, self.version, self.backend, deadline)[0]
 
     def sync_weights(self, weights: PolicyWeights) -> None:
         """Send the policy's weights to every instance as the next version (rank 0 sends; every rank calls this, the

@@ -15,6 +15,9 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
 from lightning_grpo.rollout.engines.multimodal import MAX_IMAGES_PER_PROMPT
 
+#: How ``/update_weights`` treats the sequences in flight (:mod:`lightning_grpo.rollout.server.async_engine`).
+UpdateMode = Literal["wait", "interrupt"]
+
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -64,9 +67,12 @@ class InitWeightSyncRequest(_Body):
 
 
 class UpdateWeightsRequest(_Body):
-    """``POST /update_weights``: receive the weights streamed now and serve them as ``version``."""
+    """``POST /update_weights``: receive the weights streamed now and serve them as ``version``; ``mode`` "wait"
+    (the sequences in flight finish first) or "interrupt" (they continue under the new weights, their prefix
+    recomputed: :mod:`lightning_grpo.rollout.server.async_engine`)."""
 
     version: StrictInt = Field(ge=0)
+    mode: UpdateMode = "wait"
 
 
 class Empty(_Body):

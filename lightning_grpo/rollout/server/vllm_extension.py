@@ -10,6 +10,10 @@ in-place reload, which redoes the CPU backend's pre-packing of GEMM weights), as
 
 from __future__ import annotations
 
+import os
+import signal
+import threading
+import time
 from typing import Any, Callable, Optional
 
 import torch
@@ -59,6 +63,28 @@ class WeightSyncWorkerExtension:
             for _ in stream:  # drain what the loader did not take (an error, or names it skipped)
                 pass
         return count
+
+    def stop_with_server(self, server_pid: int) -> int:
+        """End this worker's process when the server's process ``server_pid`` ends, SIGKILL included (vLLM's engine
+        core would otherwise outlive it, holding its memory): a daemon thread checks every 0.5 s; under vLLM's
+        multiprocess executor the worker's parent, the engine core, is ended first. Returns this process's id."""
+
+        engine_core = os.getppid()  # the server itself under vLLM's one-process executor
+
+        def watch() -> None:
+            while True:
+                time.sleep(0.5)
+                try:
+                    os.kill(server_pid, 0)
+                except ProcessLookupError:
+                    if engine_core != server_pid and os.getppid() == engine_core:  # still alive: end it too
+                        os.kill(engine_core, signal.SIGKILL)
+                    os._exit(1)
+                except PermissionError:  # the id now belongs to another user's process: the server is gone
+                    os._exit(1)
+
+        threading.Thread(target=watch, name="stop-with-server", daemon=True).start()
+        return os.getpid()
 
     def close_weight_sync(self) -> None:
         """Leave the weight-sync group (a no-op without one)."""

@@ -76,19 +76,33 @@ def join_store(host: str, port: int, timeout_s: float) -> dist.TCPStore:
     return dist.TCPStore(host, port, None, False, datetime.timedelta(seconds=timeout_s))
 
 
+class WeightSyncTimeout(TimeoutError):
+    """A weight-sync group did not form in time: some rank never joined its rendezvous (a server whose workers
+    cannot reach ``engine.server_group_host:engine.server_group_port``, or a trainer that went away)."""
+
+
 def make_group(store: dist.Store, prefix: str, rank: int, world_size: int, backend: str,
                timeout_s: float) -> Any:
     """A process group (``ProcessGroupGloo`` / ``ProcessGroupNCCL``) of ``world_size`` ranks that rendezvous under
-    ``prefix`` in ``store``; blocks until every rank has joined (at most ``timeout_s`` seconds, then a
-    ``torch.distributed`` error). Its collectives time out after ``timeout_s`` as well.
+    ``prefix`` in ``store``; blocks until every rank has joined, for at most ``timeout_s`` seconds. Its collectives
+    time out after ``timeout_s`` as well (a ``torch.distributed`` error), so a peer that stops never hangs the other.
+    (NCCL connects at its first collective, so there a missing rank fails that collective, after ``timeout_s``.)
 
     Raises:
         ValueError: a backend other than "gloo" and "nccl".
+        WeightSyncTimeout: gloo: not every rank joined within ``timeout_s`` (the message names this rank, the world
+            size and the timeout; never the prefix, which is the group's secret).
     """
     prefixed = dist.PrefixStore(prefix, store)
     timeout = datetime.timedelta(seconds=timeout_s)
     if backend == "gloo":
-        return dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
+        try:
+            return dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
+        except dist.DistStoreError:  # the rendezvous' wait for the other ranks' addresses timed out
+            raise WeightSyncTimeout(
+                f"the weight-sync group did not form: rank {rank} of {world_size} waited {timeout_s:g} s for the "
+                "other ranks to join the rendezvous; each server's workers must reach the trainer's "
+                "engine.server_group_host:engine.server_group_port") from None
     if backend == "nccl":
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout

@@ -7,7 +7,8 @@ into any layout by :func:`load_module_state_dict`) and its optimizer state likew
 :func:`optimizer_state_to_hf` builds it: for each HF tensor, in HF order, the pipeline stage that holds it reads the
 per-parameter state of its shard (:class:`ParamStates`: the torch optimizer's own, or the distributed optimizer's,
 whose flat shards are first gathered over the data-parallel group), all-gathers the per-element tensors over the
-tensor-parallel group, and broadcasts them over the pipeline group. :func:`optimizer_state_from_hf` loads it into any
+tensor-parallel group (a mixture's experts over the expert-TP and expert-parallel groups, stacked in HF's
+``(E, ...)`` layout), and broadcasts them over the pipeline group. :func:`optimizer_state_from_hf` loads it into any
 layout: each rank cuts its own shards out of the full tensors (:func:`~lightning_grpo.strategies.megatron.convert.
 shard`). So a checkpoint written at TP=1/PP=2 resumes at TP=2/PP=1, with or without the distributed optimizer.
 
@@ -23,12 +24,13 @@ import torch
 from torch import Tensor
 
 from lightning_grpo.strategies.megatron.convert import (
-    gather_hf_tensors,
+    gather_map,
     load_hf_state_dict,
     param_maps,
     pipeline_param_maps,
     shard,
 )
+from lightning_grpo.strategies.megatron.experts import ExpertRanks
 from lightning_grpo.strategies.megatron.model import Architecture, StageLayout
 
 OPTIMIZER_FORMAT = "megatron-hf"
@@ -126,23 +128,25 @@ def optimizer_state_to_hf(
     """
     from megatron.core import parallel_state
 
-    tp_group = parallel_state.get_tensor_model_parallel_group()
     pp_size = parallel_state.get_pipeline_model_parallel_world_size()
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
     pp_group = parallel_state.get_pipeline_model_parallel_group()
+    experts = ExpertRanks.current()
     state: dict[str, dict[str, Any]] = {}
     names: list[str] = []
     for owner, pm in pipeline_param_maps(arch, transformer_engine, pp_size):
         names.extend(pm.hf)
         entry: Optional[dict[str, dict[str, Any]]] = None
         if owner == pp_rank:
-            param = params[pm.mcore]
-            values = states.get(param)
-            if values is not None:
+            local = [params[name] for name, _ in pm.local(experts)]
+            found = [states.get(param) for param in local]  # (the same steps on every rank: all or none)
+            if found[0] is not None:
+                values = [v for v in found if v is not None]
                 entry = {h: {} for h in pm.hf}
-                for key, value in sorted(values.items()):
-                    if torch.is_tensor(value) and value.dim() > 0 and value.shape == param.shape:
-                        for h, full in zip(pm.hf, gather_hf_tensors(pm, value, arch, tp_group), strict=True):
+                for key, value in sorted(values[0].items()):
+                    if torch.is_tensor(value) and value.dim() > 0 and value.shape == local[0].shape:
+                        gathered = gather_map(pm, [v[key] for v in values], arch)
+                        for h, full in zip(pm.hf, gathered, strict=True):
                             entry[h][key] = full.cpu().clone()
                     else:
                         for h in pm.hf:
@@ -168,9 +172,11 @@ def optimizer_state_from_hf(
     stage: StageLayout,
     tp_rank: int,
     tp_size: int,
+    experts: ExpertRanks = ExpertRanks(),  # noqa: B008 - immutable
 ) -> None:
     """Load a state saved by :func:`optimizer_state_to_hf` into this rank's parameters: each per-element tensor is cut
-    to this rank's TP shard (the copy of a tied embedding on the last pipeline stage gets the embedding's state).
+    to this rank's TP shard (an expert's to its expert's expert-TP shard; the copy of a tied embedding on the last
+    pipeline stage gets the embedding's state).
 
     Raises:
         ValueError: an optimizer state in another format (e.g. from a plain, non-Megatron run).
@@ -181,13 +187,15 @@ def optimizer_state_from_hf(
     for pm in param_maps(arch, transformer_engine, stage):
         if pm.hf[0] not in saved["state"]:
             continue  # no state yet (saved before the first optimizer step)
-        values: dict[str, Any] = {}
-        for key, value in saved["state"][pm.hf[0]].items():
-            if torch.is_tensor(value) and value.dim() > 0:
-                values[key] = shard(pm, [saved["state"][h][key] for h in pm.hf], arch, tp_rank, tp_size)
-            else:
-                values[key] = value
-        states.set(params[pm.mcore], values)
+        for name, expert in pm.local(experts):
+            values: dict[str, Any] = {}
+            for key, value in saved["state"][pm.hf[0]].items():
+                if torch.is_tensor(value) and value.dim() > 0:
+                    full = [saved["state"][h][key] if expert is None else saved["state"][h][key][expert] for h in pm.hf]
+                    values[key] = shard(pm, full, arch, *pm.split(tp_rank, tp_size, experts))
+                else:
+                    values[key] = value
+            states.set(params[name], values)
 
 
 def load_hyperparameters(groups: list[dict[str, Any]], saved: Mapping[str, Any]) -> None:

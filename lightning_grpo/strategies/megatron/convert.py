@@ -1,4 +1,5 @@
-"""Weights between Hugging Face Llama-family checkpoints and megatron-core ``GPTModel`` shards.
+"""Weights between Hugging Face Llama-family (and Qwen3-MoE / Mixtral) checkpoints and megatron-core ``GPTModel``
+shards.
 
 Each megatron-core parameter is made from one or more HF tensors (:class:`ParamMap`), split for tensor
 parallelism (TP) in one of five ways:
@@ -14,15 +15,26 @@ parallelism (TP) in one of five ways:
   groups ``[r nkv/TP, (r+1) nkv/TP)``.
 - ``gate_up``: ``gate_proj``, ``up_proj`` -> ``linear_fc1`` (weight ``(2 F / TP, H)``): rank r holds
   ``[gate rows of r; up rows of r]`` (the SwiGLU applies silu to the first half).
+- ``fused_gate_up``: the same from one HF tensor ``[gate; up]`` (``(2 F, H)``: an expert of a mixture).
 
-The conversions only slice, reshape and concatenate, so HF -> megatron-core -> HF is bit-exact.
+A mixture of experts (:mod:`~lightning_grpo.strategies.megatron.experts`) adds the router (``mlp.gate.weight`` ->
+``mlp.router.weight``, replicated), the per-head q/k RMSNorms of Qwen3-MoE (``self_attn.q_norm`` / ``k_norm`` ->
+``self_attention.q_layernorm`` / ``k_layernorm``, replicated) and the experts: transformers stores all ``E``
+experts of a layer in two stacked tensors, ``mlp.experts.gate_up_proj`` ``(E, 2F, H)`` and ``mlp.experts.down_proj``
+``(E, H, F)``; megatron-core's ``SequentialMLP`` holds each local expert ``j`` as ``mlp.experts.local_experts.{j}.
+linear_fc1.weight`` (``fused_gate_up``) and ``linear_fc2.weight`` (``row``). An expert ``ParamMap`` (``experts=E``)
+names the local experts with ``{}``; expert-parallel rank ``r`` holds experts ``[r E/EP, (r+1) E/EP)``, and each
+expert's matrices split over the expert-tensor-parallel ranks (ETP) as the kind says.
+
+The conversions only slice, reshape, stack and concatenate, so HF -> megatron-core -> HF is bit-exact.
 
 Pipeline parallelism (PP): each stage holds the parameters of its layers (:func:`param_maps` with a
 :class:`~lightning_grpo.strategies.megatron.model.StageLayout`; megatron-core numbers a stage's layers from 0, the
 HF names keep the global index); with tied embeddings the last stage's ``output_layer.weight`` is a copy of the
 embedding (``ParamMap.copy``: loaded from ``model.embed_tokens.weight``, never exported). :func:`iter_hf_weights`
-gathers one HF tensor at a time over the TP group of the stage that owns it and broadcasts it over the PP group, so
-the HF names and values do not depend on the TP and PP sizes.
+gathers one HF tensor at a time over the TP group of the stage that owns it (an expert tensor over the expert-TP
+and then the expert-parallel group) and broadcasts it over the PP group, so the HF names and values do not depend on
+the TP, PP, EP and ETP sizes.
 Names are those of megatron-core's local layer spec; with the Transformer Engine spec the two RMSNorms of a
 layer live inside the following linear (``linear_qkv.layer_norm_weight``, ``linear_fc1.layer_norm_weight``).
 """
@@ -36,9 +48,10 @@ from typing import Iterator, Mapping, Optional, Sequence
 import torch
 from torch import Tensor
 
+from lightning_grpo.strategies.megatron.experts import ExpertRanks
 from lightning_grpo.strategies.megatron.model import Architecture, StageLayout, stage_layout
 
-KINDS = ("replicated", "vocab", "row", "qkv", "gate_up")
+KINDS = ("replicated", "vocab", "row", "qkv", "gate_up", "fused_gate_up")
 
 
 @dataclass(frozen=True)
@@ -51,12 +64,27 @@ class ParamMap:
         kind: one of :data:`KINDS`.
         copy: the last pipeline stage's copy of the tied embedding (``output_layer.weight`` with tied embeddings
             and PP > 1): loaded from the embedding, not exported (the first stage's embedding is).
+        experts: the number of experts ``E`` stacked along dim 0 of the HF tensor (a mixture's expert weights), else
+            0; ``mcore`` then holds ``{}`` for the local expert index and ``kind`` splits each expert over the
+            expert-TP ranks.
     """
 
     mcore: str
     hf: tuple[str, ...]
     kind: str
     copy: bool = False
+    experts: int = 0
+
+    def local(self, experts: ExpertRanks) -> list[tuple[str, Optional[int]]]:
+        """``(megatron-core name, global expert index)`` of each parameter this map names on a rank placed at
+        ``experts``: the one parameter with None, or each local expert's."""
+        if not self.experts:
+            return [(self.mcore, None)]
+        return [(self.mcore.format(j), e) for j, e in enumerate(experts.local_experts(self.experts))]
+
+    def split(self, tp_rank: int, tp_size: int, experts: ExpertRanks) -> tuple[int, int]:
+        """The rank and size this map's tensors are split over: the expert-TP ones for expert weights, else TP."""
+        return (experts.etp_rank, experts.etp_size) if self.experts else (tp_rank, tp_size)
 
 
 def param_maps(
@@ -81,12 +109,26 @@ def param_maps(
         if arch.qkv_bias:
             maps.append(ParamMap(m + "self_attention.linear_qkv.bias",
                                  tuple(h + f"self_attn.{p}_proj.bias" for p in "qkv"), "qkv"))
-        maps += [
-            ParamMap(m + "self_attention.linear_proj.weight", (h + "self_attn.o_proj.weight",), "row"),
-            ParamMap(m + mlp_norm, (h + "post_attention_layernorm.weight",), "replicated"),
-            ParamMap(m + "mlp.linear_fc1.weight", (h + "mlp.gate_proj.weight", h + "mlp.up_proj.weight"), "gate_up"),
-            ParamMap(m + "mlp.linear_fc2.weight", (h + "mlp.down_proj.weight",), "row"),
-        ]
+        maps.append(ParamMap(m + "self_attention.linear_proj.weight", (h + "self_attn.o_proj.weight",), "row"))
+        if arch.qk_layernorm:
+            maps += [ParamMap(m + f"self_attention.{p}_layernorm.weight", (h + f"self_attn.{p}_norm.weight",),
+                              "replicated") for p in "qk"]
+        maps.append(ParamMap(m + mlp_norm, (h + "post_attention_layernorm.weight",), "replicated"))
+        if arch.moe is not None and arch.moe.layers[i]:
+            e = arch.moe.num_experts
+            maps += [
+                ParamMap(m + "mlp.router.weight", (h + "mlp.gate.weight",), "replicated"),
+                ParamMap(m + "mlp.experts.local_experts.{}.linear_fc1.weight", (h + "mlp.experts.gate_up_proj",),
+                         "fused_gate_up", experts=e),
+                ParamMap(m + "mlp.experts.local_experts.{}.linear_fc2.weight", (h + "mlp.experts.down_proj",), "row",
+                         experts=e),
+            ]
+        else:
+            maps += [
+                ParamMap(m + "mlp.linear_fc1.weight", (h + "mlp.gate_proj.weight", h + "mlp.up_proj.weight"),
+                         "gate_up"),
+                ParamMap(m + "mlp.linear_fc2.weight", (h + "mlp.down_proj.weight",), "row"),
+            ]
     if stage.post_process:
         maps.append(ParamMap("decoder.final_layernorm.weight", ("model.norm.weight",), "replicated"))
         if not arch.tie_word_embeddings:
@@ -115,9 +157,17 @@ def hf_shapes(arch: Architecture) -> dict[str, tuple[int, ...]]:
         p = f"model.layers.{i}."
         shapes.update({p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
                        p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
-                       p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
-                       p + "mlp.gate_proj.weight": (f, h), p + "mlp.up_proj.weight": (f, h),
-                       p + "mlp.down_proj.weight": (h, f)})
+                       p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q)})
+        if arch.qk_layernorm:
+            shapes.update({p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,)})
+        moe = arch.moe
+        if moe is not None and moe.layers[i]:
+            e, fe = moe.num_experts, moe.ffn_hidden_size
+            shapes.update({p + "mlp.gate.weight": (e, h), p + "mlp.experts.gate_up_proj": (e, 2 * fe, h),
+                           p + "mlp.experts.down_proj": (e, h, fe)})
+        else:
+            shapes.update({p + "mlp.gate_proj.weight": (f, h), p + "mlp.up_proj.weight": (f, h),
+                           p + "mlp.down_proj.weight": (h, f)})
         if arch.qkv_bias:
             shapes.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
                            p + "self_attn.v_proj.bias": (kv,)})
@@ -125,7 +175,8 @@ def hf_shapes(arch: Architecture) -> dict[str, tuple[int, ...]]:
 
 
 def shard(pm: ParamMap, tensors: Sequence[Tensor], arch: Architecture, tp_rank: int, tp_size: int) -> Tensor:
-    """This TP rank's megatron-core tensor made from the HF tensors ``tensors`` (in ``pm.hf`` order).
+    """This TP rank's megatron-core tensor made from the HF tensors ``tensors`` (in ``pm.hf`` order; of one expert,
+    ``hf_tensor[e]``, for an expert map, split over the expert-TP ranks: :meth:`ParamMap.split`).
 
     Raises:
         ValueError: wrong number of tensors, or a shape that does not split evenly.
@@ -145,14 +196,15 @@ def shard(pm: ParamMap, tensors: Sequence[Tensor], arch: Architecture, tp_rank: 
         fused = torch.cat([q.reshape(groups, arch.heads_per_group * d, *rest), k.reshape(groups, d, *rest),
                            v.reshape(groups, d, *rest)], dim=1)  # [nkv, (nq/nkv + 2) d, *rest]
         return _chunk(fused, 0, tp_rank, tp_size, pm.mcore).reshape(-1, *rest)
-    if pm.kind == "gate_up":
-        gate, up = tensors
-        return torch.cat([_chunk(gate, 0, tp_rank, tp_size, pm.hf[0]), _chunk(up, 0, tp_rank, tp_size, pm.hf[1])])
+    if pm.kind in ("gate_up", "fused_gate_up"):
+        gate, up = tensors if pm.kind == "gate_up" else tensors[0].chunk(2)
+        return torch.cat([_chunk(gate, 0, tp_rank, tp_size, pm.hf[0]), _chunk(up, 0, tp_rank, tp_size, pm.hf[-1])])
     raise ValueError(f"ParamMap.kind={pm.kind!r}: choose one of {KINDS}")
 
 
 def unshard(pm: ParamMap, shards: Sequence[Tensor], arch: Architecture) -> list[Tensor]:
-    """The HF tensors (in ``pm.hf`` order) from the megatron-core tensors of all TP ranks (rank order).
+    """The HF tensors (in ``pm.hf`` order; one expert's for an expert map) from the megatron-core tensors of all TP
+    ranks (expert-TP ranks for an expert map), in rank order.
 
     The inverse of :func:`shard`: ``unshard(pm, [shard(pm, t, arch, r, n) for r in range(n)], arch) == t``.
     """
@@ -168,9 +220,10 @@ def unshard(pm: ParamMap, shards: Sequence[Tensor], arch: Architecture) -> list[
         fused = torch.cat(list(shards), dim=0).reshape(groups, (per_group + 2) * d, *rest)
         q, k, v = fused.split([per_group * d, d, d], dim=1)
         return [q.reshape(-1, *rest), k.reshape(-1, *rest), v.reshape(-1, *rest)]
-    if pm.kind == "gate_up":
+    if pm.kind in ("gate_up", "fused_gate_up"):
         halves = [s.chunk(2, dim=0) for s in shards]
-        return [torch.cat([h[0] for h in halves]), torch.cat([h[1] for h in halves])]
+        gate, up = torch.cat([h[0] for h in halves]), torch.cat([h[1] for h in halves])
+        return [gate, up] if pm.kind == "gate_up" else [torch.cat([gate, up])]
     raise ValueError(f"ParamMap.kind={pm.kind!r}: choose one of {KINDS}")
 
 
@@ -180,9 +233,11 @@ def hf_to_mcore(
     tp_rank: int = 0,
     tp_size: int = 1,
     transformer_engine: bool = False,
+    experts: ExpertRanks = ExpertRanks(),  # noqa: B008 - immutable
 ) -> dict[str, Tensor]:
-    """The megatron-core state dict of TP rank ``tp_rank`` from an HF state dict (``lm_head.weight`` is not read
-    when the embeddings are tied). The tensors are views/copies of the HF ones, same dtype.
+    """The megatron-core state dict of TP rank ``tp_rank`` (and, for a mixture of experts, of the expert-parallel
+    place ``experts``) from an HF state dict (``lm_head.weight`` is not read when the embeddings are tied). The
+    tensors are views/copies of the HF ones, same dtype.
 
     Raises:
         KeyError: an HF tensor the architecture needs is missing (named).
@@ -190,21 +245,34 @@ def hf_to_mcore(
     arch.check_tensor_parallel(tp_size)
     out = {}
     for pm in param_maps(arch, transformer_engine):
-        missing = [name for name in pm.hf if name not in hf_state]
-        if missing:
-            raise KeyError(f"HF state dict has no {missing} (needed for {pm.mcore})")
-        out[pm.mcore] = shard(pm, [hf_state[name] for name in pm.hf], arch, tp_rank, tp_size)
+        _check_present(pm, hf_state)
+        for name, expert in pm.local(experts):
+            out[name] = shard(pm, _hf_tensors(pm, hf_state, expert), arch, *pm.split(tp_rank, tp_size, experts))
     return out
 
 
 def mcore_to_hf(
-    rank_states: Sequence[Mapping[str, Tensor]], arch: Architecture, transformer_engine: bool = False
+    rank_states: Sequence[Mapping[str, Tensor]], arch: Architecture, transformer_engine: bool = False,
+    expert_model_parallel_size: int = 1,
 ) -> dict[str, Tensor]:
-    """The HF state dict from the megatron-core state dicts of all TP ranks (in rank order). With tied
-    embeddings ``lm_head.weight`` is included (the embedding tensor), as in ``LlamaForCausalLM.state_dict()``."""
+    """The HF state dict from the megatron-core state dicts of all ranks in rank order: the TP ranks of a dense
+    model; for a mixture of experts (TP = 1) the ``EP x ETP`` ranks of the expert groups, expert-TP rank fastest
+    (megatron-core's order tp-ep), ``EP = expert_model_parallel_size``. With tied embeddings ``lm_head.weight`` is
+    included (the embedding tensor), as in ``LlamaForCausalLM.state_dict()``."""
+    ep = expert_model_parallel_size
+    etp = len(rank_states) // ep
+    dense = rank_states if arch.moe is None else rank_states[:1]
     out: dict[str, Tensor] = {}
     for pm in param_maps(arch, transformer_engine):
-        out.update(zip(pm.hf, unshard(pm, [state[pm.mcore] for state in rank_states], arch), strict=True))
+        if not pm.experts:
+            out.update(zip(pm.hf, unshard(pm, [state[pm.mcore] for state in dense], arch), strict=True))
+            continue
+        stacked = []
+        for r in range(ep):
+            states = rank_states[r * etp:(r + 1) * etp]
+            for name, _ in pm.local(ExpertRanks(r, ep, 0, etp)):
+                stacked.append(unshard(pm, [state[name] for state in states], arch)[0])
+        out[pm.hf[0]] = torch.stack(stacked)
     if arch.tie_word_embeddings:
         out["lm_head.weight"] = out["model.embed_tokens.weight"]
     return out
@@ -221,6 +289,17 @@ def _mcore_parameters(model: torch.nn.Module) -> dict[str, Tensor]:
     return params
 
 
+def _check_present(pm: ParamMap, hf_state: Mapping[str, Tensor]) -> None:
+    missing = [name for name in pm.hf if name not in hf_state]
+    if missing:
+        raise KeyError(f"HF state dict has no {missing} (needed for {pm.mcore})")
+
+
+def _hf_tensors(pm: ParamMap, hf_state: Mapping[str, Tensor], expert: Optional[int]) -> list[Tensor]:
+    """The HF tensors of ``pm`` (expert ``expert``'s slice of each for an expert map)."""
+    return [hf_state[name] if expert is None else hf_state[name][expert] for name in pm.hf]
+
+
 @torch.no_grad()
 def load_hf_state_dict(
     model: torch.nn.Module,
@@ -229,37 +308,39 @@ def load_hf_state_dict(
     tp_rank: Optional[int] = None,
     tp_size: Optional[int] = None,
     stage: Optional[StageLayout] = None,
+    experts: Optional[ExpertRanks] = None,
 ) -> None:
     """Copy an HF state dict into this rank's megatron-core ``model`` (in place, casting to its dtype).
 
-    ``tp_rank``/``tp_size`` and ``stage`` default to megatron-core's ``parallel_state``.
+    ``tp_rank``/``tp_size``, ``stage`` and ``experts`` default to megatron-core's ``parallel_state``.
 
     Raises:
         KeyError: the model lacks a parameter the conversion produces, or has one it does not (named).
     """
     tp_rank, tp_size = _tp_rank_size(tp_rank, tp_size)
+    experts = experts or ExpertRanks.current()
     params = _mcore_parameters(model)
     maps = param_maps(arch, transformer_engine=_uses_te(params), stage=stage or current_stage(arch))
-    expected = {pm.mcore for pm in maps}
+    expected = {name for pm in maps for name, _ in pm.local(experts)}
     if set(params) != expected:
         raise KeyError(f"megatron-core parameters differ from the conversion's: missing "
                        f"{sorted(expected - set(params))}, unexpected {sorted(set(params) - expected)}")
     for pm in maps:
-        missing = [name for name in pm.hf if name not in hf_state]
-        if missing:
-            raise KeyError(f"HF state dict has no {missing} (needed for {pm.mcore})")
-        value = shard(pm, [hf_state[name] for name in pm.hf], arch, tp_rank, tp_size)
-        target = params[pm.mcore]
-        if value.shape != target.shape:
-            raise ValueError(f"{pm.mcore}: converted shape {tuple(value.shape)} != model shape {tuple(target.shape)}")
-        target.copy_(value)
+        _check_present(pm, hf_state)
+        for name, expert in pm.local(experts):
+            value = shard(pm, _hf_tensors(pm, hf_state, expert), arch, *pm.split(tp_rank, tp_size, experts))
+            target = params[name]
+            if value.shape != target.shape:
+                raise ValueError(f"{name}: converted shape {tuple(value.shape)} != model shape {tuple(target.shape)}")
+            target.copy_(value)
 
 
 def gather_hf_tensors(
     pm: ParamMap, local: Tensor, arch: Architecture, group: Optional[object] = None
 ) -> list[Tensor]:
-    """All-gather one megatron-core tensor (a parameter, its gradient or optimizer state) over the TP group and
-    return the full HF tensors (``pm.hf`` order). A collective: every TP rank must call it, in the same order."""
+    """All-gather one megatron-core tensor (a parameter, its gradient or optimizer state) over the TP group (the
+    expert-TP group for one expert of an expert map) and return the full HF tensors (``pm.hf`` order; one expert's
+    for an expert map). A collective: every rank of ``group`` must call it, in the same order."""
     tp_size = torch.distributed.get_world_size(group) if group is not None else 1
     if pm.kind == "replicated" or tp_size == 1:
         return unshard(pm, [local.detach()], arch)
@@ -268,29 +349,61 @@ def gather_hf_tensors(
     return unshard(pm, shards, arch)
 
 
+def gather_expert_tensors(pm: ParamMap, local: Sequence[Tensor], arch: Architecture,
+                          expert_tp_group: Optional[object] = None,
+                          expert_group: Optional[object] = None) -> list[Tensor]:
+    """The full HF tensor ``(E, ...)`` of an expert map from this rank's tensors of its local experts (parameters,
+    gradients or optimizer states, in local order): each expert all-gathered over the expert-TP group, the local
+    experts stacked, the stacks all-gathered over the expert-parallel group (EP rank order is expert order). A
+    collective over both groups."""
+    stacked = torch.stack([gather_hf_tensors(pm, t, arch, expert_tp_group)[0] for t in local])  # [E/EP, ...]
+    ep_size = torch.distributed.get_world_size(expert_group) if expert_group is not None else 1
+    if ep_size == 1:
+        return [stacked]
+    parts = [torch.empty_like(stacked) for _ in range(ep_size)]
+    torch.distributed.all_gather(parts, stacked.contiguous(), group=expert_group)
+    return [torch.cat(parts)]
+
+
+def gather_map(pm: ParamMap, local: Sequence[Tensor], arch: Architecture) -> list[Tensor]:
+    """The full HF tensors of ``pm`` from this rank's tensors of it (one per :meth:`ParamMap.local` entry): gathered
+    over the TP group, or for an expert map over the expert-TP and expert-parallel groups (megatron-core's
+    ``parallel_state``; nothing to gather when it is not initialised). A collective over those groups."""
+    from megatron.core import parallel_state as ps
+
+    if not ps.model_parallel_is_initialized():
+        return gather_expert_tensors(pm, local, arch) if pm.experts else gather_hf_tensors(pm, local[0], arch)
+    if pm.experts:
+        return gather_expert_tensors(pm, local, arch, ps.get_expert_tensor_parallel_group(),
+                                     ps.get_expert_model_parallel_group())
+    return gather_hf_tensors(pm, local[0], arch, ps.get_tensor_model_parallel_group())
+
+
 def iter_hf_weights(model: torch.nn.Module, arch: Architecture) -> Iterator[tuple[str, Tensor]]:
     """Yield ``(hf_name, full_tensor)`` for every HF tensor of the whole model, on every rank, one parameter at a
     time (so at most one full parameter is gathered at once): each is all-gathered over the TP group of the
-    pipeline stage that holds it and broadcast from that stage over the PP group. With tied embeddings
+    pipeline stage that holds it (an expert tensor over the expert-TP and expert-parallel groups,
+    :func:`gather_expert_tensors`) and broadcast from that stage over the PP group. With tied embeddings
     ``lm_head.weight`` comes last (as :func:`lightning_grpo.models.hf_weights.hf_weights` does, for vLLM's
     sake).
 
-    A collective over the model-parallel (TP x PP) group: every rank of it must iterate it to the end.
+    A collective over the model-parallel (TP x PP) group, and the expert groups for a mixture of experts: every
+    rank of them must iterate it to the end.
     """
     from megatron.core import parallel_state
 
     initialized = parallel_state.model_parallel_is_initialized()
-    group = parallel_state.get_tensor_model_parallel_group() if initialized else None
     pp_size = parallel_state.get_pipeline_model_parallel_world_size() if initialized else 1
     pp_rank = parallel_state.get_pipeline_model_parallel_rank() if initialized else 0
     pp_group = parallel_state.get_pipeline_model_parallel_group() if pp_size > 1 else None
+    experts = ExpertRanks.current()
     params = _mcore_parameters(model)
     local = next(iter(params.values()))
     shapes = hf_shapes(arch) if pp_size > 1 else {}
     embedding = None
     for owner, pm in pipeline_param_maps(arch, _uses_te(params), pp_size):
         if owner == pp_rank:
-            tensors = gather_hf_tensors(pm, params[pm.mcore], arch, group)
+            tensors = gather_map(pm, [params[name] for name, _ in pm.local(experts)], arch)
         else:
             tensors = [torch.empty(shapes[name], dtype=local.dtype, device=local.device) for name in pm.hf]
         if pp_group is not None:

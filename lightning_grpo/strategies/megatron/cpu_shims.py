@@ -26,6 +26,19 @@ megatron-core assumes CUDA in these places that a CPU run reaches:
    decide between fp32 and mixed-precision parameters: :func:`cuda_type_names` makes the given parameters report
    the CUDA name of their dtype while a megatron-core optimizer is built (an attribute on each parameter,
    removed afterwards).
+7. The all-to-all token dispatcher of a mixture of experts (``MoEAlltoAllTokenDispatcher``) creates a CUDA stream
+   in its constructor (the class attribute ``cuda_dtoh_stream``) and, in ``_maybe_dtoh_and_synchronize``, copies the
+   all-to-all split sizes to the host on that stream and synchronises with an event. The shim sets the class
+   attribute to a placeholder (no stream is made) and replaces the method with one that converts the split sizes to
+   numpy arrays at the same point, as the CUDA path's copies do (``torch.distributed.all_to_all_single`` takes them
+   as lists of ints), without streams or events.
+8. The same dispatcher with expert tensor parallelism (ETP > 1) all-gathers its tokens over the expert-TP ranks with
+   uneven sizes (``tensor_parallel.mappings._gather_along_first_dim`` with ``output_split_sizes``: a
+   ``torch.distributed.all_gather`` of tensors of different lengths) and reduce-scatters them back
+   (``_reduce_scatter_along_first_dim`` with ``input_split_sizes``: ``torch.distributed.reduce_scatter``); gloo has
+   neither (its all-gather takes equal sizes only). With split sizes the shim all-gathers each rank's tensor padded
+   to the longest and keeps each one's rows, and reduce-scatters by an all-reduce of the whole tensor of which each
+   rank keeps its rows: the same values. Without split sizes megatron-core's own functions run.
 
 :class:`MegatronStrategy <lightning_grpo.strategies.megatron.strategy.MegatronStrategy>` applies the shim only when
 its accelerator is CPU, and removes it at teardown. Nothing else is patched.
@@ -70,6 +83,45 @@ def _cpu_rng_states() -> tuple:
 def _set_cpu_rng_states(cpu_rng_state: torch.Tensor, cuda_rng_state: Any, tracker_states: Any) -> None:
     """Stand-in for megatron-core's ``_set_all_rng_states`` on CPU runs."""
     torch.set_rng_state(cpu_rng_state)
+
+
+def _uneven_gather(input_: torch.Tensor, group: Any, output_split_sizes: Any = None,
+                   use_global_buffer: bool = False) -> torch.Tensor:
+    """Stand-in for megatron-core's ``_gather_along_first_dim`` on CPU runs (item 8)."""
+    if output_split_sizes is None or group.size() == 1:
+        return _saved["gather"](input_, group, output_split_sizes, use_global_buffer)
+    sizes = [int(n) for n in output_split_sizes]
+    padded = input_.new_zeros((max(sizes), *input_.shape[1:]))
+    padded[: input_.shape[0]] = input_
+    parts = [torch.empty_like(padded) for _ in sizes]
+    torch.distributed.all_gather(parts, padded, group=group)
+    return torch.cat([part[:n] for part, n in zip(parts, sizes, strict=True)])
+
+
+def _uneven_reduce_scatter(input_: torch.Tensor, group: Any, input_split_sizes: Any = None,
+                           use_global_buffer: bool = False) -> torch.Tensor:
+    """Stand-in for megatron-core's ``_reduce_scatter_along_first_dim`` on CPU runs (item 8)."""
+    if input_split_sizes is None or group.size() == 1:
+        return _saved["reduce_scatter"](input_, group, input_split_sizes, use_global_buffer)
+    total = input_.contiguous().clone()
+    torch.distributed.all_reduce(total, group=group)
+    return total.split([int(n) for n in input_split_sizes])[group.rank()].contiguous()
+
+
+#: Stand-in for the all-to-all dispatcher's device-to-host stream on CPU runs (item 7): never used as a stream.
+_NO_STREAM = object()
+
+
+def _cpu_dtoh(self: Any, point: str, tokens_per_expert: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+    """Stand-in for ``MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize`` on CPU runs (item 7): at the
+    dispatcher's host-copy point the split sizes become numpy arrays (the CUDA path's ``maybe_move_tensor_to_cpu(...,
+    as_numpy=True)``); nothing is asynchronous, so there is nothing to synchronise."""
+    if not self.drop_and_pad and point == self.cuda_dtoh_point:
+        for name in ("input_splits", "output_splits", "output_splits_tp"):
+            value = getattr(self, name)
+            if isinstance(value, torch.Tensor):
+                setattr(self, name, value.numpy())
+    return tokens_per_expert
 #: megatron-core modules whose literal ``device="cuda"`` tensors go to the CPU under the shim (item 5).
 CUDA_FACTORY_MODULES = (
     "megatron.core.pipeline_parallel.schedules",
@@ -140,10 +192,20 @@ def is_applied() -> bool:
 def apply() -> None:
     """Install the shim (reference-counted: each :func:`apply` needs one :func:`remove`)."""
     global _depth
+    from megatron.core.tensor_parallel import mappings
     from megatron.core.tensor_parallel import random as mcore_random
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
     with _lock:
         if _depth == 0:
+            _saved["gather"] = mappings._gather_along_first_dim
+            _saved["reduce_scatter"] = mappings._reduce_scatter_along_first_dim
+            mappings._gather_along_first_dim = _uneven_gather
+            mappings._reduce_scatter_along_first_dim = _uneven_reduce_scatter
+            _saved["dtoh_stream"] = MoEAlltoAllTokenDispatcher.cuda_dtoh_stream
+            _saved["dtoh"] = MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize
+            MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = _NO_STREAM
+            MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize = _cpu_dtoh  # type: ignore[method-assign]
             _saved["current_device"] = torch.cuda.current_device
             _saved["synchronize"] = torch.cuda.synchronize
             _saved["fork"] = mcore_random.CudaRNGStatesTracker.fork
@@ -165,13 +227,19 @@ def apply() -> None:
 def remove() -> None:
     """Undo one :func:`apply`; the originals are restored when the last one is undone. A no-op if not applied."""
     global _depth
+    from megatron.core.tensor_parallel import mappings
     from megatron.core.tensor_parallel import random as mcore_random
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
     with _lock:
         if _depth == 0:
             return
         _depth -= 1
         if _depth == 0:
+            mappings._gather_along_first_dim = _saved.pop("gather")
+            mappings._reduce_scatter_along_first_dim = _saved.pop("reduce_scatter")
+            MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = _saved.pop("dtoh_stream")
+            MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize = _saved.pop("dtoh")  # type: ignore[method-assign]
             current_device: Callable[[], int] = _saved.pop("current_device")
             torch.cuda.current_device = current_device  # type: ignore[assignment]
             torch.cuda.synchronize = _saved.pop("synchronize")  # type: ignore[assignment]

@@ -1,9 +1,11 @@
 """The process layout of ``MegatronStrategy``: ``world_size = TP x PP x DP`` processes in megatron-core's rank order
 (tp-dp-pp: TP ranks are adjacent, then DP replicas, then stages), its process groups and the reductions over them.
+A mixture of experts' expert-parallel (EP) and expert-tensor-parallel (ETP) groups are carved out of the DP replicas
+(megatron-core's order tp-ep-dp-pp for the experts, with ETP in place of TP): ``ETP x EP`` must divide ``TP x DP``.
 
 :class:`MegatronLayout` (the base of :class:`~lightning_grpo.strategies.megatron.strategy.MegatronStrategy`) sets up
 Lightning's DDP process group (NCCL on GPU, gloo on CPU, the :mod:`~lightning_grpo.strategies.megatron.cpu_shims`
-applied on CPU for the run), then ``parallel_state.initialize_model_parallel(TP, PP)`` and one more group per
+applied on CPU for the run), then ``parallel_state.initialize_model_parallel(TP, PP, EP, ETP)`` and one more group per
 model-parallel group for the rollouts (so a background rollout's broadcast, ``max_staleness > 0``, never interleaves
 with the training collectives). Each DP replica gets its own prompts (the ``DistributedSampler`` is keyed by DP rank)
 and ``reduce`` runs over the DP group. Teardown destroys megatron-core's model-parallel state and the groups it
@@ -28,32 +30,34 @@ class MegatronLayout(DDPStrategy):
 
     Args:
         tensor_model_parallel_size, pipeline_model_parallel_size, virtual_pipeline_model_parallel_size,
-        expert_model_parallel_size, seed: as :class:`~lightning_grpo.strategies.megatron.strategy.MegatronStrategy`.
+        expert_model_parallel_size, expert_tensor_parallel_size, seed: as
+            :class:`~lightning_grpo.strategies.megatron.strategy.MegatronStrategy`.
         kwargs: ``DDPStrategy`` arguments.
 
     Raises:
-        ValueError: a size below 1, ``virtual_pipeline_model_parallel_size`` or ``expert_model_parallel_size != 1``
-            (at construction); a world size that TP x PP does not divide (at setup).
+        ValueError: a size below 1 or ``virtual_pipeline_model_parallel_size`` (at construction); a world size that
+            TP x PP does not divide, or a DP size that ETP x EP does not divide (at setup).
     """
 
     def __init__(self, tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1,
                  virtual_pipeline_model_parallel_size: Optional[int] = None, expert_model_parallel_size: int = 1,
-                 seed: int = 1234, timeout: Optional[timedelta] = timedelta(minutes=30), **kwargs: Any) -> None:
+                 expert_tensor_parallel_size: int = 1, seed: int = 1234,
+                 timeout: Optional[timedelta] = timedelta(minutes=30), **kwargs: Any) -> None:
         for name, value in (("tensor_model_parallel_size", tensor_model_parallel_size),
-                            ("pipeline_model_parallel_size", pipeline_model_parallel_size)):
+                            ("pipeline_model_parallel_size", pipeline_model_parallel_size),
+                            ("expert_model_parallel_size", expert_model_parallel_size),
+                            ("expert_tensor_parallel_size", expert_tensor_parallel_size)):
             if value < 1:
                 raise ValueError(f"MegatronStrategy({name}={value}) must be >= 1")
         if virtual_pipeline_model_parallel_size is not None:
             raise ValueError(
                 f"MegatronStrategy(virtual_pipeline_model_parallel_size={virtual_pipeline_model_parallel_size}): the "
                 "interleaved pipeline schedule is not supported; leave it None (the 1F1B schedule)")
-        if expert_model_parallel_size != 1:
-            raise ValueError(
-                f"MegatronStrategy(expert_model_parallel_size={expert_model_parallel_size}): expert parallelism "
-                "(MoE models) is not supported; see docs/megatron.md 'Expert parallelism'")
         super().__init__(timeout=timeout, **kwargs)
         self.tensor_model_parallel_size = tensor_model_parallel_size
         self.pipeline_model_parallel_size = pipeline_model_parallel_size
+        self.expert_model_parallel_size = expert_model_parallel_size
+        self.expert_tensor_parallel_size = expert_tensor_parallel_size
         self.seed = seed
         self._shims_applied = False
         self._model_parallel_groups: list[Any] = []
@@ -100,6 +104,14 @@ class MegatronLayout(DDPStrategy):
                 f"pipeline_model_parallel_size={self.pipeline_model_parallel_size}): TP x PP = "
                 f"{self.model_parallel_size} must divide the number of processes (world size {self.world_size})"
             )
+        experts = self.expert_model_parallel_size * self.expert_tensor_parallel_size
+        if (self.tensor_model_parallel_size * self.data_parallel_size) % experts != 0:
+            raise ValueError(
+                f"MegatronStrategy(expert_model_parallel_size={self.expert_model_parallel_size}, "
+                f"expert_tensor_parallel_size={self.expert_tensor_parallel_size}): EP x ETP = {experts} must divide "
+                f"TP x DP = {self.tensor_model_parallel_size * self.data_parallel_size} (the expert groups are carved "
+                f"out of the data-parallel replicas; world size {self.world_size})"
+            )
         if self.root_device.type == "cpu" and not self._shims_applied:
             cpu_shims.apply()
             self._shims_applied = True
@@ -112,6 +124,8 @@ class MegatronLayout(DDPStrategy):
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=self.tensor_model_parallel_size,
             pipeline_model_parallel_size=self.pipeline_model_parallel_size,
+            expert_model_parallel_size=self.expert_model_parallel_size,
+            expert_tensor_parallel_size=self.expert_tensor_parallel_size,
             create_gloo_process_groups=self.root_device.type == "cpu",
         )
         groups = [torch.distributed.new_group(self.model_parallel_ranks(d)) for d in range(self.data_parallel_size)]

@@ -2,8 +2,10 @@
 
 Supported: ``LlamaForCausalLM`` (Llama 2/3 without RoPE scaling, SmolLM2, TinyLlama, ...) and
 ``Qwen2ForCausalLM`` (qkv bias, no sliding window): pre-norm RMSNorm, SwiGLU MLP, RoPE (rotate-half, base
-``rope_theta``), grouped-query attention, tied or untied embeddings. Anything else raises a ``ValueError``
-naming the field, rather than building a model that silently computes something else.
+``rope_theta``), grouped-query attention, tied or untied embeddings; and the mixtures of experts
+``Qwen3MoeForCausalLM`` (per-head q/k RMSNorm, top-k softmax routing) and ``MixtralForCausalLM``
+(:mod:`lightning_grpo.strategies.megatron.experts`). Anything else raises a ``ValueError`` naming the field, rather
+than building a model that silently computes something else.
 
 The layer spec is megatron-core's local one (``get_gpt_layer_local_spec``: plain torch modules, runs on CPU
 and GPU); :func:`build_gpt_model` uses the Transformer Engine spec only when asked to
@@ -23,7 +25,16 @@ from typing import Any, Iterator, Optional
 
 import torch
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
+from lightning_grpo.strategies.megatron.experts import (
+    MOE_MODEL_TYPES,
+    ExpertRanks,
+    MoE,
+    moe_from_hf_config,
+    moe_layer_spec,
+    moe_settings,
+)
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", *MOE_MODEL_TYPES)
 
 
 @dataclass(frozen=True)
@@ -31,7 +42,7 @@ class Architecture:
     """The architecture numbers that the HF <-> megatron-core conversion needs.
 
     Attributes:
-        model_type: "llama" or "qwen2".
+        model_type: "llama", "qwen2", "qwen3_moe" or "mixtral".
         vocab_size: rows of the embedding and the output layer (V).
         hidden_size: H.
         ffn_hidden_size: the SwiGLU inner size F (HF ``intermediate_size``).
@@ -47,6 +58,8 @@ class Architecture:
         padding_idx: the HF embedding's ``padding_idx`` (``config.pad_token_id``): transformers builds
             ``nn.Embedding(V, H, padding_idx)``, whose row gets no gradient from input lookups (it still gets
             one through a tied output layer). None when the config has no pad token.
+        qk_layernorm: RMSNorm over each query and key head before RoPE (Qwen3-MoE's ``q_norm``/``k_norm``).
+        moe: the mixture of experts (Qwen3-MoE, Mixtral), or None for a dense model.
     """
 
     model_type: str
@@ -63,6 +76,8 @@ class Architecture:
     tie_word_embeddings: bool
     qkv_bias: bool
     padding_idx: Optional[int] = None
+    qk_layernorm: bool = False
+    moe: Optional[MoE] = None
 
     @property
     def heads_per_group(self) -> int:
@@ -71,11 +86,12 @@ class Architecture:
 
     @classmethod
     def from_hf_config(cls, config: Any) -> "Architecture":
-        """Read a ``transformers`` ``LlamaConfig`` / ``Qwen2Config``.
+        """Read a ``transformers`` ``LlamaConfig`` / ``Qwen2Config`` / ``Qwen3MoeConfig`` / ``MixtralConfig``.
 
         Raises:
             ValueError: an unsupported model type or feature (activation, RoPE scaling, sliding window,
-                attention/MLP biases of Llama), named with its value.
+                attention/MLP biases of Llama and Qwen3-MoE, see also
+                :func:`~lightning_grpo.strategies.megatron.experts.moe_from_hf_config`), named with its value.
         """
         model_type = getattr(config, "model_type", None)
         if model_type not in SUPPORTED_MODEL_TYPES:
@@ -94,12 +110,7 @@ class Architecture:
             raise ValueError(
                 "config has no rope_theta (neither config.rope_parameters['rope_theta'] nor config.rope_theta)"
             )
-        if model_type == "llama":
-            for field in ("attention_bias", "mlp_bias"):
-                if getattr(config, field, False):
-                    raise ValueError(f"config.{field}=True: Llama projections with biases are not supported")
-        if model_type == "qwen2" and getattr(config, "use_sliding_window", False):
-            raise ValueError("config.use_sliding_window=True: sliding-window attention is not supported")
+        _check_attention(config, model_type)
         heads = int(config.num_attention_heads)
         groups = int(getattr(config, "num_key_value_heads", None) or heads)
         if heads % groups != 0:
@@ -120,6 +131,8 @@ class Architecture:
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
             qkv_bias=model_type == "qwen2",
             padding_idx=getattr(config, "pad_token_id", None),
+            qk_layernorm=model_type == "qwen3_moe",
+            moe=moe_from_hf_config(config),
         )
 
     def check_pipeline_parallel(self, pipeline_model_parallel_size: int) -> None:
@@ -133,14 +146,30 @@ class Architecture:
 
     def check_tensor_parallel(self, tensor_model_parallel_size: int) -> None:
         """Raise ``ValueError`` unless every split dimension divides by the tensor-parallel size: the vocabulary
-        (V), the key/value heads (each rank holds whole query groups) and the MLP inner size (F)."""
+        (V), the key/value heads (each rank holds whole query groups) and the MLP inner size (F). A mixture of
+        experts takes TP = 1 only (:meth:`~lightning_grpo.strategies.megatron.experts.MoE.check_tensor_parallel`)."""
         tp = tensor_model_parallel_size
         if tp < 1:
             raise ValueError(f"tensor_model_parallel_size={tp} must be >= 1")
+        if self.moe is not None:
+            self.moe.check_tensor_parallel(tp)
         for name, value in (("vocab_size", self.vocab_size), ("num_key_value_heads", self.num_query_groups),
                             ("intermediate_size", self.ffn_hidden_size)):
             if value % tp != 0:
                 raise ValueError(f"config.{name}={value} is not divisible by tensor_model_parallel_size={tp}")
+
+
+def _check_attention(config: Any, model_type: str) -> None:
+    """Raise ``ValueError`` for projection biases (Llama, Qwen3-MoE) or sliding-window attention, named."""
+    if model_type in ("llama", "qwen3_moe"):
+        for field in ("attention_bias", "mlp_bias"):
+            if getattr(config, field, False):
+                raise ValueError(f"config.{field}=True: {model_type} projections with biases are not supported")
+    if model_type in ("qwen2", "qwen3_moe") and getattr(config, "use_sliding_window", False):
+        raise ValueError("config.use_sliding_window=True: sliding-window attention is not supported")
+    if model_type == "mixtral" and getattr(config, "sliding_window", None) is not None:
+        raise ValueError(f"config.sliding_window={config.sliding_window}: sliding-window attention is not "
+                         "supported (set it to None)")
 
 
 def recompute_settings(enabled: bool) -> dict[str, Any]:
@@ -198,12 +227,15 @@ def transformer_config(
     tensor_model_parallel_size: int = 1,
     params_dtype: torch.dtype = torch.float32,
     pipeline_model_parallel_size: int = 1,
+    expert_model_parallel_size: int = 1,
+    expert_tensor_parallel_size: int = 1,
     **overrides: Any,
 ) -> Any:
     """The megatron-core ``TransformerConfig`` of ``arch``: no dropout, no fused kernels (exact on CPU and
     GPU), weights created on CPU without random initialisation (they are loaded from the HF checkpoint).
     Micro-batches of any shape go through the pipeline schedules (``variable_seq_lengths``: each stage sends
-    the shape before the activations, as GRPO micro-batches are trimmed to their own longest rows).
+    the shape before the activations, as GRPO micro-batches are trimmed to their own longest rows). A mixture of
+    experts gets :func:`~lightning_grpo.strategies.megatron.experts.moe_settings`.
 
     Args:
         arch: the architecture.
@@ -211,7 +243,11 @@ def transformer_config(
         params_dtype: dtype of the parameters (float32, bfloat16 or float16); also the dtype of the activations
             sent between pipeline stages.
         pipeline_model_parallel_size: PP size.
+        expert_model_parallel_size, expert_tensor_parallel_size: EP and ETP sizes (a mixture of experts only).
         overrides: other ``TransformerConfig`` fields (e.g. ``recompute_granularity="full"``).
+
+    Raises:
+        ValueError: EP or ETP > 1 for a dense model, or sizes that do not divide the experts.
     """
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -228,6 +264,7 @@ def transformer_config(
         activation_func=torch.nn.functional.silu,
         add_bias_linear=False,
         add_qkv_bias=arch.qkv_bias,
+        qk_layernorm=arch.qk_layernorm,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         attention_softmax_in_fp32=True,
@@ -249,6 +286,7 @@ def transformer_config(
         bf16=params_dtype == torch.bfloat16,
         fp16=params_dtype == torch.float16,
     )
+    fields.update(moe_settings(arch.moe, expert_model_parallel_size, expert_tensor_parallel_size))
     fields.update(overrides)
     return TransformerConfig(**fields)
 
@@ -259,21 +297,26 @@ def build_gpt_model(
     params_dtype: torch.dtype = torch.float32,
     use_transformer_engine: bool = False,
     stage: Optional[StageLayout] = None,
+    experts: Optional[ExpertRanks] = None,
     **overrides: Any,
 ) -> Any:
     """Build this rank's megatron-core ``GPTModel`` for ``arch`` (uninitialised weights: load them with
     :func:`lightning_grpo.strategies.megatron.convert.load_hf_state_dict`).
 
-    ``megatron.core.parallel_state.initialize_model_parallel`` must have been called with the same TP and PP
-    sizes. The last stage returns vocab-parallel logits ``(B, S, V / TP)`` (``parallel_output=True``), the others
-    hidden states ``(S, B, H)``.
+    ``megatron.core.parallel_state.initialize_model_parallel`` must have been called with the same TP, PP, EP and
+    ETP sizes. The last stage returns vocab-parallel logits ``(B, S, V / TP)`` (``parallel_output=True``), the
+    others hidden states ``(S, B, H)``. A mixture of experts is built from megatron-core's local MoE block spec
+    (:func:`~lightning_grpo.strategies.megatron.experts.moe_layer_spec`).
 
     Args:
         stage: this rank's pipeline stage (:func:`stage_layout`); None = the whole model (PP = 1).
+        experts: this rank's expert-parallel place (default: megatron-core's ``parallel_state``).
 
     Raises:
-        ValueError: the TP or PP size does not divide the model (see :meth:`Architecture.check_tensor_parallel`,
-            :func:`stage_layout`), or ``use_transformer_engine`` without ``transformer_engine`` installed.
+        ValueError: the TP, PP, EP or ETP size does not divide the model (see
+            :meth:`Architecture.check_tensor_parallel`, :func:`stage_layout`, :func:`transformer_config`),
+            ``use_transformer_engine`` without ``transformer_engine`` installed, or with a mixture of experts (the
+            conversion maps the local ``SequentialMLP`` experts).
     """
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_layer_local_spec,
@@ -282,6 +325,9 @@ def build_gpt_model(
     from megatron.core.models.gpt.gpt_model import GPTModel
 
     arch.check_tensor_parallel(tensor_model_parallel_size)
+    if use_transformer_engine and arch.moe is not None:
+        raise ValueError("use_transformer_engine=True with a mixture of experts: the conversion maps megatron-core's "
+                         "local SequentialMLP experts, not Transformer Engine's grouped ones; leave it False")
     if use_transformer_engine:
         try:
             import transformer_engine  # noqa: F401
@@ -291,7 +337,11 @@ def build_gpt_model(
     else:
         spec = get_gpt_layer_local_spec(normalization="RMSNorm")
     stage = stage or stage_layout(arch)
-    config = transformer_config(arch, tensor_model_parallel_size, params_dtype, stage.pp_size, **overrides)
+    experts = experts or ExpertRanks.current()
+    config = transformer_config(arch, tensor_model_parallel_size, params_dtype, stage.pp_size, experts.ep_size,
+                                experts.etp_size, **overrides)
+    if arch.moe is not None:
+        spec = moe_layer_spec(config, stage.pp_rank)
     with _no_initial_embedding_sync():
         model = GPTModel(
             config,

@@ -13,7 +13,9 @@ or ``Adam``, one param group) into megatron-core's ``OptimizerConfig``;
 hyper-parameters (its LR scheduler keeps updating its ``lr``, copied into megatron-core's groups before each step),
 ``grad_norm``/clipping use megatron-core's norm over the sharded gradients, and :class:`DistParamStates` reads and
 writes the per-parameter states for the layout-independent checkpoints
-(:mod:`lightning_grpo.strategies.megatron.checkpoint`).
+(:mod:`lightning_grpo.strategies.megatron.checkpoint`). A mixture of experts split over ranks gets two of them,
+chained (megatron-core's ``ChainedOptimizer``): one for the dense parameters over the data-parallel group, one for
+the experts' over the expert-data-parallel group; the gradient norm combines both.
 """
 
 from __future__ import annotations
@@ -73,15 +75,23 @@ def wrap_ddp(model: nn.Module) -> nn.Module:
 
 
 def build_distributed_optimizer(hyper: torch.optim.Optimizer, ddp: nn.Module, params_dtype: torch.dtype) -> Any:
-    """megatron-core's ``DistributedOptimizer`` over ``ddp``'s buffers, configured from ``hyper``."""
-    from megatron.core.optimizer import ChainedOptimizer, get_megatron_optimizer
+    """megatron-core's ``DistributedOptimizer`` over ``ddp``'s buffers, configured from ``hyper`` (a
+    ``ChainedOptimizer`` of the dense and the expert one for a mixture of experts split over ranks)."""
+    from megatron.core.optimizer import get_megatron_optimizer
 
     config = megatron_optimizer_config(hyper, params_dtype)
     with cpu_shims.cuda_type_names(list(ddp.parameters())):
         optimizer = get_megatron_optimizer(config, [ddp], config_overrides={})  # {}: weight decay on every param
-    if isinstance(optimizer, ChainedOptimizer):  # one chained optimizer for dense models
-        (optimizer,) = optimizer.chained_optimizers
-    return optimizer
+    parts = optimizer_parts(optimizer)
+    return parts[0] if len(parts) == 1 else optimizer  # one chained optimizer for dense models
+
+
+def optimizer_parts(optimizer: Any) -> list[Any]:
+    """The ``DistributedOptimizer`` s of a megatron-core optimizer: the chained ones of a ``ChainedOptimizer``, else
+    the optimizer itself."""
+    from megatron.core.optimizer import ChainedOptimizer
+
+    return list(optimizer.chained_optimizers) if isinstance(optimizer, ChainedOptimizer) else [optimizer]
 
 
 class DistributedOptimizerAdapter(torch.optim.Optimizer):
@@ -98,7 +108,7 @@ class DistributedOptimizerAdapter(torch.optim.Optimizer):
     Args:
         hyper: the module's optimizer: its param groups hold the hyper-parameters (``lr`` set by the LR scheduler)
             and it is never stepped.
-        megatron: megatron-core's ``DistributedOptimizer``.
+        megatron: megatron-core's ``DistributedOptimizer`` (or ``ChainedOptimizer`` of them).
         ddp: the ``DistributedDataParallel`` wrapper whose buffers it steps.
     """
 
@@ -118,8 +128,9 @@ class DistributedOptimizerAdapter(torch.optim.Optimizer):
 
     @property
     def state(self) -> Any:  # type: ignore[override]
-        """The inner torch optimizer's state (this rank's shards)."""
-        return self.megatron.optimizer.state
+        """The inner torch optimizers' states (this rank's shards)."""
+        parts = optimizer_parts(self.megatron)
+        return {param: state for part in parts for param, state in part.optimizer.state.items()}
 
     def gradients_ready(self) -> None:
         """The step's backward passes are done (the schedules reduced the gradients)."""
@@ -147,9 +158,10 @@ class DistributedOptimizerAdapter(torch.optim.Optimizer):
         norm = self.prepare()
         coefficient = float(max_norm) / (float(norm) + 1e-6)
         if coefficient < 1.0:
-            for param in self.megatron.get_parameters():
-                if param.grad is not None:
-                    param.grad.mul_(coefficient)
+            for part in optimizer_parts(self.megatron):
+                for param in part.get_parameters():
+                    if param.grad is not None:
+                        param.grad.mul_(coefficient)
         return norm
 
     @torch.no_grad()
@@ -175,26 +187,35 @@ class DistributedOptimizerAdapter(torch.optim.Optimizer):
 
 
 class DistParamStates:
-    """:class:`~lightning_grpo.strategies.megatron.checkpoint.ParamStates` of megatron-core's ``DistributedOptimizer``:
-    each data-parallel rank holds the states of one contiguous range of every parameter's flat view (its range in
-    the gradient buffer, possibly empty); :meth:`get` all-gathers the ranges over the data-parallel group into
-    tensors of the parameter's shape, :meth:`set` keeps this rank's range. ``"param"`` (the fp32 main weights) is
-    included for 16-bit weights only (for fp32 weights the main parameter is a view of the weight itself). Reads
-    megatron-core 0.16's ``model_param_group_index_map`` and ``_get_model_param_range_map``."""
+    """:class:`~lightning_grpo.strategies.megatron.checkpoint.ParamStates` of megatron-core's ``DistributedOptimizer``
+    (or of the ``DistributedOptimizer`` s a ``ChainedOptimizer`` holds): each data-parallel rank holds the states of one
+    contiguous range of every parameter's flat view (its range in the gradient buffer, possibly empty); :meth:`get`
+    all-gathers the ranges over the parameter's data-parallel group (the expert-data-parallel one for an expert
+    split over ranks, megatron-core's ``allreduce = False``) into tensors of the parameter's shape, :meth:`set` keeps
+    this rank's range. ``"param"`` (the fp32 main weights) is included for 16-bit weights only (for fp32 weights the
+    main parameter is a view of the weight itself). Reads megatron-core 0.16's ``model_param_group_index_map`` and
+    ``_get_model_param_range_map``."""
 
     def __init__(self, optimizer: Any) -> None:
-        self.optimizer = optimizer
+        self.parts = optimizer_parts(optimizer)
+
+    def _owner(self, param: Tensor) -> Optional[Any]:
+        """The ``DistributedOptimizer`` that steps ``param``, or None."""
+        return next((part for part in self.parts if param in part.model_param_group_index_map), None)
 
     def _main(self, param: Tensor) -> Optional[Tensor]:
-        index = self.optimizer.model_param_group_index_map.get(param)
-        if index is None:
+        owner = self._owner(param)
+        if owner is None:
             return None
-        group, order = index
-        return self.optimizer.optimizer.param_groups[group]["params"][order]
+        group, order = owner.model_param_group_index_map[param]
+        return owner.optimizer.param_groups[group]["params"][order]
 
     def _range(self, param: Tensor) -> Optional[tuple[int, int]]:
+        owner = self._owner(param)
+        if owner is None:
+            return None
         try:
-            r = self.optimizer._get_model_param_range_map(param)["param"]
+            r = owner._get_model_param_range_map(param)["param"]
         except KeyError:
             return None
         return (r.start, r.end) if r.end > r.start else None
@@ -204,13 +225,15 @@ class DistParamStates:
 
         main, span = self._main(param), self._range(param)
         local: Optional[dict[str, Any]] = None
-        if main is not None and span is not None:
-            state = self.optimizer.optimizer.state.get(main)
+        owner = self._owner(param)
+        if owner is not None and main is not None and span is not None:
+            state = owner.optimizer.state.get(main)
             if state:
                 local = {k: v.detach().cpu() if torch.is_tensor(v) else v for k, v in state.items()}
                 if param.dtype != torch.float32:
                     local["param"] = main.detach().cpu()
-        group = parallel_state.get_data_parallel_group()
+        expert = not getattr(param, "allreduce", True)
+        group = parallel_state.get_expert_data_parallel_group() if expert else parallel_state.get_data_parallel_group()
         parts: list[Any] = [None] * torch.distributed.get_world_size(group)
         torch.distributed.all_gather_object(parts, (span, local), group=group)
         found = [(s, v) for s, v in parts if s is not None and v is not None]
@@ -228,8 +251,8 @@ class DistParamStates:
         return values
 
     def set(self, param: Tensor, values: dict[str, Any]) -> None:
-        main, span = self._main(param), self._range(param)
-        if main is None or span is None:
+        main, span, owner = self._main(param), self._range(param), self._owner(param)
+        if main is None or span is None or owner is None:
             return
         start, end = span
         state: dict[str, Any] = {}
@@ -242,4 +265,4 @@ class DistParamStates:
                 state[key] = piece.to(dtype=main.dtype if piece.is_floating_point() else piece.dtype).clone()
             else:
                 state[key] = value.clone() if torch.is_tensor(value) else value
-        self.optimizer.optimizer.state[main] = state
+        owner.optimizer.state[main] = state

@@ -32,6 +32,8 @@ import torch
 from torch import Tensor, nn
 
 from lightning_grpo.strategies.megatron.logprobs import vocab_parallel_logprobs
+from lightning_grpo.strategies.megatron.replay import RoutingReplay, recorded_routing, routing_layout
+from lightning_grpo.training.packing import arrange
 
 #: ``loss(batch, logprobs, entropy) -> (loss, payload)``: the micro-batch's loss (0-dim, with grad; its gradient is
 #: accumulated as is) and what to return for it (any picklable object of tensors).
@@ -44,6 +46,33 @@ def causal_mask(length: int, device: torch.device) -> Tensor:
     return torch.triu(torch.ones(length, length, dtype=torch.bool, device=device), diagonal=1)[None, None]
 
 
+def sequence_source(batch: Any) -> tuple[Tensor, Tensor]:
+    """The unpadded layout of a left-padded batch as a map of positions: ``(source, prompt_lengths)``.
+
+    Args:
+        batch: ``prompt_mask`` ``(B, P)`` (left-padded), ``completion_ids`` ``(B, T)``.
+
+    Returns:
+        ``source`` ``(B, P + T)`` long: where in ``[prompt, completion]`` each position's token is, as
+        ``row * (P + T) + column`` (each row's prompt from position 0, then its completion, then filler: the row's
+        last column again; the causal mask keeps filler from changing anything before it), so
+        :func:`lightning_grpo.training.packing.arrange` lays any per-token field out like the tokens;
+        ``prompt_lengths`` ``(B,)`` long.
+
+    Raises:
+        ValueError: a row has an empty prompt.
+    """
+    p, t = batch.prompt_mask.shape[1], batch.completion_ids.shape[1]
+    prompt_lengths = batch.prompt_mask.sum(dim=1)  # [B]
+    if (prompt_lengths == 0).any():
+        raise ValueError(f"rows {(prompt_lengths == 0).nonzero().flatten().tolist()} have an empty prompt")
+    offset = (p - prompt_lengths).unsqueeze(1)  # [B, 1] left padding of each row
+    positions = torch.arange(p + t, device=prompt_lengths.device)
+    columns = (positions.unsqueeze(0) + offset).clamp(max=p + t - 1)  # [B, P+T]
+    rows = torch.arange(len(prompt_lengths), device=prompt_lengths.device).unsqueeze(1)
+    return rows * (p + t) + columns, prompt_lengths
+
+
 def sequence_layout(batch: Any) -> tuple[Tensor, Tensor]:
     """The unpadded layout of a left-padded batch: ``(tokens, predicting)``.
 
@@ -51,24 +80,29 @@ def sequence_layout(batch: Any) -> tuple[Tensor, Tensor]:
         batch: ``prompt_ids``/``prompt_mask`` ``(B, P)`` (left-padded), ``completion_ids`` ``(B, T)``.
 
     Returns:
-        ``tokens`` ``(B, P + T)`` long: each row's prompt from position 0, then its completion, then filler (the
-        causal mask keeps it from changing anything before it); ``predicting`` ``(B, T)`` long: the positions
-        whose output predicts completion token ``j``.
+        ``tokens`` ``(B, P + T)`` long: each row's prompt from position 0, then its completion, then filler
+        (:func:`sequence_source`); ``predicting`` ``(B, T)`` long: the positions whose output predicts completion
+        token ``j``.
 
     Raises:
         ValueError: a row has an empty prompt.
     """
-    prompt_ids, prompt_mask, completion_ids = batch.prompt_ids, batch.prompt_mask, batch.completion_ids
-    p, t = prompt_ids.shape[1], completion_ids.shape[1]
-    prompt_lengths = prompt_mask.sum(dim=1)  # [B]
-    if (prompt_lengths == 0).any():
-        raise ValueError(f"rows {(prompt_lengths == 0).nonzero().flatten().tolist()} have an empty prompt")
-    combined = torch.cat([prompt_ids, completion_ids], dim=1)  # [B, P+T]
-    offset = (p - prompt_lengths).unsqueeze(1)  # [B, 1] left padding of each row
-    source = (torch.arange(p + t, device=combined.device).unsqueeze(0) + offset).clamp(max=p + t - 1)
-    tokens = combined.gather(1, source)  # [B, P+T]
-    predicting = (prompt_lengths - 1).unsqueeze(1) + torch.arange(t, device=combined.device)  # [B, T]
+    source, prompt_lengths = sequence_source(batch)
+    t = batch.completion_ids.shape[1]
+    tokens = arrange(batch.prompt_ids, batch.completion_ids, source)  # [B, P+T]
+    predicting = (prompt_lengths - 1).unsqueeze(1) + torch.arange(t, device=tokens.device)  # [B, T]
     return tokens, predicting
+
+
+def replayed_routing(batch: Any, required: bool = False) -> Optional[Tensor]:
+    """The batch's recorded routing laid out like :func:`sequence_layout`'s tokens, ``(B, P + T, moe_layers, top_k)``
+    (:func:`~lightning_grpo.strategies.megatron.replay.routing_layout`), or None when it carries none (``required``:
+    an error then, :func:`~lightning_grpo.strategies.megatron.replay.recorded_routing`)."""
+    recorded = recorded_routing(batch, required)
+    if recorded is None:
+        return None
+    source, _ = sequence_source(batch)
+    return routing_layout(*recorded, source)
 
 
 def keep_positions(predicting: Tensor) -> Callable[[nn.Module, tuple], tuple]:
@@ -91,11 +125,15 @@ def unwrap(model: nn.Module) -> nn.Module:
     return model
 
 
-def stage_forward(model: nn.Module, batch: Any) -> Tensor:
+def stage_forward(model: nn.Module, batch: Any, replay: Optional[RoutingReplay] = None) -> Tensor:
     """This stage's forward pass of ``batch`` (see :func:`sequence_layout`): the last stage returns the
     vocab-parallel logits of the completion positions ``(B, T, V / TP)``, the others their hidden states
-    ``(P + T, B, H)`` (the input of a later stage is the one megatron-core set with ``set_input_tensor``)."""
+    ``(P + T, B, H)`` (the input of a later stage is the one megatron-core set with ``set_input_tensor``). With
+    ``replay`` (a mixture of experts' routers) the batch's recorded routing, if any, is replayed
+    (:func:`replayed_routing`)."""
     tokens, predicting = sequence_layout(batch)
+    if replay is not None:
+        replay.push(replayed_routing(batch, replay.required))
     gpt = unwrap(model)
     handle = gpt.output_layer.register_forward_pre_hook(keep_positions(predicting)) if gpt.post_process else None
     try:
@@ -111,6 +149,7 @@ def run_schedule(
     temperature: float,
     loss: Optional[MicroBatchLoss] = None,
     with_entropy: bool = False,
+    replay: Optional[RoutingReplay] = None,
 ) -> list[Any]:
     """Run ``batches`` through megatron-core's schedule on this stage (see the module docstring). A collective
     over the model-parallel group: every TP and PP rank calls it with the same batches.
@@ -123,6 +162,7 @@ def run_schedule(
         loss: the micro-batch loss (forward and backward); None = forward only, no grad: the payload of each
             micro-batch is ``{"logprobs": (B, T) float32, "entropy": (B, T) float32 or None}``.
         with_entropy: compute the entropy (no grad) for ``loss`` / the payload.
+        replay: this stage's routing replay (a mixture of experts): each micro-batch's recorded routing is replayed.
 
     Returns:
         One payload per micro-batch, in order, on every rank (on the device of the model).
@@ -142,8 +182,10 @@ def run_schedule(
 
     def forward_step(data: Iterator[Any], stage_model: nn.Module) -> tuple[Tensor, Callable]:
         batch = next(data)
-        return stage_forward(stage_model, batch), partial(loss_func, batch)
+        return stage_forward(stage_model, batch, replay), partial(loss_func, batch)
 
+    if replay is not None:
+        replay.clear()
     lengths = [b.prompt_ids.shape[1] + b.completion_ids.shape[1] for b in batches]
     context = torch.no_grad() if forward_only else torch.enable_grad()
     with context:

@@ -21,9 +21,11 @@ from torch import Tensor, nn
 from lightning_grpo.models.hf_weights import lora_layers
 from lightning_grpo.protocols.weights import PolicyWeights
 from lightning_grpo.strategies.megatron.convert import current_stage, iter_hf_weights, load_hf_state_dict, param_maps
+from lightning_grpo.strategies.megatron.experts import ExpertRanks
 from lightning_grpo.strategies.megatron.logprobs import vocab_parallel_logprobs
 from lightning_grpo.strategies.megatron.model import Architecture, StageLayout, build_gpt_model
-from lightning_grpo.strategies.megatron.pipeline import causal_mask, keep_positions, run_schedule, sequence_layout
+from lightning_grpo.strategies.megatron.pipeline import causal_mask, run_schedule, stage_forward
+from lightning_grpo.strategies.megatron.replay import RoutingReplay
 
 
 def _padding_idx_hook(padding_idx: int) -> Any:
@@ -38,17 +40,23 @@ def _padding_idx_hook(padding_idx: int) -> Any:
     return hook
 
 
-def _mark_tensor_parallel(model: nn.Module, arch: Architecture, stage: StageLayout) -> None:
+def _mark_tensor_parallel(model: nn.Module, arch: Architecture, stage: StageLayout, experts: ExpertRanks) -> None:
     """Set megatron-core's ``tensor_model_parallel`` / ``partition_dim`` attributes on every parameter (megatron-core
     only sets them when it initialises the weights itself, which :func:`build_gpt_model` skips): True for
-    parameters split over TP ranks, False for replicated ones (the RMSNorm weights)."""
+    parameters split over TP ranks (expert-TP ranks for an expert), False for replicated ones (the RMSNorm weights,
+    the router). An expert's weights get megatron-core's ``allreduce = False`` when the experts are split over ranks
+    (EP x ETP > 1): their gradients are reduced over the expert-data-parallel group, not the data-parallel one
+    (megatron-core sets it itself only for EP > 1)."""
     params = dict(model.named_parameters())
     transformer_engine = any(name.endswith("layer_norm_weight") for name in params)
     for pm in param_maps(arch, transformer_engine, stage):
-        param = params[pm.mcore]
-        param.tensor_model_parallel = pm.kind != "replicated"
-        param.partition_dim = 1 if pm.kind == "row" else 0 if pm.kind != "replicated" else -1
-        param.partition_stride = 1
+        for name, _ in pm.local(experts):
+            param = params[name]
+            param.tensor_model_parallel = pm.kind != "replicated"
+            param.partition_dim = 1 if pm.kind == "row" else 0 if pm.kind != "replicated" else -1
+            param.partition_stride = 1
+            if pm.experts:
+                param.allreduce = not experts.partitioned
 
 
 class MegatronPolicy(nn.Module):
@@ -60,20 +68,31 @@ class MegatronPolicy(nn.Module):
         arch: its architecture.
         hf_model: the HF model it mirrors (rollouts, export); not registered as a submodule.
         stage: the pipeline stage ``model`` is (default: megatron-core's ``parallel_state``).
+        replay_routing: replay the routing a batch carries (a mixture of experts: the rollout's
+            ``prompt_routed_experts`` / ``completion_routed_experts``, :mod:`~lightning_grpo.strategies.megatron.
+            replay`); False routes live.
+        experts: where this rank is among the expert-parallel ranks (default: megatron-core's ``parallel_state``).
 
     Attributes:
         ddp: megatron-core's ``DistributedDataParallel`` wrapper of ``model`` (its gradient buffers, for the
             distributed optimizer), or None; outside the module tree. The training schedule runs through it.
+        replay: the routers' :class:`~lightning_grpo.strategies.megatron.replay.RoutingReplay` (a mixture of experts
+            with ``replay_routing``), else None.
 
     Use :meth:`from_hf` to build one.
     """
 
     def __init__(self, model: nn.Module, arch: Architecture, hf_model: Optional[nn.Module] = None,
-                 stage: Optional[StageLayout] = None) -> None:
+                 stage: Optional[StageLayout] = None, replay_routing: bool = False,
+                 experts: Optional[ExpertRanks] = None) -> None:
         super().__init__()
         self.model = model
         self.arch = arch
         self.stage = stage or current_stage(arch)
+        self.experts = experts or ExpertRanks.current()
+        self.replay: Optional[RoutingReplay] = None
+        if replay_routing and arch.moe is not None:
+            self.replay = RoutingReplay(model, arch, self.stage, model.config.recompute_granularity == "full")
         self._hf: list[nn.Module] = [hf_model] if hf_model is not None else []
         self._ddp: list[nn.Module] = []
         self._updates = 0  # optimizer steps taken (MegatronStrategy counts them: see mark_updated)
@@ -81,7 +100,7 @@ class MegatronPolicy(nn.Module):
         self._hf_loaded = hf_model is not None
         if arch.padding_idx is not None and self.stage.pre_process:
             model.embedding.word_embeddings.register_forward_hook(_padding_idx_hook(arch.padding_idx))
-        _mark_tensor_parallel(model, arch, self.stage)
+        _mark_tensor_parallel(model, arch, self.stage, self.experts)
 
     @classmethod
     def from_hf(
@@ -90,18 +109,20 @@ class MegatronPolicy(nn.Module):
         tensor_model_parallel_size: int = 1,
         params_dtype: Optional[torch.dtype] = None,
         use_transformer_engine: bool = False,
+        replay_routing: bool = False,
         **config_overrides: Any,
     ) -> "MegatronPolicy":
         """Build this rank's ``GPTModel`` for ``hf_model.config`` and load its weights (on CPU).
 
-        ``megatron.core.parallel_state`` must be initialised with the same TP size; on CPU the
-        :mod:`lightning_grpo.strategies.megatron.cpu_shims` must be applied.
+        ``megatron.core.parallel_state`` must be initialised with the same TP size (and EP, ETP sizes for a mixture
+        of experts); on CPU the :mod:`lightning_grpo.strategies.megatron.cpu_shims` must be applied.
 
         Args:
-            hf_model: a transformers Llama / Qwen2 causal LM.
+            hf_model: a transformers Llama / Qwen2 / Qwen3-MoE / Mixtral causal LM.
             tensor_model_parallel_size: TP size.
             params_dtype: dtype of the megatron-core weights (default: the HF model's).
             use_transformer_engine: use the Transformer Engine layer spec (CUDA only).
+            replay_routing: replay the routing the scored batches carry (see the class).
             config_overrides: other ``TransformerConfig`` fields.
 
         Raises:
@@ -115,11 +136,11 @@ class MegatronPolicy(nn.Module):
                              "or a single device")
         arch = Architecture.from_hf_config(hf_model.config)
         dtype = params_dtype or next(hf_model.parameters()).dtype
-        stage = current_stage(arch)
+        stage, experts = current_stage(arch), ExpertRanks.current()
         model = build_gpt_model(arch, tensor_model_parallel_size, dtype, use_transformer_engine, stage=stage,
-                                **config_overrides)
-        load_hf_state_dict(model, hf_model.state_dict(), arch, stage=stage)
-        return cls(model, arch, hf_model, stage)
+                                experts=experts, **config_overrides)
+        load_hf_state_dict(model, hf_model.state_dict(), arch, stage=stage, experts=experts)
+        return cls(model, arch, hf_model, stage, replay_routing, experts)
 
     @property
     def ddp(self) -> Optional[nn.Module]:
@@ -157,7 +178,8 @@ class MegatronPolicy(nn.Module):
         sequence_layout`). Only the hidden states of the positions that predict completion tokens go through the
         output layer. With pipeline parallelism (PP > 1) this is a forward-only pipeline schedule (no grad; the
         training step goes through ``MegatronStrategy.train_step``) whose result every stage returns: a
-        collective over the model-parallel group.
+        collective over the model-parallel group (and the expert groups for a mixture of experts, whose routers
+        replay the batch's recorded routing when :attr:`replay` is set).
 
         Args:
             batch: an :class:`lightning_grpo.training.experience.Experience` (``prompt_ids``/``prompt_mask`` ``(B, P)``,
@@ -177,14 +199,12 @@ class MegatronPolicy(nn.Module):
             if torch.is_grad_enabled():
                 raise RuntimeError("MegatronPolicy.completion_logprobs with pipeline parallelism runs forward only "
                                    "(no grad): train through MegatronStrategy.train_step")
-            (payload,) = run_schedule(self.model, [batch], temperature, with_entropy=with_entropy)
+            (payload,) = run_schedule(self.model, [batch], temperature, with_entropy=with_entropy,
+                                      replay=self.replay)
             return payload["logprobs"], payload["entropy"]
-        tokens, predicting = sequence_layout(batch)
-        handle = self.model.output_layer.register_forward_pre_hook(keep_positions(predicting))
-        try:
-            logits = self.forward(tokens)  # [B, T, V/TP]
-        finally:
-            handle.remove()
+        if self.replay is not None:
+            self.replay.clear()
+        logits = stage_forward(self.model, batch, self.replay)  # [B, T, V/TP]
         return vocab_parallel_logprobs(logits, batch.completion_ids, temperature, with_entropy=with_entropy)
 
     @torch.no_grad()
@@ -277,9 +297,11 @@ class MegatronPolicy(nn.Module):
 
 class MegatronWeights(PolicyWeights):
     """A :class:`MegatronPolicy`'s weights as the engines read them: HF names, gathered from its tensor- and
-    pipeline-parallel shards one tensor at a time (:meth:`MegatronPolicy.iter_hf_weights`; ``lm_head.weight`` with
-    the embedding's value when tied), and the probe scored by the shards (:meth:`MegatronPolicy.
-    teacher_forced_logprobs`). Both are collectives over the policy's model-parallel group: every rank reads them.
+    pipeline-parallel shards one tensor at a time (a mixture's experts over the expert-TP and expert-parallel groups
+    into transformers' stacked ``mlp.experts.*`` tensors) (:meth:`MegatronPolicy.iter_hf_weights`; ``lm_head.weight``
+    with the embedding's value when tied), and the probe scored by the shards (:meth:`MegatronPolicy.
+    teacher_forced_logprobs`). Both are collectives over the policy's model-parallel group (and its expert groups):
+    every rank reads them.
     """
 
     def __init__(self, policy: MegatronPolicy) -> None:

@@ -1,5 +1,5 @@
-"""``MegatronStrategy``: GRPO on megatron-core with tensor (TP), pipeline (PP) and data (DP) parallelism, as a
-Lightning strategy.
+"""``MegatronStrategy``: GRPO on megatron-core with tensor (TP), pipeline (PP), data (DP) and, for a mixture of
+experts, expert (EP, ETP) parallelism, as a Lightning strategy.
 
 ``L.Trainer(strategy=MegatronStrategy(tensor_model_parallel_size=2, pipeline_model_parallel_size=2), devices=8)``
 trains a :class:`lightning_grpo.GRPOModule` whose HF Llama/Qwen2 policy is converted into a megatron-core
@@ -31,9 +31,14 @@ trains a :class:`lightning_grpo.GRPOModule` whose HF Llama/Qwen2 policy is conve
 - end of fit: the trained weights are gathered into the HF copy (``on_train_end``), which ``MegatronPolicy.
   save_pretrained`` exports and :meth:`MegatronStrategy.restore` (from ``GRPOModule.teardown``) hands back.
 
-Limits (raise or are documented, docs/megatron.md): the interleaved (virtual-pipeline) schedule and expert
-parallelism are refused; the layers must split evenly over the stages; the gathered checkpoint and the HF
-rollout copy hold a full model on every process (the optimizer state only on rank 0, on the CPU).
+- mixtures of experts (Qwen3-MoE, Mixtral: :mod:`~lightning_grpo.strategies.megatron.experts`): the experts split
+  over the expert-parallel ranks (and each expert over the expert-TP ranks), carved out of the DP replicas; the
+  policy's routers replay the routing the rollout recorded, if any (:mod:`~lightning_grpo.strategies.megatron.replay`).
+
+Limits (raise or are documented, docs/megatron.md): the interleaved (virtual-pipeline) schedule is refused, and TP > 1
+for a mixture of experts (megatron-core's MoE layer needs sequence parallelism then); the layers must split evenly
+over the stages; the gathered checkpoint and the HF rollout copy hold a full model on every process (the optimizer
+state only on rank 0, on the CPU).
 """
 
 from __future__ import annotations
@@ -51,6 +56,7 @@ from lightning_grpo.algorithm import ObjectiveOutput
 from lightning_grpo.config import GRPOConfig
 from lightning_grpo.strategies.base import ClipFallback, GRPOModels, ParallelBackend, StepObjective, clips_by_norm
 from lightning_grpo.strategies.megatron import checkpoint, convert, gradients
+from lightning_grpo.strategies.megatron.experts import check_dense_layout, moe_from_hf_config
 from lightning_grpo.strategies.megatron.layout import MegatronLayout
 from lightning_grpo.strategies.megatron.model import recompute_settings
 from lightning_grpo.strategies.megatron.optimizer import (
@@ -81,7 +87,8 @@ class MegatronStrategy(MegatronLayout):
         tensor_model_parallel_size: TP size; must divide the vocabulary, the key/value heads and the MLP size.
         pipeline_model_parallel_size: PP size; must divide the number of layers (1F1B schedule).
         virtual_pipeline_model_parallel_size: must be None (the interleaved schedule is not supported).
-        expert_model_parallel_size: must be 1 (expert parallelism is not supported, docs/megatron.md).
+        expert_model_parallel_size: EP, a mixture of experts only: each MoE layer's experts split over EP ranks of
+            different data-parallel replicas (must divide the number of experts; EP x ETP must divide TP x DP).
         use_distributed_optimizer: megatron-core's distributed optimizer (optimizer states sharded over the DP
             group) built from the module's optimizer (torch AdamW or Adam with one param group).
         params_dtype: dtype of the megatron-core weights; default: the HF policy's dtype.
@@ -89,6 +96,8 @@ class MegatronStrategy(MegatronLayout):
         activation_checkpointing: recompute each transformer layer's activations in backward (megatron-core's
             ``recompute_granularity="full"``, :func:`~lightning_grpo.strategies.megatron.model.recompute_settings`);
             None (default): as the HF policy, i.e. ``GRPOModule(gradient_checkpointing=True)`` turns it on.
+        expert_tensor_parallel_size: ETP, a mixture of experts only: each expert's matrices split over ETP ranks of
+            different data-parallel replicas (must divide the experts' inner size).
         seed: seed of megatron-core's CUDA model-parallel RNG tracker (GPU only; no randomness is drawn with
             dropout 0).
         process_group_backend: "nccl" / "gloo"; default: nccl on GPU, gloo on CPU.
@@ -96,9 +105,10 @@ class MegatronStrategy(MegatronLayout):
         kwargs: other ``DDPStrategy`` arguments (``start_method``, ...).
 
     Raises:
-        ValueError: a size below 1, ``virtual_pipeline_model_parallel_size`` or ``expert_model_parallel_size != 1``
-            (at construction); a world size that TP x PP does not divide (at setup), or a policy that cannot be
-            converted (at ``configure_model``).
+        ValueError: a size below 1 or ``virtual_pipeline_model_parallel_size`` (at construction); a world size that
+            TP x PP does not divide, a TP x DP that EP x ETP does not divide (at setup), a policy that cannot be
+            converted (at ``configure_model``: also EP or ETP > 1 for a dense model, TP > 1 for a mixture of
+            experts), or a token budget (``GRPOConfig.max_tokens_per_microbatch``) with the experts split over ranks.
     """
 
     def __init__(
@@ -111,14 +121,15 @@ class MegatronStrategy(MegatronLayout):
         params_dtype: Optional[torch.dtype] = None,
         use_transformer_engine: bool = False,
         activation_checkpointing: Optional[bool] = None,
+        expert_tensor_parallel_size: int = 1,
         seed: int = 1234,
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = timedelta(minutes=30),
         **kwargs: Any,
     ) -> None:
         super().__init__(tensor_model_parallel_size, pipeline_model_parallel_size, virtual_pipeline_model_parallel_size,
-                         expert_model_parallel_size, seed, process_group_backend=process_group_backend, timeout=timeout,
-                         **kwargs)
+                         expert_model_parallel_size, expert_tensor_parallel_size, seed,
+                         process_group_backend=process_group_backend, timeout=timeout, **kwargs)
         self.use_distributed_optimizer = use_distributed_optimizer
         self.params_dtype = params_dtype
         self.use_transformer_engine = use_transformer_engine
@@ -131,10 +142,12 @@ class MegatronStrategy(MegatronLayout):
     # ------------------------------------------------------------------------ setup
     def setup_environment(self) -> None:
         super().setup_environment()
+        experts = (f", experts: EP {self.expert_model_parallel_size} x ETP {self.expert_tensor_parallel_size}"
+                   if self.expert_model_parallel_size * self.expert_tensor_parallel_size > 1 else "")
         rank_zero_info(
             f"MegatronStrategy: {self.world_size} processes = TP {self.tensor_model_parallel_size} x "
-            f"PP {self.pipeline_model_parallel_size} x DP {self.data_parallel_size} ({self.process_group_backend}"
-            f"{', distributed optimizer' if self.use_distributed_optimizer else ''})"
+            f"PP {self.pipeline_model_parallel_size} x DP {self.data_parallel_size}{experts} "
+            f"({self.process_group_backend}{', distributed optimizer' if self.use_distributed_optimizer else ''})"
         )
 
     def configure_ddp(self) -> None:
@@ -147,11 +160,27 @@ class MegatronStrategy(MegatronLayout):
             policy.set_ddp(wrap_ddp(policy.model))
 
     def setup(self, trainer: "L.Trainer") -> None:
+        """Lightning's setup, after checking that ``configure_model`` converted the policy and that no token budget
+        is set with the experts split over ranks.
+
+        Raises:
+            ValueError: the module's policy is not a ``MegatronPolicy``; ``GRPOConfig.max_tokens_per_microbatch``
+                with EP x ETP > 1 (each rank's token budget makes its own number of micro-batches, and every forward
+                of a mixture split over ranks is a collective of its expert groups); a routing option the Megatron
+                policy does not offer (:func:`check_routing_options`).
+        """
         if self._policy is None:
             raise ValueError(
                 f"MegatronStrategy trains a GRPOModule's `policy`, converted by MegatronStrategy.configure from the "
                 f"module's configure_model; {type(self.lightning_module).__name__}.policy is not a MegatronPolicy"
             )
+        assert self.lightning_module is not None
+        config = self.lightning_module.hparams.get("config", {})
+        check_no_token_budget(config.get("max_tokens_per_microbatch"), self.expert_model_parallel_size,
+                              self.expert_tensor_parallel_size)
+        check_routing_options(config)
+        if self._policy.replay is not None:  # "R3": every scored experience carries the sampler's routing
+            self._policy.replay.required = config.get("routing_replay") == "R3"
         super().setup(trainer)
 
     def setup_optimizers(self, trainer: "L.Trainer") -> None:
@@ -186,28 +215,33 @@ class MegatronStrategy(MegatronLayout):
         after the process groups exist and before a checkpoint is restored.
 
         Raises:
-            ValueError: a policy that cannot be converted (see :meth:`MegatronPolicy.from_hf`), a LoRA policy.
+            ValueError: a policy that cannot be converted (see :meth:`MegatronPolicy.from_hf`), a LoRA policy,
+                expert parallelism for a dense policy.
         """
         if models.lora:
             raise ValueError("GRPOModule(lora=...) is not supported with MegatronStrategy: the policy is converted to "
                              "megatron-core layers, which carry no PEFT adapters; use strategy='grpo_fsdp2', 'ddp' "
                              "or a single device")
         if self._policy is None or models.policy is not self._policy:
+            check_dense_layout(moe_from_hf_config(models.policy.config), self.expert_model_parallel_size,
+                               self.expert_tensor_parallel_size)
             self._policy, self._ref, self._teacher = self._convert(models)
         policy = self._policy
         engine = None if models.engine is None else TensorParallelRolloutEngine(models.engine, policy,
                                                                                   self._rollout_group)
         return GRPOModels(policy, self._ref, engine, weights=MegatronWeights(policy), scorer=score_completions,
-                          teacher=self._teacher)
+                          teacher=self._teacher, scorer_replays_routing=policy.replay is not None)
 
     def _convert(self, models: GRPOModels) -> tuple[MegatronPolicy, Optional[MegatronPolicy],
                                                     Optional[MegatronPolicy]]:
+        """The policy (whose routers replay a rollout's recorded routing, for a mixture of experts), the reference
+        policy and the teacher (routed live: the sampler recorded the policy's routing) as ``MegatronPolicy`` s."""
         args = (self.tensor_model_parallel_size, self.params_dtype, self.use_transformer_engine)
         recompute = self.activation_checkpointing
         if recompute is None:  # GRPOModule(gradient_checkpointing=True) enabled transformers' checkpointing
             recompute = bool(getattr(models.policy, "is_gradient_checkpointing", False))
         with convert.default_tensor_init():
-            policy = MegatronPolicy.from_hf(models.policy, *args, **recompute_settings(recompute))
+            policy = MegatronPolicy.from_hf(models.policy, *args, replay_routing=True, **recompute_settings(recompute))
             policy.model.train(models.policy.training)
             ref = None if models.ref is None else MegatronPolicy.from_hf(models.ref, *args).eval().requires_grad_(False)
             teacher = (None if models.teacher is None  # the distillation teacher, converted as the reference
@@ -253,8 +287,11 @@ class MegatronStrategy(MegatronLayout):
             output = objective(batch, logprobs, entropy)
             return output.loss * scale, detached(output)
 
+        check_no_token_budget(config.max_tokens_per_microbatch, self.expert_model_parallel_size,
+                               self.expert_tensor_parallel_size)
         self._zero_grad(policy)
-        outputs = run_schedule(policy.schedule_model, micro_batches, config.temperature, loss, with_entropy=True)
+        outputs = run_schedule(policy.schedule_model, micro_batches, config.temperature, loss, with_entropy=True,
+                               replay=policy.replay)
         optimizer = self._distributed_optimizer()
         if optimizer is not None:
             optimizer.gradients_ready()
@@ -393,7 +430,7 @@ class MegatronStrategy(MegatronLayout):
         for optimizer, saved in zip(self.optimizers, checkpoint_["optimizer_states"], strict=False):
             states, hyper = self._param_states(optimizer)
             checkpoint.optimizer_state_from_hf(saved, states, convert._mcore_parameters(policy.model), policy.arch,
-                                               _uses_te(policy), policy.stage, *tp)
+                                               _uses_te(policy), policy.stage, *tp, policy.experts)
             checkpoint.load_hyperparameters(hyper.param_groups, saved)
 
     def _param_states(self, optimizer: Optimizer) -> tuple[checkpoint.ParamStates, Optimizer]:
@@ -443,3 +480,32 @@ def _backend(strategy: MegatronStrategy) -> ParallelBackend:
 
 def _uses_te(policy: MegatronPolicy) -> bool:
     return any(n.endswith("layer_norm_weight") for n, _ in policy.model.named_parameters())
+
+
+def check_routing_options(config: Mapping[str, Any]) -> None:
+    """Raise ``ValueError`` for the mixture-of-experts options of ``config`` (a ``GRPOConfig`` as a dict) that the
+    Megatron policy does not offer: ``routing_replay="R2"`` (the old-logprob pass would have to record the
+    routers' choices into the experience), ``routing_replay_diagnostics`` and ``router_aux_loss_coef > 0`` (both
+    observe the HF model's routers, which the Megatron policy's forward passes do not run). ``routing_replay="R3"``
+    is offered (the policy's routers replay the rollout's routing, :mod:`~lightning_grpo.strategies.megatron.
+    replay`)."""
+    refused = {"routing_replay": config.get("routing_replay") == "R2",
+               "routing_replay_diagnostics": bool(config.get("routing_replay_diagnostics")),
+               "router_aux_loss_coef": bool(config.get("router_aux_loss_coef"))}
+    for field, bad in refused.items():
+        if bad:
+            raise ValueError(f"GRPOConfig.{field}={config[field]!r} is not offered with MegatronStrategy (its "
+                             "megatron-core routers replay the rollout's routing, routing_replay='R3', but neither "
+                             "record the old policy's ('R2') nor add the load-balancing loss); use 'R3' or 'off' and "
+                             "router_aux_loss_coef=0, or the HF policy (single device, DDP, FSDP2)")
+
+
+def check_no_token_budget(budget: Any, expert_model_parallel_size: int, expert_tensor_parallel_size: int) -> None:
+    """Raise ``ValueError`` for a token budget (``GRPOConfig.max_tokens_per_microbatch``, an int or "auto") with the
+    experts split over ranks (see :meth:`MegatronStrategy.setup`)."""
+    if budget is not None and expert_model_parallel_size * expert_tensor_parallel_size > 1:
+        raise ValueError(
+            f"GRPOConfig.max_tokens_per_microbatch={budget!r} with MegatronStrategy(expert_model_parallel_size="
+            f"{expert_model_parallel_size}, expert_tensor_parallel_size={expert_tensor_parallel_size}): a token budget "
+            "gives each data-parallel rank its own number of micro-batches, while every forward pass of experts split "
+            "over ranks is a collective of their groups; set it to None (micro-batches by accumulate_grad_batches)")

@@ -65,6 +65,20 @@ def test_trained_ids_are_the_sampled_ids_and_each_call_extends_the_last(tokenize
                                                "name": "calculator"}
 
 
+def test_each_sampled_token_keeps_its_weight_version(tokenizer):
+    """The trained row carries each model token's weight version (the engine's per-token versions: here the first
+    call spans an update after its second token, the second call is sampled by the next version), -1 on the agent's
+    tokens; the episode's record holds the oldest."""
+    call, answer = encode(tokenizer, CALL) + [EOS], encode(tokenizer, "Answer: 56088") + [EOS]
+    engine = ScriptedEngine(tokenizer, by_prompt(tokenizer, call, answer),
+                            token_versions=lambda c, k: 3 + c + (c == 0 and k >= 2))
+    out, _, _ = run_agents(tokenizer, tool_loop_agent(Recorder()), engine=engine)
+    tail = encode(tokenizer, TOOL_TAIL)
+    assert out.completion_versions[0].tolist() == [3, 3] + [4] * (len(call) - 2) + [-1] * len(tail) + \
+        [4] * len(answer)
+    assert out.weight_version == 3 and out.episodes[0].weight_version == 3
+
+
 def test_missing_logprobs_stay_missing(tokenizer):
     """rLLM #816: an engine that reports no logprobs gives answers with null logprobs and a rollout without sampler
     logprobs, never zeros padded in."""

@@ -82,8 +82,8 @@ class Recorder:
         self.calls.append(("init", kwargs))
         return {"ranks": [1]}
 
-    def update_weights(self, version):
-        self.calls.append(("update", version))
+    def update_weights(self, version, mode):
+        self.calls.append(("update", version, mode))
         self.version = version
         return {"version": version}
 
@@ -128,6 +128,7 @@ def test_every_endpoint_refuses_a_request_without_the_secret_and_runs_nothing():
         for method, path, body in ENDPOINTS[:-1]:
             client.request(method, path, body)
         assert [c[0] for c in recorder.calls] == ["health", "generate", "probe", "init", "update", "close"]
+        assert ("update", 7, "wait") in recorder.calls  # the default mode: the sequences in flight finish first
         assert client.request("GET", "/health") == {"version": 7}  # the version the authenticated call set
         with pytest.raises(RolloutServerError, match="HTTP 401: the shared secret is missing or wrong"):
             ServerClient(url, 10).request("GET", "/health")

@@ -149,27 +149,11 @@ class VLLMRolloutEngine:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         vllm = import_vllm()
         self.on_cpu = vllm_on_cpu()
-        dtype = dtype or ("float32" if self.on_cpu else "auto")
-        kwargs: dict[str, Any] = dict(
-            model=str(path),
-            tokenizer=str(path),
-            dtype=dtype,
-            seed=seed,
-            max_model_len=max_model_len,
-            enforce_eager=self.on_cpu if enforce_eager is None else enforce_eager,
-            gpu_memory_utilization=gpu_memory_utilization,
-            logprobs_mode="processed_logprobs",
-            generation_config="vllm",
-            enable_prefix_caching=enable_prefix_caching,
-        )
-        if self.on_cpu:
-            kwargs["kv_cache_memory_bytes"] = int(kv_cache_space_gib * 2**30)
-            kwargs["enable_chunked_prefill"] = False  # per-request seeds on CPU (module docstring)
-            # every prompt is prefilled in one step, so a step's budget must hold the longest sequence
-            longest = max_model_len or model_max_len(str(path), dtype)
-            kwargs["max_num_batched_tokens"] = max(_CPU_MAX_NUM_BATCHED_TOKENS, longest)
-        else:
-            kwargs["enable_sleep_mode"] = enable_sleep_mode
+        kwargs = vllm_engine_arguments(path, dtype=dtype, seed=seed, max_model_len=max_model_len,
+                                       enforce_eager=enforce_eager, gpu_memory_utilization=gpu_memory_utilization,
+                                       kv_cache_space_gib=kv_cache_space_gib,
+                                       enable_prefix_caching=enable_prefix_caching,
+                                       enable_sleep_mode=enable_sleep_mode)
         self.sleep_enabled = enable_sleep_mode and not self.on_cpu
         self.sleeping = False
         self._groups = GroupLease()
@@ -179,16 +163,7 @@ class VLLMRolloutEngine:
         self.stop = stop if stop is not None else StopFlag()
         abort_between_steps(self.llm.llm_engine, self.stop)
 
-        generation_config = None
-        if (path / "generation_config.json").is_file():
-            generation_config = GenerationConfig.from_pretrained(str(path))
-        self.eos_token_ids = eos_token_ids_from(generation_config, self.tokenizer)
-        if not self.eos_token_ids:
-            raise ValueError(
-                f"model_path={str(model_path)!r}: neither the tokenizer nor generation_config defines an EOS token"
-            )
-        pad = self.tokenizer.pad_token_id
-        self.pad_token_id = int(pad if pad is not None else self.eos_token_ids[0])
+        self.eos_token_ids, self.pad_token_id = stop_and_pad_ids(path, self.tokenizer)
         model_config = self.llm.llm_engine.model_config
         self.vision = vision_spec(model_config.hf_config)  # images in prompts (docs/vision.md)
         self.max_model_len = int(model_config.max_model_len)
@@ -199,27 +174,7 @@ class VLLMRolloutEngine:
 
     # ------------------------------------------------------------------ generation
     def _sampling_params(self, sampling: SamplingConfig, num_generations: int) -> Any:
-        from vllm import SamplingParams
-
-        common = dict(
-            max_tokens=sampling.max_new_tokens,
-            logprobs=0,  # the sampled token's logprob only
-            stop_token_ids=self.eos_token_ids,
-            detokenize=False,  # decoded below with skip_special_tokens, as the HF engine does
-            bad_words=bad_words(self.tokenizer, sampling.banned_token_ids),  # -inf before temperature, greedy too
-        )
-        if sampling.greedy:
-            # vLLM requires n == 1 for greedy; the G identical completions are copies.
-            return SamplingParams(n=1, temperature=0.0, **common)
-        # SamplingConfig has checked the ranges; vLLM applies temperature, min_p, top_k, top_p in this order
-        return SamplingParams(
-            n=num_generations,
-            temperature=sampling.temperature,
-            top_p=sampling.top_p,
-            top_k=sampling.top_k,  # 0 disables top-k in vLLM too
-            min_p=sampling.min_p,
-            **common,
-        )
+        return vllm_sampling_params(sampling, num_generations, self.eos_token_ids, self.tokenizer)
 
     @property
     def accepts_images(self) -> bool:
@@ -410,6 +365,84 @@ class VLLMRolloutEngine:
             gc.collect()
             if self.on_cpu:
                 torch.set_num_threads = _TORCH_SET_NUM_THREADS
+
+
+def stop_and_pad_ids(path: Path, tokenizer: Any) -> tuple[list[int], int]:
+    """The EOS ids generation stops at (the tokenizer's and ``generation_config.json``'s) and the pad id (the
+    tokenizer's, else the first EOS) of the model at ``path``.
+
+    Raises:
+        ValueError: neither defines an EOS token (the folder is named).
+    """
+    generation_config = None
+    if (path / "generation_config.json").is_file():
+        generation_config = GenerationConfig.from_pretrained(str(path))
+    eos_token_ids = eos_token_ids_from(generation_config, tokenizer)
+    if not eos_token_ids:
+        raise ValueError(f"model_path={str(path)!r}: neither the tokenizer nor generation_config defines an EOS token")
+    pad = tokenizer.pad_token_id
+    return eos_token_ids, int(pad if pad is not None else eos_token_ids[0])
+
+
+def vllm_engine_arguments(path: Path, *, dtype: Optional[str], seed: int, max_model_len: Optional[int],
+                          enforce_eager: Optional[bool], gpu_memory_utilization: float, kv_cache_space_gib: float,
+                          enable_prefix_caching: bool, enable_sleep_mode: bool = False) -> dict[str, Any]:
+    """The keyword arguments of vLLM's engine (``vllm.LLM``, ``AsyncEngineArgs``) for the model at ``path``, as this
+    module's docstring describes them (the colocated engine and the rollout server's engine sample alike): float32 on
+    CPU unless ``dtype`` says otherwise, the processed logprobs, no generation-config defaults, and on CPU the
+    KV-cache bytes and chunked prefill off (per-request seeds) with a step budget that holds the longest sequence.
+    The arguments are :class:`VLLMRolloutEngine`'s."""
+    on_cpu = vllm_on_cpu()
+    dtype = dtype or ("float32" if on_cpu else "auto")
+    kwargs: dict[str, Any] = dict(
+        model=str(path),
+        tokenizer=str(path),
+        dtype=dtype,
+        seed=seed,
+        max_model_len=max_model_len,
+        enforce_eager=on_cpu if enforce_eager is None else enforce_eager,
+        gpu_memory_utilization=gpu_memory_utilization,
+        logprobs_mode="processed_logprobs",
+        generation_config="vllm",
+        enable_prefix_caching=enable_prefix_caching,
+    )
+    if on_cpu:
+        kwargs["kv_cache_memory_bytes"] = int(kv_cache_space_gib * 2**30)
+        kwargs["enable_chunked_prefill"] = False  # per-request seeds on CPU (module docstring)
+        # every prompt is prefilled in one step, so a step's budget must hold the longest sequence
+        longest = max_model_len or model_max_len(str(path), dtype)
+        kwargs["max_num_batched_tokens"] = max(_CPU_MAX_NUM_BATCHED_TOKENS, longest)
+    else:
+        kwargs["enable_sleep_mode"] = enable_sleep_mode
+    return kwargs
+
+
+def vllm_sampling_params(sampling: SamplingConfig, num_generations: int, eos_token_ids: Sequence[int],
+                         tokenizer: Any) -> Any:
+    """vLLM's ``SamplingParams`` for ``sampling`` (:class:`VLLMRolloutEngine`'s, module docstring): the sampled token's
+    processed logprob, stop at the EOS ids, no detokenization, the banned ids as bad words; greedy is ``n=1``
+    (the G identical completions are copies)."""
+    from vllm import SamplingParams
+
+    common = dict(
+        max_tokens=sampling.max_new_tokens,
+        logprobs=0,  # the sampled token's logprob only
+        stop_token_ids=list(eos_token_ids),
+        detokenize=False,  # decoded by the caller with skip_special_tokens, as the HF engine does
+        bad_words=bad_words(tokenizer, sampling.banned_token_ids),  # -inf before temperature, greedy too
+    )
+    if sampling.greedy:
+        # vLLM requires n == 1 for greedy; the G identical completions are copies.
+        return SamplingParams(n=1, temperature=0.0, **common)
+    # SamplingConfig has checked the ranges; vLLM applies temperature, min_p, top_k, top_p in this order
+    return SamplingParams(
+        n=num_generations,
+        temperature=sampling.temperature,
+        top_p=sampling.top_p,
+        top_k=sampling.top_k,  # 0 disables top-k in vLLM too
+        min_p=sampling.min_p,
+        **common,
+    )
 
 
 def make(spec: EngineSpec) -> VLLMRolloutEngine:

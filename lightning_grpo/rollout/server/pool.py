@@ -1,0 +1,360 @@
+"""Streaming rollouts over several rollout servers: :class:`ServerPool`, the
+:class:`~lightning_grpo.protocols.streaming.StreamingEngine` the streaming trainer samples groups from.
+
+* **Sampling** (:meth:`ServerPool.sample_group`, awaited on the producer's event loop, many at once): each group goes
+  whole to one server, the live one with the least work in flight, work being ``G * (prompt tokens +
+  max_new_tokens)`` summed over its groups in flight (ties: the first listed); completion ``j`` is seeded ``seed +
+  j``. The server samples it on its ``AsyncLLM`` beside the others in flight
+  (:mod:`lightning_grpo.rollout.server.async_engine`); its answer carries per token the ids, the sampler's logprobs,
+  the weight versions and any other field by name (:mod:`lightning_grpo.rollout.server.wire`).
+* **Weights** (:meth:`ServerPool.update_weights`, on the trainer's thread, by every trainer process): rank 0 streams
+  them to every reachable server at once, one weight-sync group per server
+  (:mod:`lightning_grpo.rollout.server.sync_groups`), without waiting for the groups in flight (``mode="interrupt"``,
+  the default: their sequences continue under the new weights, their later tokens stamped with the new version;
+  ``mode="wait"``: each server finishes what it is sampling first). The answer is a
+  :class:`~lightning_grpo.protocols.streaming.WeightUpdate` (the longest pause of any server's generation).
+* **Faults**: a server that cannot be reached, or whose answer is lost (it was killed), is marked down and each of
+  its groups in flight raises :class:`~lightning_grpo.protocols.streaming.EngineUnavailable`: the producer samples it
+  again and the pool sends it to another server (counted: :attr:`ServerPool.groups_resubmitted`; a group is never
+  answered twice). A down server's ``/health`` is read again at most once a second while groups are dispatched; when
+  it answers with a new ``instance_id`` it restarted (checkpoint weights): it gets a new weight-sync group and the
+  current weights at the next :meth:`~ServerPool.update_weights` before it samples again, or at once (the last
+  weights read again) when no other server is live and the weights are not sharded. An answer from another instance
+  than the one the pool knows (a restart in between) is refused the same way. Every request is bounded by
+  ``timeout_s``; with no live server for that long, sampling fails naming the servers.
+
+Multi-GPU weight transfer (NCCL) works as for the fixed schedule's engine; it is tested here on gloo over loopback.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Literal, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from lightning_grpo.protocols.streaming import EngineUnavailable, GroupRequest, SampledGroup, WeightUpdate
+from lightning_grpo.protocols.weights import PolicyWeights, check_tied_engine
+from lightning_grpo.rollout.server.client import AsyncServerClient, RolloutServerError, ServerClient, ServerUnreachable
+from lightning_grpo.rollout.server.sync_groups import Instance, init_group, push
+from lightning_grpo.rollout.server.weight_sync import host_store
+from lightning_grpo.rollout.server.wire import sampled_completions, sampling_fields
+
+log = logging.getLogger(__name__)
+
+#: Seconds between two ``/health`` reads of a server that is down.
+RECHECK_S = 1.0
+
+
+def group_work(request: GroupRequest) -> int:
+    """A group's work in tokens: ``G * (prompt tokens + max_new_tokens)`` (what a server holds for it)."""
+    return request.num_generations * (len(request.prompt_ids) + request.sampling.max_new_tokens)
+
+
+@dataclass
+class PoolServer:
+    """One server of the pool: its instance (weight-sync group, blocking client), its async client, its state and
+    the work it has in flight."""
+
+    inst: Instance
+    aio: AsyncServerClient
+    index: int
+    state: Literal["live", "down", "restarted"] = "live"
+    work: int = 0
+    in_flight: int = 0
+    sampled: int = 0
+    checked_at: float = 0.0
+    info: dict = field(default_factory=dict)
+
+    @property
+    def url(self) -> str:
+        return self.inst.client.url
+
+
+class ServerPool:
+    """A :class:`~lightning_grpo.protocols.streaming.StreamingEngine` over rollout servers (module docstring).
+
+    Args:
+        urls: the servers' base URLs (``http://host:port``).
+        timeout_s: ``engine.server_timeout``: most seconds any request or weight transfer may take.
+        group_host, group_port: where the trainer's rank 0 hosts the weight-sync store (as
+            :class:`~lightning_grpo.rollout.server.remote.VLLMServerEngine`).
+        secret: the servers' shared secret (None: servers without one, on the loopback interface).
+        mode: how :meth:`update_weights` treats the sequences in flight: "interrupt" (continue under the new
+            weights) or "wait" (finish first).
+
+    Attributes:
+        groups_resubmitted: groups that raised :class:`EngineUnavailable` (their server was lost) and were to be
+            sampled again.
+
+    Raises:
+        ValueError: no URL, a URL given twice or malformed, servers that serve different models, a group port in use,
+            or an unknown ``mode``.
+        RolloutServerError: a server does not answer within ``timeout_s``.
+    """
+
+    def __init__(self, urls: Sequence[str], *, timeout_s: float = 600.0, group_host: Optional[str] = None,
+                 group_port: int = 51216, secret: Optional[str] = None,
+                 mode: Literal["interrupt", "wait"] = "interrupt") -> None:
+        if not urls:
+            raise ValueError("urls is empty: give the rollout servers' URLs (GRPOConfig.engine.server_urls)")
+        if len({u.rstrip("/") for u in urls}) != len(urls):
+            raise ValueError(f"urls {list(urls)} name a server twice: each server holds one weight-sync group")
+        if mode not in ("interrupt", "wait"):
+            raise ValueError(f"mode={mode!r}: choose 'interrupt' or 'wait'")
+        self.timeout_s, self.mode = float(timeout_s), mode
+        self.rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        self.servers = [PoolServer(Instance(ServerClient(url, timeout_s, secret)), AsyncServerClient(url, timeout_s,
+                                                                                                     secret), i)
+                        for i, url in enumerate(urls)]
+        self.groups_resubmitted = 0
+        self._version = -1
+        self._weights: Optional[PolicyWeights] = None
+        self._closed = False
+        self._sync_lock = threading.Lock()  # one push at a time (the trainer's update, a restarted server's re-sync)
+        self._tasks: dict[asyncio.Task, asyncio.AbstractEventLoop] = {}  # requests in flight (close cancels them)
+        self._tasks_lock = threading.Lock()
+        self._attempts: dict[int, int] = {}
+        self.group_host = group_host or os.environ.get("MASTER_ADDR", "127.0.0.1")
+        self.group_port = int(group_port)
+        self._store = host_store(self.group_host, self.group_port, self.timeout_s) if self.rank == 0 else None
+        deadline = time.monotonic() + self.timeout_s
+        infos = [s.inst.client.request("GET", "/health", deadline=deadline) for s in self.servers]
+        for key in ("eos_token_ids", "pad_token_id", "max_model_len", "tie_word_embeddings", "device", "vocab_size"):
+            values = {s.url: info[key] for s, info in zip(self.servers, infos, strict=True)}
+            if len({repr(v) for v in values.values()}) > 1:
+                raise ValueError(f"the rollout servers disagree on {key}: {values}; serve one model everywhere")
+        self.eos_token_ids = [int(i) for i in infos[0]["eos_token_ids"]]
+        self.max_model_len = int(infos[0]["max_model_len"])
+        self.tie_word_embeddings = bool(infos[0]["tie_word_embeddings"])
+        self.max_request_tokens = min(int(i["max_request_tokens"]) for i in infos)
+        self.backend = "nccl" if infos[0]["device"] == "cuda" and torch.cuda.is_available() else "gloo"
+        for server, info in zip(self.servers, infos, strict=True):
+            server.info = info
+            server.inst.instance_id, server.inst.version = info["instance_id"], int(info["version"])
+            if self.rank == 0:
+                self._init_group(server, info, deadline)
+
+    @property
+    def version(self) -> int:
+        """The weight version given to the servers by the last :meth:`update_weights` (-1 before the first)."""
+        return self._version
+
+    # ------------------------------------------------------------------ sampling
+    async def sample_group(self, request: GroupRequest) -> SampledGroup:
+        """Sample one group on the live server with the least work in flight (module docstring).
+
+        Raises:
+            EngineUnavailable: the server was lost, or restarted, while it had the group (sample it again), or the
+                pool was closed.
+            ValueError: the group's work is over the servers' ``max_request_tokens``, or its prompt and budget over
+                ``max_model_len``.
+            RolloutServerError: a server refused the request (its message), or no server was live for ``timeout_s``.
+        """
+        if self._closed:
+            raise EngineUnavailable("the server pool is closed")
+        work = group_work(request)
+        if work > self.max_request_tokens:
+            raise ValueError(f"group {request.key}: {work} tokens of work (G x (prompt + max_new_tokens)), over the "
+                             f"rollout servers' max_request_tokens={self.max_request_tokens}")
+        if len(request.prompt_ids) + request.sampling.max_new_tokens > self.max_model_len:
+            raise ValueError(f"group {request.key}: {len(request.prompt_ids)} prompt tokens + max_new_tokens="
+                             f"{request.sampling.max_new_tokens} exceed the servers' max_model_len="
+                             f"{self.max_model_len}")
+        deadline = time.monotonic() + self.timeout_s
+        server = await self._choose(deadline)
+        server.work, server.in_flight = server.work + work, server.in_flight + 1
+        attempts = self._attempts[request.key] = self._attempts.get(request.key, 0) + 1
+        body = dict(prompts=[list(request.prompt_ids)], num_generations=request.num_generations,
+                    sampling=sampling_fields(request.sampling),
+                    seeds=None if request.seed is None else [int(request.seed)])
+        try:
+            answer = await self._generate(server, body, deadline)
+        except ServerUnreachable as err:
+            if server.state == "live":
+                server.state, server.checked_at = "down", time.monotonic()
+                log.warning("rollout server %s is unreachable (%s): its groups are sampled again elsewhere",
+                            server.url, err)
+            self.groups_resubmitted += 1
+            raise EngineUnavailable(f"group {request.key}: rollout server {server.url} was lost: {err}") from err
+        finally:
+            server.work, server.in_flight = server.work - work, server.in_flight - 1
+        if answer["instance_id"] != server.inst.instance_id:
+            server.state, server.info = "restarted", {"instance_id": answer["instance_id"]}
+            self.groups_resubmitted += 1
+            raise EngineUnavailable(f"group {request.key}: rollout server {server.url} restarted (instance "
+                                    f"{answer['instance_id']}) before it got the current weights")
+        del self._attempts[request.key]
+        server.sampled += 1
+        return SampledGroup(request=request, completions=sampled_completions(answer, self.eos_token_ids),
+                            engine=server.url, attempts=attempts)
+
+    async def _generate(self, server: PoolServer, body: dict, deadline: float) -> dict:
+        """``/generate`` on ``server`` as a task :meth:`close` can cancel (then :class:`EngineUnavailable`)."""
+        loop = asyncio.get_running_loop()
+        task = loop.create_task(server.aio.request("POST", "/generate", body, deadline, retry=False))
+        with self._tasks_lock:
+            self._tasks[task] = loop
+        try:
+            return await task
+        except asyncio.CancelledError:
+            current = asyncio.current_task()
+            if self._closed and current is not None and not current.cancelling():
+                raise EngineUnavailable("the server pool was closed while sampling") from None
+            raise
+        finally:
+            with self._tasks_lock:
+                self._tasks.pop(task, None)
+
+    async def _choose(self, deadline: float) -> PoolServer:
+        """The live server with the least work in flight; down servers are read again (at most every
+        :data:`RECHECK_S`), a restarted one re-synced when it is the only way on (module docstring)."""
+        while True:
+            if any(self._due(s, time.monotonic()) for s in self.servers):
+                await self._recheck()
+            live = [s for s in self.servers if s.state == "live"]
+            if live:
+                return min(live, key=lambda s: (s.work, s.index))
+            restarted = [s for s in self.servers if s.state == "restarted"]
+            weights = self._weights  # None before the first update: the checkpoint's weights are the current ones
+            if restarted and self.rank == 0 and (weights is None or not weights.collective):
+                await asyncio.to_thread(self._resync, restarted, weights)
+                continue
+            if time.monotonic() >= deadline:
+                states = ", ".join(f"{s.url}: {s.state}" for s in self.servers)
+                raise RolloutServerError(f"no rollout server could sample for {self.timeout_s:g} s ({states}); "
+                                         "restarted servers get the current weights at the next weight update")
+            await asyncio.sleep(min(RECHECK_S, max(0.0, deadline - time.monotonic())))
+
+    def _due(self, server: PoolServer, now: float) -> bool:
+        """Whether ``server``'s ``/health`` is to be read again: it is down (or, off rank 0, restarted: rank 0
+        re-syncs it) and was last read :data:`RECHECK_S` ago or more."""
+        waiting = server.state == "down" or (server.state == "restarted" and self.rank != 0)
+        return waiting and now - server.checked_at >= RECHECK_S
+
+    async def _recheck(self) -> None:
+        """Read the ``/health`` of the servers that are due (:meth:`_due`). On rank 0 the same instance is live again
+        and a new one ``"restarted"``; elsewhere a server is live once it holds the current version (rank 0
+        re-synced it)."""
+        now = time.monotonic()
+        due = [s for s in self.servers if self._due(s, now)]
+        for s in due:
+            s.checked_at = now
+        infos = await asyncio.gather(*(s.aio.request("GET", "/health", deadline=now + 2.0, retry=False) for s in due),
+                                     return_exceptions=True)
+        for s, info in zip(due, infos, strict=True):
+            if isinstance(info, BaseException) or not self._due(s, now + RECHECK_S):
+                continue
+            s.info = info
+            if self.rank != 0:
+                current = int(info["version"]) == max(self._version, 0)
+                s.state = "live" if current else "restarted"
+                s.inst.instance_id = info["instance_id"] if current else s.inst.instance_id
+            else:
+                s.state = "live" if info["instance_id"] == s.inst.instance_id else "restarted"
+            log.warning("rollout server %s answers again (%s)", s.url, s.state)
+
+    def _resync(self, servers: Sequence[PoolServer], weights: Optional[PolicyWeights]) -> None:
+        """Rank 0, on a worker thread: a new weight-sync group with each restarted server and, when ``weights``,
+        those weights as the current version; then they are live."""
+        with self._sync_lock:
+            deadline = time.monotonic() + self.timeout_s
+            todo = [s for s in servers if s.state == "restarted"]
+            for s in todo:
+                info = s.inst.client.request("GET", "/health", deadline=deadline)
+                self._init_group(s, info, deadline)
+            if weights is not None and todo:
+                push([s.inst for s in todo], weights, self._version, self.backend, deadline, "wait")
+            for s in todo:
+                s.state = "live"
+                log.warning("rollout server %s re-synced (weights version %d)", s.url, max(self._version, 0))
+
+    def _init_group(self, server: PoolServer, info: dict, deadline: float) -> None:
+        assert self._store is not None
+        init_group(server.inst, server.index, info, self._store, self.group_host, self.group_port, self.backend,
+                   deadline)
+
+    # ------------------------------------------------------------------ weights
+    def update_weights(self, weights: PolicyWeights, version: int) -> WeightUpdate:
+        """Give every reachable server ``weights`` as ``version`` without waiting for the groups in flight (rank 0
+        streams; every trainer process calls this when ``weights.collective``, the others reading the sharded weights
+        along). A server that restarted gets a new weight-sync group first; an unreachable one is left out (it gets
+        the weights when it is back).
+
+        Raises:
+            RolloutServerError: the transfer failed (the servers are named).
+            ValueError: a separately trained head for servers with tied embeddings.
+        """
+        start = time.monotonic()
+        self._weights = weights
+        paused, engines = 0.0, 0
+        if self.rank == 0:
+            check_tied_engine(weights, self.tie_word_embeddings)
+            with self._sync_lock:
+                targets = self._reachable(time.monotonic() + self.timeout_s)
+                if targets:
+                    _, answers = push([s.inst for s in targets], weights, version, self.backend,
+                                      time.monotonic() + self.timeout_s, self.mode)
+                    paused, engines = max(float(a["paused_s"]) for a in answers), len(targets)
+                    for s in targets:
+                        s.state = "live"
+        elif weights.collective:
+            for _ in weights.tensors():  # the gathers are collectives
+                pass
+        self._version = int(version)
+        return WeightUpdate(version=int(version), seconds=time.monotonic() - start, paused_s=paused, engines=engines)
+
+    def _reachable(self, deadline: float) -> list[PoolServer]:
+        """The servers that answer ``/health`` now, each restarted one with a new weight-sync group."""
+        targets = []
+        for s in self.servers:
+            try:
+                info = s.inst.client.request("GET", "/health", deadline=min(deadline, time.monotonic() + 5.0),
+                                             retry=False)
+            except RolloutServerError as err:
+                s.state, s.checked_at = "down", time.monotonic()
+                log.warning("rollout server %s left out of weight update (%s)", s.url, err)
+                continue
+            if info["instance_id"] != s.inst.instance_id:
+                log.warning("rollout server %s restarted (instance %s -> %s): new weight-sync group", s.url,
+                            s.inst.instance_id, info["instance_id"])
+                s.state = "restarted"
+                self._init_group(s, info, deadline)
+            targets.append(s)
+        return targets
+
+    # ------------------------------------------------------------------ lifecycle
+    def stats(self) -> dict[str, float]:
+        """The pool's counters: ``groups_resubmitted``, ``servers_live``, and per server ``groups_sampled/<i>`` (the
+        server's index in ``urls``)."""
+        out = {"groups_resubmitted": float(self.groups_resubmitted),
+               "servers_live": float(sum(s.state == "live" for s in self.servers))}
+        out.update({f"groups_sampled/{s.index}": float(s.sampled) for s in self.servers})
+        return out
+
+    def close(self) -> None:
+        """Stop sampling (the groups in flight raise :class:`EngineUnavailable`), leave the weight-sync groups (the
+        servers keep running) and stop listening on the group port."""
+        self._closed = True
+        with self._tasks_lock:
+            tasks = list(self._tasks.items())
+        for task, loop in tasks:
+            loop.call_soon_threadsafe(task.cancel)
+        if self.rank == 0:
+            for s in self.servers:
+                if s.state == "down":
+                    continue
+                try:
+                    s.inst.client.request("POST", "/close_weight_sync", {}, time.monotonic() + min(5.0, self.timeout_s),
+                                          retry=False)
+                except RolloutServerError as err:
+                    log.warning("closing the weight-sync group of %s: %s", s.url, err)
+                s.inst.group = None
+        self._store = None
+
