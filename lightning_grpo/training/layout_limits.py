@@ -74,12 +74,14 @@ class LayoutLimits:
 
 def layout_limits(config: Any) -> LayoutLimits:
     """The :class:`LayoutLimits` of a model with the transformers ``config`` (a vision-language model's: its text
-    config's layers). ``layer_types`` gives each layer's kind; without it every layer slides over
-    ``sliding_window`` when that is set (Mistral)."""
+    config's layers, and its masks follow packed positions when its own or its language model's type is listed, e.g.
+    LLaVA's Llama). ``layer_types`` gives each layer's kind; without it every layer slides over ``sliding_window``
+    when that is set (Mistral)."""
     text = config.get_text_config() if callable(getattr(config, "get_text_config", None)) else config
     types = tuple(getattr(text, "layer_types", None) or ())
     window = getattr(text, "sliding_window", None)
     slides = "sliding_attention" in types if types else window is not None
     return LayoutLimits(window=int(window) if slides and window is not None else None,
                         unmasked_layers=tuple(sorted(set(types) - ATTENTION_LAYER_TYPES)),
-                        packed_rows=str(getattr(config, "model_type", "")) in PACKED_ROWS_MODEL_TYPES)
+                        packed_rows=bool({str(getattr(each, "model_type", "")) for each in (config, text)}
+                                         & PACKED_ROWS_MODEL_TYPES))

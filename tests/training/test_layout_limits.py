@@ -78,3 +78,4 @@ def test_what_a_config_says_of_the_layouts():
                                 "packed position ids")
     vision = layout_limits(transformers.Qwen2_5_VLConfig())  # the text config's layers, the outer model type
     assert vision == LayoutLimits()
+    assert layout_limits(transformers.LlavaConfig()).several_sequences  # its language model's type: llama
