@@ -1,7 +1,7 @@
 """Rollout throughput: the HF ``generate`` engine vs the vLLM engine on the same prompts, in one run.
 
 Workload (defaults): the first 8 GSM8K test questions in the chat template of SmolLM2-135M-Instruct (system
-prompt of :data:`lightning_grpo.data.module.DEFAULT_SYSTEM_PROMPT`), 8 generations each, up to 128 new tokens,
+prompt of :data:`lightning_grpo.data.datamodule.DEFAULT_SYSTEM_PROMPT`), 8 generations each, up to 128 new tokens,
 temperature 1, float32 weights for both engines. Each engine does one short warm-up rollout first (not
 timed). Throughput = generated tokens (those in ``completion_mask``: up to and including EOS) / wall-clock
 seconds of ``generate``.
@@ -31,7 +31,7 @@ from lightning_grpo.protocols.sampling import SamplingConfig
 def gsm8k_questions(path: Optional[str], count: int) -> list[str]:
     """The first ``count`` questions of a GSM8K ``test.jsonl`` (``path`` or the default shared data folder)."""
     if path is None:
-        from lightning_grpo.data.module import default_data_dirs
+        from lightning_grpo.data.datamodule import default_data_dirs
 
         found = [d / "gsm8k" / "test.jsonl" for d in default_data_dirs() if (d / "gsm8k" / "test.jsonl").is_file()]
         if not found:
@@ -47,7 +47,7 @@ def gsm8k_questions(path: Optional[str], count: int) -> list[str]:
 
 
 def prompt_ids(tokenizer, questions: Sequence[str]) -> list[list[int]]:
-    from lightning_grpo.data.module import DEFAULT_SYSTEM_PROMPT
+    from lightning_grpo.data.datamodule import DEFAULT_SYSTEM_PROMPT
 
     return [
         list(

@@ -29,13 +29,13 @@ from lightning_grpo.protocols import StopFlag
 from lightning_grpo.protocols.teacher import Teacher
 from lightning_grpo.rewards import RewardSet, RewardSpec
 from lightning_grpo.rewards.reward_model import resolve_reward_models
-from lightning_grpo.rollout.registry import resolve_engine_name
+from lightning_grpo.rollout.engine_registry import resolve_engine_name
 from lightning_grpo.rollout.worker import RolloutWorker
 from lightning_grpo.runtime.preemption import Preemption
 from lightning_grpo.training.logprobs import CompletionLogprobs
 from lightning_grpo.training.metrics import StepMetrics, StepTimer
 from lightning_grpo.training.nonfinite import NonFiniteGuard
-from lightning_grpo.training.routing import PolicyRouting
+from lightning_grpo.training.routing_replay import PolicyRouting
 from lightning_grpo.training.selection import StepSelection
 
 
@@ -58,7 +58,7 @@ class GRPOComponents:
         experience_maker: generate -> score -> shape -> logprobs -> advantages (single-process context bound).
         step_selection, step_metrics, timer, nonfinite, preemption, evaluator: the training step's helpers.
         routing: a mixture-of-experts policy's routing replay and load-balancing loss
-            (:class:`~lightning_grpo.training.routing.PolicyRouting`), or None.
+            (:class:`~lightning_grpo.training.routing_replay.PolicyRouting`), or None.
     """
 
     rewards: RewardSet

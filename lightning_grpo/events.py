@@ -3,8 +3,8 @@
 The components never import Lightning; they call ``sink(name, payload)``. :class:`lightning_grpo.GRPOModule`
 forwards each event to the typed hook of that name of every :class:`~lightning_grpo.callbacks.GRPOCallback` in
 ``trainer.callbacks``, as ``callback.<name>(trainer, pl_module, payload)``
-(:class:`lightning_grpo.callbacks.base.EventRoute`; a plain ``Callback`` with such a method gets nothing, and is
-warned about at setup).
+(:class:`lightning_grpo.callbacks.grpo_callback.EventRoute`; a plain ``Callback`` with such a method gets nothing, and
+is warned about at setup).
 
 Order within one optimizer step's rollout (documented and tested):
 

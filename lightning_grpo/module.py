@@ -20,7 +20,7 @@ from transformers import PreTrainedTokenizerBase
 from typing_extensions import override
 
 from lightning_grpo.algorithm import ObjectiveOutput
-from lightning_grpo.callbacks.base import EventRoute
+from lightning_grpo.callbacks.grpo_callback import EventRoute
 from lightning_grpo.components import GRPOComponents
 from lightning_grpo.config import GRPOConfig
 from lightning_grpo.data.source import DataPlan
@@ -47,7 +47,7 @@ from lightning_grpo.rollout.streaming import RolloutStream
 from lightning_grpo.runtime.checkpointing import use_atomic_checkpoint_io
 from lightning_grpo.runtime.cleanup import ReleaseOnException, install
 from lightning_grpo.strategies import backend_for
-from lightning_grpo.strategies.base import GRPOModels, ParallelBackend
+from lightning_grpo.strategies.backend import GRPOModels, ParallelBackend
 from lightning_grpo.strategies.local import LocalBackend
 from lightning_grpo.training.experience import Experience, StepPlan
 from lightning_grpo.training.nonfinite import check_finite_checkpoint

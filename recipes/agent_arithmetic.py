@@ -47,7 +47,7 @@ from lightning_grpo.data import PromptDataModule  # noqa: E402
 from lightning_grpo.episodes import AgentRollout  # noqa: E402
 from lightning_grpo.episodes import calculator as evaluate  # noqa: E402
 from lightning_grpo.evaluation.plot import plot_metrics  # noqa: E402
-from lightning_grpo.rollout.registry import resolve_engine_name  # noqa: E402
+from lightning_grpo.rollout.engine_registry import resolve_engine_name  # noqa: E402
 from recipes.arithmetic_tools import (  # noqa: E402
     REWARDS,
     WEIGHTS,

@@ -35,7 +35,7 @@ from lightning_grpo.callbacks import CompletionTable, GRPOModelCheckpoint, GRPOP
 from lightning_grpo.config import DistillationConfig, EngineConfig, EvalConfig  # noqa: E402
 from lightning_grpo.data import PromptDataModule  # noqa: E402
 from lightning_grpo.evaluation.plot import plot_metrics  # noqa: E402
-from lightning_grpo.rollout.registry import resolve_engine_name
+from lightning_grpo.rollout.engine_registry import resolve_engine_name
 
 #: The reward functions (accuracy first: it is the validation's check) and their weights: the reward is the strict
 #: accuracy, in {0, 1}; the format (a last line ``#### <number>``, which strict accuracy already needs) is logged only.

@@ -45,7 +45,7 @@ from lightning_grpo.config import EngineConfig, EpisodeConfig, EvalConfig  # noq
 from lightning_grpo.data import PromptDataModule  # noqa: E402
 from lightning_grpo.episodes import HermesToolCallParser  # noqa: E402
 from lightning_grpo.evaluation.plot import plot_metrics  # noqa: E402
-from lightning_grpo.rollout.registry import resolve_engine_name  # noqa: E402
+from lightning_grpo.rollout.engine_registry import resolve_engine_name  # noqa: E402
 
 #: The reward functions (accuracy first: it is the validation's check) and their weights: the reward is the strict
 #: accuracy of the final answer, in {0, 1}; the format is logged only.

@@ -26,7 +26,7 @@ from lightning_grpo import GRPOConfig, GRPOModule
 from lightning_grpo.callbacks import CompletionTable, GRPOModelCheckpoint, GRPOProgressBar
 from lightning_grpo.config import EngineConfig
 from lightning_grpo.data import PromptDataModule
-from lightning_grpo.data.module import MATH_INSTRUCTION, default_data_dirs
+from lightning_grpo.data.datamodule import MATH_INSTRUCTION, default_data_dirs
 from lightning_grpo.evaluation.plot import plot_metrics
 
 

@@ -142,7 +142,7 @@ def main(max_steps: int = 60, prompts_per_step: int = 4, num_generations: int = 
     def grpo_module(path: str) -> GRPOModule:
         model: Any = path
         if lora is None:  # the projector alone: every other weight frozen
-            from lightning_grpo.models.vision import load_vision_policy
+            from lightning_grpo.models.vision_loading import load_vision_policy
 
             model = load_vision_policy(path, torch.float32)
             train_only(model, ["multi_modal_projector"])

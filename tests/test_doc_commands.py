@@ -31,7 +31,7 @@ TINY = ["--model.config.engine.name", "hf", "--model.config.max_new_tokens", "4"
 
 def _data_dir() -> str:
     """The preset data folder this test session finds (a fresh process in another folder looks in the same)."""
-    from lightning_grpo.data.module import default_data_dirs
+    from lightning_grpo.data.datamodule import default_data_dirs
 
     found = [d for d in default_data_dirs() if (d / "gsm8k").is_dir() and (d / "math500").is_dir()]
     if not found:

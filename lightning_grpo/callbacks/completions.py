@@ -31,7 +31,7 @@ import lightning as L
 from lightning.pytorch.loggers import MLFlowLogger, TensorBoardLogger, WandbLogger
 from typing_extensions import override
 
-from lightning_grpo.callbacks.base import GRPOCallback
+from lightning_grpo.callbacks.grpo_callback import GRPOCallback
 from lightning_grpo.events import ExperienceReady
 
 #: Table columns before the reward functions' own.

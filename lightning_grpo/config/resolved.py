@@ -5,7 +5,7 @@ is known, into this record, which the components that use it are given and which
 hyperparameters (``hparams["resolved"]``, beside ``hparams["config"]``):
 
 * ``engine.name="auto"`` -> :attr:`ResolvedConfig.engine_name` when the module is built
-  (:func:`lightning_grpo.rollout.registry.resolve_engine_name`);
+  (:func:`lightning_grpo.rollout.engine_registry.resolve_engine_name`);
 * ``engine.kv_cache_space_gib="auto"`` -> :attr:`ResolvedConfig.kv_cache_space_gib` when the engine is made (the
   prompts per rollout are known: :mod:`lightning_grpo.rollout.engines.vllm.kv_cache`);
 * ``max_tokens_per_microbatch="auto"`` -> :attr:`ResolvedConfig.max_tokens_per_microbatch` at the start of training

@@ -6,7 +6,7 @@ agents`, docs/agents.md).
 episodes: the model's turn is sampled, the environment answers (tool results, an observation), the model samples its
 next turn, ... until the environment says it is done or a limit (``GRPOConfig.episode``) ends it. The trained
 sequence is the prompt's ids, the sampled ids of every model turn and the environment turns' ids, concatenated
-(:mod:`lightning_grpo.episodes.runner`); only the model's tokens get a loss.
+(:mod:`lightning_grpo.episodes.turn_loop`); only the model's tokens get a loss.
 """
 
 from lightning_grpo.episodes.agents.agent_sampler import AgentFn, AgentRollout, AgentSampler
@@ -17,8 +17,8 @@ from lightning_grpo.episodes.chat import ChatFormat
 from lightning_grpo.episodes.environment import BaseEnvironment, Environment, EnvStep, ToolEnvironment
 from lightning_grpo.episodes.parsers import AnswerParser, HermesToolCallParser, ToolCallParser
 from lightning_grpo.episodes.python_tool import PythonSandbox, python_tool
-from lightning_grpo.episodes.runner import EpisodeRunner
 from lightning_grpo.episodes.tools import BUILTIN_TOOLS, Tool, ToolCall, ToolResult, as_tools
+from lightning_grpo.episodes.turn_loop import EpisodeRunner
 from lightning_grpo.protocols.episode import EpisodeRecord, Turn
 
 __all__ = [

@@ -14,12 +14,12 @@ from lightning_grpo.episodes.agents.agent_sampler import AgentFn, AgentRollout, 
 from lightning_grpo.episodes.chat import ChatFormat
 from lightning_grpo.episodes.environment import EnvironmentFactory, ToolEnvironment
 from lightning_grpo.episodes.parsers import HermesToolCallParser, ToolCallParser
-from lightning_grpo.episodes.runner import EpisodeRunner
 from lightning_grpo.episodes.tools import Tool
+from lightning_grpo.episodes.turn_loop import EpisodeRunner
 from lightning_grpo.protocols.rollout import StopFlag, eos_token_ids_from
 from lightning_grpo.protocols.sampler import PromptEncoder, Sampler
 from lightning_grpo.protocols.vision import vision_spec
-from lightning_grpo.rollout.images import ImagePrompts, image_prompts
+from lightning_grpo.rollout.image_prompts import ImagePrompts, image_prompts
 from lightning_grpo.rollout.prompts import TemplatePrompts
 from lightning_grpo.rollout.single_turn import SingleTurnSampler
 
@@ -83,15 +83,15 @@ def rollout_path(config: GRPOConfig, tokenizer: Any, policy: Any, tools: Sequenc
     ``generation_config`` and the tokenizer); else the single-turn ones
     (:class:`~lightning_grpo.rollout.prompts.TemplatePrompts`,
     :class:`~lightning_grpo.rollout.single_turn.SingleTurnSampler`). A vision-language ``policy``'s prompts go through
-    :class:`~lightning_grpo.rollout.images.ImagePrompts` around them (``processor``: its image processor or folder,
-    default ``model_path``'s; the episode runner shows observations' images with it too).
+    :class:`~lightning_grpo.rollout.image_prompts.ImagePrompts` around them (``processor``: its image processor or
+    folder, default ``model_path``'s; the episode runner shows observations' images with it too).
 
     Raises:
         ValueError: an agent with tools, an environment or a ``tool_parser`` (an agent runs its own tools; its
             parser is ``AgentRollout(tool_parser=...)``), or with a vision-language policy (the agent gateway serves
             text, and would not keep the image placeholders out of the sampled tokens), or with routing replay "R3"
             (its episodes carry no routed experts); else as
-            :func:`episode_runner` and :func:`~lightning_grpo.rollout.images.image_prompts`.
+            :func:`episode_runner` and :func:`~lightning_grpo.rollout.image_prompts.image_prompts`.
     """
     eos_token_ids = eos_token_ids_from(getattr(policy, "generation_config", None), tokenizer)
     if agent is not None:

@@ -30,12 +30,12 @@ def reward_columns(columns: dict[str, list], out: RolloutOutput) -> dict[str, li
 
 @dataclass
 class Row:
-    """One generated row: its prompt, completion text, reward columns and (multi-turn) episode record."""
+    """One generated row: its prompt, completion text, reward columns and episode record (single-turn: one turn)."""
 
     prompt: Any
     completion: str
     columns: dict[str, Any]
-    episode: Optional[EpisodeRecord] = None
+    episode: EpisodeRecord
 
 
 class RolloutRows:
@@ -52,8 +52,7 @@ class RolloutRows:
         """Append one round's rows (``prompts`` and ``columns`` one entry per completion of ``out``); returns their
         ``(N,)`` long ``row_index``."""
         offset = len(self.rows)
-        episodes: Sequence[Optional[EpisodeRecord]] = out.episodes or [None] * len(out.completions)
-        self.rows.extend(Row(p, c, {k: v[i] for k, v in columns.items()}, episodes[i])
+        self.rows.extend(Row(p, c, {k: v[i] for k, v in columns.items()}, out.episodes[i])
                          for i, (p, c) in enumerate(zip(prompts, out.completions, strict=True)))
         self._metrics.append(out.metrics)
         return torch.arange(offset, len(self.rows))
@@ -63,9 +62,11 @@ class RolloutRows:
         return [] if index is None else [self.rows[i] for i in index.tolist()]
 
     def episodes(self, index: Optional[Tensor]) -> Optional[list[EpisodeRecord]]:
-        """The episode records of the rows at ``index``; None when the sampler gave rows none (single-turn)."""
+        """The episode records of the rows at ``index`` (what the rollout event carries); None for a single-turn
+        rollout, whose rows are one-turn episodes (``EpisodeRecord.single_turn``: the event and the completion table
+        show plain completions)."""
         records = [row.episode for row in self.select(index)]
-        return None if not records or any(r is None for r in records) else records  # type: ignore[return-value]
+        return records if any(not r.single_turn for r in records) else None
 
     def metrics(self, index: Optional[Tensor]) -> dict[str, RowMetric]:
         """The sampler's per-row metrics (``RolloutOutput.metrics`` of every round) of the rows at ``index``."""

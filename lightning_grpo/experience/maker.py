@@ -42,7 +42,7 @@ from lightning_grpo.protocols.teacher import Teacher
 from lightning_grpo.rewards import RewardSet, StartedScores
 from lightning_grpo.rollout.prefetch import PrefetchedRollout, RolloutPrefetcher
 from lightning_grpo.rollout.streaming import RolloutStream, TakenGroups
-from lightning_grpo.rollout.streaming.scoring import GroupScorer
+from lightning_grpo.rollout.streaming.group_scoring import GroupScorer
 from lightning_grpo.rollout.streaming.versions import newest_version_mask, version_metrics
 from lightning_grpo.rollout.worker import RolloutWorker, prompt_rows
 from lightning_grpo.training.experience import Experience
@@ -364,8 +364,7 @@ class ExperienceMaker:
         # KL in the reward); an unscored row gets no loss token and is not laid out
         experience = Experience.of(rollout, ctx.device)
         experience.completion_mask = experience.completion_mask * scored.unsqueeze(1)  # [N, T] through the EOS
-        if experience.env_mask is not None:
-            experience.env_mask = experience.env_mask * scored.unsqueeze(1)
+        experience.env_mask = experience.env_mask * scored.unsqueeze(1)
         if collected.taken is not None and self.config.streaming.newest_version_only:
             self._newest_version_only(experience)
         with ctx.timer.span("logprobs_s"):
@@ -373,8 +372,7 @@ class ExperienceMaker:
         if self.config.mask_truncated_completions:
             kept = (~rollout.truncated.to(ctx.device)).unsqueeze(1)
             experience.completion_mask = experience.completion_mask * kept
-            if experience.env_mask is not None:  # a row without loss tokens is not laid out at all
-                experience.env_mask = experience.env_mask * kept
+            experience.env_mask = experience.env_mask * kept  # a row without loss tokens is not laid out at all
         # 4. group advantages
         cfg = self.config
         experience.advantages = F.group_advantages(
@@ -520,12 +518,11 @@ class ExperienceMaker:
         _check_prompt_column(batch)
         engine = self.rollout.require_engine()
         with self.context.timer.span("rollout_s"):
-            encoded = self.rollout.encode(batch["prompt"])
+            encoded = self.rollout.encode(batch["prompt"], prompt_rows(batch))
             sampling = self._sampling()
             try:
-                out: Optional[RolloutOutput] = self.rollout.sample(engine, encoded.ids, self.config.num_generations,
-                                                                   sampling, prompt_rows(batch),
-                                                                   self.context.collectives, images=encoded.images)
+                out: Optional[RolloutOutput] = self.rollout.sample(engine, encoded, self.config.num_generations,
+                                                                   sampling, self.context.collectives)
             except RolloutInterrupted:
                 out = None
         return self._score(batch, out, encoded.num_truncated, int(engine.pad_token_id), totals, rows, outcomes)

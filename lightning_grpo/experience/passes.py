@@ -28,7 +28,7 @@ from lightning_grpo.models.moe import ReplayStats
 from lightning_grpo.protocols.teacher import Teacher
 from lightning_grpo.training.experience import Experience
 from lightning_grpo.training.logprobs import CompletionLogprobs
-from lightning_grpo.training.routing import PolicyRouting
+from lightning_grpo.training.routing_replay import PolicyRouting
 
 #: The prefix of the mismatch metrics measured without routing replay (``routing_replay_diagnostics``).
 WITHOUT_REPLAY = "sampling/without_replay"

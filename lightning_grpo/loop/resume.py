@@ -17,7 +17,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from lightning_grpo.protocols.images import images_to, row_images_from_state, row_images_state
+from lightning_grpo.protocols.vision import images_to, row_images_from_state, row_images_state
 from lightning_grpo.training.experience import Experience
 
 #: Every process's data-parallel replica ``[sampler rank, replicas]`` (the strategy's ``distributed_sampler_kwargs``;

@@ -1,8 +1,8 @@
 """The policy's weights as ``(hf_name, full_tensor)`` pairs, the form vLLM's checkpoint loader reads.
 
 The backends stream them to the engines that hold their own copy of the weights (colocated vLLM, the rollout servers:
-:class:`lightning_grpo.strategies.weights.ModuleWeights`, a :class:`~lightning_grpo.protocols.weights.PolicyWeights`).
-Names are the Hugging Face checkpoint names
+:class:`lightning_grpo.strategies.module_weights.ModuleWeights`, a
+:class:`~lightning_grpo.protocols.weights.PolicyWeights`). Names are the Hugging Face checkpoint names
 (``model.layers.0.self_attn.q_proj.weight``, ``lm_head.weight``), which vLLM's ``load_weights`` maps onto its fused
 layers (qkv, gate_up) itself.
 

@@ -8,7 +8,7 @@ import os
 from typing import TYPE_CHECKING, Optional, Union
 
 from lightning_grpo.models.embedded import resolve_model_path
-from lightning_grpo.models.vision import is_vision_checkpoint, load_vision_policy
+from lightning_grpo.models.vision_loading import is_vision_checkpoint, load_vision_policy
 
 if TYPE_CHECKING:
     from torch import nn
@@ -27,7 +27,8 @@ def load_policy(model: Union[str, nn.Module, None], tokenizer: Union[str, PreTra
 
     Args:
         model: an HF model id, a local folder, a transformers causal LM module, or None / "embedded"; a folder or id
-            of a vision-language checkpoint loads ``AutoModelForImageTextToText`` (:mod:`lightning_grpo.models.vision`).
+            of a vision-language checkpoint loads ``AutoModelForImageTextToText``
+            (:mod:`lightning_grpo.models.vision_loading`).
         tokenizer: a tokenizer, its id/folder, or None (loaded from ``model``'s folder).
         dtype: "float32", "bfloat16" or "float16" (weights loaded from a folder or id).
         gradient_checkpointing: recompute each decoder layer's activations in backward from its input (transformers'
@@ -62,7 +63,7 @@ def load_policy(model: Union[str, nn.Module, None], tokenizer: Union[str, PreTra
         policy = model
     else:
         model_path = resolve_model_path(model)
-        loader = load_vision_policy if is_vision_checkpoint(model_path) else _load_causal_lm  # models/vision.py
+        loader = load_vision_policy if is_vision_checkpoint(model_path) else _load_causal_lm  # models/vision_loading.py
         policy = loader(model_path, getattr(torch, DTYPES[dtype]), quantization_config)
         policy.train()  # from_pretrained returns eval mode; Lightning expects train mode at fit start
     if tokenizer is None or isinstance(tokenizer, str):

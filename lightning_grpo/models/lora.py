@@ -48,7 +48,7 @@ from lightning_grpo.models.hf_weights import (
     merged_state_dict,
 )
 from lightning_grpo.models.loading import FrozenReference, load_policy, save_policy
-from lightning_grpo.models.vision import language_model_lora
+from lightning_grpo.models.vision_loading import language_model_lora
 from lightning_grpo.protocols.engine import RolloutEngine
 from lightning_grpo.protocols.vision import VisionSpec, vision_spec
 
@@ -233,7 +233,7 @@ def load_lora_policy(model: Union[str, nn.Module, None], tokenizer: Union[str, P
     """:func:`lightning_grpo.models.loading.load_policy` (quantized with ``settings.quantization_config``), then with
     LoRA ``peft.get_peft_model(policy, settings.config)`` (the policy's layers are adapted in place; a quantized base
     goes through ``peft.prepare_model_for_kbit_training`` first; a vision-language policy's vision tower and
-    projector are excluded from the targets, :func:`~lightning_grpo.models.vision.language_model_lora`).
+    projector are excluded from the targets, :func:`~lightning_grpo.models.vision_loading.language_model_lora`).
 
     Raises:
         ValueError: see ``load_policy``.

@@ -6,10 +6,13 @@ speak, and nothing else (this folder imports only torch and the standard library
   (:func:`left_pad`, :func:`completion_mask_from_eos`, :func:`eos_token_ids_from`), :class:`StopFlag`,
   :class:`RolloutInterrupted`;
 * :mod:`~lightning_grpo.protocols.engine`: :class:`RolloutEngine`, :class:`CoreRolloutEngine`, what an engine is
-  (:class:`EngineCapabilities`), :class:`EngineWrapper`;
+  (:class:`EngineCapabilities`), :class:`EngineWrapper`, and the engine that takes images (``ImageRolloutEngine``);
 * :mod:`~lightning_grpo.protocols.sampler`: :class:`Sampler` and :class:`PromptEncoder`, the rollout path a worker is
-  given;
-* :mod:`~lightning_grpo.protocols.episode`: :class:`EpisodeRecord` and :class:`Turn` (what a multi-turn episode was);
+  given (a sampler takes one :class:`EncodedPrompts` record);
+* :mod:`~lightning_grpo.protocols.episode`: :class:`EpisodeRecord` and :class:`Turn` (what an episode was: every
+  rollout row has one, a single-turn row a one-turn episode);
+* :mod:`~lightning_grpo.protocols.vision`: images in prompts (a checkpoint's image facts, ``PromptImage``, the
+  placeholder rule);
 * :mod:`~lightning_grpo.protocols.weights`: :class:`PolicyWeights`, what an engine is synced with;
 * :mod:`~lightning_grpo.protocols.collectives`: :class:`Collectives` over the data-parallel processes;
 * :mod:`~lightning_grpo.protocols.teacher`: :class:`Teacher`, what scores a rollout's tokens for on-policy
@@ -28,7 +31,7 @@ from lightning_grpo.protocols.rollout import (
     eos_token_ids_from,
     left_pad,
 )
-from lightning_grpo.protocols.sampler import AnyProcess, PromptEncoder, Sampler
+from lightning_grpo.protocols.sampler import AnyProcess, EncodedPrompts, PromptEncoder, Sampler
 from lightning_grpo.protocols.sampling import SamplingConfig
 from lightning_grpo.protocols.teacher import Teacher
 from lightning_grpo.protocols.weights import PolicyWeights
@@ -38,6 +41,7 @@ __all__ = [
     "Collectives",
     "CoreRolloutEngine",
     "EngineCapabilities",
+    "EncodedPrompts",
     "EngineWrapper",
     "EpisodeRecord",
     "PolicyWeights",

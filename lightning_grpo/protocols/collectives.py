@@ -1,5 +1,5 @@
 """The data-parallel collectives that the rollout, training and loop components share: one :class:`Collectives` record,
-made by the parallel backend (:meth:`lightning_grpo.strategies.base.ParallelBackend.collectives`), and
+made by the parallel backend (:meth:`lightning_grpo.strategies.backend.ParallelBackend.collectives`), and
 :func:`gather_per_process` for the checkpointed per-process state."""
 
 from __future__ import annotations

@@ -8,17 +8,21 @@ Every engine (HF ``generate`` in :mod:`lightning_grpo.rollout.engines.hf`, vLLM 
 wrappers). The trainer never depends on an engine's internals, and an engine never sees the trainer's model: it
 generates from token ids and is synced with a :class:`~lightning_grpo.protocols.weights.PolicyWeights` stream that
 the trainer's backend produces.
+
+Images in prompts (vision-language policies, docs/vision.md) take one declared path: an engine whose
+``capabilities.accepts_images`` is True is an :class:`ImageRolloutEngine` (its ``generate`` also takes each prompt's
+images), and :func:`generate` is how the samplers and the wrappers call any engine: the core three-argument
+``generate`` without images, the image one with them.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Optional, Protocol, Sequence, runtime_checkable
+from typing import Protocol, Sequence, cast, runtime_checkable
 
-from lightning_grpo.protocols import multimodal
-from lightning_grpo.protocols.images import RowImages
 from lightning_grpo.protocols.rollout import RolloutOutput
 from lightning_grpo.protocols.sampling import SamplingConfig
+from lightning_grpo.protocols.vision import RowImages
 from lightning_grpo.protocols.weights import PolicyWeights
 
 
@@ -39,12 +43,16 @@ class EngineCapabilities:
             servers: global rank 0 streams the weights, the others wait); False: each process syncs its own engine.
         returns_routed_experts: whether its rollouts carry the experts a mixture-of-experts policy routed each token to
             (``prompt_routed_experts``, ``completion_routed_experts``: routing replay "R3"); False: none.
+        accepts_images: whether the engine takes images with its prompts (it is an :class:`ImageRolloutEngine`: HF
+            ``generate`` on a vision-language policy, vLLM and the rollout servers serving one); False: it would drop
+            them, so prompts with images are refused before it is called.
     """
 
     uses_policy_parameters: bool = False
     seeds_per_request: bool = False
     sync_is_collective: bool = False
     returns_routed_experts: bool = False
+    accepts_images: bool = False
 
 
 #: What an engine that does not declare a capability is taken to have: its own weights, no per-request seeds, a
@@ -89,7 +97,7 @@ class RolloutEngine(Protocol):
     @property
     def capabilities(self) -> EngineCapabilities:
         """What the engine is (:class:`EngineCapabilities`: whether it uses the policy's parameters, seeds each
-        request, syncs collectively)."""
+        request, syncs collectively, takes images)."""
         ...
 
     def set_lockstep(self, enabled: bool) -> None:
@@ -127,6 +135,51 @@ class CoreRolloutEngine(Protocol):
     def pad_token_id(self) -> int: ...
 
 
+class ImageRolloutEngine(Protocol):
+    """An engine that takes images with its prompts, as its ``capabilities.accepts_images`` declares (the built-in
+    engines on a vision-language model, the backends' wrappers of them, a user engine that declares
+    ``accepts_images``)."""
+
+    def generate(self, prompt_ids: Sequence[Sequence[int]], num_generations: int, sampling: SamplingConfig,
+                 images: Sequence[RowImages] = ()) -> RolloutOutput:
+        """As :meth:`RolloutEngine.generate`; ``images[i]``: prompt i's images (its ids hold their expanded
+        placeholder runs; ``()``: none). The output's ``images`` are each row's."""
+        ...
+
+
+def check_images_accepted(accepts_images: bool, engine_name: str, images: Sequence[RowImages],
+                          num_prompts: int) -> None:
+    """Check prompt images (``images``, one entry per prompt) for an engine named ``engine_name`` that takes images
+    when ``accepts_images``; prompts without images pass.
+
+    Raises:
+        ValueError: images for an engine that does not take them (it would drop them), or not one entry per prompt.
+    """
+    if not any(images):
+        return
+    if len(images) != num_prompts:
+        raise ValueError(f"{len(images)} image entries for {num_prompts} prompts: one per prompt (() for none)")
+    if not accepts_images:
+        raise ValueError(f"the rollout engine {engine_name} does not take images (it declares no accepts_images=True), "
+                         "but the prompts have images: use engine.name='hf', 'vllm' or 'vllm_server' with a "
+                         "vision-language model")
+
+
+def generate(engine: RolloutEngine, prompt_ids: Sequence[Sequence[int]], num_generations: int,
+             sampling: SamplingConfig, images: Sequence[RowImages] = ()) -> RolloutOutput:
+    """``engine.generate(prompt_ids, num_generations, sampling)``, or, when a prompt has images, the engine's image
+    ``generate`` (:class:`ImageRolloutEngine`, as ``engine.capabilities.accepts_images`` declares): the one path the
+    samplers and the wrappers call an engine through.
+
+    Raises:
+        ValueError: as :func:`check_images_accepted`.
+    """
+    if not any(images):
+        return engine.generate(prompt_ids, num_generations, sampling)
+    check_images_accepted(engine.capabilities.accepts_images, type(engine).__name__, images, len(prompt_ids))
+    return cast(ImageRolloutEngine, engine).generate(prompt_ids, num_generations, sampling, images=images)
+
+
 class EngineWrapper:
     """Base of engines that wrap another engine (FSDP's gathered generation, Megatron's tensor-parallel
     broadcast): forwards each :class:`RolloutEngine` member to ``self.engine`` explicitly; subclasses override
@@ -139,19 +192,10 @@ class EngineWrapper:
     def __init__(self, engine: RolloutEngine) -> None:
         self.engine = engine
 
-    def generate(
-        self, prompt_ids: Sequence[Sequence[int]], num_generations: int, sampling: SamplingConfig,
-        images: Optional[Sequence[Optional[RowImages]]] = None,
-    ) -> RolloutOutput:
-        """``engine.generate`` (with ``images`` when a prompt has some: :func:`~lightning_grpo.protocols.multimodal.
-        generate`)."""
-        return multimodal.generate(self.engine, prompt_ids, num_generations, sampling, images)
-
-    @property
-    def accepts_images(self) -> bool:
-        """``engine.accepts_images`` (:class:`~lightning_grpo.protocols.multimodal.ImageRolloutEngine`; an engine
-        is wrapped only after it entered the rollout worker, which reads what it declares)."""
-        return bool(self.engine.accepts_images)  # type: ignore[attr-defined]
+    def generate(self, prompt_ids: Sequence[Sequence[int]], num_generations: int, sampling: SamplingConfig,
+                 images: Sequence[RowImages] = ()) -> RolloutOutput:
+        """``engine.generate``, with ``images`` when a prompt has some (:func:`generate`)."""
+        return generate(self.engine, prompt_ids, num_generations, sampling, images)
 
     @property
     def pad_token_id(self) -> int:

@@ -50,7 +50,10 @@ class SampleRecord:
 
 @dataclass
 class EpisodeRecord:
-    """One episode of a multi-turn rollout (:class:`lightning_grpo.episodes.runner.EpisodeRunner`).
+    """One episode of a rollout: every row of a :class:`~lightning_grpo.protocols.rollout.RolloutOutput` has one. A
+    multi-turn rollout's (:class:`lightning_grpo.episodes.turn_loop.EpisodeRunner`, the agents) are its turns; a
+    single-turn rollout's row is a one-turn episode (:meth:`one_turn`, as verl's ``single_turn_agent_loop`` and
+    prime-rl's training samples have it).
 
     Attributes:
         turns: its turns in order (model, env, model, ...; it always ends with a model turn).
@@ -71,6 +74,9 @@ class EpisodeRecord:
         samples: an agent's episode (``GRPOModule(agent=...)``): its samples (calls that extended one another), the
             last one trained; empty for the turn loop's episodes.
         error: an agent's episode: why its agent failed (``"TypeName: message"``, or a timeout), else None.
+        single_turn: a single-turn rollout's row (:meth:`one_turn`: one model turn, no environment), which the
+            rollout events and the completion table show as a plain completion; False for the turn loop's and the
+            agents' episodes.
     """
 
     turns: list[Turn] = field(default_factory=list)
@@ -85,6 +91,16 @@ class EpisodeRecord:
     done: bool = False
     samples: list[SampleRecord] = field(default_factory=list)
     error: Optional[str] = None
+    single_turn: bool = False
+
+    @classmethod
+    def one_turn(cls, text: str, num_tokens: int, truncated: bool,
+                 weight_version: Optional[int] = None) -> "EpisodeRecord":
+        """A single-turn rollout's row as an episode: one model turn of its ``num_tokens`` completion tokens (through
+        the EOS) writing ``text``; ``done`` when it ended with an EOS (not ``truncated``)."""
+        turn = Turn("model", 0, num_tokens, [{"role": "assistant", "content": text}])
+        return cls(turns=[turn], model_turns=1, truncated=truncated, weight_version=weight_version,
+                   done=not truncated, single_turn=True)
 
     @property
     def messages(self) -> list[dict[str, Any]]:

@@ -13,18 +13,20 @@ import torch
 from torch import Tensor
 
 from lightning_grpo.protocols.episode import EpisodeRecord
-from lightning_grpo.protocols.images import RowImages, row_images_from_state, row_images_state
 from lightning_grpo.protocols.routing import NO_EXPERT
 from lightning_grpo.protocols.tokens import (
     PAD_ID,
     ROW_META,
+    UNSET,
     Layout,
     cat_rows,
     fields_to,
+    fill_unset,
     select_rows,
     token_fields,
     token_meta,
 )
+from lightning_grpo.protocols.vision import RowImages, row_images_from_state, row_images_state
 
 
 @dataclass(frozen=True)
@@ -79,7 +81,10 @@ class RowMetric:
 @dataclass
 class RolloutOutput:
     """The completions of one rollout, in prompt-major order (the G completions of prompt i are rows
-    ``i*G .. i*G+G-1``).
+    ``i*G .. i*G+G-1``): one row shape whatever sampled it. Every row has its environment mask, its episode record
+    and its images, so a single-turn rollout is a rollout of one-turn episodes (prime-rl's training samples, verl's
+    ``single_turn_agent_loop``): an engine that leaves ``env_mask``, ``episodes`` or ``images`` out gets all-zero
+    masks, one :meth:`~lightning_grpo.protocols.episode.EpisodeRecord.one_turn` episode and ``()`` per row.
 
     Attributes:
         prompt_ids: ``(N, P)`` long, left-padded prompt ids repeated G times (N = num_prompts * G).
@@ -98,20 +103,20 @@ class RolloutOutput:
             engine does not report them (HF engine by default).
         weight_version: the version of the weights that sampled these completions, for engines that count their
             weight syncs (the rollout server: 0 = the checkpoint it loaded, +1 per sync); None for the others.
-        env_mask: multi-turn episodes (:mod:`lightning_grpo.episodes`): ``(N, T)`` long, 1 on the environment's
-            tokens (tool results, observations, the template's turn separators): attended to, never trained; the
-            real tokens of a row are ``completion_mask | env_mask``, a prefix. None for single-turn rollouts.
-        episodes: multi-turn: one :class:`~lightning_grpo.protocols.episode.EpisodeRecord` per row (turns, tool
-            counts, limits, the environment's reward); None for single-turn rollouts.
+        env_mask: ``(N, T)`` long, 1 on the environment's tokens of multi-turn episodes (:mod:`lightning_grpo.episodes`:
+            tool results, observations, the template's turn separators): attended to, never trained; the real tokens
+            of a row are ``completion_mask | env_mask``, a prefix. All 0 for single-turn rollouts.
+        episodes: one :class:`~lightning_grpo.protocols.episode.EpisodeRecord` per row (multi-turn: turns, tool
+            counts, limits, the environment's reward; single-turn: one model turn, ``single_turn``).
         columns: more columns for the reward functions, ``name -> N values`` (multi-turn: ``transcript`` and
             ``env_reward``), next to the dataset's; empty for single-turn rollouts.
         metrics: the sampler's per-row metrics (:class:`RowMetric`; multi-turn: ``turns/*``, ``tools/*``, ...),
             logged over the rows trained on; every process's sampler reports the same names. Empty for single-turn
             rollouts.
-        images: vision-language prompts: each row's images (:class:`~lightning_grpo.protocols.images.PromptImage`),
+        images: each row's images (:class:`~lightning_grpo.protocols.vision.PromptImage`; vision-language prompts),
             in the order of their placeholder runs in the row's prompt and completion ids (multi-turn: the
-            prompt's, then those of image observations); the G rows of a prompt share one tuple. None (or a None
-            row) without images.
+            prompt's, then those of image observations); the G rows of a prompt share one tuple. ``()`` for a row
+            without images.
         unscored: ``(N,)`` bool, rows the sampler says get no reward (an agent's episode that failed, with
             ``AgentRollout(on_error="skip")``): unscored as when every reward function returns None (no loss, left out
             of their group's statistics); None = every row is scored.
@@ -137,15 +142,33 @@ class RolloutOutput:
     completions: list[str]
     sampler_logprobs: Optional[Tensor] = field(default=None, metadata=token_meta(Layout.COMPLETION, 0.0))
     weight_version: Optional[int] = None
-    env_mask: Optional[Tensor] = field(default=None, metadata=token_meta(Layout.COMPLETION, 0))
-    episodes: Optional[list[EpisodeRecord]] = None
+    env_mask: Tensor = field(default=UNSET, metadata=token_meta(Layout.COMPLETION, 0))
+    episodes: list[EpisodeRecord] = field(default_factory=list)
     columns: dict[str, list[Any]] = field(default_factory=dict)
     metrics: dict[str, RowMetric] = field(default_factory=dict)
-    images: Optional[list[Optional[RowImages]]] = None
+    images: list[RowImages] = field(default_factory=list)
     unscored: Optional[Tensor] = field(default=None, metadata=ROW_META)
     prompt_routed_experts: Optional[Tensor] = field(default=None, metadata=token_meta(Layout.PROMPT, NO_EXPERT))
     completion_routed_experts: Optional[Tensor] = field(default=None, metadata=token_meta(Layout.COMPLETION, NO_EXPERT))
     completion_versions: Optional[Tensor] = field(default=None, metadata=token_meta(Layout.COMPLETION, -1))
+
+    def __post_init__(self) -> None:
+        """Fill what an engine left out (the class docstring).
+
+        Raises:
+            ValueError: ``episodes`` or ``images`` given, but not one per row.
+        """
+        fill_unset(self)
+        n = len(self)
+        if not self.episodes:
+            lengths, truncated = self.completion_mask.sum(dim=1).tolist(), self.truncated.tolist()
+            self.episodes = [EpisodeRecord.one_turn(text, int(length), bool(cut), self.weight_version)
+                             for text, length, cut in zip(self.completions, lengths, truncated, strict=True)]
+        if not self.images:
+            self.images = [()] * n
+        if len(self.episodes) != n or len(self.images) != n:
+            raise ValueError(f"RolloutOutput has {len(self.episodes)} episodes and {len(self.images)} image entries "
+                             f"for {n} rows: one of each per row")
 
     def __len__(self) -> int:
         return self.completion_ids.shape[0]
@@ -157,8 +180,8 @@ class RolloutOutput:
         return replace(
             self, **select_rows(self, rows),
             completions=[self.completions[i] for i in index],
-            episodes=None if self.episodes is None else [self.episodes[i] for i in index],
-            images=None if self.images is None else [self.images[i] for i in index],
+            episodes=[self.episodes[i] for i in index],
+            images=[self.images[i] for i in index],
             columns={name: [values[i] for i in index] for name, values in self.columns.items()},
             metrics={name: metric.select(rows.cpu()) for name, metric in self.metrics.items()},
         )
@@ -171,7 +194,7 @@ class RolloutOutput:
 
         Raises:
             ValueError: no parts; or parts that differ in which optional fields they carry (a per-token field, the
-                episodes, the columns or the metrics), or in ``weight_version``: nothing is dropped or invented.
+                columns or the metrics), or in ``weight_version``: nothing is dropped or invented.
         """
         if not parts:
             raise ValueError("RolloutOutput.cat needs at least one part")
@@ -188,8 +211,6 @@ class RolloutOutput:
         versions = {p.weight_version for p in parts}
         if len(versions) > 1:
             raise ValueError(f"RolloutOutput.cat: the parts were sampled by different weight versions {versions}")
-        if len({p.episodes is None for p in parts}) > 1:
-            raise ValueError("RolloutOutput.cat: some parts are episodes (multi-turn) and some are not")
         for attr in ("columns", "metrics"):
             names = [sorted(getattr(p, attr)) for p in parts]
             if any(n != names[0] for n in names):
@@ -198,11 +219,10 @@ class RolloutOutput:
             **joined,
             completions=[text for p in parts for text in p.completions],
             weight_version=first.weight_version,
-            episodes=None if first.episodes is None else [e for p in parts for e in (p.episodes or [])],
+            episodes=[e for p in parts for e in p.episodes],
             columns={name: [v for p in parts for v in p.columns[name]] for name in first.columns},
             metrics={name: RowMetric.cat([p.metrics[name] for p in parts]) for name in first.metrics},
-            images=None if all(p.images is None for p in parts)
-            else [row for p in parts for row in (p.images if p.images is not None else [None] * len(p))],
+            images=[row for p in parts for row in p.images],
         )
 
     def to(self, device: torch.device) -> "RolloutOutput":
@@ -220,7 +240,7 @@ class RolloutOutput:
         """As plain data (CPU tensors, lists, numbers, strings), for a checkpoint that loads with
         ``torch.load(weights_only=True)``."""
         state = {f.name: _to_cpu(getattr(self, f.name)) for f in fields(self)}
-        state["episodes"] = None if self.episodes is None else [e.state() for e in self.episodes]
+        state["episodes"] = [e.state() for e in self.episodes]
         state["metrics"] = {name: {f.name: _to_cpu(getattr(m, f.name)) for f in fields(m)}
                             for name, m in self.metrics.items()}
         state["images"] = row_images_state(self.images)
@@ -228,10 +248,10 @@ class RolloutOutput:
 
     @classmethod
     def from_state(cls, state: dict[str, Any]) -> "RolloutOutput":
-        """The output :meth:`state` returned."""
+        """The output :meth:`state` returned; a state saved before every row had its environment mask, episode and
+        images (None for a single-turn rollout) gets all-zero masks, one-turn episodes and ``()`` rows."""
         values = dict(state)
-        if values.get("episodes") is not None:
-            values["episodes"] = [EpisodeRecord.from_state(e) for e in values["episodes"]]
+        values["episodes"] = [EpisodeRecord.from_state(e) for e in values.get("episodes") or []]
         values["metrics"] = {name: RowMetric(**m) for name, m in values.get("metrics", {}).items()}
         values["images"] = row_images_from_state(values.get("images"))
         return cls(**values)
@@ -328,17 +348,17 @@ def completion_mask_from_eos(completion_ids: Tensor, eos_token_ids: Sequence[int
 def finish_rollout(prompt_ids: Tensor, prompt_mask: Tensor, num_generations: int, completion_ids: Tensor,
                    completion_mask: Tensor, truncated: Tensor, sampler_logprobs: Optional[Tensor], tokenizer: Any,
                    pad_token_id: int, weight_version: Optional[int] = None,
-                   images: Optional[Sequence[Optional[RowImages]]] = None) -> RolloutOutput:
+                   images: Sequence[RowImages] = ()) -> RolloutOutput:
     """The :class:`RolloutOutput` of ``B`` left-padded prompts (``(B, P)`` ids and mask, repeated G times here) and
-    their ``B * G`` completions; the texts are decoded with ``tokenizer`` from the masked ids (pad where masked,
-    special tokens skipped). ``images``: each prompt's images (its G rows share them), or None."""
+    their ``B * G`` completions (one-turn episodes); the texts are decoded with ``tokenizer`` from the masked ids (pad
+    where masked, special tokens skipped). ``images``: each prompt's images (its G rows share them), or none."""
     texts = tokenizer.batch_decode((completion_ids * completion_mask + pad_token_id * (1 - completion_mask)).tolist(),
                                    skip_special_tokens=True)
     return RolloutOutput(prompt_ids=prompt_ids.repeat_interleave(num_generations, dim=0),
                          prompt_mask=prompt_mask.repeat_interleave(num_generations, dim=0),
                          completion_ids=completion_ids, completion_mask=completion_mask, truncated=truncated,
                          completions=texts, sampler_logprobs=sampler_logprobs, weight_version=weight_version,
-                         images=None if images is None else [row for row in images for _ in range(num_generations)])
+                         images=[row for row in images for _ in range(num_generations)])
 
 
 def eos_token_ids_from(generation_config: Any, tokenizer: Any) -> list[int]:

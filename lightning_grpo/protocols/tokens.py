@@ -15,6 +15,10 @@ ids (:func:`lightning_grpo.training.packing.arrange`).
 
 Trailing dimensions are allowed: a field is ``(N, P, *trailing)`` or ``(N, T, *trailing)``; routed experts are
 ``(N, T, layers, top_k)``.
+
+A field every record carries, whoever made it (``env_mask``: all 0 for a single-turn rollout), defaults to
+:data:`UNSET`, and the record's ``__post_init__`` fills it (:func:`fill_unset`), so no reader asks whether it is
+there.
 """
 
 from __future__ import annotations
@@ -80,6 +84,11 @@ def token_meta(layout: Layout, pad: Pad) -> dict[str, TokenField]:
 #: The ``metadata`` of a dataclass field that holds a row-aligned tensor (``(N, ...)``: one value per row).
 ROW_META: dict[str, bool] = {ROW_FIELD: True}
 
+#: The default of a per-token field that every record carries, whoever made it
+#: (``field(default=UNSET, metadata=token_meta(...))``, e.g. ``env_mask``): left unset, or given as None, it is filled
+#: with its padding value by :func:`fill_unset` (the record's ``__post_init__``). Never a value itself.
+UNSET: Tensor = torch.empty(0, dtype=torch.long)
+
 
 def token_fields(record: Any) -> list[tuple[str, TokenField]]:
     """The per-token fields ``record`` (a dataclass or its class) declares (:func:`token_meta`), in declaration
@@ -91,6 +100,21 @@ def row_fields(record: Any) -> list[str]:
     """The row-aligned tensor fields ``record`` (a dataclass or its class) declares (:data:`ROW_META`), in
     declaration order."""
     return [f.name for f in dataclasses.fields(record) if ROW_FIELD in f.metadata]
+
+
+def fill_unset(record: Any) -> None:
+    """Fill each per-token field of ``record`` whose default is :data:`UNSET` and that was left unset or given as None:
+    its padding value at every position of the ids it is aligned with (``(N, P)`` or ``(N, T)`` long, on their device),
+    e.g. an all-zero ``env_mask`` for a single-turn rollout, which has no environment token."""
+    for f in dataclasses.fields(record):
+        spec = f.metadata.get(TOKEN_FIELD)
+        if spec is None or f.default is not UNSET:
+            continue
+        value = getattr(record, f.name)
+        if value is UNSET or value is None:
+            ids = record.prompt_ids if spec.layout is Layout.PROMPT else record.completion_ids
+            setattr(record, f.name, torch.full(tuple(ids.shape[:2]), spec.pad_value(None), dtype=torch.long,
+                                               device=ids.device))
 
 
 def pad_columns(tensor: Tensor, width: int, spec: TokenField, pad_token_id: Optional[int] = None) -> Tensor:

@@ -6,7 +6,7 @@ import importlib
 from typing import Callable, Union
 
 from lightning_grpo.rewards.code import CodeReward, code_block_format
-from lightning_grpo.rewards.episode import env_reward
+from lightning_grpo.rewards.env_reward import env_reward
 from lightning_grpo.rewards.format import gsm8k_format
 from lightning_grpo.rewards.gsm8k import gsm8k_accuracy, make_gsm8k_accuracy
 from lightning_grpo.rewards.math import math_accuracy

@@ -13,9 +13,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any, Optional, Sequence
+from typing import Any, Sequence, cast
 
-from lightning_grpo.protocols import multimodal
 from lightning_grpo.protocols.engine import (
     CAPABILITY_DEFAULTS,
     CAPABILITY_NAMES,
@@ -23,33 +22,27 @@ from lightning_grpo.protocols.engine import (
     CoreRolloutEngine,
     EngineCapabilities,
     EngineWrapper,
+    ImageRolloutEngine,
     RolloutEngine,
+    check_images_accepted,
 )
-from lightning_grpo.protocols.images import RowImages
 from lightning_grpo.protocols.rollout import RolloutOutput
 from lightning_grpo.protocols.sampling import SamplingConfig
+from lightning_grpo.protocols.vision import RowImages
 
 log = logging.getLogger(__name__)
 
 CORE_MEMBERS = ("generate", "sync_weights", "pad_token_id")
 #: Every member of :class:`RolloutEngine` beyond the core.
 OPTIONAL_MEMBERS = ("capabilities", *LIFECYCLE_METHODS)
-#: The member of an engine that takes images in its prompts
-#: (:class:`~lightning_grpo.protocols.multimodal.ImageRolloutEngine`); an engine without it takes none.
-IMAGE_MEMBERS = ("accepts_images",)
 
 
 def declared_members(engine: Any) -> dict[str, Any]:
-    """The members of :class:`RolloutEngine` (and ``accepts_images``) that ``engine`` has, with their values (read
-    once, where an engine enters: the worker's engine setter, an engine a factory made)."""
-    members = (*CORE_MEMBERS, *OPTIONAL_MEMBERS, *CAPABILITY_NAMES, *IMAGE_MEMBERS)
+    """The members of :class:`RolloutEngine` (and the capabilities declared one by one, ``accepts_images`` among
+    them) that ``engine`` has, with their values (read once, where an engine enters: the worker's engine setter, an
+    engine a factory made)."""
+    members = (*CORE_MEMBERS, *OPTIONAL_MEMBERS, *CAPABILITY_NAMES)
     return {name: getattr(engine, name) for name in members if hasattr(engine, name)}
-
-
-def declares_images(engine: Any) -> bool:
-    """Whether ``engine`` takes images with its prompts (it declares ``accepts_images`` true), read once where it
-    enters the rollout worker; an engine that does not declare it takes none."""
-    return bool(declared_members(engine).get("accepts_images", False))
 
 
 def as_rollout_engine(engine: Any) -> RolloutEngine:
@@ -111,7 +104,6 @@ class CoreEngineAdapter(EngineWrapper):
         declared = declared_members(engine) if declared is None else declared
         self._lifecycle = {name for name in LIFECYCLE_METHODS if name in declared}
         self._capabilities = declared_capabilities(type(engine).__name__, declared)
-        self.images = bool(declared.get("accepts_images", False))
 
     def wake_up(self) -> None:
         """The engine's ``wake_up``, if it has one."""
@@ -139,13 +131,15 @@ class CoreEngineAdapter(EngineWrapper):
         weights, to sample from torch's global generator and to sync on each process)."""
         return self._capabilities
 
-    @property
-    def accepts_images(self) -> bool:
-        """As declared; default False (the engine's ``generate`` then never gets images)."""
-        return self.images
-
     def generate(self, prompt_ids: Sequence[Sequence[int]], num_generations: int, sampling: SamplingConfig,
-                 images: Optional[Sequence[Optional[RowImages]]] = None) -> RolloutOutput:
-        """The engine's ``generate``; with images only when it declares ``accepts_images``
-        (:func:`lightning_grpo.protocols.multimodal.generate`, which raises ValueError otherwise)."""
-        return multimodal.generate(self.engine, prompt_ids, num_generations, sampling, images, accepts=self.images)
+                 images: Sequence[RowImages] = ()) -> RolloutOutput:
+        """The engine's ``generate``; with ``images`` only when a prompt has some and the engine declares
+        ``accepts_images`` (it then takes them as an :class:`~lightning_grpo.protocols.engine.ImageRolloutEngine`).
+
+        Raises:
+            ValueError: images for an engine that does not declare ``accepts_images`` (it is named).
+        """
+        if not any(images):
+            return self.engine.generate(prompt_ids, num_generations, sampling)
+        check_images_accepted(self._capabilities.accepts_images, type(self.engine).__name__, images, len(prompt_ids))
+        return cast(ImageRolloutEngine, self.engine).generate(prompt_ids, num_generations, sampling, images=images)

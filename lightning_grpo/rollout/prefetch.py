@@ -41,10 +41,10 @@ from torch import nn
 
 from lightning_grpo.protocols.collectives import Collectives
 from lightning_grpo.protocols.engine import RolloutEngine
-from lightning_grpo.protocols.images import EncodedPrompts
 from lightning_grpo.protocols.rollout import RolloutOutput
+from lightning_grpo.protocols.sampler import EncodedPrompts
 from lightning_grpo.protocols.sampling import SamplingConfig
-from lightning_grpo.rollout.images import pictures_from_state, pictures_state
+from lightning_grpo.rollout.image_prompts import pictures_from_state, pictures_state
 from lightning_grpo.rollout.worker import RolloutWorker, prompt_rows
 from lightning_grpo.training.metrics import StepTimer
 
@@ -160,7 +160,7 @@ class RolloutPrefetcher:
         Raises:
             NonFiniteError: ``policy`` has a NaN or infinite weight (nothing is sampled from it).
         """
-        encoded = self.worker.encode(batch["prompt"])
+        encoded = self.worker.encode(batch["prompt"], prompt_rows(batch))
         self.wait_idle(timer)
         engine = self.worker.prepare(policy, force_sync=True, timer=timer, collectives=collectives)
         rollout = PrefetchedRollout(batch, encoded.num_truncated, num_generations, sampling(),
@@ -207,8 +207,7 @@ def _generate(worker: RolloutWorker, engine: RolloutEngine, encoded: EncodedProm
     """The producer thread's work: the worker's sampler (one ``engine.generate`` call; multi-turn: every turn of the
     rollout's episodes; :meth:`lightning_grpo.rollout.worker.RolloutWorker.sample`), timed, then ``on_generated``."""
     start = time.perf_counter()
-    out = worker.sample(engine, encoded.ids, rollout.num_generations, rollout.sampling, prompt_rows(rollout.batch),
-                        images=encoded.images)
+    out = worker.sample(engine, encoded, rollout.num_generations, rollout.sampling)
     rollout.generate_s = time.perf_counter() - start
     if on_generated is not None:
         try:

@@ -15,7 +15,7 @@ validation before a fit hands its engine to the fit, and the end of a fit (:meth
 Every rollout goes through the :class:`~lightning_grpo.protocols.sampler.PromptEncoder` and
 :class:`~lightning_grpo.protocols.sampler.Sampler` the worker is made with: single-turn (the chat template, one
 ``engine.generate``) and multi-turn (the prompts with their tools, the turn loop of
-:class:`~lightning_grpo.episodes.runner.EpisodeRunner`) alike.
+:class:`~lightning_grpo.episodes.turn_loop.EpisodeRunner`) alike.
 
 The worker's :class:`~lightning_grpo.protocols.rollout.StopFlag` (``stop``) is polled by its engine while it generates
 (preemption: ``GRPOModule`` sets it to watch ``trainer.received_sigterm``), and the policy's weights are checked for
@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import replace
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
 from torch import nn
 from transformers import PreTrainedTokenizerBase
@@ -34,21 +34,19 @@ from transformers import PreTrainedTokenizerBase
 from lightning_grpo.config import GRPOConfig, ResolvedConfig
 from lightning_grpo.events import ON_WEIGHTS_SYNCED, EventSink
 from lightning_grpo.protocols.collectives import Collectives
-from lightning_grpo.protocols.engine import RolloutEngine
-from lightning_grpo.protocols.images import EncodedPrompts, RowImages
-from lightning_grpo.protocols.multimodal import ImagePromptEncoder, has_images
+from lightning_grpo.protocols.engine import RolloutEngine, check_images_accepted
 from lightning_grpo.protocols.rollout import RolloutOutput, StopFlag
 from lightning_grpo.protocols.routing import RoutingRecorder
-from lightning_grpo.protocols.sampler import PromptEncoder, Sampler
+from lightning_grpo.protocols.sampler import EncodedPrompts, ImagePromptEncoder, PromptEncoder, Sampler
 from lightning_grpo.protocols.sampling import SamplingConfig
 from lightning_grpo.protocols.streaming import StreamingEngine, WeightUpdate
 from lightning_grpo.protocols.weights import PolicyWeights
-from lightning_grpo.rollout.adapter import as_rollout_engine, declares_images
+from lightning_grpo.rollout.adapter import as_rollout_engine
+from lightning_grpo.rollout.engine_registry import EngineSpec, make_engine
 from lightning_grpo.rollout.prompts import TemplatePrompts, refuse_images
-from lightning_grpo.rollout.registry import EngineSpec, make_engine
 from lightning_grpo.rollout.single_turn import SingleTurnSampler
-from lightning_grpo.rollout.streaming.engine import StreamingRolloutEngine, make_streaming_engine
-from lightning_grpo.strategies.weights import ModuleWeights
+from lightning_grpo.rollout.streaming.streaming_engine import StreamingRolloutEngine, make_streaming_engine
+from lightning_grpo.strategies.module_weights import ModuleWeights
 from lightning_grpo.training.metrics import StepTimer
 from lightning_grpo.training.nonfinite import check_finite_parameters
 
@@ -72,10 +70,10 @@ class RolloutWorker:
             (the tokenizer's chat template).
         sampler: how token ids become a rollout; default
             :class:`~lightning_grpo.rollout.single_turn.SingleTurnSampler` (one ``engine.generate``). Multi-turn:
-            the :class:`~lightning_grpo.episodes.runner.EpisodeRunner` is both (``lightning_grpo.episodes.build``).
+            the :class:`~lightning_grpo.episodes.turn_loop.EpisodeRunner` is both (``lightning_grpo.episodes.build``).
         stop: the stop flag (default a new one); the sampler's, when it polls one, is this one.
         images: a vision-language policy's prompt encoding with images
-            (:class:`~lightning_grpo.protocols.multimodal.ImagePromptEncoder`, ``lightning_grpo.episodes.build``):
+            (:class:`~lightning_grpo.protocols.sampler.ImagePromptEncoder`, ``lightning_grpo.episodes.build``):
             :meth:`encode` gives the prompts' images with their ids and :attr:`banned_token_ids` its placeholders;
             None for a causal LM.
         routing: a mixture-of-experts policy's routing recorder, for the engine the worker makes when routing replay
@@ -85,7 +83,7 @@ class RolloutWorker:
         engine: the rollout engine, None before :meth:`start` (during a stage, the backend's wrapper of it).
         weights: the policy's weights as the trainer's backend streams them to the engine (:meth:`attach`); None:
             the policy module's own, as the single-process backend gives them
-            (:class:`~lightning_grpo.strategies.weights.ModuleWeights` of the policy :meth:`sync` is given).
+            (:class:`~lightning_grpo.strategies.module_weights.ModuleWeights` of the policy :meth:`sync` is given).
         weights_version: optimizer steps taken so far (the trainer's ``global_step``; restored from a checkpoint by
             :meth:`load_state_dict`).
         engine_version: the ``weights_version`` the engine generates with (-1: not yet synced).
@@ -106,7 +104,6 @@ class RolloutWorker:
         self.prompts: PromptEncoder = prompts if prompts is not None else TemplatePrompts(tokenizer)
         self.sampler: Sampler = sampler if sampler is not None else SingleTurnSampler()
         self.images = images
-        self._accepts_images = False  # what the engine declared when it entered (_set_own)
         self._engine_type = "None"
         self._own: Optional[RolloutEngine] = None  # the engine as made or given (kept across stages)
         self._engine: Optional[RolloutEngine] = None  # the stage's: the backend's wrapper of _own, or _own
@@ -159,7 +156,7 @@ class RolloutWorker:
         self._engine_type = name or type(engine).__name__  # the engine as given, not its adapter
         if engine is not None:
             self._check_capabilities(engine)
-        self._accepts_images = engine is not None and declares_images(engine)
+        self._engine_type = name or type(engine).__name__  # the engine as given, not its adapter
         self._own = self._engine = engine
         if engine is not None and not engine.capabilities.uses_policy_parameters:
             self.engine_version = -1
@@ -172,8 +169,8 @@ class RolloutWorker:
     def start(self, model: nn.Module, checkpoint: Callable[[], str], resolved: ResolvedConfig,
               rollout_prompts: Optional[int] = None) -> ResolvedConfig:
         """Make the engine ``resolved.engine_name`` names, once (an engine made or given is kept, across stages
-        too; :func:`~lightning_grpo.rollout.registry.make_engine`). An engine with its own weights gets the policy's
-        before its first rollout (they may differ from the checkpoint's, e.g. after a resume).
+        too; :func:`~lightning_grpo.rollout.engine_registry.make_engine`). An engine with its own weights gets the
+        policy's before its first rollout (they may differ from the checkpoint's, e.g. after a resume).
 
         Args:
             model: the policy's transformers model (a PEFT policy's base model).
@@ -283,20 +280,23 @@ class RolloutWorker:
                 "its images would be dropped. Train a vision-language checkpoint (docs/vision.md) or set "
                 "image_field=None")
 
-    def encode(self, prompts: Sequence[Any]) -> EncodedPrompts:
-        """The prompts' ids and, with a vision-language policy's encoder, their images (never truncated through
-        one); else :meth:`encode_prompts` with no images.
+    def encode(self, prompts: Sequence[Any], rows: Optional[Sequence[Mapping[str, Any]]] = None) -> EncodedPrompts:
+        """The prompts as one record: their ids and, with a vision-language policy's encoder, their images (never
+        truncated through one; else :meth:`encode_prompts` with no images), and ``rows``, each prompt's dataset row
+        (default an empty row per prompt).
 
         Raises:
             ValueError: as the encoder (a prompt that does not fit without cutting an image); without an image
                 encoder (a causal LM), a prompt with an image part
-                (:func:`~lightning_grpo.rollout.prompts.refuse_images`): its images would be dropped.
+                (:func:`~lightning_grpo.rollout.prompts.refuse_images`): its images would be dropped; ``rows`` not one
+                per prompt.
         """
         if self.images is not None:
-            return self.images.encode_image_prompts(prompts, self.config.max_prompt_length)
+            encoded = self.images.encode_image_prompts(prompts, self.config.max_prompt_length)
+            return EncodedPrompts.of(encoded.ids, rows, encoded.images, encoded.num_truncated)
         refuse_images(prompts)
         ids, truncated = self.encode_prompts(prompts)
-        return EncodedPrompts(ids, truncated, [None] * len(ids))
+        return EncodedPrompts.of(ids, rows, num_truncated=truncated)
 
     def encode_prompts(self, prompts: Sequence[Any]) -> tuple[list[list[int]], int]:
         """The prompts' token ids (:attr:`prompts`; single-turn: :func:`lightning_grpo.rollout.prompts.encode_prompts`,
@@ -308,37 +308,29 @@ class RolloutWorker:
         """
         return self.prompts.encode_prompts(prompts, self.config.max_prompt_length)
 
-    def sample(self, engine: RolloutEngine, prompt_ids: Sequence[Sequence[int]], num_generations: int,
-               sampling: SamplingConfig, rows: Sequence[dict[str, Any]],
-               collectives: Optional[Collectives] = None,
-               images: Optional[Sequence[Optional[RowImages]]] = None) -> RolloutOutput:
-        """``num_generations`` completions of each of the encoded prompts (:attr:`sampler`: one ``engine.generate``,
-        or the episodes of the turn loop; ``rows[i]``: the dataset row of prompt i; ``collectives``: the processes'
-        agreement, on the trainer's thread only; ``images[i]``: prompt i's images, :meth:`encode`).
+    def sample(self, engine: RolloutEngine, prompts: EncodedPrompts, num_generations: int, sampling: SamplingConfig,
+               collectives: Optional[Collectives] = None) -> RolloutOutput:
+        """``num_generations`` completions of each of the encoded prompts (:meth:`encode`) by :attr:`sampler` (one
+        ``engine.generate``, or the episodes of the turn loop); ``collectives``: the processes' agreement, on the
+        trainer's thread only.
 
         Raises:
-            ValueError: images for an engine that does not declare ``accepts_images`` (it would drop them).
+            ValueError: images for an engine that does not declare ``accepts_images`` (it would drop them; the engine
+                named as it was given), before anything is sampled.
         """
+        check_images_accepted(engine.capabilities.accepts_images, self._engine_type, prompts.images, len(prompts))
         any_process = None if collectives is None else collectives.any_process
-        if not has_images(images):  # a sampler without images keeps its six-argument sample
-            return self.sampler.sample(engine, prompt_ids, num_generations, sampling, rows, any_process)
-        if not self._accepts_images:
-            raise ValueError(f"the rollout engine {self._engine_type} does not take images (it declares no "
-                             "accepts_images=True), but the prompts have images: use engine.name='hf', 'vllm' or "
-                             "'vllm_server' with a vision-language model")
-        return self.sampler.sample(engine, prompt_ids, num_generations, sampling, rows, any_process, images=images)
+        return self.sampler.sample(engine, prompts, num_generations, sampling, any_process)
 
     def sample_prompts(self, prompts: Sequence[Any], num_generations: int, sampling: SamplingConfig,
                        rows: Optional[Sequence[dict[str, Any]]] = None,
                        collectives: Optional[Collectives] = None) -> RolloutOutput:
-        """Rollout from raw prompts (message lists or strings) with the engine's current weights:
-        :meth:`encode_prompts`, then :meth:`sample` (``rows``: default, an empty row per prompt)."""
-        encoded = self.encode(prompts)
-        rows = [{} for _ in encoded.ids] if rows is None else rows
+        """Rollout from raw prompts (message lists or strings) with the engine's current weights: :meth:`encode`
+        (``rows``: default, an empty row per prompt), then :meth:`sample`."""
+        encoded = self.encode(prompts, rows)
         sampling = replace(sampling, banned_token_ids=tuple(sorted({*sampling.banned_token_ids,
                                                                      *self.banned_token_ids})))
-        return self.sample(self.require_engine(), encoded.ids, num_generations, sampling, rows, collectives,
-                           images=encoded.images)
+        return self.sample(self.require_engine(), encoded, num_generations, sampling, collectives)
 
     def require_engine(self) -> RolloutEngine:
         if self.engine is None:

@@ -1,7 +1,7 @@
 """Parallel backends for GRPO: single device and DDP (:mod:`~lightning_grpo.strategies.local`), FSDP2
 (:mod:`~lightning_grpo.strategies.fsdp`), FSDP1 (:mod:`~lightning_grpo.strategies.fsdp1`) and Megatron
 (:mod:`~lightning_grpo.strategies.megatron.strategy`, imported on first use: megatron-core is optional and slow to
-import), behind one interface, :class:`~lightning_grpo.strategies.base.ParallelBackend`.
+import), behind one interface, :class:`~lightning_grpo.strategies.backend.ParallelBackend`.
 
 Importing this package registers ``Trainer(strategy="grpo_fsdp2")`` and ``"grpo_fsdp2_cpu_offload"``.
 """
@@ -18,7 +18,8 @@ from lightning_grpo.strategies._gather import (
     is_fsdp2,
     is_sharded,
 )
-from lightning_grpo.strategies.base import GRPOModels, ParallelBackend
+from lightning_grpo.strategies.backend import GRPOModels, ParallelBackend
+from lightning_grpo.strategies.backend_registry import backend_for
 from lightning_grpo.strategies.fsdp import (
     FSDP2Backend,
     FSDP2Strategy,
@@ -28,7 +29,6 @@ from lightning_grpo.strategies.fsdp import (
 )
 from lightning_grpo.strategies.fsdp1 import FSDP1Backend
 from lightning_grpo.strategies.local import LocalBackend, clip_grad_norm_, grad_norm
-from lightning_grpo.strategies.registry import backend_for
 
 __all__ = [
     "FSDP1Backend", "FSDP2Backend", "FSDP2Strategy", "GRPOModels", "GatheredGenerationEngine", "LocalBackend",

@@ -11,15 +11,14 @@ and :mod:`lightning_grpo.strategies.fsdp1` (FSDP1) share.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Iterator, Sequence
 
 from torch import Tensor, nn
 
-from lightning_grpo.protocols import multimodal
 from lightning_grpo.protocols.engine import EngineWrapper, RolloutEngine
-from lightning_grpo.protocols.images import RowImages
 from lightning_grpo.protocols.rollout import RolloutOutput
 from lightning_grpo.protocols.sampling import SamplingConfig
+from lightning_grpo.protocols.vision import RowImages
 
 #: Attribute set on every module :func:`lightning_grpo.strategies.fsdp.shard_model` shards: its
 #: ``reshard_after_forward`` (restored after a rollout).
@@ -119,11 +118,12 @@ class GatheredGenerationEngine(EngineWrapper):
 
     def generate(
         self, prompt_ids: Sequence[Sequence[int]], num_generations: int, sampling: SamplingConfig,
-        images: Optional[Sequence[Optional[RowImages]]] = None,
+        images: Sequence[RowImages] = (),
     ) -> RolloutOutput:
-        """``engine.generate`` with the policy's full parameters gathered once (a collective: every rank calls)."""
+        """``engine.generate`` (with ``images`` when a prompt has some) with the policy's full parameters gathered once
+        (a collective: every rank calls)."""
         with gathered_parameters(self.model):
-            return multimodal.generate(self.engine, prompt_ids, num_generations, sampling, images)
+            return super().generate(prompt_ids, num_generations, sampling, images)
 
 
 def full_state_dict(model: nn.Module, rank0_only: bool = False) -> dict[str, Tensor]:

@@ -25,10 +25,9 @@ What :class:`FSDP2Backend` (the backend of any ``ModelParallelStrategy``) does t
   group per rollout, and no collective inside ``generate``.
   :class:`~lightning_grpo.strategies._gather.GatheredGenerationEngine` wraps the HF engine with it.
 * The engines with their own weights (vLLM, the rollout servers) read them from
-  :class:`~lightning_grpo.strategies.weights.ModuleWeights` (one ``DTensor.full_tensor()`` per parameter, so never
-  the whole model at once);
-  :func:`~lightning_grpo.strategies._gather.full_state_dict` gathers
-  the whole state dict (HF export).
+  :class:`~lightning_grpo.strategies.module_weights.ModuleWeights` (one ``DTensor.full_tensor()`` per parameter, so
+  never the whole model at once); :func:`~lightning_grpo.strategies._gather.full_state_dict` gathers the whole state
+  dict (HF export).
 
 Gradients under FSDP2 are reduce-scattered and averaged over the data-parallel ranks, like DDP; the GRPO loss
 already multiplies by ``world_size`` and divides by the step's all-reduced normalizer
@@ -48,9 +47,9 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_grpo.strategies._gather import RESHARD_ATTR, GatheredGenerationEngine, full_state_dict, is_fsdp2
-from lightning_grpo.strategies.base import ClipFallback, GRPOModels, clips_by_norm
+from lightning_grpo.strategies.backend import ClipFallback, GRPOModels, clips_by_norm
 from lightning_grpo.strategies.local import LocalBackend, clip_grad_norm_
-from lightning_grpo.strategies.weights import ModuleWeights
+from lightning_grpo.strategies.module_weights import ModuleWeights
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -211,7 +210,7 @@ def shard_model(
 
 # ---------------------------------------------------------------------------------------------------- backend
 class FSDP2Backend(LocalBackend):
-    """:class:`~lightning_grpo.strategies.base.ParallelBackend` of a ``ModelParallelStrategy`` (and of
+    """:class:`~lightning_grpo.strategies.backend.ParallelBackend` of a ``ModelParallelStrategy`` (and of
     :class:`FSDP2Strategy`): FSDP2 over its data-parallel mesh (see the module docstring). Reductions are
     :class:`~lightning_grpo.strategies.local.LocalBackend`'s (``strategy.reduce`` over every process).
 

@@ -30,9 +30,9 @@ from torch.optim import Optimizer
 
 from lightning_grpo.models.hf_weights import has_separate_head
 from lightning_grpo.strategies._gather import GatheredGenerationEngine, full_state_dict, gathered_parameters, is_fsdp1
-from lightning_grpo.strategies.base import ClipFallback, GRPOModels, clips_by_norm
+from lightning_grpo.strategies.backend import ClipFallback, GRPOModels, clips_by_norm
 from lightning_grpo.strategies.local import LocalBackend
-from lightning_grpo.strategies.weights import ModuleWeights
+from lightning_grpo.strategies.module_weights import ModuleWeights
 
 
 def _wrap(model: nn.Module, strategy: FSDPStrategy, auto_wrap_policy: object) -> nn.Module:
@@ -58,7 +58,7 @@ def _root(model: Any) -> Optional[nn.Module]:
 
 
 class FSDP1Backend(LocalBackend):
-    """:class:`~lightning_grpo.strategies.base.ParallelBackend` of Lightning's ``FSDPStrategy`` (see the module
+    """:class:`~lightning_grpo.strategies.backend.ParallelBackend` of Lightning's ``FSDPStrategy`` (see the module
     docstring). Reductions are :class:`~lightning_grpo.strategies.local.LocalBackend`'s.
 
     Args:

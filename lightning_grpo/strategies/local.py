@@ -18,8 +18,8 @@ from torch.optim import Optimizer
 from lightning_grpo.algorithm import ObjectiveOutput
 from lightning_grpo.config import GRPOConfig
 from lightning_grpo.protocols.collectives import Collectives
-from lightning_grpo.strategies.base import ClipFallback, GRPOModels, StepObjective
-from lightning_grpo.strategies.weights import ModuleWeights
+from lightning_grpo.strategies.backend import ClipFallback, GRPOModels, StepObjective
+from lightning_grpo.strategies.module_weights import ModuleWeights
 from lightning_grpo.training.experience import Experience
 
 
@@ -61,7 +61,7 @@ def clip_grad_norm_(parameters: Iterable[Tensor], max_norm: float, norm_type: fl
 
 
 class LocalBackend:
-    """:class:`~lightning_grpo.strategies.base.ParallelBackend` for unsharded models (single device, DDP).
+    """:class:`~lightning_grpo.strategies.backend.ParallelBackend` for unsharded models (single device, DDP).
 
     Args:
         strategy: the Lightning strategy (its ``world_size`` and ``reduce``); None: one process.
@@ -72,7 +72,7 @@ class LocalBackend:
 
     def configure(self, models: GRPOModels) -> GRPOModels:
         """Nothing to shard: DDP replicates the models (Lightning wraps the module itself); the engines read the
-        policy's own weights (:class:`~lightning_grpo.strategies.weights.ModuleWeights`)."""
+        policy's own weights (:class:`~lightning_grpo.strategies.module_weights.ModuleWeights`)."""
         return dataclasses.replace(models, weights=ModuleWeights(models.policy), scorer=None, sharded=False)
 
     def restore(self, models: GRPOModels) -> GRPOModels:

@@ -11,18 +11,20 @@ from torch import Tensor
 
 from lightning_grpo.functional import loss_normalizer
 from lightning_grpo.protocols.collectives import Collectives
-from lightning_grpo.protocols.images import RowImages, images_to
 from lightning_grpo.protocols.rollout import RolloutOutput
 from lightning_grpo.protocols.routing import NO_EXPERT
 from lightning_grpo.protocols.tokens import (
     PAD_ID,
     ROW_META,
+    UNSET,
     Layout,
+    fill_unset,
     select_rows,
     token_fields,
     token_meta,
     trim_columns,
 )
+from lightning_grpo.protocols.vision import RowImages, images_to
 from lightning_grpo.training.packing import sequence_token_counts, token_budget_partition
 
 
@@ -90,14 +92,15 @@ class Experience:
         metrics: rollout metrics (reward, lengths, timings), attached to step-end micro-batches.
         rows: ``(N,)`` long, the rows of the rollout's experience this micro-batch holds (a canonical order for
             step-level random choices), else None.
-        env_mask: multi-turn episodes: ``(N, T)`` long, 1 on the environment's tokens of the rows with loss tokens
+        env_mask: ``(N, T)`` long, 1 on the environment's tokens of multi-turn episodes in the rows with loss tokens
             (tool results, observations: context the forward pass attends to, with no loss and no gradient;
             ``completion_mask`` holds the model's tokens only, so the loss, KL, entropy and every ``loss_type``'s
-            normalizer count those only); None for single-turn rollouts. See :attr:`completion_attention_mask`.
-        images: vision-language prompts: each row's images (:class:`~lightning_grpo.protocols.images.PromptImage`:
-            ``pixel_values`` and grid sizes), in the order of their placeholder runs in the row's ids; a prompt's G
-            rows share one tuple, and every cut (mini-, micro-batch, token budget) takes each row's own. None (or a
-            None row) without images.
+            normalizer count those only); all 0 for single-turn rollouts (the default: left out, it is filled). See
+            :attr:`completion_attention_mask`.
+        images: each row's images (:class:`~lightning_grpo.protocols.vision.PromptImage`: ``pixel_values`` and grid
+            sizes; vision-language prompts), in the order of their placeholder runs in the row's ids; a prompt's G
+            rows share one tuple, and every cut (mini-, micro-batch, token budget) takes each row's own. ``()`` for a
+            row without images (the default: left out, one ``()`` per row).
         teacher_logprobs: ``(N, T)`` float32 teacher logprobs of the completion tokens (on-policy distillation,
             ``GRPOConfig.distillation``), else None.
         completion_versions: ``(N, T)`` long, the weight version that sampled each completion token (the rollout's
@@ -128,13 +131,25 @@ class Experience:
     on_policy: bool = True
     metrics: dict[str, float] = field(default_factory=dict)
     rows: Optional[Tensor] = field(default=None, metadata=ROW_META)
-    env_mask: Optional[Tensor] = field(default=None, metadata=token_meta(Layout.COMPLETION, 0))
-    images: Optional[list[Optional[RowImages]]] = None
+    env_mask: Tensor = field(default=UNSET, metadata=token_meta(Layout.COMPLETION, 0))
+    images: list[RowImages] = field(default_factory=list)
     teacher_logprobs: Optional[Tensor] = field(default=None, metadata=token_meta(Layout.COMPLETION, 0.0))
     completion_versions: Optional[Tensor] = field(default=None, metadata=token_meta(Layout.COMPLETION, -1))
     step_plan: Optional[StepPlan] = None
     prompt_routed_experts: Optional[Tensor] = field(default=None, metadata=token_meta(Layout.PROMPT, NO_EXPERT))
     completion_routed_experts: Optional[Tensor] = field(default=None, metadata=token_meta(Layout.COMPLETION, NO_EXPERT))
+
+    def __post_init__(self) -> None:
+        """Fill ``env_mask`` and ``images`` when they were left out (all 0; ``()`` per row).
+
+        Raises:
+            ValueError: ``images`` given, but not one per row.
+        """
+        fill_unset(self)
+        if not self.images:
+            self.images = [()] * len(self)
+        if len(self.images) != len(self):
+            raise ValueError(f"Experience has {len(self.images)} image entries for {len(self)} rows: one per row")
 
     @classmethod
     def of(cls, rollout: RolloutOutput, device: torch.device) -> "Experience":
@@ -150,10 +165,8 @@ class Experience:
 
     @property
     def completion_attention_mask(self) -> Tensor:
-        """``(N, T)`` long, the completion tokens the forward pass attends to: ``completion_mask``, and with
-        ``env_mask`` the environment's tokens too (a prefix mask in every row with loss tokens, all 0 in the others)."""
-        if self.env_mask is None:
-            return self.completion_mask
+        """``(N, T)`` long, the completion tokens the forward pass attends to: ``completion_mask`` and ``env_mask``, the
+        environment's tokens (a prefix mask in every row with loss tokens, all 0 in the others)."""
         return (self.completion_mask.bool() | self.env_mask.bool()).long()
 
     def step_members(self) -> tuple["Experience", ...]:
@@ -163,7 +176,7 @@ class Experience:
 
     def select(self, index: Tensor) -> "Experience":
         """Rows ``index`` (a 1-D long tensor), with all-padding columns trimmed away."""
-        images = None if self.images is None else [self.images[i] for i in index.tolist()]
+        images = [self.images[i] for i in index.tolist()]
         selected = replace(self, **select_rows(self, index), metrics={}, images=images, step_plan=None)
         return selected.trimmed()
 

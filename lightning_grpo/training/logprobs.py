@@ -13,8 +13,9 @@ default) the logprobs are computed from the output layer's input chunk by chunk
 Multi-turn episodes lay out their environment tokens too
 (:attr:`~lightning_grpo.training.experience.Experience.completion_attention_mask`: attended to, their logprobs computed
 and masked out of the loss). A vision-language policy gets each layout's images and 3-D positions
-(:mod:`lightning_grpo.training.vision`); its image placeholder tokens are out of the distribution, as the engines
-never sample them (``banned_token_ids``). A backend whose models score their completions themselves (the Megatron
+(:mod:`lightning_grpo.training.vision_layouts`); its image placeholder tokens are out of the distribution, as the
+engines never sample them (``banned_token_ids``). A backend whose models score their completions themselves (the
+Megatron
 policy: vocab-parallel) says so once, with a :class:`CompletionScorer` (``GRPOModels.scorer``,
 :meth:`CompletionLogprobs.use`).
 """
@@ -42,8 +43,8 @@ from lightning_grpo.training.packing import (
     shared_prefix_rows,
     token_budget_partition,
 )
-from lightning_grpo.training.routing import PolicyRouting
-from lightning_grpo.training.vision import VisionInputs
+from lightning_grpo.training.routing_replay import PolicyRouting
+from lightning_grpo.training.vision_layouts import VisionInputs
 
 log = logging.getLogger(__name__)
 
@@ -154,7 +155,7 @@ class CompletionLogprobs:
         Raises:
             ValueError: a batch with images for a policy without images (no ``vision``).
         """
-        if batch.images is None or not any(batch.images):
+        if not any(batch.images):
             return None
         if self.vision is None:
             raise ValueError("the experience has images, but the policy is not a vision-language model: load it from "
@@ -179,7 +180,7 @@ class CompletionLogprobs:
                 raise ValueError(f"{type(model).__name__} scores its completions itself, without the forward layouts "
                                  "that per-position inputs (routing replay, the load-balancing loss) need: set "
                                  "GRPOConfig.routing_replay='off' and router_aux_loss_coef=0 with this backend")
-            if batch.images is not None and any(batch.images):
+            if any(batch.images):
                 raise ValueError(f"{type(model).__name__} scores text only: images in the prompts need an HF "
                                  "vision-language policy (single device, DDP or FSDP2)")
             check_untruncated_scoring(self.config, type(model).__name__, entropy_grad)

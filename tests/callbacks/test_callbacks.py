@@ -18,7 +18,7 @@ from lightning_grpo import GRPOConfig, GRPOModule
 from lightning_grpo import functional as F
 from lightning_grpo.callbacks import CompletionTable, GRPOCallback, GRPOProgressBar
 from lightning_grpo.data import PromptDataModule
-from lightning_grpo.data.module import collate_prompts
+from lightning_grpo.data.datamodule import collate_prompts
 from lightning_grpo.events import ExperienceReady, RolloutEnd
 from support.fixtures import alternating_reward
 

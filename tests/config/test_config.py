@@ -107,7 +107,7 @@ def test_a_run_resolves_its_auto_values_and_leaves_the_config_as_given(tiny_llam
     and the chosen budget is the one the micro-batches keep to."""
     import torch
 
-    import lightning_grpo.rollout.registry as registry
+    import lightning_grpo.rollout.engine_registry as registry
     from lightning_grpo.data import PromptDataModule
     from support.algorithm import quiet_trainer, write_prompts
 

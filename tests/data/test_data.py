@@ -10,8 +10,8 @@ from jsonargparse import ArgumentParser
 from transformers import AutoTokenizer
 
 from lightning_grpo.data import PromptDataModule
-from lightning_grpo.data import module as data_module
-from lightning_grpo.data.module import (
+from lightning_grpo.data import datamodule as data_module
+from lightning_grpo.data.datamodule import (
     DATA_DIR_ENV,
     DEFAULT_SYSTEM_PROMPT,
     collate_prompts,
@@ -214,7 +214,7 @@ def test_too_long_prompts_dropped(tmp_path, smollm2_path, caplog):
     limit = short_lengths[-1]  # the longest short prompt is kept (<= limit)
     assert min(lengths[3], lengths[7]) > 800 > limit
     dm = PromptDataModule(path, prompts_per_step=1, tokenizer=smollm2_path, max_prompt_length=limit)
-    with caplog.at_level(logging.WARNING, logger="lightning_grpo.data.module"):
+    with caplog.at_level(logging.WARNING, logger="lightning_grpo.data.datamodule"):
         dm.setup("fit")
     assert dm.train_dataset["question"] == [row["question"] for row in short]
     assert f"Dropped 2 of 8 train prompts longer than max_prompt_length={limit}" in caplog.text

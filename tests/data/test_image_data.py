@@ -1,4 +1,4 @@
-"""Image columns in PromptDataModule (lightning_grpo.data.images):
+"""Image columns in PromptDataModule (lightning_grpo.data.image_columns):
 
 * an image column of file paths (one per row, or a list: several per prompt), of bytes, or of ``datasets.Image``
   values (Parquet, decoded to PIL): each batch's prompts hold the pictures in their image parts, in order, before

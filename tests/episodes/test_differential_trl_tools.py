@@ -34,6 +34,7 @@ from lightning_grpo.episodes import (  # noqa: E402
     as_tools,
     calculator,
 )
+from lightning_grpo.protocols.sampler import EncodedPrompts  # noqa: E402
 from lightning_grpo.protocols.sampling import SamplingConfig  # noqa: E402
 from support.episodes import ScriptedEngine  # noqa: E402
 
@@ -99,7 +100,7 @@ def test_completion_ids_and_tool_mask_equal_trls(tiny_llama_full_vocab_path, qwe
                            max_tokens=256)
     prompt_ids, _ = runner.encode_prompts([[{"role": "user", "content": q}] for q in QUESTIONS], 4096)
     engine = ScriptedEngine(qwen_tokenizer, lambda call, row, prefix: next_turn(qwen_tokenizer, prefix))
-    out = runner.sample(engine, prompt_ids, 2, SamplingConfig(max_new_tokens=256))
+    out = runner.sample(engine, EncodedPrompts.of(prompt_ids), 2, SamplingConfig(max_new_tokens=256))
 
     assert [len(p) for p, _, _ in engine.calls] == [3, 4, 2] and trl_calls == [6, 4, 2]  # one generate per turn
     assert [e.model_turns for e in out.episodes] == [2, 2, 1, 1, 3, 3]

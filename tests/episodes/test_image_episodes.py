@@ -1,4 +1,4 @@
-"""Image observations in multi-turn episodes (lightning_grpo.episodes.runner with a vision-language policy):
+"""Image observations in multi-turn episodes (lightning_grpo.episodes.turn_loop with a vision-language policy):
 
 * an environment that shows a picture: its observation's image part becomes the model's placeholder run in the
   environment tokens, and the picture joins the row's images after the prompt's;
@@ -19,9 +19,10 @@ from lightning_grpo.config import EpisodeConfig
 from lightning_grpo.episodes import BaseEnvironment, EnvStep
 from lightning_grpo.episodes.build import rollout_path
 from lightning_grpo.protocols.rollout import StopFlag
+from lightning_grpo.protocols.sampler import EncodedPrompts
 from lightning_grpo.protocols.sampling import SamplingConfig
 from lightning_grpo.rollout.engines.hf import HFRolloutEngine
-from lightning_grpo.rollout.images import ImagePrompts
+from lightning_grpo.rollout.image_prompts import ImagePrompts
 from lightning_grpo.training.experience import Experience
 from lightning_grpo.training.logprobs import CompletionLogprobs
 from support.vision import Loaded, image_prompt, picture
@@ -61,7 +62,7 @@ def _episodes(qwen):
     engine = HFRolloutEngine(qwen.policy, qwen.tokenizer, report_logprobs=True, vision=qwen.spec)
     sampling = SamplingConfig(max_new_tokens=6, temperature=1.0, banned_token_ids=qwen.spec.banned_token_ids)
     torch.manual_seed(0)
-    return encoded, sampler.sample(engine, encoded.ids, 2, sampling, [{}, {}], images=encoded.images)
+    return encoded, sampler.sample(engine, encoded, 2, sampling)
 
 
 def test_an_observed_picture_becomes_the_rows_next_image(qwen):
@@ -109,4 +110,4 @@ def test_a_text_policy_is_refused_an_image_observation(tiny_llama_path):
     with torch.no_grad():
         model.lm_head.weight[tokenizer.eos_token_id] += 100.0 * model.model.norm.weight  # every turn ends at once
     with pytest.raises(ValueError, match="observation has images, but the policy is not a vision-language model"):
-        sampler.sample(engine, ids, 1, SamplingConfig(max_new_tokens=4), [{}])
+        sampler.sample(engine, EncodedPrompts.of(ids), 1, SamplingConfig(max_new_tokens=4))

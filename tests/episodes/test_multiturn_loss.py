@@ -108,7 +108,7 @@ def test_step_normalizer_of_micro_batches_counts_model_tokens_only():
     batches = list(micro_batches(experience, mini_batch_size=4, accumulate_grad_batches=2, num_iterations=1,
                                  loss_type="dapo", max_new_tokens=MAX_NEW))
     assert [b.loss_normalizer for b in batches] == [10.0, 10.0]
-    assert all(b.env_mask is not None and b.env_mask.shape == b.completion_mask.shape for b in batches)
+    assert all(b.env_mask.shape == b.completion_mask.shape for b in batches)
 
 
 @pytest.fixture(scope="module")

@@ -51,8 +51,8 @@ def test_training_on_episodes(talkative_llama, prompt_file, tmp_path):
     trainer.fit(module, datamodule=PromptDataModule(dataset=prompt_file, prompts_per_step=2, val_size=0))
     assert trainer.global_step == 2
     batch, rollout = events.experiences[0], events.rollouts[0]  # the rollout's rows in order
-    assert batch.env_mask is not None and batch.env_mask.sum() > 0
-    assert recorder.batches[0].env_mask is not None  # and the micro-batches carry it
+    assert batch.env_mask.sum() > 0
+    assert sum(int(b.env_mask.sum()) for b in recorder.batches) > 0  # and the micro-batches carry it
     records = rollout.episodes
     assert records is not None and len(records) == 8
     for i, record in enumerate(records):

@@ -68,7 +68,8 @@ def _check_on_policy(recorder, rollouts):
         assert metrics["sampling/importance_sampling_ratio/mean"] == pytest.approx(1.0, abs=1e-3)
         assert metrics["sampling/importance_sampling_ratio/max"] < 1.01
     assert recorder.metrics[-1]["grad_norm"] > 0
-    assert all(b.sampler_logprobs is not None and b.env_mask is not None for b in recorder.batches)
+    assert all(b.sampler_logprobs is not None for b in recorder.batches)
+    assert sum(int(b.env_mask.sum()) for b in recorder.batches) > 0
     assert any(r.model_turns == 3 for rollout in rollouts.rollouts for r in rollout.episodes)
 
 

@@ -12,7 +12,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lightning_grpo.episodes import ChatFormat, EpisodeRunner, HermesToolCallParser
 from lightning_grpo.models.moe import MoeRouters
+from lightning_grpo.protocols.engine import EngineCapabilities
 from lightning_grpo.protocols.rollout import completion_mask_from_eos
+from lightning_grpo.protocols.sampler import EncodedPrompts
 from lightning_grpo.protocols.sampling import SamplingConfig
 from lightning_grpo.rollout.engines.hf import HFRolloutEngine
 from support.episodes import EchoEnvironment
@@ -23,7 +25,7 @@ class EndingEngine:
     (a random tiny model never samples it). That token was never fed to the model, so its routed experts stay -1
     (the next turn's prefill records them)."""
 
-    uses_policy_parameters = True
+    capabilities = EngineCapabilities(uses_policy_parameters=True)
 
     def __init__(self, engine: HFRolloutEngine, eos: int) -> None:
         self.engine, self.eos, self.calls = engine, eos, 0
@@ -60,7 +62,7 @@ def test_each_tokens_experts_are_accumulated_over_the_turns(policy):
     prompts = [[{"role": "user", "content": "What is 1 + 1?"}], [{"role": "user", "content": "Say hi"}]]
     prompt_ids, _ = runner.encode_prompts(prompts, 1024)
     torch.manual_seed(0)
-    out = runner.sample(engine, prompt_ids, 2, SamplingConfig(max_new_tokens=6))
+    out = runner.sample(engine, EncodedPrompts.of(prompt_ids), 2, SamplingConfig(max_new_tokens=6))
     assert [e.model_turns for e in out.episodes] == [3] * 4 and out.env_mask.sum() > 0
     n, t = out.completion_ids.shape
     assert out.prompt_routed_experts.shape == (*out.prompt_ids.shape, 2, 2)

@@ -10,6 +10,7 @@ from lightning_grpo.config import EpisodeConfig, GRPOConfig
 from lightning_grpo.episodes import ChatFormat, EnvStep, EpisodeRunner, HermesToolCallParser, as_tools, episode_runner
 from lightning_grpo.protocols.engine import EngineCapabilities
 from lightning_grpo.protocols.rollout import RolloutInterrupted, StopFlag
+from lightning_grpo.protocols.sampler import EncodedPrompts
 from lightning_grpo.protocols.sampling import SamplingConfig
 from support.episodes import EchoEnvironment, ScriptedEngine
 
@@ -38,7 +39,7 @@ def test_trained_ids_are_prompt_sampled_turns_and_observations(tokenizer):
     engine = ScriptedEngine(tokenizer, lambda t, k, p: call if t == 0 else answer)
     runner = tool_runner(tokenizer)
     prompt_ids, _ = runner.encode_prompts(PROMPTS, 1024)
-    out = runner.sample(engine, prompt_ids, 2, SamplingConfig(max_new_tokens=64))
+    out = runner.sample(engine, EncodedPrompts.of(prompt_ids), 2, SamplingConfig(max_new_tokens=64))
     observation = runner.chat.env_turn_ids([{"role": "tool", "name": "calculator", "content": "56088"}])
     expected = call + observation + answer
     assert observation == encode(tokenizer, "\n<|im_start|>tool\n56088<|im_end|>\n<|im_start|>assistant\n")
@@ -76,7 +77,7 @@ def test_sampled_ids_are_trained_when_decode_then_encode_differs(tokenizer):
     engine = ScriptedEngine(tokenizer, lambda t, k, p: sampled if t == 0 else answer)
     runner = tool_runner(tokenizer)
     prompt_ids, _ = runner.encode_prompts(PROMPTS[:1], 1024)
-    out = runner.sample(engine, prompt_ids, 2, SamplingConfig(max_new_tokens=64))
+    out = runner.sample(engine, EncodedPrompts.of(prompt_ids), 2, SamplingConfig(max_new_tokens=64))
     n = int(out.env_mask[0].sum()) + len(sampled)
     assert out.completion_ids[0, n: n + len(answer)].tolist() == answer
     # and the next turn's prompt held the first turn's sampled ids, not a re-encoding
@@ -92,17 +93,18 @@ def test_budget_cuts_a_turn_and_drops_an_observation_that_does_not_fit(tokenizer
 
     prompt_ids, _ = tool_runner(tokenizer).encode_prompts(PROMPTS[:1], 1024)
     # budget 60: call (37) + observation (15) fit, the answer is cut to the 8 tokens left: truncated
-    out = tool_runner(tokenizer, max_tokens=60).sample(engine(), prompt_ids, 2, SamplingConfig(max_new_tokens=64))
+    prompts = EncodedPrompts.of(prompt_ids)
+    out = tool_runner(tokenizer, max_tokens=60).sample(engine(), prompts, 2, SamplingConfig(max_new_tokens=64))
     assert int((out.completion_mask[0] + out.env_mask[0]).sum()) == 60 and out.truncated.all()
     assert out.episodes[0].model_turns == 2 and not out.episodes[0].budget_exceeded
     assert out.completion_ids[0, 52:60].tolist() == long_answer[:8]
     # budget 52: the observation would leave no room for a model token: not appended, truncated, one turn
-    out = tool_runner(tokenizer, max_tokens=52).sample(engine(), prompt_ids, 2, SamplingConfig(max_new_tokens=64))
+    out = tool_runner(tokenizer, max_tokens=52).sample(engine(), prompts, 2, SamplingConfig(max_new_tokens=64))
     assert out.completion_ids.shape[1] == len(call) and out.env_mask.sum() == 0 and out.truncated.all()
     assert out.episodes[0].budget_exceeded and out.episodes[0].model_turns == 1 and out.episodes[0].tool_calls == 1
     # per turn at most max_new_tokens, the rest of the budget stays for later turns
     scripted = engine()
-    tool_runner(tokenizer, max_tokens=70, max_new_tokens=40).sample(scripted, prompt_ids, 2,
+    tool_runner(tokenizer, max_tokens=70, max_new_tokens=40).sample(scripted, EncodedPrompts.of(prompt_ids), 2,
                                                                  SamplingConfig(max_new_tokens=40))
     assert [s.max_new_tokens for _, _, s in scripted.calls] == [40, 70 - 52]
 
@@ -112,7 +114,7 @@ def test_max_turns_and_errors_are_observations(tokenizer):
     engine = ScriptedEngine(tokenizer, lambda t, k, p: bad + [EOS])
     runner = tool_runner(tokenizer, max_tokens=1000, max_turns=3)
     prompt_ids, _ = runner.encode_prompts(PROMPTS, 1024)
-    out = runner.sample(engine, prompt_ids, 2, SamplingConfig(max_new_tokens=64))
+    out = runner.sample(engine, EncodedPrompts.of(prompt_ids), 2, SamplingConfig(max_new_tokens=64))
     record = out.episodes[0]
     assert record.model_turns == 3 and not record.done and not record.truncated
     assert record.tool_calls == 3 and record.tool_errors == 3  # the last turn's call ran too; its result is not shown
@@ -129,7 +131,7 @@ def test_an_environment_with_state_and_reward(tokenizer):
     engine = ScriptedEngine(tokenizer, lambda t, k, p: encode(tokenizer, f"turn {t} of {k}") + [EOS])
     prompt_ids, _ = runner.encode_prompts(PROMPTS, 1024)
     rows = [{"prompt": PROMPTS[0], "answer": "56088"}, {"prompt": PROMPTS[1], "answer": "4"}]
-    out = runner.sample(engine, prompt_ids, 2, SamplingConfig(max_new_tokens=16), rows)
+    out = runner.sample(engine, EncodedPrompts.of(prompt_ids, rows), 2, SamplingConfig(max_new_tokens=16))
     assert EchoEnvironment.resets == [rows[0], rows[0], rows[1], rows[1]] and EchoEnvironment.closed == 4
     assert [e.env_reward for e in out.episodes] == [len(f"turn 2 of {k}") / 100 for k in range(4)]
     assert [e.model_turns for e in out.episodes] == [3] * 4 and all(e.done for e in out.episodes)
@@ -144,7 +146,7 @@ def test_episodes_end_at_different_turns_and_seeds_per_turn(tokenizer):
     engine = ScriptedEngine(tokenizer, lambda t, k, p: call if (t == 0 and k % 2) else answer)
     runner = tool_runner(tokenizer)
     prompt_ids, _ = runner.encode_prompts(PROMPTS, 1024)
-    out = runner.sample(engine, prompt_ids, 2, SamplingConfig(max_new_tokens=64, seed=1000))
+    out = runner.sample(engine, EncodedPrompts.of(prompt_ids), 2, SamplingConfig(max_new_tokens=64, seed=1000))
     assert [e.model_turns for e in out.episodes] == [1, 2, 1, 2]
     assert [s.seed for _, _, s in engine.calls] == [1000, 1000 + 1 * 4]
     assert len(engine.calls[1][0]) == 2  # episodes 1 and 3
@@ -161,7 +163,7 @@ def test_the_episodes_reward_columns_and_per_row_metrics(tokenizer):
     engine = ScriptedEngine(tokenizer, lambda t, k, p: script[k][0] if t == 0 else answer)
     runner = tool_runner(tokenizer, max_tokens=400)
     prompt_ids, _ = runner.encode_prompts(PROMPTS, 1024)
-    out = runner.sample(engine, prompt_ids, 2, SamplingConfig(max_new_tokens=96))
+    out = runner.sample(engine, EncodedPrompts.of(prompt_ids), 2, SamplingConfig(max_new_tokens=96))
     assert out.columns == {"transcript": [e.messages for e in out.episodes], "env_reward": [None] * 4}
     assert [(e.model_turns, e.tool_calls, e.tool_errors) for e in out.episodes] == [(1, 0, 0), (2, 2, 1), (1, 0, 0),
                                                                                     (2, 1, 1)]
@@ -185,25 +187,25 @@ def test_weight_versions_are_recorded_per_token(tokenizer):
     prompt_ids, _ = tool_runner(tokenizer).encode_prompts(PROMPTS[:1], 1024)
     same = ScriptedEngine(tokenizer, lambda t, k, p: call if t == 0 else answer, weight_versions=[5, 5])
     runner = tool_runner(tokenizer)
-    out = runner.sample(same, prompt_ids, 2, SamplingConfig(max_new_tokens=64))
+    out = runner.sample(same, EncodedPrompts.of(prompt_ids), 2, SamplingConfig(max_new_tokens=64))
     assert out.weight_version == 5 and [e.weight_version for e in out.episodes] == [5, 5]
     observation = len(runner.chat.env_turn_ids([{"role": "tool", "name": "calculator", "content": "56088"}]))
     for row in range(2):
         assert out.completion_versions[row].tolist() == [5] * len(call) + [-1] * observation + [5] * len(answer)
     mixed = ScriptedEngine(tokenizer, lambda t, k, p: call if t == 0 else answer, weight_versions=[5, 6])
-    out = tool_runner(tokenizer).sample(mixed, prompt_ids, 2, SamplingConfig(max_new_tokens=64))
+    out = tool_runner(tokenizer).sample(mixed, EncodedPrompts.of(prompt_ids), 2, SamplingConfig(max_new_tokens=64))
     assert out.weight_version == 5 and [e.weight_version for e in out.episodes] == [5, 5]  # the oldest
     assert out.completion_versions[0].tolist() == [5] * len(call) + [-1] * observation + [6] * len(answer)
     # the first turn spans an update after its third token (the engine reports per-token versions)
     spanning = ScriptedEngine(tokenizer, lambda t, k, p: call if t == 0 else answer,
                               token_versions=lambda t, k: 7 + t + (t == 0 and k >= 3))
-    out = tool_runner(tokenizer).sample(spanning, prompt_ids, 2, SamplingConfig(max_new_tokens=64))
+    out = tool_runner(tokenizer).sample(spanning, EncodedPrompts.of(prompt_ids), 2, SamplingConfig(max_new_tokens=64))
     assert out.completion_versions[1].tolist() == ([7] * 3 + [8] * (len(call) - 3) + [-1] * observation
                                                    + [8] * len(answer))
     assert out.weight_version == 7 and out.episodes[1].weight_version == 7
     assert out.completion_versions[:, len(call) + observation + len(answer):].eq(-1).all()  # padding
     unversioned = ScriptedEngine(tokenizer, lambda t, k, p: call if t == 0 else answer)
-    assert tool_runner(tokenizer).sample(unversioned, prompt_ids, 2,
+    assert tool_runner(tokenizer).sample(unversioned, EncodedPrompts.of(prompt_ids), 2,
                                          SamplingConfig(max_new_tokens=64)).completion_versions is None
 
 
@@ -217,7 +219,8 @@ def test_stop_flag_and_environment_errors(tokenizer):
         return call
 
     with pytest.raises(RolloutInterrupted):
-        runner.sample(ScriptedEngine(tokenizer, stop_after_first), prompt_ids, 2, SamplingConfig(max_new_tokens=64))
+        runner.sample(ScriptedEngine(tokenizer, stop_after_first), EncodedPrompts.of(prompt_ids), 2,
+                      SamplingConfig(max_new_tokens=64))
     runner.stop.clear()
 
     class Broken(EchoEnvironment):
@@ -227,10 +230,10 @@ def test_stop_flag_and_environment_errors(tokenizer):
     chat = ChatFormat(tokenizer, [EOS], [], HermesToolCallParser())
     broken = EpisodeRunner(chat, Broken, max_turns=4, max_tokens=200)
     with pytest.raises(RuntimeError, match=r"an environment's step raised \(episodes \[0, 1\]\): the game server"):
-        broken.sample(ScriptedEngine(tokenizer, lambda t, k, p: call), prompt_ids, 2, SamplingConfig(max_new_tokens=64))
-    with pytest.raises(ValueError, match="2 dataset rows for 1 prompts"):
-        broken.sample(ScriptedEngine(tokenizer, lambda t, k, p: call), prompt_ids, 2, SamplingConfig(max_new_tokens=64),
-                   rows=[{}, {}])
+        broken.sample(ScriptedEngine(tokenizer, lambda t, k, p: call), EncodedPrompts.of(prompt_ids), 2,
+                      SamplingConfig(max_new_tokens=64))
+    with pytest.raises(ValueError, match="EncodedPrompts has 1 image entries and 2 rows for 1 prompts"):
+        EncodedPrompts.of(prompt_ids, rows=[{}, {}])
 
 
 class Counted(EchoEnvironment):
@@ -278,10 +281,10 @@ def test_every_environment_made_is_closed_exactly_once(tokenizer, case):
     expected = {"normal": None, "step_error": RuntimeError, "stop_request": RolloutInterrupted,
                 "reset_error": RuntimeError}[case]
     if expected is None:
-        runner.sample(engine, prompt_ids, 2, SamplingConfig(max_new_tokens=16))
+        runner.sample(engine, EncodedPrompts.of(prompt_ids), 2, SamplingConfig(max_new_tokens=16))
     else:
         with pytest.raises(expected):
-            runner.sample(engine, prompt_ids, 2, SamplingConfig(max_new_tokens=16))
+            runner.sample(engine, EncodedPrompts.of(prompt_ids), 2, SamplingConfig(max_new_tokens=16))
     made = 3 if case == "reset_error" else 4
     assert [(e.resets, e.closes) for e in Counted.made] == [(1, 1)] * made
 
@@ -302,7 +305,8 @@ def test_lockstep_with_processes_whose_episodes_run_longer(tokenizer):
         other = next(others)
         return flag or other
 
-    out = runner.sample(engine, prompt_ids, 2, SamplingConfig(max_new_tokens=64), any_process=any_process)
+    prompts = EncodedPrompts.of(prompt_ids)
+    out = runner.sample(engine, prompts, 2, SamplingConfig(max_new_tokens=64), any_process=any_process)
     # turn 1 is ours; the other process runs two more turns: two one-token calls from this one, then all stop
     assert [(len(p), s.max_new_tokens) for p, _, s in engine.calls] == [(1, 64), (2, 64), (1, 1), (1, 1)]
     assert agreed == [False, True, False, False, False, False, False, False]
@@ -310,9 +314,9 @@ def test_lockstep_with_processes_whose_episodes_run_longer(tokenizer):
     # engines with their own weights do not need the agreement
     own = ScriptedEngine(tokenizer, lambda t, k, p: call if t == 0 else answer)
     own.capabilities = EngineCapabilities()
-    runner.sample(own, prompt_ids, 2, SamplingConfig(max_new_tokens=64), any_process=lambda flag: pytest.fail("asked"))
+    runner.sample(own, prompts, 2, SamplingConfig(max_new_tokens=64), any_process=lambda flag: pytest.fail("asked"))
     # a stop on another process
     stopping = ScriptedEngine(tokenizer, lambda t, k, p: call if t == 0 else answer)
     with pytest.raises(RolloutInterrupted):
-        runner.sample(stopping, prompt_ids, 2, SamplingConfig(max_new_tokens=64), any_process=lambda flag: True)
+        runner.sample(stopping, prompts, 2, SamplingConfig(max_new_tokens=64), any_process=lambda flag: True)
     assert len(stopping.calls) == 1

@@ -35,9 +35,14 @@ def test_rows_of_two_rounds_are_found_by_row_index_with_their_metrics():
     assert turns.values.tolist() == [4.0, 1.0] and turns.weights().tolist() == [2.0, 1.0]  # a round without counts: 1
 
 
-def test_single_turn_rows_have_no_episodes_and_no_metrics():
+def test_single_turn_rows_are_one_turn_episodes_the_event_leaves_out_and_have_no_metrics():
+    """A single-turn rollout's rows are one-turn episodes (its one model turn: the 2 completion tokens, its text);
+    the rollout event carries no episodes for them, as before every row had one."""
     rows = RolloutRows()
     index = rows.add(["p"], {}, _output(["a"]))
+    (row,) = rows.select(index)
+    assert row.episode == EpisodeRecord.one_turn("a", 2, truncated=False) and row.episode.single_turn
+    assert row.episode.turns[0].messages == [{"role": "assistant", "content": "a"}] and row.episode.done
     assert rows.episodes(index) is None and rows.metrics(index) == {} and len(rows) == 1
 
 

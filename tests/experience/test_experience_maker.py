@@ -221,9 +221,9 @@ class TaggingSampler:
     def __init__(self):
         self.calls = []
 
-    def sample(self, engine, prompt_ids, num_generations, sampling, rows, any_process=None):
-        self.calls.append((list(rows), any_process))
-        out = engine.generate(prompt_ids, num_generations, sampling)
+    def sample(self, engine, prompts, num_generations, sampling, any_process=None):
+        self.calls.append((prompts.rows, any_process))
+        out = engine.generate(prompts.ids, num_generations, sampling)
         lengths = out.completion_mask.sum(dim=1).double()
         out.columns = {"tag": [f"tag {i}" for i in range(len(out.completions))]}
         out.metrics = {"tags/length": RowMetric(lengths), "tags/longest": RowMetric(lengths, reduce="max"),

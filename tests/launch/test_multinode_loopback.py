@@ -40,7 +40,7 @@ from lightning_grpo.launch.health import read_health  # noqa: E402
 from lightning_grpo.rollout.engines.probe import probe_sequences  # noqa: E402
 from lightning_grpo.rollout.server.client import ServerClient  # noqa: E402
 from lightning_grpo.rollout.server.security import read_secret  # noqa: E402
-from lightning_grpo.strategies.weights import ModuleWeights  # noqa: E402
+from lightning_grpo.strategies.module_weights import ModuleWeights  # noqa: E402
 from support.dist import free_port  # noqa: E402
 from support.lanes import require_engine_lane  # noqa: E402
 from support.launch_report import write_prompts  # noqa: E402

@@ -12,7 +12,7 @@ from lightning.pytorch.utilities.combined_loader import CombinedLoader
 from torch.utils.data import DataLoader
 
 from lightning_grpo import GRPOConfig
-from lightning_grpo.data.module import collate_prompts
+from lightning_grpo.data.datamodule import collate_prompts
 from lightning_grpo.loop.cursor import CURSOR_KEY, LEGACY_KEYS, PARTIAL, PREFETCHED, PROMPT_BATCHES, RNG
 from lightning_grpo.loop.fetcher import ExperienceFetcher
 from lightning_grpo.loop.fit_loop import GRPOFitLoop, install_loop

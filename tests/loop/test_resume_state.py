@@ -55,6 +55,19 @@ def test_an_experience_round_trips_as_plain_data():
     assert restored.metrics == {"reward": 1.0}
 
 
+def test_an_experience_saved_before_every_row_had_its_env_mask_and_images_loads():
+    """A checkpoint's experience of a single-turn rollout saved with None for ``env_mask`` and ``images`` gets an
+    all-zero mask (its attention mask is the completion mask) and no images per row."""
+    experience = Experience(prompt_ids=torch.tensor([[1, 2], [1, 2]]), prompt_mask=torch.ones(2, 2, dtype=torch.long),
+                            completion_ids=torch.tensor([[3, 4], [5, 6]]),
+                            completion_mask=torch.tensor([[1, 0], [1, 1]]), advantages=torch.tensor([0.5, -0.5]))
+    old = experience_state(experience)
+    old.update(env_mask=None, images=None)
+    restored = experience_from_state(_roundtrip(old), torch.device("cpu"))
+    assert restored.env_mask.tolist() == [[0, 0], [0, 0]] and restored.images == [(), ()]
+    assert restored.completion_attention_mask.tolist() == [[1, 0], [1, 1]]
+
+
 def test_this_process_takes_its_entry_and_refuses_another_process_count():
     assert this_process(None, "RNG states") is None
     assert this_process(["only"], "RNG states") == "only"

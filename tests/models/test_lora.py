@@ -31,8 +31,8 @@ from lightning_grpo.protocols.engine import EngineCapabilities
 from lightning_grpo.protocols.rollout import StopFlag
 from lightning_grpo.protocols.sampling import SamplingConfig
 from lightning_grpo.rollout.adapter import as_rollout_engine
+from lightning_grpo.rollout.engine_registry import EngineSpec, make_engine
 from lightning_grpo.rollout.engines.hf import HFRolloutEngine
-from lightning_grpo.rollout.registry import EngineSpec, make_engine
 from lightning_grpo.strategies import FSDP1Backend, GRPOModels
 from lightning_grpo.training.experience import Experience
 from support.algorithm import FixedRolloutEngine, fixed_completions, write_prompts
@@ -374,7 +374,7 @@ def test_a_lora_run_with_the_hf_engine_syncs_nothing_and_times_each_part_exactly
     import time
 
     from lightning_grpo.rewards import pooled
-    from lightning_grpo.strategies import weights as weights_module
+    from lightning_grpo.strategies import module_weights as weights_module
 
     clock = [100.0]
     monkeypatch.setattr(time, "perf_counter", lambda: clock[0])

@@ -1,5 +1,5 @@
-"""Vision-language checkpoints (lightning_grpo.models.vision): which configs are ones and their image facts, loading
-through ``GRPOModule(model=...)`` with the processor beside them (PIL image processors, no torchvision), the
+"""Vision-language checkpoints (lightning_grpo.models.vision_loading): which configs are ones and their image facts,
+loading through ``GRPOModule(model=...)`` with the processor beside them (PIL image processors, no torchvision), the
 processor's resize rule, and the errors for a processor without images or images without a processor."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import torch
 from transformers import AutoConfig, AutoTokenizer
 
 from lightning_grpo import GRPOConfig, GRPOModule
-from lightning_grpo.models.vision import load_image_processor, load_vision_policy, qwen_size
+from lightning_grpo.models.vision_loading import load_image_processor, load_vision_policy, qwen_size
 from lightning_grpo.protocols.vision import vision_spec
-from lightning_grpo.rollout.images import ImagePrompts
+from lightning_grpo.rollout.image_prompts import ImagePrompts
 
 
 def test_image_facts_of_each_family(tiny_qwen_vl_path, tiny_qwen3_vl_path, tiny_llava_path, tiny_llama_path):
@@ -83,17 +83,17 @@ def test_an_engine_checkpoint_of_a_module_holds_its_image_processor(tiny_qwen_vl
     from transformers import AutoConfig
 
     from lightning_grpo.config import EngineConfig
-    from lightning_grpo.rollout import registry
+    from lightning_grpo.rollout import engine_registry
     from support.algorithm import FixedRolloutEngine
 
-    monkeypatch.setattr(registry, "_REGISTERED", {})
+    monkeypatch.setattr(engine_registry, "_REGISTERED", {})
     folders = []
 
     def factory(spec):
         folders.append(spec.checkpoint())
         return FixedRolloutEngine(torch.tensor([[1]]), 0)
 
-    registry.register_engine("saved", factory)
+    engine_registry.register_engine("saved", factory)
     policy = load_vision_policy(tiny_qwen_vl_path, torch.float32)
     policy.config._name_or_path = ""  # as a module built in code: no folder to load an engine from
     module = GRPOModule(policy, tokenizer=tiny_qwen_vl_path, processor=tiny_qwen_vl_path,

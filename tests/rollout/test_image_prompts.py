@@ -1,4 +1,4 @@
-"""Prompts with images (lightning_grpo.rollout.images, lightning_grpo.protocols.images):
+"""Prompts with images (lightning_grpo.rollout.image_prompts, lightning_grpo.protocols.vision):
 
 * the ids and pixels are the model's processor's: LLaVA's ``LlavaProcessor`` gives the same ids and
   ``pixel_values``; a Qwen-VL image becomes ``t*h*w/4`` tokens of the processor's own grid and its pixels;
@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 import torch
 
-from lightning_grpo.protocols.images import PromptImage, collapse_runs, row_images_from_state, row_images_state
+from lightning_grpo.protocols.vision import PromptImage, collapse_runs, row_images_from_state, row_images_state
 from lightning_grpo.rollout.engines.multimodal import bad_words, check_expansion, vllm_prompt
-from lightning_grpo.rollout.images import pictures_from_state, pictures_state
+from lightning_grpo.rollout.image_prompts import pictures_from_state, pictures_state
 from support.vision import Loaded, image_prompt, picture
 
 
@@ -83,7 +83,7 @@ def test_a_long_prompt_loses_text_never_an_image(qwen):
 
 
 def test_a_template_that_does_not_write_images_is_refused(qwen):
-    from lightning_grpo.rollout.images import ImagePrompts
+    from lightning_grpo.rollout.image_prompts import ImagePrompts
     from lightning_grpo.rollout.prompts import TemplatePrompts
 
     tokenizer = qwen.tokenizer.__class__.from_pretrained(qwen.path)
@@ -127,7 +127,7 @@ def test_pictures_and_images_survive_a_checkpoint(qwen):
     images = [picture("red", (64, 48)), picture("blue", (33, 47))]
     batch = {"prompt": [image_prompt("Two.", *images)], "answer": ["red"]}
     encoded = qwen.prompts.encode_image_prompts(batch["prompt"], 4096)
-    rows = [encoded.images[0], encoded.images[0], None]
+    rows = [encoded.images[0], encoded.images[0], ()]
     buffer = io.BytesIO()
     torch.save({"batch": pictures_state(batch), "images": row_images_state(rows)}, buffer)
     buffer.seek(0)
@@ -137,7 +137,10 @@ def test_pictures_and_images_survive_a_checkpoint(qwen):
     for part, original in zip(parts[:2], images, strict=True):
         assert np.array_equal(np.asarray(part["image"]), np.asarray(original))
     restored = row_images_from_state(state["images"])
-    assert restored[0] is restored[1] and restored[2] is None  # rows that shared their images share them again
+    assert restored[0] is restored[1] and restored[2] == ()  # rows that shared their images share them again
+    table, saved_rows = state["images"]
+    assert row_images_from_state([table, [*saved_rows[:2], None]])[2] == ()  # a checkpoint's None row: no images
+    assert row_images_from_state(None) == []  # a checkpoint's rollout without images
     for a, b in zip(restored[0], encoded.images[0], strict=True):
         assert a.num_tokens == b.num_tokens and a.grid == b.grid
         assert all(torch.equal(a.tensors[k], b.tensors[k]) for k in b.tensors)

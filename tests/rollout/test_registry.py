@@ -4,14 +4,14 @@ members (adapted, and trained with end to end), and capability-driven behaviour 
 import pytest
 import torch
 
-import lightning_grpo.rollout.registry as registry
+import lightning_grpo.rollout.engine_registry as registry
 from lightning_grpo import EngineConfig, GRPOConfig, GRPOModule
 from lightning_grpo.data import PromptDataModule
 from lightning_grpo.protocols.engine import EngineCapabilities, RolloutEngine
 from lightning_grpo.protocols.rollout import StopFlag
 from lightning_grpo.rollout.adapter import CoreEngineAdapter, as_rollout_engine
+from lightning_grpo.rollout.engine_registry import EngineSpec, engine_names, make_engine, register_engine
 from lightning_grpo.rollout.engines.hf import HFRolloutEngine
-from lightning_grpo.rollout.registry import EngineSpec, engine_names, make_engine, register_engine
 from lightning_grpo.rollout.worker import RolloutWorker
 from support.algorithm import FixedRolloutEngine, Recorder, fixed_completions, quiet_trainer, write_prompts
 from support.engines import RecordingEngine, weights_of
@@ -234,8 +234,9 @@ def test_a_core_only_engine_that_declares_uses_policy_parameters_trains_as_one(t
                                                       sync_is_collective=False, returns_routed_experts=False)
     defaults = [r.getMessage() for r in caplog.records]
     assert defaults == ["rollout engine DeclaresPolicyParameters declares no seeds_per_request, sync_is_collective, "
-                        "returns_routed_experts: taking seeds_per_request=False, sync_is_collective=False, "
-                        "returns_routed_experts=False (RolloutEngine's defaults)"]
+                        "returns_routed_experts, accepts_images: taking seeds_per_request=False, "
+                        "sync_is_collective=False, returns_routed_experts=False, accepts_images=False (RolloutEngine's "
+                        "defaults)"]
     assert module.rollout.engine_version == 0  # it is the policy: nothing to push before the first rollout
     before = {n: p.detach().clone() for n, p in module.policy.named_parameters()}
     trainer = quiet_trainer(tmp_path, 2)

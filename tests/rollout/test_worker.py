@@ -14,7 +14,7 @@ from lightning_grpo.protocols.engine import EngineWrapper
 from lightning_grpo.protocols.sampling import SamplingConfig
 from lightning_grpo.rollout.adapter import CoreEngineAdapter
 from lightning_grpo.rollout.worker import RolloutWorker
-from lightning_grpo.strategies.weights import ModuleWeights
+from lightning_grpo.strategies.module_weights import ModuleWeights
 from lightning_grpo.training import metrics as metrics_module
 from lightning_grpo.training.metrics import StepTimer
 from lightning_grpo.training.nonfinite import NonFiniteError
@@ -220,14 +220,14 @@ class _Sampler:
     def __init__(self):
         self.calls = []
 
-    def sample(self, engine, prompt_ids, num_generations, sampling, rows, any_process=None):
-        self.calls.append((prompt_ids, num_generations, list(rows), any_process))
-        return engine.generate(prompt_ids, num_generations, sampling)
+    def sample(self, engine, prompts, num_generations, sampling, any_process=None):
+        self.calls.append((prompts.ids, num_generations, prompts.rows, prompts.images, any_process))
+        return engine.generate(prompts.ids, num_generations, sampling)
 
 
 def test_every_rollout_goes_through_the_prompt_encoder_and_sampler_it_was_made_with(tokenizer):
-    """The rollout path is given at construction (single-turn by default); the worker passes the dataset rows and,
-    on the trainer's thread, the processes' agreement."""
+    """The rollout path is given at construction (single-turn by default); the worker passes one record of the
+    prompts (their ids, images and dataset rows) and, on the trainer's thread, the processes' agreement."""
     default = RolloutWorker(GRPOConfig(), tokenizer)
     assert type(default.prompts).__name__ == "TemplatePrompts" and type(default.sampler).__name__ == "SingleTurnSampler"
     sampler = _Sampler()
@@ -238,8 +238,8 @@ def test_every_rollout_goes_through_the_prompt_encoder_and_sampler_it_was_made_w
     worker.sample_prompts(["ab", "abc"], 2, SamplingConfig(max_new_tokens=4), [{"x": 1}, {"x": 2}], agree)
     worker.sample_prompts(["abcd"], 1, SamplingConfig(max_new_tokens=4))
     assert engine.prompts == [[[2, 9], [3, 9]], [[4, 9]]]
-    assert sampler.calls == [([[2, 9], [3, 9]], 2, [{"x": 1}, {"x": 2}], agree.any_process),
-                             ([[4, 9]], 1, [{}], None)]
+    assert sampler.calls == [([[2, 9], [3, 9]], 2, [{"x": 1}, {"x": 2}], [(), ()], agree.any_process),
+                             ([[4, 9]], 1, [{}], [()], None)]
 
 
 #: A chat template that writes the text parts of a message's content and nothing of its image parts: with it, a causal

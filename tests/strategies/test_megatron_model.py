@@ -144,7 +144,7 @@ def test_activation_recompute_gives_the_same_gradients(model_parallel, tiny_mode
 
 
 def test_vocab_parallel_logprobs_equal_token_logprobs_at_tp1(model_parallel):
-    from lightning_grpo.strategies.megatron.logprobs import vocab_parallel_logprobs
+    from lightning_grpo.strategies.megatron.vocab_parallel import vocab_parallel_logprobs
 
     g = torch.Generator().manual_seed(3)
     logits = (torch.randn(2, 3, 50, generator=g) * 3).requires_grad_(True)

@@ -1,4 +1,4 @@
-"""The backend seam (``lightning_grpo.strategies.base``): which backend each Lightning strategy gets, the
+"""The backend seam (``lightning_grpo.strategies.backend``): which backend each Lightning strategy gets, the
 single-process backend's reductions and gradient handling, the engine wrappers' explicit forwarding, and the
 import rule that keeps backends below the LightningModule."""
 
@@ -22,9 +22,9 @@ from lightning_grpo.strategies import (
     ParallelBackend,
     backend_for,
 )
-from lightning_grpo.strategies.base import clips_by_norm
+from lightning_grpo.strategies.backend import clips_by_norm
 from lightning_grpo.strategies.megatron.strategy import MegatronStrategy
-from lightning_grpo.strategies.weights import ModuleWeights
+from lightning_grpo.strategies.module_weights import ModuleWeights
 
 
 @pytest.mark.parametrize(
@@ -171,7 +171,7 @@ def test_backends_never_import_the_module_or_the_loop():
     from test_architecture import GRAPH
 
     backends = {m: imports for m, imports in GRAPH.items() if m.startswith("lightning_grpo.strategies")}
-    assert {"lightning_grpo.strategies.base", "lightning_grpo.strategies.local", "lightning_grpo.strategies.fsdp",
+    assert {"lightning_grpo.strategies.backend", "lightning_grpo.strategies.local", "lightning_grpo.strategies.fsdp",
             "lightning_grpo.strategies.fsdp1", "lightning_grpo.strategies.megatron.strategy"} <= set(backends)
     for module, imports in backends.items():
         bad = [m for m in imports if m == "lightning_grpo.module" or m.startswith("lightning_grpo.loop")]

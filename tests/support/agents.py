@@ -10,6 +10,7 @@ from typing import Any, Callable, Optional
 from openai import OpenAI
 
 from lightning_grpo.episodes import AgentRollout, AgentSampler
+from lightning_grpo.protocols.sampler import EncodedPrompts
 from lightning_grpo.protocols.sampling import SamplingConfig
 from support.episodes import ScriptedEngine
 
@@ -60,7 +61,7 @@ def run_agents(tokenizer, agent: Callable, script: Optional[Callable] = None, *,
     sampler = AgentSampler(AgentRollout(agent, **settings), tokenizer, [EOS], max_turns=max_turns,
                            max_tokens=max_tokens, max_prompt_length=2048)
     ids, _ = sampler.encode_prompts([r.get("prompt", "q") for r in rows], 512)
-    out = sampler.sample(engine, ids, g, sampling or SamplingConfig(max_new_tokens=64), rows)
+    out = sampler.sample(engine, EncodedPrompts.of(ids, rows), g, sampling or SamplingConfig(max_new_tokens=64))
     return out, engine, sampler
 
 

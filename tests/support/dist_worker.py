@@ -33,7 +33,7 @@ from lightning_grpo import GRPOConfig, GRPOModule  # noqa: E402
 from lightning_grpo.callbacks import CompletionTable  # noqa: E402
 from lightning_grpo.config import EngineConfig, EvalConfig  # noqa: E402
 from lightning_grpo.data import PromptDataModule  # noqa: E402
-from lightning_grpo.data.module import collate_prompts  # noqa: E402
+from lightning_grpo.data.datamodule import collate_prompts  # noqa: E402
 from lightning_grpo.models.hf_weights import checkpoint_name  # noqa: E402
 from lightning_grpo.strategies import FSDP2Strategy, full_state_dict, is_fsdp1, is_fsdp2  # noqa: E402
 from lightning_grpo.training.experience import Experience  # noqa: E402

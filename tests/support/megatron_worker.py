@@ -279,7 +279,7 @@ def scenario_logprobs(out: Path) -> dict:
     from megatron.core import parallel_state
 
     from lightning_grpo.functional import token_logprobs
-    from lightning_grpo.strategies.megatron.logprobs import vocab_parallel_logprobs
+    from lightning_grpo.strategies.megatron.vocab_parallel import vocab_parallel_logprobs
 
     _init(int(os.environ["WORLD_SIZE"]))
     tp, rank = parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_tensor_model_parallel_rank()

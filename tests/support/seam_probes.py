@@ -100,13 +100,13 @@ NAMED: dict[tuple[str, str], tuple[bool, str]] = {
     ("lightning_grpo/models/moe.py", "getattr(model, 'config', None)"): (False, "an HF model's config"),
     ("lightning_grpo/models/moe.py", "getattr(config, 'model_type', '')"): (False, "an HF config's model type"),
     ("lightning_grpo/models/moe.py", "getattr(config, 'model_type', None)"): (False, "an HF config's model type"),
-    ("lightning_grpo/training/routing.py", "getattr(model, 'config', None)"): (False, "an HF model's config"),
-    ("lightning_grpo/training/routing.py", "getattr(config_of_model, 'model_type', None)"):
+    ("lightning_grpo/training/routing_replay.py", "getattr(model, 'config', None)"): (False, "an HF model's config"),
+    ("lightning_grpo/training/routing_replay.py", "getattr(config_of_model, 'model_type', None)"):
         (False, "an HF config's model type"),
     ("lightning_grpo/models/lora.py", "getattr(base_model(policy), 'config', None)"): (False, "an HF model's config"),
     ("lightning_grpo/models/hf_weights.py", "getattr(model, 'config', None)"): (False, "an HF model's config"),
-    ("lightning_grpo/strategies/weights.py", "getattr(model, 'config', None)"): (False, "an HF model's config"),
-    ("lightning_grpo/strategies/weights.py", "getattr(base, 'config', None)"): (False, "an HF model's config"),
+    ("lightning_grpo/strategies/module_weights.py", "getattr(model, 'config', None)"): (False, "an HF model's config"),
+    ("lightning_grpo/strategies/module_weights.py", "getattr(base, 'config', None)"): (False, "an HF model's config"),
     ("lightning_grpo/rollout/engines/hf.py", "getattr(model, 'generation_config', None)"):
         (False, "an HF model's generation config"),
     ("lightning_grpo/rollout/engines/hf.py", "getattr(self.model, 'generation_config', None)"):
@@ -124,7 +124,7 @@ NAMED: dict[tuple[str, str], tuple[bool, str]] = {
     ("lightning_grpo/strategies/megatron/model.py", "getattr(config, 'pad_token_id', None)"): (False, "an HF config"),
     ("lightning_grpo/strategies/megatron/model.py", "getattr(config, 'head_dim', None)"): (False, "an HF config"),
     ("lightning_grpo/rollout/engines/vllm/kv_cache.py", "getattr(text, 'head_dim', None)"): (False, "an HF config"),
-    ("lightning_grpo/strategies/base.py", "getattr(gradient_clip_algorithm, 'value', gradient_clip_algorithm)"):
+    ("lightning_grpo/strategies/backend.py", "getattr(gradient_clip_algorithm, 'value', gradient_clip_algorithm)"):
         (False, "Lightning's GradClipAlgorithmType enum value (a user setting)"),
     ("lightning_grpo/rollout/server/vllm_extension.py", "getattr(self, 'rank', 0)"): (False, "vLLM worker's rank"),
     ("lightning_grpo/rollout/server/asgi.py", "getattr(err, 'headers', None)"): (False, "Starlette's HTTP error"),
@@ -164,8 +164,9 @@ NAMED: dict[tuple[str, str], tuple[bool, str]] = {
     ("lightning_grpo/models/lora.py", "getattr(getattr(base, 'config', None), 'tie_word_embeddings', False)"):
         (False, "an HF config"),
     ("lightning_grpo/models/lora.py", "getattr(base, 'config', None)"): (False, "an HF model's config"),
-    ("lightning_grpo/strategies/weights.py", "getattr(config, 'tie_word_embeddings', False)"): (False, "an HF config"),
-    ("lightning_grpo/strategies/weights.py", "getattr(config, 'vocab_size', 0)"): (False, "an HF config"),
+    ("lightning_grpo/strategies/module_weights.py", "getattr(config, 'tie_word_embeddings', False)"):
+        (False, "an HF config"),
+    ("lightning_grpo/strategies/module_weights.py", "getattr(config, 'vocab_size', 0)"): (False, "an HF config"),
     ("lightning_grpo/protocols/vision.py", "getattr(config, 'model_type', '')"): (False, "an HF config"),
     ("lightning_grpo/demos/tiny_vision_models.py", "getattr(text_config, 'tie_word_embeddings', False)"):
         (False, "an HF config"),

@@ -9,10 +9,10 @@ from typing import Any, Optional
 import torch
 from PIL import Image, ImageDraw
 
-from lightning_grpo.models.vision import load_image_processor, load_vision_policy
+from lightning_grpo.models.vision_loading import load_image_processor, load_vision_policy
 from lightning_grpo.protocols.rollout import left_pad
 from lightning_grpo.protocols.vision import vision_spec
-from lightning_grpo.rollout.images import ImagePrompts
+from lightning_grpo.rollout.image_prompts import ImagePrompts
 from lightning_grpo.rollout.prompts import TemplatePrompts
 from lightning_grpo.training.experience import Experience
 

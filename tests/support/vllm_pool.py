@@ -44,7 +44,7 @@ class VLLMPool:
             import torch
             from transformers import AutoModelForCausalLM
 
-            from lightning_grpo.strategies.weights import ModuleWeights
+            from lightning_grpo.strategies.module_weights import ModuleWeights
 
             engine.sync_weights(ModuleWeights(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)))
         return engine

@@ -1,4 +1,4 @@
-"""Routing replay and the load-balancing loss in the trainer (:mod:`lightning_grpo.training.routing`): the routed
+"""Routing replay and the load-balancing loss in the trainer (:mod:`lightning_grpo.training.routing_replay`): the routed
 experts reach every forward layout position by position (padded, packed and shared-prefix layouts give the logprobs of
 each sequence replayed alone), survive micro-batching and checkpoints with their tokens, "R2" records the old
 policy's routing, the routers' disagreement is counted exactly, and the load-balancing loss is transformers' on one
@@ -24,7 +24,7 @@ from lightning_grpo.protocols.tokens import token_fields
 from lightning_grpo.training.experience import Experience, micro_batches
 from lightning_grpo.training.logprobs import CompletionLogprobs
 from lightning_grpo.training.packing import arrange, padded_source
-from lightning_grpo.training.routing import DISAGREEMENT, PolicyRouting
+from lightning_grpo.training.routing_replay import DISAGREEMENT, PolicyRouting
 from support.moe import experts_of
 
 LAYERS, TOP_K, EXPERTS = 2, 2, 8

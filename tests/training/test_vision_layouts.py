@@ -1,4 +1,4 @@
-"""The training forward of vision-language policies (lightning_grpo.training.vision) against transformers' own:
+"""The training forward of vision-language policies (lightning_grpo.training.vision_layouts) against transformers' own:
 
 * Qwen-VL's 3-D positions (``mrope_positions``) are transformers' ``get_rope_index`` for prompts with several
   images of different sizes, for Qwen2.5-VL and Qwen3-VL;
@@ -18,9 +18,9 @@ import torch
 
 from lightning_grpo import GRPOConfig
 from lightning_grpo import functional as F
-from lightning_grpo.protocols.images import image_batch
+from lightning_grpo.protocols.vision import image_batch
 from lightning_grpo.training.logprobs import CompletionLogprobs
-from lightning_grpo.training.vision import mrope_positions
+from lightning_grpo.training.vision_layouts import mrope_positions
 from support.vision import Loaded, image_experience, image_prompt, picture
 
 LAYOUTS = {"padded": dict(padding_free=False), "packed": dict(shared_prefix=False), "shared_prefix": dict()}

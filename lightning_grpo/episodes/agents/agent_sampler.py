@@ -29,7 +29,7 @@ import secrets
 import threading
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Literal, Mapping, Optional, Sequence
+from typing import Any, Callable, Literal, Optional, Sequence
 
 from lightning_grpo.episodes.agents.answer import ReasoningTags
 from lightning_grpo.episodes.agents.batcher import CallBatcher, PendingCall
@@ -39,7 +39,7 @@ from lightning_grpo.episodes.agents.session import AgentSession, SessionRenderer
 from lightning_grpo.episodes.parsers import AnswerParser, HermesToolCallParser
 from lightning_grpo.protocols.engine import RolloutEngine
 from lightning_grpo.protocols.rollout import RolloutInterrupted, RolloutOutput, StopFlag
-from lightning_grpo.protocols.sampler import AnyProcess
+from lightning_grpo.protocols.sampler import AnyProcess, EncodedPrompts
 from lightning_grpo.protocols.sampling import SamplingConfig
 from lightning_grpo.rollout.prompts import TemplatePrompts
 
@@ -187,19 +187,17 @@ class AgentSampler:
         return self.prompts.encode_prompts(prompts, max_prompt_length)
 
     # ------------------------------------------------------------------ the rollout
-    def sample(self, engine: RolloutEngine, prompt_ids: Sequence[Sequence[int]], num_generations: int,
-               sampling: SamplingConfig, rows: Sequence[Mapping[str, Any]],
+    def sample(self, engine: RolloutEngine, prompts: EncodedPrompts, num_generations: int, sampling: SamplingConfig,
                any_process: Optional[AnyProcess] = None) -> RolloutOutput:
-        """Run ``B * G`` agent episodes (prompt-major) through a gateway (see the module docstring).
+        """Run ``B * G`` agent episodes (prompt-major) through a gateway (see the module docstring); the agents of
+        prompt i get its dataset row ``prompts.rows[i]``, and ``prompts.ids[i]`` is the row of an episode without a
+        call (text prompts: the agent gateway serves text).
 
         Raises:
             RolloutInterrupted: the stop flag was set (on any process, with lockstep).
             RuntimeError: an episode was sampled by more than one weight version; the engine failed.
-            ValueError: ``rows`` does not have one entry per prompt.
         """
-        b, g = len(prompt_ids), num_generations
-        if len(rows) != b:
-            raise ValueError(f"{len(rows)} dataset rows for {b} prompts: one row per prompt")
+        b, g, prompt_ids = len(prompts), num_generations, prompts.ids
         n = b * g
         budget = self.max_tokens or sampling.max_new_tokens
         order = [AgentSession(k, self.renderer, history=self.agent.history, tags=self.agent.reasoning_tags,
@@ -216,7 +214,7 @@ class AgentSampler:
         try:
             for k in range(n):
                 threading.Thread(target=self._agent, args=(run, k, gateway.base_url(ids[k]),
-                                                           gateway.session_key(ids[k]), dict(rows[k // g])),
+                                                           gateway.session_key(ids[k]), dict(prompts.rows[k // g])),
                                  name=f"agent-{k}", daemon=True).start()
             lockstep = engine.capabilities.uses_policy_parameters  # HF under FSDP: the processes agree on the calls
             self._serve(run, engine, sampling, prompt_ids, any_process if lockstep else None)

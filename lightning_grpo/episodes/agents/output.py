@@ -16,7 +16,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from lightning_grpo.episodes.agents.session import AgentSession
-from lightning_grpo.episodes.metrics import episode_columns, episode_metrics
+from lightning_grpo.episodes.episode_metrics import episode_columns, episode_metrics
 from lightning_grpo.protocols.episode import EpisodeRecord, SampleRecord
 from lightning_grpo.protocols.rollout import RolloutOutput, RowMetric, left_pad
 

@@ -30,7 +30,6 @@ from transformers import (
 )
 
 from lightning_grpo.protocols.engine import EngineCapabilities
-from lightning_grpo.protocols.images import RowImages
 from lightning_grpo.protocols.rollout import (
     RolloutInterrupted,
     RolloutOutput,
@@ -42,11 +41,11 @@ from lightning_grpo.protocols.rollout import (
 )
 from lightning_grpo.protocols.routing import RoutingRecorder, mask_routed
 from lightning_grpo.protocols.sampling import SamplingConfig, sampling_logits
-from lightning_grpo.protocols.vision import VisionSpec, vision_spec
+from lightning_grpo.protocols.vision import RowImages, VisionSpec, vision_spec
 from lightning_grpo.protocols.weights import PolicyWeights
+from lightning_grpo.rollout.engine_registry import EngineSpec
 from lightning_grpo.rollout.engines.generate_routing import generation_routing
 from lightning_grpo.rollout.engines.multimodal import ImageRows
-from lightning_grpo.rollout.registry import EngineSpec
 
 
 def eos_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> list[int]:
@@ -128,6 +127,12 @@ class HFRolloutEngine:
             every rollout then carries the experts each token was routed to (``prompt_routed_experts``,
             ``completion_routed_experts``, :mod:`lightning_grpo.rollout.engines.generate_routing`); None: nothing is
             recorded (no cost).
+
+
+    Attributes:
+        capabilities: it generates with the trained module itself; sampling draws from torch's global generator;
+            nothing to sync; it takes images when the policy is a vision-language model; its rollouts carry the
+            routed experts when it was made with a routing recorder.
     """
 
 
@@ -146,17 +151,8 @@ class HFRolloutEngine:
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_token_ids[0]
         self.pad_token_id = int(pad)
         self.synced_gpus: Optional[bool] = None  # None: transformers decides (DeepSpeed ZeRO-3 / FSDP2 modules)
-
-    @property
-    def capabilities(self) -> EngineCapabilities:
-        """It generates with the trained module itself; sampling draws from torch's global generator; nothing to sync;
-        its rollouts carry the routed experts when it was made with a routing recorder."""
-        return EngineCapabilities(uses_policy_parameters=True, returns_routed_experts=self.routing is not None)
-
-    @property
-    def accepts_images(self) -> bool:
-        """Whether the policy is a vision-language model (prompts may have images)."""
-        return self.vision is not None
+        self.capabilities = EngineCapabilities(uses_policy_parameters=True, accepts_images=vision is not None,
+                                               returns_routed_experts=routing is not None)
 
     def set_lockstep(self, enabled: bool) -> None:
         """``generate(synced_gpus=True)`` when enabled (FSDP1 with nested units: every forward is a collective)."""
@@ -202,11 +198,11 @@ class HFRolloutEngine:
     @torch.no_grad()
     def generate(
         self, prompt_ids: Sequence[Sequence[int]], num_generations: int, sampling: SamplingConfig,
-        images: Optional[Sequence[Optional[RowImages]]] = None,
+        images: Sequence[RowImages] = (),
     ) -> RolloutOutput:
         """See :class:`lightning_grpo.protocols.engine.RolloutEngine`. ``sampler_logprobs`` are reported when the
         engine was built with ``report_logprobs``. ``images``: each prompt's images (a vision-language policy;
-        :class:`~lightning_grpo.protocols.multimodal.ImageRolloutEngine`).
+        :class:`~lightning_grpo.protocols.engine.ImageRolloutEngine`).
 
         Raises:
             RolloutInterrupted: :attr:`stop` was set before or during generation (polled at every token).

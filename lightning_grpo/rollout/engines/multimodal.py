@@ -8,14 +8,12 @@ from __future__ import annotations
 
 import base64
 import io
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
 from torch import Tensor
 
-from lightning_grpo.protocols.images import RowImages, check_image_tokens, collapse_runs, image_batch
-from lightning_grpo.protocols.multimodal import has_images
-from lightning_grpo.protocols.vision import VisionSpec
+from lightning_grpo.protocols.vision import RowImages, VisionSpec, check_image_tokens, collapse_runs, image_batch
 
 #: Most bytes of one image on the wire to a rollout server (a PNG of 4096 x 4096 RGB pixels is at most ~48 MiB; the
 #: processors' pixel limits keep real ones far smaller).
@@ -36,27 +34,26 @@ class ImageRows:
         prompt_ids: the rows' prompt ids.
         per_row: ``num_return_sequences`` of each row (G, or 1 once repeated).
         repeat: how often :func:`~lightning_grpo.protocols.rollout.finish_rollout` repeats each row's prompt.
-        images: each row's images (None without images).
+        images: each row's images (``()``: none; empty without images).
         spec: the policy's image facts.
     """
 
     prompt_ids: Sequence[Sequence[int]]
     per_row: int
     repeat: int
-    images: Optional[list[Optional[RowImages]]] = None
+    images: list[RowImages] = field(default_factory=list)
     spec: Optional[VisionSpec] = None
 
     @classmethod
-    def of(cls, prompt_ids: Sequence[Sequence[int]], images: Optional[Sequence[Optional[RowImages]]],
-           num_generations: int, greedy: bool, spec: Optional[VisionSpec]) -> "ImageRows":
-        """The rows of ``prompt_ids`` with ``images`` (see the class docstring).
+    def of(cls, prompt_ids: Sequence[Sequence[int]], images: Sequence[RowImages], num_generations: int, greedy: bool,
+           spec: Optional[VisionSpec]) -> "ImageRows":
+        """The rows of ``prompt_ids`` with ``images`` (each prompt's; ``()``: none; see the class docstring).
 
         Raises:
             ValueError: images for a policy without ``spec``, or a prompt whose placeholders are not its images'.
         """
-        if not has_images(images):
+        if not any(images):
             return cls(prompt_ids, num_generations, num_generations)
-        assert images is not None
         if spec is None:
             raise ValueError("the prompts have images, but the policy is not a vision-language model")
         for i, (ids, row) in enumerate(zip(prompt_ids, images, strict=True)):
@@ -69,9 +66,9 @@ class ImageRows:
     def model_inputs(self, ids: Tensor) -> dict[str, Tensor]:
         """``generate``'s image keyword arguments for the left-padded ``(N, P)`` ``ids`` of these rows: the rows'
         images in order and, for Qwen-VL, ``mm_token_type_ids`` (1 on image tokens: transformers' 3-D positions)."""
-        if self.images is None or self.spec is None:
+        if self.spec is None or not any(self.images):
             return {}
-        out = {k: v.to(ids.device) for k, v in image_batch([im for row in self.images for im in (row or ())]).items()}
+        out = {k: v.to(ids.device) for k, v in image_batch([im for row in self.images for im in row]).items()}
         if self.spec.mrope:
             out["mm_token_type_ids"] = (ids == self.spec.placeholder_id).int()
         return out
@@ -145,7 +142,7 @@ def check_expansions(engine_ids: Sequence[Sequence[int]], prompts: Sequence[Sequ
         check_expansion(ran, ids, i)
 
 
-def wire_images(prompts: Sequence[Sequence[int]], images: Sequence[Optional[RowImages]],
+def wire_images(prompts: Sequence[Sequence[int]], images: Sequence[RowImages],
                 placeholder_id: Optional[int]) -> list[tuple[list[int], list[str]]]:
     """Each prompt as a rollout server takes it with images: its ids with every placeholder run collapsed and its
     pictures as base64 PNG (:func:`vllm_prompt`, :func:`encode_picture`).

@@ -10,9 +10,9 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from lightning_grpo.protocols.images import RowImages
 from lightning_grpo.protocols.rollout import RolloutOutput, completion_mask_from_eos, finish_rollout, left_pad
 from lightning_grpo.protocols.sampling import SamplingConfig
+from lightning_grpo.protocols.vision import RowImages
 
 
 def check_prompts(prompt_ids: Sequence[Sequence[int]], num_generations: int, sampling: SamplingConfig,
@@ -50,13 +50,12 @@ def request_seeds(sampling: SamplingConfig, num_prompts: int, num_generations: i
 
 def rollout_from_rows(prompts: Sequence[Sequence[int]], rows: Sequence[tuple[Sequence[int], Sequence[float]]],
                       num_generations: int, pad_token_id: int, eos_token_ids: Sequence[int], tokenizer: Any,
-                      weight_version: Optional[int] = None,
-                      images: Optional[Sequence[Optional[RowImages]]] = None) -> RolloutOutput:
+                      weight_version: Optional[int] = None, images: Sequence[RowImages] = ()) -> RolloutOutput:
     """A :class:`RolloutOutput` from ``B`` prompts and their ``B * G`` completions given as ``(ids, sampler
     logprobs)`` rows (prompt-major): prompts left-padded and repeated G times, completions right-padded with
     ``pad_token_id``, the mask up to and including the first EOS (:func:`completion_mask_from_eos`), logprobs 0
-    where masked, texts decoded with ``tokenizer`` (special tokens skipped), each prompt's ``images`` (or None) with
-    its G rows. Tensors on CPU.
+    where masked, texts decoded with ``tokenizer`` (special tokens skipped), each prompt's ``images`` (default none)
+    with its G rows. Tensors on CPU.
 
     Raises:
         ValueError: ``len(rows) != B * G`` or a row whose ids and logprobs differ in length.

@@ -13,7 +13,7 @@ sampler logprobs and per-request seeds, so the same completions), with the worke
 weights over a ``torch.distributed`` group (:mod:`lightning_grpo.rollout.server.weight_sync`), between requests or,
 in the ``"interrupt"`` mode, while sequences are in flight. The trainer's side is
 :class:`~lightning_grpo.rollout.server.remote.VLLMServerEngine` (``engine.name="vllm_server"``, a fixed schedule) or
-:class:`~lightning_grpo.rollout.server.pool.ServerPool` (streaming groups over several servers).
+:class:`~lightning_grpo.rollout.server.server_pool.ServerPool` (streaming groups over several servers).
 
 Security: it listens on 127.0.0.1 unless ``--host`` says otherwise, and another address needs a shared secret
 (``$LIGHTNING_GRPO_SERVER_SECRET`` or ``--secret-file``), which every request must then carry

@@ -39,21 +39,21 @@ import concurrent.futures
 import logging
 import os
 import time
+from dataclasses import replace
 from typing import Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 from lightning_grpo.protocols.engine import EngineCapabilities
-from lightning_grpo.protocols.images import RowImages
-from lightning_grpo.protocols.multimodal import has_images
 from lightning_grpo.protocols.rollout import RolloutOutput, StopFlag
 from lightning_grpo.protocols.sampling import SamplingConfig
+from lightning_grpo.protocols.vision import RowImages
 from lightning_grpo.protocols.weights import PolicyWeights, check_tied_engine
+from lightning_grpo.rollout.engine_registry import EngineSpec
 from lightning_grpo.rollout.engines.multimodal import check_expansions, wire_images
 from lightning_grpo.rollout.engines.probe import probe_batch
 from lightning_grpo.rollout.engines.rows import check_prompts, request_seeds, rollout_from_rows
-from lightning_grpo.rollout.registry import EngineSpec
 from lightning_grpo.rollout.server.client import RolloutServerError, ServerClient
 from lightning_grpo.rollout.server.security import read_secret
 from lightning_grpo.rollout.server.sync_groups import Instance, init_group, push
@@ -131,6 +131,8 @@ class VLLMServerEngine:
         self.max_request_tokens = min(int(i["max_request_tokens"]) for i in infos)
         image_ids = {i.get("image_token_id") for i in infos}  # None: text models (or servers before images)
         self.placeholder_id: Optional[int] = next(iter(image_ids)) if len(image_ids) == 1 else None
+        # the class's, and images when the servers serve a vision-language model (their /health names its image token)
+        self.capabilities = replace(VLLMServerEngine.capabilities, accepts_images=self.placeholder_id is not None)
         self.backend = "nccl" if info["device"] == "cuda" and torch.cuda.is_available() else "gloo"
         for inst, inst_info in zip(self.instances, infos, strict=True):
             inst.instance_id, inst.version = inst_info["instance_id"], int(inst_info["version"])
@@ -141,13 +143,8 @@ class VLLMServerEngine:
     def set_lockstep(self, enabled: bool) -> None:
         """Nothing to do: the servers' forward passes are their own."""
 
-    @property
-    def accepts_images(self) -> bool:
-        """Whether the servers serve a vision-language model (their ``/health`` names its image token)."""
-        return self.placeholder_id is not None
-
     def generate(self, prompt_ids: Sequence[Sequence[int]], num_generations: int,
-                 sampling: SamplingConfig, images: Optional[Sequence[Optional[RowImages]]] = None) -> RolloutOutput:
+                 sampling: SamplingConfig, images: Sequence[RowImages] = ()) -> RolloutOutput:
         """Sample ``num_generations`` completions per prompt on the servers (see the module docstring). With
         ``images`` (a vision-language model) each prompt goes with its pictures as PNG and its placeholder runs
         collapsed; the servers' expansion must give back ``prompt_ids``.
@@ -164,7 +161,7 @@ class VLLMServerEngine:
         """
         prompts = check_prompts(prompt_ids, num_generations, sampling, self.max_model_len)
         seeds = request_seeds(sampling, len(prompts), num_generations)
-        wire = wire_images(prompts, images, self.placeholder_id) if has_images(images) else None
+        wire = wire_images(prompts, images, self.placeholder_id) if any(images) else None
         parts = [(inst, a, b) for inst, (a, b) in zip(self.instances, split_evenly(len(prompts), len(self.instances)),
                                                        strict=True) if b > a]
         pool = concurrent.futures.ThreadPoolExecutor(len(parts), thread_name_prefix="rollout-server")
@@ -184,7 +181,7 @@ class VLLMServerEngine:
         if wire is not None:
             check_expansions([ids for answer in answers for ids in answer["prompt_token_ids"]], prompts)
         return rollout_from_rows(prompts, rows, num_generations, self.pad_token_id, self.eos_token_ids,
-                                 self.tokenizer, weight_version=version, images=None if wire is None else images)
+                                 self.tokenizer, weight_version=version, images=images)
 
     def _generate_on(self, inst: Instance, prompts: list[list[int]], num_generations: int, sampling: SamplingConfig,
                      seeds: Optional[list[int]], wire: Optional[list[tuple[list[int], list[str]]]] = None) -> dict:

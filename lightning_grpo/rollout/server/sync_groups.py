@@ -1,7 +1,7 @@
 """The trainer's rank 0 and several rollout servers: one weight-sync group per server instance, formed over the
 store rank 0 hosts, and the weights pushed to all of them at once (the fixed schedule's
 :class:`~lightning_grpo.rollout.server.remote.VLLMServerEngine` and the streaming
-:class:`~lightning_grpo.rollout.server.pool.ServerPool` both use it; the groups and the wire format are
+:class:`~lightning_grpo.rollout.server.server_pool.ServerPool` both use it; the groups and the wire format are
 :mod:`lightning_grpo.rollout.server.weight_sync`'s).
 """
 

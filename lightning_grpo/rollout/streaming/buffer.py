@@ -15,7 +15,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Iterable, Optional
 
-from lightning_grpo.rollout.streaming.groups import PromptItem, ScoredGroup
+from lightning_grpo.rollout.streaming.scored_groups import PromptItem, ScoredGroup
 
 
 @dataclass

@@ -26,8 +26,8 @@ from typing import Callable, Optional
 from lightning_grpo.protocols.streaming import EngineUnavailable, GroupRequest, StreamingEngine
 from lightning_grpo.rollout.streaming.buffer import GroupBuffer
 from lightning_grpo.rollout.streaming.event_loop import EngineLoop
-from lightning_grpo.rollout.streaming.groups import PromptItem
-from lightning_grpo.rollout.streaming.scoring import GroupScorer
+from lightning_grpo.rollout.streaming.group_scoring import GroupScorer
+from lightning_grpo.rollout.streaming.scored_groups import PromptItem
 
 log = logging.getLogger(__name__)
 

@@ -30,15 +30,15 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
 from lightning_grpo.config.streaming import StreamingConfig
-from lightning_grpo.protocols.images import EncodedPrompts
 from lightning_grpo.protocols.rollout import StopFlag
+from lightning_grpo.protocols.sampler import EncodedPrompts
 from lightning_grpo.protocols.sampling import SamplingConfig
 from lightning_grpo.protocols.streaming import GroupRequest, StreamingEngine
 from lightning_grpo.rollout.streaming.buffer import GroupBuffer, StreamCounts
 from lightning_grpo.rollout.streaming.event_loop import EngineLoop
-from lightning_grpo.rollout.streaming.groups import PromptItem, ScoredGroup
+from lightning_grpo.rollout.streaming.group_scoring import GroupScorer
 from lightning_grpo.rollout.streaming.producer import StreamingProducer
-from lightning_grpo.rollout.streaming.scoring import GroupScorer
+from lightning_grpo.rollout.streaming.scored_groups import PromptItem, ScoredGroup
 
 log = logging.getLogger(__name__)
 
@@ -136,7 +136,7 @@ class RolloutStream:
         items = []
         for i, prompt in enumerate(prompts):
             encoded = self.encode([prompt])
-            if encoded.images[0] is not None:
+            if encoded.images[0]:
                 raise ValueError("GRPOConfig.streaming.enabled=True samples text prompts; this prompt has images: use "
                                  "the fixed schedule (streaming.enabled=False) for vision-language rollouts")
             row = {name: values[i] for name, values in batch.items()}

@@ -13,7 +13,7 @@ runs on the last stage only.
 :class:`~lightning_grpo.training.experience.Experience`) is laid out as in
 :meth:`~lightning_grpo.strategies.megatron.policy.MegatronPolicy.completion_logprobs` (each row's prompt from
 position 0, then its completion), the last stage turns the vocab-parallel logits of the completion positions into
-logprobs (:func:`~lightning_grpo.strategies.megatron.logprobs.vocab_parallel_logprobs`) and hands them to the
+logprobs (:func:`~lightning_grpo.strategies.megatron.vocab_parallel.vocab_parallel_logprobs`) and hands them to the
 caller's ``loss`` (the GRPO objective), and the results are broadcast from the last stage to the others, so that
 every rank returns the same list.
 
@@ -31,8 +31,8 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 import torch
 from torch import Tensor, nn
 
-from lightning_grpo.strategies.megatron.logprobs import vocab_parallel_logprobs
 from lightning_grpo.strategies.megatron.replay import RoutingReplay, recorded_routing, routing_layout
+from lightning_grpo.strategies.megatron.vocab_parallel import vocab_parallel_logprobs
 from lightning_grpo.training.packing import arrange
 
 #: ``loss(batch, logprobs, entropy) -> (loss, payload)``: the micro-batch's loss (0-dim, with grad; its gradient is

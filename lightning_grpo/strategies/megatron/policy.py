@@ -22,10 +22,10 @@ from lightning_grpo.models.hf_weights import lora_layers
 from lightning_grpo.protocols.weights import PolicyWeights
 from lightning_grpo.strategies.megatron.convert import current_stage, iter_hf_weights, load_hf_state_dict, param_maps
 from lightning_grpo.strategies.megatron.experts import ExpertRanks
-from lightning_grpo.strategies.megatron.logprobs import vocab_parallel_logprobs
 from lightning_grpo.strategies.megatron.model import Architecture, StageLayout, build_gpt_model
 from lightning_grpo.strategies.megatron.pipeline import causal_mask, run_schedule, stage_forward
 from lightning_grpo.strategies.megatron.replay import RoutingReplay
+from lightning_grpo.strategies.megatron.vocab_parallel import vocab_parallel_logprobs
 
 
 def _padding_idx_hook(padding_idx: int) -> Any:

@@ -12,7 +12,7 @@ the scorer's own input ids (:func:`lightning_grpo.training.packing.arrange` with
 positions, :func:`~lightning_grpo.strategies.megatron.pipeline.sequence_source`), so a replayed choice sits on
 exactly its token (a routing padded unlike its ids would detach every choice from its token without an error:
 google/tunix PR #2046). A token without a recorded routing (``NO_EXPERT``, -1: padding, a token never fed to the
-sampler's model) is routed by the router itself, as in the HF path (:mod:`lightning_grpo.training.routing`).
+sampler's model) is routed by the router itself, as in the HF path (:mod:`lightning_grpo.training.routing_replay`).
 
 Mechanism: megatron-core's ``TopKRouter`` asks its ``router_replay`` (``megatron.core.transformer.moe.
 router_replay.RouterReplay``, megatron-core 0.16) for the top-k of each forward; :class:`TokenRoutingReplay`, installed

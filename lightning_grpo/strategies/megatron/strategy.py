@@ -8,12 +8,12 @@ trains a :class:`lightning_grpo.GRPOModule` whose HF Llama/Qwen2 policy is conve
 
 - process groups and data: megatron-core's TP, PP and DP groups, the rollouts' own group, each DP replica its own
   prompts, ``reduce`` over the DP group (its base, :class:`~lightning_grpo.strategies.megatron.layout.MegatronLayout`).
-- the strategy is the module's :class:`~lightning_grpo.strategies.base.ParallelBackend`: from
+- the strategy is the module's :class:`~lightning_grpo.strategies.backend.ParallelBackend`: from
   ``GRPOModule.configure_model`` its :meth:`~MegatronStrategy.configure` turns the policy (and the reference policy
   when ``beta > 0``) into a :class:`~lightning_grpo.strategies.megatron.policy.MegatronPolicy` (this rank's stage and
   TP shard), whose vocab-parallel logprobs ``GRPOModule.completion_logprobs`` uses (old and reference logprobs go
   through a forward-only pipeline schedule). The rollout engine is wrapped
-  (:class:`~lightning_grpo.strategies.megatron.rollout.TensorParallelRolloutEngine`): the first rank of each
+  (:class:`~lightning_grpo.strategies.megatron.rollout_engine.TensorParallelRolloutEngine`): the first rank of each
   model-parallel group generates (HF ``generate`` on the HF copy, colocated vLLM, or the rollout servers, each fed
   the weights gathered one tensor at a time) and broadcasts the completions to its group.
 - training: the backend runs whole optimizer steps (:attr:`runs_whole_step`): at each step's first micro-batch
@@ -54,7 +54,8 @@ from torch.optim import Optimizer
 
 from lightning_grpo.algorithm import ObjectiveOutput
 from lightning_grpo.config import GRPOConfig
-from lightning_grpo.strategies.base import ClipFallback, GRPOModels, ParallelBackend, StepObjective, clips_by_norm
+from lightning_grpo.strategies.backend import ClipFallback, GRPOModels, ParallelBackend, StepObjective, clips_by_norm
+from lightning_grpo.strategies.backend_registry import backend_for
 from lightning_grpo.strategies.megatron import checkpoint, convert, gradients
 from lightning_grpo.strategies.megatron.experts import check_dense_layout, moe_from_hf_config
 from lightning_grpo.strategies.megatron.layout import MegatronLayout
@@ -67,8 +68,7 @@ from lightning_grpo.strategies.megatron.optimizer import (
 )
 from lightning_grpo.strategies.megatron.pipeline import detached, run_schedule
 from lightning_grpo.strategies.megatron.policy import MegatronPolicy, MegatronWeights, score_completions
-from lightning_grpo.strategies.megatron.rollout import TensorParallelRolloutEngine
-from lightning_grpo.strategies.registry import backend_for
+from lightning_grpo.strategies.megatron.rollout_engine import TensorParallelRolloutEngine
 from lightning_grpo.training.experience import Experience
 from lightning_grpo.training.logprobs import check_untruncated_scoring
 
@@ -81,7 +81,7 @@ log = logging.getLogger(__name__)
 class MegatronStrategy(MegatronLayout):
     """Lightning strategy that trains ``GRPOModule.policy`` as a megatron-core model with tensor, pipeline and data
     parallelism (see the module docstring); also the module's
-    :class:`~lightning_grpo.strategies.base.ParallelBackend`.
+    :class:`~lightning_grpo.strategies.backend.ParallelBackend`.
 
     Args:
         tensor_model_parallel_size: TP size; must divide the vocabulary, the key/value heads and the MLP size.
@@ -209,7 +209,7 @@ class MegatronStrategy(MegatronLayout):
     def configure(self, models: GRPOModels) -> GRPOModels:
         """Convert the HF policy (and the reference policy and distillation teacher) into megatron-core ones, this
         rank's pipeline stage and TP shard, kept in this strategy's fields; wrap the rollout engine
-        (:class:`~lightning_grpo.strategies.megatron.rollout.TensorParallelRolloutEngine`); the engines read the
+        (:class:`~lightning_grpo.strategies.megatron.rollout_engine.TensorParallelRolloutEngine`); the engines read the
         weights gathered from the shards (:class:`~lightning_grpo.strategies.megatron.policy.MegatronWeights`) and
         the models score their completions themselves (vocab-parallel). Idempotent. Runs in ``configure_model``,
         after the process groups exist and before a checkpoint is restored.

@@ -11,6 +11,7 @@ from transformers import AutoTokenizer
 
 from lightning_grpo.episodes import AgentRollout
 from lightning_grpo.protocols.rollout import RolloutInterrupted, StopFlag
+from lightning_grpo.protocols.sampler import EncodedPrompts
 from lightning_grpo.protocols.sampling import SamplingConfig
 from support.agents import CALL, EOS, Recorder, by_prompt, client, encode, run_agents, tool_loop_agent
 
@@ -128,8 +129,8 @@ def test_a_stop_request_interrupts_the_agents_and_closes_the_gateway(tokenizer):
     sampler = AgentSampler(AgentRollout(agent), tokenizer, [EOS], max_turns=4, max_tokens=100,
                            max_prompt_length=512, stop=stop)
     with pytest.raises(RolloutInterrupted):
-        sampler.sample(ScriptedEngine(tokenizer, _answering(tokenizer)), [[1]], 1, SamplingConfig(max_new_tokens=8),
-                       [{}])
+        sampler.sample(ScriptedEngine(tokenizer, _answering(tokenizer)), EncodedPrompts.of([[1]]), 1,
+                       SamplingConfig(max_new_tokens=8))
     import httpx
 
     with pytest.raises(httpx.ConnectError):

@@ -74,7 +74,7 @@ def test_training_an_agent_with_the_hf_engine(talkative_llama, prompt_file, tmp_
     assert trainer.global_step == 2
     _check_agent_rollouts(rollouts, recorder)
     batch = recorder.batches[0]
-    assert batch.env_mask is not None and batch.env_mask.sum() > 0
+    assert batch.env_mask.sum() > 0
     assert max(g.abs().max().item() for g in recorder.grads[0].values()) > 0
     rewards = [r.env_reward for rollout in rollouts.rollouts for r in rollout.episodes]
     assert recorder.metrics[0]["rewards/returned/mean"] == pytest.approx(sum(rewards[:8]) / 8, abs=1e-6)
@@ -118,7 +118,8 @@ def _check_on_policy(recorder, rollouts):
     for metrics in recorder.metrics:
         assert metrics["sampling/importance_sampling_ratio/mean"] == pytest.approx(1.0, abs=1e-3)
         assert metrics["sampling/importance_sampling_ratio/max"] < 1.01
-    assert all(b.sampler_logprobs is not None and b.env_mask is not None for b in recorder.batches)
+    assert all(b.sampler_logprobs is not None for b in recorder.batches)
+    assert sum(int(b.env_mask.sum()) for b in recorder.batches) > 0
 
 
 @pytest.mark.slow

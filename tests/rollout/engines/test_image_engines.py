@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from lightning_grpo import GRPOConfig
-from lightning_grpo.protocols.multimodal import generate
+from lightning_grpo.protocols.engine import generate
 from lightning_grpo.protocols.sampling import SamplingConfig
 from lightning_grpo.rollout.engines.hf import HFRolloutEngine
 from lightning_grpo.rollout.engines.multimodal import bad_words
@@ -119,10 +119,11 @@ def test_images_for_an_engine_without_them_are_refused(qwen, tiny_llama_path):
     encoded = qwen.prompts.encode_image_prompts(_prompts()[:1], 4096)
     text_engine = HFRolloutEngine(AutoModelForCausalLM.from_pretrained(tiny_llama_path),
                                   AutoTokenizer.from_pretrained(tiny_llama_path))
+    assert _engine(qwen).capabilities.accepts_images and not text_engine.capabilities.accepts_images
     with pytest.raises(ValueError, match="does not take images"):
         generate(text_engine, encoded.ids, 1, SamplingConfig(max_new_tokens=2), encoded.images)
-    text_only = generate(text_engine, [[1, 2, 3]], 1, SamplingConfig(max_new_tokens=2), [None])
-    assert text_only.images is None
+    text_only = generate(text_engine, [[1, 2, 3]], 1, SamplingConfig(max_new_tokens=2), [()])
+    assert text_only.images == [()]
 
 
 class _UserEngine:
@@ -157,6 +158,7 @@ def test_a_user_engine_gets_images_only_when_it_declares_them(qwen):
     prompts = _prompts()[:2]
     seeing = _SeeingUserEngine(eos)
     worker.engine = seeing  # adapted: a core-only engine; its accepts_images is kept
+    assert worker.engine.capabilities.accepts_images
     out = worker.sample_prompts(prompts, 1, SamplingConfig(max_new_tokens=3))
     ((images, banned),) = seeing.seen
     expected = qwen.prompts.encode_image_prompts(prompts, GRPOConfig().max_prompt_length)

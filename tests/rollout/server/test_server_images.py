@@ -54,7 +54,7 @@ class PicturesEngine:
             self.received.append(pictures)
             images = tuple(self.loaded.prompts.process(p) for p in pictures)
             ids = self.loaded.prompts.expand(request["prompt_token_ids"], images, "the request")
-            out = self.hf.generate([ids], num_generations, sampling, images=[images] if images else None)
+            out = self.hf.generate([ids], num_generations, sampling, images=[images])
             for r in range(num_generations):
                 n = int(out.completion_mask[r].sum())
                 rows.append((out.completion_ids[r, :n].tolist(), out.sampler_logprobs[r, :n].tolist()))

@@ -35,9 +35,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 from lightning_grpo.protocols.sampling import SamplingConfig  # noqa: E402
 from lightning_grpo.protocols.streaming import EngineUnavailable, GroupRequest  # noqa: E402
 from lightning_grpo.rollout.engines.probe import probe_sequences  # noqa: E402
-from lightning_grpo.rollout.server.pool import ServerPool  # noqa: E402
 from lightning_grpo.rollout.server.security import SECRET_ENV  # noqa: E402
-from lightning_grpo.strategies.weights import ModuleWeights  # noqa: E402
+from lightning_grpo.rollout.server.server_pool import ServerPool  # noqa: E402
+from lightning_grpo.strategies.module_weights import ModuleWeights  # noqa: E402
 from support.dist import free_port  # noqa: E402
 from support.rollout_server import Server  # noqa: E402
 

@@ -49,7 +49,7 @@ from lightning_grpo.rollout.server.client import RolloutServerError, ServerClien
 from lightning_grpo.rollout.server.remote import VLLMServerEngine  # noqa: E402
 from lightning_grpo.rollout.server.security import SECRET_ENV  # noqa: E402
 from lightning_grpo.rollout.server.weight_sync import host_store  # noqa: E402
-from lightning_grpo.strategies.weights import ModuleWeights  # noqa: E402
+from lightning_grpo.strategies.module_weights import ModuleWeights  # noqa: E402
 from support.checkpoint_generation import trainer_logprobs  # noqa: E402
 from support.dist import free_port, load, run_worker  # noqa: E402
 from support.engines import WithoutTensor  # noqa: E402

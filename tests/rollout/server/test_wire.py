@@ -15,7 +15,7 @@ import pytest
 from lightning_grpo.protocols.sampling import SamplingConfig
 from lightning_grpo.protocols.streaming import GroupRequest
 from lightning_grpo.rollout.server.async_engine import segment_seed, versions_from_spans
-from lightning_grpo.rollout.server.pool import group_work
+from lightning_grpo.rollout.server.server_pool import group_work
 from lightning_grpo.rollout.server.wire import completion_answer, sampled_completions, sampling_fields
 
 

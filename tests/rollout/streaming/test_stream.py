@@ -13,14 +13,14 @@ from transformers import AutoTokenizer
 
 from lightning_grpo.config import StreamingConfig
 from lightning_grpo.protocols.collectives import Collectives
-from lightning_grpo.protocols.images import EncodedPrompts
 from lightning_grpo.protocols.rollout import RolloutInterrupted, StopFlag
+from lightning_grpo.protocols.sampler import EncodedPrompts
 from lightning_grpo.protocols.sampling import SamplingConfig
 from lightning_grpo.rewards import RewardSet
 from lightning_grpo.rollout.streaming import RolloutStream
 from lightning_grpo.rollout.streaming.event_loop import EngineLoop
-from lightning_grpo.rollout.streaming.groups import ScoredGroup
-from lightning_grpo.rollout.streaming.scoring import GroupScorer
+from lightning_grpo.rollout.streaming.group_scoring import GroupScorer
+from lightning_grpo.rollout.streaming.scored_groups import ScoredGroup
 from lightning_grpo.rollout.streaming.versions import newest_version_mask, version_metrics
 from support.streaming import Gate, ScriptedStreamingEngine
 
@@ -49,7 +49,7 @@ def alternating(prompts, completions, **columns):
 
 
 def encode(prompts):
-    return EncodedPrompts([[5, 6, int(p.split()[-1])] for p in prompts], 0, [None] * len(prompts))
+    return EncodedPrompts.of([[5, 6, int(p.split()[-1])] for p in prompts])
 
 
 class Data:

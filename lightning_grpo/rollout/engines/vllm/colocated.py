@@ -56,19 +56,17 @@ import torch
 from transformers import AutoTokenizer, GenerationConfig
 
 from lightning_grpo.protocols.engine import EngineCapabilities
-from lightning_grpo.protocols.images import RowImages
-from lightning_grpo.protocols.multimodal import has_images
 from lightning_grpo.protocols.rollout import RolloutOutput, StopFlag, eos_token_ids_from
 from lightning_grpo.protocols.sampling import SamplingConfig
-from lightning_grpo.protocols.vision import vision_spec
+from lightning_grpo.protocols.vision import RowImages, vision_spec
 from lightning_grpo.protocols.weights import PolicyWeights, check_tied_engine
+from lightning_grpo.rollout.engine_registry import EngineSpec
 from lightning_grpo.rollout.engines.multimodal import bad_words, check_expansions, vllm_prompt
 from lightning_grpo.rollout.engines.probe import WeightSyncCheckError, probe_batch
 from lightning_grpo.rollout.engines.rows import check_prompts, request_seeds, rollout_from_rows
 from lightning_grpo.rollout.engines.vllm.kv_cache import kv_cache_space_gib
 from lightning_grpo.rollout.engines.vllm.process_groups import GroupLease
 from lightning_grpo.rollout.engines.vllm.runtime import abort_between_steps, import_vllm, model_max_len, vllm_on_cpu
-from lightning_grpo.rollout.registry import EngineSpec
 
 #: torch's own ``set_num_threads``: vLLM's CPU worker replaces it with a no-op for the life of the process
 #: (its OpenMP threads are bound); :meth:`VLLMRolloutEngine.close` puts it back.
@@ -108,10 +106,6 @@ class VLLMRolloutEngine:
         ValueError: if ``model_path`` has no ``config.json`` or an option is out of range.
         ImportError: if vLLM is not installed.
     """
-
-    #: It holds its own copy of the weights (updated by :meth:`sync_weights` on each process) and samples every
-    #: completion with its own seed (see the module docstring).
-    capabilities = EngineCapabilities(seeds_per_request=True)
 
     def __init__(
         self,
@@ -166,6 +160,9 @@ class VLLMRolloutEngine:
         self.eos_token_ids, self.pad_token_id = stop_and_pad_ids(path, self.tokenizer)
         model_config = self.llm.llm_engine.model_config
         self.vision = vision_spec(model_config.hf_config)  # images in prompts (docs/vision.md)
+        # its own copy of the weights (synced on each process), a seed per completion (see the module docstring),
+        # images when its model is a vision-language one
+        self.capabilities = EngineCapabilities(seeds_per_request=True, accepts_images=self.vision is not None)
         self.max_model_len = int(model_config.max_model_len)
         self.tie_word_embeddings = bool(getattr(model_config.hf_text_config, "tie_word_embeddings", False))
 
@@ -176,26 +173,21 @@ class VLLMRolloutEngine:
     def _sampling_params(self, sampling: SamplingConfig, num_generations: int) -> Any:
         return vllm_sampling_params(sampling, num_generations, self.eos_token_ids, self.tokenizer)
 
-    @property
-    def accepts_images(self) -> bool:
-        """Whether the model is a vision-language one (prompts may have images: ``multi_modal_data``)."""
-        return self.vision is not None
-
     def generate(
         self, prompt_ids: Sequence[Sequence[int]], num_generations: int, sampling: SamplingConfig,
-        images: Optional[Sequence[Optional[RowImages]]] = None,
+        images: Sequence[RowImages] = (),
     ) -> RolloutOutput:
         """Sample ``num_generations`` completions for each prompt.
 
         Args:
             prompt_ids: ``B`` prompts as token-id lists (no padding), each non-empty; with images, each image's
-                placeholder run expanded (:mod:`lightning_grpo.protocols.images`).
+                placeholder run expanded (:mod:`lightning_grpo.protocols.vision`).
             num_generations: G >= 1 completions per prompt.
             sampling: temperature / top-p / top-k / min-p / max_new_tokens / greedy / seed (completion ``j`` of
                 prompt ``i`` is seeded with ``seed + i * G + j``, see the module docstring).
-            images: each prompt's images (a vision-language model): vLLM gets the prompt with each placeholder run
-                collapsed and the pictures as ``multi_modal_data``, and its expansion must give back ``prompt_ids``
-                (:mod:`lightning_grpo.rollout.engines.multimodal`).
+            images: each prompt's images (``()``: none; a vision-language model): vLLM gets the prompt with each
+                placeholder run collapsed and the pictures as ``multi_modal_data``, and its expansion must give back
+                ``prompt_ids`` (:mod:`lightning_grpo.rollout.engines.multimodal`).
 
         Returns:
             A :class:`RolloutOutput` with ``N = B * G`` rows in prompt-major order; ``completion_ids``
@@ -210,11 +202,10 @@ class VLLMRolloutEngine:
         """
         prompts = check_prompts(prompt_ids, num_generations, sampling, self.max_model_len)
         seeds = request_seeds(sampling, len(prompts), num_generations)
-        if not has_images(images):
+        if not any(images):
             rows = self.generate_rows(prompts, num_generations, sampling, seeds)
             return rollout_from_rows(prompts, rows, num_generations, self.pad_token_id, self.eos_token_ids,
                                      self.tokenizer)
-        assert images is not None
         if self.vision is None:
             raise ValueError("the prompts have images, but the vLLM engine's model is not a vision-language model")
         requests = [vllm_prompt(p, row, self.vision.placeholder_id) for p, row in zip(prompts, images, strict=True)]

@@ -38,7 +38,7 @@ from lightning_grpo.models.hf_weights import checkpoint_name, hf_weights  # noqa
 from lightning_grpo.protocols.sampling import SamplingConfig  # noqa: E402
 from lightning_grpo.rollout.engines.hf import HFRolloutEngine  # noqa: E402
 from lightning_grpo.rollout.engines.vllm.colocated import VLLMRolloutEngine  # noqa: E402
-from lightning_grpo.strategies.weights import ModuleWeights  # noqa: E402
+from lightning_grpo.strategies.module_weights import ModuleWeights  # noqa: E402
 from lightning_grpo.training.experience import Experience  # noqa: E402
 from support.checkpoint_generation import SAMPLING_FIELDS, copy_with_generation_config, trainer_logprobs  # noqa: E402
 from support.engines import WithoutTensor  # noqa: E402

@@ -1,7 +1,8 @@
-"""Scoring a streamed group as it arrives: its rows (:func:`~lightning_grpo.rollout.streaming.groups.group_rollout`),
-its slow rewards started in the reward pool (:mod:`lightning_grpo.rewards.pool`) at once, the rest scored on the
-producer's scoring thread, and dynamic sampling's filter (DAPO eq. 11: a group whose primary reward does not vary
-is dropped on arrival, and the producer draws more prompts)."""
+"""Scoring a streamed group as it arrives: its rows
+(:func:`~lightning_grpo.rollout.streaming.scored_groups.group_rollout`), its slow rewards started in the reward pool
+(:mod:`lightning_grpo.rewards.pool`) at once, the rest scored on the producer's scoring thread, and dynamic sampling's
+filter (DAPO eq. 11: a group whose primary reward does not vary is dropped on arrival, and the producer draws more
+prompts)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from lightning_grpo.algorithm.dynamic_sampling import ScoredRollout, informative
 from lightning_grpo.protocols.rollout import RolloutOutput
 from lightning_grpo.protocols.streaming import SampledGroup
 from lightning_grpo.rewards import RewardSet, StartedScores
-from lightning_grpo.rollout.streaming.groups import PromptItem, ScoredGroup, group_rollout
+from lightning_grpo.rollout.streaming.scored_groups import PromptItem, ScoredGroup, group_rollout
 
 
 class GroupScorer:

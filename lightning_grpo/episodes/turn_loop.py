@@ -30,7 +30,7 @@ further turn with a one-token ``generate`` it discards, and a stop request is ag
 weights (vLLM, rollout servers) run each process's turns independently.
 
 Images (vision-language policies, docs/vision.md): with ``images`` (the policy's
-:class:`~lightning_grpo.rollout.images.ImagePrompts`) the prompts' images go with every turn's ``generate`` (an
+:class:`~lightning_grpo.rollout.image_prompts.ImagePrompts`) the prompts' images go with every turn's ``generate`` (an
 episode's prompt images, then those of its observations so far), and an observation may show images: its messages'
 ``{"type": "image", "image": <PIL image>}`` parts are written as the model's placeholder runs and their images
 appended to the episode's (the rollout's ``images``); the records keep the messages without the pictures.
@@ -58,15 +58,15 @@ from torch import Tensor
 
 from lightning_grpo.episodes.chat import ChatFormat
 from lightning_grpo.episodes.environment import Environment, EnvironmentFactory, EnvStep, step_all
-from lightning_grpo.episodes.metrics import episode_columns, episode_metrics
-from lightning_grpo.protocols.engine import RolloutEngine
+from lightning_grpo.episodes.episode_metrics import episode_columns, episode_metrics
+from lightning_grpo.protocols.engine import RolloutEngine, generate
 from lightning_grpo.protocols.episode import EpisodeRecord, Turn
-from lightning_grpo.protocols.images import PromptImage, RowImages
-from lightning_grpo.protocols.multimodal import generate
 from lightning_grpo.protocols.rollout import RolloutInterrupted, RolloutOutput, StopFlag, left_pad
 from lightning_grpo.protocols.routing import NO_EXPERT, ROUTED_DTYPE
+from lightning_grpo.protocols.sampler import EncodedPrompts
 from lightning_grpo.protocols.sampling import SamplingConfig
-from lightning_grpo.rollout.images import ImagePrompts, split_images
+from lightning_grpo.protocols.vision import RowImages
+from lightning_grpo.rollout.image_prompts import ImagePrompts, split_images
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +85,7 @@ class _Episode:
     pending: Optional[str] = None  # a finished model turn the environment has not answered yet
     versions: set = field(default_factory=set)
     token_versions: list[int] = field(default_factory=list)  # each token's weight version, -1 = not sampled
-    images: tuple[PromptImage, ...] = ()  # the prompt's, then each observation's (vision-language policies)
+    images: RowImages = ()  # the prompt's, then each observation's (vision-language policies)
     prompt_routed: Optional[Tensor] = None  # [len(prompt), layers, k] the prompt's routed experts (turn 0)
     routed: Optional[Tensor] = None  # [len(ids), layers, k] each token's, -1 until a turn's engine call fed it
 
@@ -117,7 +117,7 @@ class EpisodeRunner:
 
     Args:
         chat: the chat template's prompt and turn encoding (with the tools the prompt describes).
-        environment_factory: makes one episode's environment (called once per episode).
+        environment_factory: makes one episode's environment (called once per episode; reset with its prompt's row).
         max_turns: most model turns per episode (``episode.max_turns``).
         max_tokens: the token budget of an episode after its prompt (``episode.max_tokens``; None = the sampling's
             ``max_new_tokens``, which is also the most tokens of one model turn).
@@ -147,20 +147,18 @@ class EpisodeRunner:
         """The prompts' ids with their tools (:meth:`ChatFormat.encode_prompts`): ``(ids, num_truncated)``."""
         return self.chat.encode_prompts(prompts, max_prompt_length)
 
-    def sample(self, engine: RolloutEngine, prompt_ids: Sequence[Sequence[int]], num_generations: int,
-               sampling: SamplingConfig, rows: Optional[Sequence[Mapping[str, Any]]] = None,
-               any_process: Optional[Callable[[bool], bool]] = None,
-               images: Optional[Sequence[Optional[RowImages]]] = None) -> RolloutOutput:
-        """The ``B * G`` episodes of ``B`` prompts (prompt-major, as a single-turn rollout), ``rows[i]`` the dataset
-        row of prompt i (``reset(**row)`` of its episodes' environments). ``any_process``: the data-parallel
-        agreement (:meth:`lightning_grpo.protocols.collectives.Collectives.any_process`), for engines that generate
-        with the policy's parameters (see the module docstring); None = this process alone. ``images[i]``: prompt
-        i's images (vision-language policies).
+    def sample(self, engine: RolloutEngine, prompts: EncodedPrompts, num_generations: int, sampling: SamplingConfig,
+               any_process: Optional[Callable[[bool], bool]] = None) -> RolloutOutput:
+        """The ``B * G`` episodes of ``B`` encoded prompts (prompt-major, as a single-turn rollout): ``prompts.rows[i]``
+        is the dataset row of prompt i (``reset(**row)`` of its episodes' environments), ``prompts.images[i]`` its
+        images (vision-language policies). ``any_process``: the data-parallel agreement
+        (:meth:`lightning_grpo.protocols.collectives.Collectives.any_process`), for engines that generate with the
+        policy's parameters (see the module docstring); None = this process alone.
 
         Returns:
             A :class:`RolloutOutput` with ``env_mask`` and ``episodes`` (one
             :class:`~lightning_grpo.protocols.episode.EpisodeRecord` each) set, the reward functions' ``transcript``
-            and ``env_reward`` columns and the episodes' metrics (:mod:`lightning_grpo.episodes.metrics`);
+            and ``env_reward`` columns and the episodes' metrics (:mod:`lightning_grpo.episodes.episode_metrics`);
             ``completions`` are each episode's last model turn (its answer); ``weight_version`` the oldest version any
             turn reported (each episode's record: its own oldest) and ``completion_versions`` every model token's
             (None when no turn reported a version).
@@ -168,44 +166,39 @@ class EpisodeRunner:
         Raises:
             RolloutInterrupted: the stop flag was set.
             RuntimeError: an environment's ``reset``/``step`` raised (the episode is named; tools never raise).
-            ValueError: ``rows`` does not have one entry per prompt; an observation with images for a policy
-                without them.
+            ValueError: an observation with images for a policy without them; images for an engine that does not
+                take them.
         """
-        b, g = len(prompt_ids), num_generations
+        b, g = len(prompts), num_generations
         per_turn = sampling.max_new_tokens
         budget = self.max_tokens or per_turn
-        rows = [{} for _ in range(b)] if rows is None else [dict(row) for row in rows]
-        if len(rows) != b:
-            raise ValueError(f"{len(rows)} dataset rows for {b} prompts: one row per prompt")
         episodes: list[_Episode] = []
         reported: list[tuple[bool, bool]] = []  # whether each turn's call reported sampler logprobs, routed experts
         lockstep = any_process is not None and engine.capabilities.uses_policy_parameters
         try:
             for k in range(b * g):
-                episodes.append(_Episode([int(t) for t in prompt_ids[k // g]], self._environment(k, rows[k // g]),
-                                         images=tuple((images[k // g] or ()) if images is not None else ())))
+                episodes.append(_Episode(list(prompts.ids[k // g]), self._environment(k, prompts.rows[k // g]),
+                                         images=prompts.images[k // g]))
             first = replace(sampling, max_new_tokens=min(per_turn, budget))
-            out = generate(engine, prompt_ids, g, first, images)
+            out = generate(engine, prompts.ids, g, first, prompts.images)
             reported.append(self._take(episodes, list(range(b * g)), out, budget))
             turn = 1
             while self._more_turns(episodes, budget, any_process if lockstep else None):
                 running = [k for k, e in enumerate(episodes) if e.running]
                 if not running:  # another process still generates: take part in its collective, discard the result
-                    generate(engine, [list(prompt_ids[0])], 1, replace(sampling, max_new_tokens=1),
-                             None if images is None else [images[0]])
+                    generate(engine, prompts.ids[:1], 1, replace(sampling, max_new_tokens=1), prompts.images[:1])
                     turn += 1
                     continue
                 room = max(budget - len(episodes[k].ids) for k in running)
                 seed = None if sampling.seed is None else sampling.seed + turn * b * g
                 turn_sampling = replace(sampling, max_new_tokens=min(per_turn, room), seed=seed)
                 prefixes = [episodes[k].prompt + episodes[k].ids for k in running]
-                shown = [episodes[k].images or None for k in running]
-                out = generate(engine, prefixes, 1, turn_sampling, shown)
+                out = generate(engine, prefixes, 1, turn_sampling, [episodes[k].images for k in running])
                 reported.append(self._take(episodes, running, out, budget))
                 turn += 1
         finally:
             _close(episodes)
-        return self._output(episodes, prompt_ids, g, int(engine.pad_token_id), all(r[0] for r in reported),
+        return self._output(episodes, prompts.ids, g, int(engine.pad_token_id), all(r[0] for r in reported),
                             all(r[1] for r in reported))
 
     def _more_turns(self, episodes: list[_Episode], budget: int,
@@ -300,14 +293,7 @@ class EpisodeRunner:
             e.running = False
             return
         messages, pictures = split_images(step.messages, "an observation")
-        if pictures and self.images is None:
-            raise ValueError("an environment's observation has images, but the policy is not a vision-language model")
-        ids = self.chat.env_turn_ids(messages)
-        shown: tuple[PromptImage, ...] = ()
-        if pictures:
-            assert self.images is not None
-            shown = tuple(self.images.process(p) for p in pictures)
-            ids = self.images.expand(ids, shown, "an observation")
+        ids, shown = self._observation(messages, pictures)
         if len(e.ids) + len(ids) >= budget:  # no room for a model token after it: the episode is cut here
             e.running, record.truncated, record.budget_exceeded = False, True, True
             return
@@ -320,6 +306,20 @@ class EpisodeRunner:
         e.token_versions += [-1] * len(ids)
         e.images += shown
         record.turns.append(Turn("env", start, len(e.ids), [dict(m) for m in messages]))
+
+    def _observation(self, messages: Any, pictures: list[Any]) -> tuple[list[int], RowImages]:
+        """An observation's ids (each picture's placeholder run expanded) and its images.
+
+        Raises:
+            ValueError: pictures for a policy that is not a vision-language model.
+        """
+        if not pictures:
+            return self.chat.env_turn_ids(messages), ()
+        images = self.images
+        if images is None:
+            raise ValueError("an environment's observation has images, but the policy is not a vision-language model")
+        shown = tuple(images.process(p) for p in pictures)
+        return images.expand(self.chat.env_turn_ids(messages), shown, "an observation"), shown
 
     def _output(self, episodes: list[_Episode], prompt_ids: Sequence[Sequence[int]], g: int, pad: int,
                 reports_logprobs: bool, reports_routing: bool) -> RolloutOutput:
@@ -349,7 +349,7 @@ class EpisodeRunner:
             sampler_logprobs=logprobs if reports_logprobs else None,
             weight_version=min(versions) if versions else None,
             episodes=records, columns=episode_columns(records), metrics=episode_metrics(records, model, env),
-            images=[e.images or None for e in episodes] if any(e.images for e in episodes) else None,
+            images=[e.images for e in episodes],
             **(_routed_fields(episodes, ids.shape[1], t) if reports_routing else {}),
             completion_versions=token_versions if versions else None,
         )

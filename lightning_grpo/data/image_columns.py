@@ -132,7 +132,7 @@ class ImageCollator:
 
 class ImagePromptLengths:
     """Prompt lengths in tokens with their images' placeholder tokens: the chat template's ids (one placeholder per
-    image) plus what each image adds once processed (:func:`lightning_grpo.models.vision.process_image`).
+    image) plus what each image adds once processed (:func:`lightning_grpo.models.vision_loading.process_image`).
 
     Args:
         model_dir: the vision-language checkpoint's folder (tokenizer with its chat template, config, image
@@ -145,7 +145,7 @@ class ImagePromptLengths:
     def __init__(self, model_dir: str) -> None:
         from transformers import AutoConfig, AutoTokenizer
 
-        from lightning_grpo.models.vision import load_image_processor
+        from lightning_grpo.models.vision_loading import load_image_processor
         from lightning_grpo.protocols.vision import vision_spec
 
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -159,7 +159,7 @@ class ImagePromptLengths:
 
     def __call__(self, prompt: Sequence[Mapping[str, Any]], images: Sequence[Any]) -> int:
         """The tokens of ``prompt`` (messages with image parts) with ``images`` (PIL)."""
-        from lightning_grpo.models.vision import process_image
+        from lightning_grpo.models.vision_loading import process_image
 
         ids = self.tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=True)
         if isinstance(ids, Mapping) or hasattr(ids, "keys"):

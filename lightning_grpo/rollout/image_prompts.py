@@ -1,14 +1,14 @@
 """Prompts with images (vision-language models): chat messages whose parts hold images -> token ids with each image's
 placeholder run expanded, and the processed images (an
-:class:`~lightning_grpo.protocols.multimodal.ImagePromptEncoder`).
+:class:`~lightning_grpo.protocols.sampler.ImagePromptEncoder`).
 
 A prompt is a list of chat messages whose ``content`` may be a list of parts (``{"type": "text", "text": ...}`` and
 ``{"type": "image", "image": <PIL image>}``, TRL's format). The chat template writes each image part as the
 family's placeholder (one ``<|image_pad|>`` between ``<|vision_start|>`` and ``<|vision_end|>``, or ``<image>``),
 through the text encoder it wraps (single-turn: :class:`~lightning_grpo.rollout.prompts.TemplatePrompts`; multi-turn:
 the prompts with their tools); each placeholder is then expanded to the image's ``num_tokens``, as the model's
-processor does (:func:`lightning_grpo.models.vision.process_image`). A prompt longer than ``max_prompt_length`` loses
-its oldest tokens only when no image token is among them; else it is refused (never truncated through an image).
+processor does (:func:`lightning_grpo.models.vision_loading.process_image`). A prompt longer than ``max_prompt_length``
+loses its oldest tokens only when no image token is among them; else it is refused (never truncated through an image).
 """
 
 from __future__ import annotations
@@ -19,10 +19,9 @@ from typing import Any, Optional, Sequence
 
 from transformers import PreTrainedTokenizerBase
 
-from lightning_grpo.models.vision import load_image_processor, process_image
-from lightning_grpo.protocols.images import EncodedPrompts, PromptImage, RowImages, count_tokens
-from lightning_grpo.protocols.sampler import PromptEncoder
-from lightning_grpo.protocols.vision import VisionSpec, vision_spec
+from lightning_grpo.models.vision_loading import load_image_processor, process_image
+from lightning_grpo.protocols.sampler import EncodedPrompts, PromptEncoder
+from lightning_grpo.protocols.vision import PromptImage, RowImages, VisionSpec, count_tokens, vision_spec
 from lightning_grpo.rollout.prompts import adds_bos
 
 
@@ -91,13 +90,13 @@ def pictures_from_state(value: Any) -> Any:
 
 class ImagePrompts:
     """The prompt encoding of a vision-language policy (an
-    :class:`~lightning_grpo.protocols.multimodal.ImagePromptEncoder` and a
+    :class:`~lightning_grpo.protocols.sampler.ImagePromptEncoder` and a
     :class:`~lightning_grpo.protocols.sampler.PromptEncoder`).
 
     Args:
         text: the text encoder writing the chat template (its placeholders collapsed, one per image).
         tokenizer: the policy's tokenizer (the BOS rule of truncation).
-        processor: the checkpoint's image processor (:func:`lightning_grpo.models.vision.load_image_processor`).
+        processor: the checkpoint's image processor (:func:`lightning_grpo.models.vision_loading.load_image_processor`).
         spec: the checkpoint's image facts (:func:`lightning_grpo.protocols.vision.vision_spec`).
         model_config: the checkpoint's config (LLaVA's vision tower size).
     """
@@ -125,7 +124,7 @@ class ImagePrompts:
         self.processor.save_pretrained(folder)
 
     def process(self, image: Any) -> PromptImage:
-        """One image as the model takes it (:func:`lightning_grpo.models.vision.process_image`)."""
+        """One image as the model takes it (:func:`lightning_grpo.models.vision_loading.process_image`)."""
         return process_image(image, self.processor, self.spec, self.model_config)
 
     def expand(self, ids: Sequence[int], images: Sequence[PromptImage], where: str) -> list[int]:
@@ -167,7 +166,7 @@ class ImagePrompts:
         collapsed, _ = self.text.encode_prompts([messages for messages, _ in split], sys.maxsize)
         with_bos = adds_bos(self.tokenizer)
         ids_out: list[list[int]] = []
-        images_out: list[Optional[RowImages]] = []
+        images_out: list[RowImages] = []
         truncated = 0
         for i, ((_, raw), ids) in enumerate(zip(split, collapsed, strict=True)):
             images = tuple(self.process(image) for image in raw)
@@ -184,8 +183,8 @@ class ImagePrompts:
                 expanded = expanded[:keep] + expanded[len(expanded) - (max_prompt_length - keep):]
                 truncated += 1
             ids_out.append(expanded)
-            images_out.append(images or None)
-        return EncodedPrompts(ids_out, truncated, images_out)
+            images_out.append(images)
+        return EncodedPrompts.of(ids_out, images=images_out, num_truncated=truncated)
 
 
 def image_prompts(text: PromptEncoder, tokenizer: PreTrainedTokenizerBase, policy: Any, processor: Any = None,
@@ -197,7 +196,7 @@ def image_prompts(text: PromptEncoder, tokenizer: PreTrainedTokenizerBase, polic
         text, tokenizer: the run's text prompt encoding and tokenizer.
         policy: the policy (a transformers model, or a PEFT model of one: its ``config`` is the model's).
         processor: the image processor, or the folder holding it; None: ``model_path``'s
-            (:func:`lightning_grpo.models.vision.load_image_processor`).
+            (:func:`lightning_grpo.models.vision_loading.load_image_processor`).
         model_path: the policy's folder.
 
     Raises:

@@ -1,4 +1,4 @@
-"""Which :class:`~lightning_grpo.strategies.base.ParallelBackend` a Lightning strategy gets: :func:`backend_for`,
+"""Which :class:`~lightning_grpo.strategies.backend.ParallelBackend` a Lightning strategy gets: :func:`backend_for`,
 dispatched on the strategy's class (``functools.singledispatch``), so that no caller asks a strategy what it is."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from typing import Any
 
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 
-from lightning_grpo.strategies.base import ParallelBackend
+from lightning_grpo.strategies.backend import ParallelBackend
 from lightning_grpo.strategies.fsdp import FSDP2Backend, FSDP2Strategy
 from lightning_grpo.strategies.fsdp1 import FSDP1Backend
 from lightning_grpo.strategies.local import LocalBackend

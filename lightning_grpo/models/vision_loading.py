@@ -9,7 +9,7 @@ Families (``config.model_type``):
   ``patch_size * merge_size`` within the processor's ``[min_pixels, max_pixels]`` (its ``smart_resize``), cut into
   ``t x h x w`` patches and becomes ``t*h*w / merge_size**2`` ``<|image_pad|>`` tokens between ``<|vision_start|>``
   and ``<|vision_end|>``; positions are 3-D (mRoPE, Qwen2-VL report, arXiv:2409.12191 sec. 2.1:
-  :func:`lightning_grpo.training.vision.mrope_positions`).
+  :func:`lightning_grpo.training.vision_layouts.mrope_positions`).
 * ``llava``: the processor resizes and crops to the vision tower's square input; an image becomes
   ``(image_size / patch_size)**2`` ``<image>`` tokens (plus one with ``vision_feature_select_strategy="full"``);
   positions are 1-D.
@@ -24,8 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from lightning_grpo.protocols.images import PromptImage
-from lightning_grpo.protocols.vision import VisionSpec, vision_spec
+from lightning_grpo.protocols.vision import PromptImage, VisionSpec, vision_spec
 
 if TYPE_CHECKING:
     from peft import LoraConfig

@@ -1,6 +1,6 @@
 """Where a prompt dataset's raw splits come from: the GSM8K and MATH-500 presets (offline under the data folder, else
 the hub), local JSONL / JSON / Parquet / CSV files and folders, the seeded arithmetic task, HumanEval, the shapes task
-(images), or a hub id (:func:`load_splits`; :class:`~lightning_grpo.data.module.PromptDataModule` formats them into
+(images), or a hub id (:func:`load_splits`; :class:`~lightning_grpo.data.datamodule.PromptDataModule` formats them into
 prompts)."""
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ def load_preset(dataset: str, preset: Preset, data_dir: Optional[str],
 
 def load_splits(dataset: str, data_dir: Optional[str], dataset_config: Optional[str], preset: Optional[Preset],
                 seed: int) -> datasets.DatasetDict:
-    """The raw splits of ``dataset`` (see :class:`~lightning_grpo.data.module.PromptDataModule`'s ``dataset``):
+    """The raw splits of ``dataset`` (see :class:`~lightning_grpo.data.datamodule.PromptDataModule`'s ``dataset``):
     the seeded arithmetic task, HumanEval, the shapes task, a preset, a local file or folder, or a hub id.
 
     Raises:

@@ -31,9 +31,9 @@ from typing import Any, Optional, Sequence
 import torch
 
 from lightning_grpo.protocols.engine import EngineWrapper, RolloutEngine
-from lightning_grpo.protocols.multimodal import has_images
 from lightning_grpo.protocols.rollout import RolloutOutput
 from lightning_grpo.protocols.sampling import SamplingConfig
+from lightning_grpo.protocols.vision import RowImages
 from lightning_grpo.protocols.weights import PolicyWeights
 from lightning_grpo.strategies.megatron.policy import MegatronPolicy
 
@@ -75,7 +75,7 @@ class TensorParallelRolloutEngine(EngineWrapper):
     # ------------------------------------------------------------------ generation
     def generate(
         self, prompt_ids: Sequence[Sequence[int]], num_generations: int, sampling: SamplingConfig,
-        images: Optional[Sequence[Any]] = None,
+        images: Sequence[RowImages] = (),
     ) -> RolloutOutput:
         """Generate on the group's first rank and broadcast the result over the group. A collective over the
         model-parallel group: every rank calls it with the same prompts. On the trainer's thread the HF copy is
@@ -84,7 +84,7 @@ class TensorParallelRolloutEngine(EngineWrapper):
         Raises:
             ValueError: prompts with images (Megatron trains text models only).
         """
-        if has_images(images):
+        if any(images):
             raise ValueError("MegatronStrategy trains text-only models: prompts with images need the HF policy on one "
                              "device, DDP or FSDP2")
         on_main = threading.current_thread() is threading.main_thread()

@@ -25,16 +25,16 @@ from lightning_grpo.protocols.rollout import RolloutOutput
 from lightning_grpo.protocols.sampling import SamplingConfig
 from lightning_grpo.protocols.streaming import GroupRequest, StreamingEngine
 from lightning_grpo.protocols.weights import PolicyWeights
-from lightning_grpo.rollout.registry import EngineSpec
+from lightning_grpo.rollout.engine_registry import EngineSpec
 from lightning_grpo.rollout.streaming.event_loop import EngineLoop
-from lightning_grpo.rollout.streaming.groups import group_rollout
+from lightning_grpo.rollout.streaming.scored_groups import group_rollout
 
 StreamingEngineFactory = Callable[[EngineSpec], StreamingEngine]
 
 #: Built-in streaming engines: ``engine.name`` -> "module:factory", imported when first made. The rollout servers'
 #: pool (``ServerPool``, one vLLM AsyncLLM server per URL with in-flight weight updates) lives beside the server.
 STREAMING_ENGINES: dict[str, str] = {
-    "vllm_server": "lightning_grpo.rollout.server.pool:make_pool",
+    "vllm_server": "lightning_grpo.rollout.server.server_pool:make_pool",
 }
 _REGISTERED: dict[str, StreamingEngineFactory] = {}
 

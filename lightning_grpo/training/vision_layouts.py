@@ -1,6 +1,6 @@
 """The image inputs of a vision-language policy's training forward, in each layout of
 :class:`~lightning_grpo.training.logprobs.CompletionLogprobs`: each row's images (``pixel_values`` and grid sizes,
-:class:`~lightning_grpo.protocols.images.PromptImage`) concatenated in the order their placeholder runs appear in the
+:class:`~lightning_grpo.protocols.vision.PromptImage`) concatenated in the order their placeholder runs appear in the
 forward's ``input_ids``, and Qwen-VL's 3-D rotary positions (:func:`mrope_positions`).
 
 * padded ``(B, P + T)`` rows: every row's images, row after row; positions ``(3, B, P + T)``;
@@ -21,8 +21,7 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor
 
-from lightning_grpo.protocols.images import PromptImage, RowImages, check_image_tokens, image_batch
-from lightning_grpo.protocols.vision import VisionSpec
+from lightning_grpo.protocols.vision import PromptImage, RowImages, VisionSpec, check_image_tokens, image_batch
 
 
 def mrope_positions(ids: Tensor, images: Optional[RowImages], spec: VisionSpec) -> Tensor:
@@ -70,13 +69,12 @@ def mrope_positions(ids: Tensor, images: Optional[RowImages], spec: VisionSpec) 
     return out
 
 
-def split_row_images(images: Optional[RowImages], prompt_tokens: int) -> tuple[RowImages, RowImages]:
+def split_row_images(images: RowImages, prompt_tokens: int) -> tuple[RowImages, RowImages]:
     """A row's images as ``(the prompt's, the completion's)``, given the placeholder tokens of its prompt.
 
     Raises:
         ValueError: the prompt's placeholder tokens end inside an image.
     """
-    images = images or ()
     total, k = 0, 0
     while k < len(images) and total < prompt_tokens:
         total += images[k].num_tokens
@@ -94,13 +92,13 @@ class VisionInputs:
 
     Args:
         spec: the policy's image facts.
-        images: ``B`` rows' images (None: a row without images).
+        images: ``B`` rows' images (``()``: a row without images).
         prompt_ids, prompt_mask: ``(B, P)`` long, left-padded.
         completion_ids, completion_mask: ``(B, T)`` long; the mask is what the forward lays out (with multi-turn
             environment tokens).
     """
 
-    def __init__(self, spec: VisionSpec, images: Sequence[Optional[RowImages]], prompt_ids: Tensor,
+    def __init__(self, spec: VisionSpec, images: Sequence[RowImages], prompt_ids: Tensor,
                  prompt_mask: Tensor, completion_ids: Tensor, completion_mask: Tensor) -> None:
         self.spec = spec
         self.images = list(images)
@@ -129,7 +127,7 @@ class VisionInputs:
         try:
             images, _ = split_row_images(self.images[row], tokens)
         except ValueError:
-            images = self.images[row] or ()  # the check below names the mismatch
+            images = self.images[row]  # the check below names the mismatch
         check_image_tokens(sequence, images, self.spec.placeholder_id, f"row {row} (prompt and completion)")
         return images
 

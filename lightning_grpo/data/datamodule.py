@@ -38,8 +38,9 @@ from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from lightning_grpo.data.code_tasks import CODE_INSTRUCTION, CODE_SYSTEM_PROMPT, HUMANEVAL_NAME
+from lightning_grpo.data.epoch_sampler import EpochShuffleSampler
 from lightning_grpo.data.fewshot import fewshot_messages
-from lightning_grpo.data.images import (
+from lightning_grpo.data.image_columns import (
     ImageCollator,
     ImagePromptLengths,
     as_image_list,
@@ -47,12 +48,6 @@ from lightning_grpo.data.images import (
     image_messages,
     long_prompt_rows,
     optional_column,
-)
-from lightning_grpo.data.loading import (  # noqa: F401  (DATA_DIR_ENV, default_data_dirs: part of this module's API)
-    DATA_DIR_ENV,
-    PRESETS_BY_HUB_ID,
-    default_data_dirs,
-    load_splits,
 )
 from lightning_grpo.data.presets import (  # noqa: F401  (re-exported: the presets are part of this module's API)
     DEFAULT_SYSTEM_PROMPT,
@@ -63,7 +58,12 @@ from lightning_grpo.data.presets import (  # noqa: F401  (re-exported: the prese
     AnswerFormat,
     Preset,
 )
-from lightning_grpo.data.sampler import EpochShuffleSampler
+from lightning_grpo.data.raw_splits import (  # noqa: F401  (DATA_DIR_ENV, default_data_dirs: part of this module's API)
+    DATA_DIR_ENV,
+    PRESETS_BY_HUB_ID,
+    default_data_dirs,
+    load_splits,
+)
 from lightning_grpo.data.shapes import SHAPES_NAME
 from lightning_grpo.data.source import EVAL_INDEX
 from lightning_grpo.data.synthetic import ARITHMETIC_INSTRUCTION, SYNTHETIC_NAME
@@ -124,7 +124,7 @@ def _format_example(
     prompt = [] if system_prompt is None else [{"role": "system", "content": system_prompt}]
     prompt += row.get("fewshot") or fewshot  # worked examples: the row's (the arithmetic task's), else num_fewshot
     prompt.append({"role": "user", "content": instruction.replace(QUESTION_PLACEHOLDER, question)})
-    if image_field is not None:  # the images' parts, filled with them batch by batch (data/images.py)
+    if image_field is not None:  # the images' parts, filled with them batch by batch (data/image_columns.py)
         prompt = image_messages(prompt, len(as_image_list(row[image_field])))
     return {"prompt": prompt, "answer": answer, "question": question, "solution": str(row[solution_field])}
 
@@ -179,8 +179,8 @@ class PromptDataModule(L.LightningDataModule):
             first ``num_fewshot`` rows of the train split, which are then never trained on (>= 0).
         image_field: column of each row's image or images (PIL images, file paths, bytes or ``datasets.Image``
             values; one or a list) for a vision-language model: they go before the question in the user message
-            (TRL's format, :mod:`lightning_grpo.data.images`), read batch by batch. With ``max_prompt_length`` the
-            lengths count the images' tokens (``tokenizer`` is then the model's folder, with its image processor).
+            (TRL's format, :mod:`lightning_grpo.data.image_columns`), read batch by batch. With ``max_prompt_length``
+            the lengths count the images' tokens (``tokenizer`` is then the model's folder, with its image processor).
         long_prompts: what happens to a prompt over ``max_prompt_length``: "skip" (left out, counted in
             :attr:`dropped_prompts` and logged) or "error". A prompt is never cut here, so never through an image.
 
@@ -312,7 +312,7 @@ class PromptDataModule(L.LightningDataModule):
         from transformers import AutoTokenizer
 
         prompts = list(dataset["prompt"])
-        if self.image_field is not None:  # the images' tokens counted, no prompt cut (data/images.py)
+        if self.image_field is not None:  # the images' tokens counted, no prompt cut (data/image_columns.py)
             keep = long_prompt_rows(prompts, list(dataset[self.image_field]), ImagePromptLengths(self.tokenizer),
                                     self.max_prompt_length, self.image_field, split, self.long_prompts)
         else:
