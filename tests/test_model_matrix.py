@@ -292,7 +292,7 @@ def test_vllm_samples_what_the_trainer_scores(tiny_architecture_paths, name):
             importlib.import_module(module)
         return
     from lightning_grpo.rollout.engines.vllm.colocated import VLLMRolloutEngine
-    from lightning_grpo.strategies.weights import ModuleWeights
+    from lightning_grpo.strategies.module_weights import ModuleWeights
     from support.vllm_pool import SETTINGS
 
     path = tiny_architecture_paths[name]
