@@ -128,6 +128,9 @@ def run_worker(spec: dict, workdir: str, label: str, verbose: bool = False, time
         os.remove(out_path)  # a result left by an earlier run in the same workdir
     busy = cpu_busy_fraction()
     env = dict(os.environ)
+    for key in TORCH_DISTRIBUTED_ENV:  # a row is its own run: not a rank of the caller's process group, if it has one
+        env.pop(key, None)
+    env["MASTER_PORT"] = str(free_port())  # its own rendezvous (two rows never share a port that may still be held)
     for key in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE"):
         env.setdefault(key, "1")
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -255,6 +258,12 @@ def cuda_peak() -> dict[str, Any]:
             "cuda_max_reserved_bytes": torch.cuda.max_memory_reserved()}
 
 
+#: The variables a process of a torch.distributed job inherits (torchrun's, Lightning's): a benchmark's worker drops
+#: them (a caller inside a process group, e.g. a test worker, would hand it its rendezvous port).
+TORCH_DISTRIBUTED_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+                         "NODE_RANK", "GROUP_RANK", "TORCHELASTIC_RUN_ID")
+
+
 # --------------------------------------------------------------------------- rollout server
 def free_port() -> int:
     import socket
@@ -265,9 +274,9 @@ def free_port() -> int:
 
 
 def start_server(model: str, cpus: str, threads: int, kv_cache_gib: float, max_model_len: int,
-                 log_path: str) -> tuple[subprocess.Popen, str]:
-    """``lightning-grpo serve`` pinned to ``cpus`` with ``threads`` torch threads; returns ``(process, url)`` once
-    ``/health`` answers (raises RuntimeError after 600 s or when it exits)."""
+                 log_path: str, dtype: str = "float32") -> tuple[subprocess.Popen, str]:
+    """``lightning-grpo serve`` pinned to ``cpus`` with ``threads`` torch threads, computing in ``dtype``; returns
+    ``(process, url)`` once ``/health`` answers (raises RuntimeError after 600 s or when it exits)."""
     from lightning_grpo.rollout.server.client import RolloutServerError, ServerClient
 
     port = free_port()
@@ -276,7 +285,7 @@ def start_server(model: str, cpus: str, threads: int, kv_cache_gib: float, max_m
     env.pop("VLLM_CPU_KVCACHE_SPACE", None)
     command = ["taskset", "-c", cpus, sys.executable, "-m", "lightning_grpo.cli", "serve", "--model", model,
                "--host", "127.0.0.1", "--port", str(port), "--kv-cache-space-gib", f"{kv_cache_gib:.6f}",
-               "--max-model-len", str(max_model_len)]
+               "--max-model-len", str(max_model_len), "--dtype", dtype]
     proc = subprocess.Popen(command, env=env, stdout=open(log_path, "a"), stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 600
@@ -504,6 +513,7 @@ def run_ours(spec: dict) -> dict:
         "accumulate_grad_batches": accumulate,
         "config": dataclasses.asdict(config),
         "token_budget": module.token_budget,
+        "resolved": module.resolved.as_dict(),  # e.g. the engine's dtype ("auto": the trainer's compute dtype)
         "cuda_train_peak_bytes": clock.cuda_train_peak or None,
         "ignored_options": ignored,
     }
@@ -708,6 +718,8 @@ def worker_main(spec_path: str, out_path: str) -> None:
         imported_modules=imported_modules(),
         trainer=spec["trainer"],
         engine=spec.get("engine"),
+        precision=spec.get("precision", "32-true"),
+        dtype=spec.get("dtype", "float32"),
         torch_threads=torch.get_num_threads(),
         vllm_imported=sys.modules.get("vllm") is not None,
         wall_s=time.perf_counter() - _WORKER_START,

@@ -12,6 +12,11 @@ Rows (each a fresh subprocess through ``benchmarks/_harness.py``, the same promp
   reductions), HF engine;
 * ``fsdp1``: ours under Lightning's ``FSDPStrategy`` with ``precision="bf16-mixed"``, HF engine;
 * ``vllm``: ours, ``bf16-mixed``, colocated vLLM on CUDA (``engine.gpu_memory_utilization``);
+* ``vllm_moe_r3``: ours, ``bf16-mixed``, colocated vLLM on CUDA, on a random Qwen3-MoE built from code (4 layers,
+  hidden 256, 8 experts of 256, top-2; the tokenizer of ``--model``) with routing replay "R3" and its diagnostics: the
+  engine returns each token's experts (vLLM's own ``enable_return_routed_experts`` where Model Runner V2 runs, else
+  recorded in its worker; docs/engines.md), the trainer replays them; reported beside the timings:
+  ``sampling/router_disagreement``, ``sampling/k3_kl`` and the same without replay;
 * ``hf_offload`` (not in the default set): ``hf`` with the layers' inputs offloaded to pinned CPU memory.
 
 A row whose package is not installed is skipped with the reason (``vllm``: a vLLM CUDA build; ``trl``: TRL), and so
@@ -62,16 +67,21 @@ ROWS: dict[str, dict[str, Any]] = {
               "strategy": {"name": "grpo_fsdp2", "mixed_precision": "bf16"}},
     "fsdp1": {"trainer": "ours", "engine": "hf", "precision": "bf16-mixed", "strategy": {"name": "fsdp"}},
     "vllm": {"trainer": "ours", "engine": "vllm", "precision": "bf16-mixed"},
+    "vllm_moe_r3": {"trainer": "ours", "engine": "vllm", "precision": "bf16-mixed", "moe": True,
+                    "config": {"routing_replay": "R3", "routing_replay_diagnostics": True}},
     "hf_offload": {"trainer": "ours", "engine": "hf", "precision": "bf16-mixed", "gradient_checkpointing": "offload"},
 }
-DEFAULT_ROWS = ("hf", "trl", "hf_fp32", "fsdp2", "fsdp1", "vllm")
+DEFAULT_ROWS = ("hf", "trl", "hf_fp32", "fsdp2", "fsdp1", "vllm", "vllm_moe_r3")
 #: The package each row needs beyond the package's own, and how the skip names it.
-NEEDS = {"trl": ("trl", "trl"), "vllm": ("vllm", "a vLLM CUDA build")}
+NEEDS = {"trl": ("trl", "trl"), "vllm": ("vllm", "a vLLM CUDA build"), "vllm_moe_r3": ("vllm", "a vLLM CUDA build")}
 #: Rows that need CUDA, and why.
 CUDA_ONLY = {"hf_offload": "pinned host memory for the offloaded activations",
              "fsdp1": "Lightning's FSDPStrategy runs on CUDA only"}
 #: seconds per row before it is abandoned: vLLM compiles and captures CUDA graphs at start-up
-TIMEOUTS = {"vllm": 200.0}
+TIMEOUTS = {"vllm": 200.0, "vllm_moe_r3": 200.0}
+#: The mismatch metrics a routing-replay row reports (medians over its measured steps).
+MISMATCH_KEYS = ("sampling/k3_kl", "sampling/router_disagreement", "sampling/without_replay/k3_kl",
+                 "sampling/without_replay/router_disagreement")
 #: A row is not started with less than this many seconds of the budget left.
 MIN_ROW_S = 30.0
 #: What ``--dry-run`` sets (a CPU, the tiny random model, a little work, the GPU machine's packages only).
@@ -148,6 +158,19 @@ def build_model(args: argparse.Namespace, workdir: str) -> dict[str, Any]:
     return {"path": resolve_model(args.model, workdir), "size": args.model}
 
 
+def build_moe_model(tokenizer_path: str, workdir: str) -> dict[str, Any]:
+    """The ``vllm_moe_r3`` row's policy: a random Qwen3-MoE (4 layers, hidden 256, 4 heads of 64, 2 KV heads, 8
+    experts of 256, top-2, routers N(0, 1): :func:`lightning_grpo.demos.tiny_models.save_tiny_moe`) with the
+    tokenizer at ``tokenizer_path``."""
+    from lightning_grpo.demos.tiny_models import save_tiny_moe
+
+    started = time.perf_counter()
+    path = save_tiny_moe(os.path.join(workdir, "random-moe"), tokenizer_path, "qwen3_moe", hidden_size=256,
+                         expert_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                         num_experts=8, top_k=2)
+    return {"path": path, "family": "qwen3_moe", "build_s": time.perf_counter() - started}
+
+
 def spec_for(args: argparse.Namespace, row: str, model_path: str, workdir: str,
              allowed: Optional[list[str]]) -> dict:
     n = args.prompts_per_step * args.num_generations
@@ -168,7 +191,7 @@ def spec_for(args: argparse.Namespace, row: str, model_path: str, workdir: str,
         "seed": 0,
         "steps": args.steps,
         "micro_batch_size": min(args.micro_batch_size, n),
-        "config": {"engine.gpu_memory_utilization": args.vllm_gpu_memory_utilization},
+        "config": {**ROWS[row].get("config", {}), "engine.gpu_memory_utilization": args.vllm_gpu_memory_utilization},
         "workdir": workdir,
         "allowed_distributions": allowed,
     }
@@ -195,6 +218,8 @@ def summarize(result: dict) -> dict[str, Any]:
         "cuda_train_peak_allocated_gib": gib(result.get("cuda_train_peak_bytes")),
         "host_peak_rss_gib": gib(result.get("peak_rss_bytes")),
         "startup_s": result["steps"][0]["end_s"] if result["steps"] else None,
+        **({"mismatch": {key: median([r["metrics"].get(key) for r in rows]) for key in MISMATCH_KEYS}}
+           if any("sampling/router_disagreement" in r["metrics"] for r in rows) else {}),
     }
 
 
@@ -252,7 +277,10 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
         print(f"running {row} ...", flush=True)
         try:
             timeout = min(max(args.timeout, TIMEOUTS.get(row, 0.0)), remaining)
-            spec = spec_for(args, row, model["path"], workdir, allowed if args.emulate_machine else None)
+            if ROWS[row].get("moe") and "moe" not in model:
+                model["moe"] = build_moe_model(model["path"], workdir)
+            path = model["moe"]["path"] if ROWS[row].get("moe") else model["path"]
+            spec = spec_for(args, row, path, workdir, allowed if args.emulate_machine else None)
             result = run_worker(spec, workdir, row, timeout=timeout)
         except Exception as error:  # noqa: BLE001 - a failed row is reported, the others still run
             failures[row] = f"{type(error).__name__}: {str(error)[-2000:]}"

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One short GPU benchmark (< 10 minutes in all, offline; benchmarks/gpu.py): our GRPO step on a random
 # Qwen2.5-0.5B-shaped policy built on the spot (bf16 and float32 on one device, FSDP2 and FSDP1 in bf16, colocated
-# vLLM on CUDA) against TRL's on the same GPU; tokens/s, peak CUDA memory and the step's phases as JSON and a table.
+# vLLM on CUDA; routing replay R3 through vLLM on a random Qwen3-MoE) against TRL's on the same GPU; tokens/s, peak
+# CUDA memory and the step's phases as JSON and a table.
 #
 #   bash benchmarks/gpu.sh              # writes $OUT/gpu.json when $OUT is set, else benchmarks/results/gpu.json
 #   bash benchmarks/gpu.sh --dry-run    # the same code on a CPU, about 40 s of CPU time (the tests run it)

@@ -15,6 +15,16 @@ Trainers (``--engines``, any subset, run in the given order within a round):
   step s+1's rollout while the trainer trains step s) on ``--trainer-cpus``, each pinned with ``taskset`` and with
   one torch thread per core it has; a fresh server per run; its peak RSS is added to the trainer's.
 
+Precisions (``--precisions``, any subset; every trainer above runs in each, alternated in one invocation):
+
+* ``32-true`` (the default): float32 on both sides;
+* ``bf16-mixed``: ours ``Trainer(precision="bf16-mixed")`` (float32 weights and AdamW state, bf16 autocast; the
+  colocated vLLM engine and the rollout server in bfloat16, ``engine.dtype="auto"`` / ``serve --dtype bfloat16``),
+  TRL ``bf16=True`` on its float32 model (accelerate's bf16 autocast on the CPU);
+* ``bf16-true``: ours ``Trainer(precision="bf16-true")`` (bfloat16 weights and AdamW state), TRL ``bf16=True`` on
+  the model loaded in bfloat16. Rows other than float32 are named ``<trainer>@<precision>``; each is compared with
+  TRL's row of the same precision.
+
 Same work on every side: the same GSM8K train prompts in the same order (the first ``--steps`` batches of
 :class:`lightning_grpo.data.PromptDataModule` with ``--seed``: its system prompt, instruction and the model's
 chat template), the same reward functions (``gsm8k_accuracy`` + ``gsm8k_format`` of
@@ -22,7 +32,7 @@ chat template), the same reward functions (``gsm8k_accuracy`` + ``gsm8k_format``
 temperature (top-p 1, top-k off), learning rate, loss type, beta, one optimizer step per rollout
 (num_iterations 1, the whole P x G rollout per step), the same micro-batch size (TRL
 ``per_device_train_batch_size`` = ours ``P*G / accumulate_grad_batches``), AdamW (0.9, 0.99) with constant lr
-and no weight decay, gradient clipping at norm 1.0, float32, no gradient checkpointing, no evaluation, no
+and no weight decay, gradient clipping at norm 1.0, the same precision, no gradient checkpointing, no evaluation, no
 checkpoints, no model export, metrics logged every step. With beta = 0 (the default) neither side loads a
 reference model; with num_iterations = 1 neither recomputes old logprobs.
 
@@ -51,6 +61,9 @@ Run::
     # the README's measurement: SmolLM2-135M-Instruct, every trainer
     python benchmarks/vs_trl.py --prompts-per-step 2 --num-generations 8 --max-new-tokens 128 --steps 3 --rounds 2 \
         --engines trl,hf,vllm,async --out benchmarks/results/vs_trl_smollm2.json
+    # float32 and bf16 rows of every trainer, alternated in one invocation (issue 44)
+    python benchmarks/vs_trl.py --prompts-per-step 2 --num-generations 8 --max-new-tokens 128 --steps 3 --rounds 1 \
+        --engines trl,hf,vllm,async --precisions 32-true,bf16-mixed --out benchmarks/results/vs_trl_bf16.json
     # long completions, where memory decides: 8 x 8 x 1,024 tokens (the tiny model with SmolLM2's 49,152-token
     # vocabulary: it almost never samples EOS, so every completion is 1,024 tokens long)
     python benchmarks/vs_trl.py --model tiny --prompts-per-step 8 --num-generations 8 --max-new-tokens 1024 \
@@ -99,6 +112,9 @@ TRAINERS = {
 ROW_CONFIG: dict[str, dict] = {"hf": {}, "hf_full_logits": {"lm_head_chunk_size": None}, "vllm": {},
                                "vllm_kv2": {"engine.kv_cache_space_gib": 2}, "async": {"max_staleness": 1}}
 ROW_ENGINE = {"hf": "hf", "hf_full_logits": "hf", "vllm": "vllm", "vllm_kv2": "vllm", "async": "vllm_server"}
+#: ``--precisions``: Lightning's precision of our rows -> TRL's settings for the same work (``bf16``, model dtype).
+PRECISIONS = {"32-true": {"bf16": False, "dtype": "float32"}, "bf16-mixed": {"bf16": True, "dtype": "float32"},
+              "bf16-true": {"bf16": True, "dtype": "bfloat16"}}
 MAX_PROMPT_LENGTH = 512  # GRPOConfig's default, which every row of ours uses
 LOSS_TYPES = ("grpo", "bnpo", "dapo", "dr_grpo")  # the ones both trainers implement
 
@@ -114,6 +130,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--prompts-per-step", type=int, default=8, help="prompts per rollout (P)")
     parser.add_argument("--num-generations", type=int, default=8, help="completions per prompt (G)")
     parser.add_argument("--max-new-tokens", type=int, default=256, help="most tokens per completion")
+    parser.add_argument("--precisions", default="32-true",
+                        help=f"comma-separated precisions each trainer runs in ({', '.join(PRECISIONS)}); see above")
     parser.add_argument("--steps", type=int, default=4, help="optimizer steps per run; the first is a warm-up")
     parser.add_argument("--rounds", type=int, default=2, help="rounds of A B C runs")
     parser.add_argument("--micro-batch-size", type=int, default=8,
@@ -152,6 +170,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     unknown = sorted(set(args.engines) - set(TRAINERS))
     if unknown or not args.engines:
         parser.error(f"--engines: unknown {unknown}; choose from {', '.join(TRAINERS)}")
+    args.precisions = [p.strip() for p in args.precisions.split(",") if p.strip()]
+    unknown = sorted(set(args.precisions) - set(PRECISIONS))
+    if unknown or not args.precisions:
+        parser.error(f"--precisions: unknown {unknown}; choose from {', '.join(PRECISIONS)}")
     if args.steps < 2:
         parser.error("--steps must be >= 2 (the first step is a warm-up)")
     n = args.prompts_per_step * args.num_generations
@@ -170,8 +192,25 @@ def count_cpus(cpus: str) -> int:
     return total
 
 
-def server_kv_cache_gib(args: argparse.Namespace, model_path: str) -> float:
-    """The rollout server's KV cache: ``--kv-cache-gib``, or "auto" as GRPOConfig's (one rollout's sequences)."""
+def row_name(trainer: str, precision: str) -> str:
+    """A row's name: the trainer's in float32, ``<trainer>@<precision>`` otherwise."""
+    return trainer if precision == "32-true" else f"{trainer}@{precision}"
+
+
+def row_label(name: str) -> str:
+    """A row's printed label: the trainer's, with its precision other than float32."""
+    trainer, _, precision = name.partition("@")
+    return TRAINERS[trainer] + (f", {precision}" if precision else "")
+
+
+def engine_dtype(precision: str) -> str:
+    """The dtype our engines with their own weights run in under ``precision`` (``engine.dtype="auto"``)."""
+    return "float32" if precision == "32-true" else "bfloat16"
+
+
+def server_kv_cache_gib(args: argparse.Namespace, model_path: str, precision: str = "32-true") -> float:
+    """The rollout server's KV cache: ``--kv-cache-gib``, or "auto" as GRPOConfig's (one rollout's sequences in the
+    server's dtype)."""
     if args.kv_cache_gib != "auto":
         return float(args.kv_cache_gib)
     from transformers import AutoConfig
@@ -179,13 +218,14 @@ def server_kv_cache_gib(args: argparse.Namespace, model_path: str) -> float:
     from lightning_grpo.rollout.engines.vllm.kv_cache import rollout_kv_cache_bytes
 
     sequences = args.prompts_per_step * args.num_generations
-    return rollout_kv_cache_bytes(AutoConfig.from_pretrained(model_path), 4, sequences,
+    value_bytes = 4 if engine_dtype(precision) == "float32" else 2
+    return rollout_kv_cache_bytes(AutoConfig.from_pretrained(model_path), value_bytes, sequences,
                                   MAX_PROMPT_LENGTH + args.max_new_tokens) / GIB
 
 
 def worker_spec(args: argparse.Namespace, trainer: str, model_path: str, workdir: str,
-                server_url: Optional[str] = None) -> dict:
-    """The JSON spec one worker runs (see ``_harness.run_ours`` / ``_harness.run_trl``)."""
+                server_url: Optional[str] = None, precision: str = "32-true") -> dict:
+    """The JSON spec one worker runs (see ``_harness.run_ours`` / ``_harness.run_trl``) in ``precision``."""
     config = dict(ROW_CONFIG.get(trainer, {}))
     threads, cpus = args.threads, None
     if trainer == "async":
@@ -213,6 +253,8 @@ def worker_spec(args: argparse.Namespace, trainer: str, model_path: str, workdir
         "kv_cache_gib": args.kv_cache_gib,
         "threads": threads,
         "workdir": workdir,
+        "precision": precision,  # ours: Trainer(precision=...); TRL: bf16=True for either bf16 (_harness.trl_settings)
+        "dtype": PRECISIONS[precision]["dtype"] if trainer == "trl" else "float32",  # TRL's bf16-true: a bf16 model
     }
 
 
@@ -297,28 +339,28 @@ def print_report(settings: dict, summaries: dict[str, dict], rel: dict[str, dict
     print("settings: " + ", ".join(f"{k}={v}" for k, v in settings.items()))
     if prompt_check:
         print(prompt_check)
-    header = (f"{'trainer':34s} {'steps':>5s} {'s/step':>8s} {'inner':>8s} {'gen tok/s':>10s} {'train tok/s':>11s} "
+    header = (f"{'trainer':46s} {'steps':>5s} {'s/step':>8s} {'inner':>8s} {'gen tok/s':>10s} {'train tok/s':>11s} "
               f"{'mean len':>8s} {'peak RSS':>9s} {'train peak':>10s} {'startup':>8s}")
     print()
     print(header)
     print("-" * len(header))
     for name, s in summaries.items():
-        print(f"{TRAINERS[name]:34s} {s['measured_steps']:5d} {fmt(s['step_s']):>8s} {fmt(s['inner_step_s']):>8s} "
+        print(f"{row_label(name):46s} {s['measured_steps']:5d} {fmt(s['step_s']):>8s} {fmt(s['inner_step_s']):>8s} "
               f"{fmt(s['generated_tokens_per_s'], '.1f'):>10s} {fmt(s['train_tokens_per_s'], '.1f'):>11s} "
               f"{fmt(s['mean_completion_length'], '.1f'):>8s} {fmt(s['peak_rss_gib'], '.2f', ' GiB'):>9s} "
               f"{fmt(s['train_peak_rss_gib'], '.2f', ' GiB'):>10s} {fmt(s['startup_s'], '.1f', ' s'):>8s}")
     if rel:
         print()
-        print(f"{'ours / TRL':34s} {'speed-up':>9s} {'gen tok/s':>10s} {'train tok/s':>11s} {'memory':>8s} "
+        print(f"{'ours / TRL':46s} {'speed-up':>9s} {'gen tok/s':>10s} {'train tok/s':>11s} {'memory':>8s} "
               f"{'train mem':>9s}")
         for name, r in rel.items():
-            print(f"{TRAINERS[name]:34s} {fmt(r['speedup_steps_per_s'], '.2f', 'x'):>9s} "
+            print(f"{row_label(name):46s} {fmt(r['speedup_steps_per_s'], '.2f', 'x'):>9s} "
                   f"{fmt(r['generated_tokens_per_s'], '.2f', 'x'):>10s} "
                   f"{fmt(r['train_tokens_per_s'], '.2f', 'x'):>11s} "
                   f"{fmt(r['peak_rss'], '.2f', 'x'):>8s} {fmt(r['train_peak_rss'], '.2f', 'x'):>9s}")
     for name, part in parts.items():
         print()
-        print(f"step breakdown, {TRAINERS[name]} (median s, % of {part['share_of']}):")
+        print(f"step breakdown, {row_label(name)} (median s, % of {part['share_of']}):")
         for key, seconds in part["seconds"].items():
             print(f"  {key:20s} {fmt(seconds, '.3f'):>8s}  {fmt(part['percent'][key], '.1f', ' %'):>8s}")
         print(f"  tokens through the training forward passes per step: {fmt(part['forward_tokens_per_step'], '.0f')} "
@@ -327,9 +369,10 @@ def print_report(settings: dict, summaries: dict[str, dict], rel: dict[str, dict
 
 def check_prompts(results: dict[str, list[dict]]) -> Optional[str]:
     """Compare TRL's own count of prompt tokens per step with ours (equal iff both tokenized the same prompts)."""
-    if "trl" not in results:
+    trl = [result for name, runs in results.items() if name.partition("@")[0] == "trl" for result in runs]
+    if not trl:
         return None
-    for result in results["trl"]:
+    for result in trl:
         seen, expected = result.get("trl_prompt_tokens", []), result.get("prompt_tokens", [])
         differ = len(seen) != len(expected)
         if differ or any(s is None or abs(s - e) > 0.5 for s, e in zip(seen, expected, strict=True)):
@@ -352,30 +395,33 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
         "loss_type": args.loss_type, "beta": args.beta, "seed": args.seed, "steps": args.steps,
         "rounds": args.rounds, "threads": args.threads, "padding_free": args.padding_free,
         "max_tokens_per_microbatch": args.max_tokens_per_microbatch, "kv_cache_gib": args.kv_cache_gib,
-        "engines": args.engines, "server_cpus": args.server_cpus if "async" in args.engines else None,
+        "engines": args.engines, "precisions": args.precisions,
+        "server_cpus": args.server_cpus if "async" in args.engines else None,
         "trainer_cpus": args.trainer_cpus if "async" in args.engines else None,
     }
     print(f"model {model_path}; workdir {workdir}; {os.cpu_count()} CPUs", flush=True)
 
-    results: dict[str, list[dict]] = {name: [] for name in args.engines}
+    rows = [(row_name(trainer, precision), trainer, precision) for trainer in args.engines
+            for precision in args.precisions]  # a trainer's precisions side by side, then the next trainer
+    results: dict[str, list[dict]] = {name: [] for name, _, _ in rows}
     for round_index in range(args.rounds):
-        for name in args.engines:
-            label = f"{name}_round{round_index + 1}"
+        for name, trainer, precision in rows:
+            label = f"{name.replace('@', '_')}_round{round_index + 1}"
             kept = os.path.join(workdir, f"{label}.result.json")
             if args.resume and os.path.exists(kept):  # finished by an earlier invocation in this workdir
                 with open(kept) as handle:
                     results[name].append({**json.load(handle), "reused_from_earlier_invocation": True})
-                print(f"reused {label} ({TRAINERS[name]}) from {kept}", flush=True)
+                print(f"reused {label} ({row_label(name)}) from {kept}", flush=True)
                 continue
-            print(f"running {label} ({TRAINERS[name]}) ...", flush=True)
+            print(f"running {label} ({row_label(name)}) ...", flush=True)
             server, url = None, None
-            if name == "async":
+            if trainer == "async":
                 server, url = start_server(model_path, args.server_cpus, count_cpus(args.server_cpus),
-                                           server_kv_cache_gib(args, model_path),
+                                           server_kv_cache_gib(args, model_path, precision),
                                            MAX_PROMPT_LENGTH + args.max_new_tokens,
-                                           os.path.join(workdir, f"{label}.server.log"))
+                                           os.path.join(workdir, f"{label}.server.log"), engine_dtype(precision))
             try:
-                result = run_worker(worker_spec(args, name, model_path, workdir, url), workdir, label,
+                result = run_worker(worker_spec(args, trainer, model_path, workdir, url, precision), workdir, label,
                                     verbose=args.verbose)
             finally:
                 server_peak = stop_server(server) if server is not None else None
@@ -386,7 +432,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
             results[name].append(result)
 
     summaries = {name: summarize(runs, n) for name, runs in results.items()}
-    rel = {name: ratios(summaries[name], summaries["trl"]) for name in results if name != "trl" and "trl" in results}
+    rel = {name: ratios(summaries[name], summaries[row_name("trl", precision)]) for name, trainer, precision in rows
+           if trainer != "trl" and row_name("trl", precision) in summaries}  # TRL in the same precision
     chunked = None
     if "hf" in summaries and "hf_full_logits" in summaries:  # what the chunked lm_head logprobs save
         full, ours = summaries["hf_full_logits"], summaries["hf"]
@@ -397,7 +444,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
         print(f"\nchunked / full logits (HF engine): train peak {fmt(chunked['train_peak_rss'], '.2f', 'x')}, "
               f"process peak {fmt(chunked['peak_rss'], '.2f', 'x')}, speed-up "
               f"{fmt(chunked['speedup_steps_per_s'], '.2f', 'x')}")
-    parts = {name: breakdown(runs) for name, runs in results.items() if name != "trl"}
+    parts = {name: breakdown(runs) for name, runs in results.items() if name.partition("@")[0] != "trl"}
     prompt_check = check_prompts(results)
     print_report(settings, summaries, rel, parts, prompt_check)
 
@@ -413,8 +460,10 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
         "chunked_vs_full_logits": chunked,
         "breakdown": parts,
         "prompt_check": prompt_check,
-        "trl_config": results["trl"][0]["config"] if "trl" in results else None,
-        "ours_config": next((runs[0]["config"] for name, runs in results.items() if name != "trl"), None),
+        "trl_config": next((runs[0]["config"] for name, runs in results.items() if name.partition("@")[0] == "trl"),
+                           None),
+        "ours_config": next((runs[0]["config"] for name, runs in results.items() if name.partition("@")[0] != "trl"),
+                            None),
         "runs": results,
     }
     write_report(report, args.out)

@@ -16,19 +16,25 @@ the checkpoint (global rank 0, with a ``CSVLogger``).
 Every field of the Trainer, the module (``--model.*``, ``--model.config.*``) and the data (``--data.*``) can be
 set in the YAML and overridden on the command line. ``lightning-grpo fit --help`` shows each ``--model.config.*``
 field with the attribute docstring written below it in :class:`lightning_grpo.config.GRPOConfig`.
+
+``--optimizer CLASS`` (and ``--lr_scheduler CLASS``, stepped once per optimizer step) replace the module's AdamW
+(:func:`use_cli_optimizer`): built when Lightning calls ``configure_optimizers``, over the parameters the trainer's
+backend trains.
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
 import sys
 import warnings
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from types import MethodType
+from typing import Any, Mapping, Optional, Sequence
 
 import torch
 from jsonargparse import DefaultHelpFormatter, set_parsing_settings
-from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, instantiate_class
 from typing_extensions import override
 
 from lightning_grpo.config import GRPOConfig
@@ -64,6 +70,62 @@ def _max_prompt_length(config: object) -> int:
 #: settings, the engine) comes from the config and command line given, which is what is being evaluated.
 WEIGHT_HPARAMS = ("model", "lora", "dtype", "quantization")
 
+#: The arguments of ``GRPOModule``'s own optimizer (AdamW with a linear warmup), which ``--optimizer`` replaces.
+MODULE_OPTIMIZER_ARGUMENTS = ("learning_rate", "weight_decay", "adam_betas", "warmup_steps")
+
+
+def use_cli_optimizer(module: GRPOModule, optimizer: Optional[Mapping[str, Any]],
+                      lr_scheduler: Optional[Mapping[str, Any]]) -> None:
+    """Make ``module.configure_optimizers`` build the CLI's ``--optimizer`` (and ``--lr_scheduler``) when Lightning
+    calls it: over :meth:`GRPOModule.trained_parameters`, i.e. after the trainer's backend converted or sharded the
+    policy in ``configure_model`` (LightningCLI itself builds the optimizer at once, over the parameters the module
+    holds before: ``MegatronStrategy`` and FSDP2 train other ones, and the run would never change the trained
+    weights). The scheduler steps once per optimizer step (``interval="step"``, as the module's warmup; a
+    ``ReduceLROnPlateau`` watches its ``monitor``).
+
+    Args:
+        module: the CLI's module.
+        optimizer: ``{"class_path", "init_args"}`` of ``--optimizer`` (a ``torch.optim.Optimizer``), or None.
+        lr_scheduler: the same of ``--lr_scheduler``, or None.
+
+    Raises:
+        ValueError: ``--lr_scheduler`` without ``--optimizer`` (LightningCLI would drop it); with ``--optimizer``, a
+            module whose class overrides ``configure_optimizers`` (two optimizers chosen), or one of the module's own
+            optimizer arguments (:data:`MODULE_OPTIMIZER_ARGUMENTS`) set to other than its default (it would be
+            ignored): each names the option and its value.
+    """
+    if not optimizer:
+        if lr_scheduler:
+            raise ValueError(
+                f"--lr_scheduler {lr_scheduler['class_path']} needs --optimizer: the CLI schedules the optimizer it "
+                "builds, and GRPOModule's own AdamW has its own schedule (--model.warmup_steps); give --optimizer "
+                "(e.g. --optimizer torch.optim.AdamW --optimizer.lr 1e-6) or drop --lr_scheduler")
+        return
+    name = optimizer["class_path"]
+    if type(module).configure_optimizers is not GRPOModule.configure_optimizers:
+        raise ValueError(f"--optimizer {name} and {type(module).__name__}.configure_optimizers both choose the "
+                         "optimizer: drop --optimizer, or the configure_optimizers override")
+    defaults = inspect.signature(GRPOModule.__init__).parameters
+    for argument in MODULE_OPTIMIZER_ARGUMENTS:
+        default, value = defaults[argument].default, module.hparams.get(argument, defaults[argument].default)
+        if (tuple(value) if isinstance(value, (list, tuple)) else value) != default:
+            raise ValueError(
+                f"--model.{argument}={value!r} is an argument of GRPOModule's own AdamW, which --optimizer {name} "
+                f"replaces, so it would be ignored: set the optimizer's own options (--optimizer.lr, "
+                f"--optimizer.weight_decay, ...; a schedule with --lr_scheduler) and leave model.{argument} at its "
+                f"default ({default!r})")
+
+    def configure_optimizers(self: GRPOModule) -> Any:
+        built = instantiate_class(self.trained_parameters(), optimizer)
+        if not lr_scheduler:
+            return built
+        scheduler = instantiate_class(built, lr_scheduler)
+        chosen = LightningCLI.configure_optimizers(self, built, scheduler)  # with a ReduceLROnPlateau's monitor
+        config = chosen["lr_scheduler"] if isinstance(chosen, dict) else {"scheduler": scheduler}
+        return {"optimizer": built, "lr_scheduler": {**config, "interval": "step"}}
+
+    module.configure_optimizers = MethodType(configure_optimizers, module)  # type: ignore[method-assign]
+
 
 class GRPOCLI(LightningCLI):
     """LightningCLI with the GRPO module and prompt data module as the defaults.
@@ -95,6 +157,15 @@ class GRPOCLI(LightningCLI):
             except SystemExit:
                 sys.stderr.write("Parsing of ckpt_path hyperparameters failed!\n")
                 raise
+
+    @override
+    def _add_configure_optimizers_method_to_model(self, subcommand: Optional[str]) -> None:
+        """``--optimizer`` / ``--lr_scheduler``, built when Lightning calls ``configure_optimizers``
+        (:func:`use_cli_optimizer`; Lightning's own builds them here, before the backend converts or shards the
+        policy)."""
+        if self.auto_configure_optimizers:
+            use_cli_optimizer(self.model, self._get(self.config_init, "optimizer"),
+                              self._get(self.config_init, "lr_scheduler"))
 
     @override
     def init_parser(self, **kwargs: Any) -> LightningArgumentParser:

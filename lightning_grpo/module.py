@@ -6,6 +6,7 @@ experience), the training step, the optimizer's hooks, the validation and test s
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import logging
@@ -46,12 +47,17 @@ from lightning_grpo.rollout.prefetch import PrefetchedRollout
 from lightning_grpo.rollout.streaming import RolloutStream
 from lightning_grpo.runtime.checkpointing import use_atomic_checkpoint_io
 from lightning_grpo.runtime.cleanup import ReleaseOnException, install
-from lightning_grpo.strategies import backend_for
+from lightning_grpo.strategies import backend_for, compute_dtype
 from lightning_grpo.strategies.backend import GRPOModels, ParallelBackend
 from lightning_grpo.strategies.local import LocalBackend
 from lightning_grpo.training.experience import Experience, StepPlan
 from lightning_grpo.training.nonfinite import check_finite_checkpoint
-from lightning_grpo.training.optim import adamw_with_warmup, check_optimizer_arguments
+from lightning_grpo.training.optim import (
+    adamw_with_warmup,
+    check_optimized_parameters,
+    check_optimizer_arguments,
+    warn_rounded_away_updates,
+)
 from lightning_grpo.training.token_budget import fit_token_budget
 
 log = logging.getLogger(__name__)
@@ -247,7 +253,8 @@ class GRPOModule(L.LightningModule):
         self.make_rollout_engine(prompts.prompts_per_step)
         install(self.trainer, self._release_on_exception)  # no teardown runs after a failure
         check_quantized_engine(self._lora_settings, self.rollout.require_engine())
-        self.rewards.setup(self.trainer.strategy.root_device)  # e.g. a reward model's device="auto": this rank's
+        self.rewards.setup(self.trainer.strategy.root_device,  # e.g. a reward model's device="auto": this rank's
+                           compute_dtype(self.trainer.strategy, next(self.policy.parameters()).dtype))
         check_tied_head(self.policy, self._loaded.base, self.rollout.require_engine())
         if stage == "fit":
             updates = 1 if prompts.prompts_per_step is None else schedule.steps_per_rollout(self.config,
@@ -260,8 +267,15 @@ class GRPOModule(L.LightningModule):
         """Make the rollout engine ``config.engine`` names, once (``setup`` does; a made or given engine is kept;
         :meth:`lightning_grpo.rollout.worker.RolloutWorker.start`), resolving its "auto" settings into
         :attr:`resolved`. ``rollout_prompts``: prompts per rollout on this process, when known (sizes
-        ``engine.kv_cache_space_gib="auto"``). Returns the engine."""
-        self.resolved = self.rollout.start(self._loaded.base, self._engine_checkpoint, self.resolved, rollout_prompts)
+        ``engine.kv_cache_space_gib="auto"``). Under a trainer, the engine samples in the dtype the trainer computes
+        in (``engine.dtype="auto"``: :func:`~lightning_grpo.strategies.compute_dtype`; the HF engine inside the
+        precision plugin's ``forward_context``). Returns the engine."""
+        trainer, dtype, context = self._trainer, None, contextlib.nullcontext
+        if trainer is not None:
+            dtype = compute_dtype(trainer.strategy, next(self.policy.parameters()).dtype)
+            context = trainer.precision_plugin.forward_context
+        self.resolved = self.rollout.start(self._loaded.base, self._engine_checkpoint, self.resolved, rollout_prompts,
+                                           dtype, context)
         self._record_resolved()
         return self.rollout.require_engine()
 
@@ -281,7 +295,8 @@ class GRPOModule(L.LightningModule):
         """The module's models for a backend: the engine as it was made or given, the policy's kind, the
         distillation teacher's model."""
         return GRPOModels(self.policy, self.ref_model, self.rollout.own_engine, lora=self._loaded.lora,
-                          teacher=self.teacher_model)
+                          teacher=self.teacher_model,
+                          routing_counts=None if self.routing is None else self.routing.add_replay_counts)
 
     def _set_models(self, models: GRPOModels) -> None:
         """Take what the backend made: the models, the engine's wrapper and weights, the scorer and layout."""
@@ -317,9 +332,15 @@ class GRPOModule(L.LightningModule):
 
     @override
     def on_fit_start(self) -> None:
+        """Check the optimizers (:func:`~lightning_grpo.training.optim.check_optimized_parameters`: they must hold
+        :meth:`trained_parameters`, raises ValueError otherwise); the frozen models onto the device; the loop's plan."""
+        check_optimized_parameters(self.policy, self.trainer.optimizers)
         for frozen in (self.ref_model, self.teacher_model):
             if frozen is not None:
                 frozen.to(self.device)
+        if self.trainer.precision in ("bf16-true", "16-true"):  # half-precision weights: updates may round away
+            warn_rounded_away_updates((p for p in self.policy.parameters() if p.requires_grad),
+                                      self.hparams.learning_rate, self.trainer.precision)
         self._bind_context()
         self._hand_plan()
 
@@ -539,11 +560,22 @@ class GRPOModule(L.LightningModule):
             self.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)
         self.preemption.on_micro_batch_end(batch.step_end)  # SIGTERM inside a step waits for its end
 
+    def trained_parameters(self) -> list[nn.Parameter]:
+        """The parameters the optimizer steps: the policy's with ``requires_grad`` (a LoRA policy's adapters), as the
+        trainer's backend made them in ``configure_model`` (converted into megatron-core's by ``MegatronStrategy``,
+        sharded by FSDP). Build the optimizer from these inside ``configure_optimizers``, which Lightning calls after
+        ``configure_model``: parameters taken before it are not the trained ones, and a fit refuses an optimizer
+        over them (:meth:`on_fit_start`)."""
+        return [p for p in self.policy.parameters() if p.requires_grad]
+
     @override
     def configure_optimizers(self) -> Any:
+        """AdamW over :meth:`trained_parameters` with ``learning_rate``, ``weight_decay``, ``adam_betas`` and a linear
+        warmup of ``warmup_steps`` optimizer steps (:func:`~lightning_grpo.training.optim.adamw_with_warmup`);
+        ``lightning-grpo fit --optimizer ...`` replaces it (:func:`lightning_grpo.cli.use_cli_optimizer`)."""
         hp = self.hparams
-        return adamw_with_warmup((p for p in self.policy.parameters() if p.requires_grad), hp.learning_rate,
-                                 hp.weight_decay, hp.adam_betas, hp.warmup_steps)
+        return adamw_with_warmup(self.trained_parameters(), hp.learning_rate, hp.weight_decay, hp.adam_betas,
+                                 hp.warmup_steps)
 
     @override
     def validation_step(self, batch: dict[str, list], batch_idx: int, dataloader_idx: int = 0) -> None:

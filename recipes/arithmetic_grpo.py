@@ -2,6 +2,7 @@
 
     python recipes/arithmetic_grpo.py                  # validate, train 30 steps, validate, report
     python recipes/arithmetic_grpo.py --max-steps 40   # longer
+    python recipes/arithmetic_grpo.py --precision bf16-mixed --correction icepop   # bf16, IcePop's mask
 
 The task (:mod:`lightning_grpo.data.synthetic`, ``dataset="arithmetic"``, level 1): "What is 13 - 6?" (numbers 0-15)
 after one worked example, the answer on a last line ``#### <number>``; 130 held-out questions are never trained on.
@@ -36,6 +37,15 @@ from lightning_grpo.config import DistillationConfig, EngineConfig, EvalConfig  
 from lightning_grpo.data import PromptDataModule  # noqa: E402
 from lightning_grpo.evaluation.plot import plot_metrics  # noqa: E402
 from lightning_grpo.rollout.engine_registry import resolve_engine_name
+
+#: ``--correction``: the rollout correction of the sampler-trainer mismatch (docs/algorithm.md, "Rollout correction";
+#: docs/performance.md, "bf16"): none, TIS (the token-level importance weight pi_old / pi_sampler truncated at 2, as
+#: asynchronous runs use) or IcePop (tokens whose weight is outside [0.5, 5] get no policy-gradient loss).
+CORRECTIONS: dict[str, dict[str, Any]] = {
+    "none": {},
+    "tis": dict(importance_sampling_cap=2.0),
+    "icepop": dict(importance_sampling_cap=5.0, importance_sampling_min=0.5, importance_sampling_mode="mask"),
+}
 
 #: The reward functions (accuracy first: it is the validation's check) and their weights: the reward is the strict
 #: accuracy, in {0, 1}; the format (a last line ``#### <number>``, which strict accuracy already needs) is logged only.
@@ -72,6 +82,11 @@ def summarize(metrics_csv: Path, first: int = 5) -> dict[str, Any]:
         "val_curve": accuracy,
         "val_pass@1_curve": sampled,
         "reverse_kl": column("distillation/reverse_kl"),
+        # the sampler-trainer mismatch (engines that report sampler logprobs: vLLM) and what the correction dropped,
+        # each metric's mean over the steps
+        "mismatch": {name: _mean([v for _, v in column(name)]) for name in (rows[0] if rows else {})
+                     if name.startswith(("sampling/mismatch_ratio/", "sampling/sampling_logp_difference/",
+                                         "sampling/masked_fraction/", "sampling/importance_sampling_ratio/"))},
     }
 
 
@@ -91,12 +106,17 @@ def main(max_steps: int = 30, prompts_per_step: int = 8, num_generations: int = 
          learning_rate: float = 1e-5, val_size: int = 130, level: int = 1, temperature: float = 1.2,
          eval_samples: int = 4, loss_type: str = "grpo", engine: Optional[str] = None,
          root: str = "outputs/arithmetic_grpo", model: str = "embedded", seed: int = 42, val_every: int = 0,
-         teacher: Optional[str] = None, distill_coef: float = 1.0) -> dict[str, Any]:
+         teacher: Optional[str] = None, distill_coef: float = 1.0, precision: str = "32-true",
+         correction: str = "none", engine_dtype: str = "auto") -> dict[str, Any]:
     """Validate, train ``max_steps`` GRPO steps, validate again; print the table and paths; return the summary
     (:func:`summarize` plus ``seconds``, ``plot``, ``completions``, ``log_dir``, ``export``: the trained policy's
     folder). ``val_every`` > 0 validates every that many steps as well; ``teacher`` (a model folder with this
     tokenizer) trains by on-policy distillation from it instead of the reward (``GRPOConfig.distillation``, the
-    per-token reverse KL times ``distill_coef`` as the advantage; the reward is still scored and logged)."""
+    per-token reverse KL times ``distill_coef`` as the advantage; the reward is still scored and logged).
+    ``precision``: Lightning's (``"bf16-mixed"``: float32 weights, bf16 compute; the vLLM engine in ``engine_dtype``,
+    "auto" = the trainer's compute dtype); ``correction``: a key of :data:`CORRECTIONS`."""
+    if correction not in CORRECTIONS:
+        raise ValueError(f"correction={correction!r}: choose one of {', '.join(CORRECTIONS)}")
     start = time.perf_counter()
     L.seed_everything(seed)
     module = GRPOModule(
@@ -105,7 +125,8 @@ def main(max_steps: int = 30, prompts_per_step: int = 8, num_generations: int = 
         reward_weights=WEIGHTS,
         config=GRPOConfig(num_generations=num_generations, max_prompt_length=128, max_new_tokens=max_new_tokens,
                           temperature=temperature, beta=0.0, loss_type=loss_type,
-                          engine=EngineConfig(name=engine or "auto"),
+                          engine=EngineConfig(name=engine or "auto", dtype=engine_dtype),
+                          **CORRECTIONS[correction],
                           distillation=DistillationConfig(teacher=teacher, coef=distill_coef),
                           eval=EvalConfig(max_new_tokens=max_new_tokens, num_samples=eval_samples,
                                           temperature=temperature)),
@@ -118,6 +139,7 @@ def main(max_steps: int = 30, prompts_per_step: int = 8, num_generations: int = 
         max_steps=max_steps,
         accumulate_grad_batches=1,
         gradient_clip_val=1.0,
+        precision=precision,
         log_every_n_steps=1,
         # micro-batches: one per optimizer step here, so after the last step (and every val_every steps)
         val_check_interval=val_every if 0 < val_every < max_steps else max_steps,
@@ -143,7 +165,8 @@ def main(max_steps: int = 30, prompts_per_step: int = 8, num_generations: int = 
                                max_new_tokens=max_new_tokens, learning_rate=learning_rate, val_size=val_size,
                                level=level, temperature=temperature, eval_samples=eval_samples, loss_type=loss_type,
                                engine=engine, seed=seed, rewards=REWARDS, weights=WEIGHTS, val_every=val_every,
-                               teacher=teacher, distill_coef=distill_coef, model=model)
+                               teacher=teacher, distill_coef=distill_coef, model=model, precision=precision,
+                               correction=correction, engine_dtype=module.resolved.engine_dtype)
     print(table(summary))
     print(f"plot: {summary['plot']}\ncompletions: {summary['completions']}\ntook {summary['seconds'] / 60:.1f} min")
     return summary

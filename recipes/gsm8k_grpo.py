@@ -2,6 +2,7 @@
 
     python recipes/gsm8k_grpo.py                # 10 steps, as the YAML recipe
     python recipes/gsm8k_grpo.py --max-steps 50
+    python recipes/gsm8k_grpo.py --precision bf16-mixed
 
 Validates before and after training and prints the before/after table (lightning_grpo.evaluation.report) and the plot's
 path.
@@ -22,7 +23,7 @@ from lightning_grpo.evaluation.report import fit_report
 
 def main(max_steps: int = 10, prompts_per_step: int = 4, num_generations: int = 8, max_new_tokens: int = 160,
          val_size: int = 50, accumulate_grad_batches: int = 4, root: str = "outputs/gsm8k_grpo_py",
-         model: str = "embedded", engine: str = "auto") -> L.Trainer:
+         model: str = "embedded", engine: str = "auto", precision: str = "32-true") -> L.Trainer:
     L.seed_everything(42)
     module = GRPOModule(
         model=model,
@@ -38,6 +39,7 @@ def main(max_steps: int = 10, prompts_per_step: int = 4, num_generations: int = 
         max_steps=max_steps,
         accumulate_grad_batches=accumulate_grad_batches,  # micro-batches per optimizer step
         gradient_clip_val=1.0,
+        precision=precision,  # "bf16-mixed": float32 weights, bf16 compute (docs/performance.md, bf16)
         log_every_n_steps=1,
         val_check_interval=accumulate_grad_batches * max_steps,  # validate once, after the last step
         check_val_every_n_epoch=None,
@@ -59,4 +61,5 @@ if __name__ == "__main__":
     parser.add_argument("--max-steps", type=int, default=10)
     parser.add_argument("--prompts-per-step", type=int, default=4)
     parser.add_argument("--num-generations", type=int, default=8)
+    parser.add_argument("--precision", default="32-true", help="Lightning's: 32-true, bf16-mixed or bf16-true")
     main(**{k.replace("-", "_"): v for k, v in vars(parser.parse_args()).items()})

@@ -190,9 +190,11 @@ def alternating_reward():
 
 @pytest.fixture(scope="session")
 def vllm_engine():
-    """A factory ``vllm_engine(path, reload=True) -> VLLMRolloutEngine``: the session's colocated vLLM engine for that
-    model folder (:mod:`support.vllm_pool`: built once, handed out holding the folder's weights). Tests using it are
-    marked ``engine``. Give it to a fit with ``module.rollout_engine = engine``: the fit keeps it open."""
+    """A factory ``vllm_engine(path, reload=True, dtype="float32", record_routing=False) -> VLLMRolloutEngine``: the
+    session's colocated vLLM engine for that model folder and dtype (:mod:`support.vllm_pool`: built once, handed out
+    holding the folder's weights; ``record_routing``: a mixture of experts' engine whose rollouts carry the routing).
+    Tests using it are marked ``engine``. Give it to a fit with ``module.rollout_engine = engine``: the fit keeps it
+    open."""
     pytest.importorskip("vllm")
     from support.vllm_pool import POOL
 

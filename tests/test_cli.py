@@ -9,6 +9,7 @@ import io
 import re
 
 import pytest
+import torch
 
 from lightning_grpo.cli import GRPOCLI, main
 from lightning_grpo.config import (
@@ -114,3 +115,85 @@ def test_top_level_help_names_every_subcommand():
         assert re.search(rf"^\s+{subcommand}\b|[ ,]{subcommand}[ ,]", out, re.MULTILINE), (subcommand, out[:600])
     for subcommand in ("serve", "health", "launch", "plot"):
         assert f"lightning-grpo {subcommand} --help" in out
+
+
+# the optimizer a run steps: `--optimizer` / `--lr_scheduler`, or the module's own AdamW arguments; each reaches the
+# trained weights (golden first steps; tests/strategies/test_megatron_strategy.py: under MegatronStrategy,
+# tests/strategies/test_ddp.py and test_fsdp.py: DDP, FSDP2, FSDP1) or is refused naming the option
+SGD_HALVED = ["--optimizer", "torch.optim.SGD", "--optimizer.lr", "0.5",
+              "--lr_scheduler", "torch.optim.lr_scheduler.ConstantLR", "--lr_scheduler.factor", "0.5"]
+
+
+def test_cli_optimizer_and_lr_scheduler_step_the_trained_weights(tmp_path, tiny_llama_path):
+    """SGD(lr=0.5) with ConstantLR(factor=0.5): the first step moves every weight by exactly -0.25 * its gradient."""
+    from support.first_step import assert_first_step, cli_first_step
+
+    probe, cli = cli_first_step(tiny_llama_path, tmp_path, *SGD_HALVED)
+    assert type(cli.trainer.optimizers[0]) is torch.optim.SGD
+    assert_first_step(probe, lambda grad: -0.25 * grad)
+
+
+def test_module_adamw_arguments_step_the_trained_weights(tmp_path, tiny_llama_path):
+    """GRPOModule(learning_rate=0.01): AdamW's first step (bias-corrected moments g and g^2) moves every weight by
+    exactly -0.01 * g / (|g| + 1e-8)."""
+    from support.first_step import assert_first_step, cli_first_step
+
+    probe, _ = cli_first_step(tiny_llama_path, tmp_path, "--model.learning_rate", "0.01")
+    assert_first_step(probe, lambda grad: -0.01 * grad / (grad.abs() + 1e-8))
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--lr_scheduler", "torch.optim.lr_scheduler.ConstantLR"],
+     r"--lr_scheduler torch.optim.lr_scheduler.ConstantLR needs --optimizer"),
+    (["--optimizer", "torch.optim.SGD", "--model.learning_rate", "1e-05"],
+     r"--model.learning_rate=1e-05 is an argument of GRPOModule's own AdamW, which --optimizer torch.optim.SGD "
+     r"replaces"),
+    (["--optimizer", "torch.optim.SGD", "--model.warmup_steps", "3"], r"--model.warmup_steps=3 is an argument"),
+])
+def test_cli_optimizer_options_that_would_be_ignored_are_refused(tiny_llama_path, args, message):
+    with pytest.raises(ValueError, match=message):
+        GRPOCLI(GRPOModule, PromptDataModule, run=False, save_config_callback=None,
+                args=["--model.model", tiny_llama_path, "--model.reward_funcs", "[gsm8k_accuracy]", *args])
+
+
+def test_cli_optimizer_with_a_configure_optimizers_override_is_refused(tiny_llama_path):
+    from lightning_grpo.cli import use_cli_optimizer
+
+    class OwnOptimizer(GRPOModule):
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.trained_parameters(), lr=0.1)
+
+    module = OwnOptimizer(tiny_llama_path, reward_funcs=["gsm8k_accuracy"], export_dir="")
+    with pytest.raises(ValueError, match=r"--optimizer torch.optim.SGD and OwnOptimizer.configure_optimizers both"):
+        use_cli_optimizer(module, {"class_path": "torch.optim.SGD", "init_args": {"lr": 0.1}}, None)
+
+
+def test_an_optimizer_that_misses_or_outlives_the_trained_parameters_is_refused(tmp_path, tiny_llama_path):
+    """An optimizer over parameters the policy does not hold (a copy's: what an optimizer built before the backend
+    converted or sharded the policy holds) and one that leaves trainable parameters out fail the fit at its start."""
+    import copy
+
+    import lightning as L
+
+    from support.first_step import write_prompts
+
+    class Stale(GRPOModule):
+        def configure_optimizers(self):
+            return torch.optim.SGD(copy.deepcopy(self.policy).parameters(), lr=0.1)
+
+    class Partial(GRPOModule):
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.trained_parameters()[1:], lr=0.1)
+
+    data = PromptDataModule(dataset=write_prompts(tmp_path / "p.jsonl"), prompts_per_step=2, val_size=0)
+    messages = {Stale: r"configure_optimizers returned an optimizer over 21 parameters that the trained policy "
+                       r"\(LlamaForCausalLM\) does not hold",
+                Partial: r"1 trainable parameters of the policy are in no optimizer that configure_optimizers "
+                         r"returned \(model.embed_tokens.weight\)"}
+    for cls, message in messages.items():
+        module = cls(tiny_llama_path, reward_funcs=["gsm8k_accuracy"], export_dir="",
+                     config=GRPOConfig(num_generations=2, engine=EngineConfig(name="hf")))
+        trainer = L.Trainer(max_steps=1, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                            enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path))
+        with pytest.raises(ValueError, match=message):
+            trainer.fit(module, datamodule=data)

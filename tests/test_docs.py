@@ -44,6 +44,8 @@ PAGES = sorted([ROOT / "README.md", ROOT / "tests" / "README.md", ROOT / "benchm
 REPO_DIRS = ("lightning_grpo", "tests", "benchmarks", "recipes", "scripts", "docs")
 #: options of LightningCLI's subcommands beyond the ``--model.*`` / ``--data.*`` / ``--trainer.*`` trees
 CLI_OPTIONS = {"config", "print_config", "help", "seed_everything", "ckpt_path", "validate_before_fit"}
+#: LightningCLI's ``--optimizer`` / ``--lr_scheduler``: a class path, whose own arguments follow (not checked here)
+CLASS_OPTIONS = {"optimizer", "lr_scheduler"}
 #: ``lightning-grpo <sub>`` dispatched by ``lightning_grpo.cli.main`` before LightningCLI
 OWN_SUBCOMMANDS = ("serve", "health", "launch", "plot")
 
@@ -214,6 +216,8 @@ def cli_flag_problem(subcommand: str, flag: str) -> Optional[str]:
         options = own_subcommand_options()[subcommand]
         return None if flag in options else f"`lightning-grpo {subcommand}` has no option --{flag}"
     root, *path = flag.split(".")
+    if root in CLASS_OPTIONS:
+        return None
     if not path:
         return None if root in CLI_OPTIONS or root in cli_roots() else f"LightningCLI has no option --{flag}"
     if root not in cli_roots():
@@ -542,6 +546,7 @@ def test_checker_accepts_nested_config_flags() -> None:
     assert cli_flag_problem("fit", "model.lora.r") is None
     assert cli_flag_problem("fit", "model.config.num_generations") is None
     assert cli_flag_problem("fit", "trainer.callbacks+") is None
+    assert cli_flag_problem("fit", "optimizer.momentum") is None and cli_flag_problem("fit", "lr_scheduler") is None
     assert cli_flag_problem("fit", "model.lora.rr") is not None
 
 

@@ -6,6 +6,7 @@ The list is kept by hand; `grep -rn "\\._[a-z]" lightning_grpo` and the `@overri
 import lightning as L
 import pytest
 from lightning.pytorch.callbacks import ModelCheckpoint, TQDMProgressBar
+from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.loops.fetchers import _DataFetcher
 from lightning.pytorch.loops.fit_loop import _FitLoop
 from lightning.pytorch.loops.optimization.automatic import _AutomaticOptimization
@@ -17,6 +18,8 @@ CLASS_ATTRIBUTES = [
     (_AutomaticOptimization, "_make_zero_grad_fn"),  # loop/fit_loop.install_step_boundaries
     (ModelCheckpoint, "_find_last_checkpoints"),  # runtime/checkpointing.GRPOModelCheckpoint
     (ModelCheckpoint, "_ModelCheckpoint__resolve_ckpt_dir"),
+    (LightningCLI, "_add_configure_optimizers_method_to_model"),  # cli.GRPOCLI (--optimizer, --lr_scheduler)
+    (LightningCLI, "_get"),
 ]
 
 #: Attributes set on instances (constructed without arguments).

@@ -97,10 +97,21 @@ class EngineConfig:
     server_group_port: int = 51216
     """"vllm_server": port the trainer's rank 0 listens on for the weight-sync groups of all rollout servers (TRL's
     default)."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """"vllm": the dtype of the colocated engine's weights and activations; the weight sync casts the policy's
+    tensors to it (round to nearest, as autocast does). "auto": the dtype the trainer computes the policy in
+    (bfloat16 under ``Trainer(precision="bf16-mixed")`` or ``"bf16-true"`` and ``FSDP2Strategy(mixed_precision=
+    "bf16")``, float16 under ``"16-mixed"`` / ``"16-true"``, else the policy's parameter dtype), resolved when the
+    engine is made (``hparams["resolved"]["engine_dtype"]``). "float32" under bf16 training samples closer to the
+    trainer's float32-accumulated logits but decodes slower (docs/performance.md, "bf16"). The "hf" engine generates
+    with the policy's own parameters inside the trainer's precision context; rollout servers compute in the dtype
+    they were started with (``lightning-grpo serve --dtype``)."""
     weight_sync_check: Optional[float] = None
     """"vllm" and "vllm_server": after each weight sync, fail if the engine's (each server's) teacher-forced logprobs
-    of a fixed probe batch differ from the policy's by more than this (> 0; ~1e-4 for float32 on both sides); None =
-    off. It catches a sampler that is not the trained policy: a stale or mis-synced matrix (e.g. a tied lm_head)."""
+    of a fixed probe batch differ from the policy's (scored in the trainer's precision) by more than this (> 0;
+    ~1e-4 for float32 on both sides; in bfloat16 ``8 * 2**-8 * max|logit|`` of the probe,
+    :func:`lightning_grpo.rollout.engines.probe.sync_check_tolerance`: about 1.0 for SmolLM2-135M); None = off. It
+    catches a sampler that is not the trained policy: a stale or mis-synced matrix (e.g. a tied lm_head)."""
     server_secret_file: Optional[str] = None
     """"vllm_server": a file whose first line is the rollout servers' shared secret (``lightning-grpo serve
     --secret-file``); None = the environment variable ``LIGHTNING_GRPO_SERVER_SECRET``, if set. Only the path is

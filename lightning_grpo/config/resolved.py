@@ -8,6 +8,8 @@ hyperparameters (``hparams["resolved"]``, beside ``hparams["config"]``):
   (:func:`lightning_grpo.rollout.engine_registry.resolve_engine_name`);
 * ``engine.kv_cache_space_gib="auto"`` -> :attr:`ResolvedConfig.kv_cache_space_gib` when the engine is made (the
   prompts per rollout are known: :mod:`lightning_grpo.rollout.engines.vllm.kv_cache`);
+* ``engine.dtype="auto"`` -> :attr:`ResolvedConfig.engine_dtype` when the engine is made (the trainer's precision is
+  known: :func:`lightning_grpo.rollout.engine_registry.engine_dtype`);
 * ``max_tokens_per_microbatch="auto"`` -> :attr:`ResolvedConfig.max_tokens_per_microbatch` at the start of training
   (from probe steps: :mod:`lightning_grpo.training.token_budget`).
 """
@@ -27,12 +29,15 @@ class ResolvedConfig:
         engine_name: the rollout engine's name, ``engine.name`` with "auto" resolved.
         kv_cache_space_gib: the engine's KV-cache size in GiB, ``engine.kv_cache_space_gib`` with "auto" resolved;
             None until the engine is made and for engines that take no size (all but colocated vLLM).
+        engine_dtype: the dtype of an engine with its own copy of the weights (colocated vLLM), ``engine.dtype`` with
+            "auto" resolved; None until the engine is made and for engines that take no dtype.
         max_tokens_per_microbatch: the micro-batch token budget, ``max_tokens_per_microbatch`` (an int as given, or
             "auto" once chosen); None: off, or "auto" not yet chosen (micro-batches then count sequences).
     """
 
     engine_name: str
     kv_cache_space_gib: Optional[float] = None
+    engine_dtype: Optional[str] = None
     max_tokens_per_microbatch: Optional[int] = None
 
     def replace(self, **changes: Any) -> "ResolvedConfig":

@@ -16,7 +16,6 @@ again so the stream finds the prompts it must sample again.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, Callable, Optional, Protocol
 
 from lightning.pytorch.loops.fetchers import _DataFetcher
@@ -139,7 +138,7 @@ class ExperienceFetcher(_DataFetcher):
             member.step_plan = plan
         head = members[0].step_plan
         assert head is not None
-        members[0].step_plan = dataclasses.replace(head, later=tuple(members[1:]))
+        members[0].step_plan = head.with_later(tuple(members[1:]))
 
     def _start_rollout(self) -> None:
         """Make the next rollout's experience: the oldest rollout generated ahead, or, when none is (synchronous

@@ -134,6 +134,7 @@ class GRPOFitLoop(_FitLoop):
         fetcher.setup(self._combined_loader)
         iter(fetcher)
         self.use_fetcher(fetcher)
+        keep_micro_batch_dtypes(trainer, fetcher)
         if per_rollout is None:
             install_step_boundaries(self, fetcher)
             if self.max_batches != 0:
@@ -175,6 +176,22 @@ def install_step_boundaries(loop: GRPOFitLoop, fetcher: ExperienceFetcher) -> No
 
     epoch_loop._accumulated_batches_reached = accumulated_batches_reached  # type: ignore[method-assign]
     accumulation._make_zero_grad_fn = make_zero_grad_fn  # type: ignore[method-assign]
+
+
+def keep_micro_batch_dtypes(trainer: "L.Trainer", fetcher: ExperienceFetcher) -> None:
+    """Hand the fetcher's experience micro-batches to ``training_step`` as they are: the precision plugin's input
+    conversion (``Trainer(precision="bf16-true")``, ``"16-true"``: every floating-point tensor of a batch to the half
+    dtype) would round their float32 advantages and old / reference / sampler logprobs to 8 bits of mantissa (the
+    first step's ratio would no longer be exactly 1) and refuses their frozen step plans. The model's inputs are token
+    ids; the policy casts images to its own dtype. Other batches (validation prompts) are converted as before. Wraps
+    the public ``convert_input`` of this trainer's precision plugin, on this instance only."""
+    plugin = trainer.precision_plugin
+    convert = type(plugin).convert_input.__get__(plugin)
+
+    def convert_input(data: Any) -> Any:
+        return data if data is fetcher.current else convert(data)
+
+    plugin.convert_input = convert_input  # type: ignore[method-assign]
 
 
 #: The loops installed (so that installing is idempotent without asking the trainer's loop its type). A weak set of

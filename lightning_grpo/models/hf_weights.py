@@ -10,11 +10,19 @@ A PEFT LoRA policy (:mod:`lightning_grpo.models.lora`) is sent merged: each LoRA
 ``W0 + scaling * B @ A`` (Hu et al. 2021, "LoRA", arXiv:2106.09685, eq. 3), computed from the weights without
 touching the trained module (:func:`merge_lora`), under the base model's names; the adapters' own tensors are not
 sent. The same function gives the merged HF export.
+
+A model whose tensors transformers converts at load (its weight converters: the experts of a mixture-of-experts
+family, fused in memory as ``mlp.experts.gate_up_proj`` ``(E, 2I, H)`` and ``mlp.experts.down_proj`` ``(E, H, I)``
+where the checkpoint has ``mlp.experts.<e>.gate_proj.weight`` etc., or Mixtral's ``block_sparse_moe.experts.<e>.w1``)
+is sent in its checkpoint layout: each tensor through transformers' own reversal of that conversion
+(:func:`checkpoint_layout`, what ``save_pretrained`` writes), the layout every vLLM loader reads: vLLM 0.32's
+Qwen3-MoE and OLMoE loaders also take the fused tensors, but its Mixtral loader refuses the in-memory ``mlp`` names
+(``There is no module or parameter named 'layers.0.mlp' in MixtralModel``).
 """
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, Iterator, Mapping
+from typing import Callable, Iterable, Iterator, Mapping, Optional
 
 import torch
 from torch import Tensor, nn
@@ -175,11 +183,38 @@ def check_syncable(model: nn.Module, tie_word_embeddings: bool) -> None:
         raise ValueError(TIED_HEAD_ERROR)
 
 
+def checkpoint_layout(model: nn.Module) -> Optional[Callable[[str, Tensor], dict[str, Tensor]]]:
+    """How a tensor of ``model`` (by its name in the plain HF model's state dict) is laid out in the model's
+    checkpoint: a function ``(name, tensor) -> {checkpoint name: tensor}`` (transformers'
+    ``revert_weight_conversion`` of that one tensor: a fused experts tensor becomes one tensor per expert and
+    projection, views of it), or None when transformers converts no tensor of this model at load (only renamings,
+    if any: the names are kept, as vLLM's loaders map them).
+
+    ``model`` may be wrapped (PEFT, FSDP, DDP): its first ``transformers.PreTrainedModel`` module is the one whose
+    conversions apply."""
+    from transformers import PreTrainedModel
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, revert_weight_conversion
+
+    pretrained = next((m for m in model.modules() if isinstance(m, PreTrainedModel)), None)
+    if pretrained is None:
+        return None
+    conversions = getattr(pretrained, "_weight_conversions", None)  # set by from_pretrained
+    if conversions is None:
+        conversions = get_model_conversion_mapping(pretrained, add_legacy=False)
+    if not any(isinstance(c, WeightConverter) for c in conversions):
+        return None
+    return lambda name, tensor: revert_weight_conversion(pretrained, {name: tensor})
+
+
 def hf_weights(model: torch.nn.Module, tie_word_embeddings: bool) -> Iterator[tuple[str, Tensor]]:
     """Yield every parameter and persistent buffer of ``model`` as ``(hf_name, tensor)``, one at a time (so
     FSDP2 gathers one parameter at a time, never the whole model at once).
 
     A PEFT LoRA model is yielded merged, under the base model's names (:func:`merge_lora`).
+
+    A model whose tensors transformers converts at load (the fused experts of a mixture of experts) is yielded in its
+    checkpoint layout (:func:`checkpoint_layout`: one tensor per expert and projection, under the checkpoint's names).
 
     Tied parameters appear once in ``named_parameters`` (as ``model.embed_tokens.weight``). When the
     checkpoint ties embeddings, ``lm_head.weight`` is yielded explicitly as well, with the embedding's
@@ -206,11 +241,15 @@ def hf_weights(model: torch.nn.Module, tie_word_embeddings: bool) -> Iterator[tu
     tensors.update({checkpoint_name(name): b for name, b in model.named_buffers() if name in persistent})
     embedding: Tensor | None = None
     has_lm_head = False
+    layout = checkpoint_layout(model)
     for hf_name, value in merge_lora(tensors, lora_layers(model), lambda name: full_tensor(tensors[name])):
         if hf_name == "model.embed_tokens.weight":
             embedding = value
         has_lm_head = has_lm_head or hf_name == "lm_head.weight"
-        yield hf_name, value
+        if layout is None:
+            yield hf_name, value
+        else:
+            yield from layout(hf_name, value).items()
     if tie_word_embeddings and not has_lm_head:
         if embedding is None:
             raise ValueError(

@@ -17,7 +17,7 @@ from __future__ import annotations
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Callable, Literal, Optional, Union
+from typing import Any, Callable, Literal, Optional, Union
 
 #: Completions per call of a :class:`PooledReward`: k, ``"group"`` (the G completions of one prompt, e.g. a judge
 #: that ranks them together), or None (the whole rollout in one call, e.g. a reward model that batches itself).
@@ -49,10 +49,14 @@ class PooledReward:
     Attributes:
         chunk_size: completions per call (:data:`ChunkSize`).
         outcomes: the outcome labels :meth:`score_chunk` counts (``rewards/<name>/<outcome>``).
+        compute_dtype: the dtype the trainer computes its policy in (bfloat16 under ``Trainer(precision=
+            "bf16-mixed")`` or ``"bf16-true"``), set by :class:`lightning_grpo.GRPOModule` before :meth:`setup`;
+            None used alone. A reward model with ``dtype="auto"`` loads its weights in it.
     """
 
     chunk_size: ChunkSize = 1
     outcomes: tuple[str, ...] = ()
+    compute_dtype: Optional[Any] = None
 
     def __init__(self, name: str) -> None:
         if not isinstance(name, str) or not name:

@@ -58,7 +58,10 @@ class RewardModel(PooledReward):
         device: where it runs: ``"auto"`` (the trainer's device of this process, which ``GRPOModule`` passes to
             :meth:`setup`: each rank's own GPU; used alone, the current CUDA device, else the CPU), ``"cpu"``,
             ``"cuda:1"``, ...
-        dtype: the weights' dtype when loading: ``"float32"``, ``"bfloat16"`` or ``"float16"``.
+        dtype: the weights' dtype when loading: ``"float32"``, ``"bfloat16"``, ``"float16"``, or ``"auto"``: the
+            dtype the trainer computes its policy in (:attr:`~lightning_grpo.rewards.pool.PooledReward.compute_dtype`:
+            bfloat16 under ``Trainer(precision="bf16-mixed")`` or ``"bf16-true"``; the rewards are the logit in that
+            dtype, as TRL's under ``bf16=True`` autocast), float32 used alone.
         batch_size: sequences per forward pass (>= 1).
         max_length: truncate each text to its last ``max_length`` tokens (None: no truncation, as TRL).
         name: the metric name; default: the model's folder or id after its last ``/`` (TRL's naming).
@@ -73,10 +76,10 @@ class RewardModel(PooledReward):
     chunk_size = None
 
     def __init__(self, model: Union[str, PreTrainedModel], tokenizer: Union[str, PreTrainedTokenizerBase, None] = None,
-                 device: str = "auto", dtype: str = "float32", batch_size: int = 16, max_length: Optional[int] = None,
+                 device: str = "auto", dtype: str = "auto", batch_size: int = 16, max_length: Optional[int] = None,
                  name: Optional[str] = None) -> None:
-        if dtype not in _DTYPES:
-            raise ValueError(f"RewardModel dtype={dtype!r} is unknown; choose from {sorted(_DTYPES)}")
+        if dtype != "auto" and dtype not in _DTYPES:
+            raise ValueError(f"RewardModel dtype={dtype!r} is unknown; choose from {sorted(_DTYPES) + ['auto']}")
         if not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"RewardModel batch_size={batch_size!r} must be an integer >= 1")
         if max_length is not None and max_length < 1:
@@ -95,6 +98,15 @@ class RewardModel(PooledReward):
         CUDA device is device 0 whatever the rank)."""
         self._process_device = torch.device(str(device))
 
+    @property
+    def weights_dtype(self) -> torch.dtype:
+        """The dtype the weights are loaded in: ``dtype``, "auto" resolved (the trainer's compute dtype if it is one
+        of ``dtype``'s choices, else float32)."""
+        if self.dtype != "auto":
+            return _DTYPES[self.dtype]
+        chosen = [d for d in _DTYPES.values() if d == self.compute_dtype]
+        return chosen[0] if chosen else torch.float32
+
     def load(self) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
         """The frozen model on its device and its tokenizer (loaded on the first call)."""
         with self._lock:
@@ -102,7 +114,7 @@ class RewardModel(PooledReward):
                 model = self.source
                 if isinstance(model, str):
                     model = AutoModelForSequenceClassification.from_pretrained(model, num_labels=1,
-                                                                               dtype=_DTYPES[self.dtype])
+                                                                               dtype=self.weights_dtype)
                 if model.config.num_labels != 1:
                     raise ValueError(f"reward model {self.__name__!r} has num_labels={model.config.num_labels}; a "
                                      "reward model has one (AutoModelForSequenceClassification(num_labels=1))")

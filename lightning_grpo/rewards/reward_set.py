@@ -102,9 +102,12 @@ class RewardSet:
         """Some reward function is a :class:`~lightning_grpo.rewards.pool.PooledReward` (its calls can start early)."""
         return bool(self.pooled)
 
-    def setup(self, device: object) -> None:
-        """Tell the pooled functions this process's device (:meth:`PooledReward.setup`), before any scoring."""
+    def setup(self, device: object, compute_dtype: object = None) -> None:
+        """Tell the pooled functions this process's device (:meth:`PooledReward.setup`) and the trainer's compute
+        dtype (:attr:`PooledReward.compute_dtype`, None: leave it), before any scoring."""
         for fn in self.pooled.values():
+            if compute_dtype is not None:
+                fn.compute_dtype = compute_dtype
             fn.setup(device)
 
     def start(self, prompts: list, completions: list[str], columns: dict[str, list],

@@ -13,12 +13,14 @@ sizes its KV cache), which it records in :attr:`EngineSpec.resolved` for the run
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, ContextManager, Optional
 
+import torch
 from torch import nn
 
 from lightning_grpo.config import GRPOConfig
@@ -53,6 +55,12 @@ class EngineSpec:
         routing: a mixture-of-experts policy's routing recorder when routing replay needs the rollouts' routed
             experts (``GRPOConfig.routing_replay="R3"``), for an engine that generates with the policy's own modules;
             else None.
+        compute_dtype: the dtype the trainer computes the policy in (:func:`lightning_grpo.strategies.compute_dtype`:
+            bfloat16 under ``precision="bf16-mixed"`` or ``"bf16-true"``), what ``engine.dtype="auto"`` resolves to
+            (:func:`engine_dtype`); None: the policy's parameter dtype.
+        forward_context: the trainer's precision context (Lightning's ``precision_plugin.forward_context``): an
+            engine that generates with the policy's parameters runs its forward passes inside it, so it samples in
+            the precision the trainer scores in (bf16 autocast under ``precision="bf16-mixed"``).
     """
 
     config: GRPOConfig
@@ -64,6 +72,8 @@ class EngineSpec:
     rollout_prompts: Optional[int] = None
     resolved: dict[str, Any] = field(default_factory=dict)
     routing: Optional[RoutingRecorder] = None
+    compute_dtype: Optional[torch.dtype] = None
+    forward_context: Callable[[], ContextManager] = contextlib.nullcontext
 
 
 EngineFactory = Callable[[EngineSpec], RolloutEngine]
@@ -75,6 +85,8 @@ BUILTIN_ENGINES: dict[str, str] = {
     "vllm_server": "lightning_grpo.rollout.server.remote:make",
 }
 _REGISTERED: dict[str, EngineFactory] = {}
+#: ``engine.dtype`` names -> torch dtypes.
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def register_engine(name: str, factory: EngineFactory) -> None:
@@ -107,6 +119,24 @@ def resolve_engine_name(name: str) -> str:
     if name not in BUILTIN_ENGINES and name not in _REGISTERED:
         raise ValueError(f"GRPOConfig.engine.name={name!r} is invalid: choose one of {', '.join(engine_names())}")
     return name
+
+
+def engine_dtype(spec: EngineSpec) -> str:
+    """``engine.dtype`` of an engine with its own weights, with "auto" resolved to ``spec.compute_dtype`` (the dtype
+    the trainer computes the policy in; None: the policy's parameter dtype): such an engine samples in the trainer's
+    precision by default. Its factory records it (``spec.resolved["engine_dtype"]``).
+
+    Raises:
+        ValueError: "auto" with a compute dtype no engine takes (float64).
+    """
+    if spec.config.engine.dtype != "auto":
+        return spec.config.engine.dtype
+    compute = spec.compute_dtype if spec.compute_dtype is not None else next(spec.model.parameters()).dtype
+    for name, dtype in DTYPES.items():
+        if dtype == compute:
+            return name
+    raise ValueError(f"GRPOConfig.engine.dtype='auto' resolves to the trainer's compute dtype {compute}, which "
+                     f"no rollout engine takes: set engine.dtype to one of {', '.join(DTYPES)}")
 
 
 def make_engine(spec: EngineSpec) -> RolloutEngine:

@@ -26,8 +26,9 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import replace
-from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
+from typing import Any, Callable, ContextManager, Iterator, Mapping, Optional, Sequence
 
+import torch
 from torch import nn
 from transformers import PreTrainedTokenizerBase
 
@@ -167,7 +168,8 @@ class RolloutWorker:
         return self._own
 
     def start(self, model: nn.Module, checkpoint: Callable[[], str], resolved: ResolvedConfig,
-              rollout_prompts: Optional[int] = None) -> ResolvedConfig:
+              rollout_prompts: Optional[int] = None, compute_dtype: Optional[torch.dtype] = None,
+              forward_context: Callable[[], ContextManager] = contextlib.nullcontext) -> ResolvedConfig:
         """Make the engine ``resolved.engine_name`` names, once (an engine made or given is kept, across stages
         too; :func:`~lightning_grpo.rollout.engine_registry.make_engine`). An engine with its own weights gets the
         policy's before its first rollout (they may differ from the checkpoint's, e.g. after a resume).
@@ -178,9 +180,14 @@ class RolloutWorker:
             resolved: the run's resolved settings (the engine's name).
             rollout_prompts: prompts per rollout on this process, if known (sizes ``engine.kv_cache_space_gib=
                 "auto"``).
+            compute_dtype: the dtype the trainer computes the policy in (resolves ``engine.dtype="auto"``); None:
+                the policy's parameter dtype.
+            forward_context: the trainer's precision context, which an engine that generates with the policy's
+                parameters (HF) enters around its forward passes.
 
         Returns:
-            ``resolved`` with what making the engine resolved (the KV-cache size); unchanged when an engine exists.
+            ``resolved`` with what making the engine resolved (the KV-cache size, the engine's dtype); unchanged
+            when an engine exists.
 
         Raises:
             ValueError: ``max_staleness > 0`` with an engine that generates with the policy's own parameters;
@@ -190,7 +197,8 @@ class RolloutWorker:
         if self._own is not None:
             return resolved
         spec = EngineSpec(self.config, model, self.tokenizer, checkpoint, self.stop, resolved.engine_name,
-                          rollout_prompts, routing=self.routing)
+                          rollout_prompts, routing=self.routing, compute_dtype=compute_dtype,
+                          forward_context=forward_context)
         if self.config.streaming.enabled:  # the rollout servers' pool (or a registered streaming engine)
             streaming = make_streaming_engine(spec)
             self._streaming = engine = self._streaming_adapter(streaming)

@@ -19,7 +19,7 @@ from lightning_grpo.strategies._gather import (
     is_sharded,
 )
 from lightning_grpo.strategies.backend import GRPOModels, ParallelBackend
-from lightning_grpo.strategies.backend_registry import backend_for
+from lightning_grpo.strategies.backend_registry import backend_for, compute_dtype, precision_dtype
 from lightning_grpo.strategies.fsdp import (
     FSDP2Backend,
     FSDP2Strategy,
@@ -32,8 +32,9 @@ from lightning_grpo.strategies.local import LocalBackend, clip_grad_norm_, grad_
 
 __all__ = [
     "FSDP1Backend", "FSDP2Backend", "FSDP2Strategy", "GRPOModels", "GatheredGenerationEngine", "LocalBackend",
-    "MegatronStrategy", "ParallelBackend", "backend_for", "clip_grad_norm_", "decoder_layers", "full_state_dict",
-    "gathered_parameters", "grad_norm", "is_fsdp1", "is_fsdp2", "is_sharded", "mixed_precision_policy", "shard_model",
+    "MegatronStrategy", "ParallelBackend", "backend_for", "clip_grad_norm_", "compute_dtype", "decoder_layers",
+    "full_state_dict", "gathered_parameters", "grad_norm", "is_fsdp1", "is_fsdp2", "is_sharded",
+    "mixed_precision_policy", "precision_dtype", "shard_model",
 ]
 
 

@@ -57,6 +57,11 @@ class GRPOModels:
         scorer_replays_routing: the ``scorer`` replays the routed experts a mixture-of-experts policy's batches carry
             itself (``GRPOConfig.routing_replay="R3"``: Megatron's routers), where the forward layouts' per-position
             inputs cannot reach.
+        routing_counts: ``add(differing, counted)`` (float64 0-dim tensors): where a backend whose own routers replay
+            (``scorer_replays_routing``) adds, at each training step, the (token, MoE layer) pairs with a replayed
+            selection (``counted``) and those whose router would have chosen another top-k set (``differing``), over
+            this data-parallel rank's training forward passes: the module's ``sampling/router_disagreement``
+            (:meth:`~lightning_grpo.training.routing_replay.PolicyRouting.add_replay_counts`); None: nothing to count.
     """
 
     policy: nn.Module
@@ -68,6 +73,7 @@ class GRPOModels:
     sharded: bool = False
     teacher: Optional[nn.Module] = None
     scorer_replays_routing: bool = False
+    routing_counts: Optional[Callable[[Tensor, Tensor], None]] = None
 
 
 @runtime_checkable

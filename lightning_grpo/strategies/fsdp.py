@@ -263,8 +263,8 @@ class FSDP2Backend(LocalBackend):
                 shard_model(frozen, dp_mesh, reshard_after_forward=True, root_reshard_after_forward=True, **kwargs)
         if engine is not None and engine.capabilities.uses_policy_parameters:
             engine = GatheredGenerationEngine(engine, policy)
-        return GRPOModels(policy, ref, engine, lora=models.lora, weights=ModuleWeights(policy, collective=True),
-                          sharded=True, teacher=models.teacher)
+        weights = ModuleWeights(policy, collective=True, forward_context=self.forward_context)
+        return GRPOModels(policy, ref, engine, lora=models.lora, weights=weights, sharded=True, teacher=models.teacher)
 
     def clip_gradients(
         self,

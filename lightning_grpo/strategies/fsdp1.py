@@ -94,7 +94,8 @@ class FSDP1Backend(LocalBackend):
                 # rank (transformers' synced_gpus, as for FSDP2 modules)
                 engine.set_lockstep(True)
             engine = GatheredGenerationEngine(engine, policy)
-        weights = ModuleWeights(policy, collective=True, gather=gathered_parameters, separate_head=separate_head)
+        weights = ModuleWeights(policy, collective=True, gather=gathered_parameters, separate_head=separate_head,
+                                forward_context=self.forward_context)
         return GRPOModels(policy, ref, engine, lora=models.lora, weights=weights, sharded=True, teacher=teacher)
 
     def grad_norm(self, policy: nn.Module) -> Optional[Tensor]:

@@ -8,8 +8,9 @@ single-process backend (tests that build an experience without a Trainer).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from typing import Any, Iterable, Optional, Sequence, Union
+from typing import Any, Callable, ContextManager, Iterable, Optional, Sequence, Union
 
 import torch
 from torch import Tensor, nn
@@ -72,8 +73,16 @@ class LocalBackend:
 
     def configure(self, models: GRPOModels) -> GRPOModels:
         """Nothing to shard: DDP replicates the models (Lightning wraps the module itself); the engines read the
-        policy's own weights (:class:`~lightning_grpo.strategies.module_weights.ModuleWeights`)."""
-        return dataclasses.replace(models, weights=ModuleWeights(models.policy), scorer=None, sharded=False)
+        policy's own weights (:class:`~lightning_grpo.strategies.module_weights.ModuleWeights`, probed in the trainer's
+        precision)."""
+        weights = ModuleWeights(models.policy, forward_context=self.forward_context)
+        return dataclasses.replace(models, weights=weights, scorer=None, sharded=False)
+
+    @property
+    def forward_context(self) -> Callable[[], ContextManager]:
+        """The strategy's precision context (``precision_plugin.forward_context``: bf16 autocast under
+        ``precision="bf16-mixed"``), a null context without a strategy."""
+        return contextlib.nullcontext if self.strategy is None else self.strategy.precision_plugin.forward_context
 
     def restore(self, models: GRPOModels) -> GRPOModels:
         """The models are plain HF models already."""

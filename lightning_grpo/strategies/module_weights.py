@@ -5,7 +5,7 @@
 A PEFT LoRA policy is streamed merged (:func:`lightning_grpo.models.hf_weights.merge_lora`), FSDP2 ``DTensor``
 parameters are gathered one at a time (``full_tensor()``, a collective), FSDP1's flat shards inside
 ``summon_full_params`` (``gather``); the post-sync probe is a forward pass of the policy
-(:func:`lightning_grpo.functional.token_logprobs` of its logits at temperature 1).
+(:func:`lightning_grpo.functional.token_logprobs` of its logits at temperature 1, in the trainer's precision).
 """
 
 from __future__ import annotations
@@ -31,12 +31,17 @@ class ModuleWeights(PolicyWeights):
             :meth:`tensors`; None: they gather themselves (FSDP2 ``DTensor``) or are whole.
         separate_head: whether the policy trains its own ``lm_head``; None: read from ``model``'s parameter names
             (give it when they are FSDP1's flat names).
+        forward_context: the trainer's precision context (``precision_plugin.forward_context``), entered around the
+            probe's forward pass: the post-sync check compares the engine with the logprobs the trainer computes
+            (bf16 autocast under ``precision="bf16-mixed"``).
     """
 
     def __init__(self, model: nn.Module, *, collective: bool = False,
                  gather: Optional[Callable[[nn.Module], ContextManager]] = None,
-                 separate_head: Optional[bool] = None) -> None:
+                 separate_head: Optional[bool] = None,
+                 forward_context: Callable[[], ContextManager] = contextlib.nullcontext) -> None:
         self.model = model
+        self._forward_context = forward_context
         self._collective = collective
         self._gather = gather
         self._separate_head = has_separate_head(model) if separate_head is None else separate_head
@@ -52,11 +57,13 @@ class ModuleWeights(PolicyWeights):
 
     @torch.no_grad()
     def probe_logprobs(self, sequences: Sequence[Sequence[int]]) -> Tensor:
-        """A forward pass of the model (in its current mode; a collective under FSDP, every rank calls it)."""
+        """A forward pass of the model (in its current mode, inside ``forward_context``; a collective under FSDP,
+        every rank calls it)."""
         device = next(self.model.parameters()).device
         ids = torch.tensor([list(s) for s in sequences], dtype=torch.long, device=device)
-        logits = self.model(input_ids=ids).logits[:, :-1]
-        logprobs, _ = token_logprobs(logits, ids[:, 1:])
+        with self._forward_context():
+            logits = self.model(input_ids=ids).logits[:, :-1]
+            logprobs, _ = token_logprobs(logits, ids[:, 1:])
         return logprobs.float().cpu()
 
     @property

@@ -28,11 +28,15 @@ from lightning_grpo.protocols.vision import RowImages, images_to
 from lightning_grpo.training.packing import sequence_token_counts, token_budget_partition
 
 
-@dataclass(frozen=True)
 class StepPlan:
     """What the objective takes from the whole optimizer step a micro-batch belongs to
     (:meth:`lightning_grpo.training.selection.StepSelection.plan`), carried by the micro-batch: the loop plans each
     step before its first micro-batch is handed out, so accumulation does not change the gradient.
+
+    A plain object, not a dataclass or a collection, on purpose: Lightning's batch hooks (``move_data_to_device``, the
+    precision plugins' ``convert_input``, e.g. FSDP's) walk a batch's dataclass fields and collections and rebuild them,
+    which a plan neither needs (it is made where its micro-batches are, in their dtype) nor allows (it holds the step's
+    other micro-batches); an object they do not know they hand through as it is.
 
     Attributes:
         statistics: ``grpo_objective`` keyword arguments shared by the step's micro-batches (``entropy_threshold``,
@@ -43,15 +47,22 @@ class StepPlan:
             plan), which a backend that runs whole optimizer steps trains at the first; () on the others.
     """
 
-    statistics: dict[str, Any] = field(default_factory=dict)
-    clip_cov_selected: Optional[Tensor] = None
-    later: tuple["Experience", ...] = ()
+    __slots__ = ("statistics", "clip_cov_selected", "later")
 
-    def to(self, device: Any, **kwargs: Any) -> StepPlan:
-        """Lightning moves each micro-batch it trains on to the trainer's device (``move_data_to_device`` calls
-        ``to`` on what defines it instead of copying a record field by field): a plan is made where its micro-batches
-        are, on that device, so this returns the plan itself."""
-        return self
+    def __init__(self, statistics: Optional[dict[str, Any]] = None, clip_cov_selected: Optional[Tensor] = None,
+                 later: tuple["Experience", ...] = ()) -> None:
+        self.statistics: dict[str, Any] = {} if statistics is None else statistics
+        self.clip_cov_selected = clip_cov_selected
+        self.later = later
+
+    def with_later(self, later: tuple["Experience", ...]) -> "StepPlan":
+        """This plan naming the step's other micro-batches (the first micro-batch's)."""
+        return StepPlan(self.statistics, self.clip_cov_selected, later)
+
+    def __repr__(self) -> str:
+        return (f"StepPlan(statistics={sorted(self.statistics)}, clip_cov_selected="
+                f"{None if self.clip_cov_selected is None else tuple(self.clip_cov_selected.shape)}, "
+                f"later={len(self.later)} micro-batches)")
 
     def objective_kwargs(self) -> dict[str, Any]:
         """The keyword arguments of ``grpo_objective`` for this micro-batch."""

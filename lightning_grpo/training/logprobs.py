@@ -222,7 +222,8 @@ class CompletionLogprobs:
             parts = [torch.tensor(p, dtype=torch.long) for p in token_budget_partition(counts, max_tokens)]
         else:
             parts = list(torch.arange(len(experience)).split(max(1, micro_batch_size)))
-        result = torch.zeros(experience.completion_ids.shape, device=experience.completion_ids.device)
+        ids = experience.completion_ids
+        result = torch.zeros(ids.shape, dtype=torch.float32, device=ids.device)  # float32 under any default dtype
         was_training = model.training
         model.eval()
         try:
@@ -386,8 +387,8 @@ class CompletionLogprobs:
     ) -> tuple[Tensor, Optional[Tensor]]:
         """Run each pass of ``batch`` and scatter its per-token logprobs (and entropy) into zero ``shape`` tensors."""
         device = passes[0][1].device
-        logprobs = torch.zeros(shape, device=device)
-        entropy = torch.zeros(shape, device=device) if with_entropy else None
+        logprobs = torch.zeros(shape, dtype=torch.float32, device=device)  # float32 also where the default is not
+        entropy = torch.zeros(shape, dtype=torch.float32, device=device) if with_entropy else None
         head = self._chunked_head(model)
         for inputs, target_ids, index, source in passes:
             if head is None:

@@ -1,12 +1,18 @@
-"""The optimizer of the policy: AdamW with a linear warmup, as Lightning's ``configure_optimizers`` returns it."""
+"""The optimizer of the policy: AdamW with a linear warmup, as Lightning's ``configure_optimizers`` returns it, and
+what half-precision weights do to its updates (:func:`rounded_away_fraction`), and the check that the optimizers a
+fit steps hold the parameters it trains."""
 
 from __future__ import annotations
 
+import logging
 import math
 import numbers
 from typing import Any, Iterable, Sequence
 
 import torch
+from torch import nn
+
+log = logging.getLogger(__name__)
 
 
 def adamw_with_warmup(params: Iterable[torch.nn.Parameter], learning_rate: float, weight_decay: float,
@@ -19,6 +25,48 @@ def adamw_with_warmup(params: Iterable[torch.nn.Parameter], learning_rate: float
         optimizer, lambda step: min(1.0, (step + 1) / (warmup_steps + 1)) if warmup_steps else 1.0
     )
     return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+#: Significand bits (the implicit one included) of the half-precision weight dtypes.
+_SIGNIFICAND_BITS = {torch.bfloat16: 8, torch.float16: 11}
+
+
+@torch.no_grad()
+def rounded_away_fraction(params: Iterable[torch.Tensor], learning_rate: float) -> float:
+    """The fraction of the elements of ``params`` that an update of ``learning_rate`` leaves unchanged because their
+    dtype cannot hold the sum: AdamW's first step moves each weight by about ``learning_rate`` (``g / (|g| + eps)``),
+    and a bfloat16 (float16) weight ``w`` with ``2**(e - 1) <= |w| < 2**e`` (spacing ``2**(e - 8)``, ``2**(e - 11)``)
+    rounds an update of at most half its spacing, ``2**(e - 9)`` (``2**(e - 12)``), away (to nearest); a zero weight
+    takes any update (a power of two moving toward zero sees the finer spacing below it: counted as rounded away).
+    Float32 (and float64) elements count as changed; 0.0 without elements. ``Trainer(precision="bf16-true")`` holds
+    the weights (and AdamW's moments) in bfloat16: at ``learning_rate=1e-6`` this is 99.6 % of SmolLM2-135M's weights
+    (``"bf16-mixed"`` keeps float32 weights)."""
+    lost, total = 0, 0
+    for p in params:
+        total += p.numel()
+        bits = _SIGNIFICAND_BITS.get(p.dtype)
+        if bits is None or p.numel() == 0:
+            continue
+        _, exponent = torch.frexp(p.detach().float())  # |w| = m * 2**exponent, m in [0.5, 1): e = exponent
+        half_spacing = torch.ldexp(torch.ones_like(p, dtype=torch.float32), exponent - bits - 1)
+        lost += int(((half_spacing >= learning_rate) & (p != 0)).sum())  # a zero weight takes any update
+    return lost / total if total else 0.0
+
+
+def warn_rounded_away_updates(params: Iterable[torch.Tensor], learning_rate: float, precision: str,
+                              threshold: float = 0.5) -> float:
+    """Log a warning when more than ``threshold`` of the trainable weights cannot take an update of
+    ``learning_rate`` (:func:`rounded_away_fraction`; a sharded parameter's local shard is counted), naming
+    ``precision`` (Lightning's, e.g. "bf16-true") and the way out. Returns the fraction."""
+    from torch.distributed.tensor import DTensor
+
+    lost = rounded_away_fraction([p.to_local() if isinstance(p, DTensor) else p for p in params], learning_rate)
+    if lost > threshold:
+        log.warning("Trainer(precision=%r) keeps the weights and AdamW's moments in half precision: %.1f %% of the "
+                    "trainable weights are too large for an update of learning_rate=%g to change them (rounded "
+                    "away), so they will not train; use precision='bf16-mixed' (float32 weights and optimizer state, "
+                    "bfloat16 compute) or a larger learning rate", precision, 100 * lost, learning_rate)
+    return lost
 
 
 #: Names of the dtypes :class:`lightning_grpo.GRPOModule` loads model weights in (``dtype=``).
@@ -60,3 +108,41 @@ def check_optimizer_arguments(
 
 def _is_number(value: object) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def check_optimized_parameters(policy: nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> None:
+    """Check that ``optimizers`` (the trainer's, from ``configure_optimizers``) step exactly the parameters the fit
+    trains: every parameter they hold is one of ``policy``'s as the trainer's backend made it (converted by
+    ``MegatronStrategy``, sharded by FSDP), and every parameter of ``policy`` with ``requires_grad`` is held by one.
+
+    An optimizer built before the backend's ``configure_model`` (in ``__init__``, or by LightningCLI's ``--optimizer``
+    as Lightning itself instantiates it) holds parameters that the converted or sharded policy no longer trains: each
+    step would leave the trained weights unchanged.
+
+    Args:
+        policy: the trained policy (``GRPOModule.policy`` after ``configure_model``).
+        optimizers: the trainer's optimizers (their ``param_groups``).
+
+    Raises:
+        ValueError: an optimizer holds a parameter that is not the policy's (their number and shapes are named), or
+            a trainable parameter of the policy is in no optimizer (named): either way ``configure_optimizers``
+            must build the optimizer from ``GRPOModule.trained_parameters()``.
+    """
+    owned = {id(param) for param in policy.parameters()}
+    held = {id(param): param for optimizer in optimizers for group in optimizer.param_groups
+            for param in group["params"]}
+    foreign = [param for key, param in held.items() if key not in owned]
+    if foreign:
+        shapes = ", ".join(str(tuple(param.shape)) for param in foreign[:3]) + (", ..." if len(foreign) > 3 else "")
+        raise ValueError(
+            f"configure_optimizers returned an optimizer over {len(foreign)} parameters that the trained policy "
+            f"({type(policy).__name__}) does not hold (shapes {shapes}): they were taken before the trainer's "
+            "backend converted or sharded the policy in configure_model, so no step would change the trained "
+            "weights; build the optimizer inside configure_optimizers from self.trained_parameters()")
+    missing = [name for name, param in policy.named_parameters() if param.requires_grad and id(param) not in held]
+    if missing:
+        names = ", ".join(missing[:3]) + (", ..." if len(missing) > 3 else "")
+        raise ValueError(
+            f"{len(missing)} trainable parameters of the policy are in no optimizer that configure_optimizers "
+            f"returned ({names}): they would get gradients but never change; build the optimizer from "
+            "self.trained_parameters(), or freeze those parameters with requires_grad_(False)")

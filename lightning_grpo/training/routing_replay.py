@@ -11,7 +11,8 @@ input ids, so the routers of :class:`~lightning_grpo.models.moe.MoeRouters` see 
   engine's routing; "R2" records the routing of the old-logprob pass into the experience
   (:meth:`PolicyRouting.record_old_routing`) and replays it in the updates. ``sampling/router_disagreement``: the share
   of (position, MoE layer) pairs with a replayed selection whose router would have chosen another top-k set itself,
-  over the training forward passes of the step;
+  over the training forward passes of the step (a backend whose own routers replay, Megatron's, counts them itself:
+  :meth:`PolicyRouting.add_replay_counts`);
 * the load-balancing loss (``GRPOConfig.router_aux_loss_coef``): Switch Transformer's ``E * sum_e f_e P_e`` (Fedus
   et al. 2021, arXiv:2101.03961 eq. 4-6; pooled over the routing layers as transformers' ``load_balancing_loss_func``)
   over the loss tokens of the whole optimizer step on every process: ``f_e`` (no gradient) is counted by a no-grad
@@ -245,6 +246,13 @@ class PolicyRouting:
         return value
 
     # -------------------------------------------------------------------------------------------------- metrics
+    def add_replay_counts(self, differing: Tensor, counted: Tensor) -> None:
+        """Counts of routers that replay outside these hooks (``MegatronStrategy``'s megatron-core routers,
+        :mod:`lightning_grpo.strategies.megatron.replay`) into the step's ``sampling/router_disagreement``: of
+        ``counted`` (token, MoE layer) pairs with a replayed selection in this rank's training forward passes,
+        ``differing`` whose router would have chosen another top-k set (0-dim tensors)."""
+        self._stats.add(differing, counted)
+
     def step_metrics(self, collectives: Collectives) -> dict[str, float]:
         """The step's routing metrics over every process (a collective), then reset: ``sampling/router_disagreement``
         with routing replay (NaN when no position had a replayed selection), ``aux_loss`` with the load-balancing

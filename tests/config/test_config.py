@@ -117,7 +117,7 @@ def test_a_run_resolves_its_auto_values_and_leaves_the_config_as_given(tiny_llam
     given = dataclasses.asdict(config)
     module = GRPOModule(tiny_llama_path, reward_funcs=[lambda prompts, completions, **kw: [1.0, 0.0] * 4],
                         config=config, export_dir="")
-    assert module.resolved.as_dict() == {"engine_name": "hf", "kv_cache_space_gib": None,
+    assert module.resolved.as_dict() == {"engine_name": "hf", "kv_cache_space_gib": None, "engine_dtype": None,
                                          "max_tokens_per_microbatch": None}
     tokens = _budget_recorder()
     trainer = quiet_trainer(tmp_path, 1, callbacks=[tokens])
@@ -128,7 +128,8 @@ def test_a_run_resolves_its_auto_values_and_leaves_the_config_as_given(tiny_llam
     assert isinstance(budget, int) and budget > 0 and module.token_budget == budget
     assert dataclasses.asdict(module.config) == given == dataclasses.asdict(config)
     assert module.config.max_tokens_per_microbatch == "auto" and module.config.engine.name == "auto"
-    resolved = {"engine_name": "hf", "kv_cache_space_gib": None, "max_tokens_per_microbatch": budget}
+    resolved = {"engine_name": "hf", "kv_cache_space_gib": None, "engine_dtype": None,  # the HF engine: no dtype
+                "max_tokens_per_microbatch": budget}
     assert module.hparams["resolved"] == resolved and module.hparams["config"] == given
     assert f"resolved settings: {resolved}" in caplog.text
     assert tokens.micro_batches and all(count <= budget for count in tokens.micro_batches)

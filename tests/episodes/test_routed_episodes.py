@@ -55,11 +55,32 @@ def policy(tiny_qwen3_moe_path):
 
 def test_each_tokens_experts_are_accumulated_over_the_turns(policy):
     model, tokenizer, routers = policy
+    _check_episodes(EndingEngine(HFRolloutEngine(model, tokenizer, routing=routers), tokenizer.eos_token_id), policy)
+
+
+@pytest.mark.engine
+def test_the_vllm_engines_routing_is_accumulated_over_the_turns(policy, tiny_qwen3_moe_path, vllm_engine):
+    """The same with the colocated vLLM engine recording the routing in its worker, on a prompt of more than 256
+    tokens: each turn's prompt repeats the episode so far, which vLLM takes from its prefix cache where whole
+    128-token blocks of it were computed by an earlier request, of this turn or an earlier one (the recorder fills those
+    positions from that request)."""
+    pytest.importorskip("vllm")
+    from lightning_grpo.rollout.engines.vllm.routing_capture import _CAPTURERS
+
+    _, tokenizer, _ = policy
+    engine = vllm_engine(tiny_qwen3_moe_path, record_routing=True)
+    _check_episodes(EndingEngine(engine, tokenizer.eos_token_id), policy, "Add these: " + "1 + 2 + 3 + " * 30)
+    records = engine.llm.collective_rpc(lambda w: [(r.tag, r.first) for r in _CAPTURERS[w].records.values()])[0]
+    hits = {tag.split(":")[0] for tag, first in records if tag is not None and first}  # the calls with a cache hit
+    assert len(hits) == 3  # the first turn's call (a sibling's blocks) and each later turn's (an earlier turn's)
+
+
+def _check_episodes(engine, policy, question="What is 1 + 1?"):
+    model, tokenizer, routers = policy
     eos = tokenizer.eos_token_id
-    engine = EndingEngine(HFRolloutEngine(model, tokenizer, routing=routers), eos)
     runner = EpisodeRunner(ChatFormat(tokenizer, [eos], [], HermesToolCallParser()), lambda: EchoEnvironment(turns=3),
-                           max_turns=3, max_tokens=200)
-    prompts = [[{"role": "user", "content": "What is 1 + 1?"}], [{"role": "user", "content": "Say hi"}]]
+                           max_turns=3, max_tokens=400)
+    prompts = [[{"role": "user", "content": question}], [{"role": "user", "content": "Say hi"}]]
     prompt_ids, _ = runner.encode_prompts(prompts, 1024)
     torch.manual_seed(0)
     out = runner.sample(engine, EncodedPrompts.of(prompt_ids), 2, SamplingConfig(max_new_tokens=6))

@@ -138,3 +138,31 @@ def test_a_replay_laid_out_for_other_positions_is_an_error(family_model):
     with torch.no_grad(), routers.replay(torch.zeros(5, routers.moe_layers, routers.top_k, dtype=torch.int16)):
         with pytest.raises(RuntimeError, match=r"router 0 selects \(27, 2\) \(rows, top_k\) experts but \(5, 2\)"):
             model(_ids())
+
+
+def test_the_weight_stream_of_a_mixture_of_experts_is_its_checkpoint(family_model, request):
+    """The weights an engine with its own copy receives (:func:`hf_weights`) are the checkpoint's tensors under the
+    checkpoint's names, exactly: transformers fuses each layer's experts in memory (``mlp.experts.gate_up_proj``
+    ``(E, 2I, H)``, ``mlp.experts.down_proj``), the checkpoint (what vLLM's loaders read) has one tensor per expert and
+    projection (Mixtral's under ``block_sparse_moe.experts.<e>.w1/w2/w3``); a dense model's stream is unchanged."""
+    from safetensors.torch import load_file
+
+    from lightning_grpo.models.hf_weights import checkpoint_layout, hf_weights
+
+    name, model, _ = family_model
+    path = request.getfixturevalue(FAMILY_FIXTURES[name])
+    saved = load_file(f"{path}/model.safetensors")
+    streamed = dict(hf_weights(model, tie_word_embeddings=False))
+    assert sorted(streamed) == sorted(saved)
+    assert any(".experts.3." in key for key in streamed) and not any(k.endswith("gate_up_proj") for k in streamed)
+    for key, value in saved.items():
+        assert torch.equal(streamed[key], value), key
+    assert checkpoint_layout(AutoModelForCausalLM.from_config(model.config)) is not None  # made from code: the same
+
+
+def test_a_dense_models_weight_stream_keeps_its_names(tiny_llama_path):
+    from lightning_grpo.models.hf_weights import checkpoint_layout, hf_weights
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_path, dtype=torch.float32)
+    assert checkpoint_layout(model) is None
+    assert [n for n, _ in hf_weights(model, False)] == [n for n, _ in model.named_parameters()]

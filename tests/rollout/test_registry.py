@@ -10,7 +10,7 @@ from lightning_grpo.data import PromptDataModule
 from lightning_grpo.protocols.engine import EngineCapabilities, RolloutEngine
 from lightning_grpo.protocols.rollout import StopFlag
 from lightning_grpo.rollout.adapter import CoreEngineAdapter, as_rollout_engine
-from lightning_grpo.rollout.engine_registry import EngineSpec, engine_names, make_engine, register_engine
+from lightning_grpo.rollout.engine_registry import EngineSpec, engine_dtype, engine_names, make_engine, register_engine
 from lightning_grpo.rollout.engines.hf import HFRolloutEngine
 from lightning_grpo.rollout.worker import RolloutWorker
 from support.algorithm import FixedRolloutEngine, Recorder, fixed_completions, quiet_trainer, write_prompts
@@ -294,3 +294,22 @@ def test_a_user_engine_may_declare_its_capabilities_as_one_record_but_not_twice(
     with pytest.raises(TypeError, match="^Both declares capabilities and also uses_policy_parameters: declare them in "
                                         "one place"):
         as_rollout_engine(Both(torch.zeros(1, 1, dtype=torch.long), 0))
+
+
+def test_the_engine_dtype_follows_the_trainers_compute_dtype(tiny_llama_path):
+    """``engine.dtype="auto"`` is the dtype the trainer computes in (issue 44): a bf16 trainer's colocated engine is
+    bfloat16 (the vLLM factory records it and sizes its KV cache at 2 bytes a value); an explicit dtype stays; without
+    a trainer it is the policy's; a float64 trainer has no engine dtype to follow."""
+    module = GRPOModule(tiny_llama_path)
+
+    def resolved(dtype="auto", compute=None):
+        config = GRPOConfig(engine=EngineConfig(name="vllm", dtype=dtype))
+        return engine_dtype(EngineSpec(config, module.hf_model, module.tokenizer, lambda: tiny_llama_path,
+                                       StopFlag(), "vllm", compute_dtype=compute))
+
+    assert resolved() == "float32" and resolved(compute=torch.bfloat16) == "bfloat16"
+    assert resolved("float32", torch.bfloat16) == "float32" and resolved("bfloat16") == "bfloat16"
+    with pytest.raises(ValueError, match="engine.dtype='auto' resolves to the trainer's compute dtype torch.float64"):
+        resolved(compute=torch.float64)
+    with pytest.raises(ValueError, match="GRPOConfig.engine.dtype='float8' is invalid"):
+        EngineConfig(dtype="float8")

@@ -15,7 +15,17 @@ from transformers import AutoModelForCausalLM
 
 from lightning_grpo.demos.architectures import ARCHITECTURES
 from lightning_grpo.strategies import FSDP2Strategy, clip_grad_norm_, grad_norm, mixed_precision_policy
-from support.dist import assert_same_step, load, reference_step, run_worker
+from support.bf16 import assert_bf16_step
+from support.dist import (
+    ADAM_LR,
+    CLI_HALVED_LR,
+    CLI_SGD,
+    assert_first_step_update,
+    assert_same_step,
+    load,
+    reference_step,
+    run_worker,
+)
 
 pytestmark = pytest.mark.distributed  # 2-process runs
 
@@ -23,8 +33,9 @@ FIXED_CASES = [
     # grpo loss, KL to a (sharded) reference policy, clipping by norm active (the gradient norm is ~5)
     {"name": "fsdp2_grpo", "strategy": {"name": "grpo_fsdp2"}, "loss_type": "grpo", "beta": 0.04,
      "gradient_clip_val": 0.05},
-    # token-level loss, activation checkpointing, layers kept unsharded until backward, tied embeddings
-    {"name": "fsdp2_dapo", "loss_type": "dapo", "tied": True,
+    # token-level loss, activation checkpointing, layers kept unsharded until backward, tied embeddings; the CLI's
+    # --optimizer SGD(lr=0.1) and --lr_scheduler ConstantLR(factor=0.5), built over the sharded parameters
+    {"name": "fsdp2_dapo", "loss_type": "dapo", "tied": True, "optimizer": CLI_SGD, "lr_scheduler": CLI_HALVED_LR,
      "strategy": {"name": "grpo_fsdp2", "activation_checkpointing": True, "reshard_after_forward": False}},
     # LoRA adapters (random B) on the frozen sharded base; the KL reference is the policy with its adapters off
     {"name": "fsdp2_lora", "strategy": {"name": "grpo_fsdp2"}, "loss_type": "grpo", "beta": 0.04,
@@ -35,7 +46,7 @@ FIXED_CASES = [
     # GRPOModule(gradient_checkpointing=True) under FSDP1 (nested units) and DDP; its 1-process reference is
     # checkpointed too, and tests/training/test_activation_checkpointing.py equates that with the plain gradient
     {"name": "fsdp1_checkpointed", "strategy": {"name": "fsdp1_cpu", "wrap_decoder_layers": True},
-     "loss_type": "dapo", "gradient_checkpointing": True},
+     "loss_type": "dapo", "gradient_checkpointing": True, "optimizer": CLI_SGD},  # the CLI's SGD, over flat shards
     {"name": "ddp_checkpointed", "strategy": {"name": "ddp"}, "loss_type": "grpo", "gradient_checkpointing": True},
     # issue 33: on-policy distillation, the teacher (the tied tiny Llama) sharded like the reference policy
     {"name": "fsdp2_distillation", "strategy": {"name": "grpo_fsdp2"}, "loss_type": "dapo", "teacher": True},
@@ -45,6 +56,14 @@ FIXED_CASES = [
     {"name": "fsdp2_qwen3_moe_r3", "strategy": {"name": "grpo_fsdp2", "activation_checkpointing": True},
      "loss_type": "grpo", "beta": 0.04, "moe": True, "routed": [2, 2, 8],
      "config": {"routing_replay": "R3", "router_aux_loss_coef": 0.05}},
+    # issue 44: bf16 (support/bf16.py: the bounds and why): FSDP2's own mixed precision (float32 shards, bfloat16
+    # all-gathers and compute, float32 reduce-scatter), Lightning's autocast, bfloat16 shards
+    {"name": "fsdp2_mp_bf16", "strategy": {"name": "grpo_fsdp2", "mixed_precision": "bf16"}, "loss_type": "dapo",
+     "beta": 0.04},
+    {"name": "fsdp2_bf16_mixed", "strategy": {"name": "grpo_fsdp2"}, "loss_type": "grpo", "beta": 0.04,
+     "precision": "bf16-mixed"},
+    {"name": "fsdp2_bf16_true", "strategy": {"name": "grpo_fsdp2"}, "loss_type": "dapo", "beta": 0.04,
+     "precision": "bf16-true"},
 ]
 
 
@@ -81,7 +100,23 @@ def test_two_ranks_match_one_process_on_fixed_experience(fixed_step_runs, name):
         assert all(r["ref_sharded"] for r in ranks)  # ... and so is the reference policy
     if reference["teacher_logprobs"]:
         assert all(r["teacher_sharded"] for r in ranks)  # ... and the distillation teacher (issue 33)
-    assert_same_step(reference, ranks)
+    if "bf16" in name:  # bfloat16's bounds (support/bf16.py); float32 shards and AdamW state but under "bf16-true"
+        assert_bf16_step(reference, ranks, lr=ADAM_LR)
+        dtype = "torch.bfloat16" if name.endswith("true") else "torch.float32"
+        assert all(r["dtypes"] == {"params": [dtype], "optimizer": [dtype]} for r in ranks)
+    else:
+        assert_same_step(reference, ranks)
+
+
+def test_the_cli_optimizer_steps_the_sharded_weights(fixed_step_runs, tiny_llama_path, tiny_tied_llama_path):
+    """``--optimizer torch.optim.SGD --optimizer.lr 0.1`` (with ``--lr_scheduler`` ConstantLR(factor=0.5) under
+    FSDP2): every full weight moved by exactly -0.05 (FSDP2) / -0.1 (FSDP1) x its full gradient on both ranks, as
+    in one process (LightningCLI used to build it over the parameters FSDP2 then replaced: no weight moved)."""
+    for name, model, step_lr in (("fsdp2_dapo", tiny_tied_llama_path, 0.05), ("fsdp1_checkpointed", tiny_llama_path,
+                                                                              0.1)):
+        reference, ranks = fixed_step_runs[name]
+        for result in (reference, *ranks):
+            assert_first_step_update(result, model, step_lr)
 
 
 @pytest.mark.parametrize("kind", list(MATRIX_STRATEGIES))

@@ -32,6 +32,7 @@ from support.megatron_moe import save_tiny_moe  # noqa: E402
 from support.megatron_worker import write_prompts  # noqa: E402
 
 WORKER = str(Path(megatron_moe_worker.__file__).resolve())
+DISAGREEMENT = "sampling/router_disagreement"  # counted by megatron-core's routers, summed over stages and replicas
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +59,8 @@ def _steps(out: Path, name: str) -> list[dict]:
     (path,) = (out / name).glob("lightning_logs/version_*/metrics.csv")
     with open(path) as f:
         rows = [r for r in csv.DictReader(f) if r.get("loss")]
-    return [{"step": int(r["step"]), **{k: float(r[k]) for k in ("reward", "grad_norm", "loss")}} for r in rows]
+    return [{"step": int(r["step"]), **{k: float(r[k]) for k in ("reward", "grad_norm", "loss")},
+             "disagreement": float(r[DISAGREEMENT])} for r in rows]
 
 
 def _weights(out: Path, name: str) -> dict:
@@ -73,6 +75,7 @@ def _assert_same_run(out: Path, name: str, reference: str, steps: int = 3) -> No
     assert [r["reward"] for r in got] == [r["reward"] for r in expected], name  # identical rollouts
     assert [r["grad_norm"] for r in got] == pytest.approx([r["grad_norm"] for r in expected], rel=1e-6, abs=1e-6)
     assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in expected], rel=1e-6, abs=1e-6), name
+    assert [r["disagreement"] for r in got] == [r["disagreement"] for r in expected], name  # the same counts
     weights, reference_weights = _weights(out, name), _weights(out, reference)
     assert sorted(weights) == sorted(reference_weights), name
     for key, value in reference_weights.items():
@@ -88,6 +91,9 @@ def two_processes(tmp_path_factory, files):
         _fit("ep2", files, strategy={"expert_model_parallel_size": 2}, checkpoints=True),
         _fit("ep1_from_ep2", files, resume=str(out / "ep2" / "ckpt" / "epoch=0-step=2.ckpt")),
         _fit("etp2", files, strategy={"expert_tensor_parallel_size": 2}),
+        # the HF policy under DDP, each sequence laid out whole (as Megatron's scorer does): transformers' routers
+        _fit("hf_ddp", files, max_steps=2,
+             extra=("--trainer.strategy", "ddp", "--model.config.shared_prefix", "false")),
     ])
     return out
 
@@ -112,6 +118,14 @@ def test_ep2_and_etp2_three_steps_through_the_cli_equal_ep1(two_processes, files
     assert len({r["reward"] for r in reference}) > 1 or abs(reference[1]["loss"]) > 1e-3
     _assert_same_run(two_processes, "ep2", "ep1")
     _assert_same_run(two_processes, "etp2", "ep1")
+    # sampling/router_disagreement, measured by megatron-core's routers (it used to be NaN): 0 at a rollout's first
+    # step (the routing was recorded at these weights), most (token, layer) pairs after one AdamW step at lr 1e-2
+    # (step 1 trains the same rollout); exactly the HF policy's count under DDP with the same layout
+    disagreement = [r["disagreement"] for r in reference]
+    assert disagreement[0] == 0.0 and disagreement[2] == 0.0 and disagreement[1] > 0.5, disagreement
+    hf = _steps(two_processes, "hf_ddp")
+    assert [r["reward"] for r in hf] == [r["reward"] for r in reference[:2]]  # the same rollouts
+    assert [r["disagreement"] for r in hf] == disagreement[:2]
     from transformers import AutoModelForCausalLM
 
     before = AutoModelForCausalLM.from_pretrained(files["model"]).state_dict()
@@ -139,15 +153,20 @@ def test_routing_replay_under_ep2_replays_the_recorded_experts(two_processes):
         assert result["local_experts"] == 2 and result["rows"] == 2 + rank  # uneven token counts per rank
         assert result["replayed_equal_recorded"] == [True, True]  # both MoE layers, every needed token
         assert result["needed_tokens"] == [14, 21][rank]
+        # the negated routers' own top-2 of 4 experts is never the replayed pair: every (token, MoE layer) differs
+        assert result["disagreement"] == [2.0 * [14, 21][rank]] * 2
         assert result["logprob_diff"] < 1e-5  # the HF model's routing replayed: its logprobs
         assert result["weights_exact"]  # the weight stream gathers the experts over EP into HF's stacked tensors
 
 
 @pytest.mark.distributed
-def test_pp2_with_the_distributed_optimizer_ep2_equals_ep1(four_processes):
+def test_pp2_with_the_distributed_optimizer_ep2_equals_ep1(four_processes, two_processes):
     """Also the checkpoints: the distributed optimizer's Adam moments of the experts (sharded over the
     expert-data-parallel group, the experts split over EP) gathered into HF's stacked layout equal EP=1's."""
     _assert_same_run(four_processes, "pp2_ep2", "pp2_ep1")
+    # each stage counts its own MoE layer's routers: summed over both, the counts of the unpipelined run
+    assert [r["disagreement"] for r in _steps(four_processes, "pp2_ep1")] == [
+        r["disagreement"] for r in _steps(two_processes, "ep1")]
     states = [torch.load(four_processes / name / "ckpt" / "epoch=0-step=3.ckpt", weights_only=False)
               ["optimizer_states"][0]["state"] for name in ("pp2_ep1", "pp2_ep2")]
     assert sorted(states[0]) == sorted(states[1])
@@ -166,6 +185,8 @@ def test_routing_replay_under_pp2_and_ep2_replays_the_recorded_experts(four_proc
         assert result["moe_layers"] == [stage] and result["local_experts"] == 2 and result["rows"] == 2 + replica
         assert result["replayed_equal_recorded"] == [True]
         assert result["logprob_diff"] < 1e-5 and result["weights_exact"]
+        # each stage counts its own MoE layer; summed over both stages: the replica's 14 / 21 tokens x 2 layers
+        assert result["disagreement"] == [2.0 * [14, 21][replica]] * 2
 
 
 @pytest.mark.distributed

@@ -262,6 +262,40 @@ def test_replay_under_activation_recompute_and_micro_batches_gives_the_same_grad
         torch.testing.assert_close(grads_recomputed[name], grad, atol=1e-6, rtol=1e-5, msg=name)
 
 
+def test_router_disagreement_is_counted_once_per_training_forward(model_parallel, moe_models):
+    """``sampling/router_disagreement``'s counts under Megatron: two micro-batches of the recorded batch (21 tokens with
+    a recording, 2 MoE layers: 2 x 21 x 2 = 84 pairs) through megatron-core's schedule, with and without full activation
+    recompute (whose recomputed forward is not counted again): at the weights that recorded the routing the routers
+    agree on all 84; with the routers negated, each one's own top-2 of 4 experts is the complement of the replayed
+    pair: all 84 differ. The old-logprob pass (no schedule, outside ``counting``) counts nothing."""
+    from lightning_grpo.models.moe import ReplayStats
+    from lightning_grpo.strategies.megatron.model import recompute_settings
+    from lightning_grpo.strategies.megatron.pipeline import run_schedule
+
+    hf = AutoModelForCausalLM.from_pretrained(moe_models["qwen3_moe"], dtype=torch.float32)
+    batch = hf_routing(hf, experience(hf.config.pad_token_id))
+
+    def loss(batch, logprobs, entropy):
+        value = (logprobs * batch.completion_mask).sum()
+        return value, value.detach()
+
+    for recompute in (False, True):
+        _, policy = _policy(moe_models["qwen3_moe"], **recompute_settings(recompute))
+        for negated in (False, True):
+            if negated:
+                with torch.no_grad():
+                    for layer in policy.model.decoder.layers:
+                        if hasattr(layer.mlp, "router"):
+                            layer.mlp.router.weight.neg_()
+            stats = ReplayStats()
+            with policy.replay.counting(stats):
+                run_schedule(policy.model, [batch, batch], 1.0, loss, replay=policy.replay)
+            assert (float(stats.differing), float(stats.counted)) == ((84.0 if negated else 0.0), 84.0), recompute
+            with torch.no_grad():
+                policy.completion_logprobs(batch, 1.0)  # not counted: the replays count only while counting is open
+            assert float(stats.counted) == 84.0
+
+
 def test_a_token_without_recorded_routing_is_routed_by_its_router(model_parallel, moe_models):
     """-1 (nothing recorded: padding, a token never fed to the sampler's model) lets the router choose for that token
     only, as the HF path does; under "R3" an experience without routing is an error, as is one field without the

@@ -2,6 +2,7 @@
 torchrun running ``tests/support/megatron_worker.py``) against transformers and the plain GRPOModule."""
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -45,11 +46,12 @@ def _results(out: Path, name: str) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def two_processes(tmp_path_factory, files):
-    """One torchrun with 2 processes: TP=2 logits, TP=2 logprobs, one GRPO step at TP=2 (DP=1) and at TP=1 (DP=2)."""
+    """One torchrun with 2 processes: TP=2 logits, TP=2 logprobs, one GRPO step at TP=2 (DP=1) and at TP=1 (DP=2),
+    and one at TP=2 in each bf16 precision."""
     out = tmp_path_factory.mktemp("megatron_two_processes")
     step = {"model_path": files["models"]["tied"], "data_path": files["prompts"], "clip": CLIP}
     _torchrun(out, [["logits", {"model_paths": list(files["models"].values())}], ["logprobs", {}],
-                    ["step", {**step, "tp": 2}], ["step", {**step, "tp": 1}]])
+                    ["step", {**step, "tp": 2}], ["step", {**step, "tp": 1}], ["bf16_step", step]])
     return out
 
 
@@ -117,6 +119,34 @@ def test_one_grpo_step_tp2_tp1_dp2_and_plain_agree(two_processes, files, restore
         assert result["policy_type"] == "LlamaForCausalLM"  # the HF policy is handed back after fit
         assert result["model_parallel_initialized"] is False and result["cpu_shims"] is False
         assert result["new_process_groups"] == 0  # the model-parallel groups are destroyed
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("precision", ["bf16-mixed", "bf16-true"])
+def test_a_bf16_grpo_step_at_tp2_agrees_with_plain_training_to_bf16_rounding(two_processes, files,
+                                                                             restore_distributed_env, precision):
+    """Issue 44: under "bf16-mixed" (float32 megatron-core weights, bf16 autocast) and "bf16-true" (megatron-core built
+    in bfloat16), a TP=2 step agrees with plain one-process training in the same precision to bfloat16's bounds
+    (support/bf16.py: loss and gradient norm 4 u relative; the SGD step (lr 5) moves each weight by lr * g, so the
+    weights agree to lr * 4 u max|g| (gradient clipped to norm CLIP: max|g| <= CLIP), plus one bfloat16 spacing of the
+    weights where they are bfloat16)."""
+    from support.bf16 import U
+
+    model, prompts = files["models"]["tied"], files["prompts"]
+    plain, plain_loss, plain_norm = megatron_worker.run_one_step(model, prompts, "auto", 1, 4, CLIP,
+                                                                 precision=precision)
+    expected = plain.policy.state_dict()
+    result, other = (r[precision] for r in _results(two_processes, "bf16_step"))
+    assert result == other  # both ranks logged the same step
+    assert result["megatron_dtypes"] == ["torch.float32" if precision == "bf16-mixed" else "torch.bfloat16"]
+    assert math.isfinite(result["loss"]) and result["loss"] == pytest.approx(plain_loss, rel=4 * U, abs=1e-6)
+    assert result["grad_norm"] == pytest.approx(plain_norm, rel=4 * U)
+    weights = torch.load(two_processes / f"bf16_step_{precision}_weights.pt", weights_only=True)
+    assert sorted(weights) == sorted(expected)
+    for key, value in expected.items():
+        spacing = 2 * U * float(value.float().abs().max()) if value.dtype == torch.bfloat16 else 0.0
+        torch.testing.assert_close(weights[key].float(), value.float(), atol=5.0 * 4 * U * CLIP + spacing, rtol=0,
+                                   msg=key)
 
 
 @pytest.mark.distributed
@@ -201,3 +231,71 @@ def test_model_parallel_size_must_divide_the_processes(files, restore_distribute
     with pytest.raises(ValueError, match=experts):
         megatron_worker.run_one_step(files["models"]["tied"], files["prompts"],
                                      MegatronStrategy(expert_model_parallel_size=2), 1, 4, None)
+
+
+MEGATRON_RECIPE = str(Path(__file__).resolve().parents[2] / "recipes" / "megatron.yaml")
+
+
+@pytest.mark.parametrize("args, update", [
+    # --optimizer SGD(lr=0.5) with --lr_scheduler ConstantLR(factor=0.5): exactly -0.25 * grad
+    (["--optimizer", "torch.optim.SGD", "--optimizer.lr", "0.5", "--lr_scheduler",
+      "torch.optim.lr_scheduler.ConstantLR", "--lr_scheduler.factor", "0.5"], lambda grad: -0.25 * grad),
+    # the module's own AdamW (learning_rate=0.01): the first step is exactly -0.01 * g / (|g| + 1e-8)
+    (["--model.learning_rate", "0.01"], lambda grad: -0.01 * grad / (grad.abs() + 1e-8)),
+], ids=["cli_sgd_constant_lr", "module_adamw"])
+def test_the_chosen_optimizer_steps_the_megatron_weights(tmp_path, tiny_llama_path, restore_distributed_env, args,
+                                                         update):
+    """``lightning-grpo fit --config recipes/megatron.yaml`` (one process): the optimizer is built over the converted
+    megatron-core parameters, which the first step moves by the optimizer's formula (the CLI's optimizer used to be
+    built over the HF policy's, and the Megatron weights never changed)."""
+    from support.first_step import assert_first_step, cli_first_step
+
+    probe, cli = cli_first_step(tiny_llama_path, tmp_path, "--config", MEGATRON_RECIPE, *args)
+    assert type(cli.trainer.strategy) is MegatronStrategy
+    assert all(name.startswith("model.") for name in probe.trainable)  # megatron-core's GPTModel's parameters
+    assert_first_step(probe, update)
+
+
+def test_an_optimizer_over_the_hf_policy_is_refused_under_megatron(tmp_path, tiny_llama_path, restore_distributed_env):
+    """An optimizer built before configure_model (over the HF policy, as LightningCLI built ``--optimizer``) holds
+    none of the parameters MegatronStrategy trains: the fit stops at its start, naming configure_optimizers."""
+    import lightning as L
+
+    from lightning_grpo import GRPOModule
+    from lightning_grpo.config import EngineConfig, GRPOConfig
+    from lightning_grpo.data import PromptDataModule
+    from support.first_step import write_prompts
+
+    class Early(GRPOModule):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.early = [torch.optim.SGD(self.policy.parameters(), lr=0.1)]  # before the conversion
+
+        def configure_optimizers(self):
+            return self.early[0]
+
+    module = Early(tiny_llama_path, reward_funcs=["gsm8k_accuracy"], export_dir="",
+                   config=GRPOConfig(num_generations=2, top_k=0, engine=EngineConfig(name="hf")))
+    trainer = L.Trainer(max_steps=1, accelerator="cpu", devices=1, strategy=MegatronStrategy(), logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        default_root_dir=str(tmp_path))
+    message = (r"configure_optimizers returned an optimizer over 21 parameters that the trained policy "
+               r"\(MegatronPolicy\) does not hold")
+    with pytest.raises(ValueError, match=message):
+        trainer.fit(module, datamodule=PromptDataModule(dataset=write_prompts(tmp_path / "p.jsonl"),
+                                                        prompts_per_step=2, val_size=0))
+
+
+def test_the_distributed_optimizer_refuses_the_optimizers_it_cannot_build():
+    from lightning_grpo.strategies.megatron.optimizer import megatron_optimizer_config
+
+    params = [torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(3))]
+    refused = {
+        r"SGD is neither torch.optim.AdamW nor Adam": torch.optim.SGD(params, lr=0.1),
+        r"AdamW\(amsgrad=True\) has no megatron-core equivalent": torch.optim.AdamW(params, amsgrad=True),
+        r"takes an optimizer with one param group, got 2": torch.optim.AdamW([{"params": params[:1]},
+                                                                             {"params": params[1:]}]),
+    }
+    for message, optimizer in refused.items():
+        with pytest.raises(ValueError, match=message):
+            megatron_optimizer_config(optimizer, torch.float32)

@@ -23,6 +23,7 @@ from lightning_grpo.strategies import (
     backend_for,
 )
 from lightning_grpo.strategies.backend import clips_by_norm
+from lightning_grpo.strategies.backend_registry import compute_dtype, precision_dtype
 from lightning_grpo.strategies.megatron.strategy import MegatronStrategy
 from lightning_grpo.strategies.module_weights import ModuleWeights
 
@@ -44,6 +45,30 @@ def test_backend_for_wraps_each_lightning_strategy(make, expected):
     assert type(backend) is expected
     assert backend.strategy is strategy
     assert isinstance(backend, ParallelBackend)
+
+
+@pytest.mark.parametrize(("precision", "expected"), [
+    ("bf16-mixed", torch.bfloat16), ("bf16-true", torch.bfloat16), ("16-mixed", torch.float16),
+    ("16-true", torch.float16), ("64-true", torch.float64), ("32-true", torch.float32), ("32", torch.float32),
+    ("transformer-engine", torch.float32)])
+def test_the_compute_dtype_of_each_lightning_precision(precision, expected):
+    """What ``engine.dtype="auto"`` and a reward model's ``dtype="auto"`` resolve to (issue 44): "32-true" computes in
+    the parameters' dtype (float32 here; a policy loaded in bfloat16 computes in bfloat16)."""
+    assert precision_dtype(precision, torch.float32) == expected
+    assert precision_dtype("32-true", torch.bfloat16) == torch.bfloat16
+
+
+def test_the_compute_dtype_of_each_strategy():
+    """FSDP2's own ``mixed_precision`` and Megatron's ``params_dtype`` set it; otherwise the precision plugin does."""
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    assert compute_dtype(DDPStrategy(), torch.float32) == torch.float32
+    assert compute_dtype(DDPStrategy(precision_plugin=MixedPrecision("bf16-mixed", "cpu")), torch.float32) == \
+        torch.bfloat16
+    assert compute_dtype(FSDP2Strategy(mixed_precision="bf16"), torch.float32) == torch.bfloat16
+    assert compute_dtype(FSDP2Strategy(), torch.float32) == torch.float32
+    assert compute_dtype(MegatronStrategy(params_dtype=torch.bfloat16), torch.float32) == torch.bfloat16
+    assert compute_dtype(MegatronStrategy(), torch.float32) == torch.float32
 
 
 def test_backend_for_returns_a_strategy_that_is_its_own_backend():

@@ -101,3 +101,23 @@ def assert_same_step(reference: dict, ranks: list[dict], atol: float = 1e-5) -> 
         assert sorted(rows) == sorted(reference.get(key, {}))  # every row on exactly one rank
         for row, logprobs in reference.get(key, {}).items():
             torch.testing.assert_close(rows[row], logprobs, atol=atol, rtol=0)
+
+
+#: The CLI's ``--optimizer`` of the cases that take it: SGD(lr=0.1), whose step is exactly -0.1 * the gradient.
+CLI_SGD = {"class_path": "torch.optim.SGD", "init_args": {"lr": 0.1}}
+#: ... and ``--lr_scheduler`` ConstantLR(factor=0.5): the first step is -0.05 * the gradient.
+CLI_HALVED_LR = {"class_path": "torch.optim.lr_scheduler.ConstantLR", "init_args": {"factor": 0.5}}
+
+
+def assert_first_step_update(result: dict, model: str, step_lr: float) -> None:
+    """A ``fixed_step`` rank's full weights after the step are exactly (to float32 rounding) the model's initial
+    weights minus ``step_lr`` times the full post-clip gradients: the optimizer stepped the trained parameters."""
+    from transformers import AutoModelForCausalLM
+
+    initial = AutoModelForCausalLM.from_pretrained(model).state_dict()
+    grads = result["grads"]
+    assert grads and all(grad is not None for grad in grads.values())  # every trained parameter has a gradient
+    assert max(float(grad.abs().max()) for grad in grads.values()) > 1e-3
+    for name, grad in grads.items():
+        torch.testing.assert_close(result["weights"][name], initial[name] - step_lr * grad, atol=1e-6, rtol=0,
+                                   msg=f"weight {name}")

@@ -31,6 +31,7 @@ from transformers import AutoConfig  # noqa: E402
 
 from lightning_grpo import GRPOConfig, GRPOModule  # noqa: E402
 from lightning_grpo.callbacks import CompletionTable  # noqa: E402
+from lightning_grpo.cli import use_cli_optimizer  # noqa: E402
 from lightning_grpo.config import EngineConfig, EvalConfig  # noqa: E402
 from lightning_grpo.data import PromptDataModule  # noqa: E402
 from lightning_grpo.data.datamodule import collate_prompts  # noqa: E402
@@ -139,6 +140,14 @@ class FixedExperienceModule(GradRecording, GRPOModule):
         return exp
 
 
+def dtypes(policy, optimizer) -> dict:
+    """The dtypes of the trained parameters (local shards) and of the optimizer's float states (AdamW's moments)."""
+    params = {(p.to_local() if hasattr(p, "to_local") else p).dtype for p in policy.parameters() if p.requires_grad}
+    states = {(v.to_local() if hasattr(v, "to_local") else v).dtype for state in optimizer.state.values()
+              for k, v in state.items() if k != "step" and torch.is_tensor(v)}
+    return {"params": sorted(str(d) for d in params), "optimizer": sorted(str(d) for d in states)}
+
+
 class StepRecorder(Callback):
     """After each optimizer step: the logged loss and grad_norm, the full post-clip gradients (recorded by
     :class:`GradRecording`) and the full weights (collectives: every rank runs them in the same order)."""
@@ -184,10 +193,13 @@ def fixed_step(cfg: dict) -> None:
         offsets = None
         if case.get("sampler_offsets"):
             offsets = 0.05 * torch.randn(num_prompts * g, 7, generator=torch.Generator().manual_seed(1))
+        # the module's AdamW(lr=1e-3), or the CLI's --optimizer (and --lr_scheduler), installed as the CLI does
+        own = {} if case.get("optimizer") else {"learning_rate": 1e-3}
         module = FixedExperienceModule(model, reward_funcs=[lambda p, c, **k: [0.0] * len(c)], config=config,
-                                       learning_rate=1e-3, fixed=fixed, num_generations=g, export_dir="",
-                                       lora=case.get("lora"), sampler_offsets=offsets,
-                                       gradient_checkpointing=case.get("gradient_checkpointing", False))
+                                       fixed=fixed, num_generations=g, export_dir="", lora=case.get("lora"),
+                                       sampler_offsets=offsets,
+                                       gradient_checkpointing=case.get("gradient_checkpointing", False), **own)
+        use_cli_optimizer(module, case.get("optimizer"), case.get("lr_scheduler"))
         if case.get("lora"):  # LoRA's B starts at 0 (no gradient for A): a random B makes every adapter move
             with torch.no_grad():
                 for name, param in module.policy.named_parameters():
@@ -198,10 +210,11 @@ def fixed_step(cfg: dict) -> None:
             accelerator="cpu", devices=cfg["devices"], strategy=make_strategy(case["strategy"]), max_steps=1,
             logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
             callbacks=[recorder], gradient_clip_val=case.get("gradient_clip_val"),
-            default_root_dir=cfg["out"],
+            default_root_dir=cfg["out"], precision=case.get("precision", "32-true"),
         )
         trainer.fit(module, datamodule=IndexPrompts(num_prompts, num_prompts // cfg["devices"]))
         record = recorder.records[-1]
+        record["dtypes"] = dtypes(module.policy, trainer.optimizers[0])
         record["ref_logprobs"] = module.seen
         record["teacher_logprobs"] = module.seen_teacher
         teacher = module.teacher_model

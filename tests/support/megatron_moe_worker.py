@@ -11,7 +11,8 @@ torchrun (CPU processes, gloo):
   ``OUT/<name>`` and (rank 0) the trained HF policy's weights in ``OUT/<name>/weights.pt``, a checkpoint after every
   step with ``checkpoints``, resumed from ``resume``;
 - ``replay``: megatron-core's parallel state with PP stages of EP = DP = world / PP ranks, the policy's routers
-  replaying the routing the HF model chose for each data-parallel replica's own rows: ``OUT/<name>_rank<r>.json``;
+  replaying the routing the HF model chose for each data-parallel replica's own rows, and the negated routers'
+  disagreement with it counted over every stage's MoE layers: ``OUT/<name>_rank<r>.json``;
 - ``gradients``: one backward pass of each rank's own rows at EP=1 and at EP=``expert_model_parallel_size`` (all
   ranks data-parallel), the gradients reduced as ``MegatronStrategy`` does and gathered into HF names: their largest
   differences and the full gradient's norms, ``OUT/<name>_rank<r>.json``.
@@ -99,9 +100,11 @@ def replay(out: Path, name: str, model: str, pipeline_model_parallel_size: int =
     from transformers import AutoModelForCausalLM
 
     from lightning_grpo.functional import token_logprobs
+    from lightning_grpo.models.moe import ReplayStats
     from lightning_grpo.strategies.megatron.convert import default_tensor_init
     from lightning_grpo.strategies.megatron.pipeline import replayed_routing
     from lightning_grpo.strategies.megatron.policy import MegatronPolicy
+    from lightning_grpo.strategies.megatron.replay import pipeline_sum
     from support.megatron_moe import experience, hf_routing
 
     pp = pipeline_model_parallel_size
@@ -124,7 +127,11 @@ def replay(out: Path, name: str, model: str, pipeline_model_parallel_size: int =
         for layer in policy.model.decoder.layers:
             layer.mlp.router.weight.neg_()  # every layer is a mixture here
         lists = policy.replay.record()
-        policy.completion_logprobs(batch, 1.0)
+        counts = ReplayStats()  # negated: each router's own top-2 of 4 is the complement of the replayed pair
+        with policy.replay.counting(counts):
+            policy.completion_logprobs(batch, 1.0)
+        group = parallel_state.get_pipeline_model_parallel_group() if pp > 1 else None
+        disagreement = [float(v) for v in pipeline_sum(counts, group, torch.device("cpu"))]  # every stage's layers
     routing = replayed_routing(batch)
     needed = routing[..., 0, 0] >= 0
     b, s = routing.shape[:2]
@@ -135,6 +142,7 @@ def replay(out: Path, name: str, model: str, pipeline_model_parallel_size: int =
     result = {
         "local_experts": len(policy.model.decoder.layers[0].mlp.experts.local_experts), "moe_layers": slots,
         "rows": b, "needed_tokens": int(needed.sum()), "replayed_equal_recorded": equal,
+        "disagreement": disagreement,
         "logprob_diff": float((replayed - expected)[mask].abs().max()),
         "weights_exact": sorted(gathered) == sorted(reference) and all(torch.equal(gathered[k], reference[k])
                                                                         for k in reference),

@@ -174,10 +174,11 @@ class LossRecorder:
 
 
 def run_one_step(model_path: str, data_path: str, strategy: Any, devices: int, prompts_per_step: int,
-                 gradient_clip_val: float, **config: Any) -> tuple[Any, float, float]:
+                 gradient_clip_val: float, precision: str = "32-true", callbacks: Sequence[Any] = (),
+                 **config: Any) -> tuple[Any, float, float]:
     """One GRPO optimizer step on the fixed experience of the 4 prompts in ``data_path`` (``config``: GRPOConfig
-    fields over :func:`one_step_module`'s). Returns the module (its ``policy`` is an HF model again after fit), the
-    step loss and the gradient norm before clipping."""
+    fields over :func:`one_step_module`'s) in Lightning's ``precision``, with more ``callbacks``. Returns the module
+    (its ``policy`` is an HF model again after fit), the step loss and the gradient norm before clipping."""
     import lightning as L
 
     from lightning_grpo.data import PromptDataModule
@@ -187,8 +188,8 @@ def run_one_step(model_path: str, data_path: str, strategy: Any, devices: int, p
     recorder = LossRecorder.make()
     trainer = L.Trainer(
         max_steps=1, accelerator="cpu", devices=devices, strategy=strategy, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, callbacks=[recorder],
-        gradient_clip_val=gradient_clip_val,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=[recorder, *callbacks],
+        gradient_clip_val=gradient_clip_val, precision=precision,
     )
     trainer.fit(module, datamodule=PromptDataModule(dataset=data_path, prompts_per_step=prompts_per_step, val_size=0))
     (loss,) = recorder.losses
@@ -322,6 +323,36 @@ def scenario_step(out: Path, model_path: str, data_path: str, tp: int, clip: flo
         torch.save(module.policy.state_dict(), out / f"{name}_weights.pt")
     return {"loss": loss, "grad_norm": grad_norm, "policy_type": type(module.policy).__name__,
             **_parallel_state_left(groups_before)}
+
+
+def scenario_bf16_step(out: Path, model_path: str, data_path: str, clip: float) -> dict:
+    """One GRPO step under MegatronStrategy(TP=2) on 2 processes in each bf16 precision (issue 44): "bf16-mixed"
+    (float32 megatron-core weights, bf16 autocast) and "bf16-true" (megatron-core built in bfloat16); the weights
+    saved by rank 0, the megatron-core weights' dtypes seen during the step."""
+    from lightning.pytorch.callbacks import Callback
+    from megatron.core import parallel_state
+
+    from lightning_grpo.strategies.megatron.strategy import MegatronStrategy
+
+    class Dtypes(Callback):
+        def __init__(self) -> None:
+            self.seen: set[str] = set()
+
+        def on_before_optimizer_step(self, trainer: Any, module: Any, optimizer: Any) -> None:
+            self.seen.update(str(p.dtype) for p in module.policy.model.parameters())
+
+    results: dict[str, Any] = {}
+    for precision in ("bf16-mixed", "bf16-true"):
+        if parallel_state.model_parallel_is_initialized():
+            parallel_state.destroy_model_parallel()
+        dtypes = Dtypes()
+        strategy = MegatronStrategy(tensor_model_parallel_size=2)
+        module, loss, grad_norm = run_one_step(model_path, data_path, strategy, 2, prompts_per_step=4,
+                                               gradient_clip_val=clip, precision=precision, callbacks=[dtypes])
+        if int(os.environ["RANK"]) == 0:
+            torch.save(module.policy.state_dict(), out / f"bf16_step_{precision}_weights.pt")
+        results[precision] = {"loss": loss, "grad_norm": grad_norm, "megatron_dtypes": sorted(dtypes.seen)}
+    return results
 
 
 def scenario_train(out: Path, model_path: str, data_path: str) -> dict:

@@ -9,7 +9,9 @@ close a given engine).
 
 Engines hold process-wide state (vLLM's in-process worker makes the default ``torch.distributed`` group when none
 exists), so the pool is closed before any test that neither uses it nor is marked ``engine`` (``conftest.py``):
-the tests that build process groups of their own never see a pooled engine.
+the tests that build process groups of their own never see a pooled engine. vLLM's model-parallel groups are made by
+the process's first engine too, with an expert-parallel group only for a mixture of experts: the pool is closed
+before a mixture of experts' engine is built beside a dense model's.
 
 Building an engine re-seeds torch's global generators (``seed``): runs compared with each other must take their
 engines the same way (both from the pool) and seed after taking them.
@@ -28,17 +30,26 @@ class VLLMPool:
     """``get(path)``: the pool's engine for a model folder, holding that folder's weights."""
 
     def __init__(self) -> None:
-        self.engines: dict[str, Any] = {}
+        self.engines: dict[tuple[str, str, bool], Any] = {}
+        self.moe: dict[tuple[str, str, bool], bool] = {}  # whether each engine's model is a mixture of experts
         self.builds = 0
 
-    def get(self, path: str, reload: bool = True) -> Any:
-        """The engine for ``path`` (built on first use). ``reload``: load the folder's weights into it again (a
-        fit's module syncs its policy's weights before the first rollout anyway; False skips the reload)."""
+    def get(self, path: str, reload: bool = True, dtype: str = "float32", record_routing: bool = False) -> Any:
+        """The engine for ``path`` in ``dtype`` (built on first use; a bfloat16 engine for the bf16 tests is another
+        engine). ``reload``: load the folder's weights into it again (a fit's module syncs its policy's weights before
+        the first rollout anyway; False skips the reload). ``record_routing``: the engine of a mixture of experts
+        whose rollouts carry the routed experts (routing replay "R3"; another engine than the one without)."""
         from lightning_grpo.rollout.engines.vllm.colocated import VLLMRolloutEngine
 
-        engine = self.engines.get(path)
+        key = (path, dtype, record_routing)
+        engine = self.engines.get(key)
         if engine is None:
-            engine = self.engines[path] = VLLMRolloutEngine(path, **SETTINGS)
+            moe = _is_moe(path)
+            if moe and any(not self.moe[k] for k in self.engines):
+                self.close()  # vLLM's groups made by a dense model's engine have no expert-parallel group
+            engine = self.engines[key] = VLLMRolloutEngine(path, **{**SETTINGS, "dtype": dtype},
+                                                           record_routing=record_routing)
+            self.moe[key] = moe
             self.builds += 1
         elif reload:
             import torch
@@ -51,9 +62,18 @@ class VLLMPool:
 
     def close(self) -> None:
         """Close every engine (the default process group vLLM made goes with the last one)."""
-        engines, self.engines = list(self.engines.values()), {}
+        engines, self.engines, self.moe = list(self.engines.values()), {}, {}
         for engine in engines:
             engine.close()
+
+
+def _is_moe(path: str) -> bool:
+    """Whether the model at ``path`` is a mixture of experts (a family of ``lightning_grpo.models.moe``)."""
+    from transformers import AutoConfig
+
+    from lightning_grpo.models.moe import moe_family
+
+    return moe_family(AutoConfig.from_pretrained(path)) is not None
 
 
 #: The session's pool (``conftest.py``'s ``vllm_engine`` fixture and its closing hook).

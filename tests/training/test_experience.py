@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from lightning_grpo.protocols.collectives import Collectives
-from lightning_grpo.training.experience import Experience, micro_batches
+from lightning_grpo.training.experience import Experience, StepPlan, micro_batches
 
 
 def _experience() -> Experience:
@@ -71,3 +71,24 @@ def test_the_normalizer_is_summed_over_processes():
 def test_sizes_that_do_not_divide_are_refused_naming_the_fields(kwargs, message):
     with pytest.raises(ValueError, match=message):
         list(micro_batches(_experience(), num_iterations=1, loss_type="dapo", max_new_tokens=4, **kwargs))
+
+
+def test_a_micro_batch_with_its_step_plan_goes_through_lightnings_batch_hooks():
+    """Lightning walks a batch's dataclass fields to move or cast it (``move_data_to_device``, the precision plugins'
+    ``convert_input``: FSDP's failed with "A frozen dataclass was passed to apply_to_collection" on a frozen plan):
+    the plan is handed through as it is, the batch's tensors converted."""
+    from lightning.pytorch.utilities import move_data_to_device
+    from lightning_utilities.core.apply_func import apply_to_collection
+
+    later = Experience(prompt_ids=torch.ones(1, 2, dtype=torch.long), prompt_mask=torch.ones(1, 2, dtype=torch.long),
+                       completion_ids=torch.ones(1, 3, dtype=torch.long),
+                       completion_mask=torch.ones(1, 3, dtype=torch.long), advantages=torch.zeros(1))
+    plan = StepPlan({"entropy_threshold": 0.5}, torch.zeros(1, 3, dtype=torch.bool), (later,))
+    batch = Experience(prompt_ids=torch.ones(1, 2, dtype=torch.long), prompt_mask=torch.ones(1, 2, dtype=torch.long),
+                       completion_ids=torch.ones(1, 3, dtype=torch.long),
+                       completion_mask=torch.ones(1, 3, dtype=torch.long), advantages=torch.tensor([1.5]),
+                       step_plan=plan)
+    cast = apply_to_collection(batch, torch.Tensor, lambda t: t.double() if t.is_floating_point() else t)
+    assert cast.step_plan is plan and cast.advantages.dtype == torch.float64
+    moved = move_data_to_device(batch, torch.device("cpu"))
+    assert moved.step_plan is plan and plan.later[0] is later

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import replace
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, ContextManager, Optional, Sequence
 
 import torch
 from transformers import (
@@ -127,6 +127,8 @@ class HFRolloutEngine:
             every rollout then carries the experts each token was routed to (``prompt_routed_experts``,
             ``completion_routed_experts``, :mod:`lightning_grpo.rollout.engines.generate_routing`); None: nothing is
             recorded (no cost).
+        forward_context: entered around ``generate`` (the trainer's precision context: bf16 autocast under
+            ``precision="bf16-mixed"``), so the rollout samples in the precision the trainer scores it in.
 
 
     Attributes:
@@ -140,9 +142,11 @@ class HFRolloutEngine:
         self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, report_logprobs: bool = False,
         stop: Optional[StopFlag] = None, vision: Optional[VisionSpec] = None,
         routing: Optional[RoutingRecorder] = None,
+        forward_context: Callable[[], ContextManager] = contextlib.nullcontext,
     ) -> None:
         self.model = model
         self.routing = routing
+        self.forward_context = forward_context
         self.vision = vision
         self.tokenizer = tokenizer
         self.report_logprobs = report_logprobs
@@ -224,7 +228,7 @@ class HFRolloutEngine:
         stop = _StopCriterion(self.stop)
         recording = self.routing.record() if self.routing is not None else contextlib.nullcontext()
         try:
-            with recording as calls:
+            with recording as calls, self.forward_context():  # the trainer's precision (bf16 autocast: "bf16-mixed")
                 out = self.model.generate(
                     input_ids=ids, attention_mask=mask, generation_config=config,
                     logits_processor=LogitsProcessorList([processor]), stopping_criteria=[stop],
@@ -277,7 +281,8 @@ class _StopCriterion(StoppingCriteria):
 
 def make(spec: EngineSpec) -> HFRolloutEngine:
     """The "hf" engine of the registry: generates with ``spec.model`` (the policy's transformers model; with LoRA,
-    its layers carry the adapters); a vision-language policy's prompts may have images; with ``spec.routing`` (routing
-    replay) the rollouts carry the routed experts."""
+    its layers carry the adapters), inside the trainer's precision context (``spec.forward_context``); a
+    vision-language policy's prompts may have images; with ``spec.routing`` (routing replay) the rollouts carry the
+    routed experts."""
     return HFRolloutEngine(spec.model, spec.tokenizer, stop=spec.stop, vision=vision_spec(spec.model.config),
-                           routing=spec.routing)
+                           routing=spec.routing, forward_context=spec.forward_context)

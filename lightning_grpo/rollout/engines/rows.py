@@ -13,6 +13,7 @@ import torch
 from lightning_grpo.protocols.rollout import RolloutOutput, completion_mask_from_eos, finish_rollout, left_pad
 from lightning_grpo.protocols.sampling import SamplingConfig
 from lightning_grpo.protocols.vision import RowImages
+from lightning_grpo.rollout.engines.routed_rows import with_routed_experts
 
 
 def check_prompts(prompt_ids: Sequence[Sequence[int]], num_generations: int, sampling: SamplingConfig,
@@ -48,24 +49,25 @@ def request_seeds(sampling: SamplingConfig, num_prompts: int, num_generations: i
     return [sampling.seed + i * num_generations for i in range(num_prompts)]
 
 
-def rollout_from_rows(prompts: Sequence[Sequence[int]], rows: Sequence[tuple[Sequence[int], Sequence[float]]],
+def rollout_from_rows(prompts: Sequence[Sequence[int]], rows: Sequence[Sequence[Any]],
                       num_generations: int, pad_token_id: int, eos_token_ids: Sequence[int], tokenizer: Any,
                       weight_version: Optional[int] = None, images: Sequence[RowImages] = ()) -> RolloutOutput:
     """A :class:`RolloutOutput` from ``B`` prompts and their ``B * G`` completions given as ``(ids, sampler
     logprobs)`` rows (prompt-major): prompts left-padded and repeated G times, completions right-padded with
     ``pad_token_id``, the mask up to and including the first EOS (:func:`completion_mask_from_eos`), logprobs 0
     where masked, texts decoded with ``tokenizer`` (special tokens skipped), each prompt's ``images`` (default none)
-    with its G rows. Tensors on CPU.
+    with its G rows. Tensors on CPU. A row may carry a third element, its per-token fields by name: the routed experts
+    (routing replay "R3", :func:`~lightning_grpo.rollout.engines.routed_rows.with_routed_experts`), on every row.
 
     Raises:
         ValueError: ``len(rows) != B * G`` or a row whose ids and logprobs differ in length.
     """
     if len(rows) != len(prompts) * num_generations:
         raise ValueError(f"{len(rows)} completions for {len(prompts)} prompts x {num_generations} generations")
-    n, t = len(rows), max(1, max(len(ids) for ids, _ in rows))
+    n, t = len(rows), max(1, max(len(row[0]) for row in rows))
     completion_ids = torch.full((n, t), pad_token_id, dtype=torch.long)
     sampler_logprobs = torch.zeros((n, t), dtype=torch.float32)
-    for row, (ids, logprobs) in enumerate(rows):
+    for row, (ids, logprobs, *_) in enumerate(rows):
         if len(ids) != len(logprobs):
             raise ValueError(f"completion {row} has {len(ids)} token ids but {len(logprobs)} logprobs")
         completion_ids[row, : len(ids)] = torch.as_tensor(list(ids), dtype=torch.long)
@@ -73,6 +75,12 @@ def rollout_from_rows(prompts: Sequence[Sequence[int]], rows: Sequence[tuple[Seq
     completion_mask, truncated = completion_mask_from_eos(completion_ids, eos_token_ids)
     sampler_logprobs = sampler_logprobs * completion_mask
     ids_, mask = left_pad(prompts, pad_token_id, torch.device("cpu"))
-    return finish_rollout(ids_, mask, num_generations, completion_ids, completion_mask, truncated, sampler_logprobs,
-                          tokenizer, pad_token_id, weight_version, images=images)
+    output = finish_rollout(ids_, mask, num_generations, completion_ids, completion_mask, truncated, sampler_logprobs,
+                            tokenizer, pad_token_id, weight_version, images=images)
+    fields = [row[2] for row in rows if len(row) > 2]
+    if not fields:
+        return output
+    if len(fields) != n:
+        raise ValueError(f"{len(fields)} of {n} completions carry per-token fields: all or none must")
+    return with_routed_experts(output, fields)
 

@@ -3,7 +3,7 @@
     lightning-grpo serve --model PATH --port 8000 [--host 127.0.0.1] [--secret-file FILE] [--max-model-len N]
                          [--kv-cache-space-gib 2] [--seed 0] [--dtype float32] [--gpu-memory-utilization 0.9]
                          [--tensor-parallel-size 1] [--max-request-tokens N] [--max-queued-requests 64]
-                         [--max-body-mib 64]
+                         [--max-body-mib 64] [--record-routing]
 
 The engine is vLLM's ``AsyncLLM`` (:class:`~lightning_grpo.rollout.server.async_engine.AsyncVLLMEngine`): continuous
 batching, so concurrent requests join the running batch, sampled as the colocated engine samples
@@ -27,7 +27,8 @@ wrong secret, 404/405, 408/413 body too slow/large, 503 queue full, 500 otherwis
   weights: 0 = the checkpoint, then what the trainer's last ``/update_weights`` set), ``eos_token_ids``,
   ``pad_token_id``, ``max_model_len``, ``vocab_size``, ``tie_word_embeddings``, ``world_size`` (the engine's
   workers), ``device``, ``model``, ``max_request_tokens``, ``image_token_id``, ``stats`` (the engine's batching
-  counters: :class:`~lightning_grpo.rollout.server.async_engine.EngineStats`).
+  counters: :class:`~lightning_grpo.rollout.server.async_engine.EngineStats`), ``dtype`` (what the engine computes
+  in, ``--dtype``).
 * ``POST /generate``: ``prompts`` (token-id lists), ``num_generations``, ``sampling`` (the fields of
   :class:`~lightning_grpo.protocols.sampling.SamplingConfig` but ``seed``), ``seeds`` (one per prompt, or null) ->
   ``token_ids``, ``logprobs`` and ``versions`` (one list per completion, prompt-major, unpadded, aligned token by
@@ -98,6 +99,8 @@ class RolloutServer:
             :class:`~lightning_grpo.rollout.engines.vllm.colocated.VLLMRolloutEngine`.
         tensor_parallel_size: vLLM workers per instance (GPU); each joins the weight-sync group.
         max_request_tokens: the most work (:func:`request_work`) of one generate or probe request.
+        record_routing: record the experts a mixture of experts routes each token to (``--record-routing``:
+            :class:`~lightning_grpo.rollout.engines.vllm.colocated.VLLMRolloutEngine`'s ``record_routing``).
 
     Raises:
         ValueError: ``model`` is not a model folder or holds no tokenizer (the folder is named), or an option is
@@ -106,9 +109,14 @@ class RolloutServer:
 
     def __init__(self, model: str, *, kv_cache_space_gib: float = 2, max_model_len: Optional[int] = None,
                  seed: int = 0, dtype: Optional[str] = None, gpu_memory_utilization: float = 0.9,
-                 tensor_parallel_size: int = 1, max_request_tokens: int = MAX_REQUEST_TOKENS) -> None:
+                 tensor_parallel_size: int = 1, max_request_tokens: int = MAX_REQUEST_TOKENS,
+                 record_routing: bool = False) -> None:
         if max_request_tokens < 1:
             raise ValueError(f"--max-request-tokens must be >= 1, got {max_request_tokens}")
+        if record_routing:
+            raise ValueError("--record-routing: the rollout server does not record the routed experts yet (its engine "
+                             "is vLLM's AsyncLLM); use the colocated vLLM engine (engine.name='vllm') or the 'hf' "
+                             "engine for routing replay 'R3'")
         self.model = model
         self.max_request_tokens = int(max_request_tokens)
         self.engine = AsyncVLLMEngine(model, kv_cache_space_gib=kv_cache_space_gib, max_model_len=max_model_len,
@@ -128,7 +136,7 @@ class RolloutServer:
                     tie_word_embeddings=engine.tie_word_embeddings, world_size=self.world_size,
                     device="cpu" if engine.on_cpu else "cuda", max_request_tokens=self.max_request_tokens,
                     image_token_id=None if engine.vision is None else engine.vision.placeholder_id,
-                    stats=engine.stats_dict())
+                    stats=engine.stats_dict(), records_routing=False, dtype=str(engine.dtype).removeprefix("torch."))
 
     # ------------------------------------------------------------------ generation
     def prepare_generate(self, request: GenerateRequest) -> tuple:
@@ -152,6 +160,9 @@ class RolloutServer:
         seeds = request.seeds
         if seeds is not None and len(seeds) != len(prompts):
             raise ValueError(f"seeds has {len(seeds)} entries for {len(prompts)} prompts")
+        if request.return_routed_experts:
+            raise ValueError("return_routed_experts: this server does not record the routing (start it with "
+                             "--record-routing, for a mixture-of-experts model)")
         return prompts, request.num_generations, sampling, seeds, self._pictures(request, len(prompts))
 
     def _pictures(self, request: GenerateRequest, num_prompts: int) -> Optional[list[list[Any]]]:
@@ -264,7 +275,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="most prompt + completion tokens (default: the model's)")
     parser.add_argument("--seed", type=int, default=0, help="the engine's seed (default 0)")
-    parser.add_argument("--dtype", default=None, help="float32 / bfloat16 / auto (default: float32 on CPU)")
+    parser.add_argument("--dtype", default=None, help="float32 / bfloat16 / auto (default: float32 on CPU); bfloat16 "
+                        "for a trainer that computes in bf16 (docs/performance.md, bf16)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="GPU: memory fraction")
     parser.add_argument("--tensor-parallel-size", type=int, default=1, help="GPU: workers per instance")
     parser.add_argument("--max-request-tokens", type=int, default=MAX_REQUEST_TOKENS,
@@ -273,6 +285,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-queued-requests", type=int, default=64,
                         help="most requests waiting for the engine; more get HTTP 503 (default 64)")
     parser.add_argument("--max-body-mib", type=float, default=64.0, help="largest request body in MiB (default 64)")
+    parser.add_argument("--record-routing", action="store_true",
+                        help="record the experts a mixture-of-experts model routes each token to, for trainers with "
+                             "routing replay R3 (GRPOConfig.routing_replay='R3')")
     return parser
 
 
@@ -295,7 +310,7 @@ def serve_main(argv: Sequence[str]) -> None:
                                max_model_len=args.max_model_len, seed=args.seed, dtype=args.dtype,
                                gpu_memory_utilization=args.gpu_memory_utilization,
                                tensor_parallel_size=args.tensor_parallel_size,
-                               max_request_tokens=args.max_request_tokens)
+                               max_request_tokens=args.max_request_tokens, record_routing=args.record_routing)
     except ValueError as err:
         sock.close()
         parser.error(str(err))

@@ -178,6 +178,7 @@ class AsyncVLLMEngine:
             self._stop_loop()
             raise
         model_config = self.llm.model_config
+        self.dtype = model_config.dtype  # (a torch dtype) what the weights are cast to and computed in
         self.vision = vision_spec(model_config.hf_config)
         self.max_model_len = int(model_config.max_model_len)
         self.vocab_size = int(model_config.get_vocab_size())

@@ -31,6 +31,10 @@
 * **Request size**: a server takes at most its ``max_request_tokens`` of work per request (``/health``); an
   instance's part of a call is sent as consecutive requests that each fit (the per-completion seeds are unchanged,
   so the completions are the same).
+* **Routing replay "R3"** (``record_routing``: a mixture-of-experts policy): every server must have been started with
+  ``--record-routing`` (its ``/health`` says so, checked at start); each request asks for the routed experts, which
+  come back among the answer's per-token ``extra`` fields and become the rollout's ``prompt_routed_experts`` /
+  ``completion_routed_experts`` (:mod:`lightning_grpo.rollout.engines.routed_rows`).
 """
 
 from __future__ import annotations
@@ -39,7 +43,6 @@ import concurrent.futures
 import logging
 import os
 import time
-from dataclasses import replace
 from typing import Any, Optional, Sequence
 
 import torch
@@ -53,6 +56,7 @@ from lightning_grpo.protocols.weights import PolicyWeights, check_tied_engine
 from lightning_grpo.rollout.engine_registry import EngineSpec
 from lightning_grpo.rollout.engines.multimodal import check_expansions, wire_images
 from lightning_grpo.rollout.engines.probe import probe_batch
+from lightning_grpo.rollout.engines.routed_rows import routing_from_extra
 from lightning_grpo.rollout.engines.rows import check_prompts, request_seeds, rollout_from_rows
 from lightning_grpo.rollout.server.client import RolloutServerError, ServerClient
 from lightning_grpo.rollout.server.security import read_secret
@@ -87,21 +91,20 @@ class VLLMServerEngine:
         secret: the servers' shared secret (None: servers without one, on the loopback interface).
         stop: polled while waiting for the servers; once set, ``generate`` raises
             :class:`~lightning_grpo.protocols.rollout.RolloutInterrupted` (the servers finish and are ignored).
+        record_routing: the rollouts carry the routed experts (routing replay "R3"; servers started with
+            ``--record-routing``).
 
     Raises:
         ValueError: no URL, a malformed URL or one given twice (``engine.server_urls``), a group port in use
-            (``engine.server_group_port``), or instances that disagree on the tokenizer ids or lengths (named).
+            (``engine.server_group_port``), instances that disagree on the tokenizer ids or lengths (named), or,
+            with ``record_routing``, an instance that does not record the routing (named).
         RolloutServerError: an instance does not answer within ``timeout_s`` or refuses the secret.
     """
-
-    #: The servers hold their own copy of the weights and sample every completion with its own seed; every trainer
-    #: process calls :meth:`sync_weights` (global rank 0 streams, the others wait).
-    capabilities = EngineCapabilities(seeds_per_request=True, sync_is_collective=True)
 
     def __init__(self, urls: Sequence[str], tokenizer: Any, *, timeout_s: float = 600.0,
                  group_host: Optional[str] = None, group_port: int = 51216,
                  weight_sync_check: Optional[float] = None, secret: Optional[str] = None,
-                 stop: Optional[StopFlag] = None) -> None:
+                 stop: Optional[StopFlag] = None, record_routing: bool = False) -> None:
         if not urls:
             raise ValueError("urls is empty: give the rollout servers' URLs (GRPOConfig.engine.server_urls)")
         if len({u.rstrip("/") for u in urls}) != len(urls):
@@ -109,6 +112,7 @@ class VLLMServerEngine:
         self.tokenizer = tokenizer
         self.timeout_s = float(timeout_s)
         self.weight_sync_check = weight_sync_check
+        self.last_sync_check: Optional[float] = None  # the difference the last post-sync check measured
         self.stop = stop if stop is not None else StopFlag()
         self.rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         self.instances = [Instance(ServerClient(url, timeout_s, secret)) for url in urls]
@@ -131,9 +135,20 @@ class VLLMServerEngine:
         self.max_request_tokens = min(int(i["max_request_tokens"]) for i in infos)
         image_ids = {i.get("image_token_id") for i in infos}  # None: text models (or servers before images)
         self.placeholder_id: Optional[int] = next(iter(image_ids)) if len(image_ids) == 1 else None
-        # the class's, and images when the servers serve a vision-language model (their /health names its image token)
-        self.capabilities = replace(VLLMServerEngine.capabilities, accepts_images=self.placeholder_id is not None)
         self.backend = "nccl" if info["device"] == "cuda" and torch.cuda.is_available() else "gloo"
+        not_recording = [inst.client.url for inst, i in zip(self.instances, infos, strict=True)
+                         if not i.get("records_routing")]
+        if record_routing and not_recording:
+            raise ValueError(f"routing replay 'R3' needs the routed experts, but the rollout servers {not_recording} "
+                             "do not record them: start them with lightning-grpo serve --record-routing")
+        self.record_routing = record_routing
+        #: The servers hold their own copy of the weights and sample every completion with its own seed; every trainer
+        #: process calls :meth:`sync_weights` (global rank 0 streams, the others wait); with ``record_routing`` the
+        #: rollouts carry the routed experts; they take images when they serve a vision-language model (their /health
+        #: names its image token).
+        self.capabilities = EngineCapabilities(seeds_per_request=True, sync_is_collective=True,
+                                               returns_routed_experts=record_routing,
+                                               accepts_images=self.placeholder_id is not None)
         for inst, inst_info in zip(self.instances, infos, strict=True):
             inst.instance_id, inst.version = inst_info["instance_id"], int(inst_info["version"])
             if self.rank == 0:
@@ -176,7 +191,10 @@ class VLLMServerEngine:
             answers = [f.result() for f in futures]
         finally:
             pool.shutdown(wait=False, cancel_futures=True)
-        rows = [row for answer in answers for row in zip(answer["token_ids"], answer["logprobs"], strict=True)]
+        rows: list = [row for answer in answers for row in zip(answer["token_ids"], answer["logprobs"], strict=True)]
+        if self.record_routing:
+            fields = [f for answer in answers for f in routing_from_extra(answer["extra"], len(answer["token_ids"]))]
+            rows = [(*row, routed) for row, routed in zip(rows, fields, strict=True)]
         version = min(int(answer["version"]) for answer in answers)
         if wire is not None:
             check_expansions([ids for answer in answers for ids in answer["prompt_token_ids"]], prompts)
@@ -191,6 +209,8 @@ class VLLMServerEngine:
         for a, b in self._request_parts([len(p) for p in prompts], num_generations, sampling.max_new_tokens):
             body = dict(prompts=prompts[a:b], num_generations=num_generations, sampling=fields,
                         seeds=None if seeds is None else seeds[a:b])
+            if self.record_routing:  # sent only when asked: servers before it refuse the field
+                body["return_routed_experts"] = True
             if wire is not None:
                 body.update(prompts=[ids for ids, _ in wire[a:b]], images=[pics for _, pics in wire[a:b]])
             while True:
@@ -202,9 +222,10 @@ class VLLMServerEngine:
                             "generating again", inst.client.url, answer["instance_id"], answer["version"],
                             inst.instance_id, self.version)
             answers.append(answer)
+        extra = {name: [v for answer in answers for v in answer["extra"][name]] for name in answers[0].get("extra", {})}
         return dict(token_ids=[ids for answer in answers for ids in answer["token_ids"]],
                     logprobs=[lp for answer in answers for lp in answer["logprobs"]], version=answers[0]["version"],
-                    instance_id=answers[0]["instance_id"],
+                    instance_id=answers[0]["instance_id"], extra=extra,
                     prompt_token_ids=[ids for answer in answers for ids in answer.get("prompt_token_ids", [])])
 
     def _request_parts(self, lengths: Sequence[int], num_generations: int,
@@ -306,6 +327,7 @@ class VLLMServerEngine:
         except Exception as err:  # noqa: BLE001 - raised below, after the other ranks learn of it
             failure, error = 1.0, err
         failure, worst = self._agree(failure, worst)
+        self.last_sync_check = worst if self.weight_sync_check is not None else None
         if error is not None:
             raise error
         if failure:
@@ -371,9 +393,11 @@ class VLLMServerEngine:
 
 def make(spec: EngineSpec) -> VLLMServerEngine:
     """The "vllm_server" engine of the registry: the rollout servers at ``config.engine.server_urls``, which get the
-    weights by :meth:`VLLMServerEngine.sync_weights` (before the first rollout too)."""
+    weights by :meth:`VLLMServerEngine.sync_weights` (before the first rollout too); with ``spec.routing`` (routing
+    replay "R3" on a mixture of experts) the rollouts carry the routed experts."""
     engine = spec.config.engine
     secret = read_secret(engine.server_secret_file, "engine.server_secret_file")
     return VLLMServerEngine(engine.server_urls, spec.tokenizer, timeout_s=engine.server_timeout,
                             group_host=engine.server_group_host, group_port=engine.server_group_port,
-                            weight_sync_check=engine.weight_sync_check, secret=secret, stop=spec.stop)
+                            weight_sync_check=engine.weight_sync_check, secret=secret, stop=spec.stop,
+                            record_routing=spec.routing is not None)

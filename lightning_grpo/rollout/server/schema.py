@@ -40,13 +40,15 @@ class GenerateRequest(_Body):
     prompt ``i`` seeded with ``seeds[i] + j`` when ``seeds`` is given. With ``images`` (a vision-language model),
     ``images[i]`` are prompt i's pictures as base64 PNG (at most ``MAX_IMAGES_PER_PROMPT``, each at most
     ``MAX_IMAGE_BYTES``), its ids holding one placeholder token per image (vLLM expands them; the answer gives the
-    expanded ids back)."""
+    expanded ids back). With ``return_routed_experts`` the answer carries the routed experts of each completion
+    (a server that records them)."""
 
     prompts: list[list[StrictInt]]
     num_generations: StrictInt
     sampling: SamplingFields
     seeds: Optional[list[StrictInt]] = None
     images: Optional[list[Annotated[list[str], Field(max_length=MAX_IMAGES_PER_PROMPT)]]] = None
+    return_routed_experts: StrictBool = False
 
 
 class ProbeRequest(_Body):

@@ -5,7 +5,8 @@ vLLM mixes :class:`WeightSyncWorkerExtension` into each of its workers (``vllm.L
 "lightning_grpo.rollout.server.vllm_extension.WeightSyncWorkerExtension")``) and the server calls its methods on every
 worker with ``LLM.collective_rpc`` (the design of TRL's ``trl vllm-serve`` extension, with torch's own process
 groups so that it also runs on CPU with gloo). Weights are loaded with the worker's ``reload_weights`` (vLLM's
-in-place reload, which redoes the CPU backend's pre-packing of GEMM weights), as the colocated engine does.
+in-place reload, which redoes the CPU backend's pre-packing of GEMM weights, followed by the experts' packing of a
+mixture of experts: :mod:`lightning_grpo.rollout.engines.vllm.moe_reload`), as the colocated engine does.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from lightning_grpo.rollout.engines.vllm.moe_reload import reload_policy_weights
 from lightning_grpo.rollout.engines.vllm.runtime import quiet_known_reload_warnings
 from lightning_grpo.rollout.server.weight_sync import join_store, make_group, receive_weights
 
@@ -58,7 +60,7 @@ class WeightSyncWorkerExtension:
 
         stream = counted()
         try:
-            self.reload_weights(weights_iterator=stream, is_checkpoint_format=True)
+            reload_policy_weights(self, stream)  # the worker's reload, then a mixture of experts' CPU packing
         finally:
             for _ in stream:  # drain what the loader did not take (an error, or names it skipped)
                 pass

@@ -23,16 +23,24 @@ megatron-core's schedules run the backward passes in forward order (1F1B), so th
 grad go to a first-in first-out list that the recomputations (with grad) take from, as megatron-core's own
 ``REPLAY_BACKWARD`` does. Under expert parallelism the router runs on the rank's own tokens before the all-to-all,
 so the targets are per rank, whatever the EP size; under pipeline parallelism each stage replays its own MoE layers.
+
+Disagreement (``sampling/router_disagreement``, as on the HF path: :mod:`lightning_grpo.training.routing_replay`):
+while :meth:`RoutingReplay.counting` is open (``MegatronStrategy.train_step``: the training forward passes), each
+router counts the (token, MoE layer) pairs with a replayed selection and those whose own top-k set (the live one it
+computes anyway) is not the replayed one, once per forward (not again in backward's recomputation);
+:func:`pipeline_sum` adds the stages' counts up.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections import deque
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 from torch import Tensor, nn
 
+from lightning_grpo.models.moe import ReplayStats
 from lightning_grpo.protocols.tokens import token_fields
 from lightning_grpo.strategies.megatron.model import Architecture, StageLayout
 from lightning_grpo.training.packing import arrange
@@ -94,6 +102,8 @@ class TokenRoutingReplay:
 
     Attributes:
         recorded: when a list, each forward's chosen experts ``(tokens, top_k)`` are appended to it (tests).
+        stats: when set (:meth:`RoutingReplay.counting`), each forward with a pushed target counts into it its tokens
+            with a replayed selection and those whose live top-k set differs from it (not backward's recomputation).
     """
 
     def __init__(self, recompute: bool = False) -> None:
@@ -101,6 +111,7 @@ class TokenRoutingReplay:
         self._fresh: deque[Optional[Tensor]] = deque()
         self._backward: deque[Optional[Tensor]] = deque()
         self.recorded: Optional[list[Tensor]] = None
+        self.stats: Optional[ReplayStats] = None
 
     def push(self, target: Optional[Tensor]) -> None:
         """The experts of the next forward: ``(tokens, top_k)`` long (-1 rows routed live), or None (all live)."""
@@ -111,15 +122,16 @@ class TokenRoutingReplay:
         self._fresh.clear()
         self._backward.clear()
 
-    def _next(self) -> Optional[Tensor]:
+    def _next(self) -> tuple[Optional[Tensor], bool]:
+        """The target of this forward, and whether it is backward's recomputation of an earlier one."""
         if self._fresh:
             target = self._fresh.popleft()
             if self.recompute and not torch.is_grad_enabled():  # a checkpointed forward: recomputed in backward
                 self._backward.append(target)
-            return target
+            return target, False
         if self.recompute and torch.is_grad_enabled() and self._backward:
-            return self._backward.popleft()
-        return None
+            return self._backward.popleft(), True
+        return None, False
 
     def get_replay_topk(self, scores: Tensor, topk: int, num_groups: Optional[int] = None,
                         group_topk: Optional[int] = None,
@@ -129,7 +141,7 @@ class TokenRoutingReplay:
         the live top-k (``default_compute_topk``) on rows without one. The signature is megatron-core's."""
         assert default_compute_topk is not None
         live_scores, live = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
-        target = self._next()
+        target, recomputing = self._next()
         if target is None:
             chosen = live
         else:
@@ -137,7 +149,11 @@ class TokenRoutingReplay:
                 raise ValueError(f"replayed routing {tuple(target.shape)} does not match the router's tokens and "
                                  f"top-k {tuple(live.shape)}")
             target = target.to(live.device)
-            chosen = torch.where((target >= 0).all(dim=-1, keepdim=True), target, live)
+            given = (target >= 0).all(dim=-1)  # [tokens] a token with a replayed selection
+            chosen = torch.where(given.unsqueeze(-1), target, live)
+            if self.stats is not None and not recomputing:
+                same = (target.sort(dim=-1).values == live.sort(dim=-1).values).all(dim=-1)
+                self.stats.add((given & ~same).sum().double(), given.sum().double())
         if self.recorded is not None:
             self.recorded.append(chosen.detach().clone())
         return (live_scores, live) if target is None else (scores.gather(1, chosen), chosen)
@@ -179,6 +195,19 @@ class RoutingReplay:
         for index, replay in self.slots:
             replay.push(None if routing is None else routing[:, :, index].transpose(0, 1).reshape(-1, routing.shape[3]))
 
+    @contextlib.contextmanager
+    def counting(self, stats: ReplayStats) -> Iterator[None]:
+        """While open, this stage's routers count their disagreement with the replayed experts into ``stats``
+        (:attr:`TokenRoutingReplay.stats`): ``counted`` (token, MoE layer) pairs with a replayed selection, of which
+        ``differing`` the router's own top-k set is not the replayed one; one count per forward pass."""
+        for _, replay in self.slots:
+            replay.stats = stats
+        try:
+            yield
+        finally:
+            for _, replay in self.slots:
+                replay.stats = None
+
     def record(self) -> list[list[Tensor]]:
         """Keep each router's chosen experts from now on; returns the lists, one per router in layer order, each
         getting ``(S B, top_k)`` per forward."""
@@ -187,3 +216,13 @@ class RoutingReplay:
             replay.recorded = []
             lists.append(replay.recorded)
         return lists
+
+
+def pipeline_sum(stats: ReplayStats, group: Optional[Any], device: torch.device) -> tuple[Tensor, Tensor]:
+    """``(differing, counted)`` of ``stats`` as float64 0-dim tensors on ``device``, summed over ``group`` (the
+    pipeline stages, each counting its own MoE layers: a collective of the group) unless it is None."""
+    zero = torch.zeros((), dtype=torch.float64, device=device)
+    values = torch.stack([zero if value is None else value.to(device) for value in (stats.differing, stats.counted)])
+    if group is not None:
+        torch.distributed.all_reduce(values, group=group)
+    return values[0], values[1]

@@ -43,6 +43,7 @@ state only on rank 0, on the CPU).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence, Union
@@ -54,8 +55,9 @@ from torch.optim import Optimizer
 
 from lightning_grpo.algorithm import ObjectiveOutput
 from lightning_grpo.config import GRPOConfig
+from lightning_grpo.models.moe import ReplayStats
 from lightning_grpo.strategies.backend import ClipFallback, GRPOModels, ParallelBackend, StepObjective, clips_by_norm
-from lightning_grpo.strategies.backend_registry import backend_for
+from lightning_grpo.strategies.backend_registry import backend_for, compute_dtype, precision_dtype
 from lightning_grpo.strategies.megatron import checkpoint, convert, gradients
 from lightning_grpo.strategies.megatron.experts import check_dense_layout, moe_from_hf_config
 from lightning_grpo.strategies.megatron.layout import MegatronLayout
@@ -68,6 +70,7 @@ from lightning_grpo.strategies.megatron.optimizer import (
 )
 from lightning_grpo.strategies.megatron.pipeline import detached, run_schedule
 from lightning_grpo.strategies.megatron.policy import MegatronPolicy, MegatronWeights, score_completions
+from lightning_grpo.strategies.megatron.replay import pipeline_sum
 from lightning_grpo.strategies.megatron.rollout_engine import TensorParallelRolloutEngine
 from lightning_grpo.training.experience import Experience
 from lightning_grpo.training.logprobs import check_untruncated_scoring
@@ -91,7 +94,11 @@ class MegatronStrategy(MegatronLayout):
             different data-parallel replicas (must divide the number of experts; EP x ETP must divide TP x DP).
         use_distributed_optimizer: megatron-core's distributed optimizer (optimizer states sharded over the DP
             group) built from the module's optimizer (torch AdamW or Adam with one param group).
-        params_dtype: dtype of the megatron-core weights; default: the HF policy's dtype.
+        params_dtype: dtype of the megatron-core weights; default: bfloat16 under ``Trainer(precision="bf16-true")``,
+            else the HF policy's dtype. With bfloat16 weights, ``use_distributed_optimizer=True`` keeps float32 main
+            weights and AdamW state (megatron-core's mixed precision); without it Lightning's AdamW steps the
+            bfloat16 weights themselves. ``Trainer(precision="bf16-mixed")`` instead autocasts float32 weights
+            (docs/megatron.md, "bf16").
         use_transformer_engine: build the layers from Transformer Engine (CUDA and ``transformer_engine`` needed).
         activation_checkpointing: recompute each transformer layer's activations in backward (megatron-core's
             ``recompute_granularity="full"``, :func:`~lightning_grpo.strategies.megatron.model.recompute_settings`);
@@ -138,6 +145,7 @@ class MegatronStrategy(MegatronLayout):
         self._ref: Optional[MegatronPolicy] = None  # ... and its reference policy
         self._teacher: Optional[MegatronPolicy] = None  # ... and on-policy distillation's teacher
         self._dist_optimizer: Optional[DistributedOptimizerAdapter] = None  # what setup_optimizers built
+        self._routing_counts: Optional[Callable[[Tensor, Tensor], None]] = None  # GRPOModels.routing_counts
 
     # ------------------------------------------------------------------------ setup
     def setup_environment(self) -> None:
@@ -222,6 +230,7 @@ class MegatronStrategy(MegatronLayout):
             raise ValueError("GRPOModule(lora=...) is not supported with MegatronStrategy: the policy is converted to "
                              "megatron-core layers, which carry no PEFT adapters; use strategy='grpo_fsdp2', 'ddp' "
                              "or a single device")
+        self._routing_counts = models.routing_counts  # the module's sampling/router_disagreement, if replayed
         if self._policy is None or models.policy is not self._policy:
             check_dense_layout(moe_from_hf_config(models.policy.config), self.expert_model_parallel_size,
                                self.expert_tensor_parallel_size)
@@ -236,7 +245,7 @@ class MegatronStrategy(MegatronLayout):
                                                     Optional[MegatronPolicy]]:
         """The policy (whose routers replay a rollout's recorded routing, for a mixture of experts), the reference
         policy and the teacher (routed live: the sampler recorded the policy's routing) as ``MegatronPolicy`` s."""
-        args = (self.tensor_model_parallel_size, self.params_dtype, self.use_transformer_engine)
+        args = (self.tensor_model_parallel_size, self.policy_params_dtype, self.use_transformer_engine)
         recompute = self.activation_checkpointing
         if recompute is None:  # GRPOModule(gradient_checkpointing=True) enabled transformers' checkpointing
             recompute = bool(getattr(models.policy, "is_gradient_checkpointing", False))
@@ -251,6 +260,16 @@ class MegatronStrategy(MegatronLayout):
         log.info("MegatronStrategy: converted the policy to megatron-core (TP=%d, PP=%d, stage %d)",
                  self.tensor_model_parallel_size, self.pipeline_model_parallel_size, policy.stage.pp_rank)
         return policy, ref, teacher
+
+    @property
+    def policy_params_dtype(self) -> Optional[torch.dtype]:
+        """The megatron-core weights' dtype: ``params_dtype``, else bfloat16 (float16) under ``Trainer(precision=
+        "bf16-true")`` (``"16-true"``: megatron-core is built in it rather than cast behind its back by Lightning),
+        else None (the HF policy's)."""
+        precision = str(self.precision_plugin.precision)
+        if self.params_dtype is not None or not precision.endswith("-true") or precision.startswith(("32", "64")):
+            return self.params_dtype
+        return precision_dtype(precision, torch.float32)
 
     def restore(self, models: GRPOModels) -> GRPOModels:
         """The HF models back (the ``hf_model`` of the policy, reference policy and teacher this strategy converted)
@@ -290,12 +309,27 @@ class MegatronStrategy(MegatronLayout):
         check_no_token_budget(config.max_tokens_per_microbatch, self.expert_model_parallel_size,
                                self.expert_tensor_parallel_size)
         self._zero_grad(policy)
-        outputs = run_schedule(policy.schedule_model, micro_batches, config.temperature, loss, with_entropy=True,
-                               replay=policy.replay)
+        counts = ReplayStats()
+        counting = (policy.replay.counting(counts) if policy.replay is not None and self._routing_counts is not None
+                    else contextlib.nullcontext())
+        with counting:
+            outputs = run_schedule(policy.schedule_model, micro_batches, config.temperature, loss, with_entropy=True,
+                                   replay=policy.replay)
+        if policy.replay is not None and self._routing_counts is not None:
+            self._routing_counts(*self._stage_sum(counts))
         optimizer = self._distributed_optimizer()
         if optimizer is not None:
             optimizer.gradients_ready()
         return outputs
+
+    def _stage_sum(self, counts: ReplayStats) -> tuple[Tensor, Tensor]:
+        """The routers' ``(differing, counted)`` of this step over every MoE layer: summed over the pipeline stages
+        (a collective of the pipeline group when PP > 1; the TP ranks of a stage count the same tokens, and TP is 1
+        for a mixture of experts)."""
+        from megatron.core import parallel_state
+
+        group = parallel_state.get_pipeline_model_parallel_group() if self.pipeline_model_parallel_size > 1 else None
+        return pipeline_sum(counts, group, self.root_device)
 
     def _zero_grad(self, policy: MegatronPolicy) -> None:
         optimizer = self._distributed_optimizer()
@@ -476,6 +510,13 @@ class MegatronStrategy(MegatronLayout):
 def _backend(strategy: MegatronStrategy) -> ParallelBackend:
     """A ``MegatronStrategy`` is its own backend."""
     return strategy
+
+
+@compute_dtype.register
+def _compute_dtype(strategy: MegatronStrategy, parameter_dtype: torch.dtype) -> torch.dtype:
+    """The megatron-core weights' dtype when set (``params_dtype``, or "bf16-true": megatron-core computes in its
+    parameters' dtype), else the precision plugin's."""
+    return strategy.policy_params_dtype or precision_dtype(strategy.precision_plugin.precision, parameter_dtype)
 
 
 def _uses_te(policy: MegatronPolicy) -> bool:

