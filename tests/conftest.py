@@ -102,6 +102,19 @@ def tiny_mixtral_path(tmp_path_factory, smollm2_path) -> str:
 
 
 @pytest.fixture(scope="session")
+def tiny_architecture_paths(tmp_path_factory, smollm2_path) -> dict:
+    """The architecture matrix's tiny random models (docs/models.md), name -> folder: one per entry of
+    :data:`lightning_grpo.demos.architectures.ARCHITECTURES` (hidden 64, 2 layers, heads of 32, seed 0), each with
+    SmolLM2's tokenizer cut to :data:`TINY_VOCAB` tokens (cut once)."""
+    from lightning_grpo.demos.architectures import ARCHITECTURES, save_tiny_architecture
+    from lightning_grpo.demos.tiny_models import save_tiny_tokenizer
+
+    root = tmp_path_factory.mktemp("tiny_architectures")
+    tokenizer = save_tiny_tokenizer(smollm2_path, root / "tokenizer", TINY_VOCAB)
+    return {name: save_tiny_architecture(root / name, tokenizer, name) for name in ARCHITECTURES}
+
+
+@pytest.fixture(scope="session")
 def tiny_reward_model_path(tmp_path_factory, smollm2_path) -> str:
     """A random 2-layer ``LlamaForSequenceClassification`` (one label, hidden 64, seed 0, head weights N(0, 1)) with
     SmolLM2's tokenizer and chat template; pad = ``<|im_end|>``."""

@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 PLAIN_HEAD_MODEL_TYPES = frozenset({
     "llama", "mistral", "mixtral", "ministral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "phi", "phi3", "olmo",
     "olmo2", "olmo3", "olmoe", "gemma", "smollm3", "deepseek_v3", "glm", "glm4", "starcoder2", "stablelm", "gpt_neox",
-    "seed_oss", "exaone4", "ernie4_5", "apertus", "arcee",
+    "seed_oss", "exaone4", "ernie4_5", "apertus", "arcee", "gpt_oss", "qwen3_5_text",
     "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava",  # vision-language: the same head after the language model
 })
 

@@ -23,6 +23,7 @@ policy: vocab-parallel) says so once, with a :class:`CompletionScorer` (``GRPOMo
 from __future__ import annotations
 
 import contextlib
+import logging
 from typing import Callable, ContextManager, Optional, Protocol
 
 import torch
@@ -32,6 +33,7 @@ from lightning_grpo import functional as F
 from lightning_grpo.config import GRPOConfig
 from lightning_grpo.protocols.vision import VisionSpec
 from lightning_grpo.training.experience import Experience
+from lightning_grpo.training.layout_limits import layout_limits
 from lightning_grpo.training.logprob_head import Truncation, plain_output_layer, scoring_head
 from lightning_grpo.training.packing import (
     merge_rows,
@@ -43,6 +45,8 @@ from lightning_grpo.training.packing import (
 )
 from lightning_grpo.training.routing_replay import PolicyRouting
 from lightning_grpo.training.vision_layouts import VisionInputs
+
+log = logging.getLogger(__name__)
 
 #: ``(model inputs, target ids (1, K), (rows, cols) of the K targets in the padded completion layout, the layout's
 #: source map: :func:`lightning_grpo.training.packing.arrange`)``
@@ -181,9 +185,22 @@ class CompletionLogprobs:
                                  "vision-language policy (single device, DDP or FSDP2)")
             check_untruncated_scoring(self.config, type(model).__name__, entropy_grad)
             return self.scorer(model, batch, self.config.temperature, with_entropy)
-        if self.config.padding_free:
+        if self.padding_free(model):
             return self._packed(model, batch, with_entropy, entropy_grad)
         return self._padded(model, batch, with_entropy, entropy_grad)
+
+    def padding_free(self, model: nn.Module) -> bool:
+        """Whether ``model``'s forward passes use the padding-free layouts: ``padding_free``, unless the model is
+        sharded and a packed row may hold only one of its sequences (:mod:`lightning_grpo.training.layout_limits`):
+        a sharded model's forward pass is a collective, so each rank must run one per call, which only the padded
+        layout then gives."""
+        if not (self.config.padding_free and self.sharded):
+            return self.config.padding_free
+        config = getattr(model, "config", None)
+        limits = layout_limits(config)
+        if not limits.several_sequences:
+            _log_once(config, "padding-free rows of a sharded model", limits.reason())
+        return limits.several_sequences
 
     @torch.no_grad()
     def batched(
@@ -223,11 +240,11 @@ class CompletionLogprobs:
     def forward_tokens(self, model: nn.Module, batch: Experience) -> int:
         """Tokens the training forward pass of ``batch`` computes: with ``padding_free`` the real tokens of the rows
         with loss tokens (a prompt shared by a group once, with ``shared_prefix``), else the padded ``B * (P + T)``."""
-        if not (self.config.padding_free and batch.completion_mask.any()):
+        if not (self.padding_free(model) and batch.completion_mask.any()):
             return int(batch.prompt_ids.numel() + batch.completion_ids.numel())
         has_loss = batch.completion_mask.any(dim=1)
         completion_tokens = int(batch.completion_attention_mask.sum())
-        if self.shared_prefix(model):
+        if self.shared_prefix(model, batch):
             vision = self._vision(batch)
             keys = vision.prompt_keys() if vision is not None else [None] * len(batch)
             prompts = {(tuple(batch.prompt_ids[i][batch.prompt_mask[i].bool()].tolist()), keys[i])
@@ -235,10 +252,20 @@ class CompletionLogprobs:
             return sum(len(p) for p, _ in prompts) + completion_tokens
         return int(batch.prompt_mask[has_loss].sum()) + completion_tokens
 
-    def shared_prefix(self, model: nn.Module) -> bool:
-        """Whether the padding-free forward of ``model`` uses shared-prefix rows (sdpa/eager attention)."""
-        implementation = str(getattr(getattr(model, "config", None), "_attn_implementation", ""))
-        return self.config.shared_prefix and implementation in ("sdpa", "eager")
+    def shared_prefix(self, model: nn.Module, batch: Experience) -> bool:
+        """Whether the padding-free forward of ``model`` lays out ``batch`` in shared-prefix rows: sdpa/eager
+        attention, and the rows' 4-D mask is exact for its layers (:mod:`lightning_grpo.training.layout_limits`:
+        not with a layer that reads no mask, nor with a sequence longer than a sliding window)."""
+        config = getattr(model, "config", None)
+        implementation = str(getattr(config, "_attn_implementation", ""))
+        if not (self.config.shared_prefix and implementation in ("sdpa", "eager")):
+            return False
+        limits = layout_limits(config)
+        longest = int((batch.prompt_mask.sum(dim=1) + batch.completion_attention_mask.sum(dim=1)).max())
+        if limits.shared_prefix(longest):
+            return True
+        _log_once(config, "shared-prefix rows", limits.reason())
+        return False
 
     # ------------------------------------------------------------------------------------------------ layouts
     def _padded(
@@ -275,7 +302,7 @@ class CompletionLogprobs:
         if has_loss.numel() == 0:
             # no loss token in the batch: the padded forward keeps the graph (and the collectives) as on other ranks
             return self._padded(model, batch, with_entropy, entropy_grad)
-        if self.shared_prefix(model):
+        if self.shared_prefix(model, batch):
             return self._shared_prefix(model, batch, with_entropy, entropy_grad)
         counts = sequence_token_counts(batch.prompt_mask[has_loss], mask[has_loss]).tolist()
         vision = self._vision(batch)
@@ -342,10 +369,16 @@ class CompletionLogprobs:
     def _row_tokens(self, model: nn.Module, sizes: list[int]) -> int:
         """Tokens per forward pass of the padding-free paths: ``packed_row_tokens``, or automatically all rows in
         one pass for varlen flash-attention kernels or a sharded model (an all-gather per forward call), else one
-        row per pass (sdpa/eager compute a combined row's attention densely)."""
+        row per pass (sdpa/eager compute a combined row's attention densely); always one row per pass for a model
+        whose packed sequences would see each other (:mod:`lightning_grpo.training.layout_limits`)."""
+        config = getattr(model, "config", None)
+        limits = layout_limits(config)
+        if not limits.several_sequences:
+            _log_once(config, "several sequences in one packed row", limits.reason())
+            return 1
         if self.config.packed_row_tokens is not None:
             return self.config.packed_row_tokens
-        implementation = str(getattr(getattr(model, "config", None), "_attn_implementation", ""))
+        implementation = str(getattr(config, "_attn_implementation", ""))
         return max(sum(sizes), 1) if "flash" in implementation or self.sharded else 1
 
     def _run(
@@ -371,3 +404,15 @@ class CompletionLogprobs:
             if entropy is not None and row_entropy is not None:
                 entropy = entropy.index_put(index, row_entropy.reshape(-1))
         return logprobs, entropy
+
+
+_logged: set[tuple[str, str]] = set()
+
+
+def _log_once(config: object, layout: str, reason: str) -> None:
+    """Say once per model type and layout that ``layout`` is not used for the model, and why."""
+    model_type = str(getattr(config, "model_type", ""))
+    if (model_type, layout) not in _logged:
+        _logged.add((model_type, layout))
+        log.info("%s are not used for model_type %r (%s): each sequence is scored as if alone", layout, model_type,
+                 reason)

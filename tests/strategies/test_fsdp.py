@@ -13,6 +13,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from lightning_grpo.demos.architectures import ARCHITECTURES
 from lightning_grpo.strategies import FSDP2Strategy, clip_grad_norm_, grad_norm, mixed_precision_policy
 from support.bf16 import assert_bf16_step
 from support.dist import (
@@ -66,10 +67,20 @@ FIXED_CASES = [
 ]
 
 
+#: The architecture matrix (docs/models.md, tests/test_model_matrix.py): one FSDP2 step and one DDP step of each tiny
+#: architecture, in the same launch; FSDP2 with activation checkpointing (each layer recomputed in backward: Qwen3.5's
+#: first one is linear attention) and the KL reference sharded too.
+MATRIX_STRATEGIES = {"fsdp2": {"name": "grpo_fsdp2", "activation_checkpointing": True}, "ddp": {"name": "ddp"}}
+ARCHITECTURE_CASES = [{"name": f"{kind}_{name}", "architecture": name, "loss_type": "grpo", "beta": 0.04,
+                       "strategy": strategy} for kind, strategy in MATRIX_STRATEGIES.items() for name in ARCHITECTURES]
+
+
 @pytest.fixture(scope="module")
-def fixed_step_runs(tmp_path_factory, tiny_llama_path, tiny_tied_llama_path, tiny_qwen3_moe_path):
+def fixed_step_runs(tmp_path_factory, tiny_llama_path, tiny_tied_llama_path, tiny_qwen3_moe_path,
+                    tiny_architecture_paths):
     cases = [{**c, "model": tiny_qwen3_moe_path if c.get("moe") else tiny_tied_llama_path if c.get("tied")
               else tiny_llama_path} for c in FIXED_CASES]
+    cases += [{**c, "model": tiny_architecture_paths[c["architecture"]]} for c in ARCHITECTURE_CASES]
     for case in cases:
         if case.pop("teacher", False):
             case["config"] = {"distillation": {"teacher": tiny_tied_llama_path, "reward_weight": 1.0}}
@@ -106,6 +117,17 @@ def test_the_cli_optimizer_steps_the_sharded_weights(fixed_step_runs, tiny_llama
         reference, ranks = fixed_step_runs[name]
         for result in (reference, *ranks):
             assert_first_step_update(result, model, step_lr)
+
+
+@pytest.mark.parametrize("kind", list(MATRIX_STRATEGIES))
+@pytest.mark.parametrize("name", list(ARCHITECTURES))
+def test_every_architecture_takes_the_one_process_step_on_two(fixed_step_runs, name, kind):
+    """The architecture matrix's FSDP2 and DDP cells: two processes (FSDP2: policy and reference sharded) take the
+    step of one (loss, gradient norm, gradients, updated weights, reference logprobs)."""
+    reference, ranks = fixed_step_runs[f"{kind}_{name}"]
+    assert all(r["sharded"] == r["ref_sharded"] == (kind == "fsdp2") for r in ranks)
+    assert reference["metrics"]["grad_norm"] > 0
+    assert_same_step(reference, ranks)
 
 
 def test_clipping_by_norm_is_active_and_exact(fixed_step_runs):

@@ -159,6 +159,8 @@ NAMED: dict[tuple[str, str], tuple[bool, str]] = {
     ("lightning_grpo/strategies/megatron/model.py", "getattr(config, 'model_type', None)"): (False, "an HF config"),
     ("lightning_grpo/strategies/megatron/model.py", "getattr(config, 'rope_theta', None)"): (False, "an HF config"),
     ("lightning_grpo/training/logprob_head.py", "getattr(config, 'model_type', '')"): (False, "an HF config"),
+    ("lightning_grpo/training/layout_limits.py", "getattr(each, 'model_type', '')"): (False, "an HF config"),
+    ("lightning_grpo/training/logprobs.py", "getattr(config, 'model_type', '')"): (False, "an HF config"),
     ("lightning_grpo/models/lora.py", "getattr(getattr(base, 'config', None), 'tie_word_embeddings', False)"):
         (False, "an HF config"),
     ("lightning_grpo/models/lora.py", "getattr(base, 'config', None)"): (False, "an HF model's config"),

@@ -209,7 +209,10 @@ def test_chunked_path_saves_no_vocabulary_sized_activation(module):
 # --------------------------------------------------------------------------------------------- which models
 @pytest.mark.parametrize("model_type", sorted(PLAIN_HEAD_MODEL_TYPES))
 def test_listed_model_types_apply_nothing_after_their_output_layer(model_type):
-    source = inspect.getsource(importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}"))
+    from transformers.models.auto.configuration_auto import model_type_to_module_name
+
+    module = model_type_to_module_name(model_type)  # e.g. qwen3_5_text -> qwen3_5
+    source = inspect.getsource(importlib.import_module(f"transformers.models.{module}.modeling_{module}"))
     head_calls = [i for i, line in enumerate(source.splitlines()) if "logits = self." in line and "(hidden_states[:, "
                   "slice_indices, :])" in line]
     lines = source.splitlines()

@@ -74,7 +74,7 @@ def test_every_layout_equals_a_plain_forward_of_each_sequence(model, padding_fre
                         **sampling)
     computer = CompletionLogprobs(config)
     batch = _experience(model.config.vocab_size)
-    assert computer.shared_prefix(model) == (shared_prefix and padding_free)  # sdpa attention
+    assert computer.shared_prefix(model, batch) == (shared_prefix and padding_free)  # sdpa attention
     with torch.no_grad():
         logprobs, entropy = computer(model, batch, with_entropy=True)
     expected_logprobs, expected_entropy = _plain(model, batch, config)
