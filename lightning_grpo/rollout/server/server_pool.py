@@ -7,6 +7,12 @@
   j``. The server samples it on its ``AsyncLLM`` beside the others in flight
   (:mod:`lightning_grpo.rollout.server.async_engine`); its answer carries per token the ids, the sampler's logprobs,
   the weight versions and any other field by name (:mod:`lightning_grpo.rollout.server.wire`).
+* **Routing replay "R3"** (``record_routing``: a mixture-of-experts policy): every server must have been started with
+  ``--record-routing`` (its ``/health`` says so, checked at start); each group asks for the routed experts, which come
+  back among each completion's ``extra`` fields (``prompt_routed_experts``, ``completion_routed_experts``), laid out
+  like the ids by :func:`~lightning_grpo.rollout.streaming.scored_groups.group_rollout`; a completion cut by an
+  in-flight update carries each token's experts from the segment that first fed it
+  (:mod:`lightning_grpo.rollout.server.routed_segments`). The pool declares it (``returns_routed_experts``).
 * **Weights** (:meth:`ServerPool.update_weights`, on the trainer's thread, by every trainer process): rank 0 streams
   them to every reachable server at once, one weight-sync group per server
   (:mod:`lightning_grpo.rollout.server.sync_groups`), without waiting for the groups in flight (``mode="interrupt"``,
@@ -88,20 +94,24 @@ class ServerPool:
         secret: the servers' shared secret (None: servers without one, on the loopback interface).
         mode: how :meth:`update_weights` treats the sequences in flight: "interrupt" (continue under the new
             weights) or "wait" (finish first).
+        record_routing: every completion carries the routed experts (routing replay "R3"; servers started with
+            ``--record-routing``).
 
     Attributes:
         groups_resubmitted: groups that raised :class:`EngineUnavailable` (their server was lost) and were to be
             sampled again.
+        returns_routed_experts: ``record_routing`` (a capability the streaming engine declares:
+            :class:`~lightning_grpo.rollout.streaming.streaming_engine.StreamingRolloutEngine` reads it).
 
     Raises:
         ValueError: no URL, a URL given twice or malformed, servers that serve different models, a group port in use,
-            or an unknown ``mode``.
+            an unknown ``mode``, or, with ``record_routing``, a server that does not record the routing (named).
         RolloutServerError: a server does not answer within ``timeout_s``.
     """
 
     def __init__(self, urls: Sequence[str], *, timeout_s: float = 600.0, group_host: Optional[str] = None,
                  group_port: int = 51216, secret: Optional[str] = None,
-                 mode: Literal["interrupt", "wait"] = "interrupt") -> None:
+                 mode: Literal["interrupt", "wait"] = "interrupt", record_routing: bool = False) -> None:
         if not urls:
             raise ValueError("urls is empty: give the rollout servers' URLs (GRPOConfig.engine.server_urls)")
         if len({u.rstrip("/") for u in urls}) != len(urls):
@@ -135,6 +145,11 @@ class ServerPool:
         self.tie_word_embeddings = bool(infos[0]["tie_word_embeddings"])
         self.max_request_tokens = min(int(i["max_request_tokens"]) for i in infos)
         self.backend = "nccl" if infos[0]["device"] == "cuda" and torch.cuda.is_available() else "gloo"
+        not_recording = [s.url for s, info in zip(self.servers, infos, strict=True) if not info.get("records_routing")]
+        if record_routing and not_recording:
+            raise ValueError(f"routing replay 'R3' needs the routed experts, but the rollout servers {not_recording} "
+                             "do not record them: start them with lightning-grpo serve --record-routing")
+        self.returns_routed_experts = bool(record_routing)
         for server, info in zip(self.servers, infos, strict=True):
             server.info = info
             server.inst.instance_id, server.inst.version = info["instance_id"], int(info["version"])
@@ -174,6 +189,8 @@ class ServerPool:
         body = dict(prompts=[list(request.prompt_ids)], num_generations=request.num_generations,
                     sampling=sampling_fields(request.sampling),
                     seeds=None if request.seed is None else [int(request.seed)])
+        if self.returns_routed_experts:  # sent only when asked: servers before it refuse the field
+            body["return_routed_experts"] = True
         try:
             answer = await self._generate(server, body, deadline)
         except ServerUnreachable as err:
