@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from lightning_grpo.protocols.episode import EpisodeRecord
-from lightning_grpo.protocols.routing import NO_EXPERT
+from lightning_grpo.protocols.routing import NO_EXPERT, ROUTED_DTYPE
 from lightning_grpo.protocols.tokens import (
     PAD_ID,
     ROW_META,
@@ -148,8 +148,10 @@ class RolloutOutput:
     metrics: dict[str, RowMetric] = field(default_factory=dict)
     images: list[RowImages] = field(default_factory=list)
     unscored: Optional[Tensor] = field(default=None, metadata=ROW_META)
-    prompt_routed_experts: Optional[Tensor] = field(default=None, metadata=token_meta(Layout.PROMPT, NO_EXPERT))
-    completion_routed_experts: Optional[Tensor] = field(default=None, metadata=token_meta(Layout.COMPLETION, NO_EXPERT))
+    prompt_routed_experts: Optional[Tensor] = field(default=None,
+                                                    metadata=token_meta(Layout.PROMPT, NO_EXPERT, ROUTED_DTYPE))
+    completion_routed_experts: Optional[Tensor] = field(default=None,
+                                                        metadata=token_meta(Layout.COMPLETION, NO_EXPERT, ROUTED_DTYPE))
     completion_versions: Optional[Tensor] = field(default=None, metadata=token_meta(Layout.COMPLETION, -1))
 
     def __post_init__(self) -> None:

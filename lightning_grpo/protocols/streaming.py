@@ -129,7 +129,9 @@ class StreamingEngine(Protocol):
     """Samples groups concurrently (continuous batching: a request joins the running batch) and takes new weights in
     flight: after :meth:`update_weights` returns, every engine holds the new weights and the sequences that were in
     flight continue under them (their later tokens carry the new version). The rollout servers' pool implements it;
-    tests use a scripted one."""
+    tests use a scripted one. It may declare ``returns_routed_experts = True`` (routing replay "R3"): every
+    completion then carries ``prompt_routed_experts`` and ``completion_routed_experts`` among its ``extra`` fields,
+    ``(length, moe_layers, top_k)`` nested lists aligned with its prompt's ids and with its own."""
 
     async def sample_group(self, request: GroupRequest) -> SampledGroup:
         """Sample one group (awaitable on the producer's event loop; many are in flight at once).

@@ -56,10 +56,13 @@ class TokenField:
     Attributes:
         layout: the ids it is aligned with.
         pad: the value of padded positions: a number, or :data:`PAD_ID` for the rollout's pad token id.
+        dtype: the field's dtype when it is built from plain values (a streaming engine's per-token ``extra`` lists);
+            None: inferred from the values.
     """
 
     layout: Layout
     pad: Pad
+    dtype: Optional[torch.dtype] = None
 
     def pad_value(self, pad_token_id: Optional[int]) -> Union[int, float]:
         """The padding value as a number.
@@ -75,10 +78,11 @@ class TokenField:
         return self.pad
 
 
-def token_meta(layout: Layout, pad: Pad) -> dict[str, TokenField]:
+def token_meta(layout: Layout, pad: Pad, dtype: Optional[torch.dtype] = None) -> dict[str, TokenField]:
     """The ``metadata`` of a dataclass field that holds a per-token field:
-    ``dataclasses.field(default=None, metadata=token_meta(Layout.COMPLETION, -1))``."""
-    return {TOKEN_FIELD: TokenField(layout, pad)}
+    ``dataclasses.field(default=None, metadata=token_meta(Layout.COMPLETION, -1))`` (``dtype``:
+    :attr:`TokenField.dtype`)."""
+    return {TOKEN_FIELD: TokenField(layout, pad, dtype)}
 
 
 #: The ``metadata`` of a dataclass field that holds a row-aligned tensor (``(N, ...)``: one value per row).

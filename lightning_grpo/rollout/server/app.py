@@ -27,14 +27,19 @@ wrong secret, 404/405, 408/413 body too slow/large, 503 queue full, 500 otherwis
   weights: 0 = the checkpoint, then what the trainer's last ``/update_weights`` set), ``eos_token_ids``,
   ``pad_token_id``, ``max_model_len``, ``vocab_size``, ``tie_word_embeddings``, ``world_size`` (the engine's
   workers), ``device``, ``model``, ``max_request_tokens``, ``image_token_id``, ``stats`` (the engine's batching
-  counters: :class:`~lightning_grpo.rollout.server.async_engine.EngineStats`), ``dtype`` (what the engine computes
-  in, ``--dtype``).
+  counters: :class:`~lightning_grpo.rollout.server.async_engine.EngineStats`), ``records_routing`` (started with
+  ``--record-routing``), ``dtype`` (what the engine computes in, ``--dtype``).
 * ``POST /generate``: ``prompts`` (token-id lists), ``num_generations``, ``sampling`` (the fields of
   :class:`~lightning_grpo.protocols.sampling.SamplingConfig` but ``seed``), ``seeds`` (one per prompt, or null) ->
   ``token_ids``, ``logprobs`` and ``versions`` (one list per completion, prompt-major, unpadded, aligned token by
   token), ``extra`` (other per-token fields by name), ``version`` (the oldest token's), ``instance_id``
-  (:mod:`lightning_grpo.rollout.server.wire`). Its work, ``sum over prompts of num_generations * (prompt tokens +
-  max_new_tokens)``, may be at most ``--max-request-tokens`` (the trainer splits its calls to fit).
+  (:mod:`lightning_grpo.rollout.server.wire`); with ``return_routed_experts`` (a server started with
+  ``--record-routing``: a mixture of experts under routing replay "R3"), ``extra`` holds ``prompt_routed_experts``
+  and ``completion_routed_experts``, one nested list ``(length, moe_layers, top_k)`` per completion aligned with its
+  prompt's ids and with its own (a completion cut by an in-flight update: each token's experts from the segment that
+  first fed it, :mod:`lightning_grpo.rollout.server.routed_segments`). Its work, ``sum over prompts of
+  num_generations * (prompt tokens + max_new_tokens)``, may be at most ``--max-request-tokens`` (the trainer splits
+  its calls to fit).
 * ``POST /probe_logprobs``: ``sequences`` -> ``logprobs`` (teacher-forced, temperature 1, ``L - 1`` per
   sequence), ``version``, ``instance_id``.
 * ``POST /init_weight_sync``: ``host``, ``port``, ``prefix``, ``world_size``, ``backend``, ``timeout_s``: the
@@ -100,11 +105,12 @@ class RolloutServer:
         tensor_parallel_size: vLLM workers per instance (GPU); each joins the weight-sync group.
         max_request_tokens: the most work (:func:`request_work`) of one generate or probe request.
         record_routing: record the experts a mixture of experts routes each token to (``--record-routing``:
-            :class:`~lightning_grpo.rollout.engines.vllm.colocated.VLLMRolloutEngine`'s ``record_routing``).
+            :class:`~lightning_grpo.rollout.server.async_engine.AsyncVLLMEngine`'s ``record_routing``), answered to the
+            generate requests that ask (``return_routed_experts``).
 
     Raises:
         ValueError: ``model`` is not a model folder or holds no tokenizer (the folder is named), or an option is
-            out of range.
+            out of range; ``record_routing`` for a model without mixture-of-experts layers.
     """
 
     def __init__(self, model: str, *, kv_cache_space_gib: float = 2, max_model_len: Optional[int] = None,
@@ -113,15 +119,12 @@ class RolloutServer:
                  record_routing: bool = False) -> None:
         if max_request_tokens < 1:
             raise ValueError(f"--max-request-tokens must be >= 1, got {max_request_tokens}")
-        if record_routing:
-            raise ValueError("--record-routing: the rollout server does not record the routed experts yet (its engine "
-                             "is vLLM's AsyncLLM); use the colocated vLLM engine (engine.name='vllm') or the 'hf' "
-                             "engine for routing replay 'R3'")
         self.model = model
         self.max_request_tokens = int(max_request_tokens)
         self.engine = AsyncVLLMEngine(model, kv_cache_space_gib=kv_cache_space_gib, max_model_len=max_model_len,
                                       seed=seed, dtype=dtype, gpu_memory_utilization=gpu_memory_utilization,
-                                      tensor_parallel_size=tensor_parallel_size, worker_extension_cls=WORKER_EXTENSION)
+                                      tensor_parallel_size=tensor_parallel_size, worker_extension_cls=WORKER_EXTENSION,
+                                      record_routing=record_routing)
         self.engine.collective_rpc("stop_with_server", kwargs={"server_pid": os.getpid()})  # no orphaned engine
         self.world_size = self.engine.world_size
         self.vocab_size = self.engine.vocab_size
@@ -136,7 +139,8 @@ class RolloutServer:
                     tie_word_embeddings=engine.tie_word_embeddings, world_size=self.world_size,
                     device="cpu" if engine.on_cpu else "cuda", max_request_tokens=self.max_request_tokens,
                     image_token_id=None if engine.vision is None else engine.vision.placeholder_id,
-                    stats=engine.stats_dict(), records_routing=False, dtype=str(engine.dtype).removeprefix("torch."))
+                    stats=engine.stats_dict(), records_routing=engine.routing is not None,
+                    dtype=str(engine.dtype).removeprefix("torch."))
 
     # ------------------------------------------------------------------ generation
     def prepare_generate(self, request: GenerateRequest) -> tuple:
@@ -160,10 +164,11 @@ class RolloutServer:
         seeds = request.seeds
         if seeds is not None and len(seeds) != len(prompts):
             raise ValueError(f"seeds has {len(seeds)} entries for {len(prompts)} prompts")
-        if request.return_routed_experts:
+        if request.return_routed_experts and self.engine.routing is None:
             raise ValueError("return_routed_experts: this server does not record the routing (start it with "
                              "--record-routing, for a mixture-of-experts model)")
-        return prompts, request.num_generations, sampling, seeds, self._pictures(request, len(prompts))
+        return (prompts, request.num_generations, sampling, seeds, self._pictures(request, len(prompts)),
+                request.return_routed_experts)
 
     def _pictures(self, request: GenerateRequest, num_prompts: int) -> Optional[list[list[Any]]]:
         """The request's pictures per prompt, decoded (None without images)."""
@@ -177,14 +182,18 @@ class RolloutServer:
                 for i, row in enumerate(request.images)]
 
     def generate(self, prompts: list[list[int]], num_generations: int, sampling: SamplingConfig,
-                 seeds: Optional[list[int]], pictures: Optional[list[list[Any]]] = None) -> dict:
+                 seeds: Optional[list[int]], pictures: Optional[list[list[Any]]] = None,
+                 routed_experts: bool = False) -> dict:
         """The answer of ``/generate`` (:mod:`lightning_grpo.rollout.server.wire`); with pictures, also the
-        prompt ids the engine ran (placeholders expanded)."""
+        prompt ids the engine ran (placeholders expanded); with ``routed_experts``, the routing fields among the
+        per-token ``extra`` fields."""
         rows_pictures: list[Optional[list[Any]]] = list(pictures) if pictures is not None else [None] * len(prompts)
         requests = [{"prompt_token_ids": p, **({"multi_modal_data": {"image": pics}} if pics else {})}
                     for p, pics in zip(prompts, rows_pictures, strict=True)]
-        rows, expanded = self.engine.generate_requests(requests, num_generations, sampling, seeds)
-        answer = dict(completion_answer(rows, self.version), instance_id=self.instance_id)
+        rows, expanded = self.engine.generate_requests(requests, num_generations, sampling, seeds,
+                                                       routed_experts=routed_experts)
+        prompt_lengths = [len(ids) for ids in expanded for _ in range(num_generations)]
+        answer = dict(completion_answer(rows, self.version, prompt_lengths), instance_id=self.instance_id)
         if pictures is not None:
             answer["prompt_token_ids"] = expanded
         return answer

@@ -23,6 +23,10 @@ against a submission. A segment resumed after ``n`` tokens is sampled with the s
 :func:`segment_seed` ``(seed, n)`` (the request's own seed for ``n = 0``), so a resumed segment draws fresh noise and a
 completion depends on its seed, the weights and the token positions of the updates only.
 
+Routing replay "R3" (``record_routing``): a request that asks for it gets each completion's routed experts, read
+segment by segment and joined by the rule of :mod:`lightning_grpo.rollout.server.routed_segments` (each token keeps
+the experts of the segment that first fed it); every update clears the routing records with the prefix cache.
+
 Batching statistics (:class:`EngineStats`, in the server's ``/health``): engine steps, tokens generated, the most
 requests running in one step (vLLM's scheduler statistics, through a stat logger), segments interrupted, updates,
 the last pause.
@@ -48,6 +52,7 @@ from lightning_grpo.rollout.engines.vllm.colocated import (
     vllm_sampling_params,
 )
 from lightning_grpo.rollout.engines.vllm.runtime import import_vllm, vllm_on_cpu
+from lightning_grpo.rollout.server.routed_segments import Segment, ServerRouting
 from lightning_grpo.rollout.server.schema import UpdateMode
 
 T = TypeVar("T")
@@ -136,15 +141,24 @@ class AsyncVLLMEngine:
         kv_cache_space_gib, max_model_len, seed, dtype, gpu_memory_utilization: as
             :class:`~lightning_grpo.rollout.engines.vllm.colocated.VLLMRolloutEngine`.
         tensor_parallel_size: vLLM workers (GPUs) of the engine.
-        worker_extension_cls: the workers' extension (the weight-sync methods the server calls).
+        worker_extension_cls: the workers' extension (the weight-sync methods the server calls; with
+            ``record_routing``, the routing capture's too: :mod:`lightning_grpo.rollout.server.vllm_extension`).
+        record_routing: record the experts a mixture of experts routes each token to (routing replay "R3"): vLLM's own
+            ``enable_return_routed_experts`` where it starts (CUDA, Model Runner V2), else the capture in its worker.
+
+    Attributes:
+        routing: the routing record (:class:`~lightning_grpo.rollout.server.routed_segments.ServerRouting`), None
+            without ``record_routing``.
 
     Raises:
-        ValueError: ``model`` is not a model folder or holds no tokenizer, or an option is out of range.
+        ValueError: ``model`` is not a model folder or holds no tokenizer, or an option is out of range;
+            ``record_routing`` for a model without mixture-of-experts layers.
     """
 
     def __init__(self, model: str, *, kv_cache_space_gib: float = 2, max_model_len: Optional[int] = None,
                  seed: int = 0, dtype: Optional[str] = None, gpu_memory_utilization: float = 0.9,
-                 tensor_parallel_size: int = 1, worker_extension_cls: Optional[str] = None) -> None:
+                 tensor_parallel_size: int = 1, worker_extension_cls: Optional[str] = None,
+                 record_routing: bool = False) -> None:
         from transformers import AutoTokenizer
 
         path = Path(model)
@@ -172,11 +186,18 @@ class AsyncVLLMEngine:
         self._thread = threading.Thread(target=self._loop.run_forever, name="rollout-async-engine", daemon=True)
         self._thread.start()
         self._updates = 0  # updates started (an abort seen after one started is that update's)
+        self.routing: Optional[ServerRouting] = None
         try:
-            self.llm = self._call(self._start(kwargs))
+            self.llm, native = self._call(self._start(kwargs, record_routing and not self.on_cpu))
         except BaseException:
             self._stop_loop()
             raise
+        if record_routing:
+            try:
+                self.routing = ServerRouting(lambda method: self.collective_rpc(method), native)
+            except BaseException:
+                self.close()
+                raise
         model_config = self.llm.model_config
         self.dtype = model_config.dtype  # (a torch dtype) what the weights are cast to and computed in
         self.vision = vision_spec(model_config.hf_config)
@@ -185,11 +206,21 @@ class AsyncVLLMEngine:
         self.tie_word_embeddings = bool(getattr(model_config.hf_text_config, "tie_word_embeddings", False))
         self.world_size = int(self.llm.vllm_config.parallel_config.world_size)
 
-    async def _start(self, kwargs: dict[str, Any]) -> Any:
+    async def _start(self, kwargs: dict[str, Any], native_routing: bool) -> tuple[Any, bool]:
+        """The ``AsyncLLM`` and whether it records the routing itself (``native_routing`` asks for vLLM's own
+        ``enable_return_routed_experts``: taken where vLLM accepts it, as the colocated engine does)."""
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        config = AsyncEngineArgs(**kwargs).create_engine_config()
+        config = None
+        if native_routing:
+            try:
+                config = AsyncEngineArgs(**kwargs, enable_return_routed_experts=True).create_engine_config()
+            except ValueError as err:  # "AuxOutput Connector requires Model Runner V2; ..."
+                if "AuxOutput" not in str(err):
+                    raise
+        native = config is not None
+        config = config if config is not None else AsyncEngineArgs(**kwargs).create_engine_config()
         if self.on_cpu:
             # vLLM's CPU platform asks for its engine-core process to be spawned, which imports vLLM and torch again
             # (measured: the server's start 11 s -> 21-26 s on this loaded 2-core machine); this process has run no
@@ -201,7 +232,7 @@ class AsyncVLLMEngine:
         self._resumed = asyncio.Event()  # set while no update holds generation
         self._resumed.set()
         self._update_lock = asyncio.Lock()
-        return llm
+        return llm, native
 
     def _call(self, coro: Awaitable[T]) -> T:
         """Run ``coro`` on the engine's loop and wait for its result (from any other thread)."""
@@ -209,34 +240,55 @@ class AsyncVLLMEngine:
 
     # ------------------------------------------------------------------ generation
     def generate_requests(self, requests: Sequence[dict[str, Any]], num_generations: int, sampling: SamplingConfig,
-                          seeds: Optional[Sequence[int]] = None) -> tuple[list[Row], list[list[int]]]:
+                          seeds: Optional[Sequence[int]] = None,
+                          routed_experts: bool = False) -> tuple[list[Row], list[list[int]]]:
         """The ``B * G`` completions of vLLM ``TokensPrompt`` requests (``prompt_token_ids`` and, for images,
         ``multi_modal_data``), prompt-major: ``(token ids, sampler logprobs, {"versions": per-token versions})``
         rows, and the prompt ids vLLM ran (placeholders expanded). Completion ``j`` of request ``i`` is one engine
-        request seeded ``seeds[i] + j`` (vLLM's seeding of ``n = G``: the colocated engine's samples).
+        request seeded ``seeds[i] + j`` (vLLM's seeding of ``n = G``: the colocated engine's samples). With
+        ``routed_experts`` each row's fields also hold its ``prompt_routed_experts`` (aligned with the prompt ids vLLM
+        ran) and ``completion_routed_experts`` (aligned with its ids), nested lists
+        (:mod:`lightning_grpo.rollout.server.routed_segments`).
 
         Raises:
-            ValueError: ``seeds`` not one per request.
+            ValueError: ``seeds`` not one per request; ``routed_experts`` from an engine that does not record them.
         """
         if seeds is not None and len(seeds) != len(requests):
             raise ValueError(f"seeds has {len(seeds)} entries for {len(requests)} prompts")
-        return self._call(self._generate(list(requests), num_generations, sampling, seeds))
+        if routed_experts and self.routing is None:
+            raise ValueError("routed_experts: this engine does not record the routing (record_routing=False)")
+        return self._call(self._generate(list(requests), num_generations, sampling, seeds, routed_experts))
 
     async def _generate(self, requests: list[dict[str, Any]], num_generations: int, sampling: SamplingConfig,
-                        seeds: Optional[Sequence[int]]) -> tuple[list[Row], list[list[int]]]:
+                        seeds: Optional[Sequence[int]], routed_experts: bool) -> tuple[list[Row], list[list[int]]]:
         copies = num_generations if sampling.greedy else 1  # greedy: one request, its completion copied G times
         per_prompt = 1 if sampling.greedy else num_generations
         params = vllm_sampling_params(sampling, 1, self.eos_token_ids, self.tokenizer)
-        tasks = [self._complete(request, params, None if seeds is None or sampling.greedy else int(seeds[i]) + j)
+        segments: list[list[Segment]] = [[] for _ in range(len(requests) * per_prompt)]
+        tasks = [self._complete(request, params, None if seeds is None or sampling.greedy else int(seeds[i]) + j,
+                                segments[i * per_prompt + j] if routed_experts else None)
                  for i, request in enumerate(requests) for j in range(per_prompt)]
-        done = await asyncio.gather(*tasks)
-        rows = [row for row, _ in done for _ in range(copies)]
-        expanded = [done[i * per_prompt][1] for i in range(len(requests))]
+        done = await asyncio.gather(*tasks, return_exceptions=True)
+        failed = next((d for d in done if isinstance(d, BaseException)), None)
+        if failed is not None:
+            if routed_experts and self.routing is not None:
+                await self.routing.release(self.llm.collective_rpc, segments)
+            raise failed
+        completed: list[tuple[Row, list[int]]] = done  # type: ignore[assignment]
+        if routed_experts and self.routing is not None:
+            routing = await self.routing.fields(self.llm.collective_rpc, segments,
+                                                [len(expanded) for _, expanded in completed])
+            completed = [((ids, lps, {**fields, **routed}), expanded)
+                         for ((ids, lps, fields), expanded), routed in zip(completed, routing, strict=True)]
+        rows = [row for row, _ in completed for _ in range(copies)]
+        expanded = [completed[i * per_prompt][1] for i in range(len(requests))]
         return rows, expanded
 
-    async def _complete(self, request: dict[str, Any], params: Any, seed: Optional[int]) -> tuple[Row, list[int]]:
+    async def _complete(self, request: dict[str, Any], params: Any, seed: Optional[int],
+                        segments: Optional[list[Segment]] = None) -> tuple[Row, list[int]]:
         """One completion, segment by segment: a segment an ``"interrupt"`` update aborted is resubmitted with its
-        tokens appended to the prompt and the rest of the budget (module docstring)."""
+        tokens appended to the prompt and the rest of the budget (module docstring); with ``segments`` (routing
+        asked for), each segment is tagged for the routing record and listed there."""
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
@@ -251,12 +303,18 @@ class AsyncVLLMEngine:
             segment = params.clone()
             segment.n, segment.max_tokens = 1, params.max_tokens - len(ids)
             segment.seed, segment.output_kind = segment_seed(seed, len(ids)), RequestOutputKind.FINAL_ONLY
+            tag = None
+            if segments is not None and self.routing is not None:
+                tag = self.routing.tag(segment)
+                segments.append(Segment(tag, 0, 0))  # listed before it runs: released if the call fails
             request_id = uuid.uuid4().hex
             continued: Any = TokensPrompt(**{**request, "prompt_token_ids": prompt + ids})  # type: ignore[typeddict-item]
             final = None
             async for out in self.llm.generate(continued, segment, request_id):
                 final = out
             assert final is not None and final.finished
+            if segments is not None and self.routing is not None:
+                segments[-1] = self.routing.segment(tag, final)
             if expanded is None:
                 expanded = [int(t) for t in final.prompt_token_ids]
             completion = final.outputs[0]
@@ -331,6 +389,8 @@ class AsyncVLLMEngine:
             try:
                 await self.llm.pause_generation(mode="abort" if mode == "interrupt" else "wait", clear_cache=True)
                 paused = time.monotonic()
+                if self.routing is not None:  # the prefix cache is reset: no later request reuses the records' blocks
+                    await self.routing.clear(self.llm.collective_rpc)
                 counts = await self.llm.collective_rpc("receive_weights")
                 await self.llm.update_weight_version(str(version))
                 self.stats.updates += 1

@@ -7,6 +7,12 @@
   j``. The server samples it on its ``AsyncLLM`` beside the others in flight
   (:mod:`lightning_grpo.rollout.server.async_engine`); its answer carries per token the ids, the sampler's logprobs,
   the weight versions and any other field by name (:mod:`lightning_grpo.rollout.server.wire`).
+* **Routing replay "R3"** (``record_routing``: a mixture-of-experts policy): every server must have been started with
+  ``--record-routing`` (its ``/health`` says so, checked at start); each group asks for the routed experts, which come
+  back among each completion's ``extra`` fields (``prompt_routed_experts``, ``completion_routed_experts``), laid out
+  like the ids by :func:`~lightning_grpo.rollout.streaming.scored_groups.group_rollout`; a completion cut by an
+  in-flight update carries each token's experts from the segment that first fed it
+  (:mod:`lightning_grpo.rollout.server.routed_segments`). The pool declares it (``returns_routed_experts``).
 * **Weights** (:meth:`ServerPool.update_weights`, on the trainer's thread, by every trainer process): rank 0 streams
   them to every reachable server at once, one weight-sync group per server
   (:mod:`lightning_grpo.rollout.server.sync_groups`), without waiting for the groups in flight (``mode="interrupt"``,
@@ -100,21 +106,26 @@ class ServerPool:
             weights) or "wait" (finish first).
         weight_sync_check: ``engine.weight_sync_check``: bound on the largest absolute difference between a server's
             probe logprobs and the policy's after each update; None: not checked.
+        record_routing: every completion carries the routed experts (routing replay "R3"; servers started with
+            ``--record-routing``).
 
     Attributes:
         groups_resubmitted: groups that raised :class:`EngineUnavailable` (their server was lost) and were to be
             sampled again.
+        returns_routed_experts: ``record_routing`` (a capability the streaming engine declares:
+            :class:`~lightning_grpo.rollout.streaming.streaming_engine.StreamingRolloutEngine` reads it).
 
     Raises:
         ValueError: no URL, a URL given twice or malformed, servers that serve different models, a group port in use,
-            an unknown ``mode`` or a ``weight_sync_check`` that is not > 0.
+            an unknown ``mode``, a ``weight_sync_check`` that is not > 0, or, with ``record_routing``, a server that
+            does not record the routing (named).
         RolloutServerError: a server does not answer within ``timeout_s``.
     """
 
     def __init__(self, urls: Sequence[str], *, timeout_s: float = 600.0, group_host: Optional[str] = None,
                  group_port: int = 51216, secret: Optional[str] = None,
                  mode: Literal["interrupt", "wait"] = "interrupt",
-                 weight_sync_check: Optional[float] = None) -> None:
+                 weight_sync_check: Optional[float] = None, record_routing: bool = False) -> None:
         if not urls:
             raise ValueError("urls is empty: give the rollout servers' URLs (GRPOConfig.engine.server_urls)")
         if len({u.rstrip("/") for u in urls}) != len(urls):
@@ -151,6 +162,11 @@ class ServerPool:
         self.tie_word_embeddings = bool(infos[0]["tie_word_embeddings"])
         self.max_request_tokens = min(int(i["max_request_tokens"]) for i in infos)
         self.backend = "nccl" if infos[0]["device"] == "cuda" and torch.cuda.is_available() else "gloo"
+        not_recording = [s.url for s, info in zip(self.servers, infos, strict=True) if not info.get("records_routing")]
+        if record_routing and not_recording:
+            raise ValueError(f"routing replay 'R3' needs the routed experts, but the rollout servers {not_recording} "
+                             "do not record them: start them with lightning-grpo serve --record-routing")
+        self.returns_routed_experts = bool(record_routing)
         for server, info in zip(self.servers, infos, strict=True):
             server.info = info
             server.inst.instance_id, server.inst.version = info["instance_id"], int(info["version"])
@@ -190,6 +206,8 @@ class ServerPool:
         body = dict(prompts=[list(request.prompt_ids)], num_generations=request.num_generations,
                     sampling=sampling_fields(request.sampling),
                     seeds=None if request.seed is None else [int(request.seed)])
+        if self.returns_routed_experts:  # sent only when asked: servers before it refuse the field
+            body["return_routed_experts"] = True
         try:
             answer = await self._generate(server, body, deadline)
         except ServerUnreachable as err:
@@ -427,7 +445,8 @@ def make_pool(spec: EngineSpec) -> ServerPool:
     """``streaming.enabled`` with ``engine.name="vllm_server"``: the pool of the servers at ``engine.server_urls``,
     with the settings the fixed schedule's engine reads (:func:`lightning_grpo.rollout.server.remote.make`):
     ``engine.server_timeout``, ``engine.server_group_host`` and ``engine.server_group_port``, the shared secret
-    (``$LIGHTNING_GRPO_SERVER_SECRET`` or ``engine.server_secret_file``) and ``engine.weight_sync_check``. Its
+    (``$LIGHTNING_GRPO_SERVER_SECRET`` or ``engine.server_secret_file``) and ``engine.weight_sync_check``; routing
+    replay "R3" (``spec.routing``) asks every server for the routed experts. Its
     weights come from the trainer before the first group (as the trainer's optimizer steps: ``update_weights``).
 
     Raises:
@@ -436,4 +455,5 @@ def make_pool(spec: EngineSpec) -> ServerPool:
     engine = spec.config.engine
     secret = read_secret(engine.server_secret_file, "engine.server_secret_file")
     return ServerPool(engine.server_urls, timeout_s=engine.server_timeout, group_host=engine.server_group_host,
-                      group_port=engine.server_group_port, secret=secret, weight_sync_check=engine.weight_sync_check)
+                      group_port=engine.server_group_port, secret=secret, weight_sync_check=engine.weight_sync_check,
+                      record_routing=spec.routing is not None)

@@ -1,5 +1,7 @@
 """The vLLM worker extension of the rollout server: joins the trainer's weight-sync group and loads the weights it
-streams (:mod:`lightning_grpo.rollout.server.weight_sync`).
+streams (:mod:`lightning_grpo.rollout.server.weight_sync`); with ``--record-routing``, records the experts each token
+is routed to (:mod:`lightning_grpo.rollout.engines.vllm.routing_capture`, called by name: the server's ``AsyncLLM``
+runs its worker in another process, where a function sent by value would need vLLM's insecure serialization).
 
 vLLM mixes :class:`WeightSyncWorkerExtension` into each of its workers (``vllm.LLM(worker_extension_cls=
 "lightning_grpo.rollout.server.vllm_extension.WeightSyncWorkerExtension")``) and the server calls its methods on every
@@ -19,8 +21,10 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from lightning_grpo.rollout.engines.vllm import routing_capture
 from lightning_grpo.rollout.engines.vllm.moe_reload import reload_policy_weights
 from lightning_grpo.rollout.engines.vllm.runtime import quiet_known_reload_warnings
+from lightning_grpo.rollout.server.routed_segments import PackedRows, pack_rows
 from lightning_grpo.rollout.server.weight_sync import join_store, make_group, receive_weights
 
 quiet_known_reload_warnings()  # in each vLLM worker that loads the streamed weights (vllm_runtime.RotaryReloadFilter)
@@ -87,6 +91,30 @@ class WeightSyncWorkerExtension:
 
         threading.Thread(target=watch, name="stop-with-server", daemon=True).start()
         return os.getpid()
+
+    def install_routing_capture(self) -> tuple[int, int]:
+        """Record this worker's routing (:func:`~lightning_grpo.rollout.engines.vllm.routing_capture.
+        install_routing_capture`): ``(moe_layers, top_k)``."""
+        return routing_capture.install_routing_capture(self)
+
+    def take_routing(self, tags: list[str], release: list[str]) -> list[PackedRows]:
+        """The routing of the requests tagged ``tags`` (each read once), after forgetting the tags ``release``
+        (:meth:`~lightning_grpo.rollout.engines.vllm.routing_capture.RoutingCapturer.take`), packed for vLLM's RPC
+        (:func:`~lightning_grpo.rollout.server.routed_segments.pack_rows`)."""
+        routing_capture.release_routing(self, release)
+        return [pack_rows(rows) for rows in routing_capture.take_routing(self, tags)]
+
+    def release_routing(self, tags: list[str]) -> None:
+        """Forget the tags ``tags`` (a failed request's)."""
+        routing_capture.release_routing(self, tags)
+
+    def clear_routing(self) -> None:
+        """Forget the records as prefix-cache donors (the prefix cache was reset), keeping those not read yet."""
+        routing_capture.clear_routing(self, keep_unread=True)
+
+    def worker_moe_layer_ids(self) -> list[int]:
+        """The decoder-layer indices of the model's MoE layers (vLLM's own routing record keeps those columns)."""
+        return routing_capture.worker_moe_layer_ids(self)
 
     def close_weight_sync(self) -> None:
         """Leave the weight-sync group (a no-op without one)."""

@@ -11,8 +11,10 @@ An answer holds, for the ``B * G`` completions (prompt-major, unpadded), lists a
 * ``logprobs``: the sampler's processed logprob of each token under the weights that sampled it;
 * ``versions``: the weight version that produced each token (non-decreasing; two values or more when an in-flight
   update fell inside the completion: :mod:`lightning_grpo.rollout.server.async_engine`);
-* ``extra``: any other per-token field by name (each a list per completion, aligned with its ids; empty today, e.g.
-  the experts each token was routed to later), carried as they are into
+* ``extra``: any other per-token field by name, each a list per completion aligned with its ids, or with its prompt's
+  ids when :class:`~lightning_grpo.protocols.rollout.RolloutOutput` declares the name as a prompt field
+  (:data:`PROMPT_FIELDS`: the routed experts' ``prompt_routed_experts``, beside the completion-aligned
+  ``completion_routed_experts``), carried as they are into
   :attr:`~lightning_grpo.protocols.streaming.SampledCompletion.extra`;
 * ``version``: the oldest version of any token (the server's version when no token was sampled): the single
   version of an answer no update fell into, which is what a fixed schedule checks.
@@ -20,10 +22,17 @@ An answer holds, for the ``B * G`` completions (prompt-major, unpadded), lists a
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
+from lightning_grpo.protocols.rollout import RolloutOutput
 from lightning_grpo.protocols.sampling import SamplingConfig
 from lightning_grpo.protocols.streaming import SampledCompletion
+from lightning_grpo.protocols.tokens import Layout, token_fields
+
+#: The per-token fields aligned with a completion's prompt rather than its ids: those
+#: :class:`~lightning_grpo.protocols.rollout.RolloutOutput` lays out like the prompt (the others are aligned with the
+#: completion's ids).
+PROMPT_FIELDS = frozenset(name for name, spec in token_fields(RolloutOutput) if spec.layout is Layout.PROMPT)
 
 
 def sampling_fields(sampling: SamplingConfig) -> dict[str, Any]:
@@ -37,18 +46,24 @@ def sampling_fields(sampling: SamplingConfig) -> dict[str, Any]:
     return fields
 
 
-def completion_answer(rows: Sequence[Sequence[Any]], version: int) -> dict[str, Any]:
+def completion_answer(rows: Sequence[Sequence[Any]], version: int,
+                      prompt_lengths: Optional[Sequence[int]] = None) -> dict[str, Any]:
     """The per-token part of a ``/generate`` answer from an engine's rows.
 
     Args:
         rows: one per completion, ``(token ids, logprobs)`` or ``(token ids, logprobs, fields)`` where ``fields``
             maps names to per-token lists, ``"versions"`` among them; rows without fields come from an engine whose
-            weights cannot change during a call: their tokens carry ``version``.
+            weights cannot change during a call: their tokens carry ``version``. A field in :data:`PROMPT_FIELDS`
+            is aligned with the row's prompt.
         version: the server's weight version now.
+        prompt_lengths: each row's prompt length (the ids the engine ran), for the prompt-aligned fields.
 
     Raises:
-        ValueError: a field not aligned with its row's ids, or rows that name different fields.
+        ValueError: a field not aligned with its row's ids (or its prompt's), a prompt-aligned field without
+            ``prompt_lengths``, or rows that name different fields.
     """
+    if prompt_lengths is not None and len(prompt_lengths) != len(rows):
+        raise ValueError(f"{len(prompt_lengths)} prompt lengths for {len(rows)} completions")
     token_ids, logprobs, versions = [], [], []
     extra: dict[str, list[list[Any]]] = {}
     names = None
@@ -62,8 +77,7 @@ def completion_answer(rows: Sequence[Sequence[Any]], version: int) -> dict[str, 
             raise ValueError(f"completion {i} has per-token fields {sorted(fields)}, the first {names}: every "
                              "completion carries the same fields, 'versions' among them")
         for name, values in fields.items():
-            if len(values) != len(ids):
-                raise ValueError(f"completion {i}: {len(values)} {name} for {len(ids)} token ids")
+            _check_aligned(i, name, len(values), len(ids), None if prompt_lengths is None else prompt_lengths[i])
         token_ids.append([int(t) for t in ids])
         logprobs.append([float(x) for x in lps])
         versions.append([int(v) for v in fields.pop("versions")])
@@ -71,6 +85,22 @@ def completion_answer(rows: Sequence[Sequence[Any]], version: int) -> dict[str, 
             extra[name].append(list(values))
     oldest = min((v[0] for v in versions if v), default=int(version))
     return dict(token_ids=token_ids, logprobs=logprobs, versions=versions, extra=extra, version=oldest)
+
+
+def _check_aligned(row: int, name: str, count: int, num_ids: int, prompt_length: Optional[int]) -> None:
+    """``count`` values of field ``name`` of completion ``row`` are one per token id, or one per prompt token for a
+    field of :data:`PROMPT_FIELDS`.
+
+    Raises:
+        ValueError: they are not (or a prompt field's prompt length is unknown).
+    """
+    if name not in PROMPT_FIELDS:
+        if count != num_ids:
+            raise ValueError(f"completion {row}: {count} {name} for {num_ids} token ids")
+    elif prompt_length is None:
+        raise ValueError(f"completion {row} carries {name}, aligned with its prompt: give the prompt_lengths")
+    elif count != prompt_length:
+        raise ValueError(f"completion {row}: {count} {name} for a prompt of {prompt_length} token ids")
 
 
 def sampled_completions(answer: dict[str, Any], eos_token_ids: Sequence[int]) -> list[SampledCompletion]:

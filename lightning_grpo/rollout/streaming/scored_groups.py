@@ -56,12 +56,13 @@ class PromptItem:
 def _extra_field(name: str, spec: TokenField, completions: Sequence[SampledCompletion], prompt_len: int,
                  width: int) -> torch.Tensor:
     """One per-token field a streaming engine sent by name (``SampledCompletion.extra``), laid out like the ids it is
-    aligned with (``(G, P, ...)`` left-padded or ``(G, T, ...)`` right-padded, with the field's pad)."""
+    aligned with (``(G, P, ...)`` left-padded or ``(G, T, ...)`` right-padded, with the field's pad, in its declared
+    dtype)."""
     rows = []
     for c in completions:
         if name not in c.extra:
             raise ValueError(f"the streaming engine sent {name!r} for some completions of a group and not others")
-        rows.append(torch.as_tensor(c.extra[name]))
+        rows.append(torch.as_tensor(c.extra[name], dtype=spec.dtype))
     trailing = rows[0].shape[1:]
     pad = spec.pad_value(0)
     size = prompt_len if spec.layout is Layout.PROMPT else width

@@ -25,6 +25,7 @@ from lightning_grpo.protocols.rollout import RolloutOutput
 from lightning_grpo.protocols.sampling import SamplingConfig
 from lightning_grpo.protocols.streaming import GroupRequest, StreamingEngine
 from lightning_grpo.protocols.weights import PolicyWeights
+from lightning_grpo.rollout.adapter import declared_members
 from lightning_grpo.rollout.engine_registry import EngineSpec
 from lightning_grpo.rollout.streaming.event_loop import EngineLoop
 from lightning_grpo.rollout.streaming.scored_groups import group_rollout
@@ -88,11 +89,14 @@ class StreamingRolloutEngine:
     Attributes:
         streaming: the streaming engine.
         loop: the event loop it is driven from.
+        capabilities: per-request seeds, and the routed experts when the streaming engine declares
+            ``returns_routed_experts`` (a capability declared as a user engine declares one: the rollout servers' pool
+            under routing replay "R3"), its completions then carrying them among their ``extra`` fields.
     """
 
-    capabilities = EngineCapabilities(seeds_per_request=True)
-
     def __init__(self, engine: StreamingEngine, tokenizer: Any, pad_token_id: int) -> None:
+        routed = bool(declared_members(engine).get("returns_routed_experts", False))
+        self.capabilities = EngineCapabilities(seeds_per_request=True, returns_routed_experts=routed)
         self.streaming = engine
         self.tokenizer = tokenizer
         self._pad_token_id = int(pad_token_id)

@@ -46,8 +46,10 @@ class PicturesEngine:
         self.hf = HFRolloutEngine(loaded.policy, loaded.tokenizer, report_logprobs=True, vision=loaded.spec)
         self.max_model_len = 512
         self.received: list = []
+        self.routing = None  # records no routed experts (a dense model)
 
-    def generate_requests(self, requests, num_generations, sampling, seeds):
+    def generate_requests(self, requests, num_generations, sampling, seeds, routed_experts=False):
+        assert not routed_experts  # the server refuses return_routed_experts first (routing is None)
         rows, expanded = [], []
         for request in requests:
             pictures = request.get("multi_modal_data", {}).get("image", [])

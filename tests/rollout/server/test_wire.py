@@ -1,7 +1,8 @@
 """The ``/generate`` wire format and the server engine's segment bookkeeping, without vLLM: numbers worked by hand.
 
 * an answer carries ids, logprobs and versions per completion, and other per-token fields by name (``extra``), read
-  back into ``SampledCompletion`` records with their finish reason; malformed rows are errors naming the completion;
+  back into ``SampledCompletion`` records with their finish reason; RolloutOutput's prompt fields (the routed experts
+  of the prompt) are aligned with the prompt; malformed rows are errors naming the completion;
 * a resumed segment's seed is fresh and reproducible (the first segment keeps the request's own seed);
 * vLLM's weight-version spans become per-token versions, and spans that do not cover the tokens are errors.
 """
@@ -16,7 +17,7 @@ from lightning_grpo.protocols.sampling import SamplingConfig
 from lightning_grpo.protocols.streaming import GroupRequest
 from lightning_grpo.rollout.server.async_engine import segment_seed, versions_from_spans
 from lightning_grpo.rollout.server.server_pool import group_work
-from lightning_grpo.rollout.server.wire import completion_answer, sampled_completions, sampling_fields
+from lightning_grpo.rollout.server.wire import PROMPT_FIELDS, completion_answer, sampled_completions, sampling_fields
 
 
 def test_an_answer_carries_versions_and_extra_fields_per_token():
@@ -36,6 +37,29 @@ def test_rows_without_fields_carry_the_servers_version():
     answer = completion_answer([([1, 2], [-1.0, -2.0]), ([], [])], version=7)
     assert answer["versions"] == [[7, 7], []] and answer["extra"] == {} and answer["version"] == 7
     assert completion_answer([([], [])], version=2)["version"] == 2  # no token at all: the server's version
+
+
+def test_prompt_fields_are_aligned_with_the_prompt_and_the_others_with_the_ids():
+    """``prompt_routed_experts`` is one of RolloutOutput's prompt fields: one value per prompt token (3 and 2 here),
+    ``completion_routed_experts`` one per token id; both are carried by name, per completion."""
+    rows = [([5, 6], [-0.5, -1.0], {"versions": [1, 1], "prompt_routed_experts": [[[0]], [[1]], [[2]]],
+                                    "completion_routed_experts": [[[3]], [[-1]]]}),
+            ([7], [-2.0], {"versions": [1], "prompt_routed_experts": [[[4]], [[5]]],
+                           "completion_routed_experts": [[[-1]]]})]
+    answer = completion_answer(rows, version=1, prompt_lengths=[3, 2])
+    assert answer["extra"] == {"prompt_routed_experts": [[[[0]], [[1]], [[2]]], [[[4]], [[5]]]],
+                               "completion_routed_experts": [[[[3]], [[-1]]], [[[-1]]]]}
+    first, second = sampled_completions(answer, eos_token_ids=[2])
+    assert first.extra["prompt_routed_experts"] == [[[0]], [[1]], [[2]]] and second.extra["prompt_routed_experts"] \
+        == [[[4]], [[5]]]
+    assert "prompt_routed_experts" in PROMPT_FIELDS and "completion_routed_experts" not in PROMPT_FIELDS
+    with pytest.raises(ValueError, match="completion 1: 2 prompt_routed_experts for a prompt of 3 token ids"):
+        completion_answer(rows, version=1, prompt_lengths=[3, 3])
+    with pytest.raises(ValueError, match="completion 0 carries prompt_routed_experts, aligned with its prompt: give "
+                                         "the prompt_lengths"):
+        completion_answer(rows, version=1)
+    with pytest.raises(ValueError, match="1 prompt lengths for 2 completions"):
+        completion_answer(rows, version=1, prompt_lengths=[3])
 
 
 @pytest.mark.parametrize("rows, message", [

@@ -25,7 +25,9 @@ the worker through ``collective_rpc``):
   earlier request whose first ``s`` token ids are the same and that computed them: the request whose KV entries the
   hit reuses (up to which of two identical requests computed a block first). Records are kept until
   :func:`clear_routing` (called at every weight sync, with the prefix cache's reset), so a hit on an earlier call's
-  blocks (the next turn of an episode) is resolved too.
+  blocks (the next turn of an episode) is resolved too. A tag is read once (:meth:`RoutingCapturer.take`); with
+  ``keep_unread`` (the rollout server, whose completions cut by an in-flight update are read after it) the tagged
+  records not read yet survive the clear, their cache hits filled first, until they are read or released.
 
 A position that no step computed and no earlier request did either is an error (never a silent ``-1``); a
 completion's last token is never fed to the model and has no routing (the trainer's router chooses it, as with the
@@ -58,6 +60,7 @@ class _Record:
         self.first: Optional[int] = None  # the first position it computed itself
         self.end = 0  # one past the last position it computed
         self.resolved = False  # the positions before ``first`` filled from another record
+        self.error: Optional[str] = None  # why its cache hit could not be filled (found when a clear resolved it)
 
     def write(self, start: int, tokens: np.ndarray, rows: np.ndarray) -> None:
         stop = start + len(rows)
@@ -159,21 +162,31 @@ class RoutingCapturer:
     def take(self, tags: Sequence[str]) -> list[np.ndarray]:
         """The routed experts of the requests tagged ``tags``: for each, ``(positions, moe_layers, top_k)``
         :data:`ROWS_DTYPE` from position 0 to its last computed token (its prompt, then its completion but the last
-        token), the positions of a prefix-cache hit filled from the request that computed them.
+        token), the positions of a prefix-cache hit filled from the request that computed them. Each tag is read once
+        (a request stays a prefix-cache donor until :meth:`clear`).
 
         Raises:
-            KeyError: a tag that no request of this worker carried.
+            KeyError: a tag that no request of this worker carried, or one read or released already.
             RuntimeError: a prefix-cache hit that no recorded request computed.
         """
         out = []
         donors: dict[int, dict[bytes, _Record]] = {}  # by prefix length: the records that computed such a prefix
         for tag in tags:
-            record = self.by_tag.get(str(tag))
+            record = self.by_tag.pop(str(tag), None)
             if record is None:
-                raise KeyError(f"routing capture: no request tagged {tag!r} ran on this vLLM worker")
+                raise KeyError(f"routing capture: no request tagged {tag!r} ran on this vLLM worker (or it was read "
+                               "already)")
+            if record.error is not None:
+                raise RuntimeError(record.error)
             self._resolve(record, donors)
             out.append(record.rows[: record.end].copy())
         return out
+
+    def release(self, tags: Sequence[str]) -> None:
+        """Forget the tags whose routing is not wanted (a request aborted before it computed a token); tags that no
+        request carried are ignored."""
+        for tag in tags:
+            self.by_tag.pop(str(tag), None)
 
     def _resolve(self, record: _Record, donors: dict[int, dict[bytes, _Record]]) -> None:
         """Fill the positions before ``record.first`` from a request that computed them (module docstring)."""
@@ -197,10 +210,21 @@ class RoutingCapturer:
         record.rows[:start] = donor.rows[:start]
         record.resolved = True
 
-    def clear(self) -> None:
-        """Forget every record (when the prefix cache is reset: no later request can reuse their blocks)."""
+    def clear(self, keep_unread: bool = False) -> None:
+        """Forget every record (when the prefix cache is reset: no later request can reuse their blocks). With
+        ``keep_unread`` the tagged records not read yet are kept, readable by :meth:`take` (or dropped by
+        :meth:`release`), their prefix-cache hits filled now from the records that computed them (an unfillable one
+        raises when it is read); they are no longer donors."""
+        if keep_unread:
+            donors: dict[int, dict[bytes, _Record]] = {}
+            for record in self.by_tag.values():
+                try:
+                    self._resolve(record, donors)
+                except RuntimeError as err:
+                    record.error = str(err)
+        else:
+            self.by_tag.clear()
         self.records.clear()
-        self.by_tag.clear()
 
 
 #: Each worker's capturer (several engines may live in one process).
@@ -260,8 +284,18 @@ def take_routing(worker: Any, tags: Sequence[str]) -> list[np.ndarray]:
     return _CAPTURERS[worker].take(tags)
 
 
-def clear_routing(worker: Any) -> None:
+def release_routing(worker: Any, tags: Sequence[str]) -> None:
+    """:meth:`RoutingCapturer.release` of ``worker``'s capturer."""
+    _CAPTURERS[worker].release(tags)
+
+
+def clear_routing(worker: Any, keep_unread: bool = False) -> None:
     """:meth:`RoutingCapturer.clear` of ``worker``'s capturer, if it has one."""
     capturer = _CAPTURERS.get(worker)
     if capturer is not None:
-        capturer.clear()
+        capturer.clear(keep_unread)
+
+
+def worker_moe_layer_ids(worker: Any) -> list[int]:
+    """:func:`moe_layer_ids` of ``worker``'s model (vLLM's own routing record keeps those columns)."""
+    return moe_layer_ids(worker.model_runner.get_model())

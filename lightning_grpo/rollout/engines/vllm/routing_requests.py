@@ -24,6 +24,7 @@ from lightning_grpo.rollout.engines.vllm.routing_capture import (
     clear_routing,
     install_routing_capture,
     take_routing,
+    worker_moe_layer_ids,
 )
 
 #: ``collective_rpc(method, args=(), kwargs=None) -> one result per worker`` of a vLLM engine (``LLM``, ``AsyncLLM``).
@@ -85,10 +86,17 @@ class VLLMRouting:
         self._rpc(clear_routing)
 
 
-def _moe_layer_ids(worker: Any) -> list[int]:
-    from lightning_grpo.rollout.engines.vllm.routing_capture import moe_layer_ids
+def native_sequence(completion: Any, layer_ids: Sequence[int]) -> np.ndarray:
+    """A completion's routing by sequence position from vLLM's own record (``CompletionOutput.routed_experts``
+    ``(positions, num_hidden_layers, top_k)``): the MoE layers' columns, ``(positions, moe_layers, top_k)`` int16.
 
-    return moe_layer_ids(worker.model_runner.get_model())
+    Raises:
+        ValueError: the completion carries none (the engine was not started with the option).
+    """
+    routed = getattr(completion, "routed_experts", None)  # vLLM's CompletionOutput field
+    if routed is None:
+        raise ValueError("vLLM returned no routed_experts for a completion: the engine does not record routing")
+    return np.asarray(routed)[:, list(layer_ids), :].astype(np.int16)
 
 
 class NativeRouting:
@@ -103,7 +111,7 @@ class NativeRouting:
     """
 
     def __init__(self, collective_rpc: CollectiveRpc, top_k: int) -> None:
-        self.layer_ids = [int(i) for i in collective_rpc(_moe_layer_ids)[0]]
+        self.layer_ids = [int(i) for i in collective_rpc(worker_moe_layer_ids)[0]]
         self.moe_layers, self.top_k = len(self.layer_ids), int(top_k)
 
     def split(self, requests: Sequence[Any], params: Any, num_generations: int) -> tuple[list, Any, None]:
@@ -118,15 +126,8 @@ class NativeRouting:
         Raises:
             ValueError: a completion carries none (the engine was not started with the option).
         """
-        out = []
-        for completion, prompt in completions:
-            routed = getattr(completion, "routed_experts", None)  # vLLM's CompletionOutput field
-            if routed is None:
-                raise ValueError("vLLM returned no routed_experts for a completion: the engine does not record "
-                                 "routing")
-            sequence = np.asarray(routed)[:, self.layer_ids, :].astype(np.int16)
-            out.append(routing_fields(sequence, len(prompt), len(completion.token_ids)))
-        return out
+        return [routing_fields(native_sequence(completion, self.layer_ids), len(prompt), len(completion.token_ids))
+                for completion, prompt in completions]
 
     def clear(self) -> None:
         """Nothing to do: vLLM keeps its own record."""

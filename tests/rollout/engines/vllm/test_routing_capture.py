@@ -1,7 +1,9 @@
 """The worker-side routing recorder (:class:`lightning_grpo.rollout.engines.vllm.routing_capture.RoutingCapturer`) on
 hand-made engine steps: rows of a flattened step placed at each request's positions, prefix-cache hits filled from the
-request that computed them (across calls, through a chain of hits), and the errors. The recorder inside a real vLLM
-engine is tested against an HF forward in ``test_vllm_moe.py``.
+request that computed them (across calls, through a chain of hits), each tag read once, the unread records a rollout
+server's clear keeps (their hits filled before the donors go), and the errors. The recorder inside a real vLLM engine
+is tested against an HF forward in ``test_vllm_moe.py`` and in a rollout server in
+``tests/rollout/server/test_vllm_server_moe.py``.
 
 The stand-in model runner holds only what :meth:`RoutingCapturer.step` reads of vLLM's V1 model runner (the step's
 requests, their token ranges and start positions, their prompts and tags); its forward routes token ``x`` in layer
@@ -91,3 +93,45 @@ def test_routing_outside_an_engine_step_is_ignored():
     capturer = _capturer()
     capturer.capture(1, torch.zeros((4, 2), dtype=torch.long))
     assert (capturer.buffer == -1).all() and not capturer.records
+
+
+def test_a_tag_is_read_once_and_a_kept_record_survives_the_clear_with_its_cache_hit_filled():
+    """The rollout server's clear (``keep_unread``, at a weight update): "rb" (its first 4 tokens a cache hit on "ra")
+    and the released "rx" are unread; after the clear "rb" is still read whole, its hit filled from "ra" before "ra"
+    stopped being a donor, while a new request hitting "ra"'s tokens finds no donor; "rx" and a read tag are gone."""
+    capturer, runner = _capturer(), Runner()
+    a, b = [5, 6, 7, 8, 9, 10], [5, 6, 7, 8, 11]
+    runner.add("ra", a, "a")
+    runner.add("rb", b, "b")
+    runner.add("rx", [3, 4], "x")
+    runner.run(capturer, [("ra", 0, a), ("rb", 4, [11]), ("rx", 0, [3, 4])])
+    (routed_a,) = capturer.take(["a"])
+    assert np.array_equal(routed_a, _experts(a))
+    with pytest.raises(KeyError, match="no request tagged 'a' ran on this vLLM worker \\(or it was read already\\)"):
+        capturer.take(["a"])
+    capturer.release(["x", "never-seen"])
+    capturer.clear(keep_unread=True)
+    assert not capturer.records and list(capturer.by_tag) == ["b"]
+    (routed_b,) = capturer.take(["b"])
+    assert np.array_equal(routed_b, _experts(b))
+    runner.add("rc", a + [12], "c")  # a hit on "ra"'s blocks after the clear: nothing can have computed them
+    runner.run(capturer, [("rc", 6, [12])])
+    with pytest.raises(RuntimeError, match="request 'c' reused the KV cache of its first 6 tokens"):
+        capturer.take(["c"])
+    with pytest.raises(KeyError, match="no request tagged 'x'"):
+        capturer.take(["x"])
+
+
+def test_a_kept_record_whose_cache_hit_no_request_computed_fails_when_read():
+    capturer, runner = _capturer(), Runner()
+    runner.add("rd", [1, 2, 3, 4], "d")
+    runner.run(capturer, [("rd", 3, [4])])
+    capturer.clear(keep_unread=True)  # its hit cannot be filled: the clear goes on, the read names it
+    with pytest.raises(RuntimeError, match="request 'd' reused the KV cache of its first 3 tokens"):
+        capturer.take(["d"])
+    capturer.clear()  # the colocated engine's clear forgets the unread tags too
+    runner.add("re", [1, 2], "e")
+    runner.run(capturer, [("re", 0, [1, 2])])
+    capturer.clear()
+    with pytest.raises(KeyError, match="no request tagged 'e'"):
+        capturer.take(["e"])
