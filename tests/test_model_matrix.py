@@ -332,16 +332,17 @@ def test_vllm_samples_what_the_trainer_scores(tiny_architecture_paths, name):
 def _reload_warnings():
     """The messages vLLM's weight reload logs at WARNING while active."""
     from lightning_grpo.rollout.engines.vllm.runtime import RELOAD_LOGGER
+    from support.logs import emitting
 
     messages: list[str] = []
     handler = logging.Handler(logging.WARNING)
     handler.emit = lambda record: messages.append(record.getMessage())  # type: ignore[method-assign]
-    logger = logging.getLogger(RELOAD_LOGGER)
-    logger.addHandler(handler)
-    try:
-        yield messages
-    finally:
-        logger.removeHandler(handler)
+    with emitting(RELOAD_LOGGER, logging.WARNING) as logger:  # whatever an earlier file left the loggers at
+        logger.addHandler(handler)
+        try:
+            yield messages
+        finally:
+            logger.removeHandler(handler)
 
 
 # --------------------------------------------------------------------------------------------------- the docs
