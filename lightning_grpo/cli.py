@@ -256,6 +256,24 @@ def main(args: Optional[Sequence[str]] = None) -> None:
         save_config_kwargs={"overwrite": True},
         parser_kwargs={"description": DESCRIPTION, "formatter_class": _HelpFormatter},
     )
+    end_distributed()
+
+
+def end_distributed() -> bool:
+    """After a Lightning subcommand: destroy the default process group (and every group made from it) when one is
+    initialized and no in-process vLLM engine still samples with it (``process_groups.live_engines``: the CLI's
+    ``after_*`` hooks close the engines the module made). Left to the interpreter's teardown, a rank of a torchrun
+    launch was seen to abort at exit ("terminate called without an active exception", SIGABRT) after a finished fit:
+    its launcher then reports a failed run and the other nodes wait out torchelastic's 300 s exit barrier. Returns
+    whether it destroyed the group."""
+    import torch.distributed as dist
+
+    from lightning_grpo.rollout.engines.vllm.process_groups import live_engines
+
+    if not (dist.is_available() and dist.is_initialized()) or live_engines() > 0:
+        return False
+    dist.destroy_process_group()
+    return True
 
 
 if __name__ == "__main__":

@@ -197,3 +197,28 @@ def test_an_optimizer_that_misses_or_outlives_the_trained_parameters_is_refused(
                             enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path))
         with pytest.raises(ValueError, match=message):
             trainer.fit(module, datamodule=data)
+
+
+def test_the_cli_destroys_the_default_process_group_it_ends_with_unless_an_engine_still_uses_it(tmp_path):
+    """``end_distributed`` after a subcommand: an initialized default group is destroyed (True); none: nothing to do
+    (False); while an in-process vLLM engine is counted live (``GroupLease.built``), the group is kept (False)."""
+    import torch.distributed as dist
+
+    from lightning_grpo.cli import end_distributed
+    from lightning_grpo.rollout.engines.vllm.process_groups import GroupLease, live_engines
+
+    assert not dist.is_initialized()
+    assert end_distributed() is False
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        lease = GroupLease()
+        lease.built()
+        assert live_engines() == 1
+        assert end_distributed() is False and dist.is_initialized()
+        with lease.guard():  # the engine's shutdown: the group is the caller's, so it stays
+            pass
+        assert live_engines() == 0 and dist.is_initialized()
+        assert end_distributed() is True and not dist.is_initialized()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
