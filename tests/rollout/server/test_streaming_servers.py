@@ -36,6 +36,7 @@ from lightning_grpo.protocols.sampling import SamplingConfig  # noqa: E402
 from lightning_grpo.protocols.streaming import EngineUnavailable, GroupRequest  # noqa: E402
 from lightning_grpo.rollout.engines.probe import probe_sequences  # noqa: E402
 from lightning_grpo.rollout.server.server_pool import ServerPool  # noqa: E402
+from lightning_grpo.rollout.streaming.event_loop import EngineLoop  # noqa: E402
 from lightning_grpo.strategies.module_weights import ModuleWeights  # noqa: E402
 from support.dist import free_port  # noqa: E402
 from support.server_pair import SECRET  # noqa: E402
@@ -55,20 +56,6 @@ def tokenizer(tiny_llama_path):
     return AutoTokenizer.from_pretrained(tiny_llama_path)
 
 
-class Loop:
-    """An event loop on a thread of its own: the producer's, where the pool's groups are awaited."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-
-    def submit(self, coro):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop)
-
-    def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
 
 
 def _pool(servers) -> ServerPool:
@@ -157,7 +144,7 @@ def test_an_update_in_flight_splits_completions_into_segments_of_their_versions(
                                                                                tiny_llama_path):
     old = AutoModelForCausalLM.from_pretrained(tiny_llama_path, dtype=torch.float32)
     new = _far_weights(tiny_llama_path)
-    pool, loop = _pool(servers), Loop()
+    pool, loop = _pool(servers), EngineLoop()
     try:
         first = pool.update_weights(ModuleWeights(old), 1)
         assert first.version == 1 and first.engines == 2 and pool.version == 1
@@ -194,7 +181,7 @@ def test_an_update_in_flight_splits_completions_into_segments_of_their_versions(
         loop.close()
 
 
-def _sample_all(pool: ServerPool, loop: Loop, requests: list[GroupRequest]) -> dict:
+def _sample_all(pool: ServerPool, loop: EngineLoop, requests: list[GroupRequest]) -> dict:
     """The producer's part: every group sampled, each one that raised ``EngineUnavailable`` sampled again."""
     done: dict = {}
 
@@ -216,7 +203,7 @@ def _sample_all(pool: ServerPool, loop: Loop, requests: list[GroupRequest]) -> d
 def test_two_servers_balance_work_and_survive_a_killed_one(servers, tokenizer, tiny_llama_path):
     a, b = servers
     model = AutoModelForCausalLM.from_pretrained(tiny_llama_path, dtype=torch.float32)
-    pool, loop = _pool(servers), Loop()
+    pool, loop = _pool(servers), EngineLoop()
     try:
         pool.update_weights(ModuleWeights(model), 3)
         # balance: works G x (prompt + 8) = 2 x (10 + 8), 2 x (30 + 8), 2 x (5 + 8), 2 x (5 + 8) = 36, 76, 26, 26:

@@ -18,8 +18,6 @@ One server for the module (vLLM's start is most of its time); each test makes it
 
 from __future__ import annotations
 
-import asyncio
-import threading
 import time
 
 import pytest
@@ -37,6 +35,7 @@ from lightning_grpo.protocols.sampling import SamplingConfig  # noqa: E402
 from lightning_grpo.protocols.streaming import GroupRequest  # noqa: E402
 from lightning_grpo.rollout.server.remote import VLLMServerEngine  # noqa: E402
 from lightning_grpo.rollout.server.server_pool import ServerPool  # noqa: E402
+from lightning_grpo.rollout.streaming.event_loop import EngineLoop  # noqa: E402
 from lightning_grpo.rollout.streaming.scored_groups import group_rollout  # noqa: E402
 from lightning_grpo.strategies.module_weights import ModuleWeights  # noqa: E402
 from support.algorithm import Recorder, quiet_trainer, write_prompts  # noqa: E402
@@ -138,20 +137,6 @@ def _hf_routing(model, sequence: list[int]) -> tuple[torch.Tensor, float]:
     return torch.stack(experts, dim=1).long().sort(-1).values, float(torch.stack(margins).min())
 
 
-class Loop:
-    """An event loop on a thread of its own (the streaming producer's), where the pool's groups are awaited."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-
-    def submit(self, coro):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop)
-
-    def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
 
 
 def test_a_completion_cut_by_an_in_flight_update_keeps_each_tokens_experts_from_the_segment_that_first_fed_it(
@@ -166,7 +151,8 @@ def test_a_completion_cut_by_an_in_flight_update_keeps_each_tokens_experts_from_
     the ids."""
     old, new = _far_weights(tiny_qwen3_moe_path, 2), _far_weights(tiny_qwen3_moe_path, 1)
     tokenizer = AutoTokenizer.from_pretrained(tiny_qwen3_moe_path)
-    pool, loop = ServerPool([moe_server.url], timeout_s=120.0, group_port=free_port(), record_routing=True), Loop()
+    pool = ServerPool([moe_server.url], timeout_s=120.0, group_port=free_port(), record_routing=True)
+    loop = EngineLoop()
     try:
         assert pool.returns_routed_experts
         pool.update_weights(ModuleWeights(old), 1)
