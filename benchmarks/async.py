@@ -44,7 +44,6 @@ import csv
 import json
 import os
 import platform
-import socket
 import subprocess
 import sys
 import time
@@ -74,12 +73,6 @@ TOY = {"model": "tiny", "steps": 3, "rounds": 1, "prompts": 2, "generations": 2,
 TARGETS = {"streaming_over_sync": 2.0, "streaming_over_fixed1": 1.25, "trainer_idle_max": 0.15}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _env() -> dict:
     return {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
             "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
@@ -107,27 +100,6 @@ def tree_cpu_seconds(pid: int) -> float:
         total += times.get(p, 0.0)
         todo.extend(c for c, parent in parents.items() if parent == p)
     return total
-
-
-def start_server(model: str, core: int, port: int, log: Path, max_model_len: int) -> subprocess.Popen:
-    """``lightning-grpo serve`` pinned to ``core``; returns once ``/health`` answers."""
-    from lightning_grpo.rollout.server.client import RolloutServerError, ServerClient
-
-    command = ["taskset", "-c", str(core), sys.executable, "-m", "lightning_grpo.cli", "serve", "--model", model,
-               "--host", "127.0.0.1", "--port", str(port), "--kv-cache-space-gib", "2", "--max-model-len",
-               str(max_model_len)]
-    proc = subprocess.Popen(command, env=_env(), stdout=open(log, "a"), stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the rollout server exited with {proc.returncode}; see {log}")
-        try:
-            ServerClient(f"http://127.0.0.1:{port}", 2).request("GET", "/health", idempotent=False)
-            return proc
-        except RolloutServerError:
-            time.sleep(1)
-    proc.kill()
-    raise RuntimeError(f"the rollout server did not start within 600 s; see {log}")
 
 
 def wait_idle(url: str, quiet_s: float = 2.0, timeout_s: float = 900.0) -> float:
@@ -332,14 +304,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str]) -> dict:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from _harness import resolve_model
+    from _harness import free_port, resolve_model, start_server
 
     args = parse_args(argv)
     root = Path(args.root)
     root.mkdir(parents=True, exist_ok=True)
-    model, port = resolve_model(args.model, str(root)), _free_port()
-    server = start_server(model, args.server_core, port, root / "server.log", max_model_len=1024)
-    url, runs = f"http://127.0.0.1:{port}", []
+    model = resolve_model(args.model, str(root))
+    server, url = start_server(model, str(args.server_core), 1, 2.0, 1024, str(root / "server.log"))
+    runs: list[dict] = []
     try:
         for r in range(args.rounds):
             for workload in args.workloads:
@@ -348,7 +320,7 @@ def main(argv: list[str]) -> dict:
                     if args.toy_max_new_tokens:
                         settings["max_new_tokens"] = args.toy_max_new_tokens
                     waited = wait_idle(url)
-                    spec = dict(model=model, url=url, group_port=_free_port(), server_pid=server.pid,
+                    spec = dict(model=model, url=url, group_port=free_port(), server_pid=server.pid,
                                 workload=workload, mode=mode, **MODES[mode], **settings, steps=args.steps,
                                 prompts=args.prompts, generations=args.generations, val_size=args.val_size,
                                 out=str(root / f"round{r}_{workload}_{mode}"))
