@@ -47,6 +47,9 @@ from typing import Any, Awaitable, Optional, Sequence, TypeVar
 from lightning_grpo.protocols.sampling import SamplingConfig
 from lightning_grpo.protocols.vision import vision_spec
 from lightning_grpo.rollout.engines.vllm.colocated import (
+    probe_sampling_params,
+    probe_sequences,
+    prompt_token_logprobs,
     stop_and_pad_ids,
     vllm_engine_arguments,
     vllm_sampling_params,
@@ -337,28 +340,21 @@ class AsyncVLLMEngine:
         Raises:
             ValueError: a sequence shorter than 2 tokens or longer than ``max_model_len - 1``.
         """
-        seqs = [[int(t) for t in s] for s in sequences]
-        for i, s in enumerate(seqs):
-            if not 2 <= len(s) < self.max_model_len:
-                raise ValueError(f"sequences[{i}] has {len(s)} tokens: need 2 .. max_model_len - 1 "
-                                 f"= {self.max_model_len - 1}")
-        return self._call(self._score(seqs))
+        return self._call(self._score(probe_sequences(sequences, self.max_model_len)))
 
     async def _score(self, sequences: list[list[int]]) -> list[list[float]]:
-        from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
         async def one(sequence: list[int]) -> list[float]:
             while True:  # an "interrupt" update aborts it: scored again under the new weights
                 await self._resumed.wait()
                 epoch, final = self._updates, None
-                params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
-                async for out in self.llm.generate(TokensPrompt(prompt_token_ids=sequence), params, uuid.uuid4().hex):
+                async for out in self.llm.generate(TokensPrompt(prompt_token_ids=sequence), probe_sampling_params(),
+                                                   uuid.uuid4().hex):
                     final = out
                 assert final is not None
                 if final.outputs[0].finish_reason != "abort":
-                    return [float(final.prompt_logprobs[pos][tok].logprob) for pos, tok in enumerate(sequence)
-                            if pos > 0]
+                    return prompt_token_logprobs(final, sequence)
                 if self._updates == epoch:
                     raise RuntimeError("vLLM aborted a probe request with no weight update under way")
 

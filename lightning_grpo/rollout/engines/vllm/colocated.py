@@ -305,18 +305,12 @@ class VLLMRolloutEngine:
         Raises:
             ValueError: a sequence shorter than 2 tokens or longer than ``max_model_len - 1``.
         """
-        from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        seqs = [[int(t) for t in s] for s in sequences]
-        for i, s in enumerate(seqs):
-            if not 2 <= len(s) < self.max_model_len:
-                raise ValueError(f"sequences[{i}] has {len(s)} tokens: need 2 .. max_model_len - 1 "
-                                 f"= {self.max_model_len - 1}")
-        params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
-        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=s) for s in seqs], params, use_tqdm=False)
-        return [[float(out.prompt_logprobs[pos][tok].logprob) for pos, tok in enumerate(s) if pos > 0]
-                for s, out in zip(seqs, outputs, strict=True)]
+        seqs = probe_sequences(sequences, self.max_model_len)
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=s) for s in seqs], probe_sampling_params(),
+                                    use_tqdm=False)
+        return [prompt_token_logprobs(out, s) for s, out in zip(seqs, outputs, strict=True)]
 
     # ------------------------------------------------------------------ weights and memory
     @torch.no_grad()
@@ -397,6 +391,32 @@ class VLLMRolloutEngine:
             gc.collect()
             if self.on_cpu:
                 torch.set_num_threads = _TORCH_SET_NUM_THREADS
+
+
+def probe_sequences(sequences: Sequence[Sequence[int]], max_model_len: int) -> list[list[int]]:
+    """The token ids of sequences to score teacher-forced, as ``int`` lists.
+
+    Raises:
+        ValueError: a sequence shorter than 2 tokens or longer than ``max_model_len - 1`` (named by its index).
+    """
+    seqs = [[int(t) for t in s] for s in sequences]
+    for i, s in enumerate(seqs):
+        if not 2 <= len(s) < max_model_len:
+            raise ValueError(f"sequences[{i}] has {len(s)} tokens: need 2 .. max_model_len - 1 = {max_model_len - 1}")
+    return seqs
+
+
+def probe_sampling_params() -> Any:
+    """vLLM's ``SamplingParams`` of a teacher-forced scoring request: one greedy token, each prompt token's logprob."""
+    from vllm import SamplingParams
+
+    return SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
+
+
+def prompt_token_logprobs(output: Any, sequence: Sequence[int]) -> list[float]:
+    """``L - 1`` logprobs of a scoring request's ``output`` (vLLM's ``RequestOutput``): each token of ``sequence``
+    after the first, given the tokens before it."""
+    return [float(output.prompt_logprobs[pos][tok].logprob) for pos, tok in enumerate(sequence) if pos > 0]
 
 
 def stop_and_pad_ids(path: Path, tokenizer: Any) -> tuple[list[int], int]:
