@@ -1,6 +1,6 @@
 """bf16 on the arithmetic recipe: does it learn as float32 does, and which rollout correction does its mismatch need?
 
-    python benchmarks/learning_bf16.py            # bf16-mixed without a correction, with TIS, with IcePop (~1.5 h)
+    python benchmarks/learning_bf16.py            # bf16-mixed without a correction, with TIS, with IcePop (~22 min)
     python benchmarks/learning_bf16.py --variants bf16-mixed:none --max-steps 10   # one variant, shorter
 
 Runs :mod:`benchmarks.learning` (the recorded arithmetic run: 30 steps, 100 held-out questions, seed 42) once per
