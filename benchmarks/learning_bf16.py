@@ -13,7 +13,10 @@ accuracy (greedy, pass@1) and its difference to float32 (issue 44: within 3 poin
 mismatch each run measured (``sampling/mismatch_ratio/*``, ``sampling/sampling_logp_difference/*``, the fraction each
 correction dropped) and the wall time; and the recommendation: among the variants within 3 points of float32, the one
 with the highest held-out greedy accuracy (the fewest tokens dropped on a tie), else none. Other options
-(``--max-steps``, ``--val-size``, ``--engine``, ``--model``, ``--results DIR`` for a trial ...) go to every run.
+(``--max-steps``, ``--val-size``, ``--engine``, ``--model``, ``--results DIR`` for a trial ...) go to every run;
+``--results`` moves the JSON and plots only: each run's logs, checkpoints and exported model still go to
+``outputs/learning_benchmark`` (about 2 GB; git-ignored). A trial with fewer steps or questions is compared with the
+30-step record all the same, so its ``within_3_points`` and recommendation say nothing.
 
 The variants run one after another on the same machine: run it alone on the machine; the float32 record was measured
 on its own commit (its ``code``), which the JSON names beside this run's.
@@ -79,7 +82,8 @@ def main(argv: list[str]) -> dict[str, Any]:
         summary = learning.run([*argv, "--precision", precision, "--correction", correction, "--name", name])
         rows[f"{precision}:{correction}"] = row(summary)
     result = {"variants": rows, "recommendation": recommend(rows), "record": "learning_arithmetic.json",
-              "command": "python benchmarks/learning_bf16.py " + " ".join(argv)}
+              "command": " ".join(["python benchmarks/learning_bf16.py",
+                                   *(["--variants", chosen] if chosen != DEFAULT_VARIANTS else []), *argv])}
     out = Path(learning._option(argv, "--results", str(learning.RESULTS))[0]) / "learning_bf16.json"
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps({k: {"accuracy": v["heldout_accuracy"], "within_3_points": v["within_3_points"],

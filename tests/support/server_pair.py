@@ -41,6 +41,8 @@ class ServerPair:
         for server in self.servers:
             if server.proc is None or server.proc.poll() is not None:
                 server.start()
+            else:
+                server.thaw()  # a test interrupted while it had frozen one (SIGSTOP) must not leave it frozen
         return self.servers
 
     def close(self) -> None:

@@ -3,8 +3,8 @@
 
     forked.start("support.streaming_worker:main", model, out, data, urls_json, secret_file, frozen_pid, log=...)
 
-:func:`streaming_config` and :func:`prompt_data` are the settings of the test file's runs too; here G = 2, 160 new
-tokens, 4 groups in flight, 6 held. After each optimizer step the step's prompt keys are appended to
+:func:`streaming_config` and :func:`prompt_data` make the test file's runs too (each with its own limits); this run:
+G = 2, 160 new tokens, 4 groups in flight, 6 held. After each optimizer step the step's prompt keys are appended to
 ``<out>/trained.jsonl``.
 
 The gate, on the servers rather than on their speed (:class:`HoldForSigterm`): when a step from the second on starts
