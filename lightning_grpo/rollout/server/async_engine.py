@@ -47,9 +47,9 @@ from typing import Any, Awaitable, Optional, Sequence, TypeVar
 from lightning_grpo.protocols.sampling import SamplingConfig
 from lightning_grpo.protocols.vision import vision_spec
 from lightning_grpo.rollout.engines.vllm.colocated import (
-    probe_sampling_params,
-    probe_sequences,
     prompt_token_logprobs,
+    scoring_sampling_params,
+    scoring_token_ids,
     stop_and_pad_ids,
     vllm_engine_arguments,
     vllm_sampling_params,
@@ -340,7 +340,7 @@ class AsyncVLLMEngine:
         Raises:
             ValueError: a sequence shorter than 2 tokens or longer than ``max_model_len - 1``.
         """
-        return self._call(self._score(probe_sequences(sequences, self.max_model_len)))
+        return self._call(self._score(scoring_token_ids(sequences, self.max_model_len)))
 
     async def _score(self, sequences: list[list[int]]) -> list[list[float]]:
         from vllm.inputs import TokensPrompt
@@ -349,8 +349,8 @@ class AsyncVLLMEngine:
             while True:  # an "interrupt" update aborts it: scored again under the new weights
                 await self._resumed.wait()
                 epoch, final = self._updates, None
-                async for out in self.llm.generate(TokensPrompt(prompt_token_ids=sequence), probe_sampling_params(),
-                                                   uuid.uuid4().hex):
+                request = TokensPrompt(prompt_token_ids=sequence)
+                async for out in self.llm.generate(request, scoring_sampling_params(), uuid.uuid4().hex):
                     final = out
                 assert final is not None
                 if final.outputs[0].finish_reason != "abort":

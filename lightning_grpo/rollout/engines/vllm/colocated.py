@@ -307,8 +307,8 @@ class VLLMRolloutEngine:
         """
         from vllm.inputs import TokensPrompt
 
-        seqs = probe_sequences(sequences, self.max_model_len)
-        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=s) for s in seqs], probe_sampling_params(),
+        seqs = scoring_token_ids(sequences, self.max_model_len)
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=s) for s in seqs], scoring_sampling_params(),
                                     use_tqdm=False)
         return [prompt_token_logprobs(out, s) for s, out in zip(seqs, outputs, strict=True)]
 
@@ -393,8 +393,9 @@ class VLLMRolloutEngine:
                 torch.set_num_threads = _TORCH_SET_NUM_THREADS
 
 
-def probe_sequences(sequences: Sequence[Sequence[int]], max_model_len: int) -> list[list[int]]:
-    """The token ids of sequences to score teacher-forced, as ``int`` lists.
+def scoring_token_ids(sequences: Sequence[Sequence[int]], max_model_len: int) -> list[list[int]]:
+    """The token ids of sequences to score teacher-forced, as ``int`` lists (not
+    :func:`lightning_grpo.rollout.engines.probe.probe_sequences`, the post-sync check's fixed sequences).
 
     Raises:
         ValueError: a sequence shorter than 2 tokens or longer than ``max_model_len - 1`` (named by its index).
@@ -406,7 +407,7 @@ def probe_sequences(sequences: Sequence[Sequence[int]], max_model_len: int) -> l
     return seqs
 
 
-def probe_sampling_params() -> Any:
+def scoring_sampling_params() -> Any:
     """vLLM's ``SamplingParams`` of a teacher-forced scoring request: one greedy token, each prompt token's logprob."""
     from vllm import SamplingParams
 
