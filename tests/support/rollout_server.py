@@ -63,15 +63,9 @@ class Server:
         self.proc.send_signal(signal.SIGKILL)
         self.proc.wait(30)
 
-    def freeze(self) -> None:
-        """SIGSTOP the server's process: a request it holds stays unanswered (in flight, from its client's side) until
-        :meth:`thaw` or :meth:`kill`; whatever its engine generates meanwhile is not sent. The tests' gate for "a group
-        is in flight now", which no race with the engine's speed can undo."""
-        assert self.proc is not None and self.proc.poll() is None
-        self.proc.send_signal(signal.SIGSTOP)
-
     def thaw(self) -> None:
-        """SIGCONT after :meth:`freeze` (a no-op on a running or ended server)."""
+        """SIGCONT, after a test froze the server (SIGSTOP: ``support.streaming_worker.holds_frozen_group``); a no-op
+        on a running or ended server."""
         if self.proc is not None and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGCONT)
 

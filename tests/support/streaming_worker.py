@@ -58,10 +58,26 @@ def prompt_data(path: str) -> PromptDataModule:
                             seed=3)
 
 
+def pool_server(module, url: str):
+    """The streaming pool's entry for the server at ``url`` (its ``in_flight`` count of groups sent, unanswered)."""
+    (server,) = [s for s in module.streaming_engine.servers if s.url == url]
+    return server
+
+
+def holds_frozen_group(pid: int, held) -> bool:
+    """Freeze the server process ``pid`` (SIGSTOP) and say whether a group the pool sent it is still unanswered half a
+    second later (``held``: its :func:`pool_server` entry; an answer already on its way has arrived by then). A frozen
+    server cannot answer, so that group stays in flight for as long as it is frozen, whatever the servers' speed. The
+    caller thaws (SIGCONT) or kills it."""
+    os.kill(pid, signal.SIGSTOP)
+    time.sleep(0.5)
+    return held.in_flight > 0
+
+
 class HoldForSigterm(GRPOCallback):
     """The gate of the module docstring. When a step from the second on starts, freeze the server of ``frozen_pid``
-    (SIGSTOP) and wait half a second (an answer already on its way arrives): armed when it still holds a group and
-    the stream holds a finished group or one in flight elsewhere, else thawed, to try again at the next step (whether
+    (:func:`holds_frozen_group`): armed when it still holds a group and the stream holds a finished group or one in
+    flight elsewhere, else thawed, to try again at the next step (whether
     a group is in flight there when a step starts depends on the stream's draws). After an armed step, once a
     finished group is held, if the frozen server still holds its group: write ``groups_held``, SIGTERM; else thaw and
     try again."""
@@ -70,10 +86,6 @@ class HoldForSigterm(GRPOCallback):
         self.out, self.frozen_url, self.frozen_pid = out, frozen_url, frozen_pid
         self.keys: list[list[int]] = []
         self.armed = False
-
-    def _frozen(self, module):
-        (server,) = [s for s in module.streaming_engine.servers if s.url == self.frozen_url]
-        return server
 
     def _state(self, module) -> tuple[list[int], list[int]]:
         buffer = module.rollout_stream.buffer
@@ -88,11 +100,10 @@ class HoldForSigterm(GRPOCallback):
             return
         if trainer.global_step >= LAST_TRY:
             raise AssertionError(f"no step before {LAST_TRY} started with a group on the frozen server")
-        os.kill(self.frozen_pid, signal.SIGSTOP)
-        time.sleep(0.5)
-        frozen = self._frozen(module)
+        frozen = pool_server(module, self.frozen_url)
+        holds = holds_frozen_group(self.frozen_pid, frozen)
         ready, in_flight = self._state(module)
-        self.armed = frozen.in_flight > 0 and (bool(ready) or len(in_flight) > frozen.in_flight)
+        self.armed = holds and (bool(ready) or len(in_flight) > frozen.in_flight)
         if not self.armed:
             os.kill(self.frozen_pid, signal.SIGCONT)
 
@@ -109,7 +120,7 @@ class HoldForSigterm(GRPOCallback):
             if time.monotonic() > deadline:
                 raise AssertionError(f"the stream held no finished group within 120 s: {state}")
             time.sleep(0.01)
-        if self._frozen(module).in_flight == 0:
+        if pool_server(module, self.frozen_url).in_flight == 0:
             os.kill(self.frozen_pid, signal.SIGCONT)
             return
         ready, in_flight = state

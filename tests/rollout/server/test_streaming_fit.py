@@ -18,7 +18,8 @@ the pool made by ``make_pool``) through a plain ``L.Trainer`` on the two real ro
 Timing is fixed by gates, not sleeps: before each optimizer step the test waits until the servers are generating the
 groups in flight (their token counters move), so the weight update that follows lands inside sequences. Where a group
 must still be in flight at a given moment (the kill, the SIGTERM), the server holding it is frozen first (SIGSTOP,
-``Server.freeze``): the group cannot finish, however fast the server samples against the trainer.
+``support.streaming_worker.holds_frozen_group``): the group cannot finish, however fast the server samples against
+the trainer.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from support import forked
 from support.checkpoint_generation import trainer_logprobs
 from support.fixtures import alternating_reward, make_cpu_trainer, read_metrics_rows
 from support.server_pair import SECRET
-from support.streaming_worker import ATOL, prompt_data, streaming_config
+from support.streaming_worker import ATOL, holds_frozen_group, pool_server, prompt_data, streaming_config
 
 pytestmark = [pytest.mark.distributed, pytest.mark.engine]  # rollout servers (and a trainer) in subprocesses
 G = 2
@@ -133,16 +134,6 @@ class InFlightAtUpdate(L.Callback):
         _wait_sampling_now(module, self.servers, f"before optimizer step {trainer.global_step}")
 
 
-def holds_frozen_group(server, held) -> bool:
-    """Freeze ``server`` (SIGSTOP) and say whether a group the pool sent it is still unanswered half a second later
-    (``held``: the pool's entry for it; an answer already on its way has arrived by then). A frozen server cannot
-    answer, so that group stays in flight for as long as it is frozen, whatever the servers' speed. The caller thaws
-    or kills it."""
-    server.freeze()
-    time.sleep(0.5)
-    return held.in_flight > 0
-
-
 class KillAndRestart(L.Callback):
     """When an optimizer step in ``steps`` starts (its groups taken; the weights of the step before on both servers):
     freeze ``victim``; if it holds a group (:func:`holds_frozen_group`), SIGKILL it with that group in flight and start
@@ -159,8 +150,8 @@ class KillAndRestart(L.Callback):
     def on_train_batch_start(self, trainer, module, batch, batch_idx):
         if self.step is not None or trainer.global_step not in self.steps or not batch.step_start:
             return
-        (held,) = [s for s in module.streaming_engine.servers if s.url == self.victim.url]
-        if not holds_frozen_group(self.victim, held):
+        held = pool_server(module, self.victim.url)
+        if not holds_frozen_group(self.victim.proc.pid, held):
             self.victim.thaw()
             assert trainer.global_step < self.steps[-1], f"no step in {self.steps} started with a group on the server"
             return

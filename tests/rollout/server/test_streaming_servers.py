@@ -56,8 +56,6 @@ def tokenizer(tiny_llama_path):
     return AutoTokenizer.from_pretrained(tiny_llama_path)
 
 
-
-
 def _pool(servers) -> ServerPool:
     return ServerPool([s.url for s in servers], timeout_s=120.0, group_port=free_port(), secret=SECRET)
 

@@ -137,8 +137,6 @@ def _hf_routing(model, sequence: list[int]) -> tuple[torch.Tensor, float]:
     return torch.stack(experts, dim=1).long().sort(-1).values, float(torch.stack(margins).min())
 
 
-
-
 def test_a_completion_cut_by_an_in_flight_update_keeps_each_tokens_experts_from_the_segment_that_first_fed_it(
         moe_server, tiny_qwen3_moe_path):
     """A group of 2 completions of 400 tokens (EOS banned) sampled under version 1 (far weights, seed 2); after 20
